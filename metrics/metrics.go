@@ -1,0 +1,127 @@
+// Package metrics defines the Prometheus collectors of the outbox (DESIGN §7).
+// Labels are low-cardinality only: table, topic and result; never tenant_id,
+// event_id or sequence.
+//
+// Create one Metrics per registry with New and pass it to the publisher,
+// subscriber, cleaner and router configurations. A nil *Metrics is valid and
+// records nothing.
+package metrics
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Results of a dispatch, the values of the result label.
+const (
+	ResultSuccess = "success"
+	ResultFailure = "failure"
+)
+
+// Metrics holds the outbox collectors.
+type Metrics struct {
+	EnqueueTotal      *prometheus.CounterVec   // outbox_enqueue_total{table,topic}
+	DispatchTotal     *prometheus.CounterVec   // outbox_dispatch_total{table,topic,result}
+	DeadTotal         *prometheus.CounterVec   // outbox_dead_total{table,topic}
+	DispatchLatency   *prometheus.HistogramVec // outbox_dispatch_latency_seconds{table,topic,result}
+	Pending           *prometheus.GaugeVec     // outbox_pending{table}
+	Locked            *prometheus.GaugeVec     // outbox_locked{table}
+	RelayLeader       *prometheus.GaugeVec     // outbox_relay_leader{table}
+	OldestPendingAge  *prometheus.GaugeVec     // outbox_oldest_pending_age_seconds{table}
+	DeliveryLag       *prometheus.HistogramVec // outbox_delivery_lag_seconds{table}
+	CleanerDeleted    *prometheus.CounterVec   // outbox_cleaner_deleted_total{table,kind}
+	LeaseExtended     *prometheus.CounterVec   // outbox_lease_extended_total{table}
+	FenceRejected     *prometheus.CounterVec   // outbox_fence_rejected_total{table,op}
+}
+
+// Names of the exported metrics, for alert rules and dashboards.
+var Names = []string{
+	"outbox_enqueue_total",
+	"outbox_dispatch_total",
+	"outbox_dead_total",
+	"outbox_dispatch_latency_seconds",
+	"outbox_pending",
+	"outbox_locked",
+	"outbox_relay_leader",
+	"outbox_oldest_pending_age_seconds",
+	"outbox_delivery_lag_seconds",
+	"outbox_cleaner_deleted_total",
+	"outbox_lease_extended_total",
+	"outbox_fence_rejected_total",
+}
+
+// New creates the collectors and registers them on reg. A nil reg creates
+// unregistered collectors (useful in tests). Registering twice on the same
+// registry returns the error from the registry.
+func New(reg prometheus.Registerer) (*Metrics, error) {
+	latencyBuckets := []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30}
+	m := &Metrics{
+		EnqueueTotal: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_enqueue_total", Help: "Events written into an outbox table (idempotent re-enqueues excluded).",
+		}, []string{"table", "topic"}),
+		DispatchTotal: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_dispatch_total", Help: "Outbox messages handled by the relay, by result (success = acked, failure = nacked).",
+		}, []string{"table", "topic", "result"}),
+		DeadTotal: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_dead_total", Help: "Outbox rows that entered the dead state (counted once, at first entry).",
+		}, []string{"table", "topic"}),
+		DispatchLatency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "outbox_dispatch_latency_seconds", Help: "Time from delivery of an outbox message to its ack or nack.",
+			Buckets: latencyBuckets,
+		}, []string{"table", "topic", "result"}),
+		Pending: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_pending", Help: "Rows not yet published (published_at IS NULL), dead rows included.",
+		}, []string{"table"}),
+		Locked: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_locked", Help: "Unpublished rows currently leased by a relay.",
+		}, []string{"table"}),
+		RelayLeader: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_relay_leader", Help: "1 when this process holds the table's single-active relay lock, else 0.",
+		}, []string{"table"}),
+		OldestPendingAge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_oldest_pending_age_seconds", Help: "Age of the oldest unpublished, not dead row.",
+		}, []string{"table"}),
+		DeliveryLag: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "outbox_delivery_lag_seconds", Help: "Time from created_at of a row to its ack (published_at).",
+			Buckets: latencyBuckets,
+		}, []string{"table"}),
+		CleanerDeleted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_cleaner_deleted_total", Help: "Rows deleted by the cleaner, by kind (published or dead).",
+		}, []string{"table", "kind"}),
+		LeaseExtended: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_lease_extended_total", Help: "Leases renewed for messages handled longer than half the lock TTL.",
+		}, []string{"table"}),
+		FenceRejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_fence_rejected_total", Help: "Acks, nacks or lease renewals refused because the lease had passed to another holder.",
+		}, []string{"table", "op"}),
+	}
+	if reg == nil {
+		return m, nil
+	}
+	var errs []error
+	for _, c := range m.collectors() {
+		if err := reg.Register(c); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, fmt.Errorf("register outbox metrics: %w", err)
+	}
+	return m, nil
+}
+
+func (m *Metrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.EnqueueTotal, m.DispatchTotal, m.DeadTotal, m.DispatchLatency,
+		m.Pending, m.Locked, m.RelayLeader, m.OldestPendingAge, m.DeliveryLag, m.CleanerDeleted,
+		m.LeaseExtended, m.FenceRejected}
+}
+
+// Enqueued counts n new events of topic in table.
+func (m *Metrics) Enqueued(table, topic string, n int) {
+	if m == nil || n == 0 {
+		return
+	}
+	m.EnqueueTotal.WithLabelValues(table, topic).Add(float64(n))
+}

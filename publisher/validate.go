@@ -1,0 +1,150 @@
+package publisher
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"regexp"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// ErrInvalidMessage is matched (errors.Is) by every validation error. A
+// validation error is returned before any SQL runs, so the caller's
+// transaction stays usable.
+var ErrInvalidMessage = errors.New("invalid outbox message")
+
+// ValidationError says which field of which message was wrong and why.
+type ValidationError struct {
+	// Index is the position of the message in an EnqueueBatch or Publish
+	// call; 0 for Enqueue.
+	Index int
+	// Field is the Message field at fault: TenantID, Topic, EventID,
+	// Payload or Headers.
+	Field string
+	// Reason says what was wrong and what to do.
+	Reason string
+}
+
+func (e *ValidationError) Error() string {
+	return fmt.Sprintf("invalid outbox message #%d: %s: %s", e.Index, e.Field, e.Reason)
+}
+
+// Is makes errors.Is(err, ErrInvalidMessage) true.
+func (e *ValidationError) Is(target error) bool { return target == ErrInvalidMessage }
+
+// MaxTopicBytes is the exclusive upper bound on a topic's length in bytes.
+const MaxTopicBytes = 128
+
+// DefaultMaxPayloadBytes is the default payload size limit: 1 MiB.
+const DefaultMaxPayloadBytes = 1 << 20
+
+var defaultTopicPattern = regexp.MustCompile(`^[a-z0-9-]+(\.[a-z0-9-]+)*\.v[0-9]+$`)
+
+// ValidateTopic is the default topic rule (DEV-PLAN-017 §5.3): lowercase
+// dotted segments of [a-z0-9-] ending in a version segment vN, shorter than
+// 128 bytes, such as org.organization.created.v1.
+func ValidateTopic(topic string) error {
+	if err := validateTopicBasics(topic); err != nil {
+		return err
+	}
+	if !defaultTopicPattern.MatchString(topic) {
+		return fmt.Errorf("%q does not follow <module>.<aggregate>.<event>.vN with [a-z0-9.-] (for example org.organization.created.v1); supply Config.ValidateTopic for another convention", topic)
+	}
+	return nil
+}
+
+var relaxedTopicPattern = regexp.MustCompile(`^[A-Za-z0-9._:-]+$`)
+
+// ValidateTopicRelaxed accepts any topic of letters, digits and . _ : -
+// shorter than 128 bytes. It fits the topic names of Watermill's own tests
+// and of most brokers.
+func ValidateTopicRelaxed(topic string) error {
+	if err := validateTopicBasics(topic); err != nil {
+		return err
+	}
+	if !relaxedTopicPattern.MatchString(topic) {
+		return fmt.Errorf("%q may only contain letters, digits and . _ : -", topic)
+	}
+	return nil
+}
+
+func validateTopicBasics(topic string) error {
+	if topic == "" {
+		return errors.New("empty; set a topic such as org.organization.created.v1")
+	}
+	if len(topic) >= MaxTopicBytes {
+		return fmt.Errorf("%d bytes; a topic must be shorter than %d bytes", len(topic), MaxTopicBytes)
+	}
+	return nil
+}
+
+type validator struct {
+	topic      func(string) error
+	maxPayload int
+}
+
+func (v validator) message(i int, m *Message, cols schema.Columns) error {
+	if m.TenantID == uuid.Nil {
+		return &ValidationError{i, "TenantID", "nil UUID; set the tenant the event belongs to"}
+	}
+	if m.EventID == uuid.Nil {
+		return &ValidationError{i, "EventID", "nil UUID; generate one per event (uuid.New()) and keep it when retrying, it is the idempotency key"}
+	}
+	if err := v.topic(m.Topic); err != nil {
+		return &ValidationError{i, "Topic", err.Error()}
+	}
+	if err := v.payload(m.Payload); err != nil {
+		return &ValidationError{i, "Payload", err.Error()}
+	}
+	if len(m.Headers) > 0 {
+		if !cols.Headers {
+			return &ValidationError{i, "Headers", "the table has no headers column; add it with schema.Migrate(ctx, db, table, schema.WithHeadersColumn())"}
+		}
+		for k, val := range m.Headers {
+			if schema.ReservedMetadata(k) {
+				return &ValidationError{i, "Headers", fmt.Sprintf("key %q is reserved: the outbox sets it from its own columns", k)}
+			}
+			if k == "" || strings.IndexByte(k, 0) >= 0 || strings.IndexByte(val, 0) >= 0 || !utf8.ValidString(k) || !utf8.ValidString(val) {
+				return &ValidationError{i, "Headers", fmt.Sprintf("key %q: keys must be non-empty and keys and values valid UTF-8 without NUL bytes", k)}
+			}
+		}
+	}
+	return nil
+}
+
+func (v validator) payload(p json.RawMessage) error {
+	if len(p) == 0 {
+		return errors.New("empty; the payload must be a JSON value such as {} (the column is JSONB)")
+	}
+	if len(p) > v.maxPayload {
+		return fmt.Errorf("%d bytes exceeds the limit of %d bytes; store large data elsewhere and reference it, or raise Config.MaxPayloadBytes", len(p), v.maxPayload)
+	}
+	if !json.Valid(p) {
+		return errors.New("not valid JSON; the column is JSONB (marshal the event with encoding/json)")
+	}
+	if hasEscapedNUL(p) {
+		return errors.New(`contains the escape \u0000, which PostgreSQL JSONB cannot store; remove NUL characters from strings`)
+	}
+	return nil
+}
+
+// hasEscapedNUL reports whether valid JSON p contains the string escape
+// \u0000. Outside strings a backslash cannot occur in valid JSON, so a scan
+// of escapes is enough.
+func hasEscapedNUL(p []byte) bool {
+	for i := 0; i < len(p); i++ {
+		if p[i] != '\\' {
+			continue
+		}
+		if i+5 < len(p) && p[i+1] == 'u' && string(p[i+2:i+6]) == "0000" {
+			return true
+		}
+		i++ // skip the escaped character
+	}
+	return false
+}

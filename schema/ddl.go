@@ -1,0 +1,211 @@
+package schema
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Names of the table's derived objects are the table name plus these
+// suffixes.
+const (
+	suffixPkey              = "_pkey"
+	suffixEventIDKey        = "_event_id_key"
+	suffixAttemptsCheck     = "_attempts_nonnegative"
+	suffixPendingIndex      = "_pending_by_available"
+	suffixPublishedIndex    = "_published_by_time"
+	suffixTenantIndex       = "_tenant_published"
+	longestSuffix           = suffixPendingIndex
+	migrationTemplateTable  = "app_outbox"
+	migrationTemplateSchema = "public"
+)
+
+// Migrations holds the shipped migration files, written for the table
+// public.app_outbox: golang-migrate/atlas style pairs under migrations/ and a
+// goose file under migrations/goose/. Copy them and rename app_outbox to your
+// table, or print them for any table with UpSQL and DownSQL (the CLI's
+// `outbox migrate --print`). The down migrations drop the table and every
+// event in it: they are destructive.
+//
+//go:embed migrations
+var Migrations embed.FS
+
+// MigrateOption selects optional columns for Migrate, UpSQL and DownSQL.
+type MigrateOption func(*Columns)
+
+// WithTraceColumns adds the optional traceparent and tracestate columns (W3C
+// Trace Context).
+func WithTraceColumns() MigrateOption { return func(c *Columns) { c.TraceContext = true } }
+
+// WithHeadersColumn adds the optional headers column (extra string metadata).
+func WithHeadersColumn() MigrateOption { return func(c *Columns) { c.Headers = true } }
+
+// WithAllColumns adds every optional column.
+func WithAllColumns() MigrateOption {
+	return func(c *Columns) { c.TraceContext, c.Headers = true, true }
+}
+
+func columnsOf(opts []MigrateOption) Columns {
+	var c Columns
+	for _, o := range opts {
+		o(&c)
+	}
+	return c
+}
+
+// upStatements is the DDL of DESIGN §3, idempotent (IF NOT EXISTS throughout).
+func upStatements(t Table, c Columns) []string {
+	tbl := t.Sanitize()
+	stmts := []string{
+		`CREATE TABLE IF NOT EXISTS ` + tbl + ` (
+  id           UUID        NOT NULL DEFAULT gen_random_uuid(),
+  tenant_id    UUID        NOT NULL,
+  topic        TEXT        NOT NULL,
+  payload      JSONB       NOT NULL,
+  event_id     UUID        NOT NULL,
+  sequence     BIGSERIAL   NOT NULL,
+  created_at   TIMESTAMPTZ NOT NULL DEFAULT now(),
+  published_at TIMESTAMPTZ NULL,
+  attempts     INT         NOT NULL DEFAULT 0,
+  available_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+  locked_at    TIMESTAMPTZ NULL,
+  last_error   TEXT        NULL,
+  CONSTRAINT ` + t.ident(suffixPkey) + ` PRIMARY KEY (id),
+  CONSTRAINT ` + t.ident(suffixEventIDKey) + ` UNIQUE (event_id),
+  CONSTRAINT ` + t.ident(suffixAttemptsCheck) + ` CHECK (attempts >= 0)
+)`,
+		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixPendingIndex) + ` ON ` + tbl + ` (available_at, sequence) WHERE published_at IS NULL`,
+		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixPublishedIndex) + ` ON ` + tbl + ` (published_at, sequence) WHERE published_at IS NOT NULL`,
+		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixTenantIndex) + ` ON ` + tbl + ` (tenant_id, published_at, sequence)`,
+	}
+	return append(stmts, optionalColumnStatements(t, c)...)
+}
+
+func optionalColumnStatements(t Table, c Columns) []string {
+	var stmts []string
+	if c.TraceContext {
+		stmts = append(stmts, `ALTER TABLE `+t.Sanitize()+` ADD COLUMN IF NOT EXISTS traceparent TEXT NULL, ADD COLUMN IF NOT EXISTS tracestate TEXT NULL`)
+	}
+	if c.Headers {
+		stmts = append(stmts, `ALTER TABLE `+t.Sanitize()+` ADD COLUMN IF NOT EXISTS headers JSONB NULL`)
+	}
+	return stmts
+}
+
+// UpSQL returns the idempotent DDL that creates t (and the optional columns
+// opts ask for) as one script, for migration tools.
+func UpSQL(t Table, opts ...MigrateOption) string {
+	return joinStatements(upStatements(t, columnsOf(opts)))
+}
+
+// DownSQL returns the DDL that drops t. It is destructive: every event in the
+// table, published or not, is lost.
+func DownSQL(t Table) string {
+	return joinStatements([]string{`DROP TABLE IF EXISTS ` + t.Sanitize()})
+}
+
+func joinStatements(stmts []string) string {
+	return strings.Join(stmts, ";\n\n") + ";\n"
+}
+
+// DB is what Migrate needs: *pgxpool.Pool and *pgx.Conn satisfy it.
+type DB interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// Migrate creates the outbox table t with its constraints and indexes, and
+// the optional columns that opts ask for. It is idempotent and safe when
+// several processes call it at once: the statements run in one transaction
+// serialised by a transaction-level advisory lock on the table.
+//
+// gen_random_uuid() is built in from PostgreSQL 13; on PostgreSQL 12 run
+// CREATE EXTENSION pgcrypto first.
+func Migrate(ctx context.Context, db DB, t Table, opts ...MigrateOption) (err error) {
+	if t.IsZero() {
+		return errors.New("migrate: zero Table; build it with schema.ParseTable")
+	}
+	if db == nil {
+		return errors.New("migrate: nil DB; pass a *pgxpool.Pool or *pgx.Conn")
+	}
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("migrate %s: begin: %w", t, err)
+	}
+	defer func() {
+		if err != nil {
+			if rbErr := tx.Rollback(ctx); rbErr != nil && !errors.Is(rbErr, pgx.ErrTxClosed) {
+				err = errors.Join(err, fmt.Errorf("rollback: %w", rbErr))
+			}
+		}
+	}()
+	if _, err = tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, t.migrateLockKey()); err != nil {
+		return fmt.Errorf("migrate %s: lock: %w", t, err)
+	}
+	if t.schema != "" {
+		// CREATE SCHEMA IF NOT EXISTS checks the CREATE privilege even when
+		// the schema exists, so look first.
+		var exists bool
+		if err = tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, t.schema).Scan(&exists); err != nil {
+			return fmt.Errorf("migrate %s: look up schema: %w", t, err)
+		}
+		if !exists {
+			if _, err = tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+pgx.Identifier{t.schema}.Sanitize()); err != nil {
+				return fmt.Errorf("migrate %s: create schema: %w", t, err)
+			}
+		}
+	}
+	for _, stmt := range upStatements(t, columnsOf(opts)) {
+		if _, err = tx.Exec(ctx, stmt); err != nil {
+			return fmt.Errorf("migrate %s: %w", t, err)
+		}
+	}
+	if err = tx.Commit(ctx); err != nil {
+		return fmt.Errorf("migrate %s: commit: %w", t, err)
+	}
+	return nil
+}
+
+// OptionalColumnsUpSQL returns the DDL that adds the optional columns opts
+// ask for to an existing table t, idempotently.
+func OptionalColumnsUpSQL(t Table, opts ...MigrateOption) string {
+	return joinStatements(optionalColumnStatements(t, columnsOf(opts)))
+}
+
+// OptionalColumnsDownSQL returns the DDL that drops the optional columns opts
+// name. It is destructive: trace context and headers stored in them are lost.
+func OptionalColumnsDownSQL(t Table, opts ...MigrateOption) string {
+	c := columnsOf(opts)
+	var stmts []string
+	if c.TraceContext {
+		stmts = append(stmts, `ALTER TABLE `+t.Sanitize()+` DROP COLUMN IF EXISTS traceparent, DROP COLUMN IF EXISTS tracestate`)
+	}
+	if c.Headers {
+		stmts = append(stmts, `ALTER TABLE `+t.Sanitize()+` DROP COLUMN IF EXISTS headers`)
+	}
+	return joinStatements(stmts)
+}
+
+// migrationFiles renders the shipped migration files for table t, by path
+// under Migrations.
+func migrationFiles(t Table) map[string]string {
+	const header = "-- Outbox table %s, generated by schema.%s. Rename %s to your table\n-- (or print the SQL for it with `outbox migrate --print --table=<name>`).\n"
+	const destructive = "-- DESTRUCTIVE: this down migration deletes data, published or not.\n"
+	name := t.Name()
+	h := func(fn string) string { return fmt.Sprintf(header, t, fn, name) }
+	up1 := UpSQL(t)
+	down1 := DownSQL(t)
+	up2 := OptionalColumnsUpSQL(t, WithAllColumns())
+	down2 := OptionalColumnsDownSQL(t, WithAllColumns())
+	return map[string]string{
+		"migrations/000001_create_" + name + ".up.sql":                 h("UpSQL") + "\n" + up1,
+		"migrations/000001_create_" + name + ".down.sql":               h("DownSQL") + destructive + "\n" + down1,
+		"migrations/000002_add_" + name + "_optional_columns.up.sql":   h("OptionalColumnsUpSQL") + "\n" + up2,
+		"migrations/000002_add_" + name + "_optional_columns.down.sql": h("OptionalColumnsDownSQL") + destructive + "\n" + down2,
+		"migrations/goose/00001_create_" + name + ".sql": h("UpSQL") + "\n-- +goose Up\n" + up1 + "\n" + up2 +
+			"\n-- +goose Down\n" + destructive + down1,
+	}
+}

@@ -1,0 +1,4 @@
+package schema
+
+// MigrationFilesForTest exposes migrationFiles to the external test package.
+var MigrationFilesForTest = migrationFiles

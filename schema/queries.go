@@ -1,0 +1,158 @@
+package schema
+
+import (
+	"strings"
+)
+
+// Queries holds every statement the project runs against one outbox table,
+// rendered once for the table's name and optional columns. All values travel
+// as parameters; only the sanitized table name is spliced in. Parameters are
+// typed with explicit casts and passed as text where pgx's simple protocol
+// (PgBouncer) would otherwise guess wrong, so the statements work under every
+// pgx QueryExecMode.
+type Queries struct {
+	Table   Table
+	Columns Columns
+
+	// Enqueue inserts one row, idempotent on event_id, and wakes relays.
+	// Args: tenant_id, topic, payload, event_id (all text), notify channel (""
+	// for none),
+	// then traceparent, tracestate when Columns.TraceContext, then headers
+	// when Columns.Headers.
+	// Returns: sequence, tenant_id::text, topic, inserted.
+	Enqueue string
+
+	// EnqueueBatch is Enqueue for many rows, as text arrays in the same
+	// argument order. It returns one row, a JSON array of
+	// [event_id, sequence, tenant_id, topic, inserted] per row written, so
+	// that database/sql drivers can read it too.
+	EnqueueBatch string
+
+	// ClaimAll and ClaimTopic lease up to a batch of due rows (DESIGN §5).
+	// Args: max_attempts, lock_ttl seconds (float8), batch size, and for
+	// ClaimTopic the topic. Returns the claimed columns, see ClaimedRow.
+	ClaimAll   string
+	ClaimTopic string
+
+	// Ack marks leased rows published, fenced by (id, attempts, locked_at).
+	// Args: ids, attempts, locked_ats (arrays). Returns: id::text,
+	// extract(epoch from published_at - created_at).
+	Ack string
+
+	// Nack releases one leased row for a retry or, at max attempts or for a
+	// permanent error, marks it dead. Fenced like Ack.
+	// Args: id, attempts, locked_at, last_error, max_attempts, permanent,
+	// backoff seconds. Returns: dead.
+	Nack string
+
+	// Extend renews the lease of one row that is still being handled.
+	// Args: id, attempts, locked_at. Returns: the new locked_at.
+	Extend string
+
+	// AckUpToInTx is the watermill-sql offsets-style ack used by Adapter: it
+	// marks published the rows this same transaction claimed (locked_at =
+	// now()) up to a sequence. Args: sequence.
+	AckUpToInTx string
+}
+
+// NewQueries renders the statements for table t with optional columns c.
+func NewQueries(t Table, c Columns) *Queries {
+	tbl := t.Sanitize()
+	q := &Queries{Table: t, Columns: c}
+
+	insertCols := []string{ColumnTenantID, ColumnTopic, ColumnPayload, ColumnEventID}
+	values := []string{"$1::uuid", "$2", "$3::jsonb", "$4::uuid"}
+	unnestArgs := []string{"$1::text[]", "$2::text[]", "$3::text[]", "$4::text[]"}
+	unnestCols := []string{"u.c1::uuid", "u.c2", "u.c3::jsonb", "u.c4::uuid"}
+	aliases := []string{"c1", "c2", "c3", "c4"}
+	next := 6 // $5 is the notify channel
+	add := func(col, cast string) {
+		insertCols = append(insertCols, col)
+		n := itoa(next)
+		values = append(values, "$"+n+cast)
+		unnestArgs = append(unnestArgs, "$"+n+"::text[]")
+		alias := "c" + n
+		aliases = append(aliases, alias)
+		unnestCols = append(unnestCols, "u."+alias+cast)
+		next++
+	}
+	if c.TraceContext {
+		add(ColumnTraceParent, "")
+		add(ColumnTraceState, "")
+	}
+	if c.Headers {
+		add(ColumnHeaders, "::jsonb")
+	}
+	conflict := ` ON CONFLICT (` + ColumnEventID + `) DO UPDATE SET ` + ColumnEventID + ` = EXCLUDED.` + ColumnEventID
+	notify := `(SELECT pg_notify($5, '') WHERE $5 <> '')`
+
+	q.Enqueue = `WITH ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `) VALUES (` + strings.Join(values, ", ") + `)` +
+		conflict + ` RETURNING sequence, tenant_id, topic, (xmax = 0) AS inserted)
+SELECT sequence, tenant_id::text, topic, inserted, ` + notify + ` IS NULL FROM ins`
+
+	q.EnqueueBatch = `WITH ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `)
+SELECT ` + strings.Join(unnestCols, ", ") + ` FROM unnest(` + strings.Join(unnestArgs, ", ") + `) AS u(` + strings.Join(aliases, ", ") + `)` +
+		conflict + ` RETURNING event_id, sequence, tenant_id, topic, (xmax = 0) AS inserted)
+SELECT COALESCE(json_agg(json_build_array(event_id::text, sequence, tenant_id::text, topic, inserted)), '[]')::text, ` + notify + ` IS NULL FROM ins`
+
+	returning := claimReturning(c)
+	claim := func(topicFilter string) string {
+		return `WITH due AS (
+  SELECT id FROM ` + tbl + `
+  WHERE published_at IS NULL AND available_at <= now() AND attempts < $1
+    AND (locked_at IS NULL OR locked_at < now() - make_interval(secs => $2::float8))` + topicFilter + `
+  ORDER BY available_at, sequence
+  LIMIT $3
+  FOR UPDATE SKIP LOCKED
+)
+UPDATE ` + tbl + ` AS o SET locked_at = now(), attempts = o.attempts + 1
+FROM due WHERE o.id = due.id
+RETURNING ` + returning
+	}
+	q.ClaimAll = claim("")
+	q.ClaimTopic = claim("\n    AND topic = $4")
+
+	fence := `o.id = a.id AND o.attempts = a.attempts AND o.locked_at = a.locked_at AND o.published_at IS NULL`
+	q.Ack = `UPDATE ` + tbl + ` AS o SET published_at = now(), locked_at = NULL, last_error = NULL
+FROM unnest($1::uuid[], $2::int[], $3::timestamptz[]) AS a(id, attempts, locked_at)
+WHERE ` + fence + `
+RETURNING o.id::text, extract(epoch FROM o.published_at - o.created_at)::float8`
+
+	q.Nack = `UPDATE ` + tbl + ` AS o SET locked_at = NULL, last_error = $4,
+  attempts = CASE WHEN $6::bool THEN GREATEST(o.attempts, $5::int) ELSE o.attempts END,
+  available_at = CASE WHEN $6::bool OR o.attempts >= $5::int THEN now() ELSE now() + make_interval(secs => $7::float8) END
+FROM (SELECT $1::uuid AS id, $2::int AS attempts, $3::timestamptz AS locked_at) AS a
+WHERE ` + fence + `
+RETURNING o.attempts >= $5::int`
+
+	q.Extend = `UPDATE ` + tbl + ` AS o SET locked_at = clock_timestamp()
+FROM (SELECT $1::uuid AS id, $2::int AS attempts, $3::timestamptz AS locked_at) AS a
+WHERE ` + fence + `
+RETURNING o.locked_at`
+
+	q.AckUpToInTx = `UPDATE ` + tbl + ` SET published_at = now(), locked_at = NULL, last_error = NULL
+WHERE locked_at = now() AND published_at IS NULL AND sequence <= $1`
+	return q
+}
+
+// claimReturning lists the columns a claim returns, in ClaimedRow.Scan order.
+func claimReturning(c Columns) string {
+	cols := []string{"o.id::text", "o.event_id::text", "o.tenant_id::text", "o.topic", "o.payload::text",
+		"o.sequence", "o.attempts", "o.locked_at", "o.created_at"}
+	if c.TraceContext {
+		cols = append(cols, "o.traceparent", "o.tracestate")
+	}
+	if c.Headers {
+		cols = append(cols, "o.headers::text")
+	}
+	return strings.Join(cols, ", ")
+}
+
+func itoa(n int) string {
+	if n < 10 {
+		return string(rune('0' + n))
+	}
+	return itoa(n/10) + string(rune('0'+n%10))
+}
+
+func joinComma(s []string) string { return strings.Join(s, ", ") }

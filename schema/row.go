@@ -1,0 +1,78 @@
+package schema
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// ClaimedRow is one row returned by a claim statement.
+type ClaimedRow struct {
+	ID          string
+	EventID     string
+	TenantID    string
+	Topic       string
+	Payload     string
+	Sequence    int64
+	Attempts    int32
+	LockedAt    time.Time
+	CreatedAt   time.Time
+	TraceParent *string
+	TraceState  *string
+	Headers     *string
+}
+
+// Scanner is satisfied by pgx.Row, pgx.Rows and *sql.Rows.
+type Scanner interface {
+	Scan(dest ...any) error
+}
+
+// Scan reads a row produced by a claim statement of Queries with columns c.
+func (r *ClaimedRow) Scan(s Scanner, c Columns) error {
+	dest := []any{&r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.Attempts, &r.LockedAt, &r.CreatedAt}
+	if c.TraceContext {
+		dest = append(dest, &r.TraceParent, &r.TraceState)
+	}
+	if c.Headers {
+		dest = append(dest, &r.Headers)
+	}
+	if err := s.Scan(dest...); err != nil {
+		return fmt.Errorf("scan claimed outbox row: %w", err)
+	}
+	return nil
+}
+
+// Message builds the Watermill message of the row: UUID = event_id, payload =
+// the JSON payload, and metadata event_id, tenant_id, topic, sequence,
+// attempts and table, plus traceparent, tracestate and the stored headers
+// when present. Headers never override the outbox's own keys.
+func (r *ClaimedRow) Message(t Table) (*message.Message, error) {
+	msg := message.NewMessage(r.EventID, []byte(r.Payload))
+	if r.Headers != nil && *r.Headers != "" {
+		var h map[string]string
+		if err := json.Unmarshal([]byte(*r.Headers), &h); err != nil {
+			return nil, fmt.Errorf("outbox row sequence %d: headers column is not a JSON object of strings: %w", r.Sequence, err)
+		}
+		for k, v := range h {
+			if !ReservedMetadata(k) {
+				msg.Metadata[k] = v
+			}
+		}
+	}
+	msg.Metadata[MetadataEventID] = r.EventID
+	msg.Metadata[MetadataTenantID] = r.TenantID
+	msg.Metadata[MetadataTopic] = r.Topic
+	msg.Metadata[MetadataSequence] = strconv.FormatInt(r.Sequence, 10)
+	msg.Metadata[MetadataAttempts] = strconv.FormatInt(int64(r.Attempts), 10)
+	msg.Metadata[MetadataTable] = t.String()
+	if r.TraceParent != nil && *r.TraceParent != "" {
+		msg.Metadata[MetadataTraceParent] = *r.TraceParent
+	}
+	if r.TraceState != nil && *r.TraceState != "" {
+		msg.Metadata[MetadataTraceState] = *r.TraceState
+	}
+	return msg, nil
+}

@@ -1,0 +1,205 @@
+package schema_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+func TestParseTable(t *testing.T) {
+	t.Parallel()
+	good := map[string]string{
+		"org_outbox":        "public.org_outbox",
+		"public.org_outbox": "public.org_outbox",
+		"_x.a1":             "_x.a1",
+	}
+	for in, qualified := range good {
+		tbl, err := schema.ParseTable(in)
+		if err != nil {
+			t.Errorf("ParseTable(%q): %v", in, err)
+			continue
+		}
+		if tbl.String() != in || tbl.Qualified() != qualified {
+			t.Errorf("ParseTable(%q) = %q / %q", in, tbl.String(), tbl.Qualified())
+		}
+	}
+	bad := map[string]string{
+		"":                             "empty",
+		".org_outbox":                  "empty",
+		"public.":                      "empty",
+		"a.b.c":                        "3 dot-separated parts",
+		`org"; DROP TABLE x; --`:       "not allowed",
+		"org outbox":                   "not allowed",
+		"Org_Outbox":                   "not allowed",
+		"org_outbox;":                  "not allowed",
+		`"org_outbox"`:                 "not allowed",
+		"1org":                         "not allowed",
+		"org-outbox":                   "not allowed",
+		"é_outbox":                     "not allowed",
+		strings.Repeat("a", 64) + ".t": "at most 63",
+		strings.Repeat("a", 43):        "index and constraint names",
+	}
+	for in, want := range bad {
+		_, err := schema.ParseTable(in)
+		if err == nil {
+			t.Errorf("ParseTable(%q) accepted a bad name", in)
+			continue
+		}
+		if !errors.Is(err, schema.ErrInvalidTable) || !strings.Contains(err.Error(), want) {
+			t.Errorf("ParseTable(%q) error %q, want ErrInvalidTable mentioning %q", in, err, want)
+		}
+	}
+}
+
+func TestTableKeysAgreeForQualifiedAndUnqualified(t *testing.T) {
+	t.Parallel()
+	a, b := schema.MustParseTable("org_outbox"), schema.MustParseTable("public.org_outbox")
+	if a.LockKey() != b.LockKey() || a.NotifyChannel() != b.NotifyChannel() {
+		t.Fatalf("keys differ: %d/%d %q/%q", a.LockKey(), b.LockKey(), a.NotifyChannel(), b.NotifyChannel())
+	}
+	if a.Sanitize() != `"org_outbox"` || b.Sanitize() != `"public"."org_outbox"` {
+		t.Fatalf("Sanitize: %s %s", a.Sanitize(), b.Sanitize())
+	}
+	long := schema.MustParseTable(strings.Repeat("s", 63) + "." + strings.Repeat("t", 42))
+	if ch := long.NotifyChannel(); len(ch) > schema.MaxIdentifierBytes {
+		t.Fatalf("channel %q is %d bytes", ch, len(ch))
+	}
+}
+
+// TestShippedMigrations checks that the migration files shipped for
+// public.app_outbox are exactly what the code generates. Regenerate them with
+// UPDATE_MIGRATIONS=1 go test ./schema -run TestShippedMigrations.
+func TestShippedMigrations(t *testing.T) {
+	t.Parallel()
+	files := schema.MigrationFilesForTest(schema.MustParseTable("public.app_outbox"))
+	if os.Getenv("UPDATE_MIGRATIONS") == "1" {
+		for path, body := range files {
+			if err := os.WriteFile(filepath.FromSlash(path), []byte(body), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for path, want := range files {
+		got, err := schema.Migrations.ReadFile(path)
+		if err != nil {
+			t.Errorf("shipped migration %s missing: %v", path, err)
+			continue
+		}
+		if string(got) != want {
+			t.Errorf("shipped migration %s is stale; regenerate with UPDATE_MIGRATIONS=1", path)
+		}
+	}
+}
+
+func TestShippedMigrationsApplyAndRevert(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	sch := testdb.Schema(t)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	if _, err := conn.Exec(ctx, `SET search_path TO `+sch); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _, _ = conn.Exec(ctx, `RESET search_path`) }()
+	for _, f := range []string{
+		"migrations/000001_create_app_outbox.up.sql",
+		"migrations/000002_add_app_outbox_optional_columns.up.sql",
+		"migrations/000002_add_app_outbox_optional_columns.down.sql",
+		"migrations/000001_create_app_outbox.down.sql",
+	} {
+		body, err := schema.Migrations.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The files name public.app_outbox; run them against the test schema.
+		sql := strings.ReplaceAll(string(body), `"public".`, "")
+		if _, err := conn.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+		if strings.HasSuffix(f, "000002_add_app_outbox_optional_columns.up.sql") {
+			cols, err := schema.DetectColumns(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
+			if err != nil || !cols.TraceContext || !cols.Headers {
+				t.Fatalf("after %s: columns %+v, err %v", f, cols, err)
+			}
+		}
+	}
+	_, err = schema.DetectColumns(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
+	if !errors.Is(err, schema.ErrTableNotFound) {
+		t.Fatalf("after down migrations: %v, want ErrTableNotFound", err)
+	}
+}
+
+func TestMigrateIdempotentConcurrentAndOptionalColumns(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := schema.MustParseTable(testdb.Schema(t) + ".org_outbox")
+
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs <- schema.Migrate(ctx, pool, tbl)
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatalf("concurrent Migrate: %v", err)
+		}
+	}
+	cols, err := schema.DetectColumns(ctx, pool, tbl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cols != (schema.Columns{}) {
+		t.Fatalf("plain Migrate created optional columns: %+v", cols)
+	}
+	if err := schema.Migrate(ctx, pool, tbl, schema.WithTraceColumns()); err != nil {
+		t.Fatal(err)
+	}
+	if cols, _ = schema.DetectColumns(ctx, pool, tbl); !cols.TraceContext || cols.Headers {
+		t.Fatalf("after WithTraceColumns: %+v", cols)
+	}
+	if err := schema.Migrate(ctx, pool, tbl, schema.WithHeadersColumn()); err != nil {
+		t.Fatal(err)
+	}
+	if cols, _ = schema.DetectColumns(ctx, pool, tbl); !cols.TraceContext || !cols.Headers {
+		t.Fatalf("after WithHeadersColumn: %+v", cols)
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'org_outbox'`, tbl.Schema()).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 5 { // pkey, event_id key, three indexes
+		t.Fatalf("indexes: %d, want 5", n)
+	}
+}
+
+func TestMigrateCreatesMissingSchemaAndRejectsZeroTable(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	sch := testdb.Schema(t) + "_new"
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+sch+` CASCADE`) })
+	if err := schema.Migrate(ctx, pool, schema.MustParseTable(sch+".x_outbox")); err != nil {
+		t.Fatal(err)
+	}
+	if err := schema.Migrate(ctx, pool, schema.Table{}); err == nil {
+		t.Fatal("Migrate accepted a zero Table")
+	}
+}
