@@ -1,0 +1,544 @@
+package publisher_test
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/metrics"
+	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+var tenant = uuid.MustParse("7a1f0c5e-8a57-4d6a-9d43-0d2b8f2f0c11")
+
+func newMsg(topic string) publisher.Message {
+	return publisher.Message{TenantID: tenant, Topic: topic, EventID: uuid.New(), Payload: json.RawMessage(`{"id":1,"name":"acme"}`)}
+}
+
+func count(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.Sanitize()).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func inTx(t *testing.T, pool *pgxpool.Pool, fn func(tx pgx.Tx)) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fn(tx)
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestAtomicity(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox")
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+tbl.Schema()+`.orgs (id int primary key)`); err != nil {
+		t.Fatal(err)
+	}
+
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO `+tbl.Schema()+`.orgs VALUES (1)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := publisher.Enqueue(ctx, tx, tbl, newMsg("org.organization.created.v1")); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := count(t, pool, tbl); n != 0 {
+		t.Fatalf("rollback left %d outbox rows", n)
+	}
+
+	m := newMsg("org.organization.created.v1")
+	inTx(t, pool, func(tx pgx.Tx) {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+tbl.Schema()+`.orgs VALUES (1)`); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+			t.Fatal(err)
+		}
+	})
+	var (
+		gotTenant, gotTopic string
+		payload             map[string]any
+		attempts            int
+		published           *time.Time
+	)
+	err = pool.QueryRow(ctx, `SELECT tenant_id::text, topic, payload, attempts, published_at FROM `+tbl.Sanitize()+` WHERE event_id = $1`, m.EventID).
+		Scan(&gotTenant, &gotTopic, &payload, &attempts, &published)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := count(t, pool, tbl); n != 1 || gotTenant != tenant.String() || gotTopic != m.Topic || payload["name"] != "acme" || attempts != 0 || published != nil {
+		t.Fatalf("commit: rows=%d tenant=%s topic=%s payload=%v attempts=%d published=%v", n, gotTenant, gotTopic, payload, attempts, published)
+	}
+}
+
+func TestIdempotentEnqueue(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox")
+	ctx := context.Background()
+	m := newMsg("org.organization.created.v1")
+	var first, second int64
+	inTx(t, pool, func(tx pgx.Tx) {
+		var err error
+		if first, err = publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+			t.Fatal(err)
+		}
+	})
+	inTx(t, pool, func(tx pgx.Tx) {
+		var err error
+		if second, err = publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+			t.Fatal(err)
+		}
+		// A different tenant or topic under the same event_id is a conflict,
+		// and the transaction stays usable afterwards.
+		other := m
+		other.Topic = "org.organization.deleted.v1"
+		_, err = publisher.Enqueue(ctx, tx, tbl, other)
+		var ce *publisher.ConflictError
+		if !errors.As(err, &ce) || !errors.Is(err, publisher.ErrEventIDConflict) || ce.Sequence != first || ce.ExistingTopic != m.Topic {
+			t.Fatalf("conflicting re-enqueue: %v", err)
+		}
+		other = m
+		other.TenantID = uuid.New()
+		if _, err = publisher.Enqueue(ctx, tx, tbl, other); !errors.Is(err, publisher.ErrEventIDConflict) {
+			t.Fatalf("conflicting tenant: %v", err)
+		}
+		if _, err := publisher.Enqueue(ctx, tx, tbl, newMsg("org.organization.created.v1")); err != nil {
+			t.Fatalf("tx unusable after conflict: %v", err)
+		}
+	})
+	if first != second {
+		t.Fatalf("re-enqueue returned sequence %d, first was %d", second, first)
+	}
+	if n := count(t, pool, tbl); n != 2 {
+		t.Fatalf("rows: %d, want 2", n)
+	}
+}
+
+func TestEnqueueBatch(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox")
+	ctx := context.Background()
+	existing := newMsg("org.organization.created.v1")
+	var existingSeq int64
+	inTx(t, pool, func(tx pgx.Tx) {
+		var err error
+		existingSeq, err = publisher.Enqueue(ctx, tx, tbl, existing)
+		if err != nil {
+			t.Fatal(err)
+		}
+	})
+	msgs := []publisher.Message{newMsg("org.a.b.v1"), existing, newMsg("org.a.c.v2")}
+	msgs = append(msgs, msgs[0]) // repeated inside the batch
+	var seqs []int64
+	inTx(t, pool, func(tx pgx.Tx) {
+		var err error
+		if seqs, err = publisher.EnqueueBatch(ctx, tx, tbl, msgs); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if len(seqs) != 4 || seqs[1] != existingSeq || seqs[0] != seqs[3] || seqs[0] == seqs[2] || seqs[0] <= existingSeq {
+		t.Fatalf("sequences %v (existing %d)", seqs, existingSeq)
+	}
+	if n := count(t, pool, tbl); n != 3 {
+		t.Fatalf("rows: %d, want 3", n)
+	}
+	inTx(t, pool, func(tx pgx.Tx) {
+		bad := existing
+		bad.Topic = "org.other.thing.v1"
+		_, err := publisher.EnqueueBatch(ctx, tx, tbl, []publisher.Message{newMsg("org.a.b.v1"), bad})
+		if !errors.Is(err, publisher.ErrEventIDConflict) {
+			t.Fatalf("batch with conflicting event: %v", err)
+		}
+	})
+}
+
+func TestBadInput(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox")
+	ctx := context.Background()
+	big := json.RawMessage(`"` + strings.Repeat("a", publisher.DefaultMaxPayloadBytes) + `"`)
+	cases := []struct {
+		name   string
+		mutate func(*publisher.Message)
+		field  string
+		want   string
+	}{
+		{"nil tenant", func(m *publisher.Message) { m.TenantID = uuid.Nil }, "TenantID", "nil UUID"},
+		{"nil event id", func(m *publisher.Message) { m.EventID = uuid.Nil }, "EventID", "nil UUID"},
+		{"empty topic", func(m *publisher.Message) { m.Topic = "" }, "Topic", "empty"},
+		{"uppercase topic", func(m *publisher.Message) { m.Topic = "Org.Created.v1" }, "Topic", "does not follow"},
+		{"topic with space", func(m *publisher.Message) { m.Topic = "org created.v1" }, "Topic", "does not follow"},
+		{"topic without version", func(m *publisher.Message) { m.Topic = "org.organization.created" }, "Topic", "does not follow"},
+		{"topic injection", func(m *publisher.Message) { m.Topic = "org.x.v1'; DROP TABLE x; --" }, "Topic", "does not follow"},
+		{"topic too long", func(m *publisher.Message) { m.Topic = strings.Repeat("a", 126) + ".v1" }, "Topic", "shorter than 128"},
+		{"empty payload", func(m *publisher.Message) { m.Payload = nil }, "Payload", "empty"},
+		{"invalid json", func(m *publisher.Message) { m.Payload = json.RawMessage(`{"a":`) }, "Payload", "not valid JSON"},
+		{"not json at all", func(m *publisher.Message) { m.Payload = json.RawMessage(`hello`) }, "Payload", "not valid JSON"},
+		{"nul escape", func(m *publisher.Message) { m.Payload = json.RawMessage(`{"a":"x\u0000y"}`) }, "Payload", `\u0000`},
+		{"oversized payload", func(m *publisher.Message) { m.Payload = big }, "Payload", "exceeds the limit"},
+		{"reserved header", func(m *publisher.Message) { m.Headers = map[string]string{"event_id": "x"} }, "Headers", "headers column"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = tx.Rollback(ctx) }()
+			m := newMsg("org.organization.created.v1")
+			tc.mutate(&m)
+			_, err = publisher.Enqueue(ctx, tx, tbl, m)
+			var ve *publisher.ValidationError
+			if !errors.As(err, &ve) || !errors.Is(err, publisher.ErrInvalidMessage) || ve.Field != tc.field || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("got %v, want a ValidationError on %s mentioning %q", err, tc.field, tc.want)
+			}
+			if strings.Contains(err.Error(), "acme") {
+				t.Fatalf("error leaks the payload: %v", err)
+			}
+			// The transaction stays usable.
+			if _, err := publisher.Enqueue(ctx, tx, tbl, newMsg("org.organization.created.v1")); err != nil {
+				t.Fatalf("tx unusable after validation error: %v", err)
+			}
+		})
+	}
+	t.Run("escaped backslash before u0000 is fine", func(t *testing.T) {
+		inTx(t, pool, func(tx pgx.Tx) {
+			m := newMsg("org.organization.created.v1")
+			m.Payload = json.RawMessage(`{"path":"C:\\u0000"}`)
+			if _, err := publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+				t.Fatal(err)
+			}
+		})
+	})
+	t.Run("zero table, nil tx, missing table", func(t *testing.T) {
+		if _, err := publisher.Enqueue(ctx, nil, tbl, newMsg("a.b.v1")); err == nil {
+			t.Fatal("nil tx accepted")
+		}
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback(ctx) }()
+		if _, err := publisher.Enqueue(ctx, tx, schema.Table{}, newMsg("a.b.v1")); err == nil {
+			t.Fatal("zero table accepted")
+		}
+		_, err = publisher.Enqueue(ctx, tx, schema.MustParseTable(tbl.Schema()+".missing_outbox"), newMsg("a.b.v1"))
+		if !errors.Is(err, schema.ErrTableNotFound) {
+			t.Fatalf("missing table: %v", err)
+		}
+	})
+	t.Run("closed pool", func(t *testing.T) {
+		p := testdb.NewPool(t, nil)
+		p.Close()
+		_, err := p.Begin(ctx)
+		if err == nil || !strings.Contains(err.Error(), "closed") {
+			t.Fatalf("begin on closed pool: %v", err)
+		}
+	})
+	t.Run("custom topic rule and payload limit", func(t *testing.T) {
+		e, err := publisher.NewEnqueuer(publisher.Config{ValidateTopic: publisher.ValidateTopicRelaxed, MaxPayloadBytes: 16})
+		if err != nil {
+			t.Fatal(err)
+		}
+		inTx(t, pool, func(tx pgx.Tx) {
+			m := newMsg("topic_Relaxed-1")
+			m.Payload = json.RawMessage(`{"a":1}`)
+			if _, err := e.Enqueue(ctx, tx, tbl, m); err != nil {
+				t.Fatal(err)
+			}
+			m = newMsg("topic_Relaxed-1")
+			if _, err := e.Enqueue(ctx, tx, tbl, m); !errors.Is(err, publisher.ErrInvalidMessage) {
+				t.Fatalf("payload over custom limit: %v", err)
+			}
+		})
+		if _, err := publisher.NewEnqueuer(publisher.Config{MaxPayloadBytes: -1}); err == nil {
+			t.Fatal("negative limit accepted")
+		}
+	})
+}
+
+func TestConcurrentEnqueue(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox")
+	ctx := context.Background()
+	const workers, each = 32, 20
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	seqs := make(chan int64, workers*each)
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range each {
+				err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+					s, err := publisher.Enqueue(ctx, tx, tbl, newMsg("org.organization.created.v1"))
+					seqs <- s
+					return err
+				})
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	close(seqs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	seen := map[int64]bool{}
+	for s := range seqs {
+		if seen[s] {
+			t.Fatalf("sequence %d returned twice", s)
+		}
+		seen[s] = true
+	}
+	if n := count(t, pool, tbl); n != workers*each || len(seen) != workers*each {
+		t.Fatalf("rows %d, distinct sequences %d, want %d", n, len(seen), workers*each)
+	}
+}
+
+// TestExecModes runs enqueue under every pgx QueryExecMode, including the
+// simple protocol that PgBouncer in transaction mode needs, and through
+// database/sql on the pgx stdlib driver.
+func TestExecModes(t *testing.T) {
+	t.Parallel()
+	tbl := testdb.Table(t, "org_outbox", schema.WithAllColumns())
+	ctx := context.Background()
+	modes := []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol}
+	for _, mode := range modes {
+		t.Run(mode.String(), func(t *testing.T) {
+			pool := testdb.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode; c.MaxConns = 2 })
+			m := newMsg("org.organization.created.v1")
+			m.Headers = map[string]string{"correlation_id": "c-1", "quote": `it's "quoted"`}
+			m.Payload = json.RawMessage(`{"s":"ünïcödé \"q\" \\ '","n":[1,2.5,null,true]}`)
+			inTx(t, pool, func(tx pgx.Tx) {
+				s1, err := publisher.Enqueue(ctx, tx, tbl, m)
+				if err != nil {
+					t.Fatal(err)
+				}
+				s2, err := publisher.Enqueue(ctx, tx, tbl, m)
+				if err != nil || s1 != s2 {
+					t.Fatalf("idempotent re-enqueue: %d %d %v", s1, s2, err)
+				}
+				b := []publisher.Message{newMsg("org.a.b.v1"), newMsg("org.a.b.v1")}
+				b[1].Headers = map[string]string{"k": "v"}
+				if _, err := publisher.EnqueueBatch(ctx, tx, tbl, b); err != nil {
+					t.Fatal(err)
+				}
+			})
+			var payload, headers string
+			if err := pool.QueryRow(ctx, `SELECT payload::text, headers::text FROM `+tbl.Sanitize()+` WHERE event_id = $1`, m.EventID.String()).Scan(&payload, &headers); err != nil {
+				t.Fatal(err)
+			}
+			var p, h map[string]any
+			_ = json.Unmarshal([]byte(payload), &p)
+			_ = json.Unmarshal([]byte(headers), &h)
+			if p["s"] != `ünïcödé "q" \ '` || h["quote"] != `it's "quoted"` {
+				t.Fatalf("round trip: payload %s headers %s", payload, headers)
+			}
+		})
+	}
+	t.Run("database/sql", func(t *testing.T) {
+		db, err := sql.Open("pgx", testdb.URL())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer db.Close()
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := newMsg("org.organization.created.v1")
+		s1, err := publisher.Enqueue(ctx, publisher.StdlibTx(tx), tbl, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		seqs, err := publisher.EnqueueBatch(ctx, publisher.StdlibTx(tx), tbl, []publisher.Message{m, newMsg("org.a.b.v1")})
+		if err != nil || seqs[0] != s1 {
+			t.Fatalf("batch via database/sql: %v %v", seqs, err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		var n int
+		if err := db.QueryRowContext(ctx, `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE event_id = $1`, m.EventID.String()).Scan(&n); err != nil || n != 1 {
+			t.Fatalf("database/sql commit: %d rows, %v", n, err)
+		}
+	})
+}
+
+var _ = stdlib.GetDefaultDriver // registers the "pgx" database/sql driver
+
+func TestTraceContextStored(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox", schema.WithTraceColumns())
+	plain := testdb.Table(t, "plain_outbox")
+	traceID, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
+	spanID, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
+	ts, _ := trace.ParseTraceState("vendor=abc")
+	ctx := trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: traceID, SpanID: spanID, TraceFlags: trace.FlagsSampled, TraceState: ts,
+	}))
+	m := newMsg("org.organization.created.v1")
+	inTx(t, pool, func(tx pgx.Tx) {
+		if _, err := publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+			t.Fatal(err)
+		}
+		// A table without the trace columns works and just does not store it.
+		if _, err := publisher.Enqueue(ctx, tx, plain, newMsg("org.organization.created.v1")); err != nil {
+			t.Fatal(err)
+		}
+	})
+	var parent, state string
+	if err := pool.QueryRow(ctx, `SELECT traceparent, tracestate FROM `+tbl.Sanitize()+` WHERE event_id = $1`, m.EventID).Scan(&parent, &state); err != nil {
+		t.Fatal(err)
+	}
+	if parent != "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01" || state != "vendor=abc" {
+		t.Fatalf("stored trace context %q %q", parent, state)
+	}
+}
+
+func TestNotifyAtCommitOnly(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, testdb.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(ctx, `LISTEN `+pgx.Identifier{tbl.NotifyChannel()}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := publisher.Enqueue(ctx, tx, tbl, newMsg("org.organization.created.v1")); err != nil {
+		t.Fatal(err)
+	}
+	_ = tx.Rollback(ctx)
+	short, c2 := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer c2()
+	if n, err := conn.WaitForNotification(short); err == nil {
+		t.Fatalf("notification after rollback: %+v", n)
+	}
+	inTx(t, pool, func(tx pgx.Tx) {
+		if _, err := publisher.EnqueueBatch(ctx, tx, tbl, []publisher.Message{newMsg("a.b.v1"), newMsg("a.b.v1")}); err != nil {
+			t.Fatal(err)
+		}
+	})
+	n, err := conn.WaitForNotification(ctx)
+	if err != nil || n.Channel != tbl.NotifyChannel() {
+		t.Fatalf("no notification after commit: %v %v", n, err)
+	}
+}
+
+func TestTxPublisher(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox", schema.WithHeadersColumn())
+	plain := testdb.Table(t, "plain_outbox")
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	enq, err := publisher.NewEnqueuer(publisher.Config{Metrics: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	msg := message.NewMessage(uuid.NewString(), []byte(`{"x":1}`))
+	msg.Metadata.Set("correlation_id", "abc")
+	inTx(t, pool, func(tx pgx.Tx) {
+		p, err := publisher.NewTxPublisher(tx, publisher.TxPublisherConfig{Table: tbl, DefaultTenantID: tenant, Enqueuer: enq})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.Publish("org.organization.created.v1", msg, message.NewMessage(uuid.NewString(), []byte(`[]`))); err != nil {
+			t.Fatal(err)
+		}
+		// Idempotent: publishing the same message again adds nothing.
+		if err := p.Publish("org.organization.created.v1", msg); err != nil {
+			t.Fatal(err)
+		}
+		if err := p.Publish("org.organization.created.v1", message.NewMessage("not-a-uuid", []byte(`{}`))); !errors.Is(err, publisher.ErrInvalidMessage) {
+			t.Fatalf("non-UUID message: %v", err)
+		}
+		bad := message.NewMessage(uuid.NewString(), []byte(`{}`))
+		bad.Metadata.Set(schema.MetadataTenantID, "nope")
+		if err := p.Publish("org.organization.created.v1", bad); !errors.Is(err, publisher.ErrInvalidMessage) {
+			t.Fatalf("bad tenant: %v", err)
+		}
+		noHeaders, _ := publisher.NewTxPublisher(tx, publisher.TxPublisherConfig{Table: plain, DefaultTenantID: tenant})
+		if err := noHeaders.Publish("org.organization.created.v1", msg); err == nil || !strings.Contains(err.Error(), "WithHeadersColumn") {
+			t.Fatalf("metadata into a table without headers: %v", err)
+		}
+		_ = p.Close()
+		_ = p.Close()
+		if err := p.Publish("org.organization.created.v1", msg); !errors.Is(err, publisher.ErrPublisherClosed) {
+			t.Fatalf("publish after close: %v", err)
+		}
+	})
+	var headers string
+	if err := pool.QueryRow(ctx, `SELECT headers::text FROM `+tbl.Sanitize()+` WHERE event_id = $1`, msg.UUID).Scan(&headers); err != nil {
+		t.Fatal(err)
+	}
+	if headers != `{"correlation_id": "abc"}` {
+		t.Fatalf("headers %s", headers)
+	}
+	if n := count(t, pool, tbl); n != 2 {
+		t.Fatalf("rows %d, want 2", n)
+	}
+	if got := testutil.ToFloat64(m.EnqueueTotal.WithLabelValues(tbl.Qualified(), "org.organization.created.v1")); got != 2 {
+		t.Fatalf("outbox_enqueue_total = %v, want 2 (re-enqueue not counted)", got)
+	}
+	if _, err := publisher.NewTxPublisher(nil, publisher.TxPublisherConfig{Table: tbl}); err == nil {
+		t.Fatal("nil tx accepted")
+	}
+}
