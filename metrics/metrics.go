@@ -22,18 +22,18 @@ const (
 
 // Metrics holds the outbox collectors.
 type Metrics struct {
-	EnqueueTotal      *prometheus.CounterVec   // outbox_enqueue_total{table,topic}
-	DispatchTotal     *prometheus.CounterVec   // outbox_dispatch_total{table,topic,result}
-	DeadTotal         *prometheus.CounterVec   // outbox_dead_total{table,topic}
-	DispatchLatency   *prometheus.HistogramVec // outbox_dispatch_latency_seconds{table,topic,result}
-	Pending           *prometheus.GaugeVec     // outbox_pending{table}
-	Locked            *prometheus.GaugeVec     // outbox_locked{table}
-	RelayLeader       *prometheus.GaugeVec     // outbox_relay_leader{table}
-	OldestPendingAge  *prometheus.GaugeVec     // outbox_oldest_pending_age_seconds{table}
-	DeliveryLag       *prometheus.HistogramVec // outbox_delivery_lag_seconds{table}
-	CleanerDeleted    *prometheus.CounterVec   // outbox_cleaner_deleted_total{table,kind}
-	LeaseExtended     *prometheus.CounterVec   // outbox_lease_extended_total{table}
-	FenceRejected     *prometheus.CounterVec   // outbox_fence_rejected_total{table,op}
+	EnqueueTotal     *prometheus.CounterVec   // outbox_enqueue_total{table,topic}
+	DispatchTotal    *prometheus.CounterVec   // outbox_dispatch_total{table,topic,result}
+	DeadTotal        *prometheus.CounterVec   // outbox_dead_total{table,topic}
+	DispatchLatency  *prometheus.HistogramVec // outbox_dispatch_latency_seconds{table,topic,result}
+	Pending          *prometheus.GaugeVec     // outbox_pending{table}
+	Locked           *prometheus.GaugeVec     // outbox_locked{table}
+	RelayLeader      *prometheus.GaugeVec     // outbox_relay_leader{table}
+	OldestPendingAge *prometheus.GaugeVec     // outbox_oldest_pending_age_seconds{table}
+	DeliveryLag      *prometheus.HistogramVec // outbox_delivery_lag_seconds{table}
+	CleanerDeleted   *prometheus.CounterVec   // outbox_cleaner_deleted_total{table,kind}
+	LeaseExtended    *prometheus.CounterVec   // outbox_lease_extended_total{table}
+	FenceRejected    *prometheus.CounterVec   // outbox_fence_rejected_total{table,op}
 }
 
 // Names of the exported metrics, for alert rules and dashboards.

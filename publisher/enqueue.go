@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"sync"
 
 	"github.com/google/uuid"
@@ -251,53 +253,82 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 		args = append(args, nullIfEmpty(headers))
 	}
 	var (
-		resultJSON []byte
-		nul        bool
+		written string
+		nul     bool
 	)
-	if err := tx.QueryRow(ctx, q.EnqueueBatch, args...).Scan(&resultJSON, &nul); err != nil {
+	if err := tx.QueryRow(ctx, q.EnqueueBatch, args...).Scan(&written, &nul); err != nil {
 		return nil, fmt.Errorf("outbox enqueue batch of %d into %s: %w", n, table, err)
 	}
-	var rows [][5]json.RawMessage
-	if err := json.Unmarshal(resultJSON, &rows); err != nil {
-		return nil, fmt.Errorf("outbox enqueue batch into %s: decode result: %w", table, err)
-	}
-	type result struct {
-		seq           int64
-		tenant, topic string
-		inserted      bool
-	}
-	byID := make(map[string]result, len(rows))
-	for _, r := range rows {
-		var (
-			id  string
-			res result
-		)
-		if err := errors.Join(json.Unmarshal(r[0], &id), json.Unmarshal(r[1], &res.seq), json.Unmarshal(r[2], &res.tenant),
-			json.Unmarshal(r[3], &res.topic), json.Unmarshal(r[4], &res.inserted)); err != nil {
+	seqByID := make(map[string]int64, n)
+	for written != "" {
+		var item string
+		item, written, _ = strings.Cut(written, ",")
+		id, seqText, _ := strings.Cut(item, ":")
+		seq, err := strconv.ParseInt(seqText, 10, 64)
+		if err != nil {
 			return nil, fmt.Errorf("outbox enqueue batch into %s: decode result: %w", table, err)
 		}
-		byID[id] = res
+		seqByID[id] = seq
+	}
+	newByTopic := map[string]int{}
+	var skipped []string
+	for k, i := range unique {
+		if _, ok := seqByID[ids[k]]; ok {
+			newByTopic[msgs[i].Topic]++
+		} else {
+			skipped = append(skipped, ids[k])
+		}
+	}
+	if len(skipped) > 0 {
+		if err := e.existing(ctx, tx, q, skipped, msgs, first, seqByID); err != nil {
+			return nil, err
+		}
 	}
 	seqs := make([]int64, len(msgs))
-	newByTopic := map[string]int{}
 	for i := range msgs {
-		m := &msgs[i]
-		res, ok := byID[m.EventID.String()]
-		if !ok {
-			return nil, fmt.Errorf("outbox enqueue batch into %s: no row returned for event_id %s", table, m.EventID)
-		}
-		if !res.inserted && (res.tenant != m.TenantID.String() || res.topic != m.Topic) {
-			return nil, &ConflictError{EventID: m.EventID, ExistingTenant: res.tenant, ExistingTopic: res.topic, Sequence: res.seq}
-		}
-		if res.inserted && first[m.EventID] == i {
-			newByTopic[m.Topic]++
-		}
-		seqs[i] = res.seq
+		seqs[i] = seqByID[msgs[i].EventID.String()]
 	}
 	for topic, c := range newByTopic {
 		e.cfg.Metrics.Enqueued(table.Qualified(), topic, c)
 	}
 	return seqs, nil
+}
+
+// existing resolves the sequences of event_ids that EnqueueBatch skipped
+// because they were already enqueued, and checks their tenant and topic.
+func (e *Enqueuer) existing(ctx context.Context, tx Tx, q *schema.Queries, ids []string, msgs []Message, first map[uuid.UUID]int, seqByID map[string]int64) error {
+	var resultJSON []byte
+	if err := tx.QueryRow(ctx, q.ExistingEvents, ids).Scan(&resultJSON); err != nil {
+		return fmt.Errorf("outbox enqueue batch into %s: look up existing events: %w", q.Table, err)
+	}
+	var rows [][4]json.RawMessage
+	if err := json.Unmarshal(resultJSON, &rows); err != nil {
+		return fmt.Errorf("outbox enqueue batch into %s: decode existing events: %w", q.Table, err)
+	}
+	for _, r := range rows {
+		var (
+			id, tenant, topic string
+			seq               int64
+		)
+		if err := errors.Join(json.Unmarshal(r[0], &id), json.Unmarshal(r[1], &seq), json.Unmarshal(r[2], &tenant), json.Unmarshal(r[3], &topic)); err != nil {
+			return fmt.Errorf("outbox enqueue batch into %s: decode existing events: %w", q.Table, err)
+		}
+		eventID, err := uuid.Parse(id)
+		if err != nil {
+			return fmt.Errorf("outbox enqueue batch into %s: decode existing events: %w", q.Table, err)
+		}
+		m := msgs[first[eventID]]
+		if tenant != m.TenantID.String() || topic != m.Topic {
+			return &ConflictError{EventID: eventID, ExistingTenant: tenant, ExistingTopic: topic, Sequence: seq}
+		}
+		seqByID[id] = seq
+	}
+	for _, id := range ids {
+		if _, ok := seqByID[id]; !ok {
+			return fmt.Errorf("outbox enqueue batch into %s: event_id %s was neither written nor found", q.Table, id)
+		}
+	}
+	return nil
 }
 
 func (e *Enqueuer) channel(t schema.Table) string {

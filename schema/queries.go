@@ -1,6 +1,7 @@
 package schema
 
 import (
+	"strconv"
 	"strings"
 )
 
@@ -23,10 +24,16 @@ type Queries struct {
 	Enqueue string
 
 	// EnqueueBatch is Enqueue for many rows, as text arrays in the same
-	// argument order. It returns one row, a JSON array of
-	// [event_id, sequence, tenant_id, topic, inserted] per row written, so
-	// that database/sql drivers can read it too.
+	// argument order, skipping event_ids that exist. It returns one row (so
+	// that database/sql drivers read it too): "event_id:sequence,..." for
+	// the rows written, and whether NOTIFY ran. It wakes relays only when it
+	// wrote a row.
 	EnqueueBatch string
+
+	// ExistingEvents looks up rows by event_id, for the event_ids that
+	// EnqueueBatch skipped. Args: event_ids (text array). Returns one JSON
+	// array of [event_id, sequence, tenant_id, topic].
+	ExistingEvents string
 
 	// ClaimAll and ClaimTopic lease up to a batch of due rows (DESIGN §5).
 	// Args: max_attempts, lock_ttl seconds (float8), batch size, and for
@@ -91,9 +98,12 @@ func NewQueries(t Table, c Columns) *Queries {
 SELECT sequence, tenant_id::text, topic, inserted, ` + notify + ` IS NULL FROM ins`
 
 	q.EnqueueBatch = `WITH ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `)
-SELECT ` + strings.Join(unnestCols, ", ") + ` FROM unnest(` + strings.Join(unnestArgs, ", ") + `) AS u(` + strings.Join(aliases, ", ") + `)` +
-		conflict + ` RETURNING event_id, sequence, tenant_id, topic, (xmax = 0) AS inserted)
-SELECT COALESCE(json_agg(json_build_array(event_id::text, sequence, tenant_id::text, topic, inserted)), '[]')::text, ` + notify + ` IS NULL FROM ins`
+SELECT ` + strings.Join(unnestCols, ", ") + ` FROM unnest(` + strings.Join(unnestArgs, ", ") + `) AS u(` + strings.Join(aliases, ", ") + `)
+ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING event_id, sequence)
+SELECT COALESCE(string_agg(event_id::text || ':' || sequence::text, ','), ''), ` + notify + ` IS NULL FROM ins`
+
+	q.ExistingEvents = `SELECT COALESCE(json_agg(json_build_array(event_id::text, sequence, tenant_id::text, topic)), '[]')::text FROM ` + tbl + `
+WHERE event_id = ANY($1::uuid[])`
 
 	returning := claimReturning(c)
 	claim := func(topicFilter string) string {
@@ -148,11 +158,6 @@ func claimReturning(c Columns) string {
 	return strings.Join(cols, ", ")
 }
 
-func itoa(n int) string {
-	if n < 10 {
-		return string(rune('0' + n))
-	}
-	return itoa(n/10) + string(rune('0'+n%10))
-}
+func itoa(n int) string { return strconv.Itoa(n) }
 
 func joinComma(s []string) string { return strings.Join(s, ", ") }

@@ -131,9 +131,13 @@ func (t Table) LockKey() int64 { return fnvKey("outbox:" + t.Qualified()) }
 func (t Table) migrateLockKey() int64 { return fnvKey("outbox-migrate:" + t.Qualified()) }
 
 func fnvKey(s string) int64 {
+	return int64(fnvSum(s)) //nolint:gosec // the key is a bit pattern; wrapping to negative values is intended
+}
+
+func fnvSum(s string) uint64 {
 	h := fnv.New64a()
 	_, _ = h.Write([]byte(s))
-	return int64(h.Sum64()) //nolint:gosec // the key is a bit pattern; wrapping to negative values is intended
+	return h.Sum64()
 }
 
 // NotifyChannel is the LISTEN/NOTIFY channel on which enqueues of this table
@@ -145,7 +149,7 @@ func (t Table) NotifyChannel() string {
 	if len(ch) <= MaxIdentifierBytes {
 		return ch
 	}
-	return "outbox:" + strconv.FormatUint(uint64(t.LockKey()), 16)
+	return "outbox:" + strconv.FormatUint(fnvSum("outbox:"+t.Qualified()), 16)
 }
 
 // ident renders a derived object name (index or constraint) of the table:

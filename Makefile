@@ -1,0 +1,45 @@
+# watermill-outbox: make help lists the targets.
+SHELL := /bin/bash
+GOLANGCI_LINT_VERSION ?= v2.15.0
+GOBIN ?= $(shell go env GOPATH)/bin
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
+export TEST_DATABASE_URL
+
+.PHONY: help up wait test test_short test_race test_stress lint fmt vet bench demo
+
+help: ## List the targets.
+	@grep -E '^[a-z_]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+up: ## Check PostgreSQL and RabbitMQ and start whichever is down (fails loudly if it cannot).
+	@./scripts/services.sh up
+
+wait: ## Wait until PostgreSQL and RabbitMQ accept connections.
+	@./scripts/services.sh wait
+
+test: ## Run every test against the real services (the command CI runs).
+	go test -count=1 -timeout 30m ./...
+
+test_short: ## Run the tests with -short.
+	go test -count=1 -short -timeout 10m ./...
+
+test_race: ## Run every test with the race detector.
+	go test -count=1 -race -timeout 40m ./...
+
+test_stress: ## Run Watermill's stress suite (build tag stress).
+	go test -count=1 -tags stress -timeout 60m ./subscriber/...
+
+fmt: ## Format the code.
+	gofmt -w $$(git ls-files '*.go')
+
+vet: ## go vet.
+	go vet ./...
+
+lint: ## gofmt check, go vet and golangci-lint (installed from the module proxy if missing).
+	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || (echo "gofmt needed:"; gofmt -l $$(git ls-files '*.go'); exit 1)
+	go vet ./...
+	@test -x $(GOBIN)/golangci-lint && $(GOBIN)/golangci-lint version 2>/dev/null | grep -q $(GOLANGCI_LINT_VERSION:v%=%) || \
+		GOBIN=$(GOBIN) go install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
+	$(GOBIN)/golangci-lint run ./...
+
+bench: ## Print the benchmark tables (outbox vs baselines measured in the same run).
+	go run ./cmd/outbox-bench -suite all

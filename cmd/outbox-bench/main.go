@@ -1,0 +1,122 @@
+// Command outbox-bench measures the outbox against baselines measured in the
+// same run, on the local PostgreSQL, and prints a table with ratios.
+//
+//	go run ./cmd/outbox-bench -suite enqueue
+//
+// Suites: enqueue (Enqueue and EnqueueBatch beside a bare INSERT into an
+// equivalent table, with and without the NOTIFY wake-up). Stop early with
+// SIGINT; the figures so far are printed.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+type options struct {
+	dbURL    string
+	duration time.Duration
+	workers  int
+	rounds   int
+}
+
+func main() {
+	var (
+		o     options
+		suite string
+	)
+	flag.StringVar(&o.dbURL, "db", envOr("TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL URL")
+	flag.DurationVar(&o.duration, "duration", 3*time.Second, "length of one measurement")
+	flag.IntVar(&o.workers, "workers", 4, "concurrent producers")
+	flag.IntVar(&o.rounds, "rounds", 2, "measurements per case, interleaved; the best is kept")
+	flag.StringVar(&suite, "suite", "enqueue", "comma-separated suites: enqueue")
+	flag.Parse()
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	if err := run(ctx, o, strings.Split(suite, ",")); err != nil {
+		fmt.Fprintln(os.Stderr, "outbox-bench:", err)
+		os.Exit(1)
+	}
+}
+
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}
+
+func run(ctx context.Context, o options, suites []string) error {
+	cfg, err := pgxpool.ParseConfig(o.dbURL)
+	if err != nil {
+		return fmt.Errorf("parse -db: %w", err)
+	}
+	cfg.MaxConns = int32(o.workers + 4)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return fmt.Errorf("connect: %w", err)
+	}
+	defer pool.Close()
+	if err := pool.Ping(ctx); err != nil {
+		return fmt.Errorf("PostgreSQL at -db is required (run `make up`): %w", err)
+	}
+	schemaName := fmt.Sprintf("bench_%d", time.Now().UnixNano())
+	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{schemaName}.Sanitize()); err != nil {
+		return fmt.Errorf("create schema: %w", err)
+	}
+	defer func() {
+		_, _ = pool.Exec(context.Background(), `DROP SCHEMA `+pgx.Identifier{schemaName}.Sanitize()+` CASCADE`)
+	}()
+	fmt.Printf("outbox-bench: PostgreSQL %s, %d workers, %s per measurement, best of %d\n\n", serverVersion(ctx, pool), o.workers, o.duration, o.rounds)
+	for _, s := range suites {
+		switch strings.TrimSpace(s) {
+		case "enqueue":
+			if err := enqueueSuite(ctx, pool, schemaName, o); err != nil {
+				return err
+			}
+		default:
+			return fmt.Errorf("unknown suite %q (known: enqueue)", s)
+		}
+	}
+	return nil
+}
+
+func serverVersion(ctx context.Context, pool *pgxpool.Pool) string {
+	var v string
+	_ = pool.QueryRow(ctx, `SHOW server_version`).Scan(&v)
+	return v
+}
+
+// row is one line of a result table.
+type row struct {
+	name     string
+	value    float64
+	unit     string
+	baseline string  // name of the row this one is compared with
+	ratio    float64 // value / baseline value
+}
+
+func printTable(title string, rows []row) {
+	fmt.Println(title)
+	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(w, "case\tresult\tunit\tvs baseline\t")
+	for _, r := range rows {
+		cmp := "baseline"
+		if r.baseline != "" {
+			cmp = fmt.Sprintf("%.2fx of %s", r.ratio, r.baseline)
+		}
+		fmt.Fprintf(w, "%s\t%.0f\t%s\t%s\t\n", r.name, r.value, r.unit, cmp)
+	}
+	_ = w.Flush()
+	fmt.Println()
+}

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Checks the services the tests need and starts whichever is down, with the
+# start commands of this machine kind (Debian packages, no Docker). Fails
+# loudly when a service cannot be reached: tests never skip a missing service.
+set -euo pipefail
+
+PG_HOST=${PG_HOST:-127.0.0.1}
+PG_PORT=${PG_PORT:-5432}
+AMQP_HOST=${AMQP_HOST:-127.0.0.1}
+AMQP_PORT=${AMQP_PORT:-5672}
+
+pg_up() { pg_isready -q -h "$PG_HOST" -p "$PG_PORT"; }
+amqp_up() { (exec 3<>"/dev/tcp/$AMQP_HOST/$AMQP_PORT") 2>/dev/null; }
+
+wait_for() { # name check seconds
+	local name=$1 check=$2 secs=$3
+	for ((i = 0; i < secs * 2; i++)); do
+		if $check; then echo "$name: up"; return 0; fi
+		sleep 0.5
+	done
+	echo "$name: NOT reachable after ${secs}s" >&2
+	return 1
+}
+
+start_pg() {
+	echo "PostgreSQL: down, starting"
+	local v
+	v=$(ls /etc/postgresql 2>/dev/null | sort -V | tail -n1)
+	[ -n "$v" ] || { echo "PostgreSQL is not installed (/etc/postgresql missing)" >&2; return 1; }
+	pg_ctlcluster --skip-systemctl-redirect "$v" main start
+}
+
+start_amqp() {
+	echo "RabbitMQ: down, starting"
+	command -v rabbitmq-server >/dev/null || { echo "RabbitMQ is not installed" >&2; return 1; }
+	rabbitmq-server -detached
+}
+
+ensure_test_db() {
+	psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'" | grep -q 1 ||
+		psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -c "CREATE DATABASE test"
+}
+
+case "${1:-up}" in
+up)
+	pg_up || start_pg
+	wait_for PostgreSQL pg_up 60
+	ensure_test_db
+	amqp_up || start_amqp
+	wait_for RabbitMQ amqp_up 120
+	;;
+wait)
+	wait_for PostgreSQL pg_up 60
+	wait_for RabbitMQ amqp_up 120
+	;;
+*)
+	echo "usage: $0 up|wait" >&2
+	exit 2
+	;;
+esac
