@@ -9,6 +9,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -117,6 +118,59 @@ func (p *TxPublisher) convert(i int, topic string, m *message.Message) (Message,
 // Close makes later Publish calls fail. It does not touch the transaction,
 // which the caller commits or rolls back. Close is idempotent.
 func (p *TxPublisher) Close() error {
+	p.closed.Store(true)
+	return nil
+}
+
+// Beginner begins transactions; *pgxpool.Pool and *pgx.Conn satisfy it.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// DBPublisher is a Watermill message.Publisher that enqueues each Publish
+// call in a transaction of its own. Use it where there is no business write
+// to join (tests, tools, events that stand alone); use TxPublisher or
+// Enqueue to commit events with business rows.
+type DBPublisher struct {
+	db     Beginner
+	cfg    TxPublisherConfig
+	closed atomic.Bool
+}
+
+var _ message.Publisher = (*DBPublisher)(nil)
+
+// NewDBPublisher returns a publisher that opens a transaction on db per
+// Publish call.
+func NewDBPublisher(db Beginner, cfg TxPublisherConfig) (*DBPublisher, error) {
+	if db == nil {
+		return nil, errors.New("invalid config: nil db; pass a *pgxpool.Pool")
+	}
+	if cfg.Table.IsZero() {
+		return nil, errors.New("invalid config: Table is not set; build it with schema.ParseTable")
+	}
+	return &DBPublisher{db: db, cfg: cfg}, nil
+}
+
+// Publish enqueues msgs in one transaction, committed before it returns.
+func (p *DBPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if p.closed.Load() {
+		return ErrPublisherClosed
+	}
+	ctx := context.Background()
+	if len(msgs) > 0 && msgs[0].Context() != nil {
+		ctx = msgs[0].Context()
+	}
+	return pgx.BeginFunc(ctx, p.db, func(tx pgx.Tx) error {
+		tp, err := NewTxPublisher(tx, p.cfg)
+		if err != nil {
+			return err
+		}
+		return tp.Publish(topic, msgs...)
+	})
+}
+
+// Close makes later Publish calls fail. It is idempotent.
+func (p *DBPublisher) Close() error {
 	p.closed.Store(true)
 	return nil
 }

@@ -57,11 +57,9 @@ func columnsOf(opts []MigrateOption) Columns {
 	return c
 }
 
-// upStatements is the DDL of DESIGN §3, idempotent (IF NOT EXISTS throughout).
-func upStatements(t Table, c Columns) []string {
-	tbl := t.Sanitize()
-	stmts := []string{
-		`CREATE TABLE IF NOT EXISTS ` + tbl + ` (
+// createTableStatement is the CREATE TABLE of DESIGN §3.
+func createTableStatement(t Table) string {
+	return `CREATE TABLE IF NOT EXISTS ` + t.Sanitize() + ` (
   id           UUID        NOT NULL DEFAULT gen_random_uuid(),
   tenant_id    UUID        NOT NULL,
   topic        TEXT        NOT NULL,
@@ -77,10 +75,36 @@ func upStatements(t Table, c Columns) []string {
   CONSTRAINT ` + t.ident(suffixPkey) + ` PRIMARY KEY (id),
   CONSTRAINT ` + t.ident(suffixEventIDKey) + ` UNIQUE (event_id),
   CONSTRAINT ` + t.ident(suffixAttemptsCheck) + ` CHECK (attempts >= 0)
-)`,
-		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixPendingIndex) + ` ON ` + tbl + ` (available_at, sequence) WHERE published_at IS NULL`,
-		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixPublishedIndex) + ` ON ` + tbl + ` (published_at, sequence) WHERE published_at IS NOT NULL`,
-		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixTenantIndex) + ` ON ` + tbl + ` (tenant_id, published_at, sequence)`,
+)`
+}
+
+type indexDef struct {
+	suffix, stmt string
+}
+
+// indexes lists the secondary indexes of DESIGN §3.
+func indexes(t Table) []indexDef {
+	tbl := t.Sanitize()
+	return []indexDef{
+		{suffixPendingIndex, `CREATE INDEX IF NOT EXISTS ` + t.ident(suffixPendingIndex) + ` ON ` + tbl + ` (available_at, sequence) WHERE published_at IS NULL`},
+		{suffixPublishedIndex, `CREATE INDEX IF NOT EXISTS ` + t.ident(suffixPublishedIndex) + ` ON ` + tbl + ` (published_at, sequence) WHERE published_at IS NOT NULL`},
+		{suffixTenantIndex, `CREATE INDEX IF NOT EXISTS ` + t.ident(suffixTenantIndex) + ` ON ` + tbl + ` (tenant_id, published_at, sequence)`},
+	}
+}
+
+// indexRegclass names index suffix of t for to_regclass.
+func (t Table) indexRegclass(suffix string) string {
+	if t.schema == "" {
+		return pgx.Identifier{t.name + suffix}.Sanitize()
+	}
+	return pgx.Identifier{t.schema, t.name + suffix}.Sanitize()
+}
+
+// upStatements is the DDL of DESIGN §3, idempotent (IF NOT EXISTS throughout).
+func upStatements(t Table, c Columns) []string {
+	stmts := []string{createTableStatement(t)}
+	for _, ix := range indexes(t) {
+		stmts = append(stmts, ix.stmt)
 	}
 	return append(stmts, optionalColumnStatements(t, c)...)
 }
@@ -158,7 +182,41 @@ func Migrate(ctx context.Context, db DB, t Table, opts ...MigrateOption) (err er
 			}
 		}
 	}
-	for _, stmt := range upStatements(t, columnsOf(opts)) {
+	// Run only what is missing: CREATE INDEX IF NOT EXISTS and ALTER TABLE
+	// lock the table even when there is nothing to do, which would stall
+	// (or deadlock with) live traffic when every process migrates at start.
+	exists := func(name string) (bool, error) {
+		var ok bool
+		err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, name).Scan(&ok)
+		return ok, err
+	}
+	var stmts []string
+	ok, err := exists(t.Sanitize())
+	if err != nil {
+		return fmt.Errorf("migrate %s: look up table: %w", t, err)
+	}
+	if !ok {
+		stmts = upStatements(t, columnsOf(opts))
+	} else {
+		for _, ix := range indexes(t) {
+			if ok, err = exists(t.indexRegclass(ix.suffix)); err != nil {
+				return fmt.Errorf("migrate %s: look up index: %w", t, err)
+			}
+			if !ok {
+				stmts = append(stmts, ix.stmt)
+			}
+		}
+		have, err := DetectColumns(ctx, tx, t)
+		if err != nil {
+			return fmt.Errorf("migrate %s: %w", t, err)
+		}
+		want := columnsOf(opts)
+		stmts = append(stmts, optionalColumnStatements(t, Columns{
+			TraceContext: want.TraceContext && !have.TraceContext,
+			Headers:      want.Headers && !have.Headers,
+		})...)
+	}
+	for _, stmt := range stmts {
 		if _, err = tx.Exec(ctx, stmt); err != nil {
 			return fmt.Errorf("migrate %s: %w", t, err)
 		}

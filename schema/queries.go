@@ -56,6 +56,18 @@ type Queries struct {
 	// Args: id, attempts, locked_at. Returns: the new locked_at.
 	Extend string
 
+	// Release gives leases back without an attempt's verdict, when a
+	// subscription stops: locked_at = NULL, due now, and attempts lowered
+	// by the undo argument (1 for rows never delivered, 0 for rows whose
+	// handler did not answer). Fenced like Ack.
+	// Args: ids, attempts, locked_ats (arrays), undo.
+	Release string
+
+	// Stats reads the gauges of one table. Args: max_attempts. Returns:
+	// pending (unpublished, dead included), locked, dead, oldest pending
+	// (not dead) age in seconds.
+	Stats string
+
 	// AckUpToInTx is the watermill-sql offsets-style ack used by Adapter: it
 	// marks published the rows this same transaction claimed (locked_at =
 	// now()) up to a sequence. Args: sequence.
@@ -139,6 +151,14 @@ RETURNING o.attempts >= $5::int`
 FROM (SELECT $1::uuid AS id, $2::int AS attempts, $3::timestamptz AS locked_at) AS a
 WHERE ` + fence + `
 RETURNING o.locked_at`
+
+	q.Release = `UPDATE ` + tbl + ` AS o SET locked_at = NULL, available_at = now(), attempts = GREATEST(o.attempts - $4::int, 0)
+FROM unnest($1::uuid[], $2::int[], $3::timestamptz[]) AS a(id, attempts, locked_at)
+WHERE ` + fence
+
+	q.Stats = `SELECT count(*), count(*) FILTER (WHERE locked_at IS NOT NULL), count(*) FILTER (WHERE attempts >= $1::int),
+  COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE attempts < $1::int))::float8, 0)
+FROM ` + tbl + ` WHERE published_at IS NULL`
 
 	q.AckUpToInTx = `UPDATE ` + tbl + ` SET published_at = now(), locked_at = NULL, last_error = NULL
 WHERE locked_at = now() AND published_at IS NULL AND sequence <= $1`

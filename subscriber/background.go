@@ -1,0 +1,271 @@
+package subscriber
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// opTimeout bounds one ack, nack, renewal or release statement.
+const opTimeout = 10 * time.Second
+
+// ackReq is one acked message waiting to be written.
+type ackReq struct{ c *claimed }
+
+// maxAckGroup bounds the rows of one ack statement.
+const maxAckGroup = 1000
+
+// runAcker writes acks in groups: it takes what has accumulated while the
+// previous statement ran, so under load one statement acks many rows.
+func (s *Subscriber) runAcker() {
+	defer s.ackerWg.Done()
+	group := make([]*claimed, 0, maxAckGroup)
+	for {
+		select {
+		case r := <-s.acks:
+			group = append(group[:0], r.c)
+		case <-s.ackStop:
+			for {
+				select {
+				case r := <-s.acks:
+					group = append(group[:0], r.c)
+				drain:
+					for len(group) < maxAckGroup {
+						select {
+						case r := <-s.acks:
+							group = append(group, r.c)
+						default:
+							break drain
+						}
+					}
+					s.writeAcks(group)
+				default:
+					return
+				}
+			}
+		}
+	more:
+		for len(group) < maxAckGroup {
+			select {
+			case r := <-s.acks:
+				group = append(group, r.c)
+			default:
+				break more
+			}
+		}
+		s.writeAcks(group)
+	}
+}
+
+func (s *Subscriber) writeAcks(group []*claimed) {
+	ids, attempts, locked := make([]string, len(group)), make([]int32, len(group)), make([]time.Time, len(group))
+	for i, c := range group {
+		ids[i], attempts[i], locked[i] = c.fence()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	defer cancel()
+	var (
+		acked map[string]float64
+		err   error
+	)
+	for try := 0; try < 3; try++ {
+		if acked, err = s.ackRows(ctx, ids, attempts, locked); err == nil {
+			break
+		}
+		time.Sleep(time.Duration(try+1) * 50 * time.Millisecond)
+	}
+	if err != nil {
+		// The leases stay; the rows are delivered again after LockTTL.
+		s.logger.Error("Could not write acks; the rows are delivered again after the lock TTL", err, watermill.LogFields{"rows": len(group)})
+		return
+	}
+	m := s.cfg.Metrics
+	for _, c := range group {
+		lag, ok := acked[c.row.ID]
+		if !ok {
+			s.fenceRejected("ack")
+			s.logger.Info("Ack ignored: the lease passed to another holder", watermill.LogFields{"event_id": c.row.EventID})
+			continue
+		}
+		if m != nil {
+			s.observeDispatch(c, "success")
+			m.DeliveryLag.WithLabelValues(s.label).Observe(lag)
+		}
+	}
+}
+
+func (s *Subscriber) ackRows(ctx context.Context, ids []string, attempts []int32, locked []time.Time) (map[string]float64, error) {
+	rows, err := s.pool.Query(ctx, s.q.Ack, ids, attempts, locked)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	acked := make(map[string]float64, len(ids))
+	for rows.Next() {
+		var (
+			id  string
+			lag float64
+		)
+		if err := rows.Scan(&id, &lag); err != nil {
+			return nil, err
+		}
+		acked[id] = lag
+	}
+	return acked, rows.Err()
+}
+
+// elector holds the table's session-level advisory lock on a dedicated
+// connection while this subscriber is the leader.
+type elector struct {
+	s        *Subscriber
+	mu       sync.Mutex
+	conn     *pgxpool.Conn
+	isLeader atomic.Bool
+}
+
+func (e *elector) run(ctx context.Context) {
+	defer e.s.bgWg.Done()
+	t := time.NewTicker(e.s.cfg.ElectionInterval)
+	defer t.Stop()
+	for {
+		e.tick(ctx)
+		select {
+		case <-ctx.Done():
+			e.resign()
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (e *elector) tick(ctx context.Context) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	s := e.s
+	if e.conn != nil {
+		pctx, cancel := context.WithTimeout(ctx, opTimeout)
+		err := e.conn.Ping(pctx)
+		cancel()
+		if err != nil && ctx.Err() == nil {
+			s.logger.Error("Leader connection lost; standing down", err, nil)
+			e.dropLocked()
+		}
+		return
+	}
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.logger.Error("Cannot acquire a connection for the leader election", err, nil)
+		}
+		return
+	}
+	var got bool
+	if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1)`, s.cfg.Table.LockKey()).Scan(&got); err != nil || !got {
+		if err != nil && ctx.Err() == nil {
+			s.logger.Error("Leader election query failed", err, nil)
+		}
+		conn.Release()
+		return
+	}
+	e.conn = conn
+	e.isLeader.Store(true)
+	s.setLeaderGauge(1)
+	s.logger.Info("Became the active relay for the table", nil)
+	s.wake.broadcast()
+}
+
+// withConn runs fn on the leader's connection; it fails when this subscriber
+// is not the leader, and stands down when the connection broke.
+func (e *elector) withConn(ctx context.Context, fn func(*pgx.Conn) error) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.conn == nil {
+		return errNotLeader
+	}
+	err := fn(e.conn.Conn())
+	if err != nil && e.conn.Conn().IsClosed() {
+		e.s.logger.Error("Leader connection lost during a claim; standing down", err, nil)
+		e.dropLocked()
+	}
+	return err
+}
+
+var errNotLeader = errors.New("not the active relay for the table")
+
+// dropLocked forgets a broken leader connection; closing it ends the session
+// and so releases the lock if the server still holds it.
+func (e *elector) dropLocked() {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	_ = e.conn.Conn().Close(ctx)
+	cancel()
+	e.conn.Release()
+	e.conn = nil
+	e.isLeader.Store(false)
+	e.s.setLeaderGauge(0)
+}
+
+func (e *elector) resign() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.conn == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	defer cancel()
+	if _, err := e.conn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, e.s.cfg.Table.LockKey()); err != nil {
+		e.dropLocked()
+		return
+	}
+	e.conn.Release()
+	e.conn = nil
+	e.isLeader.Store(false)
+	e.s.setLeaderGauge(0)
+}
+
+func (s *Subscriber) setLeaderGauge(v float64) {
+	if m := s.cfg.Metrics; m != nil {
+		m.RelayLeader.WithLabelValues(s.label).Set(v)
+	}
+}
+
+// runStats refreshes the table gauges.
+func (s *Subscriber) runStats(ctx context.Context) {
+	defer s.bgWg.Done()
+	t := time.NewTicker(s.cfg.StatsInterval)
+	defer t.Stop()
+	for {
+		if s.IsLeader() {
+			s.refreshStats(ctx)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (s *Subscriber) refreshStats(ctx context.Context) {
+	qctx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	var (
+		pending, locked, dead int64
+		oldest                float64
+	)
+	if err := s.pool.QueryRow(qctx, s.q.Stats, s.cfg.MaxAttempts).Scan(&pending, &locked, &dead, &oldest); err != nil {
+		if ctx.Err() == nil {
+			s.logger.Error("Could not read table stats", err, nil)
+		}
+		return
+	}
+	m := s.cfg.Metrics
+	m.Pending.WithLabelValues(s.label).Set(float64(pending))
+	m.Locked.WithLabelValues(s.label).Set(float64(locked))
+	m.OldestPendingAge.WithLabelValues(s.label).Set(oldest)
+}

@@ -1,0 +1,177 @@
+package subscriber
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/outboxkit/watermill-outbox/internal/redact"
+	"github.com/outboxkit/watermill-outbox/metrics"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// AllTopics as the topic of Subscribe delivers every row of the table.
+const AllTopics = schema.AllTopics
+
+// Defaults of Config (DESIGN §5).
+const (
+	BatchSizeDefault         = schema.BatchSizeDefault
+	PollIntervalDefault      = time.Second
+	LockTTLDefault           = schema.LockTTLDefault
+	MaxAttemptsDefault       = schema.MaxAttemptsDefault
+	ElectionIntervalDefault  = time.Second
+	CloseTimeoutDefault      = 30 * time.Second
+	StatsIntervalDefault     = 15 * time.Second
+	LastErrorMaxBytesDefault = redact.DefaultMaxBytes
+)
+
+// Config configures a Subscriber.
+type Config struct {
+	// Table is the outbox table. Required.
+	Table schema.Table
+	// BatchSize is how many rows one claim leases. Defaults to 100.
+	BatchSize int
+	// MaxInFlight bounds the messages delivered and not yet acked or nacked,
+	// per subscription. Defaults to 2 * BatchSize.
+	MaxInFlight int
+	// PollInterval is how often an idle subscriber looks for due rows (retries
+	// coming due, missed notifications). Defaults to 1s.
+	PollInterval time.Duration
+	// LockTTL is how long a lease lasts before another claim may take the row.
+	// Leases of messages still in flight are renewed at LockTTL/2. Defaults to
+	// 60s.
+	LockTTL time.Duration
+	// MaxAttempts is after how many failed attempts a row is dead. Defaults
+	// to 25.
+	MaxAttempts int
+	// Backoff returns the delay before the next attempt after attempt n
+	// failed. Defaults to DefaultBackoff.
+	Backoff func(attempt int) time.Duration
+	// DisableSingleActive lets several subscribers share the table through
+	// SKIP LOCKED alone. Defaults to false: one active subscriber per table,
+	// elected by advisory lock.
+	DisableSingleActive bool
+	// ElectionInterval is how often a standby tries to take over and a leader
+	// checks its connection. Defaults to 1s.
+	ElectionInterval time.Duration
+	// DisableNotify turns the LISTEN/NOTIFY wake-up off; new rows are then
+	// found by polling. Defaults to false.
+	DisableNotify bool
+	// DisableLeaseExtension turns off renewing the lease of messages in
+	// flight; a handler slower than LockTTL then sees its message delivered
+	// again. Defaults to false.
+	DisableLeaseExtension bool
+	// CloseTimeout bounds how long Close, or the end of a subscription, waits
+	// for messages in flight to be acked or nacked before giving their leases
+	// back. Defaults to 30s.
+	CloseTimeout time.Duration
+	// LastErrorMaxBytes bounds last_error. Defaults to 2048.
+	LastErrorMaxBytes int
+	// Metrics records dispatch results, latency, dead rows, delivery lag,
+	// leadership and the table gauges. Defaults to nil (no metrics).
+	Metrics *metrics.Metrics
+	// StatsInterval is how often the table gauges (pending, locked, oldest
+	// pending age) are refreshed when Metrics is set. Defaults to 15s.
+	StatsInterval time.Duration
+}
+
+func (c *Config) setDefaults() {
+	if c.BatchSize == 0 {
+		c.BatchSize = BatchSizeDefault
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = 2 * c.BatchSize
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = PollIntervalDefault
+	}
+	if c.LockTTL == 0 {
+		c.LockTTL = LockTTLDefault
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = MaxAttemptsDefault
+	}
+	if c.Backoff == nil {
+		c.Backoff = DefaultBackoff
+	}
+	if c.ElectionInterval == 0 {
+		c.ElectionInterval = ElectionIntervalDefault
+	}
+	if c.CloseTimeout == 0 {
+		c.CloseTimeout = CloseTimeoutDefault
+	}
+	if c.LastErrorMaxBytes == 0 {
+		c.LastErrorMaxBytes = LastErrorMaxBytesDefault
+	}
+	if c.StatsInterval == 0 {
+		c.StatsInterval = StatsIntervalDefault
+	}
+}
+
+func (c *Config) validate() error {
+	var errs []error
+	if c.Table.IsZero() {
+		errs = append(errs, errors.New("Table is required; build it with schema.ParseTable"))
+	}
+	positive := []struct {
+		name string
+		v    int64
+	}{
+		{"BatchSize", int64(c.BatchSize)}, {"MaxInFlight", int64(c.MaxInFlight)}, {"MaxAttempts", int64(c.MaxAttempts)},
+		{"PollInterval", int64(c.PollInterval)}, {"LockTTL", int64(c.LockTTL)}, {"ElectionInterval", int64(c.ElectionInterval)},
+		{"CloseTimeout", int64(c.CloseTimeout)}, {"LastErrorMaxBytes", int64(c.LastErrorMaxBytes)}, {"StatsInterval", int64(c.StatsInterval)},
+	}
+	for _, p := range positive {
+		if p.v < 0 {
+			errs = append(errs, fmt.Errorf("%s is negative; leave it 0 for the default or set a positive value", p.name))
+		}
+	}
+	if c.MaxInFlight > 0 && c.MaxInFlight < c.BatchSize {
+		errs = append(errs, fmt.Errorf("MaxInFlight (%d) is below BatchSize (%d); raise MaxInFlight or lower BatchSize", c.MaxInFlight, c.BatchSize))
+	}
+	if c.LockTTL > 0 && c.LockTTL < 100*time.Millisecond {
+		errs = append(errs, fmt.Errorf("LockTTL %s is too short to renew leases reliably; use at least 100ms", c.LockTTL))
+	}
+	if c.DisableLeaseExtension && c.CloseTimeout > c.LockTTL {
+		errs = append(errs, fmt.Errorf("with DisableLeaseExtension, CloseTimeout (%s) must not exceed LockTTL (%s): a lease would expire while Close waits", c.CloseTimeout, c.LockTTL))
+	}
+	return errors.Join(errs...)
+}
+
+// Backoff is the retry delay of DESIGN §5: min(Base * 2^(n-1), Max) plus a
+// jitter drawn uniformly from [0, Jitter) by Rand.
+type Backoff struct {
+	Base, Max, Jitter time.Duration
+	// Rand draws the jitter. Defaults to a source seeded at random.
+	Rand *rand.Rand
+	mu   sync.Mutex
+}
+
+// Delay returns the delay after failed attempt n (1-based).
+func (b *Backoff) Delay(n int) time.Duration {
+	if n < 1 {
+		n = 1
+	}
+	d := b.Max
+	if n <= 32 {
+		if exp := b.Base << (n - 1); exp > 0 && exp < b.Max {
+			d = exp
+		}
+	}
+	if b.Jitter > 0 {
+		b.mu.Lock()
+		if b.Rand == nil {
+			b.Rand = rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64())) //nolint:gosec // jitter needs no cryptographic randomness
+		}
+		d += time.Duration(b.Rand.Int64N(int64(b.Jitter)))
+		b.mu.Unlock()
+	}
+	return d
+}
+
+var defaultBackoff = &Backoff{Base: time.Second, Max: 60 * time.Second, Jitter: 200 * time.Millisecond}
+
+// DefaultBackoff is min(1s * 2^(n-1), 60s) + jitter(0..200ms).
+func DefaultBackoff(n int) time.Duration { return defaultBackoff.Delay(n) }

@@ -1,0 +1,195 @@
+package subscriber
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// notifier is the one LISTEN connection a pool needs: every Subscriber on the
+// pool registers its table's channel here, so a process with many
+// subscribers holds one listening connection, not one each.
+type notifier struct {
+	pool   *pgxpool.Pool
+	logger watermill.LoggerAdapter
+	refs   int
+
+	mu        sync.Mutex
+	channels  map[string]map[*broadcaster]struct{}
+	dirty     bool
+	interrupt context.CancelFunc
+
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+var (
+	notifiersMu sync.Mutex
+	notifiers   = map[*pgxpool.Pool]*notifier{}
+)
+
+// acquireNotifier returns the pool's notifier, starting it on first use.
+func acquireNotifier(pool *pgxpool.Pool, logger watermill.LoggerAdapter) *notifier {
+	notifiersMu.Lock()
+	defer notifiersMu.Unlock()
+	n := notifiers[pool]
+	if n == nil {
+		ctx, cancel := context.WithCancel(context.Background())
+		n = &notifier{pool: pool, logger: logger, channels: map[string]map[*broadcaster]struct{}{}, cancel: cancel, done: make(chan struct{})}
+		notifiers[pool] = n
+		go n.run(ctx)
+	}
+	n.refs++
+	return n
+}
+
+// release drops one reference; the last one stops the notifier and waits for
+// its goroutine.
+func (n *notifier) release() {
+	notifiersMu.Lock()
+	n.refs--
+	last := n.refs == 0
+	if last {
+		delete(notifiers, n.pool)
+	}
+	notifiersMu.Unlock()
+	if last {
+		n.cancel()
+		<-n.done
+	}
+}
+
+func (n *notifier) add(channel string, b *broadcaster) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.channels[channel] == nil {
+		n.channels[channel] = map[*broadcaster]struct{}{}
+	}
+	n.channels[channel][b] = struct{}{}
+	n.markDirtyLocked()
+}
+
+func (n *notifier) remove(channel string, b *broadcaster) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	delete(n.channels[channel], b)
+	if len(n.channels[channel]) == 0 {
+		delete(n.channels, channel)
+	}
+	n.markDirtyLocked()
+}
+
+func (n *notifier) markDirtyLocked() {
+	n.dirty = true
+	if n.interrupt != nil {
+		n.interrupt()
+	}
+}
+
+func (n *notifier) notify(channel string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for b := range n.channels[channel] {
+		b.broadcast()
+	}
+}
+
+func (n *notifier) notifyAll() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, bs := range n.channels {
+		for b := range bs {
+			b.broadcast()
+		}
+	}
+}
+
+func (n *notifier) run(ctx context.Context) {
+	defer close(n.done)
+	delay := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		err := n.session(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		n.logger.Error("LISTEN connection lost; reconnecting", err, watermill.LogFields{"retry_in": delay.String()})
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, 5*time.Second)
+	}
+}
+
+// session listens on one connection until it fails.
+func (n *notifier) session(ctx context.Context) error {
+	conn, err := n.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		// A connection that was listening is not handed out again.
+		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_ = conn.Conn().Close(cctx)
+		cancel()
+		conn.Release()
+	}()
+	listening := map[string]bool{}
+	// Rows committed while no one listened are found now.
+	n.notifyAll()
+	for {
+		n.mu.Lock()
+		want := make(map[string]bool, len(n.channels))
+		for ch := range n.channels {
+			want[ch] = true
+		}
+		n.dirty = false
+		n.mu.Unlock()
+		for ch := range want {
+			if !listening[ch] {
+				if _, err := conn.Exec(ctx, `LISTEN `+pgx.Identifier{ch}.Sanitize()); err != nil {
+					return err
+				}
+				listening[ch] = true
+				n.notify(ch)
+			}
+		}
+		for ch := range listening {
+			if !want[ch] {
+				if _, err := conn.Exec(ctx, `UNLISTEN `+pgx.Identifier{ch}.Sanitize()); err != nil {
+					return err
+				}
+				delete(listening, ch)
+			}
+		}
+		wctx, interrupt := context.WithCancel(ctx)
+		n.mu.Lock()
+		dirty := n.dirty
+		n.interrupt = interrupt
+		n.mu.Unlock()
+		if dirty {
+			interrupt()
+		}
+		msg, err := conn.Conn().WaitForNotification(wctx)
+		n.mu.Lock()
+		n.interrupt = nil
+		n.mu.Unlock()
+		interrupt()
+		switch {
+		case err == nil:
+			n.notify(msg.Channel)
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case wctx.Err() != nil && !conn.Conn().IsClosed():
+			// Interrupted to change the channel set.
+		default:
+			return errors.Join(errors.New("wait for notification"), err)
+		}
+	}
+}

@@ -1,0 +1,341 @@
+package subscriber
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/internal/redact"
+	"github.com/outboxkit/watermill-outbox/metrics"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// Subscriber is a message.Subscriber over one outbox table. Create it with
+// New; it is safe for concurrent use.
+type Subscriber struct {
+	pool   *pgxpool.Pool
+	cfg    Config
+	q      *schema.Queries
+	logger watermill.LoggerAdapter
+	label  string // table label for metrics
+
+	startOnce sync.Once
+	bgCtx     context.Context
+	bgCancel  context.CancelFunc
+	bgWg      sync.WaitGroup // elector, listener, stats
+	leader    *elector
+	wake      broadcaster
+	notifier  *notifier
+
+	acks     chan ackReq
+	ackStop  chan struct{}
+	ackerWg  sync.WaitGroup
+	closing  chan struct{}
+	closed   atomic.Bool
+	closeMu  sync.Mutex
+	subsWg   sync.WaitGroup
+	closeErr error
+}
+
+var _ message.Subscriber = (*Subscriber)(nil)
+
+// New returns a Subscriber for cfg.Table on pool. It checks that the table
+// exists and detects its optional columns. Once subscribed, a single-active
+// subscriber holds one connection of the pool for its life (the leader's),
+// and all subscribers on a pool share one listening connection: size the
+// pool for them.
+func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subscriber, error) {
+	if pool == nil {
+		return nil, errors.New("outbox subscriber: nil pool; pass a *pgxpool.Pool")
+	}
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("outbox subscriber: invalid config: %w", err)
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cols, err := schema.DetectColumns(ctx, pool, cfg.Table)
+	if err != nil {
+		return nil, fmt.Errorf("outbox subscriber: %w", err)
+	}
+	s := &Subscriber{
+		pool:    pool,
+		cfg:     cfg,
+		q:       schema.NewQueries(cfg.Table, cols),
+		logger:  logger.With(watermill.LogFields{"table": cfg.Table.String()}),
+		label:   cfg.Table.Qualified(),
+		acks:    make(chan ackReq, 4*cfg.BatchSize),
+		ackStop: make(chan struct{}),
+		closing: make(chan struct{}),
+	}
+	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
+	return s, nil
+}
+
+func (s *Subscriber) start() {
+	s.startOnce.Do(func() {
+		s.ackerWg.Add(1)
+		go s.runAcker()
+		if !s.cfg.DisableSingleActive {
+			s.leader = &elector{s: s}
+			s.bgWg.Add(1)
+			go s.leader.run(s.bgCtx)
+		}
+		if !s.cfg.DisableNotify {
+			s.notifier = acquireNotifier(s.pool, s.logger)
+			s.notifier.add(s.cfg.Table.NotifyChannel(), &s.wake)
+		}
+		if s.cfg.Metrics != nil {
+			s.bgWg.Add(1)
+			go s.runStats(s.bgCtx)
+		}
+	})
+}
+
+// IsLeader reports whether this subscriber holds the table's single-active
+// lock. It is always true with DisableSingleActive.
+func (s *Subscriber) IsLeader() bool {
+	return s.leader == nil || s.leader.isLeader.Load()
+}
+
+// Subscribe delivers the rows whose topic column equals topic, or every row
+// for AllTopics, until ctx is done or the subscriber is closed; then the
+// channel is closed. Ack marks the row published; Nack schedules a retry or
+// marks it dead (see package doc).
+func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	s.closeMu.Lock()
+	defer s.closeMu.Unlock()
+	if s.closed.Load() {
+		return nil, ErrSubscriberClosed
+	}
+	if topic == "" {
+		return nil, errors.New("outbox subscriber: empty topic; pass a topic or subscriber.AllTopics")
+	}
+	s.start()
+	ctx, cancel := context.WithCancel(ctx)
+	sub := &subscription{
+		s:       s,
+		topic:   topic,
+		out:     make(chan *message.Message),
+		ctx:     ctx,
+		cancel:  cancel,
+		slotted: make(chan struct{}, 1),
+		wake:    s.wake.register(),
+		logger:  s.logger.With(watermill.LogFields{"topic": topic}),
+	}
+	s.subsWg.Add(1)
+	go func() {
+		defer s.subsWg.Done()
+		sub.run()
+	}()
+	return sub.out, nil
+}
+
+// Close stops every subscription: claims stop, messages in flight get up to
+// CloseTimeout to be acked or nacked, the remaining leases are given back,
+// pending acks are written, and the connections are returned. Close is
+// idempotent and safe to call while subscriptions are blocked.
+func (s *Subscriber) Close() error {
+	s.closeMu.Lock()
+	if s.closed.Swap(true) {
+		s.closeMu.Unlock()
+		return s.closeErr
+	}
+	close(s.closing)
+	s.closeMu.Unlock()
+
+	s.subsWg.Wait()
+	close(s.ackStop)
+	s.ackerWg.Wait()
+	s.bgCancel()
+	s.bgWg.Wait()
+	if s.notifier != nil {
+		s.notifier.remove(s.cfg.Table.NotifyChannel(), &s.wake)
+		s.notifier.release()
+	}
+	return s.closeErr
+}
+
+// claim leases up to n rows for topic, on the leader's connection when
+// single-active, else on the pool.
+func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed, error) {
+	query, args := s.q.ClaimAll, []any{s.cfg.MaxAttempts, s.cfg.LockTTL.Seconds(), n}
+	if topic != AllTopics {
+		query, args = s.q.ClaimTopic, append(args, topic)
+	}
+	var out []*claimed
+	run := func(conn interface {
+		Query(context.Context, string, ...any) (pgx.Rows, error)
+	}) error {
+		rows, err := conn.Query(ctx, query, args...)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			c := &claimed{}
+			if err := c.row.Scan(rows, s.q.Columns); err != nil {
+				return err
+			}
+			out = append(out, c)
+		}
+		return rows.Err()
+	}
+	var err error
+	if s.leader != nil {
+		err = s.leader.withConn(ctx, func(conn *pgx.Conn) error { return run(conn) })
+	} else {
+		err = run(s.pool)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("claim from %s: %w", s.cfg.Table, err)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].row.Sequence < out[j].row.Sequence })
+	return out, nil
+}
+
+// claimed is one leased row and its delivery state.
+type claimed struct {
+	row       schema.ClaimedRow
+	msg       *message.Message
+	slot      *errorSlot
+	delivered time.Time
+}
+
+func (c *claimed) fence() (string, int32, time.Time) { return c.row.ID, c.row.Attempts, c.row.LockedAt }
+
+// nack records a failed attempt of c.
+func (s *Subscriber) nack(c *claimed) {
+	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	defer cancel()
+	err := c.slot.get()
+	text := "handler nacked the message without an error (add the subscriber.CaptureError middleware to record it)"
+	if err != nil {
+		text = err.Error()
+	}
+	summary := redact.Summary(text, []byte(c.row.Payload), s.cfg.LastErrorMaxBytes)
+	permanent := IsPermanent(err)
+	backoff := s.cfg.Backoff(int(c.row.Attempts))
+	id, attempts, lockedAt := c.fence()
+	var dead bool
+	qerr := s.pool.QueryRow(ctx, s.q.Nack, id, attempts, lockedAt, summary, s.cfg.MaxAttempts, permanent, backoff.Seconds()).Scan(&dead)
+	s.observeDispatch(c, metrics.ResultFailure)
+	fields := watermill.LogFields{"event_id": c.row.EventID, "tenant_id": c.row.TenantID, "sequence": c.row.Sequence,
+		"attempts": c.row.Attempts, "error": summary}
+	switch {
+	case errors.Is(qerr, pgx.ErrNoRows):
+		s.fenceRejected("nack")
+		s.logger.Info("Nack ignored: the lease passed to another holder", fields)
+	case qerr != nil:
+		// The lease stays; the row comes back after LockTTL.
+		s.logger.Error("Could not record nack; the row returns after the lock TTL", qerr, fields)
+	case dead:
+		s.logger.Error("Outbox message is dead; replay it once the cause is fixed", errors.New(summary), fields)
+		if m := s.cfg.Metrics; m != nil {
+			m.DeadTotal.WithLabelValues(s.label, c.row.Topic).Inc()
+		}
+	default:
+		fields["retry_in"] = backoff.String()
+		s.logger.Info("Outbox message nacked, retrying later", fields)
+	}
+}
+
+// extend renews the lease of c; it updates the fence token.
+func (s *Subscriber) extend(c *claimed) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	defer cancel()
+	id, attempts, lockedAt := c.fence()
+	var renewed time.Time
+	err := s.pool.QueryRow(ctx, s.q.Extend, id, attempts, lockedAt).Scan(&renewed)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		s.fenceRejected("extend")
+		s.logger.Info("Lease renewal refused: the lease passed to another holder", watermill.LogFields{"event_id": c.row.EventID})
+		return false
+	case err != nil:
+		s.logger.Error("Could not renew lease", err, watermill.LogFields{"event_id": c.row.EventID})
+		return true
+	}
+	c.row.LockedAt = renewed
+	if m := s.cfg.Metrics; m != nil {
+		m.LeaseExtended.WithLabelValues(s.label).Inc()
+	}
+	return true
+}
+
+// release gives leases back; undo is 1 for rows never delivered.
+func (s *Subscriber) release(cs []*claimed, undo int) {
+	if len(cs) == 0 {
+		return
+	}
+	ids, attempts, locked := make([]string, len(cs)), make([]int32, len(cs)), make([]time.Time, len(cs))
+	for i, c := range cs {
+		ids[i], attempts[i], locked[i] = c.fence()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	defer cancel()
+	if _, err := s.pool.Exec(ctx, s.q.Release, ids, attempts, locked, undo); err != nil {
+		s.logger.Error("Could not give leases back; the rows return after the lock TTL", err, watermill.LogFields{"rows": len(cs)})
+	}
+}
+
+func (s *Subscriber) observeDispatch(c *claimed, result string) {
+	m := s.cfg.Metrics
+	if m == nil {
+		return
+	}
+	m.DispatchTotal.WithLabelValues(s.label, c.row.Topic, result).Inc()
+	m.DispatchLatency.WithLabelValues(s.label, c.row.Topic, result).Observe(time.Since(c.delivered).Seconds())
+}
+
+func (s *Subscriber) fenceRejected(op string) {
+	if m := s.cfg.Metrics; m != nil {
+		m.FenceRejected.WithLabelValues(s.label, op).Inc()
+	}
+}
+
+// broadcaster wakes every registered subscription (LISTEN/NOTIFY, leadership).
+type broadcaster struct {
+	mu   sync.Mutex
+	subs map[chan struct{}]struct{}
+}
+
+func (b *broadcaster) register() chan struct{} {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.subs == nil {
+		b.subs = map[chan struct{}]struct{}{}
+	}
+	ch := make(chan struct{}, 1)
+	b.subs[ch] = struct{}{}
+	return ch
+}
+
+func (b *broadcaster) unregister(ch chan struct{}) {
+	b.mu.Lock()
+	delete(b.subs, ch)
+	b.mu.Unlock()
+}
+
+func (b *broadcaster) broadcast() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for ch := range b.subs {
+		select {
+		case ch <- struct{}{}:
+		default:
+		}
+	}
+}
