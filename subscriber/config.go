@@ -113,7 +113,7 @@ func (c *Config) setDefaults() {
 func (c *Config) validate() error {
 	var errs []error
 	if c.Table.IsZero() {
-		errs = append(errs, errors.New("Table is required; build it with schema.ParseTable"))
+		errs = append(errs, errors.New("config field Table is required; build it with schema.ParseTable"))
 	}
 	positive := []struct {
 		name string

@@ -9,12 +9,12 @@ import (
 func TestSummary(t *testing.T) {
 	t.Parallel()
 	cases := map[string]string{
-		`dial postgres://app:s3cr3t@db:5432/x failed`:                      `dial postgres://app:***@db:5432/x failed`,
-		`amqp://guest:guest@127.0.0.1:5672/: connection refused`:            `amqp://guest:***@127.0.0.1:5672/: connection refused`,
-		`connect host=db user=app password=hunter2 dbname=x`:               `connect host=db user=app password=*** dbname=x`,
-		`401: Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.e30.abc denied`:    `401: Authorization: Bearer *** denied`,
-		`{"token":"abcdef123456"} rejected`:                                 `{"token":"***"} rejected`,
-		`plain error without secrets`:                                       `plain error without secrets`,
+		`dial postgres://app:s3cr3t@db:5432/x failed`:                    `dial postgres://app:***@db:5432/x failed`,
+		`amqp://guest:guest@127.0.0.1:5672/: connection refused`:         `amqp://guest:***@127.0.0.1:5672/: connection refused`,
+		`connect host=db user=app password=hunter2 dbname=x`:             `connect host=db user=app password=*** dbname=x`,
+		`401: Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.e30.abc denied`: `401: Authorization: Bearer *** denied`,
+		`{"token":"abcdef123456"} rejected`:                              `{"token":"***"} rejected`,
+		`plain error without secrets`:                                    `plain error without secrets`,
 	}
 	for in, want := range cases {
 		if got := Summary(in, nil, 0); got != want {
