@@ -108,16 +108,11 @@ SELECT u.t::uuid, u.tp, u.p::jsonb, u.e::uuid FROM unnest($1::text[], $2::text[]
 			}
 		}
 	}
-	rows := make([]row, len(cases))
-	byName := map[string]float64{}
+	names, baselines := make([]string, len(cases)), make([]string, len(cases))
 	for i, c := range cases {
-		byName[c.name] = best[i]
-		rows[i] = row{name: c.name, value: best[i], unit: "events/s", baseline: c.baseline}
-		if c.baseline != "" && byName[c.baseline] > 0 {
-			rows[i].ratio = best[i] / byName[c.baseline]
-		}
+		names[i], baselines[i] = c.name, c.baseline
 	}
-	printTable(fmt.Sprintf("Enqueue throughput (%d producers; goal: outbox >= 0.80x of bare INSERT)", o.workers), rows)
+	printTable(fmt.Sprintf("Enqueue throughput (%d producers; goal: outbox >= 0.80x of bare INSERT)", o.workers), ratioRows(names, baselines, best, "events/s"))
 	return nil
 }
 

@@ -14,6 +14,8 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"runtime/pprof"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -23,10 +25,13 @@ import (
 )
 
 type options struct {
-	dbURL    string
-	duration time.Duration
-	workers  int
-	rounds   int
+	dbURL           string
+	duration        time.Duration
+	workers         int
+	rounds          int
+	backlog         int
+	rates           []int
+	latencyDuration time.Duration
 }
 
 func main() {
@@ -38,13 +43,35 @@ func main() {
 	flag.DurationVar(&o.duration, "duration", 3*time.Second, "length of one measurement")
 	flag.IntVar(&o.workers, "workers", 4, "concurrent producers")
 	flag.IntVar(&o.rounds, "rounds", 2, "measurements per case, interleaved; the best is kept")
-	flag.StringVar(&suite, "suite", "enqueue", "comma-separated suites: enqueue")
+	flag.IntVar(&o.backlog, "backlog", 100000, "rows to drain in the relay suite")
+	flag.DurationVar(&o.latencyDuration, "latency-duration", 10*time.Second, "length of one latency case")
+	rates := flag.String("rates", "1000", "comma-separated offered rates (events/s) for the latency suite")
+	flag.StringVar(&suite, "suite", "all", "comma-separated suites: enqueue, relay, latency, all")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the run to this file")
 	flag.Parse()
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "outbox-bench:", err)
+			os.Exit(2)
+		}
+		_ = pprof.StartCPUProfile(f)
+		defer pprof.StopCPUProfile()
+	}
+	for _, r := range strings.Split(*rates, ",") {
+		v, err := strconv.Atoi(strings.TrimSpace(r))
+		if err != nil || v <= 0 {
+			fmt.Fprintf(os.Stderr, "outbox-bench: -rates: %q is not a positive integer\n", r)
+			os.Exit(2)
+		}
+		o.rates = append(o.rates, v)
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 	if err := run(ctx, o, strings.Split(suite, ",")); err != nil {
 		fmt.Fprintln(os.Stderr, "outbox-bench:", err)
+		pprof.StopCPUProfile()
 		os.Exit(1)
 	}
 }
@@ -61,7 +88,7 @@ func run(ctx context.Context, o options, suites []string) error {
 	if err != nil {
 		return fmt.Errorf("parse -db: %w", err)
 	}
-	cfg.MaxConns = int32(o.workers + 4)
+	cfg.MaxConns = int32(o.workers + 10)
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return fmt.Errorf("connect: %w", err)
@@ -78,14 +105,25 @@ func run(ctx context.Context, o options, suites []string) error {
 		_, _ = pool.Exec(context.Background(), `DROP SCHEMA `+pgx.Identifier{schemaName}.Sanitize()+` CASCADE`)
 	}()
 	fmt.Printf("outbox-bench: PostgreSQL %s, %d workers, %s per measurement, best of %d\n\n", serverVersion(ctx, pool), o.workers, o.duration, o.rounds)
+	known := map[string]func(context.Context, *pgxpool.Pool, string, options) error{
+		"enqueue": enqueueSuite, "relay": relaySuite, "latency": latencySuite,
+	}
+	order := []string{"enqueue", "relay", "latency"}
+	var run []string
 	for _, s := range suites {
-		switch strings.TrimSpace(s) {
-		case "enqueue":
-			if err := enqueueSuite(ctx, pool, schemaName, o); err != nil {
-				return err
-			}
-		default:
-			return fmt.Errorf("unknown suite %q (known: enqueue)", s)
+		s = strings.TrimSpace(s)
+		if s == "all" {
+			run = append(run, order...)
+			continue
+		}
+		if known[s] == nil {
+			return fmt.Errorf("unknown suite %q (known: %s, all)", s, strings.Join(order, ", "))
+		}
+		run = append(run, s)
+	}
+	for _, s := range run {
+		if err := known[s](ctx, pool, schemaName, o); err != nil {
+			return fmt.Errorf("suite %s: %w", s, err)
 		}
 	}
 	return nil
@@ -104,6 +142,21 @@ type row struct {
 	unit     string
 	baseline string  // name of the row this one is compared with
 	ratio    float64 // value / baseline value
+}
+
+// ratioRows builds table rows, each compared with the row named by its
+// baseline.
+func ratioRows(names, baselines []string, values []float64, unit string) []row {
+	byName := map[string]float64{}
+	rows := make([]row, len(names))
+	for i := range names {
+		byName[names[i]] = values[i]
+		rows[i] = row{name: names[i], value: values[i], unit: unit, baseline: baselines[i]}
+		if b := byName[baselines[i]]; baselines[i] != "" && b > 0 {
+			rows[i].ratio = values[i] / b
+		}
+	}
+	return rows
 }
 
 func printTable(title string, rows []row) {

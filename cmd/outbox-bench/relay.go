@@ -1,0 +1,324 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// fillBacklog creates table and commits n pending rows in it.
+func fillBacklog(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n int) error {
+	if err := schema.Migrate(ctx, pool, t); err != nil {
+		return err
+	}
+	enq, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: true})
+	if err != nil {
+		return err
+	}
+	tenant := uuid.New()
+	for n > 0 {
+		k := min(n, 1000)
+		msgs := make([]publisher.Message, k)
+		for i := range msgs {
+			msgs[i] = publisher.Message{TenantID: tenant, Topic: "org.organization.updated.v1", EventID: uuid.New(), Payload: benchPayload}
+		}
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := enq.EnqueueBatch(ctx, tx, t, msgs)
+			return err
+		}); err != nil {
+			return err
+		}
+		n -= k
+	}
+	_, err = pool.Exec(ctx, `VACUUM ANALYZE `+t.Sanitize())
+	return err
+}
+
+// drainSubscriber measures how fast a Subscriber drains the backlog of t with
+// immediate acks, until every row is published.
+func drainSubscriber(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n int, cfg subscriber.Config) (float64, error) {
+	cfg.Table = t
+	s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	if err != nil {
+		return 0, err
+	}
+	defer s.Close()
+	start := time.Now()
+	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		return 0, err
+	}
+	for got := 0; got < n; got++ {
+		select {
+		case m := <-ch:
+			m.Ack()
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		}
+	}
+	// Count the drain as done when the acks are written.
+	if err := waitPublished(ctx, pool, t, n); err != nil {
+		return 0, err
+	}
+	return float64(n) / time.Since(start).Seconds(), nil
+}
+
+func waitPublished(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n int) error {
+	for {
+		var published int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()+` WHERE published_at IS NOT NULL`).Scan(&published); err != nil {
+			return err
+		}
+		if published >= n {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// drainBareSQL is the ceiling: the subscriber's own claim and ack statements
+// in a loop on workers connections, with no delivery at all.
+func drainBareSQL(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n, workers, batch int) (float64, error) {
+	q := schema.NewQueries(t, schema.Columns{})
+	var (
+		done atomic.Int64
+		wg   sync.WaitGroup
+		errs = make(chan error, workers)
+	)
+	start := time.Now()
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for done.Load() < int64(n) && ctx.Err() == nil {
+				rows, err := pool.Query(ctx, q.ClaimAll, schema.MaxAttemptsDefault, schema.LockTTLDefault.Seconds(), batch)
+				if err != nil {
+					errs <- err
+					return
+				}
+				var ids []string
+				var attempts []int32
+				var locked []time.Time
+				for rows.Next() {
+					var r schema.ClaimedRow
+					if err := r.Scan(rows, schema.Columns{}); err != nil {
+						errs <- err
+						return
+					}
+					ids, attempts, locked = append(ids, r.ID), append(attempts, r.Attempts), append(locked, r.LockedAt)
+				}
+				if err := rows.Err(); err != nil {
+					errs <- err
+					return
+				}
+				if len(ids) == 0 {
+					continue
+				}
+				if _, err := pool.Exec(ctx, q.Ack, ids, attempts, locked); err != nil {
+					errs <- err
+					return
+				}
+				done.Add(int64(len(ids)))
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		return 0, err
+	}
+	return float64(done.Load()) / time.Since(start).Seconds(), nil
+}
+
+// relaySuite compares the subscriber's drain rate with the bare-SQL ceiling.
+func relaySuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o options) error {
+	n := o.backlog
+	cases := []struct {
+		name, baseline string
+		run            func(t schema.Table) (float64, error)
+	}{
+		{"bare SQL ceiling: claim+ack loop, 2 workers, no delivery", "", func(t schema.Table) (float64, error) {
+			return drainBareSQL(ctx, pool, t, n, 2, 100)
+		}},
+		{"Subscriber, single-active (default), immediate ack", "bare SQL ceiling: claim+ack loop, 2 workers, no delivery", func(t schema.Table) (float64, error) {
+			return drainSubscriber(ctx, pool, t, n, subscriber.Config{})
+		}},
+		{"Subscriber, SingleActive off, immediate ack", "bare SQL ceiling: claim+ack loop, 2 workers, no delivery", func(t schema.Table) (float64, error) {
+			return drainSubscriber(ctx, pool, t, n, subscriber.Config{DisableSingleActive: true})
+		}},
+	}
+	best := make([]float64, len(cases))
+	for round := 0; round < o.rounds; round++ {
+		for i, c := range cases {
+			t := schema.MustParseTable(fmt.Sprintf("%s.drain_%d_%d", schemaName, round, i))
+			if err := fillBacklog(ctx, pool, t, n); err != nil {
+				return fmt.Errorf("%s: fill: %w", c.name, err)
+			}
+			rate, err := c.run(t)
+			if err != nil {
+				return fmt.Errorf("%s: %w", c.name, err)
+			}
+			best[i] = max(best[i], rate)
+			if _, err := pool.Exec(ctx, `DROP TABLE `+t.Sanitize()); err != nil {
+				return err
+			}
+		}
+	}
+	names, baselines := make([]string, len(cases)), make([]string, len(cases))
+	for i, c := range cases {
+		names[i], baselines[i] = c.name, c.baseline
+	}
+	printTable(fmt.Sprintf("Relay throughput: drain a backlog of %d rows, best of %d (goal: subscriber >= 0.80x of the bare SQL ceiling)", n, o.rounds),
+		ratioRows(names, baselines, best, "msgs/s"))
+	return nil
+}
+
+// latencySuite measures commit-to-delivery latency at steady offered rates.
+func latencySuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o options) error {
+	type result struct {
+		name          string
+		p50, p95, p99 time.Duration
+		n             int
+	}
+	var results []result
+	for _, rate := range o.rates {
+		for _, wake := range []bool{true, false} {
+			t := schema.MustParseTable(fmt.Sprintf("%s.lat_%d_%v", schemaName, rate, wake))
+			if err := schema.Migrate(ctx, pool, t); err != nil {
+				return err
+			}
+			lat, err := measureLatency(ctx, pool, t, rate, o.latencyDuration, subscriber.Config{DisableNotify: !wake})
+			if err != nil {
+				return err
+			}
+			name := fmt.Sprintf("Subscriber, %d events/s, wake-up %s", rate, map[bool]string{true: "on", false: "off (poll 1s)"}[wake])
+			results = append(results, result{name, percentile(lat, 50), percentile(lat, 95), percentile(lat, 99), len(lat)})
+		}
+	}
+	fmt.Printf("Commit-to-delivery latency (%s per case; goal at 1,000 events/s with wake-up on: p50 < 5ms, p99 < 30ms)\n", o.latencyDuration)
+	for _, r := range results {
+		fmt.Printf("  %-52s events=%-6d p50=%-10s p95=%-10s p99=%s\n", r.name, r.n, r.p50.Round(10*time.Microsecond), r.p95.Round(10*time.Microsecond), r.p99.Round(10*time.Microsecond))
+	}
+	fmt.Println()
+	return nil
+}
+
+// measureLatency offers rate events/s, one per transaction, for d, and
+// returns each event's latency from just before COMMIT to its delivery.
+func measureLatency(ctx context.Context, pool *pgxpool.Pool, t schema.Table, rate int, d time.Duration, cfg subscriber.Config) ([]time.Duration, error) {
+	cfg.Table = t
+	s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	if err != nil {
+		return nil, err
+	}
+	defer s.Close()
+	subCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	ch, err := s.Subscribe(subCtx, subscriber.AllTopics)
+	if err != nil {
+		return nil, err
+	}
+	for !s.IsLeader() {
+		time.Sleep(10 * time.Millisecond)
+	}
+	var (
+		mu        sync.Mutex
+		committed = map[string]time.Time{}
+		delivered = map[string]time.Time{}
+	)
+	consumerDone := make(chan struct{})
+	go func() {
+		defer close(consumerDone)
+		for m := range ch {
+			now := time.Now()
+			mu.Lock()
+			delivered[m.UUID] = now
+			mu.Unlock()
+			m.Ack()
+		}
+	}()
+	tenant := uuid.New()
+	interval := time.Second / time.Duration(rate)
+	producers := max(1, rate/250)
+	var wg sync.WaitGroup
+	stop := time.Now().Add(d)
+	for p := range producers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			next := time.Now().Add(time.Duration(p) * interval)
+			for time.Now().Before(stop) && ctx.Err() == nil {
+				time.Sleep(time.Until(next))
+				next = next.Add(interval * time.Duration(producers))
+				id := uuid.New()
+				tx, err := pool.Begin(ctx)
+				if err != nil {
+					return
+				}
+				if _, err := publisher.Enqueue(ctx, tx, t, publisher.Message{TenantID: tenant, Topic: "org.organization.updated.v1", EventID: id, Payload: benchPayload}); err != nil {
+					_ = tx.Rollback(ctx)
+					return
+				}
+				before := time.Now()
+				if err := tx.Commit(ctx); err != nil {
+					return
+				}
+				mu.Lock()
+				committed[id.String()] = before
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	// Let the last events arrive.
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		mu.Lock()
+		all := len(delivered) >= len(committed)
+		mu.Unlock()
+		if all {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	cancel()
+	<-consumerDone
+	mu.Lock()
+	defer mu.Unlock()
+	if len(delivered) < len(committed) {
+		return nil, fmt.Errorf("%d of %d events not delivered", len(committed)-len(delivered), len(committed))
+	}
+	lat := make([]time.Duration, 0, len(committed))
+	for id, c := range committed {
+		lat = append(lat, delivered[id].Sub(c))
+	}
+	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+	return lat, nil
+}
+
+func percentile(sorted []time.Duration, p int) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := (len(sorted)*p+99)/100 - 1
+	return sorted[max(0, min(i, len(sorted)-1))]
+}
+
+var _ message.Subscriber = (*subscriber.Subscriber)(nil)
