@@ -81,3 +81,12 @@ func CaptureError(h message.HandlerFunc) message.HandlerFunc {
 func withErrorSlot(ctx context.Context, slot *errorSlot) context.Context {
 	return context.WithValue(ctx, errorSlotKey{}, slot)
 }
+
+// ContextWithErrorRecorder returns a context on which RecordError (and so
+// CaptureError) records a handler's error, and a function that returns the
+// last error recorded. In-process backends use it to turn a consumer's nack
+// into the publisher's error.
+func ContextWithErrorRecorder(ctx context.Context) (context.Context, func() error) {
+	slot := &errorSlot{}
+	return withErrorSlot(ctx, slot), slot.get
+}

@@ -339,3 +339,6 @@ func (b *broadcaster) broadcast() {
 		}
 	}
 }
+
+// Table returns the subscriber's outbox table.
+func (s *Subscriber) Table() schema.Table { return s.cfg.Table }

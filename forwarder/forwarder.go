@@ -1,0 +1,185 @@
+// Package forwarder moves outbox messages to any Watermill publisher: Kafka,
+// AMQP, the in-process backend, or anything else that implements
+// message.Publisher.
+//
+// The zero Config relays every row of the subscriber's table to the
+// destination topic named by the row's topic column, with the event_id as
+// partition key, every metadata entry (event_id, tenant_id, topic, sequence,
+// attempts, table, traceparent, tracestate and stored headers) carried as a
+// broker header, and the business JSON as the payload. A publish error is a
+// nack: the row is retried with backoff and never acked silently.
+package forwarder
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// Config configures a Forwarder. The zero Config works.
+type Config struct {
+	// SubscribeTopic is the topic subscribed to on the outbox subscriber.
+	// Defaults to subscriber.AllTopics (every row of the table).
+	SubscribeTopic string
+	// DestinationTopic maps a message to the broker topic. Defaults to the
+	// row's topic column (metadata "topic"). An error from it is permanent:
+	// the row goes dead at once (there is no route for it).
+	DestinationTopic func(msg *message.Message) (string, error)
+	// PartitionKey chooses the partition key, stored in metadata
+	// router.MetadataPartitionKey for the Kafka backend. Defaults to
+	// PartitionByEventID.
+	PartitionKey func(msg *message.Message) (string, error)
+	// HandlerName names the router handler. Defaults to
+	// "outbox_forwarder_" + the table in the message metadata, or
+	// "outbox_forwarder".
+	HandlerName string
+	// Middleware is the handler's middleware stack. Defaults to
+	// router.Middlewares(router.MiddlewareConfig{}). Set it to an empty,
+	// non-nil slice to use only the router's own middleware.
+	Middleware []message.HandlerMiddleware
+	// RouterConfig configures the router Run creates. Defaults to Watermill's
+	// defaults.
+	RouterConfig message.RouterConfig
+}
+
+// PartitionByEventID keys records by event_id (the default): the same event
+// lands on the same partition every time it is relayed.
+func PartitionByEventID(msg *message.Message) (string, error) { return msg.UUID, nil }
+
+// PartitionByTenantID keys records by tenant_id, so one tenant's events share
+// a partition (still no order guarantee: retries reorder).
+func PartitionByTenantID(msg *message.Message) (string, error) {
+	if t := msg.Metadata.Get(schema.MetadataTenantID); t != "" {
+		return t, nil
+	}
+	return "", errors.New("message has no tenant_id metadata")
+}
+
+// PartitionByMetadata keys records by the metadata entry key (a header stored
+// with the event), falling back to event_id when it is absent.
+func PartitionByMetadata(key string) func(*message.Message) (string, error) {
+	return func(msg *message.Message) (string, error) {
+		if v := msg.Metadata.Get(key); v != "" {
+			return v, nil
+		}
+		return msg.UUID, nil
+	}
+}
+
+// Forwarder relays an outbox subscriber to a publisher.
+type Forwarder struct {
+	sub    message.Subscriber
+	pub    message.Publisher
+	cfg    Config
+	logger watermill.LoggerAdapter
+
+	router    *message.Router
+	started   atomic.Bool
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// New returns a Forwarder from sub (usually a *subscriber.Subscriber) to pub.
+func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger watermill.LoggerAdapter) (*Forwarder, error) {
+	if sub == nil || pub == nil {
+		return nil, errors.New("forwarder: nil subscriber or publisher")
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	if cfg.SubscribeTopic == "" {
+		cfg.SubscribeTopic = subscriber.AllTopics
+	}
+	if cfg.DestinationTopic == nil {
+		cfg.DestinationTopic = func(msg *message.Message) (string, error) {
+			if t := msg.Metadata.Get(schema.MetadataTopic); t != "" {
+				return t, nil
+			}
+			return "", errors.New("message has no topic metadata")
+		}
+	}
+	if cfg.PartitionKey == nil {
+		cfg.PartitionKey = PartitionByEventID
+	}
+	if cfg.HandlerName == "" {
+		cfg.HandlerName = "outbox_forwarder"
+		if s, ok := sub.(interface{ Table() schema.Table }); ok {
+			cfg.HandlerName += "_" + s.Table().Qualified()
+		}
+	}
+	if cfg.Middleware == nil {
+		cfg.Middleware = router.Middlewares(router.MiddlewareConfig{Logger: logger})
+	}
+	r, err := message.NewRouter(cfg.RouterConfig, logger)
+	if err != nil {
+		return nil, fmt.Errorf("forwarder: %w", err)
+	}
+	return &Forwarder{sub: sub, pub: pub, cfg: cfg, logger: logger, router: r}, nil
+}
+
+// Handle is the forwarder's handler function: it publishes one outbox
+// message to its destination. A publish error nacks the message.
+func (f *Forwarder) Handle(msg *message.Message) error {
+	dest, err := f.cfg.DestinationTopic(msg)
+	if err != nil || dest == "" {
+		return subscriber.Permanent(fmt.Errorf("no destination topic for event %s: %w", msg.UUID, errors.Join(err, errors.New("empty topic"))))
+	}
+	key, err := f.cfg.PartitionKey(msg)
+	if err != nil {
+		return subscriber.Permanent(fmt.Errorf("partition key for event %s: %w", msg.UUID, err))
+	}
+	out := message.NewMessage(msg.UUID, msg.Payload)
+	for k, v := range msg.Metadata {
+		out.Metadata[k] = v
+	}
+	out.Metadata[router.MetadataPartitionKey] = key
+	out.SetContext(msg.Context())
+	if err := f.pub.Publish(dest, out); err != nil {
+		return fmt.Errorf("publish event %s to %q: %w", msg.UUID, dest, err)
+	}
+	return nil
+}
+
+// AddTo adds the forwarder's handler, with its middleware, to a router the
+// caller already runs, and returns the handler.
+func (f *Forwarder) AddTo(r *message.Router) *message.Handler {
+	h := r.AddConsumerHandler(f.cfg.HandlerName, f.cfg.SubscribeTopic, f.sub, f.Handle)
+	for _, m := range f.cfg.Middleware {
+		h.AddMiddleware(m)
+	}
+	return h
+}
+
+// Router is the router Run runs; add middleware or metrics to it before Run.
+func (f *Forwarder) Router() *message.Router { return f.router }
+
+// Run relays until ctx is done or Close is called, on a router of its own.
+func (f *Forwarder) Run(ctx context.Context) error {
+	if f.started.Swap(true) {
+		return errors.New("forwarder: Run called twice")
+	}
+	f.AddTo(f.router)
+	if err := f.router.Run(ctx); err != nil {
+		return fmt.Errorf("forwarder: %w", err)
+	}
+	return nil
+}
+
+// Running is closed once Run's router runs.
+func (f *Forwarder) Running() <-chan struct{} { return f.router.Running() }
+
+// Close stops Run: the router drains in-flight messages (up to its
+// CloseTimeout) and closes the subscriber. It is idempotent.
+func (f *Forwarder) Close() error {
+	f.closeOnce.Do(func() { f.closeErr = f.router.Close() })
+	return f.closeErr
+}

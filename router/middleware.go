@@ -1,0 +1,113 @@
+package router
+
+import (
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// DispatchTimeoutDefault is the default per-message timeout
+// (OUTBOX_RELAY_DISPATCH_TIMEOUT).
+const DispatchTimeoutDefault = 30 * time.Second
+
+// Metadata keys the poison copy adds.
+const (
+	MetadataPoisonReason = "outbox_poison_reason"
+	MetadataPoisonTable  = "outbox_poison_table"
+)
+
+// MiddlewareConfig configures Middlewares.
+type MiddlewareConfig struct {
+	// DispatchTimeout bounds one message: its context is cancelled after it,
+	// and a handler that honours the context returns an error (a nack).
+	// Defaults to 30s.
+	DispatchTimeout time.Duration
+	// Retry, when set, retries a failing message in-process before it is
+	// nacked, for transient broker errors; errors marked
+	// subscriber.Permanent are not retried. Defaults to nil (the outbox's
+	// own backoff retries).
+	Retry *middleware.Retry
+	// PoisonPublisher and PoisonTopic, when both set, publish a copy of a
+	// message to PoisonTopic when its failure sends the row dead (at
+	// MaxAttempts, or a permanent error). The row is still nacked and stays
+	// dead and replayable in the table. Defaults to nil (no copy).
+	PoisonPublisher message.Publisher
+	PoisonTopic     string
+	// MaxAttempts must match the subscriber's MaxAttempts for the poison
+	// copy to know the last attempt. Defaults to 25.
+	MaxAttempts int
+	// Logger logs poison copies that fail. Defaults to watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+// Middlewares returns the relay's middleware stack, outermost first:
+//
+//  1. subscriber.CaptureError records the final error for last_error and
+//     Permanent, so it must see every error the others produce;
+//  2. the poison copy, when configured, publishes a copy of a message whose
+//     failure makes the row dead, and passes the error on;
+//  3. middleware.Recoverer turns a panic into an error;
+//  4. the in-process Retry, when configured, retries transient errors;
+//  5. middleware.Timeout cancels the message context after DispatchTimeout,
+//     per attempt.
+//
+// Add it with router.AddMiddleware(stack...) or handler.AddMiddleware.
+func Middlewares(cfg MiddlewareConfig) []message.HandlerMiddleware {
+	if cfg.DispatchTimeout == 0 {
+		cfg.DispatchTimeout = DispatchTimeoutDefault
+	}
+	if cfg.MaxAttempts == 0 {
+		cfg.MaxAttempts = schema.MaxAttemptsDefault
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = watermill.NopLogger{}
+	}
+	stack := []message.HandlerMiddleware{subscriber.CaptureError}
+	if cfg.PoisonPublisher != nil && cfg.PoisonTopic != "" {
+		stack = append(stack, poisonCopy(cfg))
+	}
+	stack = append(stack, middleware.Recoverer)
+	if cfg.Retry != nil {
+		r := *cfg.Retry
+		should := r.ShouldRetry
+		r.ShouldRetry = func(p middleware.RetryParams) bool {
+			if subscriber.IsPermanent(p.Err) {
+				return false
+			}
+			return should == nil || should(p)
+		}
+		stack = append(stack, r.Middleware)
+	}
+	return append(stack, middleware.Timeout(cfg.DispatchTimeout))
+}
+
+func poisonCopy(cfg MiddlewareConfig) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err == nil {
+				return out, nil
+			}
+			attempts, _ := strconv.Atoi(msg.Metadata.Get(schema.MetadataAttempts))
+			if !subscriber.IsPermanent(err) && attempts < cfg.MaxAttempts {
+				return out, err
+			}
+			poison := msg.Copy()
+			poison.Metadata.Set(MetadataPoisonReason, err.Error())
+			poison.Metadata.Set(MetadataPoisonTable, msg.Metadata.Get(schema.MetadataTable))
+			if perr := cfg.PoisonPublisher.Publish(cfg.PoisonTopic, poison); perr != nil {
+				cfg.Logger.Error("Could not publish the poison copy; the row is dead in the table", perr,
+					watermill.LogFields{"event_id": msg.UUID, "poison_topic": cfg.PoisonTopic})
+				return out, fmt.Errorf("%w (and publishing the poison copy failed: %w)", err, perr)
+			}
+			return out, err
+		}
+	}
+}
