@@ -41,5 +41,8 @@ lint: ## gofmt check, go vet and golangci-lint (installed from the module proxy 
 		GOBIN=$(GOBIN) go install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
 	$(GOBIN)/golangci-lint run ./...
 
+demo: up ## Run the relay end to end: local PostgreSQL to an in-process Kafka cluster, printing what it forwarded.
+	go run ./examples/demo
+
 bench: ## Print the benchmark tables (outbox vs baselines measured in the same run).
 	go run ./cmd/outbox-bench -suite all

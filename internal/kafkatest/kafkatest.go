@@ -1,0 +1,55 @@
+// Package kafkatest runs an in-process Kafka-protocol cluster (franz-go's
+// kfake) that Watermill's Kafka backend (Sarama) talks to for real, and a
+// Sarama-based Watermill subscriber configured to read it from the oldest
+// offset. Tests, examples and the demo use it; there is no Kafka server on
+// this project's machines.
+package kafkatest
+
+import (
+	"fmt"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/twmb/franz-go/pkg/kfake"
+)
+
+// Cluster is a running in-process Kafka cluster.
+type Cluster struct {
+	c *kfake.Cluster
+}
+
+// Start starts a cluster of one broker with topic auto-creation and
+// partitions partitions per topic (at least 1), on a free local port, or on
+// port when it is not 0 (to restart a cluster at the same address).
+func Start(partitions int32, port int) (*Cluster, error) {
+	opts := []kfake.Opt{kfake.NumBrokers(1), kfake.AllowAutoTopicCreation(), kfake.DefaultNumPartitions(int(max(1, partitions)))}
+	if port != 0 {
+		opts = append(opts, kfake.Ports(port))
+	}
+	c, err := kfake.NewCluster(opts...)
+	if err != nil {
+		return nil, fmt.Errorf("start in-process Kafka cluster: %w", err)
+	}
+	return &Cluster{c: c}, nil
+}
+
+// Brokers are the bootstrap addresses.
+func (c *Cluster) Brokers() []string { return c.c.ListenAddrs() }
+
+// Close stops the cluster; its data is gone.
+func (c *Cluster) Close() { c.c.Close() }
+
+// NewSubscriber returns a watermill-kafka subscriber of the cluster in
+// consumer group group, reading from the oldest offset.
+func (c *Cluster) NewSubscriber(group string, logger watermill.LoggerAdapter) (*kafka.Subscriber, error) {
+	sc := kafka.DefaultSaramaSubscriberConfig()
+	sc.Version = sarama.V2_8_0_0
+	sc.Consumer.Offsets.Initial = sarama.OffsetOldest
+	return kafka.NewSubscriber(kafka.SubscriberConfig{
+		Brokers:               c.Brokers(),
+		Unmarshaler:           kafka.DefaultMarshaler{},
+		OverwriteSaramaConfig: sc,
+		ConsumerGroup:         group,
+	}, logger)
+}
