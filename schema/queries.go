@@ -68,6 +68,14 @@ type Queries struct {
 	// (not dead) age in seconds.
 	Stats string
 
+	// DeletePublished deletes up to a batch of rows published before a
+	// retention. Args: retention seconds, batch size. Command tag: rows.
+	DeletePublished string
+
+	// DeleteDead deletes up to a batch of dead rows created before a
+	// retention. Args: retention seconds, batch size, max_attempts.
+	DeleteDead string
+
 	// AckUpToInTx is the watermill-sql offsets-style ack used by Adapter: it
 	// marks published the rows this same transaction claimed (locked_at =
 	// now()) up to a sequence. Args: sequence.
@@ -159,6 +167,21 @@ WHERE ` + fence
 	q.Stats = `SELECT count(*), count(*) FILTER (WHERE locked_at IS NOT NULL), count(*) FILTER (WHERE attempts >= $1::int),
   COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE attempts < $1::int))::float8, 0)
 FROM ` + tbl + ` WHERE published_at IS NULL`
+
+	q.DeletePublished = `WITH victims AS (
+  SELECT id FROM ` + tbl + `
+  WHERE published_at IS NOT NULL AND published_at < now() - make_interval(secs => $1::float8)
+  ORDER BY published_at, sequence LIMIT $2 FOR UPDATE SKIP LOCKED
+)
+DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
+
+	q.DeleteDead = `WITH victims AS (
+  SELECT id FROM ` + tbl + `
+  WHERE published_at IS NULL AND attempts >= $3::int AND locked_at IS NULL
+    AND created_at < now() - make_interval(secs => $1::float8)
+  LIMIT $2 FOR UPDATE SKIP LOCKED
+)
+DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
 
 	q.AckUpToInTx = `UPDATE ` + tbl + ` SET published_at = now(), locked_at = NULL, last_error = NULL
 WHERE locked_at = now() AND published_at IS NULL AND sequence <= $1`

@@ -1,0 +1,135 @@
+// Package cleaner deletes what an outbox table no longer needs: rows
+// published longer ago than a retention and, when asked, dead rows older than
+// a dead retention (by created_at). It deletes in bounded batches, each its
+// own short statement, and never touches pending or recently published rows.
+package cleaner
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/metrics"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// Defaults of Config (DESIGN §8).
+const (
+	IntervalDefault  = time.Minute
+	RetentionDefault = 168 * time.Hour
+	BatchSizeDefault = 1000
+)
+
+// Config configures a Cleaner.
+type Config struct {
+	// Table is the outbox table. Required.
+	Table schema.Table
+	// Interval is the pause between cleaning passes. Defaults to 1m.
+	Interval time.Duration
+	// Retention keeps published rows this long after published_at.
+	// Defaults to 168h.
+	Retention time.Duration
+	// DeadRetention, when positive, also deletes dead rows created longer
+	// ago than it. Defaults to 0: dead rows are kept for replay.
+	DeadRetention time.Duration
+	// MaxAttempts defines dead (attempts >= MaxAttempts); it must match the
+	// relay's. Defaults to 25.
+	MaxAttempts int
+	// BatchSize bounds the rows one DELETE removes. Defaults to 1000.
+	BatchSize int
+	// Metrics counts deleted rows (outbox_cleaner_deleted_total). Defaults
+	// to nil.
+	Metrics *metrics.Metrics
+}
+
+// Cleaner cleans one outbox table.
+type Cleaner struct {
+	pool   *pgxpool.Pool
+	cfg    Config
+	q      *schema.Queries
+	logger watermill.LoggerAdapter
+}
+
+// New returns a Cleaner for cfg.Table.
+func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Cleaner, error) {
+	if pool == nil {
+		return nil, errors.New("cleaner: nil pool")
+	}
+	if cfg.Table.IsZero() {
+		return nil, errors.New("cleaner: invalid config: Table is required")
+	}
+	if cfg.Interval == 0 {
+		cfg.Interval = IntervalDefault
+	}
+	if cfg.Retention == 0 {
+		cfg.Retention = RetentionDefault
+	}
+	if cfg.MaxAttempts == 0 {
+		cfg.MaxAttempts = schema.MaxAttemptsDefault
+	}
+	if cfg.BatchSize == 0 {
+		cfg.BatchSize = BatchSizeDefault
+	}
+	if cfg.Interval < 0 || cfg.Retention < 0 || cfg.DeadRetention < 0 || cfg.MaxAttempts < 0 || cfg.BatchSize < 0 {
+		return nil, errors.New("cleaner: invalid config: negative Interval, Retention, DeadRetention, MaxAttempts or BatchSize; leave 0 for the defaults")
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	return &Cleaner{pool: pool, cfg: cfg, q: schema.NewQueries(cfg.Table, schema.Columns{}),
+		logger: logger.With(watermill.LogFields{"table": cfg.Table.String(), "component": "cleaner"})}, nil
+}
+
+// Run cleans every Interval until ctx is done; it returns nil then.
+func (c *Cleaner) Run(ctx context.Context) error {
+	t := time.NewTicker(c.cfg.Interval)
+	defer t.Stop()
+	for {
+		if published, dead, err := c.CleanOnce(ctx); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			c.logger.Error("Cleaning pass failed; retrying next interval", err, nil)
+		} else if published+dead > 0 {
+			c.logger.Info("Cleaned outbox table", watermill.LogFields{"published_deleted": published, "dead_deleted": dead})
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// CleanOnce deletes, batch by batch, every row the retentions allow, and
+// returns how many published and dead rows it deleted.
+func (c *Cleaner) CleanOnce(ctx context.Context) (published, dead int64, err error) {
+	published, err = c.deleteAll(ctx, "published", c.q.DeletePublished, c.cfg.Retention.Seconds(), c.cfg.BatchSize)
+	if err != nil || c.cfg.DeadRetention <= 0 {
+		return published, 0, err
+	}
+	dead, err = c.deleteAll(ctx, "dead", c.q.DeleteDead, c.cfg.DeadRetention.Seconds(), c.cfg.BatchSize, c.cfg.MaxAttempts)
+	return published, dead, err
+}
+
+func (c *Cleaner) deleteAll(ctx context.Context, kind, query string, args ...any) (int64, error) {
+	var total int64
+	for {
+		tag, err := c.pool.Exec(ctx, query, args...)
+		if err != nil {
+			return total, fmt.Errorf("clean %s rows of %s: %w", kind, c.cfg.Table, err)
+		}
+		n := tag.RowsAffected()
+		total += n
+		if m := c.cfg.Metrics; m != nil && n > 0 {
+			m.CleanerDeleted.WithLabelValues(c.cfg.Table.Qualified(), kind).Add(float64(n))
+		}
+		if n < int64(c.cfg.BatchSize) {
+			return total, nil
+		}
+	}
+}
