@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/IBM/sarama"
+	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
@@ -106,17 +107,45 @@ func KafkaPartitionKey(_ string, msg *message.Message) (string, error) {
 	return msg.UUID, nil
 }
 
-// AMQPConfig is the watermill-amqp configuration the relay uses: a durable
-// queue per topic (so nothing is dropped before a consumer binds),
-// persistent messages, publisher confirms and a channel pool.
+// AMQPConfig is the watermill-amqp configuration the relay (and its
+// consumers) use: per topic a durable direct exchange and a durable queue of
+// the same name bound to it, persistent messages, publisher confirms and a
+// channel pool. The publisher declares the queue before its first publish to
+// a topic, so a message confirmed by RabbitMQ is stored in a queue even when
+// no consumer has subscribed yet: the outbox never marks published a message
+// the broker dropped as unroutable.
 func AMQPConfig(url string, poolSize int) amqp.Config {
 	if poolSize == 0 {
 		poolSize = AMQPChannelPoolSizeDefault
 	}
+	byTopic := func(topic string) string { return topic }
 	c := amqp.NewDurableQueueConfig(url)
+	c.Exchange = amqp.ExchangeConfig{GenerateName: byTopic, Type: "direct", Durable: true}
+	c.Publish.GenerateRoutingKey = byTopic
+	c.QueueBind.GenerateRoutingKey = byTopic
+	c.TopologyBuilder = queueDeclaringTopology{&amqp.DefaultTopologyBuilder{}}
 	c.Publish.ConfirmDelivery = true
 	c.Publish.ChannelPoolSize = poolSize
 	return c
+}
+
+// queueDeclaringTopology declares, with each exchange, the queue of the same
+// name and its binding; the default builder declares queues only when a
+// consumer subscribes.
+type queueDeclaringTopology struct{ *amqp.DefaultTopologyBuilder }
+
+func (b queueDeclaringTopology) ExchangeDeclare(ch *amqp091.Channel, exchange string, c amqp.Config) error {
+	if err := b.DefaultTopologyBuilder.ExchangeDeclare(ch, exchange, c); err != nil {
+		return fmt.Errorf("declare exchange %q: %w", exchange, err)
+	}
+	queue := c.Queue.GenerateName(exchange)
+	if _, err := ch.QueueDeclare(queue, c.Queue.Durable, c.Queue.AutoDelete, c.Queue.Exclusive, c.Queue.NoWait, c.Queue.Arguments); err != nil {
+		return fmt.Errorf("declare queue %q: %w", queue, err)
+	}
+	if err := ch.QueueBind(queue, c.QueueBind.GenerateRoutingKey(exchange), exchange, c.QueueBind.NoWait, c.QueueBind.Arguments); err != nil {
+		return fmt.Errorf("bind queue %q: %w", queue, err)
+	}
+	return nil
 }
 
 // ParseBrokers splits a comma-separated broker list.

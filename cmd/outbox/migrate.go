@@ -1,0 +1,76 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+func init() {
+	registerCommand("migrate", "create outbox tables (--table or OUTBOX_RELAY_TABLES); --print shows the SQL only", runMigrate)
+}
+
+func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("migrate", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	table := fs.String("table", "", "outbox table, such as public.org_outbox (default: OUTBOX_RELAY_TABLES)")
+	trace := fs.Bool("trace", false, "add the optional traceparent and tracestate columns")
+	headers := fs.Bool("headers", false, "add the optional headers column")
+	printSQL := fs.Bool("print", false, "print the SQL instead of running it")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	var tables []schema.Table
+	if *table != "" {
+		t, err := schema.ParseTable(*table)
+		if err != nil {
+			return fmt.Errorf("%w: --table: %w", errUsage, err)
+		}
+		tables = []schema.Table{t}
+	} else {
+		var err error
+		if tables, err = env.Tables("OUTBOX_RELAY_TABLES", nil); err != nil {
+			return fmt.Errorf("%w: %w", errUsage, err)
+		}
+		if len(tables) == 0 {
+			return fmt.Errorf("%w: no table: pass --table=public.org_outbox or set OUTBOX_RELAY_TABLES", errUsage)
+		}
+	}
+	var opts []schema.MigrateOption
+	if *trace {
+		opts = append(opts, schema.WithTraceColumns())
+	}
+	if *headers {
+		opts = append(opts, schema.WithHeadersColumn())
+	}
+	if *printSQL {
+		for _, t := range tables {
+			fmt.Fprintf(stdout, "-- up: %s\n%s\n-- down (DESTRUCTIVE: drops the table and every event in it): %s\n-- %s\n", t, schema.UpSQL(t, opts...), t, schema.DownSQL(t))
+		}
+		return nil
+	}
+	url, err := env.Required("OUTBOX_DATABASE_URL", "postgres://user:password@host:5432/db")
+	if err != nil {
+		return fmt.Errorf("%w: %w", errUsage, err)
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN", errUsage)
+	}
+	defer pool.Close()
+	mctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	for _, t := range tables {
+		if err := schema.Migrate(mctx, pool, t, opts...); err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "migrated %s\n", t)
+	}
+	return nil
+}

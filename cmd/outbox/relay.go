@@ -1,0 +1,268 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/outboxkit/watermill-outbox/cleaner"
+	"github.com/outboxkit/watermill-outbox/forwarder"
+	"github.com/outboxkit/watermill-outbox/metrics"
+	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+func init() {
+	registerCommand("relay", "relay OUTBOX_RELAY_TABLES to OUTBOX_BACKEND and clean them; drains on SIGTERM", runRelay)
+}
+
+// relayConfig is the daemon's configuration, read from the environment.
+type relayConfig struct {
+	databaseURL     string
+	relayEnabled    bool
+	tables          []schema.Table
+	singleActive    bool
+	pollInterval    time.Duration
+	batchSize       int
+	lockTTL         time.Duration
+	maxAttempts     int
+	dispatchTimeout time.Duration
+	lastErrorMax    int
+	cleanerEnabled  bool
+	cleanerTables   []schema.Table
+	cleanerInterval time.Duration
+	retention       time.Duration
+	deadRetention   time.Duration
+	backend         router.BackendConfig
+	metricsEnabled  bool
+	metricsPath     string
+	metricsAddr     string
+}
+
+// loadRelayConfig reads DESIGN §8's variables; the first bad one is the error.
+func loadRelayConfig(env Env) (relayConfig, error) {
+	var (
+		c    relayConfig
+		errs []error
+	)
+	must := func(err error) {
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	var err error
+	c.databaseURL, err = env.Required("OUTBOX_DATABASE_URL", "postgres://user:password@host:5432/db")
+	must(err)
+	c.relayEnabled, err = env.Bool("OUTBOX_RELAY_ENABLED", true)
+	must(err)
+	c.tables, err = env.Tables("OUTBOX_RELAY_TABLES", nil)
+	must(err)
+	c.singleActive, err = env.Bool("OUTBOX_RELAY_SINGLE_ACTIVE", true)
+	must(err)
+	c.pollInterval, err = env.Duration("OUTBOX_RELAY_POLL_INTERVAL", subscriber.PollIntervalDefault, false)
+	must(err)
+	c.batchSize, err = env.Int("OUTBOX_RELAY_BATCH_SIZE", subscriber.BatchSizeDefault)
+	must(err)
+	c.lockTTL, err = env.Duration("OUTBOX_RELAY_LOCK_TTL", subscriber.LockTTLDefault, false)
+	must(err)
+	c.maxAttempts, err = env.Int("OUTBOX_RELAY_MAX_ATTEMPTS", subscriber.MaxAttemptsDefault)
+	must(err)
+	c.dispatchTimeout, err = env.Duration("OUTBOX_RELAY_DISPATCH_TIMEOUT", router.DispatchTimeoutDefault, false)
+	must(err)
+	c.lastErrorMax, err = env.Int("OUTBOX_LAST_ERROR_MAX_BYTES", subscriber.LastErrorMaxBytesDefault)
+	must(err)
+	c.cleanerEnabled, err = env.Bool("OUTBOX_CLEANER_ENABLED", true)
+	must(err)
+	c.cleanerTables, err = env.Tables("OUTBOX_CLEANER_TABLES", c.tables)
+	must(err)
+	c.cleanerInterval, err = env.Duration("OUTBOX_CLEANER_INTERVAL", cleaner.IntervalDefault, false)
+	must(err)
+	c.retention, err = env.Duration("OUTBOX_CLEANER_RETENTION", cleaner.RetentionDefault, false)
+	must(err)
+	c.deadRetention, err = env.Duration("OUTBOX_CLEANER_DEAD_RETENTION", 0, true)
+	must(err)
+	c.metricsEnabled, err = env.Bool("PROMETHEUS_METRICS_ENABLED", false)
+	must(err)
+	c.metricsPath = env.String("PROMETHEUS_METRICS_PATH", "/debug/prometheus")
+	c.metricsAddr = env.String("PROMETHEUS_METRICS_ADDR", ":9464")
+	if c.relayEnabled {
+		if len(c.tables) == 0 && err == nil {
+			errs = append(errs, errors.New("OUTBOX_RELAY_TABLES is not set; list the tables to relay, for example OUTBOX_RELAY_TABLES=public.org_outbox"))
+		}
+		c.backend.Kind, err = env.Required("OUTBOX_BACKEND", "kafka (or amqp, gochannel)")
+		must(err)
+		switch c.backend.Kind {
+		case router.BackendKafka:
+			brokers, err := env.Required("OUTBOX_KAFKA_BROKERS", "kafka-1:9092,kafka-2:9092")
+			must(err)
+			c.backend.KafkaBrokers = router.ParseBrokers(brokers)
+		case router.BackendAMQP:
+			c.backend.AMQPURL, err = env.Required("OUTBOX_AMQP_URL", "amqp://user:password@rabbitmq:5672/")
+			must(err)
+		case router.BackendGoChannel, "":
+		default:
+			errs = append(errs, fmt.Errorf("OUTBOX_BACKEND=%q is not a backend; use kafka, amqp or gochannel", c.backend.Kind))
+		}
+	}
+	if c.metricsEnabled && (len(c.metricsPath) == 0 || c.metricsPath[0] != '/') {
+		errs = append(errs, fmt.Errorf("PROMETHEUS_METRICS_PATH=%q must start with /", c.metricsPath))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return c, fmt.Errorf("%w: %w", errUsage, err)
+	}
+	return c, nil
+}
+
+func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	cfg, err := loadRelayConfig(env)
+	if err != nil {
+		return err
+	}
+	logger := watermill.NewSlogLogger(slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelInfo})))
+
+	poolCfg, err := pgxpool.ParseConfig(cfg.databaseURL)
+	if err != nil {
+		// pgx's parse errors can quote the URL; never echo it.
+		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN", errUsage)
+	}
+	poolCfg.MaxConns = max(poolCfg.MaxConns, int32(2*len(cfg.tables)+8)) //nolint:gosec // a handful of tables
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	if err != nil {
+		return fmt.Errorf("connect to OUTBOX_DATABASE_URL: %w", err)
+	}
+	defer pool.Close()
+	pingCtx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	err = pool.Ping(pingCtx)
+	cancel()
+	if err != nil {
+		return fmt.Errorf("connect to OUTBOX_DATABASE_URL: %w", err)
+	}
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.dispatchTimeout + 5*time.Second}, logger)
+	if err != nil {
+		return err
+	}
+	m, err := router.RegisterMetrics(reg, r)
+	if err != nil {
+		return err
+	}
+
+	var wg sync.WaitGroup
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	if cfg.metricsEnabled {
+		srv, err := serveMetrics(cfg, reg, logger)
+		if err != nil {
+			return err
+		}
+		defer srv.Close()
+	}
+	if cfg.cleanerEnabled {
+		for _, t := range cfg.cleanerTables {
+			c, err := cleaner.New(pool, cleaner.Config{Table: t, Interval: cfg.cleanerInterval, Retention: cfg.retention,
+				DeadRetention: cfg.deadRetention, MaxAttempts: cfg.maxAttempts, Metrics: m}, logger)
+			if err != nil {
+				return err
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_ = c.Run(runCtx)
+			}()
+		}
+	}
+	if !cfg.relayEnabled {
+		fmt.Fprintln(stdout, "relay disabled (OUTBOX_RELAY_ENABLED=false); cleaner only")
+		<-ctx.Done()
+		stop()
+		wg.Wait()
+		return nil
+	}
+	err = relayTables(runCtx, pool, cfg, r, m, logger, stdout)
+	stop()
+	wg.Wait()
+	return err
+}
+
+// relayTables runs one router with a forwarder per table until ctx is done,
+// then drains: the router stops taking messages, waits for those in flight,
+// and every subscriber gives its remaining leases back.
+func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *message.Router, m *metrics.Metrics, logger watermill.LoggerAdapter, stdout io.Writer) error {
+	pub, err := router.NewPublisher(cfg.backend, logger)
+	if err != nil {
+		return err
+	}
+	defer pub.Close()
+	var subs []*subscriber.Subscriber
+	defer func() {
+		for _, s := range subs {
+			_ = s.Close()
+		}
+	}()
+	for _, t := range cfg.tables {
+		s, err := subscriber.New(pool, subscriber.Config{
+			Table: t, BatchSize: cfg.batchSize, PollInterval: cfg.pollInterval, LockTTL: cfg.lockTTL,
+			MaxAttempts: cfg.maxAttempts, DisableSingleActive: !cfg.singleActive, LastErrorMaxBytes: cfg.lastErrorMax,
+			CloseTimeout: cfg.dispatchTimeout, Metrics: m,
+		}, logger)
+		if err != nil {
+			return err
+		}
+		subs = append(subs, s)
+		f, err := forwarder.New(s, pub, forwarder.Config{
+			Middleware: router.Middlewares(router.MiddlewareConfig{DispatchTimeout: cfg.dispatchTimeout, MaxAttempts: cfg.maxAttempts, Logger: logger}),
+		}, logger)
+		if err != nil {
+			return err
+		}
+		f.AddTo(r)
+	}
+	go func() {
+		<-r.Running()
+		fmt.Fprintf(stdout, "relaying %d table(s) to %s\n", len(cfg.tables), cfg.backend.Kind)
+	}()
+	if err := r.Run(ctx); err != nil {
+		return fmt.Errorf("router: %w", err)
+	}
+	fmt.Fprintln(stdout, "relay stopped; leases given back")
+	return nil
+}
+
+func serveMetrics(cfg relayConfig, reg *prometheus.Registry, logger watermill.LoggerAdapter) (*http.Server, error) {
+	mux := http.NewServeMux()
+	mux.Handle(cfg.metricsPath, promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	ln, err := net.Listen("tcp", cfg.metricsAddr)
+	if err != nil {
+		return nil, fmt.Errorf("%w: PROMETHEUS_METRICS_ADDR=%q: %w", errUsage, cfg.metricsAddr, err)
+	}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			logger.Error("Metrics server stopped", err, nil)
+		}
+	}()
+	logger.Info("Serving metrics", watermill.LogFields{"addr": ln.Addr().String(), "path": cfg.metricsPath})
+	return srv, nil
+}
