@@ -119,7 +119,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 			errs = append(errs, fmt.Errorf("OUTBOX_BACKEND=%q is not a backend; use kafka, amqp or gochannel", c.backend.Kind))
 		}
 	}
-	if c.metricsEnabled && (len(c.metricsPath) == 0 || c.metricsPath[0] != '/') {
+	if len(c.metricsPath) == 0 || c.metricsPath[0] != '/' {
 		errs = append(errs, fmt.Errorf("PROMETHEUS_METRICS_PATH=%q must start with /", c.metricsPath))
 	}
 	if err := errors.Join(errs...); err != nil {

@@ -1,0 +1,211 @@
+package tests
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/outboxkit/watermill-outbox/internal/kafkatest"
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+var (
+	buildOnce sync.Once
+	binPath   string
+	buildErr  error
+)
+
+// outboxBinary builds cmd/outbox once per test run.
+func outboxBinary(t *testing.T) string {
+	t.Helper()
+	buildOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "outbox-bin-")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		binPath = filepath.Join(dir, "outbox")
+		out, err := exec.Command("go", "build", "-o", binPath, "../cmd/outbox").CombinedOutput()
+		if err != nil {
+			buildErr = err
+			t.Logf("%s", out)
+		}
+	})
+	if buildErr != nil {
+		t.Fatalf("build cmd/outbox: %v", buildErr)
+	}
+	return binPath
+}
+
+// syncBuffer is a bytes.Buffer safe for a child process and the test.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// TestDaemonRelaysAndDrainsOnSIGTERM starts `outbox relay` from the
+// environment, checks that it relays to Kafka, sends SIGTERM, and checks it
+// exits 0 with nothing left locked.
+func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox", schema.WithAllColumns())
+	cluster, err := kafkatest.Start(1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cluster.Close()
+	const topic = "org.organization.created.v1"
+	want := enqueueTraced(t, pool, tbl, topic, 30)
+
+	var stdout, stderr syncBuffer
+	cmd := exec.Command(outboxBinary(t), "relay")
+	cmd.Env = append(os.Environ(),
+		"OUTBOX_DATABASE_URL="+testdb.URL(),
+		"OUTBOX_RELAY_TABLES="+tbl.String(),
+		"OUTBOX_BACKEND=kafka",
+		"OUTBOX_KAFKA_BROKERS="+strings.Join(cluster.Brokers(), ","),
+		"OUTBOX_RELAY_POLL_INTERVAL=100ms",
+		"OUTBOX_CLEANER_INTERVAL=1s",
+		"PROMETHEUS_METRICS_ENABLED=true",
+		"PROMETHEUS_METRICS_ADDR=127.0.0.1:0",
+	)
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	defer func() {
+		if cmd.ProcessState == nil {
+			_ = cmd.Process.Kill()
+		}
+	}()
+	waitAllPublished(t, pool, tbl, len(want))
+
+	sub, err := cluster.NewSubscriber("daemon-e2e", watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	ch, err := sub.Subscribe(ctx, topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for len(want) > 0 {
+		select {
+		case got := <-ch:
+			w, ok := want[got.UUID]
+			if !ok {
+				t.Fatalf("unexpected message %s", got.UUID)
+			}
+			checkMessage(t, tbl, w, got, "1")
+			delete(want, got.UUID)
+			got.Ack()
+		case <-ctx.Done():
+			t.Fatalf("%d messages not received; daemon stderr:\n%s", len(want), stderr.String())
+		}
+	}
+	// New events while running, then SIGTERM.
+	more := enqueueTraced(t, pool, tbl, topic, 10)
+	waitAllPublished(t, pool, tbl, 30+len(more))
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Fatalf("daemon exit: %v\nstderr:\n%s", err, stderr.String())
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("daemon did not exit after SIGTERM; stderr:\n%s", stderr.String())
+	}
+	var locked int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE locked_at IS NOT NULL`).Scan(&locked); err != nil {
+		t.Fatal(err)
+	}
+	if locked != 0 {
+		t.Fatalf("%d rows left locked after SIGTERM", locked)
+	}
+	if !strings.Contains(stdout.String(), "relaying 1 table(s) to kafka") || !strings.Contains(stdout.String(), "relay stopped") {
+		t.Fatalf("daemon stdout:\n%s", stdout.String())
+	}
+}
+
+// TestDaemonRefusesBadEnvironment: a bad setting stops the daemon at start
+// with the variable's name, exit code 2, and no secret echoed.
+func TestDaemonRefusesBadEnvironment(t *testing.T) {
+	t.Parallel()
+	base := map[string]string{
+		"OUTBOX_DATABASE_URL":  "postgres://relay:s3cret-pw@127.0.0.1:5432/test",
+		"OUTBOX_RELAY_TABLES":  "public.org_outbox",
+		"OUTBOX_BACKEND":       "kafka",
+		"OUTBOX_KAFKA_BROKERS": "127.0.0.1:9092",
+	}
+	cases := []struct {
+		set  map[string]string
+		want string
+	}{
+		{map[string]string{"OUTBOX_RELAY_BATCH_SIZE": "lots"}, "OUTBOX_RELAY_BATCH_SIZE"},
+		{map[string]string{"OUTBOX_RELAY_POLL_INTERVAL": "soon"}, "OUTBOX_RELAY_POLL_INTERVAL"},
+		{map[string]string{"OUTBOX_RELAY_SINGLE_ACTIVE": "maybe"}, "OUTBOX_RELAY_SINGLE_ACTIVE"},
+		{map[string]string{"OUTBOX_RELAY_TABLES": `public.org_outbox; DROP TABLE x`}, "OUTBOX_RELAY_TABLES"},
+		{map[string]string{"OUTBOX_RELAY_TABLES": ""}, "OUTBOX_RELAY_TABLES is not set"},
+		{map[string]string{"OUTBOX_BACKEND": "carrier-pigeon"}, "OUTBOX_BACKEND"},
+		{map[string]string{"OUTBOX_KAFKA_BROKERS": ""}, "OUTBOX_KAFKA_BROKERS"},
+		{map[string]string{"OUTBOX_DATABASE_URL": ""}, "OUTBOX_DATABASE_URL is not set"},
+		{map[string]string{"OUTBOX_CLEANER_RETENTION": "-1h"}, "OUTBOX_CLEANER_RETENTION"},
+		{map[string]string{"PROMETHEUS_METRICS_PATH": "metrics"}, "PROMETHEUS_METRICS_PATH"},
+	}
+	bin := outboxBinary(t)
+	for _, c := range cases {
+		env := os.Environ()
+		for k, v := range base {
+			if _, override := c.set[k]; !override {
+				env = append(env, k+"="+v)
+			}
+		}
+		for k, v := range c.set {
+			env = append(env, k+"="+v)
+		}
+		cmd := exec.Command(bin, "relay")
+		cmd.Env = env
+		out, err := cmd.CombinedOutput()
+		var exitErr *exec.ExitError
+		if err == nil || !errors.As(err, &exitErr) || exitErr.ExitCode() != 2 {
+			t.Errorf("%v: exit %v, want code 2; output:\n%s", c.set, err, out)
+			continue
+		}
+		if !strings.Contains(string(out), c.want) {
+			t.Errorf("%v: output does not name %s:\n%s", c.set, c.want, out)
+		}
+		if strings.Contains(string(out), "s3cret-pw") {
+			t.Errorf("%v: output leaks the database password:\n%s", c.set, out)
+		}
+	}
+}
