@@ -6,11 +6,11 @@ import (
 	"strings"
 
 	"github.com/IBM/sarama"
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
 )
 
 // Backend kinds (OUTBOX_BACKEND).
