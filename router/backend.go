@@ -24,9 +24,10 @@ const (
 // chosen partition key; the Kafka backend uses it as the record key.
 const MetadataPartitionKey = "partition_key"
 
-// AMQPChannelPoolSizeDefault is the default AMQP publisher channel pool;
-// without a pool, publishing with confirms is about 30x slower.
-const AMQPChannelPoolSizeDefault = 50
+// AMQPChannelPoolSizeDefault is the default AMQP publisher channel pool: one
+// channel per message the subscriber keeps in flight by default (2 x
+// BatchSize). Without a pool, publishing with confirms is about 30x slower.
+const AMQPChannelPoolSizeDefault = 200
 
 // BackendConfig selects and configures the publisher outbox rows go to.
 type BackendConfig struct {
@@ -36,7 +37,7 @@ type BackendConfig struct {
 	KafkaBrokers []string
 	// AMQPURL is the AMQP URI (amqp).
 	AMQPURL string
-	// AMQPChannelPoolSize is the AMQP publisher's channel pool. Defaults to 50.
+	// AMQPChannelPoolSize is the AMQP publisher's channel pool. Defaults to 200.
 	AMQPChannelPoolSize int
 	// InProcess is the in-process pub/sub consumers subscribe to
 	// (gochannel). Defaults to a new one, which only helps if the caller

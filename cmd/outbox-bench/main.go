@@ -4,7 +4,11 @@
 //	go run ./cmd/outbox-bench -suite enqueue
 //
 // Suites: enqueue (Enqueue and EnqueueBatch beside a bare INSERT into an
-// equivalent table, with and without the NOTIFY wake-up). Stop early with
+// equivalent table, with and without the NOTIFY wake-up); relay (drain a
+// backlog through the subscriber beside the bare-SQL ceiling of the same
+// claim and ack statements); latency (commit-to-delivery percentiles at
+// steady offered rates, wake-up on and off); brokers (outbox to Kafka via an
+// in-process kfake cluster and to RabbitMQ with confirms). Stop early with
 // SIGINT; the figures so far are printed.
 package main
 
@@ -22,6 +26,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/router"
 )
 
 type options struct {
@@ -30,6 +36,9 @@ type options struct {
 	workers         int
 	rounds          int
 	backlog         int
+	brokerBacklog   int
+	amqpURL         string
+	amqpPool        int
 	rates           []int
 	latencyDuration time.Duration
 }
@@ -44,6 +53,9 @@ func main() {
 	flag.IntVar(&o.workers, "workers", 4, "concurrent producers")
 	flag.IntVar(&o.rounds, "rounds", 2, "measurements per case, interleaved; the best is kept")
 	flag.IntVar(&o.backlog, "backlog", 100000, "rows to drain in the relay suite")
+	flag.IntVar(&o.brokerBacklog, "broker-backlog", 30000, "rows to relay in the brokers suite")
+	flag.StringVar(&o.amqpURL, "amqp", envOr("OUTBOX_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ URL for the brokers suite")
+	flag.IntVar(&o.amqpPool, "amqp-pool", router.AMQPChannelPoolSizeDefault, "AMQP publisher channel pool size")
 	flag.DurationVar(&o.latencyDuration, "latency-duration", 10*time.Second, "length of one latency case")
 	rates := flag.String("rates", "1000", "comma-separated offered rates (events/s) for the latency suite")
 	flag.StringVar(&suite, "suite", "all", "comma-separated suites: enqueue, relay, latency, all")
@@ -106,9 +118,9 @@ func run(ctx context.Context, o options, suites []string) error {
 	}()
 	fmt.Printf("outbox-bench: PostgreSQL %s, %d workers, %s per measurement, best of %d\n\n", serverVersion(ctx, pool), o.workers, o.duration, o.rounds)
 	known := map[string]func(context.Context, *pgxpool.Pool, string, options) error{
-		"enqueue": enqueueSuite, "relay": relaySuite, "latency": latencySuite,
+		"enqueue": enqueueSuite, "relay": relaySuite, "latency": latencySuite, "brokers": brokerSuite,
 	}
-	order := []string{"enqueue", "relay", "latency"}
+	order := []string{"enqueue", "relay", "latency", "brokers"}
 	var run []string
 	for _, s := range suites {
 		s = strings.TrimSpace(s)
