@@ -5,7 +5,7 @@ GOBIN ?= $(shell go env GOPATH)/bin
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 export TEST_DATABASE_URL
 
-.PHONY: help up wait test test_short test_race test_stress lint fmt vet bench demo
+.PHONY: help up wait test fault test_short test_race test_stress lint fmt vet bench demo
 
 help: ## List the targets.
 	@grep -E '^[a-z_]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -16,8 +16,13 @@ up: ## Check PostgreSQL and RabbitMQ and start whichever is down (fails loudly i
 wait: ## Wait until PostgreSQL and RabbitMQ accept connections.
 	@./scripts/services.sh wait
 
-test: ## Run every test against the real services (the command CI runs).
+test: ## Run every test against the real services (the command CI runs), then the fault-injection test at CI size.
 	go test -count=1 -timeout 30m ./...
+	go test -count=1 -timeout 15m -tags fault -run TestFaultInjection -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -25; exit $${PIPESTATUS[0]}
+
+fault: ## The fault-injection test at full size (100,000 events, 12 relay kills); restarts PostgreSQL and RabbitMQ.
+	FAULT_EVENTS=100000 FAULT_KILLS=12 FAULT_SUMMARY_FILE=$(CURDIR)/docs/fault-summary.txt \
+		go test -count=1 -timeout 60m -tags fault -run TestFaultInjection -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -25; exit $${PIPESTATUS[0]}
 
 test_short: ## Run the tests with -short.
 	go test -count=1 -short -timeout 10m ./...
@@ -39,7 +44,7 @@ lint: ## gofmt check, go vet and golangci-lint (installed from the module proxy 
 	go vet ./...
 	@test -x $(GOBIN)/golangci-lint && $(GOBIN)/golangci-lint version 2>/dev/null | grep -q $(GOLANGCI_LINT_VERSION:v%=%) || \
 		GOBIN=$(GOBIN) go install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
-	$(GOBIN)/golangci-lint run ./...
+	$(GOBIN)/golangci-lint run --build-tags fault ./...
 
 demo: up ## Run the relay end to end: local PostgreSQL to an in-process Kafka cluster, printing what it forwarded.
 	go run ./examples/demo

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 
@@ -210,11 +211,12 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 // then drains: the router stops taking messages, waits for those in flight,
 // and every subscriber gives its remaining leases back.
 func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *message.Router, m *metrics.Metrics, logger watermill.LoggerAdapter, stdout io.Writer) error {
-	pub, err := router.NewPublisher(cfg.backend, logger)
+	backendPub, err := router.NewPublisher(cfg.backend, logger)
 	if err != nil {
 		return err
 	}
-	defer pub.Close()
+	defer backendPub.Close()
+	pub := relayIDPublisher{Publisher: backendPub, id: relayID()}
 	var subs []*subscriber.Subscriber
 	defer func() {
 		for _, s := range subs {
@@ -248,6 +250,29 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 	}
 	fmt.Fprintln(stdout, "relay stopped; leases given back")
 	return nil
+}
+
+// MetadataRelayID names the relay process that forwarded a message
+// (host:pid), for tracing a message back to a relay and for the fault tests'
+// single-active overlap detector.
+const MetadataRelayID = "outbox_relay_id"
+
+func relayID() string {
+	host, _ := os.Hostname()
+	return fmt.Sprintf("%s:%d", host, os.Getpid())
+}
+
+// relayIDPublisher stamps MetadataRelayID on every message it publishes.
+type relayIDPublisher struct {
+	message.Publisher
+	id string
+}
+
+func (p relayIDPublisher) Publish(topic string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		m.Metadata.Set(MetadataRelayID, p.id)
+	}
+	return p.Publisher.Publish(topic, msgs...)
 }
 
 func serveMetrics(cfg relayConfig, reg *prometheus.Registry, logger watermill.LoggerAdapter) (*http.Server, error) {
