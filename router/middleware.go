@@ -76,6 +76,9 @@ func Middlewares(cfg MiddlewareConfig) []message.HandlerMiddleware {
 	stack = append(stack, middleware.Recoverer)
 	if cfg.Retry != nil {
 		r := *cfg.Retry
+		// Each attempt gets a fresh per-message timeout, not the cancelled
+		// context of the previous attempt.
+		r.ResetContextOnRetry = true
 		should := r.ShouldRetry
 		r.ShouldRetry = func(p middleware.RetryParams) bool {
 			if subscriber.IsPermanent(p.Err) {
