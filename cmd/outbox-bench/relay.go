@@ -147,37 +147,54 @@ func drainBareSQL(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n, wo
 	return float64(done.Load()) / time.Since(start).Seconds(), nil
 }
 
-// relaySuite compares the subscriber's drain rate with the bare-SQL ceiling.
+// relaySuite compares the subscriber's drain rate with the bare-SQL ceiling
+// and the forwarder's with Watermill's own outbox path (watermill-sql +
+// components/forwarder), on the same number of rows and the same payload.
 func relaySuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o options) error {
 	n := o.backlog
+	const (
+		ceiling = "bare SQL ceiling: claim+ack loop, 2 workers, no delivery"
+		peer    = "watermill-sql v3 + components/forwarder -> in-memory sink"
+	)
 	cases := []struct {
 		name, baseline string
-		run            func(t schema.Table) (float64, error)
+		outboxTable    bool // drains a backlog in an outbox table
+		run            func(t schema.Table, round int) (float64, error)
 	}{
-		{"bare SQL ceiling: claim+ack loop, 2 workers, no delivery", "", func(t schema.Table) (float64, error) {
+		{ceiling, "", true, func(t schema.Table, _ int) (float64, error) {
 			return drainBareSQL(ctx, pool, t, n, 2, 100)
 		}},
-		{"Subscriber, single-active (default), immediate ack", "bare SQL ceiling: claim+ack loop, 2 workers, no delivery", func(t schema.Table) (float64, error) {
+		{"Subscriber, single-active (default), immediate ack", ceiling, true, func(t schema.Table, _ int) (float64, error) {
 			return drainSubscriber(ctx, pool, t, n, subscriber.Config{})
 		}},
-		{"Subscriber, SingleActive off, immediate ack", "bare SQL ceiling: claim+ack loop, 2 workers, no delivery", func(t schema.Table) (float64, error) {
+		{"Subscriber, SingleActive off, immediate ack", ceiling, true, func(t schema.Table, _ int) (float64, error) {
 			return drainSubscriber(ctx, pool, t, n, subscriber.Config{DisableSingleActive: true})
+		}},
+		{peer, "", false, func(_ schema.Table, round int) (float64, error) {
+			return peerDrain(ctx, o, schemaName, n, round)
+		}},
+		{"outbox Subscriber + Forwarder -> in-memory sink", peer, true, func(t schema.Table, _ int) (float64, error) {
+			return forwarderDrain(ctx, pool, t, n)
 		}},
 	}
 	best := make([]float64, len(cases))
 	for round := 0; round < o.rounds; round++ {
 		for i, c := range cases {
 			t := schema.MustParseTable(fmt.Sprintf("%s.drain_%d_%d", schemaName, round, i))
-			if err := fillBacklog(ctx, pool, t, n); err != nil {
-				return fmt.Errorf("%s: fill: %w", c.name, err)
+			if c.outboxTable {
+				if err := fillBacklog(ctx, pool, t, n); err != nil {
+					return fmt.Errorf("%s: fill: %w", c.name, err)
+				}
 			}
-			rate, err := c.run(t)
+			rate, err := c.run(t, round)
 			if err != nil {
 				return fmt.Errorf("%s: %w", c.name, err)
 			}
 			best[i] = max(best[i], rate)
-			if _, err := pool.Exec(ctx, `DROP TABLE `+t.Sanitize()); err != nil {
-				return err
+			if c.outboxTable {
+				if _, err := pool.Exec(ctx, `DROP TABLE `+t.Sanitize()); err != nil {
+					return err
+				}
 			}
 		}
 	}
@@ -185,7 +202,7 @@ func relaySuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o op
 	for i, c := range cases {
 		names[i], baselines[i] = c.name, c.baseline
 	}
-	printTable(fmt.Sprintf("Relay throughput: drain a backlog of %d rows, best of %d (goal: subscriber >= 0.80x of the bare SQL ceiling)", n, o.rounds),
+	printTable(fmt.Sprintf("Relay throughput: drain a backlog of %d rows, best of %d (goals: subscriber >= 0.80x of the bare SQL ceiling; forwarder >= 1.5x of the watermill-sql peer)", n, o.rounds),
 		ratioRows(names, baselines, best, "msgs/s"))
 	return nil
 }
@@ -208,13 +225,19 @@ func latencySuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o 
 			if err != nil {
 				return err
 			}
-			name := fmt.Sprintf("Subscriber, %d events/s, wake-up %s", rate, map[bool]string{true: "on", false: "off (poll 1s)"}[wake])
+			name := fmt.Sprintf("outbox Subscriber, %d events/s, wake-up %s", rate, map[bool]string{true: "on", false: "off (poll 1s)"}[wake])
 			results = append(results, result{name, percentile(lat, 50), percentile(lat, 95), percentile(lat, 99), len(lat)})
 		}
+		lat, err := measurePeerLatency(ctx, o, schemaName, rate, o.latencyDuration)
+		if err != nil {
+			return err
+		}
+		name := fmt.Sprintf("watermill-sql + forwarder (defaults), %d events/s", rate)
+		results = append(results, result{name, percentile(lat, 50), percentile(lat, 95), percentile(lat, 99), len(lat)})
 	}
 	fmt.Printf("Commit-to-delivery latency (%s per case; goal at 1,000 events/s with wake-up on: p50 < 5ms, p99 < 30ms)\n", o.latencyDuration)
 	for _, r := range results {
-		fmt.Printf("  %-52s events=%-6d p50=%-10s p95=%-10s p99=%s\n", r.name, r.n, r.p50.Round(10*time.Microsecond), r.p95.Round(10*time.Microsecond), r.p99.Round(10*time.Microsecond))
+		fmt.Printf("  %-58s events=%-6d p50=%-10s p95=%-10s p99=%s\n", r.name, r.n, r.p50.Round(10*time.Microsecond), r.p95.Round(10*time.Microsecond), r.p99.Round(10*time.Microsecond))
 	}
 	fmt.Println()
 	return nil
