@@ -47,7 +47,10 @@ type Queries struct {
 	Ack string
 
 	// Nack releases one leased row for a retry or, at max attempts or for a
-	// permanent error, marks it dead. Fenced like Ack.
+	// permanent error, marks it dead. Fenced like Ack. A dead row is parked
+	// at available_at = 'infinity', after every due row in the claim index,
+	// so that dead rows cost claims nothing (DESIGN §5 says now(); with
+	// 100,000 dead rows that made every claim walk them all, 14x slower).
 	// Args: id, attempts, locked_at, last_error, max_attempts, permanent,
 	// backoff seconds. Returns: dead.
 	Nack string
@@ -150,7 +153,7 @@ RETURNING o.id::text, extract(epoch FROM o.published_at - o.created_at)::float8`
 
 	q.Nack = `UPDATE ` + tbl + ` AS o SET locked_at = NULL, last_error = $4,
   attempts = CASE WHEN $6::bool THEN GREATEST(o.attempts, $5::int) ELSE o.attempts END,
-  available_at = CASE WHEN $6::bool OR o.attempts >= $5::int THEN now() ELSE now() + make_interval(secs => $7::float8) END
+  available_at = CASE WHEN $6::bool OR o.attempts >= $5::int THEN 'infinity'::timestamptz ELSE now() + make_interval(secs => $7::float8) END
 FROM (SELECT $1::uuid AS id, $2::int AS attempts, $3::timestamptz AS locked_at) AS a
 WHERE ` + fence + `
 RETURNING o.attempts >= $5::int`

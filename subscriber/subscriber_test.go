@@ -72,6 +72,7 @@ type rowState struct {
 	locked    bool
 	lastError *string
 	due       time.Duration
+	parked    bool // available_at = 'infinity': dead
 }
 
 func state(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, eventID string) rowState {
@@ -79,8 +80,9 @@ func state(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, eventID string) r
 	var r rowState
 	var dueSecs float64
 	err := pool.QueryRow(context.Background(), `SELECT attempts, published_at IS NOT NULL, locked_at IS NOT NULL, last_error,
-		extract(epoch FROM available_at - now())::float8 FROM `+tbl.Sanitize()+` WHERE event_id = $1`, eventID).
-		Scan(&r.attempts, &r.published, &r.locked, &r.lastError, &dueSecs)
+		available_at = 'infinity', CASE WHEN available_at = 'infinity' THEN 0 ELSE extract(epoch FROM available_at - now())::float8 END
+		FROM `+tbl.Sanitize()+` WHERE event_id = $1`, eventID).
+		Scan(&r.attempts, &r.published, &r.locked, &r.lastError, &r.parked, &dueSecs)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -322,7 +324,7 @@ func TestRetryBackoffThenDead(t *testing.T) {
 	case <-time.After(500 * time.Millisecond):
 	}
 	st := state(t, pool, tbl, ids[0])
-	if st.published || st.lastError == nil {
+	if st.published || st.lastError == nil || !st.parked {
 		t.Fatalf("dead row: %+v", st)
 	}
 	le := *st.lastError

@@ -39,6 +39,8 @@ type options struct {
 	brokerBacklog   int
 	amqpURL         string
 	amqpPool        int
+	scalingSample   int
+	scalingMax      int
 	rates           []int
 	latencyDuration time.Duration
 }
@@ -56,6 +58,8 @@ func main() {
 	flag.IntVar(&o.brokerBacklog, "broker-backlog", 30000, "rows to relay in the brokers suite")
 	flag.StringVar(&o.amqpURL, "amqp", envOr("OUTBOX_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ URL for the brokers suite")
 	flag.IntVar(&o.amqpPool, "amqp-pool", router.AMQPChannelPoolSizeDefault, "AMQP publisher channel pool size")
+	flag.IntVar(&o.scalingSample, "scaling-sample", 10000, "rows drained per case in the scaling suite (at most 10,000, the smallest backlog)")
+	flag.IntVar(&o.scalingMax, "scaling-max", 1_000_000, "largest backlog of the scaling suite")
 	flag.DurationVar(&o.latencyDuration, "latency-duration", 10*time.Second, "length of one latency case")
 	rates := flag.String("rates", "1000", "comma-separated offered rates (events/s) for the latency suite")
 	flag.StringVar(&suite, "suite", "all", "comma-separated suites: enqueue, relay, latency, all")
@@ -119,8 +123,9 @@ func run(ctx context.Context, o options, suites []string) error {
 	fmt.Printf("outbox-bench: PostgreSQL %s, %d workers, %s per measurement, best of %d\n\n", serverVersion(ctx, pool), o.workers, o.duration, o.rounds)
 	known := map[string]func(context.Context, *pgxpool.Pool, string, options) error{
 		"enqueue": enqueueSuite, "relay": relaySuite, "latency": latencySuite, "brokers": brokerSuite,
+		"scaling": scalingSuite,
 	}
-	order := []string{"enqueue", "relay", "latency", "brokers"}
+	order := []string{"enqueue", "relay", "latency", "brokers", "scaling"}
 	var run []string
 	for _, s := range suites {
 		s = strings.TrimSpace(s)

@@ -1,0 +1,427 @@
+// Command amqp relays an outbox to RabbitMQ and consumes it back:
+//
+//   - events for two tenants are committed with their business rows, with a
+//     custom header (correlation_id) stored in the outbox's headers column;
+//   - the relay (subscriber.New + forwarder.New) publishes them through
+//     router.NewPublisher with kind amqp: per topic a durable exchange and a
+//     durable queue of the same name, persistent messages, publisher
+//     confirms and a channel pool;
+//   - a Watermill router consumes the queues with a watermill-amqp
+//     subscriber on the same configuration (router.AMQPConfig), dedups on
+//     event_id, and prints every message's headers: the outbox metadata
+//     (event_id, tenant_id, topic, sequence, attempts, table, partition_key)
+//     and the custom ones.
+//
+// RabbitMQ is OUTBOX_AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/),
+// the database OUTBOX_DATABASE_URL (default
+// postgres://postgres@127.0.0.1:5432/test). The topics carry a random
+// segment so that runs sharing a broker do not mix (a real service uses fixed
+// names such as org.organization.created.v1); their queues and exchanges are
+// deleted at the end.
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/url"
+	"os"
+	"os/signal"
+	"sort"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/forwarder"
+	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// Defaults used when OUTBOX_DATABASE_URL or OUTBOX_AMQP_URL is not set.
+const (
+	defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+	defaultAMQPURL     = "amqp://guest:guest@127.0.0.1:5672/"
+)
+
+// The example's tenants: fixed IDs make the output easy to read.
+var (
+	tenantAcme   = uuid.MustParse("a0000000-0000-4000-8000-000000000001")
+	tenantGlobex = uuid.MustParse("b0000000-0000-4000-8000-000000000002")
+	tenantNames  = map[string]string{tenantAcme.String(): "Acme", tenantGlobex.String(): "Globex"}
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Stdout, databaseURL())
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "amqp:", err)
+		os.Exit(1)
+	}
+}
+
+// databaseURL is OUTBOX_DATABASE_URL, or the local test database.
+func databaseURL() string {
+	if u := os.Getenv("OUTBOX_DATABASE_URL"); u != "" {
+		return u
+	}
+	return defaultDatabaseURL
+}
+
+// amqpURL is OUTBOX_AMQP_URL, or the local RabbitMQ.
+func amqpURL() string {
+	if u := os.Getenv("OUTBOX_AMQP_URL"); u != "" {
+		return u
+	}
+	return defaultAMQPURL
+}
+
+// topics are this run's topics: <module>.<aggregate>.<event>.vN with a
+// random module segment.
+type topics struct {
+	organizationCreated, memberInvited string
+}
+
+func newTopics() (topics, error) {
+	var b [4]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return topics{}, err
+	}
+	module := "ex" + hex.EncodeToString(b[:])
+	return topics{organizationCreated: module + ".organization.created.v1", memberInvited: module + ".member.invited.v1"}, nil
+}
+
+func (t topics) all() []string { return []string{t.organizationCreated, t.memberInvited} }
+
+// run is the whole example; it writes what happens to w.
+func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	out := &syncWriter{w: w}
+	logger := newLogger()
+	brokerURL := amqpURL()
+	tp, err := newTopics()
+	if err != nil {
+		return err
+	}
+
+	pool, err := connect(ctx, dbURL)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	ns, dropSchema, err := createSchema(ctx, pool)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, dropSchema()) }()
+	outbox, err := schema.ParseTable(ns + ".org_outbox")
+	if err != nil {
+		return err
+	}
+	// The headers column stores the custom headers of publisher.Message.
+	if err := schema.Migrate(ctx, pool, outbox, schema.WithHeadersColumn()); err != nil {
+		return err
+	}
+	processed := pgx.Identifier{ns, "processed_events"}.Sanitize()
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+processed+` (consumer TEXT NOT NULL, event_id UUID NOT NULL, PRIMARY KEY (consumer, event_id))`); err != nil {
+		return err
+	}
+
+	// The consumer: a watermill-amqp subscriber on the relay's AMQP
+	// configuration, so both sides agree on exchanges and queues.
+	amqpSubscriber, err := amqp.NewSubscriber(router.AMQPConfig(brokerURL, 0), logger)
+	if err != nil {
+		return fmt.Errorf("RabbitMQ at %s is unreachable (start it with `make up`, or set OUTBOX_AMQP_URL): %w", redactURL(brokerURL), err)
+	}
+	defer amqpSubscriber.Close()
+	defer func() { err = errors.Join(err, deleteTopology(brokerURL, tp.all(), logger)) }()
+	consumer, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		return err
+	}
+	consumer.AddMiddleware(middleware.Recoverer)
+	printer := &headerPrinter{pool: pool, processed: processed, out: out, handled: make(chan struct{}, 16)}
+	for _, topic := range tp.all() {
+		consumer.AddConsumerHandler("print_"+topic, topic, amqpSubscriber, printer.Handle)
+	}
+	stopConsumer, err := startRouter(ctx, consumer)
+	if err != nil {
+		return fmt.Errorf("consumer: %w", err)
+	}
+	defer func() { err = errors.Join(err, stopConsumer()) }()
+
+	// The producer: each tenant's events in one transaction.
+	events := []struct {
+		tenant  uuid.UUID
+		topic   string
+		payload string
+	}{
+		{tenantAcme, tp.organizationCreated, `{"name":"Acme"}`},
+		{tenantAcme, tp.memberInvited, `{"email":"alice@acme.example"}`},
+		{tenantGlobex, tp.organizationCreated, `{"name":"Globex"}`},
+		{tenantGlobex, tp.memberInvited, `{"email":"carol@globex.example"}`},
+	}
+	for _, tenant := range []uuid.UUID{tenantAcme, tenantGlobex} {
+		var batch []publisher.Message
+		for _, e := range events {
+			if e.tenant == tenant {
+				batch = append(batch, publisher.Message{
+					TenantID: e.tenant, Topic: e.topic, EventID: uuid.New(), Payload: json.RawMessage(e.payload),
+					Headers: map[string]string{"correlation_id": "signup-" + strings.ToLower(tenantNames[tenant.String()])},
+				})
+			}
+		}
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			// Your business writes go here, in the same transaction.
+			_, err := publisher.EnqueueBatch(ctx, tx, outbox, batch)
+			return err
+		}); err != nil {
+			return fmt.Errorf("enqueue: %w", err)
+		}
+		for _, m := range batch {
+			fmt.Fprintf(out, "enqueued %s tenant=%s event_id=%s\n", m.Topic, tenantNames[tenant.String()], m.EventID)
+		}
+	}
+
+	// The relay: outbox -> RabbitMQ.
+	amqpPublisher, err := router.NewPublisher(router.BackendConfig{Kind: router.BackendAMQP, AMQPURL: brokerURL}, logger)
+	if err != nil {
+		return fmt.Errorf("RabbitMQ at %s: %w", redactURL(brokerURL), err)
+	}
+	defer amqpPublisher.Close()
+	sub, err := subscriber.New(pool, subscriber.Config{Table: outbox}, logger)
+	if err != nil {
+		return err
+	}
+	defer sub.Close()
+	fwd, err := forwarder.New(sub, amqpPublisher, forwarder.Config{}, logger)
+	if err != nil {
+		return err
+	}
+	stopRelay, err := startForwarder(ctx, fwd)
+	if err != nil {
+		return fmt.Errorf("relay: %w", err)
+	}
+	defer func() { err = errors.Join(err, stopRelay()) }()
+
+	for range events {
+		select {
+		case <-printer.handled:
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for RabbitMQ deliveries: %w", ctx.Err())
+		}
+	}
+	if err := waitAllPublished(ctx, pool, outbox); err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "received %d events from RabbitMQ; all %d outbox rows published\n", len(events), len(events))
+	return nil
+}
+
+// headerPrinter consumes every topic: it prints each new event with its
+// headers, and ignores an event_id it has seen before.
+type headerPrinter struct {
+	pool      *pgxpool.Pool
+	processed string
+	out       io.Writer
+	handled   chan struct{}
+}
+
+// Handle is the router handler; an error nacks the delivery (RabbitMQ
+// delivers it again).
+func (p *headerPrinter) Handle(msg *message.Message) error {
+	ctx := msg.Context()
+	tag, err := p.pool.Exec(ctx, `INSERT INTO `+p.processed+` (consumer, event_id) VALUES ('header_printer', $1) ON CONFLICT DO NOTHING`, msg.UUID)
+	if err != nil {
+		return fmt.Errorf("record event %s: %w", msg.UUID, err)
+	}
+	if tag.RowsAffected() == 0 {
+		fmt.Fprintf(p.out, "duplicate ignored event_id=%s\n", msg.UUID)
+		return nil
+	}
+	// One Write per message, so that concurrent handlers do not interleave.
+	var b strings.Builder
+	fmt.Fprintf(&b, "received %s event_id=%s\n  headers:\n", message.SubscribeTopicFromCtx(ctx), msg.UUID)
+	keys := make([]string, 0, len(msg.Metadata))
+	for k := range msg.Metadata {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		fmt.Fprintf(&b, "    %s: %s\n", k, msg.Metadata[k])
+	}
+	fmt.Fprintf(&b, "  payload: %s\n", msg.Payload)
+	fmt.Fprint(p.out, b.String())
+	select {
+	case p.handled <- struct{}{}:
+	case <-ctx.Done():
+	}
+	return nil
+}
+
+// deleteTopology deletes the queues and exchanges of this run's topics. A
+// real service keeps them: they are durable on purpose.
+func deleteTopology(brokerURL string, names []string, logger watermill.LoggerAdapter) error {
+	conn, err := amqp.NewConnection(amqp.ConnectionConfig{AmqpURI: brokerURL}, logger)
+	if err != nil {
+		return fmt.Errorf("delete queues: %w", err)
+	}
+	defer conn.Close()
+	ch, err := conn.Connection().Channel()
+	if err != nil {
+		return fmt.Errorf("delete queues: %w", err)
+	}
+	defer ch.Close()
+	var errs []error
+	for _, name := range names {
+		if _, err := ch.QueueDelete(name, false, false, false); err != nil {
+			errs = append(errs, fmt.Errorf("delete queue %s: %w", name, err))
+		}
+		if err := ch.ExchangeDelete(name, false, false); err != nil {
+			errs = append(errs, fmt.Errorf("delete exchange %s: %w", name, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// redactURL hides the password of an AMQP URL.
+func redactURL(s string) string {
+	u, err := url.Parse(s)
+	if err != nil {
+		return "(unparsable OUTBOX_AMQP_URL)"
+	}
+	return u.Redacted()
+}
+
+// waitAllPublished waits until every row of t is published.
+func waitAllPublished(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		var pending int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()+` WHERE published_at IS NULL`).Scan(&pending); err != nil {
+			return fmt.Errorf("count pending rows: %w", err)
+		}
+		if pending == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%d rows of %s not published in time: %w", pending, t, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+// startRouter runs r in the background until its handlers are subscribed,
+// and returns the function that stops it and reports how Run ended (safe to
+// call more than once).
+func startRouter(ctx context.Context, r *message.Router) (stop func() error, err error) {
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	select {
+	case <-r.Running():
+	case err := <-done:
+		if err == nil {
+			err = errors.New("router stopped while starting")
+		}
+		return nil, err
+	}
+	return sync.OnceValue(func() error { return errors.Join(r.Close(), <-done) }), nil
+}
+
+// startForwarder runs the relay in the background, like startRouter.
+func startForwarder(ctx context.Context, f *forwarder.Forwarder) (stop func() error, err error) {
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	select {
+	case <-f.Running():
+	case err := <-done:
+		if err == nil {
+			err = errors.New("forwarder stopped while starting")
+		}
+		return nil, err
+	}
+	return sync.OnceValue(func() error { return errors.Join(f.Close(), <-done) }), nil
+}
+
+// connect opens a pool and checks the database is reachable. The relay holds
+// two connections for its life (the single-active leader's and the
+// LISTEN/NOTIFY one): size the pool for them plus your own traffic.
+func connect(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(dbURL)
+	if err != nil {
+		return nil, fmt.Errorf("parse database URL: %w", err)
+	}
+	cfg.MaxConns = 10
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err == nil {
+		err = pool.Ping(ctx)
+	}
+	if err != nil {
+		if pool != nil {
+			pool.Close()
+		}
+		return nil, fmt.Errorf("PostgreSQL at %s:%d is unreachable (start it with `make up`, or set OUTBOX_DATABASE_URL): %w",
+			cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
+	}
+	return pool, nil
+}
+
+// createSchema creates a fresh schema example_<random hex>, so that runs do
+// not see each other, and returns the function that drops it.
+func createSchema(ctx context.Context, pool *pgxpool.Pool) (string, func() error, error) {
+	var b [6]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", nil, err
+	}
+	ns := "example_" + hex.EncodeToString(b[:])
+	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{ns}.Sanitize()); err != nil {
+		return "", nil, fmt.Errorf("create schema %s: %w", ns, err)
+	}
+	drop := func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := pool.Exec(ctx, `DROP SCHEMA `+pgx.Identifier{ns}.Sanitize()+` CASCADE`); err != nil {
+			return fmt.Errorf("drop schema %s: %w", ns, err)
+		}
+		return nil
+	}
+	return ns, drop, nil
+}
+
+// newLogger logs warnings and errors of the relay, routers and AMQP clients
+// to stderr.
+func newLogger() watermill.LoggerAdapter {
+	return watermill.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
+}
+
+// syncWriter serialises writes: handlers print from their own goroutines.
+type syncWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+// Write writes p to the underlying writer, one call at a time.
+func (s *syncWriter) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(p)
+}

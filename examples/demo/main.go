@@ -1,0 +1,391 @@
+// Command demo is what `make demo` runs: the relay end to end, from the local
+// PostgreSQL to an in-process Kafka cluster, printing what arrived on Kafka.
+//
+// It starts a one-broker Kafka-protocol cluster inside the process
+// (internal/kafkatest, franz-go's kfake; Watermill's Kafka backend talks to
+// it over the network as to any Kafka), creates an outbox table in a fresh
+// schema, commits five events for two tenants in two transactions, relays
+// them with forwarder.New(sub, kafkaPublisher, forwarder.Config{}, logger),
+// reads them back from Kafka and prints each one's topic, record key,
+// partition, event_id, tenant_id, headers and payload. It finishes by itself
+// in a few seconds and leaves nothing behind.
+//
+// The database is OUTBOX_DATABASE_URL (default
+// postgres://postgres@127.0.0.1:5432/test).
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/forwarder"
+	"github.com/outboxkit/watermill-outbox/internal/kafkatest"
+	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// defaultDatabaseURL is used when OUTBOX_DATABASE_URL is not set.
+const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+
+// The demo's topics (<module>.<aggregate>.<event>.vN).
+const (
+	TopicOrganizationCreated = "org.organization.created.v1"
+	TopicMemberInvited       = "org.member.invited.v1"
+)
+
+// The demo's two tenants: fixed IDs make the output easy to read.
+var (
+	tenantAcme   = uuid.MustParse("a0000000-0000-4000-8000-000000000001")
+	tenantGlobex = uuid.MustParse("b0000000-0000-4000-8000-000000000002")
+	tenantNames  = map[string]string{tenantAcme.String(): "Acme", tenantGlobex.String(): "Globex"}
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Stdout, databaseURL())
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "demo:", err)
+		os.Exit(1)
+	}
+}
+
+// databaseURL is OUTBOX_DATABASE_URL, or the local test database.
+func databaseURL() string {
+	if u := os.Getenv("OUTBOX_DATABASE_URL"); u != "" {
+		return u
+	}
+	return defaultDatabaseURL
+}
+
+// run is the whole demo; it writes what happens to w.
+func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	logger := newLogger()
+
+	// Kafka: an in-process cluster, 3 partitions per topic.
+	cluster, err := kafkatest.Start(3, 0)
+	if err != nil {
+		return err
+	}
+	defer cluster.Close()
+
+	// PostgreSQL: an outbox table (with the optional trace and headers
+	// columns) in a fresh schema.
+	pool, err := connect(ctx, dbURL)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	ns, dropSchema, err := createSchema(ctx, pool)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, dropSchema()) }()
+	table, err := schema.ParseTable(ns + ".org_outbox")
+	if err != nil {
+		return err
+	}
+	if err := schema.Migrate(ctx, pool, table, schema.WithAllColumns()); err != nil {
+		return err
+	}
+
+	// Five events for two tenants, each tenant's in one transaction.
+	var msgs []publisher.Message
+	for _, batch := range [][]publisher.Message{
+		{
+			event(tenantAcme, TopicOrganizationCreated, "signup-acme", map[string]any{"name": "Acme"}),
+			event(tenantAcme, TopicMemberInvited, "signup-acme", map[string]any{"email": "alice@acme.example", "role": "admin"}),
+			event(tenantAcme, TopicMemberInvited, "signup-acme", map[string]any{"email": "bob@acme.example", "role": "member"}),
+		},
+		{
+			event(tenantGlobex, TopicOrganizationCreated, "signup-globex", map[string]any{"name": "Globex"}),
+			event(tenantGlobex, TopicMemberInvited, "signup-globex", map[string]any{"email": "carol@globex.example", "role": "admin"}),
+		},
+	} {
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			// Your business writes go here, in the same transaction.
+			_, err := publisher.EnqueueBatch(ctx, tx, table, batch)
+			return err
+		}); err != nil {
+			return fmt.Errorf("enqueue: %w", err)
+		}
+		msgs = append(msgs, batch...)
+	}
+	fmt.Fprintf(w, "enqueued %d events for 2 tenants into %s\n", len(msgs), table)
+
+	// The relay: outbox subscriber -> forwarder -> Kafka publisher. The zero
+	// forwarder.Config sends each row to the Kafka topic named by its topic
+	// column, keyed by event_id, with every metadata entry as a header.
+	kafkaPublisher, err := router.NewPublisher(router.BackendConfig{Kind: router.BackendKafka, KafkaBrokers: cluster.Brokers()}, logger)
+	if err != nil {
+		return err
+	}
+	defer kafkaPublisher.Close()
+	sub, err := subscriber.New(pool, subscriber.Config{Table: table}, logger)
+	if err != nil {
+		return err
+	}
+	defer sub.Close()
+	fwd, err := forwarder.New(sub, kafkaPublisher, forwarder.Config{}, logger)
+	if err != nil {
+		return err
+	}
+	stopRelay, err := startForwarder(ctx, fwd)
+	if err != nil {
+		return fmt.Errorf("relay: %w", err)
+	}
+	defer func() { err = errors.Join(err, stopRelay()) }()
+	if err := waitAllPublished(ctx, pool, table); err != nil {
+		return err
+	}
+	if err := stopRelay(); err != nil {
+		return fmt.Errorf("stop relay: %w", err)
+	}
+	fmt.Fprintf(w, "relayed to Kafka at %s\n\n", strings.Join(cluster.Brokers(), ","))
+
+	// Read them back, as a consumer would.
+	got, err := readBack(ctx, cluster, logger, len(msgs), TopicOrganizationCreated, TopicMemberInvited)
+	if err != nil {
+		return err
+	}
+	for i, r := range got {
+		if err := printRecord(w, i+1, len(got), r); err != nil {
+			return err
+		}
+	}
+
+	var unpublished int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table.Sanitize()+` WHERE published_at IS NULL`).Scan(&unpublished); err != nil {
+		return err
+	}
+	if unpublished != 0 {
+		return fmt.Errorf("%d rows of %s are not published", unpublished, table)
+	}
+	fmt.Fprintf(w, "forwarded %d events from %s to Kafka; all rows published\n", len(got), table)
+	return nil
+}
+
+// event builds one outbox message with a fresh event_id and a custom header.
+func event(tenant uuid.UUID, topic, correlationID string, payload map[string]any) publisher.Message {
+	b, err := json.Marshal(payload)
+	if err != nil {
+		panic(err) // maps of strings always marshal
+	}
+	return publisher.Message{
+		TenantID: tenant,
+		Topic:    topic,
+		EventID:  uuid.New(),
+		Payload:  b,
+		Headers:  map[string]string{"correlation_id": correlationID},
+	}
+}
+
+// record is one message read back from Kafka.
+type record struct {
+	topic     string
+	partition int32
+	key       string
+	msg       *message.Message
+}
+
+// readBack reads n messages from the topics, from the oldest offset, and
+// returns them in outbox sequence order.
+func readBack(ctx context.Context, cluster *kafkatest.Cluster, logger watermill.LoggerAdapter, n int, topics ...string) ([]record, error) {
+	// No consumer group: read every partition from the oldest offset.
+	kafkaSubscriber, err := cluster.NewSubscriber("", logger)
+	if err != nil {
+		return nil, err
+	}
+	defer kafkaSubscriber.Close()
+	ctx, cancel := context.WithCancel(ctx)
+	records := make(chan record)
+	var wg sync.WaitGroup
+	defer wg.Wait() // after cancel: the readers have returned before Close
+	defer cancel()
+	for _, topic := range topics {
+		ch, err := kafkaSubscriber.Subscribe(ctx, topic)
+		if err != nil {
+			return nil, fmt.Errorf("subscribe to %s: %w", topic, err)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case msg, ok := <-ch:
+					if !ok {
+						return
+					}
+					key, _ := kafka.MessageKeyFromCtx(msg.Context())
+					partition, _ := kafka.MessagePartitionFromCtx(msg.Context())
+					msg.Ack()
+					select {
+					case records <- record{topic: topic, partition: partition, key: string(key), msg: msg}:
+					case <-ctx.Done():
+						return
+					}
+				case <-ctx.Done():
+					return
+				}
+			}
+		}()
+	}
+	var out []record
+	for len(out) < n {
+		select {
+		case r := <-records:
+			out = append(out, r)
+		case <-ctx.Done():
+			return nil, fmt.Errorf("read %d of %d events back from Kafka: %w", len(out), n, ctx.Err())
+		}
+	}
+	sequence := func(r record) int64 {
+		s, _ := strconv.ParseInt(r.msg.Metadata.Get(schema.MetadataSequence), 10, 64)
+		return s
+	}
+	sort.Slice(out, func(i, j int) bool { return sequence(out[i]) < sequence(out[j]) })
+	return out, nil
+}
+
+// printRecord prints one Kafka record.
+func printRecord(w io.Writer, i, n int, r record) error {
+	md := r.msg.Metadata
+	if r.key == "" {
+		return fmt.Errorf("record %s on %s has no key", r.msg.UUID, r.topic)
+	}
+	keyNote := "the event_id, the default partition key"
+	if r.key != r.msg.UUID {
+		keyNote = "NOT the event_id"
+	}
+	tenant := md.Get(schema.MetadataTenantID)
+	fmt.Fprintf(w, "event %d of %d\n", i, n)
+	fmt.Fprintf(w, "  topic:     %s\n", r.topic)
+	fmt.Fprintf(w, "  key:       %s (%s)\n", r.key, keyNote)
+	fmt.Fprintf(w, "  partition: %d\n", r.partition)
+	fmt.Fprintf(w, "  event_id:  %s\n", r.msg.UUID)
+	fmt.Fprintf(w, "  tenant_id: %s (%s)\n", tenant, tenantNames[tenant])
+	fmt.Fprintf(w, "  headers:\n")
+	keys := make([]string, 0, len(md))
+	for k := range md {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		fmt.Fprintf(w, "    %s: %s\n", k, md[k])
+	}
+	fmt.Fprintf(w, "  payload:   %s\n\n", r.msg.Payload)
+	return nil
+}
+
+// waitAllPublished waits until every row of t is published.
+func waitAllPublished(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		var pending int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()+` WHERE published_at IS NULL`).Scan(&pending); err != nil {
+			return fmt.Errorf("count pending rows: %w", err)
+		}
+		if pending == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%d rows of %s not published in time: %w", pending, t, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+// startForwarder runs the relay in the background until it is running, and
+// returns the function that stops it and reports how Run ended (safe to call
+// more than once).
+func startForwarder(ctx context.Context, f *forwarder.Forwarder) (stop func() error, err error) {
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	select {
+	case <-f.Running():
+	case err := <-done:
+		if err == nil {
+			err = errors.New("forwarder stopped while starting")
+		}
+		return nil, err
+	}
+	return sync.OnceValue(func() error { return errors.Join(f.Close(), <-done) }), nil
+}
+
+// connect opens a pool and checks the database is reachable. The relay holds
+// two connections for its life (the single-active leader's and the
+// LISTEN/NOTIFY one): size the pool for them plus your own traffic.
+func connect(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(dbURL)
+	if err != nil {
+		return nil, fmt.Errorf("parse database URL: %w", err)
+	}
+	cfg.MaxConns = 10
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err == nil {
+		err = pool.Ping(ctx)
+	}
+	if err != nil {
+		if pool != nil {
+			pool.Close()
+		}
+		return nil, fmt.Errorf("PostgreSQL at %s:%d is unreachable (start it with `make up`, or set OUTBOX_DATABASE_URL): %w",
+			cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
+	}
+	return pool, nil
+}
+
+// createSchema creates a fresh schema example_<random hex>, so that runs do
+// not see each other, and returns the function that drops it.
+func createSchema(ctx context.Context, pool *pgxpool.Pool) (string, func() error, error) {
+	var b [6]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", nil, err
+	}
+	ns := "example_" + hex.EncodeToString(b[:])
+	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{ns}.Sanitize()); err != nil {
+		return "", nil, fmt.Errorf("create schema %s: %w", ns, err)
+	}
+	drop := func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := pool.Exec(ctx, `DROP SCHEMA `+pgx.Identifier{ns}.Sanitize()+` CASCADE`); err != nil {
+			return fmt.Errorf("drop schema %s: %w", ns, err)
+		}
+		return nil
+	}
+	return ns, drop, nil
+}
+
+// newLogger logs warnings and errors of the relay and Kafka clients to
+// stderr.
+func newLogger() watermill.LoggerAdapter {
+	return watermill.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
+}

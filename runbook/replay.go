@@ -1,0 +1,260 @@
+package runbook
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// Reasons a row cannot be replayed; a *NotReplayableError wraps one of them,
+// so test them with errors.Is.
+var (
+	// ErrEventNotFound: no row of the table has the event_id.
+	ErrEventNotFound = errors.New("event not found")
+	// ErrAlreadyPublished: the row was acked; there is nothing to replay.
+	ErrAlreadyPublished = errors.New("event already published")
+	// ErrNotFailed: the row is pending, below max_attempts and without
+	// last_error; the relay delivers it when it is due.
+	ErrNotFailed = errors.New("event is pending and has not failed")
+	// ErrLocked: a relay leased the row less than the lock TTL ago and may
+	// be delivering it right now.
+	ErrLocked = errors.New("event is leased by a relay")
+)
+
+// ErrNoReplayFilter is returned (wrapped) by ReplayDead when the filter has
+// neither a Topic nor AllTopics: a bulk replay of every dead row is never
+// the default.
+var ErrNoReplayFilter = errors.New("bulk replay needs a topic or an explicit all-topics flag")
+
+// NotReplayableError says why ReplayEvent refused a row. Nothing was
+// changed. It unwraps to one of ErrEventNotFound, ErrAlreadyPublished,
+// ErrNotFailed and ErrLocked.
+type NotReplayableError struct {
+	// Table is the table, as given.
+	Table string
+	// EventID is the event asked for.
+	EventID uuid.UUID
+	// Reason is one of the sentinel errors above.
+	Reason error
+	// Row is the row as found, or nil when it was not found.
+	Row *Row
+	// LockTTL is the lease duration the row was judged with.
+	LockTTL time.Duration
+}
+
+// Error says why the row was refused and what to do instead.
+func (e *NotReplayableError) Error() string {
+	head := fmt.Sprintf("cannot replay event %s of %s", e.EventID, e.Table)
+	var why string
+	switch {
+	case errors.Is(e.Reason, ErrEventNotFound) || e.Row == nil:
+		why = "no row has this event_id; check the table name and the event_id"
+	case errors.Is(e.Reason, ErrAlreadyPublished) && e.Row.PublishedAt != nil:
+		why = fmt.Sprintf("it was already published at %s; replay only re-delivers dead or failed rows",
+			e.Row.PublishedAt.UTC().Format(time.RFC3339))
+	case errors.Is(e.Reason, ErrNotFailed) && e.Row.AvailableAt != nil:
+		why = fmt.Sprintf("it is pending (%d attempts, no last_error), neither dead nor failed; the relay delivers it when it is due (available_at %s)",
+			e.Row.Attempts, e.Row.AvailableAt.UTC().Format(time.RFC3339))
+	case errors.Is(e.Reason, ErrLocked) && e.Row.LockedAt != nil:
+		why = fmt.Sprintf("a relay leased it at %s and may be delivering it now; wait until the lease (lock TTL %s) has ended and look again",
+			e.Row.LockedAt.UTC().Format(time.RFC3339), e.LockTTL)
+	default:
+		why = e.Reason.Error()
+	}
+	return head + ": " + why + "; nothing changed"
+}
+
+// Unwrap returns Reason.
+func (e *NotReplayableError) Unwrap() error { return e.Reason }
+
+// ReplayOptions configures ReplayEvent.
+type ReplayOptions struct {
+	// MaxAttempts is the relay's dead threshold. Defaults to
+	// schema.MaxAttemptsDefault.
+	MaxAttempts int
+	// LockTTL is the relay's lease duration: a row leased less than LockTTL
+	// ago is refused with ErrLocked. Defaults to schema.LockTTLDefault.
+	LockTTL time.Duration
+	// DryRun checks the row and returns the statement without changing
+	// anything.
+	DryRun bool
+}
+
+// EventReplay reports a ReplayEvent.
+type EventReplay struct {
+	// Table is the table, as given.
+	Table string `json:"table"`
+	// Row is the row as it was before the replay.
+	Row Row `json:"row"`
+	// Dead is true when the row was dead (attempts >= max_attempts), false
+	// when it was failed and still being retried.
+	Dead bool `json:"dead"`
+	// Statement is the UPDATE that resets the row.
+	Statement schema.Statement `json:"-"`
+	// Changed is the number of rows changed: 1, or 0 for a dry run.
+	Changed int64 `json:"changed"`
+	// DryRun is true when nothing was changed on purpose.
+	DryRun bool `json:"dry_run"`
+}
+
+// ReplayEvent resets the row of t whose event_id is eventID so that the
+// relay delivers it again (attempts = 0, available_at = now(), locked_at =
+// NULL, last_error = NULL), and wakes the table's relays. It acts only on a
+// row that is dead or failed (published_at IS NULL AND (attempts >=
+// max_attempts OR last_error IS NOT NULL)) and not leased by a relay right
+// now; any other row is refused with a *NotReplayableError and left as it
+// is. With opts.DryRun it checks the row the same way and changes nothing.
+func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, opts ReplayOptions) (EventReplay, error) {
+	if err := checkTable(t); err != nil {
+		return EventReplay{}, err
+	}
+	if eventID == uuid.Nil {
+		return EventReplay{}, errors.New("runbook: replay: the event_id is the nil UUID; pass the event_id of the row to replay")
+	}
+	maxAttempts, err := checkMaxAttempts(opts.MaxAttempts)
+	if err != nil {
+		return EventReplay{}, err
+	}
+	lockTTL := opts.LockTTL
+	switch {
+	case lockTTL < 0:
+		return EventReplay{}, fmt.Errorf("runbook: lock TTL %s is negative; pass 0 for the default (%s)", lockTTL, schema.LockTTLDefault)
+	case lockTTL == 0:
+		lockTTL = schema.LockTTLDefault
+	}
+	q := schema.NewRunbookQueries(t)
+	id := eventID.String()
+
+	res, err := inspectEvent(ctx, db, q, eventID, maxAttempts, lockTTL)
+	if err != nil {
+		return EventReplay{}, err
+	}
+	res.Statement = q.ReplayEvent(id, maxAttempts, lockTTL)
+	if opts.DryRun {
+		res.DryRun = true
+		return res, nil
+	}
+	var seq int64
+	err = db.QueryRow(ctx, res.Statement.SQL, res.Statement.Args...).Scan(&seq)
+	if errors.Is(err, pgx.ErrNoRows) {
+		// The row changed between the look-up and the update: say how.
+		if _, again := inspectEvent(ctx, db, q, eventID, maxAttempts, lockTTL); again != nil {
+			return EventReplay{}, again
+		}
+		return EventReplay{}, fmt.Errorf("runbook: replay event %s of %s: the row changed while it was being replayed; nothing changed, look at it again and retry", eventID, t)
+	}
+	if err != nil {
+		return EventReplay{}, dbError(t, "replay event "+id+" of", err)
+	}
+	res.Changed = 1
+	wake(ctx, db, q)
+	return res, nil
+}
+
+// inspectEvent looks the row up and returns a *NotReplayableError unless it
+// can be replayed.
+func inspectEvent(ctx context.Context, db DB, q schema.RunbookQueries, eventID uuid.UUID, maxAttempts int, lockTTL time.Duration) (EventReplay, error) {
+	st := q.Event(eventID.String(), maxAttempts, lockTTL)
+	var dead, leased bool
+	row, err := scanRow(db.QueryRow(ctx, st.SQL, st.Args...), &dead, &leased)
+	refuse := func(reason error, r *Row) (EventReplay, error) {
+		return EventReplay{}, &NotReplayableError{Table: q.Table.String(), EventID: eventID, Reason: reason, Row: r, LockTTL: lockTTL}
+	}
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return refuse(ErrEventNotFound, nil)
+	case err != nil:
+		return EventReplay{}, dbError(q.Table, "look up event "+eventID.String()+" in", err)
+	case row.PublishedAt != nil:
+		return refuse(ErrAlreadyPublished, &row)
+	case !dead && row.LastError == nil:
+		return refuse(ErrNotFailed, &row)
+	case leased:
+		return refuse(ErrLocked, &row)
+	}
+	return EventReplay{Table: q.Table.String(), Row: row, Dead: dead}, nil
+}
+
+// wake notifies the table's relays that rows are due. A failure is ignored:
+// the rows are already due and the relays find them at their next poll.
+func wake(ctx context.Context, db DB, q schema.RunbookQueries) {
+	st := q.Wake()
+	_, _ = db.Exec(ctx, st.SQL, st.Args...)
+}
+
+// BulkReplay reports a ReplayDead.
+type BulkReplay struct {
+	// Table is the table, as given.
+	Table string `json:"table"`
+	// Statement is the UPDATE that resets the rows.
+	Statement schema.Statement `json:"-"`
+	// Rows is, for a dry run, the number of rows the statement would
+	// change, and otherwise the number it changed.
+	Rows int64 `json:"rows"`
+	// DryRun is true when nothing was changed on purpose.
+	DryRun bool `json:"dry_run"`
+}
+
+// ReplayDeadStatement returns the statement ReplayDead runs for f, after
+// the same checks, without touching the database.
+func ReplayDeadStatement(t schema.Table, f DeadFilter) (schema.Statement, error) {
+	sf, err := replayFilter(t, f)
+	if err != nil {
+		return schema.Statement{}, err
+	}
+	return schema.NewRunbookQueries(t).ReplayDead(sf), nil
+}
+
+func replayFilter(t schema.Table, f DeadFilter) (schema.RunbookFilter, error) {
+	if err := checkTable(t); err != nil {
+		return schema.RunbookFilter{}, err
+	}
+	switch {
+	case f.Topic == "" && !f.AllTopics:
+		return schema.RunbookFilter{}, fmt.Errorf("runbook: replay dead rows of %s: %w; set DeadFilter.Topic to one topic, or AllTopics to replay every topic (CLI: --topic or --all)", t, ErrNoReplayFilter)
+	case f.Topic != "" && f.AllTopics:
+		return schema.RunbookFilter{}, fmt.Errorf("runbook: replay dead rows of %s: both a topic (%q) and AllTopics are set; keep only one", t, f.Topic)
+	case f.Limit < 0:
+		return schema.RunbookFilter{}, fmt.Errorf("runbook: replay dead rows of %s: limit %d is negative; pass 0 to replay every matching row", t, f.Limit)
+	}
+	return f.schemaFilter()
+}
+
+// ReplayDead resets every dead row of t that matches f (in sequence order,
+// at most f.Limit when it is positive) so that the relay delivers them
+// again, and wakes the table's relays. Rows leased by a relay less than
+// f.LockTTL ago are left alone. f must name a Topic or set AllTopics.
+//
+// With dryRun it changes nothing and returns in Rows the number of rows the
+// statement would change now; otherwise Rows is the number it changed. The
+// two differ only if rows change in between.
+func ReplayDead(ctx context.Context, db DB, t schema.Table, f DeadFilter, dryRun bool) (BulkReplay, error) {
+	sf, err := replayFilter(t, f)
+	if err != nil {
+		return BulkReplay{}, err
+	}
+	q := schema.NewRunbookQueries(t)
+	res := BulkReplay{Table: t.String(), Statement: q.ReplayDead(sf), DryRun: dryRun}
+	if dryRun {
+		count := q.CountReplayDead(sf)
+		if err := db.QueryRow(ctx, count.SQL, count.Args...).Scan(&res.Rows); err != nil {
+			return BulkReplay{}, dbError(t, "count dead rows to replay of", err)
+		}
+		return res, nil
+	}
+	tag, err := db.Exec(ctx, res.Statement.SQL, res.Statement.Args...)
+	if err != nil {
+		return BulkReplay{}, dbError(t, "replay dead rows of", err)
+	}
+	res.Rows = tag.RowsAffected()
+	if res.Rows > 0 {
+		wake(ctx, db, q)
+	}
+	return res, nil
+}

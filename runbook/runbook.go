@@ -1,0 +1,302 @@
+// Package runbook holds the operations an operator runs on one outbox table
+// (DESIGN §9): list the backlog, list dead rows, read the table's counters,
+// replay one event and replay dead rows in bulk. The `outbox backlog`,
+// `outbox dead list|replay` and `outbox stats` commands are thin wrappers
+// around it.
+//
+// A row is dead when it is not published and attempts >= max_attempts
+// (schema.MaxAttemptsDefault, 25, unless the relay is configured otherwise);
+// it is failed when its last attempt left a last_error. Replaying a row
+// resets it (attempts = 0, available_at = now(), locked_at = NULL,
+// last_error = NULL) so that the relay delivers it again; delivery stays at
+// least once, so consumers dedup on event_id. Rows that a relay is handling
+// right now (leased less than the lock TTL ago) are never replayed.
+//
+// Every statement lives in package schema (schema.RunbookQueries); the table
+// name is always rendered with schema.Table.Sanitize and every value is a
+// parameter.
+package runbook
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// DB is what the runbook needs from a database handle: *pgxpool.Pool,
+// *pgx.Conn and pgx.Tx satisfy it. Inside a caller's pgx.Tx, changes and
+// the relays' wake-up take effect at commit.
+type DB interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// DefaultLimit is the number of rows Backlog and Dead return when no limit
+// is given.
+const DefaultLimit = 100
+
+// Row is one outbox row as the runbook shows it. The payload is left out on
+// purpose: it may hold personal data and is not needed to operate the table.
+type Row struct {
+	// Sequence is the row's BIGSERIAL, the cursor of Dead.
+	Sequence int64 `json:"sequence"`
+	// EventID is the idempotency key of the event.
+	EventID uuid.UUID `json:"event_id"`
+	// Topic is the row's topic column.
+	Topic string `json:"topic"`
+	// TenantID is the tenant the event belongs to.
+	TenantID uuid.UUID `json:"tenant_id"`
+	// Attempts counts the deliveries tried so far.
+	Attempts int `json:"attempts"`
+	// CreatedAt is when the event was enqueued.
+	CreatedAt time.Time `json:"created_at"`
+	// AvailableAt is when the row is due for its next attempt, or nil for a
+	// dead row (the relay parks dead rows at available_at = 'infinity').
+	AvailableAt *time.Time `json:"available_at"`
+	// LockedAt is when a relay leased the row, or nil.
+	LockedAt *time.Time `json:"locked_at"`
+	// PublishedAt is when the row was acked, or nil.
+	PublishedAt *time.Time `json:"published_at"`
+	// LastError is the summary of the last failed attempt, or nil.
+	LastError *string `json:"last_error"`
+}
+
+func scanRow(s schema.Scanner, extra ...any) (Row, error) {
+	var (
+		r                 Row
+		eventID, tenantID string
+		attempts          int32
+	)
+	dest := append([]any{&r.Sequence, &eventID, &r.Topic, &tenantID, &attempts, &r.CreatedAt, &r.AvailableAt,
+		&r.LockedAt, &r.PublishedAt, &r.LastError}, extra...)
+	if err := s.Scan(dest...); err != nil {
+		return Row{}, err
+	}
+	r.Attempts = int(attempts)
+	var err error
+	if r.EventID, err = uuid.Parse(eventID); err != nil {
+		return Row{}, fmt.Errorf("event_id %q of sequence %d: %w", eventID, r.Sequence, err)
+	}
+	if r.TenantID, err = uuid.Parse(tenantID); err != nil {
+		return Row{}, fmt.Errorf("tenant_id %q of sequence %d: %w", tenantID, r.Sequence, err)
+	}
+	return r, nil
+}
+
+func queryRows(ctx context.Context, db DB, t schema.Table, op string, st schema.Statement) ([]Row, error) {
+	rows, err := db.Query(ctx, st.SQL, st.Args...)
+	if err != nil {
+		return nil, dbError(t, op, err)
+	}
+	defer rows.Close()
+	out := []Row{}
+	for rows.Next() {
+		r, err := scanRow(rows)
+		if err != nil {
+			return nil, fmt.Errorf("runbook: %s %s: read row: %w", op, t, err)
+		}
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, dbError(t, op, err)
+	}
+	return out, nil
+}
+
+// dbError wraps a database error of operation op on t, turning a missing
+// table into schema.ErrTableNotFound with what to do about it.
+func dbError(t schema.Table, op string, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42P01" {
+		return fmt.Errorf("runbook: %s %s: %w: check the table name, or create it with schema.Migrate or `outbox migrate --table=%s` (%w)",
+			op, t, schema.ErrTableNotFound, t, err)
+	}
+	return fmt.Errorf("runbook: %s %s: %w", op, t, err)
+}
+
+func checkTable(t schema.Table) error {
+	if t.IsZero() {
+		return errors.New("runbook: no table; build one with schema.ParseTable, such as schema.ParseTable(\"public.org_outbox\")")
+	}
+	return nil
+}
+
+func checkMaxAttempts(n int) (int, error) {
+	switch {
+	case n < 0:
+		return 0, fmt.Errorf("runbook: max attempts %d is negative; pass 0 for the default (%d) or the relay's OUTBOX_RELAY_MAX_ATTEMPTS", n, schema.MaxAttemptsDefault)
+	case n == 0:
+		return schema.MaxAttemptsDefault, nil
+	}
+	return n, nil
+}
+
+func checkLimit(n int) (int, error) {
+	switch {
+	case n < 0:
+		return 0, fmt.Errorf("runbook: limit %d is negative; pass 0 for the default (%d) or a positive number", n, DefaultLimit)
+	case n == 0:
+		return DefaultLimit, nil
+	}
+	return n, nil
+}
+
+// BacklogOptions configures Backlog. The zero value lists the first
+// DefaultLimit pending rows of every topic.
+type BacklogOptions struct {
+	// Limit bounds the rows returned. Defaults to DefaultLimit.
+	Limit int
+	// Topic keeps the rows of one topic. Defaults to every topic.
+	Topic string
+	// MaxAttempts is the relay's dead threshold; rows at or above it are
+	// dead, not pending. Defaults to schema.MaxAttemptsDefault.
+	MaxAttempts int
+}
+
+// Backlog lists the pending rows of t (published_at IS NULL, not dead)
+// oldest first, in the order the relay claims them (available_at,
+// sequence). Rows waiting for a retry and rows leased by a relay are
+// included; their last_error and locked_at say so.
+func Backlog(ctx context.Context, db DB, t schema.Table, opts BacklogOptions) ([]Row, error) {
+	if err := checkTable(t); err != nil {
+		return nil, err
+	}
+	limit, err := checkLimit(opts.Limit)
+	if err != nil {
+		return nil, err
+	}
+	maxAttempts, err := checkMaxAttempts(opts.MaxAttempts)
+	if err != nil {
+		return nil, err
+	}
+	return queryRows(ctx, db, t, "backlog of", schema.NewRunbookQueries(t).Backlog(maxAttempts, opts.Topic, limit))
+}
+
+// DeadFilter selects dead rows for Dead and ReplayDead. A zero field does
+// not filter.
+type DeadFilter struct {
+	// Topic keeps the rows of one topic.
+	Topic string
+	// TenantID keeps the rows of one tenant.
+	TenantID uuid.UUID
+	// ErrorContains keeps the rows whose last_error contains it, ignoring
+	// case.
+	ErrorContains string
+	// Limit bounds the rows, taken in sequence order. For Dead it defaults
+	// to DefaultLimit; for ReplayDead 0 means every matching row.
+	Limit int
+	// AfterSequence keeps the rows whose sequence is greater: pass the last
+	// sequence of a page to read the next one.
+	AfterSequence int64
+	// MaxAttempts is the relay's dead threshold. Defaults to
+	// schema.MaxAttemptsDefault.
+	MaxAttempts int
+	// LockTTL is the relay's lease duration; ReplayDead leaves alone the
+	// rows leased less than LockTTL ago. Defaults to schema.LockTTLDefault.
+	LockTTL time.Duration
+	// AllTopics must be set for ReplayDead to replay every topic; it is
+	// there so that a bulk replay without a Topic is never the default. It
+	// cannot be combined with Topic. Dead ignores it.
+	AllTopics bool
+}
+
+func (f DeadFilter) schemaFilter() (schema.RunbookFilter, error) {
+	maxAttempts, err := checkMaxAttempts(f.MaxAttempts)
+	if err != nil {
+		return schema.RunbookFilter{}, err
+	}
+	if f.AfterSequence < 0 {
+		return schema.RunbookFilter{}, fmt.Errorf("runbook: after sequence %d is negative; pass 0 to start from the first row", f.AfterSequence)
+	}
+	if f.LockTTL < 0 {
+		return schema.RunbookFilter{}, fmt.Errorf("runbook: lock TTL %s is negative; pass 0 for the default (%s)", f.LockTTL, schema.LockTTLDefault)
+	}
+	sf := schema.RunbookFilter{
+		MaxAttempts:   maxAttempts,
+		Topic:         f.Topic,
+		ErrorContains: f.ErrorContains,
+		AfterSequence: f.AfterSequence,
+		Limit:         f.Limit,
+		LockTTL:       f.LockTTL,
+	}
+	if f.TenantID != uuid.Nil {
+		sf.TenantID = f.TenantID.String()
+	}
+	return sf, nil
+}
+
+// Dead lists the dead rows of t matching f (published_at IS NULL AND
+// attempts >= max_attempts), in sequence order. Page through them by
+// passing the last Sequence returned as the next AfterSequence.
+func Dead(ctx context.Context, db DB, t schema.Table, f DeadFilter) ([]Row, error) {
+	if err := checkTable(t); err != nil {
+		return nil, err
+	}
+	var err error
+	if f.Limit, err = checkLimit(f.Limit); err != nil {
+		return nil, err
+	}
+	sf, err := f.schemaFilter()
+	if err != nil {
+		return nil, err
+	}
+	return queryRows(ctx, db, t, "list dead rows of", schema.NewRunbookQueries(t).Dead(sf))
+}
+
+// TableStats are the counters of one outbox table.
+type TableStats struct {
+	// Table is the table, as given.
+	Table string `json:"table"`
+	// MaxAttempts is the dead threshold the counts were computed with.
+	MaxAttempts int `json:"max_attempts"`
+	// Pending counts the rows not published and not dead.
+	Pending int64 `json:"pending"`
+	// Retrying counts the pending rows whose last attempt failed.
+	Retrying int64 `json:"retrying"`
+	// Locked counts the unpublished rows with a lease (locked_at set).
+	Locked int64 `json:"locked"`
+	// Dead counts the dead rows (not published, attempts >= MaxAttempts).
+	Dead int64 `json:"dead"`
+	// OldestPendingCreatedAt is the created_at of the oldest pending row, or
+	// nil when nothing is pending.
+	OldestPendingCreatedAt *time.Time `json:"oldest_pending_created_at"`
+	// OldestPendingAgeSeconds is the age of the oldest pending row, 0 when
+	// nothing is pending; the same value as the
+	// outbox_oldest_pending_age_seconds gauge.
+	OldestPendingAgeSeconds float64 `json:"oldest_pending_age_seconds"`
+	// PublishedLastHour counts the rows published in the last hour.
+	PublishedLastHour int64 `json:"published_last_hour"`
+}
+
+// OldestPendingAge is OldestPendingAgeSeconds as a time.Duration.
+func (s TableStats) OldestPendingAge() time.Duration {
+	return time.Duration(s.OldestPendingAgeSeconds * float64(time.Second))
+}
+
+// Stats reads the counters of t with the dead threshold maxAttempts (0 for
+// schema.MaxAttemptsDefault).
+func Stats(ctx context.Context, db DB, t schema.Table, maxAttempts int) (TableStats, error) {
+	if err := checkTable(t); err != nil {
+		return TableStats{}, err
+	}
+	maxAttempts, err := checkMaxAttempts(maxAttempts)
+	if err != nil {
+		return TableStats{}, err
+	}
+	st := schema.NewRunbookQueries(t).Stats(maxAttempts)
+	s := TableStats{Table: t.String(), MaxAttempts: maxAttempts}
+	err = db.QueryRow(ctx, st.SQL, st.Args...).Scan(&s.Pending, &s.Retrying, &s.Locked, &s.Dead,
+		&s.OldestPendingCreatedAt, &s.OldestPendingAgeSeconds, &s.PublishedLastHour)
+	if err != nil {
+		return TableStats{}, dbError(t, "stats of", err)
+	}
+	return s, nil
+}

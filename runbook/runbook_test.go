@@ -1,0 +1,200 @@
+package runbook_test
+
+import (
+	"context"
+	"errors"
+	"math"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+const (
+	topicA = "org.runbook.alpha.v1"
+	topicB = "org.runbook.beta.v1"
+)
+
+func assertIDs(t *testing.T, what string, rows []runbook.Row, want ...uuid.UUID) {
+	t.Helper()
+	got := eventIDs(rows)
+	if len(want) == 0 {
+		want = []uuid.UUID{}
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("%s: got event_ids %v, want %v", what, got, want)
+	}
+}
+
+func TestBacklog(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "backlog_outbox")
+	ids := enqueue(t, pool, tbl, tenantA, []string{topicA, topicA, topicB, topicA, topicA, topicB}, nil)
+	exec(t, pool, tbl, `UPDATE %s SET published_at = now() WHERE event_id = $1`, ids[1])
+	markDead(t, pool, tbl, "boom", ids[2])
+	exec(t, pool, tbl, `UPDATE %s SET attempts = 2, last_error = 'connection refused', available_at = now() + interval '1 minute' WHERE event_id = $1`, ids[3])
+	exec(t, pool, tbl, `UPDATE %s SET attempts = 1, locked_at = now(), available_at = now() - interval '1 hour' WHERE event_id = $1`, ids[4])
+
+	rows, err := runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Claim order: available_at, then sequence; published and dead rows are not pending.
+	assertIDs(t, "backlog", rows, ids[4], ids[0], ids[5], ids[3])
+	byID := map[uuid.UUID]runbook.Row{}
+	for _, r := range rows {
+		byID[r.EventID] = r
+		if r.TenantID != tenantA || r.PublishedAt != nil || r.CreatedAt.IsZero() {
+			t.Errorf("row %+v", r)
+		}
+	}
+	if r := byID[ids[4]]; r.LockedAt == nil || r.Attempts != 1 || r.Topic != topicA {
+		t.Errorf("leased row: %+v", r)
+	}
+	if r := byID[ids[3]]; r.LastError == nil || *r.LastError != "connection refused" || r.Attempts != 2 || r.LockedAt != nil {
+		t.Errorf("retrying row: %+v", r)
+	}
+	if byID[ids[0]].Sequence >= byID[ids[5]].Sequence || byID[ids[5]].Topic != topicB {
+		t.Errorf("sequences or topics wrong: %+v %+v", byID[ids[0]], byID[ids[5]])
+	}
+
+	rows, err = runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{Limit: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	assertIDs(t, "backlog limit 2", rows, ids[4], ids[0])
+
+	rows, err = runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{Topic: topicB})
+	if err != nil {
+		t.Fatal(err)
+	}
+	assertIDs(t, "backlog of topic B", rows, ids[5])
+
+	// With a threshold of 2 the row at 2 attempts is dead, not pending.
+	rows, err = runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{MaxAttempts: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	assertIDs(t, "backlog max attempts 2", rows, ids[4], ids[0], ids[5])
+
+	if _, err := runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{Limit: -1}); err == nil || !strings.Contains(err.Error(), "negative") {
+		t.Errorf("negative limit: %v", err)
+	}
+	if _, err := runbook.Backlog(ctx, pool, schema.Table{}, runbook.BacklogOptions{}); err == nil || !strings.Contains(err.Error(), "schema.ParseTable") {
+		t.Errorf("zero table: %v", err)
+	}
+	missing := schema.MustParseTable(tbl.Schema() + ".missing_outbox")
+	if _, err := runbook.Backlog(ctx, pool, missing, runbook.BacklogOptions{}); !errors.Is(err, schema.ErrTableNotFound) || !strings.Contains(err.Error(), "outbox migrate") {
+		t.Errorf("missing table: %v", err)
+	}
+}
+
+func TestDead(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "dead_outbox")
+	a := enqueue(t, pool, tbl, tenantA, []string{topicA, topicA, topicB, topicA, topicA}, nil)
+	b := enqueue(t, pool, tbl, tenantB, []string{topicA, topicB}, nil)
+	markDead(t, pool, tbl, "HTTP 503 Service Unavailable", a[0])
+	markDead(t, pool, tbl, "publish: timeout after 30s", a[1])
+	markDead(t, pool, tbl, "permanent: no route for topic", a[2])
+	markDead(t, pool, tbl, "Timeout waiting for broker", b[0])
+	exec(t, pool, tbl, `UPDATE %s SET attempts = 25, published_at = now() WHERE event_id = $1`, a[3])  // published, not dead
+	exec(t, pool, tbl, `UPDATE %s SET attempts = 3, last_error = 'timeout' WHERE event_id = $1`, a[4]) // failed, not dead
+
+	list := func(f runbook.DeadFilter) []runbook.Row {
+		t.Helper()
+		rows, err := runbook.Dead(ctx, pool, tbl, f)
+		if err != nil {
+			t.Fatalf("Dead(%+v): %v", f, err)
+		}
+		return rows
+	}
+	rows := list(runbook.DeadFilter{})
+	assertIDs(t, "every dead row", rows, a[0], a[1], a[2], b[0])
+	for i := 1; i < len(rows); i++ {
+		if rows[i].Sequence <= rows[i-1].Sequence {
+			t.Fatalf("not in sequence order: %+v", rows)
+		}
+	}
+	if r := rows[2]; r.Attempts != 25 || r.LastError == nil || *r.LastError != "permanent: no route for topic" || r.Topic != topicB || r.TenantID != tenantA {
+		t.Errorf("dead row: %+v", r)
+	}
+	assertIDs(t, "topic A", list(runbook.DeadFilter{Topic: topicA}), a[0], a[1], b[0])
+	assertIDs(t, "tenant B", list(runbook.DeadFilter{TenantID: tenantB}), b[0])
+	assertIDs(t, "error contains TIMEOUT", list(runbook.DeadFilter{ErrorContains: "TIMEOUT"}), a[1], b[0])
+	assertIDs(t, "topic A, tenant A, 503", list(runbook.DeadFilter{Topic: topicA, TenantID: tenantA, ErrorContains: "503"}), a[0])
+
+	page := list(runbook.DeadFilter{Limit: 2})
+	assertIDs(t, "page 1", page, a[0], a[1])
+	page = list(runbook.DeadFilter{Limit: 2, AfterSequence: page[1].Sequence})
+	assertIDs(t, "page 2", page, a[2], b[0])
+	assertIDs(t, "page 3", list(runbook.DeadFilter{Limit: 2, AfterSequence: page[1].Sequence}))
+
+	assertIDs(t, "max attempts 3", list(runbook.DeadFilter{MaxAttempts: 3}), a[0], a[1], a[2], a[4], b[0])
+
+	for _, bad := range []runbook.DeadFilter{{Limit: -1}, {AfterSequence: -1}, {MaxAttempts: -1}} {
+		if _, err := runbook.Dead(ctx, pool, tbl, bad); err == nil || !strings.Contains(err.Error(), "negative") {
+			t.Errorf("Dead(%+v): %v", bad, err)
+		}
+	}
+}
+
+func TestStats(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "stats_outbox")
+
+	empty, err := runbook.Stats(ctx, pool, tbl, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (runbook.TableStats{Table: tbl.String(), MaxAttempts: 25}); empty != want {
+		t.Fatalf("empty table: %+v, want %+v", empty, want)
+	}
+
+	ids := enqueue(t, pool, tbl, tenantA, repeat(topicA, 7), nil)
+	exec(t, pool, tbl, `UPDATE %s SET created_at = now() - interval '1 hour' WHERE event_id = $1`, ids[0])
+	exec(t, pool, tbl, `UPDATE %s SET attempts = 2, last_error = 'boom', available_at = now() + interval '1 minute' WHERE event_id = $1`, ids[1])
+	exec(t, pool, tbl, `UPDATE %s SET attempts = 1, locked_at = now() WHERE event_id = $1`, ids[2])
+	markDead(t, pool, tbl, "dead", ids[3], ids[4])
+	exec(t, pool, tbl, `UPDATE %s SET created_at = now() - interval '2 days' WHERE event_id = $1`, ids[3])
+	exec(t, pool, tbl, `UPDATE %s SET published_at = now() WHERE event_id = $1`, ids[5])
+	exec(t, pool, tbl, `UPDATE %s SET published_at = now() - interval '2 hours' WHERE event_id = $1`, ids[6])
+
+	s, err := runbook.Stats(ctx, pool, tbl, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Pending != 3 || s.Retrying != 1 || s.Locked != 1 || s.Dead != 2 || s.PublishedLastHour != 1 || s.MaxAttempts != 25 {
+		t.Fatalf("stats: %+v", s)
+	}
+	if s.OldestPendingAgeSeconds < 3600 || s.OldestPendingAgeSeconds > 3660 || s.OldestPendingCreatedAt == nil ||
+		math.Abs(time.Since(*s.OldestPendingCreatedAt).Hours()-1) > 0.05 {
+		t.Fatalf("oldest pending: %v s, created %v", s.OldestPendingAgeSeconds, s.OldestPendingCreatedAt)
+	}
+	if d := s.OldestPendingAge(); d < time.Hour || d > time.Hour+time.Minute {
+		t.Fatalf("OldestPendingAge = %s", d)
+	}
+
+	s, err = runbook.Stats(ctx, pool, tbl, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Pending != 2 || s.Retrying != 0 || s.Dead != 3 || s.MaxAttempts != 2 {
+		t.Fatalf("stats with max attempts 2: %+v", s)
+	}
+	if _, err := runbook.Stats(ctx, pool, tbl, -3); err == nil {
+		t.Fatal("negative max attempts accepted")
+	}
+}

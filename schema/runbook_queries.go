@@ -1,0 +1,275 @@
+package schema
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Statement is one SQL statement with its arguments, as the runbook runs it
+// and shows it to an operator before changing rows.
+type Statement struct {
+	// SQL is the statement text; values are placeholders ($1, $2, ...).
+	SQL string
+	// Args are the values of the placeholders, in order.
+	Args []any
+}
+
+// String renders the statement for people: the SQL followed by one comment
+// line per argument, such as "-- $1 = 25".
+func (s Statement) String() string {
+	var b strings.Builder
+	b.WriteString(s.SQL)
+	for i, a := range s.Args {
+		b.WriteString("\n-- $")
+		b.WriteString(strconv.Itoa(i + 1))
+		b.WriteString(" = ")
+		b.WriteString(literal(a))
+	}
+	return b.String()
+}
+
+// literal renders an argument the way psql would show it.
+func literal(a any) string {
+	switch v := a.(type) {
+	case nil:
+		return "NULL"
+	case string:
+		return "'" + strings.ReplaceAll(v, "'", "''") + "'"
+	case float64:
+		return strconv.FormatFloat(v, 'f', -1, 64)
+	default:
+		return fmt.Sprint(v)
+	}
+}
+
+// RunbookColumns is the select list of every runbook statement that returns
+// rows (Backlog, Dead, Event), in this order: sequence, event_id (text),
+// topic, tenant_id (text), attempts, created_at, available_at (NULL for a
+// dead row, parked at 'infinity'), locked_at,
+// published_at, last_error.
+const RunbookColumns = "sequence, event_id::text, topic, tenant_id::text, attempts, created_at, NULLIF(available_at, 'infinity'), locked_at, published_at, last_error"
+
+// RunbookFilter selects dead rows for the runbook statements Dead,
+// CountReplayDead and ReplayDead. A zero field does not filter.
+type RunbookFilter struct {
+	// MaxAttempts is the dead threshold: a row is dead when it is not
+	// published and attempts >= MaxAttempts. Values below 1 mean
+	// MaxAttemptsDefault.
+	MaxAttempts int
+	// Topic keeps the rows whose topic column equals it.
+	Topic string
+	// TenantID keeps the rows of one tenant; a canonical UUID string.
+	TenantID string
+	// ErrorContains keeps the rows whose last_error contains it, ignoring
+	// case.
+	ErrorContains string
+	// AfterSequence keeps the rows whose sequence is greater (a cursor).
+	AfterSequence int64
+	// Limit bounds the number of rows, taken in sequence order. 0 means no
+	// limit.
+	Limit int
+	// LockTTL is used by the replay statements only: rows leased less than
+	// LockTTL ago (a relay is handling them right now) are left alone.
+	// Values below 1ns mean LockTTLDefault.
+	LockTTL time.Duration
+}
+
+func (f RunbookFilter) maxAttempts() int {
+	if f.MaxAttempts < 1 {
+		return MaxAttemptsDefault
+	}
+	return f.MaxAttempts
+}
+
+func lockTTLSeconds(d time.Duration) float64 {
+	if d <= 0 {
+		d = LockTTLDefault
+	}
+	return d.Seconds()
+}
+
+// RunbookQueries renders the statements of the runbook operations (package
+// runbook and the `outbox backlog|dead|stats` commands) for one table. As
+// everywhere in this package, only the sanitized table name is spliced into
+// the SQL; every value is a parameter with an explicit cast.
+type RunbookQueries struct {
+	// Table is the outbox table the statements work on.
+	Table Table
+}
+
+// NewRunbookQueries returns the runbook statements of table t.
+func NewRunbookQueries(t Table) RunbookQueries { return RunbookQueries{Table: t} }
+
+// Backlog lists pending rows (not published, not dead) oldest first: ORDER
+// BY available_at, sequence, the order in which the relay claims them. An
+// empty topic lists every topic; limit must be positive. Returns
+// RunbookColumns.
+func (q RunbookQueries) Backlog(maxAttempts int, topic string, limit int) Statement {
+	if maxAttempts < 1 {
+		maxAttempts = MaxAttemptsDefault
+	}
+	args := []any{maxAttempts}
+	where := "published_at IS NULL AND attempts < $1::int"
+	if topic != "" {
+		args = append(args, topic)
+		where += " AND topic = $2::text"
+	}
+	args = append(args, limit)
+	return Statement{
+		SQL: `SELECT ` + RunbookColumns + `
+FROM ` + q.Table.Sanitize() + `
+WHERE ` + where + `
+ORDER BY available_at, sequence
+LIMIT $` + strconv.Itoa(len(args)) + `::int`,
+		Args: args,
+	}
+}
+
+// deadWhere renders the predicate of the dead rows matching f, appending
+// the values to args, one condition a line after indent. With replay it also
+// skips rows under a live lease.
+func deadWhere(f RunbookFilter, args []any, replay bool, indent string) (string, []any) {
+	arg := func(v any, cast string) string {
+		args = append(args, v)
+		return "$" + strconv.Itoa(len(args)) + cast
+	}
+	conds := []string{"published_at IS NULL", "attempts >= " + arg(f.maxAttempts(), "::int")}
+	if replay {
+		conds = append(conds, "(locked_at IS NULL OR locked_at < now() - make_interval(secs => "+arg(lockTTLSeconds(f.LockTTL), "::float8")+"))")
+	}
+	if f.Topic != "" {
+		conds = append(conds, "topic = "+arg(f.Topic, "::text"))
+	}
+	if f.TenantID != "" {
+		conds = append(conds, "tenant_id = "+arg(f.TenantID, "::uuid"))
+	}
+	if f.ErrorContains != "" {
+		conds = append(conds, "strpos(lower(last_error), lower("+arg(f.ErrorContains, "::text")+")) > 0")
+	}
+	if f.AfterSequence > 0 {
+		conds = append(conds, "sequence > "+arg(f.AfterSequence, "::bigint"))
+	}
+	return strings.Join(conds, "\n"+indent+"AND "), args
+}
+
+// deadTarget renders the ordered, optionally limited selection of the dead
+// rows matching f, ready to be wrapped by a count or an update.
+func deadTarget(tbl string, f RunbookFilter, cols string, lock bool) (string, []any) {
+	where, args := deadWhere(f, nil, true, "    ")
+	sql := `SELECT ` + cols + ` FROM ` + tbl + `
+  WHERE ` + where + `
+  ORDER BY sequence`
+	if f.Limit > 0 {
+		args = append(args, f.Limit)
+		sql += `
+  LIMIT $` + strconv.Itoa(len(args)) + `::int`
+	}
+	if lock {
+		sql += `
+  FOR UPDATE`
+	}
+	return sql, args
+}
+
+// Dead lists the dead rows matching f (published_at IS NULL AND attempts >=
+// MaxAttempts) in sequence order, from AfterSequence on. A Limit of 0 lists
+// them all. Returns RunbookColumns.
+func (q RunbookQueries) Dead(f RunbookFilter) Statement {
+	where, args := deadWhere(f, nil, false, "  ")
+	sql := `SELECT ` + RunbookColumns + `
+FROM ` + q.Table.Sanitize() + `
+WHERE ` + where + `
+ORDER BY sequence`
+	if f.Limit > 0 {
+		args = append(args, f.Limit)
+		sql += `
+LIMIT $` + strconv.Itoa(len(args)) + `::int`
+	}
+	return Statement{SQL: sql, Args: args}
+}
+
+// CountReplayDead counts the rows ReplayDead would change with the same
+// filter, changing nothing. Returns: count.
+func (q RunbookQueries) CountReplayDead(f RunbookFilter) Statement {
+	target, args := deadTarget(q.Table.Sanitize(), f, "1", false)
+	return Statement{SQL: `SELECT count(*) FROM (
+  ` + target + `
+) AS target`, Args: args}
+}
+
+// ReplayDead resets the dead rows matching f, except those leased by a
+// relay right now, so that the relay delivers them again: attempts = 0,
+// available_at = now(), locked_at = NULL, last_error = NULL. The rows are
+// locked in sequence order first, so a Limit takes the oldest. Command tag:
+// the rows changed.
+func (q RunbookQueries) ReplayDead(f RunbookFilter) Statement {
+	tbl := q.Table.Sanitize()
+	target, args := deadTarget(tbl, f, "id", true)
+	return Statement{SQL: `WITH target AS (
+  ` + target + `
+)
+UPDATE ` + tbl + ` AS o SET attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
+FROM target WHERE o.id = target.id`, Args: args}
+}
+
+// Event looks up one row by event_id (canonical UUID string) and classifies
+// it for a replay. Returns RunbookColumns, then dead (attempts >=
+// maxAttempts) and leased (locked_at within lockTTL of now()).
+func (q RunbookQueries) Event(eventID string, maxAttempts int, lockTTL time.Duration) Statement {
+	if maxAttempts < 1 {
+		maxAttempts = MaxAttemptsDefault
+	}
+	return Statement{SQL: `SELECT ` + RunbookColumns + `,
+  attempts >= $2::int,
+  COALESCE(locked_at >= now() - make_interval(secs => $3::float8), false)
+FROM ` + q.Table.Sanitize() + `
+WHERE event_id = $1::uuid`, Args: []any{eventID, maxAttempts, lockTTLSeconds(lockTTL)}}
+}
+
+// ReplayEvent resets one row, by event_id (canonical UUID string), so that
+// the relay delivers it again: attempts = 0, available_at = now(),
+// locked_at = NULL, last_error = NULL. It changes the row only when it is
+// not published, dead or failed (attempts >= maxAttempts or last_error IS
+// NOT NULL), and not leased by a relay right now (locked_at older than
+// lockTTL, or NULL). Returns: sequence, for the row changed.
+func (q RunbookQueries) ReplayEvent(eventID string, maxAttempts int, lockTTL time.Duration) Statement {
+	if maxAttempts < 1 {
+		maxAttempts = MaxAttemptsDefault
+	}
+	return Statement{SQL: `UPDATE ` + q.Table.Sanitize() + ` SET attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
+WHERE event_id = $1::uuid
+  AND published_at IS NULL
+  AND (attempts >= $2::int OR last_error IS NOT NULL)
+  AND (locked_at IS NULL OR locked_at < now() - make_interval(secs => $3::float8))
+RETURNING sequence`, Args: []any{eventID, maxAttempts, lockTTLSeconds(lockTTL)}}
+}
+
+// Stats reads the runbook's counters of the table. Returns: pending
+// (unpublished, not dead), retrying (pending whose last attempt failed),
+// locked (unpublished with locked_at set), dead, the created_at of the
+// oldest pending row (NULL when none), its age in seconds (0 when none),
+// and the rows published in the last hour.
+func (q RunbookQueries) Stats(maxAttempts int) Statement {
+	if maxAttempts < 1 {
+		maxAttempts = MaxAttemptsDefault
+	}
+	tbl := q.Table.Sanitize()
+	return Statement{SQL: `SELECT
+  count(*) FILTER (WHERE attempts < $1::int),
+  count(*) FILTER (WHERE attempts < $1::int AND last_error IS NOT NULL),
+  count(*) FILTER (WHERE locked_at IS NOT NULL),
+  count(*) FILTER (WHERE attempts >= $1::int),
+  min(created_at) FILTER (WHERE attempts < $1::int),
+  COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE attempts < $1::int))::float8, 0),
+  (SELECT count(*) FROM ` + tbl + ` WHERE published_at IS NOT NULL AND published_at >= now() - interval '1 hour')
+FROM ` + tbl + `
+WHERE published_at IS NULL`, Args: []any{maxAttempts}}
+}
+
+// Wake notifies the table's relays (NotifyChannel) that rows are due, so a
+// replay is delivered at once rather than at the next poll.
+func (q RunbookQueries) Wake() Statement {
+	return Statement{SQL: `SELECT pg_notify($1::text, '')`, Args: []any{q.Table.NotifyChannel()}}
+}
