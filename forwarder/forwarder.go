@@ -130,8 +130,11 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 // message to its destination. A publish error nacks the message.
 func (f *Forwarder) Handle(msg *message.Message) error {
 	dest, err := f.cfg.DestinationTopic(msg)
-	if err != nil || dest == "" {
-		return subscriber.Permanent(fmt.Errorf("no destination topic for event %s: %w", msg.UUID, errors.Join(err, errors.New("empty topic"))))
+	if err == nil && dest == "" {
+		err = errors.New("the destination topic is empty")
+	}
+	if err != nil {
+		return subscriber.Permanent(fmt.Errorf("no destination topic for event %s: %w", msg.UUID, err))
 	}
 	key, err := f.cfg.PartitionKey(msg)
 	if err != nil {

@@ -107,7 +107,7 @@ func (p *InProcess) Publish(topic string, msgs ...*message.Message) error {
 		}
 		p.mu.RUnlock()
 		if len(subs) == 0 {
-			return fmt.Errorf("publish %s to %q: %w", msg.UUID, topic, ErrNoSubscribers)
+			return fmt.Errorf("topic %q: %w", topic, ErrNoSubscribers)
 		}
 		var errs []error
 		for _, s := range subs {
@@ -116,7 +116,7 @@ func (p *InProcess) Publish(topic string, msgs ...*message.Message) error {
 			}
 		}
 		if err := errors.Join(errs...); err != nil {
-			return fmt.Errorf("publish %s to %q: %w", msg.UUID, topic, err)
+			return err
 		}
 	}
 	return nil

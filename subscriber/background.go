@@ -242,6 +242,12 @@ func (s *Subscriber) runStats(ctx context.Context) {
 	for {
 		if s.IsLeader() {
 			s.refreshStats(ctx)
+		} else {
+			// A standby must not keep exporting what it saw as leader.
+			m := s.cfg.Metrics
+			m.Pending.DeleteLabelValues(s.label)
+			m.Locked.DeleteLabelValues(s.label)
+			m.OldestPendingAge.DeleteLabelValues(s.label)
 		}
 		select {
 		case <-ctx.Done():

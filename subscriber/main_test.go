@@ -1,15 +1,25 @@
 package subscriber_test
 
 import (
+	"fmt"
+	"os"
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
 )
 
+// TestMain fails the package when a goroutine outlives the tests: every
+// subscriber, notifier and pool must have been closed.
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m,
-		// pgxpool's background health check belongs to the package-wide pool.
-		goleak.IgnoreTopFunction("github.com/jackc/pgx/v5/pgxpool.(*Pool).backgroundHealthCheck"),
-		goleak.IgnoreTopFunction("github.com/jackc/pgx/v5/pgxpool.(*Pool).triggerHealthCheck.func1"),
-	)
+	code := m.Run()
+	testdb.ClosePool()
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
 }

@@ -242,6 +242,7 @@ func (s *Subscriber) nack(c *claimed) {
 		// The lease stays; the row comes back after LockTTL.
 		s.logger.Error("Could not record nack; the row returns after the lock TTL", qerr, fields)
 	case dead:
+		delete(fields, "error") // passed as the error itself
 		s.logger.Error("Outbox message is dead; replay it once the cause is fixed", errors.New(summary), fields)
 		if m := s.cfg.Metrics; m != nil {
 			m.DeadTotal.WithLabelValues(s.label, c.row.Topic).Inc()

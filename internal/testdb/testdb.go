@@ -56,6 +56,14 @@ func Pool(tb testing.TB) *pgxpool.Pool {
 	return shared
 }
 
+// ClosePool closes the shared pool, so that a leak check run after the tests
+// sees none of its connections' goroutines.
+func ClosePool() {
+	if shared != nil {
+		shared.Close()
+	}
+}
+
 // NewPool returns a pool of its own, closed when the test ends, configured by
 // mutate when it is not nil.
 func NewPool(tb testing.TB, mutate func(*pgxpool.Config)) *pgxpool.Pool {
