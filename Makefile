@@ -50,4 +50,4 @@ demo: up ## Run the relay end to end: local PostgreSQL to an in-process Kafka cl
 	go run ./examples/demo
 
 bench: ## Print the benchmark tables (outbox vs baselines measured in the same run).
-	go run ./cmd/outbox-bench -suite all
+	go run ./cmd/outbox-bench -suite all -rounds 2 -chart docs/latency.png

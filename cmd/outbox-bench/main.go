@@ -31,18 +31,21 @@ import (
 )
 
 type options struct {
-	dbURL           string
-	duration        time.Duration
-	workers         int
-	rounds          int
-	backlog         int
-	brokerBacklog   int
-	amqpURL         string
-	amqpPool        int
-	scalingSample   int
-	scalingMax      int
-	rates           []int
-	latencyDuration time.Duration
+	dbURL             string
+	duration          time.Duration
+	workers           int
+	rounds            int
+	backlog           int
+	brokerBacklog     int
+	amqpURL           string
+	amqpPool          int
+	scalingSample     int
+	scalingMax        int
+	chart             string
+	sustainedRate     int
+	sustainedDuration time.Duration
+	rates             []int
+	latencyDuration   time.Duration
 }
 
 func main() {
@@ -60,8 +63,11 @@ func main() {
 	flag.IntVar(&o.amqpPool, "amqp-pool", router.AMQPChannelPoolSizeDefault, "AMQP publisher channel pool size")
 	flag.IntVar(&o.scalingSample, "scaling-sample", 10000, "rows drained per case in the scaling suite (at most 10,000, the smallest backlog)")
 	flag.IntVar(&o.scalingMax, "scaling-max", 1_000_000, "largest backlog of the scaling suite")
+	flag.IntVar(&o.sustainedRate, "sustained-rate", 500, "events/s of the sustained suite (multiple of 10)")
+	flag.DurationVar(&o.sustainedDuration, "sustained-duration", 10*time.Minute, "length of the sustained suite")
+	flag.StringVar(&o.chart, "chart", "", "write the latency chart (PNG) to this file")
 	flag.DurationVar(&o.latencyDuration, "latency-duration", 10*time.Second, "length of one latency case")
-	rates := flag.String("rates", "1000", "comma-separated offered rates (events/s) for the latency suite")
+	rates := flag.String("rates", "100,1000,5000", "comma-separated offered rates (events/s) for the latency suite")
 	flag.StringVar(&suite, "suite", "all", "comma-separated suites: enqueue, relay, latency, all")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the run to this file")
 	flag.Parse()
@@ -123,9 +129,9 @@ func run(ctx context.Context, o options, suites []string) error {
 	fmt.Printf("outbox-bench: PostgreSQL %s, %d workers, %s per measurement, best of %d\n\n", serverVersion(ctx, pool), o.workers, o.duration, o.rounds)
 	known := map[string]func(context.Context, *pgxpool.Pool, string, options) error{
 		"enqueue": enqueueSuite, "relay": relaySuite, "latency": latencySuite, "brokers": brokerSuite,
-		"scaling": scalingSuite,
+		"scaling": scalingSuite, "sustained": sustainedSuite,
 	}
-	order := []string{"enqueue", "relay", "latency", "brokers", "scaling"}
+	order := []string{"enqueue", "relay", "latency", "brokers", "scaling", "sustained"}
 	var run []string
 	for _, s := range suites {
 		s = strings.TrimSpace(s)

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"image/color"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -207,7 +208,9 @@ func relaySuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o op
 	return nil
 }
 
-// latencySuite measures commit-to-delivery latency at steady offered rates.
+// latencySuite measures commit-to-delivery latency at steady offered rates,
+// for the subscriber with wake-up on and off and for the watermill-sql peer
+// at its defaults, and draws the p99 chart when -chart is set.
 func latencySuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o options) error {
 	type result struct {
 		name          string
@@ -215,6 +218,12 @@ func latencySuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o 
 		n             int
 	}
 	var results []result
+	p50s := []series{
+		{name: "outbox, wake-up on (p50)", color: color.RGBA{0, 114, 178, 255}, points: map[int]time.Duration{}},
+		{name: "outbox, wake-up on (p99)", color: color.RGBA{86, 180, 233, 255}, points: map[int]time.Duration{}},
+		{name: "outbox, wake-up off (p50)", color: color.RGBA{230, 159, 0, 255}, points: map[int]time.Duration{}},
+		{name: "watermill-sql peer (p50)", color: color.RGBA{213, 94, 0, 255}, points: map[int]time.Duration{}},
+	}
 	for _, rate := range o.rates {
 		for _, wake := range []bool{true, false} {
 			t := schema.MustParseTable(fmt.Sprintf("%s.lat_%d_%v", schemaName, rate, wake))
@@ -227,6 +236,11 @@ func latencySuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o 
 			}
 			name := fmt.Sprintf("outbox Subscriber, %d events/s, wake-up %s", rate, map[bool]string{true: "on", false: "off (poll 1s)"}[wake])
 			results = append(results, result{name, percentile(lat, 50), percentile(lat, 95), percentile(lat, 99), len(lat)})
+			if wake {
+				p50s[0].points[rate], p50s[1].points[rate] = percentile(lat, 50), percentile(lat, 99)
+			} else {
+				p50s[2].points[rate] = percentile(lat, 50)
+			}
 		}
 		lat, err := measurePeerLatency(ctx, o, schemaName, rate, o.latencyDuration)
 		if err != nil {
@@ -234,12 +248,24 @@ func latencySuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o 
 		}
 		name := fmt.Sprintf("watermill-sql + forwarder (defaults), %d events/s", rate)
 		results = append(results, result{name, percentile(lat, 50), percentile(lat, 95), percentile(lat, 99), len(lat)})
+		p50s[3].points[rate] = percentile(lat, 50)
 	}
-	fmt.Printf("Commit-to-delivery latency (%s per case; goal at 1,000 events/s with wake-up on: p50 < 5ms, p99 < 30ms)\n", o.latencyDuration)
+	fmt.Printf("Commit-to-delivery latency (%s per case; goal at 1,000 events/s with wake-up on: p50 < 5ms, p99 < 30ms; events = committed in the window)\n", o.latencyDuration)
 	for _, r := range results {
 		fmt.Printf("  %-58s events=%-6d p50=%-10s p95=%-10s p99=%s\n", r.name, r.n, r.p50.Round(10*time.Microsecond), r.p95.Round(10*time.Microsecond), r.p99.Round(10*time.Microsecond))
 	}
 	fmt.Println()
+	if o.chart != "" {
+		if err := writeLatencyChart(o.chart, o.rates, p50s); err != nil {
+			return err
+		}
+		fmt.Printf("chart written to %s (legend, left to right:", o.chart)
+		for _, s := range p50s {
+			fmt.Printf(" %s;", s.name)
+		}
+		fmt.Println(")")
+		fmt.Println()
+	}
 	return nil
 }
 

@@ -152,10 +152,12 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 		return fmt.Errorf("connect to OUTBOX_DATABASE_URL: %w", err)
 	}
 	defer pool.Close()
-	pingCtx, cancel := context.WithTimeout(ctx, 15*time.Second)
-	err = pool.Ping(pingCtx)
-	cancel()
+	err = retryStartup(ctx, logger, func() error { return pool.Ping(ctx) })
 	if err != nil {
+		if ctx.Err() != nil {
+			fmt.Fprintln(stdout, "relay stopped before it started")
+			return nil // SIGTERM during start-up is a clean stop
+		}
 		return fmt.Errorf("connect to OUTBOX_DATABASE_URL: %w", err)
 	}
 
@@ -224,12 +226,20 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 		}
 	}()
 	for _, t := range cfg.tables {
-		s, err := subscriber.New(pool, subscriber.Config{
-			Table: t, BatchSize: cfg.batchSize, PollInterval: cfg.pollInterval, LockTTL: cfg.lockTTL,
-			MaxAttempts: cfg.maxAttempts, DisableSingleActive: !cfg.singleActive, LastErrorMaxBytes: cfg.lastErrorMax,
-			CloseTimeout: cfg.dispatchTimeout, Metrics: m,
-		}, logger)
+		var s *subscriber.Subscriber
+		err := retryStartup(ctx, logger, func() error {
+			var err error
+			s, err = subscriber.New(pool, subscriber.Config{
+				Table: t, BatchSize: cfg.batchSize, PollInterval: cfg.pollInterval, LockTTL: cfg.lockTTL,
+				MaxAttempts: cfg.maxAttempts, DisableSingleActive: !cfg.singleActive, LastErrorMaxBytes: cfg.lastErrorMax,
+				CloseTimeout: cfg.dispatchTimeout, Metrics: m,
+			}, logger)
+			return err
+		})
 		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
 			return err
 		}
 		subs = append(subs, s)
@@ -250,6 +260,31 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 	}
 	fmt.Fprintln(stdout, "relay stopped; leases given back")
 	return nil
+}
+
+// startupTimeout bounds how long start-up waits out a database that is
+// restarting or unreachable before the daemon gives up.
+const startupTimeout = 60 * time.Second
+
+// retryStartup runs step until it succeeds, retrying transient failures
+// (a restarting database) with backoff for up to startupTimeout; a missing
+// table or a stop signal ends it at once.
+func retryStartup(ctx context.Context, logger watermill.LoggerAdapter, step func() error) error {
+	deadline := time.Now().Add(startupTimeout)
+	delay := 100 * time.Millisecond
+	for {
+		err := step()
+		if err == nil || ctx.Err() != nil || errors.Is(err, schema.ErrTableNotFound) || time.Now().After(deadline) {
+			return err
+		}
+		logger.Error("Start-up step failed; retrying", err, watermill.LogFields{"retry_in": delay.String()})
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, 5*time.Second)
+	}
 }
 
 // MetadataRelayID names the relay process that forwarded a message

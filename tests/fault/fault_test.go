@@ -42,9 +42,18 @@ func envInt(name string, def int) int {
 
 // relayProc is one `outbox relay` process.
 type relayProc struct {
-	cmd    *exec.Cmd
-	done   chan error
-	stderr *os.File
+	cmd  *exec.Cmd
+	done chan error
+	log  string
+}
+
+// tail returns the end of the relay's log.
+func (p *relayProc) tail() string {
+	b, _ := os.ReadFile(p.log)
+	if len(b) > 3000 {
+		b = b[len(b)-3000:]
+	}
+	return string(b)
 }
 
 type harness struct {
@@ -71,7 +80,7 @@ func (h *harness) start(singleActive bool) *relayProc {
 	if err := cmd.Start(); err != nil {
 		h.t.Fatal(err)
 	}
-	p := &relayProc{cmd: cmd, done: make(chan error, 1), stderr: f}
+	p := &relayProc{cmd: cmd, done: make(chan error, 1), log: f.Name()}
 	go func() { p.done <- cmd.Wait(); _ = f.Close() }()
 	h.mu.Lock()
 	h.relays = append(h.relays, p)
@@ -108,7 +117,7 @@ func (h *harness) stopAll() {
 		select {
 		case err := <-p.done:
 			if err != nil {
-				h.t.Errorf("relay exited with %v after SIGTERM, want a clean exit", err)
+				h.t.Errorf("relay exited with %v after SIGTERM, want a clean exit; its log ends:\n%s", err, p.tail())
 			}
 		case <-time.After(60 * time.Second):
 			_ = p.cmd.Process.Kill()
