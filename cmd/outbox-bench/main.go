@@ -129,9 +129,9 @@ func run(ctx context.Context, o options, suites []string) error {
 	fmt.Printf("outbox-bench: PostgreSQL %s, %d workers, %s per measurement, best of %d\n\n", serverVersion(ctx, pool), o.workers, o.duration, o.rounds)
 	known := map[string]func(context.Context, *pgxpool.Pool, string, options) error{
 		"enqueue": enqueueSuite, "relay": relaySuite, "latency": latencySuite, "brokers": brokerSuite,
-		"scaling": scalingSuite, "sustained": sustainedSuite,
+		"scaling": scalingSuite, "sustained": sustainedSuite, "poison": poisonSuite,
 	}
-	order := []string{"enqueue", "relay", "latency", "brokers", "scaling", "sustained"}
+	order := []string{"enqueue", "relay", "latency", "poison", "brokers", "scaling", "sustained"}
 	var run []string
 	for _, s := range suites {
 		s = strings.TrimSpace(s)

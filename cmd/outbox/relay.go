@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strconv"
 	"sync"
 	"time"
 
@@ -292,6 +293,10 @@ func retryStartup(ctx context.Context, logger watermill.LoggerAdapter, step func
 // single-active overlap detector.
 const MetadataRelayID = "outbox_relay_id"
 
+// MetadataRelayedAt is when the relay published the message (Unix
+// nanoseconds).
+const MetadataRelayedAt = "outbox_relayed_at"
+
 func relayID() string {
 	host, _ := os.Hostname()
 	return fmt.Sprintf("%s:%d", host, os.Getpid())
@@ -304,8 +309,10 @@ type relayIDPublisher struct {
 }
 
 func (p relayIDPublisher) Publish(topic string, msgs ...*message.Message) error {
+	now := strconv.FormatInt(time.Now().UnixNano(), 10)
 	for _, m := range msgs {
 		m.Metadata.Set(MetadataRelayID, p.id)
+		m.Metadata.Set(MetadataRelayedAt, now)
 	}
 	return p.Publisher.Publish(topic, msgs...)
 }
