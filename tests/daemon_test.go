@@ -117,20 +117,7 @@ func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for len(want) > 0 {
-		select {
-		case got := <-ch:
-			w, ok := want[got.UUID]
-			if !ok {
-				t.Fatalf("unexpected message %s", got.UUID)
-			}
-			checkMessage(t, tbl, w, got, "1")
-			delete(want, got.UUID)
-			got.Ack()
-		case <-ctx.Done():
-			t.Fatalf("%d messages not received; daemon stderr:\n%s", len(want), stderr.String())
-		}
-	}
+	receiveAll(t, ctx, ch, tbl, want, nil)
 	// New events while running, then SIGTERM.
 	more := enqueueTraced(t, pool, tbl, topic, 10)
 	waitAllPublished(t, pool, tbl, 30+len(more))

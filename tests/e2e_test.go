@@ -134,6 +134,30 @@ func checkMessage(t *testing.T, tbl schema.Table, want sent, got *message.Messag
 	}
 }
 
+// receiveAll reads ch until every event of want arrived once, checking each
+// with checkMessage (attempts "1") and extra; it fails on a repeated or
+// unknown message and when ctx ends first.
+func receiveAll(t *testing.T, ctx context.Context, ch <-chan *message.Message, tbl schema.Table, want map[string]sent, extra func(*message.Message)) {
+	t.Helper()
+	for len(want) > 0 {
+		select {
+		case got := <-ch:
+			w, ok := want[got.UUID]
+			if !ok {
+				t.Fatalf("unexpected or repeated message %s", got.UUID)
+			}
+			if extra != nil {
+				extra(got)
+			}
+			checkMessage(t, tbl, w, got, "1")
+			delete(want, got.UUID)
+			got.Ack()
+		case <-ctx.Done():
+			t.Fatalf("%d messages not received from the broker", len(want))
+		}
+	}
+}
+
 func waitAllPublished(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, n int) {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
@@ -185,24 +209,11 @@ func TestRelayToKafka(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for len(want) > 0 {
-		select {
-		case got := <-ch:
-			w, ok := want[got.UUID]
-			if !ok {
-				t.Fatalf("unexpected or repeated message %s", got.UUID)
-			}
-			key, _ := kafka.MessageKeyFromCtx(got.Context())
-			if string(key) != got.UUID {
-				t.Errorf("record key %q, want the event_id %s", key, got.UUID)
-			}
-			checkMessage(t, tbl, w, got, "1")
-			delete(want, got.UUID)
-			got.Ack()
-		case <-ctx.Done():
-			t.Fatalf("%d messages not received from Kafka", len(want))
+	receiveAll(t, ctx, ch, tbl, want, func(got *message.Message) {
+		if key, _ := kafka.MessageKeyFromCtx(got.Context()); string(key) != got.UUID {
+			t.Errorf("record key %q, want the event_id %s", key, got.UUID)
 		}
-	}
+	})
 }
 
 // TestRelayToRabbitMQ: the same through a real RabbitMQ with confirms.
@@ -231,20 +242,7 @@ func TestRelayToRabbitMQ(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for len(want) > 0 {
-		select {
-		case got := <-ch:
-			w, ok := want[got.UUID]
-			if !ok {
-				t.Fatalf("unexpected or repeated message %s", got.UUID)
-			}
-			checkMessage(t, tbl, w, got, "1")
-			delete(want, got.UUID)
-			got.Ack()
-		case <-ctx.Done():
-			t.Fatalf("%d messages not received from RabbitMQ", len(want))
-		}
-	}
+	receiveAll(t, ctx, ch, tbl, want, nil)
 }
 
 // TestRelayInProcess: with no subscriber the in-process backend refuses the

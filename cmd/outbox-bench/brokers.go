@@ -54,7 +54,7 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 		if err := fillBacklog(ctx, pool, t, n); err != nil {
 			return err
 		}
-		rate, err := drainForwarder(ctx, pool, t, n, pub)
+		rate, err := drainForwarder(ctx, pool, t, n, pub, subscriber.Config{MaxInFlight: 1000})
 		_ = pub.Close()
 		if err != nil {
 			return fmt.Errorf("%s: %w", b.name, err)
@@ -99,10 +99,12 @@ func publishDirect(ctx context.Context, pub message.Publisher, n, workers int) (
 	return float64(n) / time.Since(start).Seconds(), nil
 }
 
-// drainForwarder relays the backlog of t to pub and returns msgs/s, counted
-// until every row is published.
-func drainForwarder(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n int, pub message.Publisher) (float64, error) {
-	sub, err := subscriber.New(pool, subscriber.Config{Table: t, MaxInFlight: 1000}, watermill.NopLogger{})
+// drainForwarder relays the backlog of t through a subscriber configured by
+// cfg and a forwarder to pub, and returns msgs/s, counted until every row is
+// published.
+func drainForwarder(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n int, pub message.Publisher, cfg subscriber.Config) (float64, error) {
+	cfg.Table = t
+	sub, err := subscriber.New(pool, cfg, watermill.NopLogger{})
 	if err != nil {
 		return 0, err
 	}

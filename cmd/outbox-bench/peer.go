@@ -14,12 +14,7 @@ import (
 	wforwarder "github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // database/sql driver for the watermill-sql peer
-
-	"github.com/outboxkit/watermill-outbox/forwarder"
-	"github.com/outboxkit/watermill-outbox/schema"
-	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
 // countingSink is an in-memory publisher that accepts every message at once.
@@ -131,31 +126,6 @@ func peerDrain(ctx context.Context, o options, schemaName string, n, round int) 
 		time.Sleep(2 * time.Millisecond)
 	}
 	return float64(n) / time.Since(start).Seconds(), nil
-}
-
-// forwarderDrain measures this project's subscriber + forwarder draining the
-// backlog of t into an in-memory sink.
-func forwarderDrain(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n int) (float64, error) {
-	sub, err := subscriber.New(pool, subscriber.Config{Table: t}, watermill.NopLogger{})
-	if err != nil {
-		return 0, err
-	}
-	defer sub.Close()
-	sink := &countingSink{}
-	f, err := forwarder.New(sub, sink, forwarder.Config{}, watermill.NopLogger{})
-	if err != nil {
-		return 0, err
-	}
-	start := time.Now()
-	done := make(chan error, 1)
-	go func() { done <- f.Run(ctx) }()
-	werr := waitPublished(ctx, pool, t, n)
-	elapsed := time.Since(start)
-	_ = f.Close()
-	if err := <-done; err != nil {
-		return 0, err
-	}
-	return float64(n) / elapsed.Seconds(), werr
 }
 
 // timingSink records when each message arrives.

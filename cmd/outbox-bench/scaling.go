@@ -3,9 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
-	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -69,36 +67,10 @@ func scaleCase(ctx context.Context, pool *pgxpool.Pool, t schema.Table, pending,
 	if err := fillBacklog(ctx, pool, t, pending); err != nil {
 		return 0, err
 	}
-	rate, err := drainSample(ctx, pool, t, sample)
+	rate, err := drainSubscriber(ctx, pool, t, sample, subscriber.Config{})
 	if err != nil {
 		return 0, err
 	}
 	_, err = pool.Exec(ctx, `DROP TABLE `+t.Sanitize())
 	return rate, err
-}
-
-// drainSample measures the subscriber (immediate ack) over the first n rows.
-func drainSample(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n int) (float64, error) {
-	s, err := subscriber.New(pool, subscriber.Config{Table: t}, watermill.NopLogger{})
-	if err != nil {
-		return 0, err
-	}
-	defer s.Close()
-	subCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	start := time.Now()
-	ch, err := s.Subscribe(subCtx, subscriber.AllTopics)
-	if err != nil {
-		return 0, err
-	}
-	for got := 0; got < n; got++ {
-		select {
-		case m := <-ch:
-			m.Ack()
-		case <-ctx.Done():
-			return 0, ctx.Err()
-		}
-	}
-	elapsed := time.Since(start)
-	return float64(n) / elapsed.Seconds(), nil
 }
