@@ -44,6 +44,11 @@ type Config struct {
 	// Metrics counts deleted rows (outbox_cleaner_deleted_total). Defaults
 	// to nil.
 	Metrics *metrics.Metrics
+	// Vacuum runs VACUUM (ANALYZE) on the table after a pass that deleted
+	// rows, so their space is reused. Leave it off where autovacuum runs (the
+	// PostgreSQL default); turn it on where autovacuum is disabled, or the
+	// table grows without bound. Defaults to false.
+	Vacuum bool
 }
 
 // Cleaner cleans one outbox table.
@@ -109,11 +114,27 @@ func (c *Cleaner) Run(ctx context.Context) error {
 // returns how many published and dead rows it deleted.
 func (c *Cleaner) CleanOnce(ctx context.Context) (published, dead int64, err error) {
 	published, err = c.deleteAll(ctx, "published", c.q.DeletePublished, c.cfg.Retention.Seconds(), c.cfg.BatchSize)
-	if err != nil || c.cfg.DeadRetention <= 0 {
+	if err != nil {
+		return published, 0, err
+	}
+	if c.cfg.DeadRetention <= 0 {
+		if c.cfg.Vacuum && published > 0 {
+			err = c.vacuum(ctx)
+		}
 		return published, 0, err
 	}
 	dead, err = c.deleteAll(ctx, "dead", c.q.DeleteDead, c.cfg.DeadRetention.Seconds(), c.cfg.BatchSize, c.cfg.MaxAttempts)
+	if err == nil && c.cfg.Vacuum && published+dead > 0 {
+		err = c.vacuum(ctx)
+	}
 	return published, dead, err
+}
+
+func (c *Cleaner) vacuum(ctx context.Context) error {
+	if _, err := c.pool.Exec(ctx, `VACUUM (ANALYZE) `+c.cfg.Table.Sanitize()); err != nil {
+		return fmt.Errorf("vacuum %s: %w", c.cfg.Table, err)
+	}
+	return nil
 }
 
 func (c *Cleaner) deleteAll(ctx context.Context, kind, query string, args ...any) (int64, error) {

@@ -106,3 +106,43 @@ func TestCleanerRetention(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestCleanerVacuum: with Vacuum on, a pass that deleted rows vacuums the
+// table (for servers where autovacuum is off).
+func TestCleanerVacuum(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "vacuum_outbox")
+	ctx := context.Background()
+	msgs := []publisher.Message{{TenantID: uuid.New(), Topic: "org.clean.v1", EventID: uuid.New(), Payload: json.RawMessage(`{}`)}}
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := publisher.EnqueueBatch(ctx, tx, tbl, msgs); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `UPDATE `+tbl.Sanitize()+` SET published_at = now() - interval '200 hours'`)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	c, err := cleaner.New(pool, cleaner.Config{Table: tbl, Vacuum: true}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pub, _, err := c.CleanOnce(ctx); err != nil || pub != 1 {
+		t.Fatalf("clean: %d %v", pub, err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var vacuums int64
+		if err := pool.QueryRow(ctx, `SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = $1::regclass`, tbl.Sanitize()).Scan(&vacuums); err != nil {
+			t.Fatal(err)
+		}
+		if vacuums > 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the cleaner did not vacuum the table")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}

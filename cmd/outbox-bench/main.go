@@ -44,6 +44,7 @@ type options struct {
 	chart             string
 	sustainedRate     int
 	sustainedDuration time.Duration
+	cleanerVacuum     bool
 	rates             []int
 	latencyDuration   time.Duration
 }
@@ -65,6 +66,7 @@ func main() {
 	flag.IntVar(&o.scalingMax, "scaling-max", 1_000_000, "largest backlog of the scaling suite")
 	flag.IntVar(&o.sustainedRate, "sustained-rate", 500, "events/s of the sustained suite (multiple of 10)")
 	flag.DurationVar(&o.sustainedDuration, "sustained-duration", 10*time.Minute, "length of the sustained suite")
+	flag.BoolVar(&o.cleanerVacuum, "cleaner-vacuum", false, "sustained suite: the cleaner runs VACUUM after deleting (for servers with autovacuum off)")
 	flag.StringVar(&o.chart, "chart", "", "write the latency chart (PNG) to this file")
 	flag.DurationVar(&o.latencyDuration, "latency-duration", 10*time.Second, "length of one latency case")
 	rates := flag.String("rates", "100,1000,5000", "comma-separated offered rates (events/s) for the latency suite")

@@ -44,7 +44,11 @@ func sustainedSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, 
 		return err
 	}
 	defer s.Close()
-	c, err := cleaner.New(pool, cleaner.Config{Table: t, Interval: 10 * time.Second, Retention: 30 * time.Second}, watermill.NopLogger{})
+	var autovacuum string
+	if err := pool.QueryRow(ctx, `SHOW autovacuum`).Scan(&autovacuum); err != nil {
+		return err
+	}
+	c, err := cleaner.New(pool, cleaner.Config{Table: t, Interval: 10 * time.Second, Retention: 30 * time.Second, Vacuum: o.cleanerVacuum}, watermill.NopLogger{})
 	if err != nil {
 		return err
 	}
@@ -105,8 +109,8 @@ func sustainedSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, 
 	}
 	stop()
 	wg.Wait()
-	fmt.Printf("Sustained run: %d events/s for %s (%d events), subscriber with immediate ack, cleaner every 10s with 30s retention (goal: table size bounded)\n",
-		o.sustainedRate, o.sustainedDuration, sent)
+	fmt.Printf("Sustained run: %d events/s for %s (%d events), subscriber with immediate ack, cleaner every 10s with 30s retention, cleaner VACUUM %v, server autovacuum %s (goal: table size bounded)\n",
+		o.sustainedRate, o.sustainedDuration, sent, o.cleanerVacuum, autovacuum)
 	fmt.Printf("  %8s %10s %12s %12s %12s %12s\n", "at", "rows", "table bytes", "index bytes", "live tuples", "dead tuples")
 	for _, sz := range samples {
 		fmt.Printf("  %8s %10d %12d %12d %12d %12d\n", sz.at, sz.rows, sz.table, sz.index, sz.live, sz.dead)

@@ -50,6 +50,7 @@ type relayConfig struct {
 	cleanerInterval time.Duration
 	retention       time.Duration
 	deadRetention   time.Duration
+	cleanerVacuum   bool
 	backend         router.BackendConfig
 	metricsEnabled  bool
 	metricsPath     string
@@ -97,6 +98,8 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	c.retention, err = env.Duration("OUTBOX_CLEANER_RETENTION", cleaner.RetentionDefault, false)
 	must(err)
 	c.deadRetention, err = env.Duration("OUTBOX_CLEANER_DEAD_RETENTION", 0, true)
+	must(err)
+	c.cleanerVacuum, err = env.Bool("OUTBOX_CLEANER_VACUUM", false)
 	must(err)
 	c.metricsEnabled, err = env.Bool("PROMETHEUS_METRICS_ENABLED", false)
 	must(err)
@@ -186,7 +189,7 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 	if cfg.cleanerEnabled {
 		for _, t := range cfg.cleanerTables {
 			c, err := cleaner.New(pool, cleaner.Config{Table: t, Interval: cfg.cleanerInterval, Retention: cfg.retention,
-				DeadRetention: cfg.deadRetention, MaxAttempts: cfg.maxAttempts, Metrics: m}, logger)
+				DeadRetention: cfg.deadRetention, MaxAttempts: cfg.maxAttempts, Metrics: m, Vacuum: cfg.cleanerVacuum}, logger)
 			if err != nil {
 				return err
 			}
