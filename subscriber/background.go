@@ -22,34 +22,29 @@ type ackReq struct{ c *claimed }
 const maxAckGroup = 1000
 
 // runAcker writes acks in groups: it takes what has accumulated while the
-// previous statement ran, so under load one statement acks many rows.
+// previous statement ran, so under load one statement acks many rows. After
+// ackStop it writes what is left and returns.
 func (s *Subscriber) runAcker() {
 	defer s.ackerWg.Done()
 	group := make([]*claimed, 0, maxAckGroup)
+	stopping := false
 	for {
-		select {
-		case r := <-s.acks:
-			group = append(group[:0], r.c)
-		case <-s.ackStop:
-			for {
-				select {
-				case r := <-s.acks:
-					group = append(group[:0], r.c)
-				drain:
-					for len(group) < maxAckGroup {
-						select {
-						case r := <-s.acks:
-							group = append(group, r.c)
-						default:
-							break drain
-						}
-					}
-					s.writeAcks(group)
-				default:
-					return
-				}
+		var first ackReq
+		if stopping {
+			select {
+			case first = <-s.acks:
+			default:
+				return
+			}
+		} else {
+			select {
+			case first = <-s.acks:
+			case <-s.ackStop:
+				stopping = true
+				continue
 			}
 		}
+		group = append(group[:0], first.c)
 	more:
 		for len(group) < maxAckGroup {
 			select {
