@@ -111,13 +111,7 @@ func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	ch, err := sub.Subscribe(ctx, topic)
-	if err != nil {
-		t.Fatal(err)
-	}
-	receiveAll(t, ctx, ch, tbl, want, nil)
+	receiveAll(t, sub, topic, tbl, want, nil)
 	// New events while running, then SIGTERM.
 	more := enqueueTraced(t, pool, tbl, topic, 10)
 	waitAllPublished(t, pool, tbl, 30+len(more))
@@ -133,7 +127,7 @@ func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 		t.Fatalf("daemon did not exit after SIGTERM; stderr:\n%s", stderr.String())
 	}
 	var locked int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE locked_at IS NOT NULL`).Scan(&locked); err != nil {
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE locked_at IS NOT NULL`).Scan(&locked); err != nil {
 		t.Fatal(err)
 	}
 	if locked != 0 {

@@ -134,11 +134,17 @@ func checkMessage(t *testing.T, tbl schema.Table, want sent, got *message.Messag
 	}
 }
 
-// receiveAll reads ch until every event of want arrived once, checking each
-// with checkMessage (attempts "1") and extra; it fails on a repeated or
-// unknown message and when ctx ends first.
-func receiveAll(t *testing.T, ctx context.Context, ch <-chan *message.Message, tbl schema.Table, want map[string]sent, extra func(*message.Message)) {
+// receiveAll subscribes sub to topic and reads until every event of want
+// arrived once, checking each with checkMessage (attempts "1") and extra; it
+// fails on a repeated or unknown message and after 30s.
+func receiveAll(t *testing.T, sub message.Subscriber, topic string, tbl schema.Table, want map[string]sent, extra func(*message.Message)) {
 	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	ch, err := sub.Subscribe(ctx, topic)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for len(want) > 0 {
 		select {
 		case got := <-ch:
@@ -203,13 +209,7 @@ func TestRelayToKafka(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	ch, err := sub.Subscribe(ctx, topic)
-	if err != nil {
-		t.Fatal(err)
-	}
-	receiveAll(t, ctx, ch, tbl, want, func(got *message.Message) {
+	receiveAll(t, sub, topic, tbl, want, func(got *message.Message) {
 		if key, _ := kafka.MessageKeyFromCtx(got.Context()); string(key) != got.UUID {
 			t.Errorf("record key %q, want the event_id %s", key, got.UUID)
 		}
@@ -236,13 +236,7 @@ func TestRelayToRabbitMQ(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	ch, err := sub.Subscribe(ctx, topic)
-	if err != nil {
-		t.Fatal(err)
-	}
-	receiveAll(t, ctx, ch, tbl, want, nil)
+	receiveAll(t, sub, topic, tbl, want, nil)
 }
 
 // TestRelayInProcess: with no subscriber the in-process backend refuses the
