@@ -118,22 +118,28 @@ func (p *suitePubSub) Close() error {
 	return errors.Join(errs...)
 }
 
-func TestPubSub(t *testing.T) {
-	t.Parallel()
+// suiteFeatures are the honest features of the outbox pub/sub.
+var suiteFeatures = tests.Features{
+	ConsumerGroups:      false, // every subscription of a table shares its rows
+	ExactlyOnceDelivery: false,
+	GuaranteedOrder:     false,
+	Persistent:          true,
+}
+
+func suiteConstructor(t *testing.T) tests.PubSubConstructor {
 	sch := testdb.Schema(t)
 	pool := testdb.Pool(t)
 	enq, err := publisher.NewEnqueuer(publisher.Config{ValidateTopic: publisher.ValidateTopicRelaxed})
 	if err != nil {
 		t.Fatal(err)
 	}
-	constructor := func(t *testing.T) (message.Publisher, message.Subscriber) {
+	return func(t *testing.T) (message.Publisher, message.Subscriber) {
 		ps := &suitePubSub{pool: pool, schema: sch, enq: enq, tenant: uuid.New()}
 		return suitePublisher{ps}, ps
 	}
-	tests.TestPubSub(t, tests.Features{
-		ConsumerGroups:      false, // every subscription of a table shares its rows
-		ExactlyOnceDelivery: false,
-		GuaranteedOrder:     false,
-		Persistent:          true,
-	}, constructor, nil)
+}
+
+func TestPubSub(t *testing.T) {
+	t.Parallel()
+	tests.TestPubSub(t, suiteFeatures, suiteConstructor(t), nil)
 }
