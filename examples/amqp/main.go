@@ -28,15 +28,15 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/url"
 	"os"
 	"os/signal"
 	"sort"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
+
+	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
@@ -53,11 +53,8 @@ import (
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
-// Defaults used when OUTBOX_DATABASE_URL or OUTBOX_AMQP_URL is not set.
-const (
-	defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
-	defaultAMQPURL     = "amqp://guest:guest@127.0.0.1:5672/"
-)
+// defaultAMQPURL is used when OUTBOX_AMQP_URL is not set.
+const defaultAMQPURL = "amqp://guest:guest@127.0.0.1:5672/"
 
 // The example's tenants: fixed IDs make the output easy to read.
 var (
@@ -68,20 +65,12 @@ var (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, databaseURL())
+	err := run(ctx, os.Stdout, exampleutil.DatabaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "amqp:", err)
 		os.Exit(1)
 	}
-}
-
-// databaseURL is OUTBOX_DATABASE_URL, or the local test database.
-func databaseURL() string {
-	if u := os.Getenv("OUTBOX_DATABASE_URL"); u != "" {
-		return u
-	}
-	return defaultDatabaseURL
 }
 
 // amqpURL is OUTBOX_AMQP_URL, or the local RabbitMQ.
@@ -113,20 +102,20 @@ func (t topics) all() []string { return []string{t.organizationCreated, t.member
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out := &syncWriter{w: w}
-	logger := newLogger()
+	out := &exampleutil.SyncWriter{W: w}
+	logger := exampleutil.NewLogger()
 	brokerURL := amqpURL()
 	tp, err := newTopics()
 	if err != nil {
 		return err
 	}
 
-	pool, err := connect(ctx, dbURL)
+	pool, err := exampleutil.Connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := createSchema(ctx, pool)
+	ns, dropSchema, err := exampleutil.CreateSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -161,7 +150,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	for _, topic := range tp.all() {
 		consumer.AddConsumerHandler("print_"+topic, topic, amqpSubscriber, printer.Handle)
 	}
-	stopConsumer, err := startRouter(ctx, consumer)
+	stopConsumer, err := exampleutil.StartRouter(ctx, consumer)
 	if err != nil {
 		return fmt.Errorf("consumer: %w", err)
 	}
@@ -215,7 +204,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	if err != nil {
 		return err
 	}
-	stopRelay, err := startForwarder(ctx, fwd)
+	stopRelay, err := exampleutil.StartForwarder(ctx, fwd)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
@@ -228,7 +217,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 			return fmt.Errorf("waiting for RabbitMQ deliveries: %w", ctx.Err())
 		}
 	}
-	if err := waitAllPublished(ctx, pool, outbox); err != nil {
+	if err := exampleutil.WaitAllPublished(ctx, pool, outbox); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "received %d events from RabbitMQ; all %d outbox rows published\n", len(events), len(events))
@@ -308,120 +297,4 @@ func redactURL(s string) string {
 		return "(unparsable OUTBOX_AMQP_URL)"
 	}
 	return u.Redacted()
-}
-
-// waitAllPublished waits until every row of t is published.
-func waitAllPublished(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		var pending int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()+` WHERE published_at IS NULL`).Scan(&pending); err != nil {
-			return fmt.Errorf("count pending rows: %w", err)
-		}
-		if pending == 0 {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%d rows of %s not published in time: %w", pending, t, ctx.Err())
-		case <-tick.C:
-		}
-	}
-}
-
-// startRouter runs r in the background until its handlers are subscribed,
-// and returns the function that stops it and reports how Run ended (safe to
-// call more than once).
-func startRouter(ctx context.Context, r *message.Router) (stop func() error, err error) {
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	select {
-	case <-r.Running():
-	case err := <-done:
-		if err == nil {
-			err = errors.New("router stopped while starting")
-		}
-		return nil, err
-	}
-	return sync.OnceValue(func() error { return errors.Join(r.Close(), <-done) }), nil
-}
-
-// startForwarder runs the relay in the background, like startRouter.
-func startForwarder(ctx context.Context, f *forwarder.Forwarder) (stop func() error, err error) {
-	done := make(chan error, 1)
-	go func() { done <- f.Run(ctx) }()
-	select {
-	case <-f.Running():
-	case err := <-done:
-		if err == nil {
-			err = errors.New("forwarder stopped while starting")
-		}
-		return nil, err
-	}
-	return sync.OnceValue(func() error { return errors.Join(f.Close(), <-done) }), nil
-}
-
-// connect opens a pool and checks the database is reachable. The relay holds
-// two connections for its life (the single-active leader's and the
-// LISTEN/NOTIFY one): size the pool for them plus your own traffic.
-func connect(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
-	cfg, err := pgxpool.ParseConfig(dbURL)
-	if err != nil {
-		return nil, fmt.Errorf("parse database URL: %w", err)
-	}
-	cfg.MaxConns = 10
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err == nil {
-		err = pool.Ping(ctx)
-	}
-	if err != nil {
-		if pool != nil {
-			pool.Close()
-		}
-		return nil, fmt.Errorf("PostgreSQL at %s:%d is unreachable (start it with `make up`, or set OUTBOX_DATABASE_URL): %w",
-			cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
-	}
-	return pool, nil
-}
-
-// createSchema creates a fresh schema example_<random hex>, so that runs do
-// not see each other, and returns the function that drops it.
-func createSchema(ctx context.Context, pool *pgxpool.Pool) (string, func() error, error) {
-	var b [6]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		return "", nil, err
-	}
-	ns := "example_" + hex.EncodeToString(b[:])
-	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{ns}.Sanitize()); err != nil {
-		return "", nil, fmt.Errorf("create schema %s: %w", ns, err)
-	}
-	drop := func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if _, err := pool.Exec(ctx, `DROP SCHEMA `+pgx.Identifier{ns}.Sanitize()+` CASCADE`); err != nil {
-			return fmt.Errorf("drop schema %s: %w", ns, err)
-		}
-		return nil
-	}
-	return ns, drop, nil
-}
-
-// newLogger logs warnings and errors of the relay, routers and AMQP clients
-// to stderr.
-func newLogger() watermill.LoggerAdapter {
-	return watermill.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
-}
-
-// syncWriter serialises writes: handlers print from their own goroutines.
-type syncWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-// Write writes p to the underlying writer, one call at a time.
-func (s *syncWriter) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.w.Write(p)
 }

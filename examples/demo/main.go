@@ -16,13 +16,10 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"os"
 	"os/signal"
 	"sort"
@@ -32,12 +29,13 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/internal/kafkatest"
@@ -46,9 +44,6 @@ import (
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
-
-// defaultDatabaseURL is used when OUTBOX_DATABASE_URL is not set.
-const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
 
 // The demo's topics (<module>.<aggregate>.<event>.vN).
 const (
@@ -65,7 +60,7 @@ var (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, databaseURL())
+	err := run(ctx, os.Stdout, exampleutil.DatabaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
@@ -73,19 +68,11 @@ func main() {
 	}
 }
 
-// databaseURL is OUTBOX_DATABASE_URL, or the local test database.
-func databaseURL() string {
-	if u := os.Getenv("OUTBOX_DATABASE_URL"); u != "" {
-		return u
-	}
-	return defaultDatabaseURL
-}
-
 // run is the whole demo; it writes what happens to w.
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	logger := newLogger()
+	logger := exampleutil.NewLogger()
 
 	// Kafka: an in-process cluster, 3 partitions per topic.
 	cluster, err := kafkatest.Start(3, 0)
@@ -96,12 +83,12 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 
 	// PostgreSQL: an outbox table (with the optional trace and headers
 	// columns) in a fresh schema.
-	pool, err := connect(ctx, dbURL)
+	pool, err := exampleutil.Connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := createSchema(ctx, pool)
+	ns, dropSchema, err := exampleutil.CreateSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -155,12 +142,12 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	if err != nil {
 		return err
 	}
-	stopRelay, err := startForwarder(ctx, fwd)
+	stopRelay, err := exampleutil.StartForwarder(ctx, fwd)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
 	defer func() { err = errors.Join(err, stopRelay()) }()
-	if err := waitAllPublished(ctx, pool, table); err != nil {
+	if err := exampleutil.WaitAllPublished(ctx, pool, table); err != nil {
 		return err
 	}
 	if err := stopRelay(); err != nil {
@@ -300,92 +287,4 @@ func printRecord(w io.Writer, i, n int, r record) error {
 	}
 	fmt.Fprintf(w, "  payload:   %s\n\n", r.msg.Payload)
 	return nil
-}
-
-// waitAllPublished waits until every row of t is published.
-func waitAllPublished(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		var pending int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()+` WHERE published_at IS NULL`).Scan(&pending); err != nil {
-			return fmt.Errorf("count pending rows: %w", err)
-		}
-		if pending == 0 {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%d rows of %s not published in time: %w", pending, t, ctx.Err())
-		case <-tick.C:
-		}
-	}
-}
-
-// startForwarder runs the relay in the background until it is running, and
-// returns the function that stops it and reports how Run ended (safe to call
-// more than once).
-func startForwarder(ctx context.Context, f *forwarder.Forwarder) (stop func() error, err error) {
-	done := make(chan error, 1)
-	go func() { done <- f.Run(ctx) }()
-	select {
-	case <-f.Running():
-	case err := <-done:
-		if err == nil {
-			err = errors.New("forwarder stopped while starting")
-		}
-		return nil, err
-	}
-	return sync.OnceValue(func() error { return errors.Join(f.Close(), <-done) }), nil
-}
-
-// connect opens a pool and checks the database is reachable. The relay holds
-// two connections for its life (the single-active leader's and the
-// LISTEN/NOTIFY one): size the pool for them plus your own traffic.
-func connect(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
-	cfg, err := pgxpool.ParseConfig(dbURL)
-	if err != nil {
-		return nil, fmt.Errorf("parse database URL: %w", err)
-	}
-	cfg.MaxConns = 10
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err == nil {
-		err = pool.Ping(ctx)
-	}
-	if err != nil {
-		if pool != nil {
-			pool.Close()
-		}
-		return nil, fmt.Errorf("PostgreSQL at %s:%d is unreachable (start it with `make up`, or set OUTBOX_DATABASE_URL): %w",
-			cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
-	}
-	return pool, nil
-}
-
-// createSchema creates a fresh schema example_<random hex>, so that runs do
-// not see each other, and returns the function that drops it.
-func createSchema(ctx context.Context, pool *pgxpool.Pool) (string, func() error, error) {
-	var b [6]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		return "", nil, err
-	}
-	ns := "example_" + hex.EncodeToString(b[:])
-	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{ns}.Sanitize()); err != nil {
-		return "", nil, fmt.Errorf("create schema %s: %w", ns, err)
-	}
-	drop := func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if _, err := pool.Exec(ctx, `DROP SCHEMA `+pgx.Identifier{ns}.Sanitize()+` CASCADE`); err != nil {
-			return fmt.Errorf("drop schema %s: %w", ns, err)
-		}
-		return nil
-	}
-	return ns, drop, nil
-}
-
-// newLogger logs warnings and errors of the relay and Kafka clients to
-// stderr.
-func newLogger() watermill.LoggerAdapter {
-	return watermill.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
 }

@@ -25,20 +25,18 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"os"
 	"os/signal"
 	"sort"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
+
+	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -54,9 +52,6 @@ import (
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
-// defaultDatabaseURL is used when OUTBOX_DATABASE_URL is not set.
-const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
-
 // TopicOrganizationCreated is the event the search indexer consumes.
 const TopicOrganizationCreated = "org.organization.created.v1"
 
@@ -68,20 +63,12 @@ type OrganizationCreated struct {
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, databaseURL())
+	err := run(ctx, os.Stdout, exampleutil.DatabaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "existing_router:", err)
 		os.Exit(1)
 	}
-}
-
-// databaseURL is OUTBOX_DATABASE_URL, or the local test database.
-func databaseURL() string {
-	if u := os.Getenv("OUTBOX_DATABASE_URL"); u != "" {
-		return u
-	}
-	return defaultDatabaseURL
 }
 
 // tables are the example's tables, all in one fresh schema.
@@ -96,15 +83,15 @@ type tables struct {
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out := &syncWriter{w: w}
-	logger := newLogger()
+	out := &exampleutil.SyncWriter{W: w}
+	logger := exampleutil.NewLogger()
 
-	pool, err := connect(ctx, dbURL)
+	pool, err := exampleutil.Connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := createSchema(ctx, pool)
+	ns, dropSchema, err := exampleutil.CreateSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -155,7 +142,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	sort.Strings(names)
 	fmt.Fprintf(out, "router handlers: %s\n", strings.Join(names, ", "))
 
-	stopRouter, err := startRouter(ctx, r)
+	stopRouter, err := exampleutil.StartRouter(ctx, r)
 	if err != nil {
 		return fmt.Errorf("router: %w", err)
 	}
@@ -398,84 +385,4 @@ func waitSettled(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error 
 		case <-tick.C:
 		}
 	}
-}
-
-// startRouter runs r in the background until its handlers are subscribed,
-// and returns the function that stops it and reports how Run ended (safe to
-// call more than once).
-func startRouter(ctx context.Context, r *message.Router) (stop func() error, err error) {
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	select {
-	case <-r.Running():
-	case err := <-done:
-		if err == nil {
-			err = errors.New("router stopped while starting")
-		}
-		return nil, err
-	}
-	return sync.OnceValue(func() error { return errors.Join(r.Close(), <-done) }), nil
-}
-
-// connect opens a pool and checks the database is reachable. The relay holds
-// two connections for its life (the single-active leader's and the
-// LISTEN/NOTIFY one): size the pool for them plus your own traffic.
-func connect(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
-	cfg, err := pgxpool.ParseConfig(dbURL)
-	if err != nil {
-		return nil, fmt.Errorf("parse database URL: %w", err)
-	}
-	cfg.MaxConns = 10
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err == nil {
-		err = pool.Ping(ctx)
-	}
-	if err != nil {
-		if pool != nil {
-			pool.Close()
-		}
-		return nil, fmt.Errorf("PostgreSQL at %s:%d is unreachable (start it with `make up`, or set OUTBOX_DATABASE_URL): %w",
-			cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
-	}
-	return pool, nil
-}
-
-// createSchema creates a fresh schema example_<random hex>, so that runs do
-// not see each other, and returns the function that drops it.
-func createSchema(ctx context.Context, pool *pgxpool.Pool) (string, func() error, error) {
-	var b [6]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		return "", nil, err
-	}
-	ns := "example_" + hex.EncodeToString(b[:])
-	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{ns}.Sanitize()); err != nil {
-		return "", nil, fmt.Errorf("create schema %s: %w", ns, err)
-	}
-	drop := func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if _, err := pool.Exec(ctx, `DROP SCHEMA `+pgx.Identifier{ns}.Sanitize()+` CASCADE`); err != nil {
-			return fmt.Errorf("drop schema %s: %w", ns, err)
-		}
-		return nil
-	}
-	return ns, drop, nil
-}
-
-// newLogger logs warnings and errors of the router and relay to stderr.
-func newLogger() watermill.LoggerAdapter {
-	return watermill.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
-}
-
-// syncWriter serialises writes: handlers print from their own goroutines.
-type syncWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-// Write writes p to the underlying writer, one call at a time.
-func (s *syncWriter) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.w.Write(p)
 }
