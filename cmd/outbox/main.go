@@ -2,6 +2,10 @@
 //
 //	outbox relay                 relay and clean the tables of OUTBOX_RELAY_TABLES
 //	outbox migrate --table=T     create an outbox table (--print shows the SQL)
+//	outbox backlog --table=T     pending rows, oldest first
+//	outbox dead list --table=T   dead rows (filters: --topic, --tenant, --error, --after)
+//	outbox dead replay ...       replay one event (--event-id) or dead rows in bulk (--confirm)
+//	outbox stats --table=T       pending, locked, dead, oldest pending age
 //
 // Configuration comes from the environment (DESIGN §8); a bad value stops
 // the command at start with the variable's name. Run `outbox help` for the
