@@ -36,6 +36,8 @@ type Queries struct {
 	ExistingEvents string
 
 	// ClaimAll and ClaimTopic lease up to a batch of due rows (DESIGN §5).
+	// Re-claiming a row whose lease expired records that in last_error, so a
+	// row that reaches max_attempts through crashes still says why.
 	// Args: max_attempts, lock_ttl seconds (float8), batch size, and for
 	// ClaimTopic the topic. Returns the claimed columns, see ClaimedRow.
 	ClaimAll   string
@@ -138,7 +140,10 @@ WHERE event_id = ANY($1::uuid[])`
   LIMIT $3
   FOR UPDATE SKIP LOCKED
 )
-UPDATE ` + tbl + ` AS o SET locked_at = now(), attempts = o.attempts + 1
+UPDATE ` + tbl + ` AS o SET locked_at = now(), attempts = o.attempts + 1,
+  last_error = CASE WHEN o.locked_at IS NOT NULL
+    THEN 'lease of attempt ' || o.attempts || ' expired: the relay holding it crashed, hung or lost its connection'
+    ELSE o.last_error END
 FROM due WHERE o.id = due.id
 RETURNING ` + returning
 	}

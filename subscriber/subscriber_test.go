@@ -243,6 +243,9 @@ func TestLeaseRecovery(t *testing.T) {
 	if again.UUID != ids[0] || again.Metadata.Get(schema.MetadataAttempts) != "2" {
 		t.Fatalf("second delivery %s attempts %s", again.UUID, again.Metadata.Get(schema.MetadataAttempts))
 	}
+	if st := state(t, pool, tbl, ids[0]); st.lastError == nil || !strings.Contains(*st.lastError, "lease of attempt 1 expired") {
+		t.Fatalf("re-claim after an expired lease did not record it: %+v", st)
+	}
 	// The old holder wakes up and acks: the fence rejects it.
 	old.Ack()
 	waitFor(t, "the stale ack to be rejected", 5*time.Second, func() bool {
