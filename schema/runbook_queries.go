@@ -155,9 +155,11 @@ func deadWhere(f RunbookFilter, args []any, replay bool, indent string) (string,
 }
 
 // deadTarget renders the ordered, optionally limited selection of the dead
-// rows matching f, ready to be wrapped by a count or an update.
-func deadTarget(tbl string, f RunbookFilter, cols string, lock bool) (string, []any) {
-	where, args := deadWhere(f, nil, true, "    ")
+// rows matching f, ready to be listed or wrapped by a count or an update.
+// With replay, rows whose lease has not expired are left out; with lock, the
+// selected rows are locked FOR UPDATE.
+func deadTarget(tbl string, f RunbookFilter, cols string, replay, lock bool) (string, []any) {
+	where, args := deadWhere(f, nil, replay, "    ")
 	sql := `SELECT ` + cols + ` FROM ` + tbl + `
   WHERE ` + where + `
   ORDER BY sequence`
@@ -177,23 +179,14 @@ func deadTarget(tbl string, f RunbookFilter, cols string, lock bool) (string, []
 // MaxAttempts) in sequence order, from AfterSequence on. A Limit of 0 lists
 // them all. Returns RunbookColumns.
 func (q RunbookQueries) Dead(f RunbookFilter) Statement {
-	where, args := deadWhere(f, nil, false, "  ")
-	sql := `SELECT ` + RunbookColumns + `
-FROM ` + q.Table.Sanitize() + `
-WHERE ` + where + `
-ORDER BY sequence`
-	if f.Limit > 0 {
-		args = append(args, f.Limit)
-		sql += `
-LIMIT $` + strconv.Itoa(len(args)) + `::int`
-	}
+	sql, args := deadTarget(q.Table.Sanitize(), f, RunbookColumns, false, false)
 	return Statement{SQL: sql, Args: args}
 }
 
 // CountReplayDead counts the rows ReplayDead would change with the same
 // filter, changing nothing. Returns: count.
 func (q RunbookQueries) CountReplayDead(f RunbookFilter) Statement {
-	target, args := deadTarget(q.Table.Sanitize(), f, "1", false)
+	target, args := deadTarget(q.Table.Sanitize(), f, "1", true, false)
 	return Statement{SQL: `SELECT count(*) FROM (
   ` + target + `
 ) AS target`, Args: args}
@@ -206,7 +199,7 @@ func (q RunbookQueries) CountReplayDead(f RunbookFilter) Statement {
 // the rows changed.
 func (q RunbookQueries) ReplayDead(f RunbookFilter) Statement {
 	tbl := q.Table.Sanitize()
-	target, args := deadTarget(tbl, f, "id", true)
+	target, args := deadTarget(tbl, f, "id", true, true)
 	return Statement{SQL: `WITH target AS (
   ` + target + `
 )
