@@ -49,16 +49,24 @@ type TxPublisher struct {
 
 var _ message.Publisher = (*TxPublisher)(nil)
 
+// setDefaults fills Enqueuer and checks Table.
+func (c *TxPublisherConfig) setDefaults() error {
+	if c.Table.IsZero() {
+		return errors.New("invalid config: Table is not set; build it with schema.ParseTable")
+	}
+	if c.Enqueuer == nil {
+		c.Enqueuer = defaultEnqueuer
+	}
+	return nil
+}
+
 // NewTxPublisher binds a publisher to tx.
 func NewTxPublisher(tx Tx, cfg TxPublisherConfig) (*TxPublisher, error) {
 	if tx == nil {
 		return nil, errors.New("invalid config: nil Tx; pass the transaction that writes the business rows")
 	}
-	if cfg.Table.IsZero() {
-		return nil, errors.New("invalid config: Table is not set; build it with schema.ParseTable")
-	}
-	if cfg.Enqueuer == nil {
-		cfg.Enqueuer = defaultEnqueuer
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
 	}
 	return &TxPublisher{tx: tx, cfg: cfg}, nil
 }
@@ -145,8 +153,8 @@ func NewDBPublisher(db Beginner, cfg TxPublisherConfig) (*DBPublisher, error) {
 	if db == nil {
 		return nil, errors.New("invalid config: nil db; pass a *pgxpool.Pool")
 	}
-	if cfg.Table.IsZero() {
-		return nil, errors.New("invalid config: Table is not set; build it with schema.ParseTable")
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
 	}
 	return &DBPublisher{db: db, cfg: cfg}, nil
 }
@@ -161,11 +169,7 @@ func (p *DBPublisher) Publish(topic string, msgs ...*message.Message) error {
 		ctx = msgs[0].Context()
 	}
 	return pgx.BeginFunc(ctx, p.db, func(tx pgx.Tx) error {
-		tp, err := NewTxPublisher(tx, p.cfg)
-		if err != nil {
-			return err
-		}
-		return tp.Publish(topic, msgs...)
+		return (&TxPublisher{tx: tx, cfg: p.cfg}).Publish(topic, msgs...)
 	})
 }
 
