@@ -4,8 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"sort"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -128,26 +126,6 @@ func peerDrain(ctx context.Context, o options, schemaName string, n, round int) 
 	return float64(n) / time.Since(start).Seconds(), nil
 }
 
-// timingSink records when each message arrives.
-type timingSink struct {
-	mu   sync.Mutex
-	seen map[string]time.Time
-}
-
-func (s *timingSink) Publish(_ string, msgs ...*message.Message) error {
-	now := time.Now()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, m := range msgs {
-		if _, dup := s.seen[m.UUID]; !dup {
-			s.seen[m.UUID] = now
-		}
-	}
-	return nil
-}
-
-func (s *timingSink) Close() error { return nil }
-
 // measurePeerLatency offers rate events/s to the watermill-sql peer, one per
 // database/sql transaction, and returns commit-to-delivery latencies.
 func measurePeerLatency(ctx context.Context, o options, schemaName string, rate int, d time.Duration) ([]time.Duration, error) {
@@ -159,73 +137,29 @@ func measurePeerLatency(ctx context.Context, o options, schemaName string, rate 
 	if err := p.fill(1); err != nil { // creates the tables
 		return nil, err
 	}
-	sink := &timingSink{seen: map[string]time.Time{}}
+	sink := newArrivals()
 	stop, err := p.run(ctx, sink)
 	if err != nil {
 		return nil, err
 	}
 	defer stop()
-	var (
-		mu        sync.Mutex
-		committed = map[string]time.Time{}
-		wg        sync.WaitGroup
-	)
-	interval := time.Second / time.Duration(rate)
-	producers := max(1, rate/250)
-	end := time.Now().Add(d)
-	for i := range producers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			next := time.Now().Add(time.Duration(i) * interval)
-			for time.Now().Before(end) && ctx.Err() == nil {
-				time.Sleep(time.Until(next))
-				next = next.Add(interval * time.Duration(producers))
-				tx, err := p.db.BeginTx(ctx, nil)
-				if err != nil {
-					return
-				}
-				pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: p.schema}, watermill.NopLogger{})
-				if err != nil {
-					_ = tx.Rollback()
-					return
-				}
-				m := message.NewMessage(watermill.NewUUID(), message.Payload(benchPayload))
-				if err := wforwarder.NewPublisher(pub, wforwarder.PublisherConfig{ForwarderTopic: peerForwarderTopic}).Publish("org.organization.updated.v1", m); err != nil {
-					_ = tx.Rollback()
-					return
-				}
-				before := time.Now()
-				if err := tx.Commit(); err != nil {
-					return
-				}
-				mu.Lock()
-				committed[m.UUID] = before
-				mu.Unlock()
-			}
-		}()
-	}
-	wg.Wait()
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
-		sink.mu.Lock()
-		n := len(sink.seen)
-		sink.mu.Unlock()
-		if n >= len(committed) {
-			break
+	committed := offerSteady(ctx, rate, d, func() (string, time.Time, error) {
+		tx, err := p.db.BeginTx(ctx, nil)
+		if err != nil {
+			return "", time.Time{}, err
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	sink.mu.Lock()
-	defer sink.mu.Unlock()
-	lat := make([]time.Duration, 0, len(committed))
-	for id, c := range committed {
-		at, ok := sink.seen[id]
-		if !ok {
-			return nil, fmt.Errorf("peer: event %s not delivered within 10s after the run", id)
+		pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: p.schema}, watermill.NopLogger{})
+		if err != nil {
+			_ = tx.Rollback()
+			return "", time.Time{}, err
 		}
-		lat = append(lat, at.Sub(c))
-	}
-	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
-	return lat, nil
+		m := message.NewMessage(watermill.NewUUID(), message.Payload(benchPayload))
+		if err := wforwarder.NewPublisher(pub, wforwarder.PublisherConfig{ForwarderTopic: peerForwarderTopic}).Publish("org.organization.updated.v1", m); err != nil {
+			_ = tx.Rollback()
+			return "", time.Time{}, err
+		}
+		before := time.Now()
+		return m.UUID, before, tx.Commit()
+	})
+	return sink.latencies(committed, func(string) bool { return false }, 10*time.Second)
 }

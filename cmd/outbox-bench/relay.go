@@ -304,11 +304,7 @@ func measureLatencyPoisoned(ctx context.Context, pool *pgxpool.Pool, t schema.Ta
 	for !s.IsLeader() {
 		time.Sleep(10 * time.Millisecond)
 	}
-	var (
-		mu        sync.Mutex
-		committed = map[string]time.Time{}
-		delivered = map[string]time.Time{}
-	)
+	delivered := newArrivals()
 	consumerDone := make(chan struct{})
 	go func() {
 		defer close(consumerDone)
@@ -318,17 +314,52 @@ func measureLatencyPoisoned(ctx context.Context, pool *pgxpool.Pool, t schema.Ta
 				m.Nack()
 				continue
 			}
-			now := time.Now()
-			mu.Lock()
-			delivered[m.UUID] = now
-			mu.Unlock()
+			delivered.record(m.UUID)
 			m.Ack()
 		}
 	}()
 	tenant := uuid.New()
+	committed := offerSteady(ctx, rate, d, func() (string, time.Time, error) {
+		id := uuid.New()
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			return "", time.Time{}, err
+		}
+		if _, err := publisher.Enqueue(ctx, tx, t, publisher.Message{TenantID: tenant, Topic: "org.organization.updated.v1", EventID: id, Payload: benchPayload}); err != nil {
+			_ = tx.Rollback(ctx)
+			return "", time.Time{}, err
+		}
+		before := time.Now()
+		return id.String(), before, tx.Commit(ctx)
+	})
+	skip := func(id string) bool { return poison && isPoison(id) }
+	lat, err := delivered.latencies(committed, skip, 5*time.Second)
+	cancel()
+	<-consumerDone
+	if err != nil {
+		return nil, 0, err
+	}
+	poisoned := 0
+	for id := range committed {
+		if skip(id) {
+			poisoned++
+		}
+	}
+	return lat, poisoned, nil
+}
+
+// offerSteady calls produce, which commits one event and returns its id and
+// the time just before its COMMIT, rate times per second in total (from
+// rate/250 paced goroutines) for d, and returns those times by id. It stops
+// a goroutine at its first error.
+func offerSteady(ctx context.Context, rate int, d time.Duration, produce func() (string, time.Time, error)) map[string]time.Time {
+	var (
+		mu        sync.Mutex
+		committed = map[string]time.Time{}
+		wg        sync.WaitGroup
+	)
 	interval := time.Second / time.Duration(rate)
 	producers := max(1, rate/250)
-	var wg sync.WaitGroup
 	stop := time.Now().Add(d)
 	for p := range producers {
 		wg.Add(1)
@@ -338,64 +369,83 @@ func measureLatencyPoisoned(ctx context.Context, pool *pgxpool.Pool, t schema.Ta
 			for time.Now().Before(stop) && ctx.Err() == nil {
 				time.Sleep(time.Until(next))
 				next = next.Add(interval * time.Duration(producers))
-				id := uuid.New()
-				tx, err := pool.Begin(ctx)
+				id, before, err := produce()
 				if err != nil {
 					return
 				}
-				if _, err := publisher.Enqueue(ctx, tx, t, publisher.Message{TenantID: tenant, Topic: "org.organization.updated.v1", EventID: id, Payload: benchPayload}); err != nil {
-					_ = tx.Rollback(ctx)
-					return
-				}
-				before := time.Now()
-				if err := tx.Commit(ctx); err != nil {
-					return
-				}
 				mu.Lock()
-				committed[id.String()] = before
+				committed[id] = before
 				mu.Unlock()
 			}
 		}()
 	}
 	wg.Wait()
-	// Let the last events arrive.
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
-		mu.Lock()
-		healthy := len(committed)
-		if poison {
-			for id := range committed {
-				if isPoison(id) {
-					healthy--
-				}
-			}
+	return committed
+}
+
+// arrivals records when each event first arrived; it is a message.Publisher
+// too, so it can be the sink of a forwarder.
+type arrivals struct {
+	mu   sync.Mutex
+	seen map[string]time.Time
+}
+
+func newArrivals() *arrivals { return &arrivals{seen: map[string]time.Time{}} }
+
+func (a *arrivals) record(ids ...string) {
+	now := time.Now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, id := range ids {
+		if _, dup := a.seen[id]; !dup {
+			a.seen[id] = now
 		}
-		all := len(delivered) >= healthy
-		mu.Unlock()
-		if all {
+	}
+}
+
+// Publish records the arrival of msgs.
+func (a *arrivals) Publish(_ string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		a.record(m.UUID)
+	}
+	return nil
+}
+
+// Close implements message.Publisher.
+func (a *arrivals) Close() error { return nil }
+
+// latencies waits up to wait for every committed event not skipped to
+// arrive, and returns their commit-to-arrival latencies, sorted.
+func (a *arrivals) latencies(committed map[string]time.Time, skip func(string) bool, wait time.Duration) ([]time.Duration, error) {
+	want := 0
+	for id := range committed {
+		if !skip(id) {
+			want++
+		}
+	}
+	for deadline := time.Now().Add(wait); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		a.mu.Lock()
+		n := len(a.seen)
+		a.mu.Unlock()
+		if n >= want {
 			break
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
-	cancel()
-	<-consumerDone
-	mu.Lock()
-	defer mu.Unlock()
-	lat := make([]time.Duration, 0, len(committed))
-	poisoned := 0
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	lat := make([]time.Duration, 0, want)
 	for id, c := range committed {
-		if poison && isPoison(id) {
-			poisoned++
+		if skip(id) {
 			continue
 		}
-		at, ok := delivered[id]
+		at, ok := a.seen[id]
 		if !ok {
-			return nil, 0, fmt.Errorf("event %s not delivered", id)
+			return nil, fmt.Errorf("event %s not delivered within %s after the run", id, wait)
 		}
 		lat = append(lat, at.Sub(c))
 	}
 	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
-	return lat, poisoned, nil
+	return lat, nil
 }
 
 func percentile(sorted []time.Duration, p int) time.Duration {
