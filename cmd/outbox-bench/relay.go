@@ -34,20 +34,25 @@ func fillBacklog(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n int)
 	tenant := uuid.New()
 	for n > 0 {
 		k := min(n, 1000)
-		msgs := make([]publisher.Message, k)
-		for i := range msgs {
-			msgs[i] = publisher.Message{TenantID: tenant, Topic: "org.organization.updated.v1", EventID: uuid.New(), Payload: benchPayload}
-		}
-		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			_, err := enq.EnqueueBatch(ctx, tx, t, msgs)
-			return err
-		}); err != nil {
+		if err := enqueueBenchBatch(ctx, pool, enq, t, tenant, k); err != nil {
 			return err
 		}
 		n -= k
 	}
 	_, err = pool.Exec(ctx, `VACUUM ANALYZE `+t.Sanitize())
 	return err
+}
+
+// enqueueBenchBatch commits k benchmark events into t in one transaction.
+func enqueueBenchBatch(ctx context.Context, pool *pgxpool.Pool, enq *publisher.Enqueuer, t schema.Table, tenant uuid.UUID, k int) error {
+	msgs := make([]publisher.Message, k)
+	for i := range msgs {
+		msgs[i] = publisher.Message{TenantID: tenant, Topic: "org.organization.updated.v1", EventID: uuid.New(), Payload: benchPayload}
+	}
+	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := enq.EnqueueBatch(ctx, tx, t, msgs)
+		return err
+	})
 }
 
 // drainSubscriber measures how fast a Subscriber drains the backlog of t with

@@ -8,7 +8,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/cleaner"
@@ -79,6 +78,10 @@ func sustainedSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, 
 		return err
 	}
 	tenant := uuid.New()
+	enq, err := publisher.NewEnqueuer(publisher.Config{})
+	if err != nil {
+		return err
+	}
 	interval := time.Second / time.Duration(o.sustainedRate/10) // 10 events per transaction
 	next := time.Now()
 	lastSample := time.Now()
@@ -86,17 +89,10 @@ func sustainedSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, 
 	for time.Since(start) < o.sustainedDuration && ctx.Err() == nil {
 		time.Sleep(time.Until(next))
 		next = next.Add(interval)
-		msgs := make([]publisher.Message, 10)
-		for i := range msgs {
-			msgs[i] = publisher.Message{TenantID: tenant, Topic: "org.organization.updated.v1", EventID: uuid.New(), Payload: benchPayload}
-		}
-		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			_, err := publisher.EnqueueBatch(ctx, tx, t, msgs)
-			return err
-		}); err != nil {
+		if err := enqueueBenchBatch(ctx, pool, enq, t, tenant, 10); err != nil {
 			return err
 		}
-		sent += len(msgs)
+		sent += 10
 		if time.Since(lastSample) >= o.sustainedDuration/5 {
 			lastSample = time.Now()
 			if err := sample(); err != nil {
