@@ -35,6 +35,13 @@ type Message struct {
 	// Headers is optional extra string metadata; it needs the headers
 	// column (schema.WithHeadersColumn).
 	Headers map[string]string
+	// OrderingKey is optional; events with the same key are relayed in
+	// order by an ordered subscriber (usually the aggregate id). Empty:
+	// unordered. It needs the ordering_key column
+	// (schema.WithOrderingKeyColumn or WithAllColumns), at most 256 bytes,
+	// valid UTF-8 without NUL. Enqueueing a keyed event takes a per-key lock
+	// until the transaction ends, see docs/ORDERING.md.
+	OrderingKey string
 }
 
 // Tx is the part of a transaction Enqueue needs. pgx.Tx satisfies it; wrap a
@@ -174,6 +181,12 @@ func (e *Enqueuer) Enqueue(ctx context.Context, tx Tx, table schema.Table, msg M
 	if err != nil {
 		return 0, err
 	}
+	if q.Columns.OrderingKey {
+		args = append(args, nullIfEmptyString(msg.OrderingKey))
+		if err := lockKeys(ctx, tx, q, []string{msg.OrderingKey}); err != nil {
+			return 0, err
+		}
+	}
 	var (
 		seq           int64
 		tenant, topic string
@@ -251,6 +264,16 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 	}
 	if q.Columns.Headers {
 		args = append(args, nullIfEmpty(headers))
+	}
+	if q.Columns.OrderingKey {
+		keys := make([]string, n)
+		for k, i := range unique {
+			keys[k] = msgs[i].OrderingKey
+		}
+		args = append(args, nullIfEmpty(keys))
+		if err := lockKeys(ctx, tx, q, keys); err != nil {
+			return nil, err
+		}
 	}
 	var (
 		written string
@@ -391,4 +414,26 @@ func nullIfEmpty(ss []string) []*string {
 		}
 	}
 	return out
+}
+
+// lockKeys takes the per-key transaction-level advisory locks of the
+// non-empty keys, so that the writers of one key commit in sequence order
+// (docs/ORDERING.md).
+func lockKeys(ctx context.Context, tx Tx, q *schema.Queries, keys []string) error {
+	var distinct []string
+	seen := map[string]bool{}
+	for _, k := range keys {
+		if k != "" && !seen[k] {
+			seen[k] = true
+			distinct = append(distinct, k)
+		}
+	}
+	if len(distinct) == 0 {
+		return nil
+	}
+	var n int64
+	if err := tx.QueryRow(ctx, q.LockKeys, q.Table.OrderingLockClass(), distinct).Scan(&n); err != nil {
+		return fmt.Errorf("outbox enqueue into %s: lock ordering keys: %w", q.Table, err)
+	}
+	return nil
 }

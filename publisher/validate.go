@@ -101,6 +101,14 @@ func (v validator) message(i int, m *Message, cols schema.Columns) error {
 	if err := v.payload(m.Payload); err != nil {
 		return &ValidationError{i, "Payload", err.Error()}
 	}
+	if m.OrderingKey != "" {
+		if err := validOrderingKey(m.OrderingKey); err != nil {
+			return &ValidationError{i, "OrderingKey", err.Error()}
+		}
+		if !cols.OrderingKey {
+			return &ValidationError{i, "OrderingKey", "the table has no ordering_key column; add it with schema.Migrate(ctx, db, table, schema.WithOrderingKeyColumn()) or `outbox migrate`"}
+		}
+	}
 	if len(m.Headers) > 0 {
 		if !cols.Headers {
 			return &ValidationError{i, "Headers", "the table has no headers column; add it with schema.Migrate(ctx, db, table, schema.WithHeadersColumn())"}
@@ -113,6 +121,21 @@ func (v validator) message(i int, m *Message, cols schema.Columns) error {
 				return &ValidationError{i, "Headers", fmt.Sprintf("key %q: keys must be non-empty and keys and values valid UTF-8 without NUL bytes", k)}
 			}
 		}
+	}
+	return nil
+}
+
+// validOrderingKey checks an ordering key: at most 256 bytes of valid UTF-8
+// without NUL (PostgreSQL text cannot hold NUL).
+func validOrderingKey(k string) error {
+	if len(k) > schema.MaxOrderingKeyBytes {
+		return fmt.Errorf("%d bytes; an ordering key may have at most %d bytes (use the aggregate id, or a hash of a longer key)", len(k), schema.MaxOrderingKeyBytes)
+	}
+	if strings.IndexByte(k, 0) >= 0 {
+		return errors.New("contains a NUL byte, which PostgreSQL text cannot store; remove it")
+	}
+	if !utf8.ValidString(k) {
+		return errors.New("not valid UTF-8; use a UTF-8 string such as the aggregate id")
 	}
 	return nil
 }

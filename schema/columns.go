@@ -25,6 +25,8 @@ const (
 	ColumnTraceParent = "traceparent"
 	ColumnTraceState  = "tracestate"
 	ColumnHeaders     = "headers"
+	// ColumnOrderingKey is the optional key of ordered mode (docs/ORDERING.md).
+	ColumnOrderingKey = "ordering_key"
 )
 
 // Metadata keys set on every message that comes out of an outbox table.
@@ -37,6 +39,9 @@ const (
 	MetadataTable       = "table"
 	MetadataTraceParent = "traceparent"
 	MetadataTraceState  = "tracestate"
+	// MetadataOrderingKey is set on every message whose row has an
+	// ordering key.
+	MetadataOrderingKey = "ordering_key"
 )
 
 // ReservedMetadata reports whether key is one of the metadata keys the outbox
@@ -44,7 +49,7 @@ const (
 func ReservedMetadata(key string) bool {
 	switch key {
 	case MetadataEventID, MetadataTenantID, MetadataTopic, MetadataSequence,
-		MetadataAttempts, MetadataTable, MetadataTraceParent, MetadataTraceState:
+		MetadataAttempts, MetadataTable, MetadataTraceParent, MetadataTraceState, MetadataOrderingKey:
 		return true
 	}
 	return false
@@ -56,6 +61,9 @@ type Columns struct {
 	TraceContext bool
 	// Headers is true when the table has the headers column.
 	Headers bool
+	// OrderingKey is true when the table has the ordering_key column (and
+	// the ordering_partition column derived from it) of ordered mode.
+	OrderingKey bool
 }
 
 // ErrTableNotFound is returned (wrapped) by DetectColumns when the table does
@@ -75,18 +83,20 @@ func DetectColumns(ctx context.Context, q Querier, t Table) (Columns, error) {
 	var (
 		found                bool
 		parent, state, heads bool
+		okey                 bool
 	)
 	err := q.QueryRow(ctx, `
 SELECT to_regclass($1) IS NOT NULL,
        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'traceparent' AND NOT attisdropped),
        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'tracestate'  AND NOT attisdropped),
-       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'headers'     AND NOT attisdropped)`,
-		t.Sanitize()).Scan(&found, &parent, &state, &heads)
+       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'headers'     AND NOT attisdropped),
+       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'ordering_partition' AND NOT attisdropped)`,
+		t.Sanitize()).Scan(&found, &parent, &state, &heads, &okey)
 	if err != nil {
 		return Columns{}, fmt.Errorf("detect columns of %s: %w", t, err)
 	}
 	if !found {
 		return Columns{}, fmt.Errorf("%w: %s (create it with schema.Migrate or `outbox migrate`)", ErrTableNotFound, t)
 	}
-	return Columns{TraceContext: parent && state, Headers: heads}, nil
+	return Columns{TraceContext: parent && state, Headers: heads, OrderingKey: okey}, nil
 }

@@ -44,9 +44,17 @@ func WithTraceColumns() MigrateOption { return func(c *Columns) { c.TraceContext
 // WithHeadersColumn adds the optional headers column (extra string metadata).
 func WithHeadersColumn() MigrateOption { return func(c *Columns) { c.Headers = true } }
 
-// WithAllColumns adds every optional column.
+// WithOrderingKeyColumn adds the ordering_key column of ordered mode, the
+// ordering_partition column derived from it, their indexes and the companion
+// tables <table>_partitions, <table>_relays and <table>_holds
+// (docs/ORDERING.md). Adding it to an existing table rewrites the table (a
+// stored generated column).
+func WithOrderingKeyColumn() MigrateOption { return func(c *Columns) { c.OrderingKey = true } }
+
+// WithAllColumns adds every optional column, and the companion tables of
+// ordered mode.
 func WithAllColumns() MigrateOption {
-	return func(c *Columns) { c.TraceContext, c.Headers = true, true }
+	return func(c *Columns) { c.TraceContext, c.Headers, c.OrderingKey = true, true, true }
 }
 
 func columnsOf(opts []MigrateOption) Columns {
@@ -117,6 +125,10 @@ func optionalColumnStatements(t Table, c Columns) []string {
 	if c.Headers {
 		stmts = append(stmts, `ALTER TABLE `+t.Sanitize()+` ADD COLUMN IF NOT EXISTS headers JSONB NULL`)
 	}
+	if c.OrderingKey {
+		stmts = append(stmts, orderedColumnStatements(t)...)
+		stmts = append(stmts, orderedCompanionStatements(t)...)
+	}
 	return stmts
 }
 
@@ -129,7 +141,7 @@ func UpSQL(t Table, opts ...MigrateOption) string {
 // DownSQL returns the DDL that drops t. It is destructive: every event in the
 // table, published or not, is lost.
 func DownSQL(t Table) string {
-	return joinStatements([]string{`DROP TABLE IF EXISTS ` + t.Sanitize()})
+	return joinStatements(append(orderedCompanionDrops(t), `DROP TABLE IF EXISTS `+t.Sanitize()))
 }
 
 func joinStatements(stmts []string) string {
@@ -215,6 +227,11 @@ func Migrate(ctx context.Context, db DB, t Table, opts ...MigrateOption) (err er
 			TraceContext: want.TraceContext && !have.TraceContext,
 			Headers:      want.Headers && !have.Headers,
 		})...)
+		if want.OrderingKey && have.OrderingKey {
+			// The column exists; the companion tables are created with IF
+			// NOT EXISTS and do not lock the outbox table.
+			stmts = append(stmts, orderedCompanionStatements(t)...)
+		}
 	}
 	for _, stmt := range stmts {
 		if _, err = tx.Exec(ctx, stmt); err != nil {
@@ -243,6 +260,9 @@ func OptionalColumnsDownSQL(t Table, opts ...MigrateOption) string {
 	}
 	if c.Headers {
 		stmts = append(stmts, `ALTER TABLE `+t.Sanitize()+` DROP COLUMN IF EXISTS headers`)
+	}
+	if c.OrderingKey {
+		stmts = append(stmts, orderedDownStatements(t)...)
 	}
 	return joinStatements(stmts)
 }

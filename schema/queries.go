@@ -43,6 +43,20 @@ type Queries struct {
 	ClaimAll   string
 	ClaimTopic string
 
+	// ClaimAllUnkeyed and ClaimTopicUnkeyed are ClaimAll and ClaimTopic
+	// restricted to rows without an ordering key: ordered mode claims only
+	// those, keyed rows go through OrderedQueries. Empty unless
+	// Columns.OrderingKey.
+	ClaimAllUnkeyed   string
+	ClaimTopicUnkeyed string
+
+	// LockKeys takes the per-key transaction-level advisory locks that
+	// serialise the writers of one ordering key (docs/ORDERING.md), in hash
+	// order so that two writers never deadlock on one statement. Args: the
+	// table's lock class (int4, Table.OrderingLockClass), keys (text array).
+	// Empty unless Columns.OrderingKey.
+	LockKeys string
+
 	// Ack marks leased rows published, fenced by (id, attempts, locked_at).
 	// Args: ids, attempts, locked_ats (arrays). Returns: id::text,
 	// extract(epoch from published_at - created_at).
@@ -115,6 +129,10 @@ func NewQueries(t Table, c Columns) *Queries {
 	if c.Headers {
 		add(ColumnHeaders, "::jsonb")
 	}
+	if c.OrderingKey {
+		add(ColumnOrderingKey, "")
+		q.LockKeys = lockKeysStatement
+	}
 	conflict := ` ON CONFLICT (` + ColumnEventID + `) DO UPDATE SET ` + ColumnEventID + ` = EXCLUDED.` + ColumnEventID
 	notify := `(SELECT pg_notify($5, '') WHERE $5 <> '')`
 
@@ -149,6 +167,10 @@ RETURNING ` + returning
 	}
 	q.ClaimAll = claim("")
 	q.ClaimTopic = claim("\n    AND topic = $4")
+	if c.OrderingKey {
+		q.ClaimAllUnkeyed = claim("\n    AND ordering_key IS NULL")
+		q.ClaimTopicUnkeyed = claim("\n    AND ordering_key IS NULL AND topic = $4")
+	}
 
 	fence := `o.id = a.id AND o.attempts = a.attempts AND o.locked_at = a.locked_at AND o.published_at IS NULL`
 	q.Ack = `UPDATE ` + tbl + ` AS o SET published_at = now(), locked_at = NULL, last_error = NULL

@@ -23,6 +23,9 @@ type ClaimedRow struct {
 	TraceParent *string
 	TraceState  *string
 	Headers     *string
+	// OrderingKey is the row's ordering key; only ordered-mode reads fill
+	// it.
+	OrderingKey *string
 }
 
 // Scanner is satisfied by pgx.Row, pgx.Rows and *sql.Rows.
@@ -70,6 +73,9 @@ func (r *ClaimedRow) Message(t Table) (*message.Message, error) {
 	msg.Metadata[MetadataTable] = t.String()
 	if r.TraceParent != nil && *r.TraceParent != "" {
 		msg.Metadata[MetadataTraceParent] = *r.TraceParent
+	}
+	if r.OrderingKey != nil && *r.OrderingKey != "" {
+		msg.Metadata[MetadataOrderingKey] = *r.OrderingKey
 	}
 	if r.TraceState != nil && *r.TraceState != "" {
 		msg.Metadata[MetadataTraceState] = *r.TraceState

@@ -1,0 +1,340 @@
+package schema
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// OrderingPartitions is the number of partitions the keyed rows of an
+// ordered table are spread over (ordering_partition = hashtext(key) & 63).
+// Relays own partitions by lease; a partition is the unit of handover.
+const OrderingPartitions = 64
+
+// MaxOrderingKeyBytes is the longest ordering key accepted, in bytes.
+const MaxOrderingKeyBytes = 256
+
+// ColumnOrderingPartition is the stored generated column that maps a row's
+// ordering key to its partition.
+const ColumnOrderingPartition = "ordering_partition"
+
+// Suffixes of the objects ordered mode adds; each fits within longestSuffix
+// so that every name stays within PostgreSQL's identifier limit.
+const (
+	suffixKeyedByPartition = "_keyed_by_part"
+	suffixKeyedByKey       = "_keyed_by_key"
+	suffixPendingUnkeyed   = "_pending_unkeyed"
+	suffixKeyLengthCheck   = "_ordering_key_len"
+	suffixPartitions       = "_partitions"
+	suffixRelays           = "_relays"
+	suffixHolds            = "_holds"
+	suffixHoldsByPartition = "_holds_by_part"
+)
+
+// companion names a companion table of t (same schema, name plus suffix).
+func (t Table) companion(suffix string) string {
+	if t.schema == "" {
+		return pgx.Identifier{t.name + suffix}.Sanitize()
+	}
+	return pgx.Identifier{t.schema, t.name + suffix}.Sanitize()
+}
+
+// PartitionsTable, RelaysTable and HoldsTable name the companion tables of
+// ordered mode, sanitized for SQL.
+func (t Table) PartitionsTable() string { return t.companion(suffixPartitions) }
+
+// RelaysTable names the membership table of ordered relays.
+func (t Table) RelaysTable() string { return t.companion(suffixRelays) }
+
+// HoldsTable names the table of held keys (a failing, dead or skipped row
+// that holds back its key).
+func (t Table) HoldsTable() string { return t.companion(suffixHolds) }
+
+// OrderingLockClass is the first key (an int4, non-negative) of the
+// transaction-level advisory locks that serialise the writers of one
+// ordering key: pg_advisory_xact_lock(OrderingLockClass, hashtext(key)).
+func (t Table) OrderingLockClass() int32 {
+	return int32(fnvSum("outbox-order:"+t.Qualified()) & 0x7fffffff) //nolint:gosec // masked to 31 bits
+}
+
+const lockKeysStatement = `SELECT count(pg_advisory_xact_lock($1::int4, h)) FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest($2::text[]) AS k ORDER BY 1) AS s`
+
+// orderedColumnStatements add the ordering columns and their indexes to t.
+func orderedColumnStatements(t Table) []string {
+	tbl := t.Sanitize()
+	return []string{
+		`ALTER TABLE ` + tbl + ` ADD COLUMN IF NOT EXISTS ordering_key TEXT NULL,
+  ADD COLUMN IF NOT EXISTS ordering_partition SMALLINT GENERATED ALWAYS AS ((hashtext(ordering_key) & ` + itoa(OrderingPartitions-1) + `)::smallint) STORED,
+  ADD CONSTRAINT ` + t.ident(suffixKeyLengthCheck) + ` CHECK (octet_length(ordering_key) BETWEEN 1 AND ` + itoa(MaxOrderingKeyBytes) + `)`,
+		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixKeyedByPartition) + ` ON ` + tbl + ` (ordering_partition, sequence) WHERE ordering_key IS NOT NULL`,
+		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixKeyedByKey) + ` ON ` + tbl + ` (ordering_key, sequence) WHERE ordering_key IS NOT NULL`,
+		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixPendingUnkeyed) + ` ON ` + tbl + ` (available_at, sequence) WHERE published_at IS NULL AND ordering_key IS NULL`,
+	}
+}
+
+// orderedCompanionStatements create the companion tables, idempotently.
+func orderedCompanionStatements(t Table) []string {
+	return []string{
+		`CREATE TABLE IF NOT EXISTS ` + t.PartitionsTable() + ` (
+  partition      SMALLINT    NOT NULL,
+  owner          TEXT        NULL,
+  lease_until    TIMESTAMPTZ NULL,
+  floor_sequence BIGINT      NOT NULL DEFAULT 0,
+  CONSTRAINT ` + t.ident(suffixPartitions+suffixPkey) + ` PRIMARY KEY (partition)
+)`,
+		`INSERT INTO ` + t.PartitionsTable() + ` (partition) SELECT generate_series(0, ` + itoa(OrderingPartitions-1) + `) ON CONFLICT DO NOTHING`,
+		`CREATE TABLE IF NOT EXISTS ` + t.RelaysTable() + ` (
+  relay_id     TEXT        NOT NULL,
+  heartbeat_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+  CONSTRAINT ` + t.ident(suffixRelays+suffixPkey) + ` PRIMARY KEY (relay_id)
+)`,
+		`CREATE TABLE IF NOT EXISTS ` + t.HoldsTable() + ` (
+  ordering_key      TEXT        NOT NULL,
+  partition         SMALLINT    NOT NULL,
+  sequence          BIGINT      NOT NULL,
+  attempts          INT         NOT NULL DEFAULT 0,
+  available_at      TIMESTAMPTZ NOT NULL DEFAULT now(),
+  last_error        TEXT        NULL,
+  dead_at           TIMESTAMPTZ NULL,
+  skip_requested_at TIMESTAMPTZ NULL,
+  created_at        TIMESTAMPTZ NOT NULL DEFAULT now(),
+  CONSTRAINT ` + t.ident(suffixHolds+suffixPkey) + ` PRIMARY KEY (ordering_key)
+)`,
+		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixHoldsByPartition) + ` ON ` + t.HoldsTable() + ` (partition)`,
+	}
+}
+
+func orderedCompanionDrops(t Table) []string {
+	return []string{
+		`DROP TABLE IF EXISTS ` + t.HoldsTable(),
+		`DROP TABLE IF EXISTS ` + t.RelaysTable(),
+		`DROP TABLE IF EXISTS ` + t.PartitionsTable(),
+	}
+}
+
+func orderedDownStatements(t Table) []string {
+	return append(orderedCompanionDrops(t),
+		`ALTER TABLE `+t.Sanitize()+` DROP COLUMN IF EXISTS ordering_partition, DROP COLUMN IF EXISTS ordering_key`)
+}
+
+// OrderedQueries holds the statements of ordered mode for one table with the
+// ordering columns: partition leases, membership, the keyed-row scan, holds,
+// gauges, cleaning and the runbook. The happy path writes no outbox row:
+// progress is one floor per partition (docs/ORDERING.md).
+type OrderedQueries struct {
+	Table   Table
+	Columns Columns
+
+	// Heartbeat records that relay $1 is alive and returns the ids of the
+	// relays alive within $2 seconds (text array, this one included).
+	Heartbeat string
+	// Leave removes relay $1 from the membership.
+	Leave string
+	// Acquire takes the partitions $2 (int array) that are free, expired or
+	// already owned by relay $1, for $3 seconds. Returns: partition,
+	// floor_sequence.
+	Acquire string
+	// Renew extends the leases of relay $1 on partitions $2 for $4 seconds
+	// and raises their floors to $3 (bigint array, same order), fenced on
+	// a live lease of $1. Returns: partition.
+	Renew string
+	// Release gives partitions $2 back with floors $3, fenced like Renew.
+	Release string
+	// Cut returns the sequence's last value, the virtual transactions that
+	// hold a key lock of the table (lock class $1) now, and whether any of
+	// the transactions $2 (text array) still holds one.
+	Cut string
+	// Holds lists the holds of partitions $1 (int array): ordering_key,
+	// partition, sequence, attempts, due, dead, skip requested.
+	Holds string
+	// Scan reads the keyed rows of partitions $1 (int array) above
+	// sequences $2 (bigint array, same order), at most $3 per partition, in
+	// sequence order per partition. Returns OrderedRow columns.
+	Scan string
+	// RowAt reads the row of key $1 at sequence $2 (OrderedRow columns).
+	RowAt string
+	// Fail records a failed attempt of row (key $3, sequence $4) of
+	// partition $2 as its key's hold, fenced on relay $1's lease. Args then:
+	// last_error $5, max_attempts $6, permanent $7, backoff seconds $8.
+	// Returns: dead, attempts.
+	Fail string
+	// Advance moves the hold of key $3 at sequence $4 (partition $2,
+	// relay $1) to the key's next row at or below sequence $5, or deletes
+	// it when there is none. Returns: owned, next sequence (NULL when the
+	// hold was deleted or not found), deleted.
+	Advance string
+	// Stats returns pending (not dead), leased, dead and the oldest pending
+	// age in seconds, for keyed and unkeyed rows together. Args:
+	// max_attempts.
+	Stats string
+	// HeldKeys counts the holds: all, dead.
+	HeldKeys string
+	// DeleteDone deletes up to $2 keyed rows at or below their partition's
+	// floor created more than $1 seconds ago, never a row at or after the
+	// sequence of its key's hold.
+	DeleteDone string
+	// ListHolds lists up to $1 holds for the runbook: ordering_key,
+	// partition, sequence, attempts, available_at, last_error, dead_at,
+	// skip_requested_at, event_id, topic (event_id and topic NULL when the
+	// row is gone).
+	ListHolds string
+	// RetryHold makes the hold of key $1 at sequence $2 due now and clears
+	// dead_at and attempts. Command tag: rows.
+	RetryHold string
+	// SkipHold asks the relay to drop the hold of key $1 at sequence $2 and
+	// continue with the key's next row; it records the skip in the row's
+	// last_error. Returns: skipped (bool).
+	SkipHold string
+}
+
+// orderedReturning lists the columns of an OrderedRow, for row alias o.
+func orderedReturning(c Columns) string {
+	cols := []string{"o.ordering_partition::int", "o.ordering_key", "o.id::text", "o.event_id::text", "o.tenant_id::text", "o.topic",
+		"o.payload::text", "o.sequence", "o.created_at"}
+	if c.TraceContext {
+		cols = append(cols, "o.traceparent", "o.tracestate")
+	}
+	if c.Headers {
+		cols = append(cols, "o.headers::text")
+	}
+	return strings.Join(cols, ", ")
+}
+
+// OrderedRow is one keyed row read by OrderedQueries.Scan or RowAt.
+type OrderedRow struct {
+	ClaimedRow
+	Partition int
+	Key       string
+}
+
+// Scan reads a row produced by Scan or RowAt for a table with columns c.
+func (r *OrderedRow) Scan(s Scanner, c Columns) error {
+	dest := []any{&r.Partition, &r.Key, &r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.CreatedAt}
+	if c.TraceContext {
+		dest = append(dest, &r.TraceParent, &r.TraceState)
+	}
+	if c.Headers {
+		dest = append(dest, &r.Headers)
+	}
+	if err := s.Scan(dest...); err != nil {
+		return fmt.Errorf("scan keyed outbox row: %w", err)
+	}
+	r.OrderingKey = &r.Key
+	return nil
+}
+
+// NewOrderedQueries renders the ordered-mode statements for table t with
+// columns c (c.OrderingKey must be true).
+func NewOrderedQueries(t Table, c Columns) *OrderedQueries {
+	tbl, parts, relays, holds := t.Sanitize(), t.PartitionsTable(), t.RelaysTable(), t.HoldsTable()
+	ret := orderedReturning(c)
+	ttl := func(n string) string { return `make_interval(secs => ` + n + `::float8)` }
+	q := &OrderedQueries{Table: t, Columns: c}
+	q.Heartbeat = `WITH hb AS (
+  INSERT INTO ` + relays + ` AS r (relay_id, heartbeat_at) VALUES ($1, now())
+  ON CONFLICT (relay_id) DO UPDATE SET heartbeat_at = now() RETURNING r.relay_id
+)
+SELECT ARRAY(SELECT relay_id FROM ` + relays + ` WHERE heartbeat_at > now() - ` + ttl("$2") + ` UNION SELECT relay_id FROM hb)`
+	q.Leave = `DELETE FROM ` + relays + ` WHERE relay_id = $1`
+	q.Acquire = `UPDATE ` + parts + ` SET owner = $1, lease_until = now() + ` + ttl("$3") + `
+WHERE partition = ANY($2::int[]) AND (owner IS NULL OR owner = $1 OR lease_until IS NULL OR lease_until < now())
+RETURNING partition::int, floor_sequence`
+	q.Renew = `UPDATE ` + parts + ` AS p SET lease_until = now() + ` + ttl("$4") + `, floor_sequence = GREATEST(p.floor_sequence, u.floor)
+FROM unnest($2::int[], $3::bigint[]) AS u(part, floor)
+WHERE p.partition = u.part AND p.owner = $1 AND p.lease_until > now()
+RETURNING p.partition::int`
+	q.Release = `UPDATE ` + parts + ` AS p SET owner = NULL, lease_until = NULL, floor_sequence = GREATEST(p.floor_sequence, u.floor)
+FROM unnest($2::int[], $3::bigint[]) AS u(part, floor)
+WHERE p.partition = u.part AND p.owner = $1 AND p.lease_until > now()`
+	lockFilter := `l.locktype = 'advisory' AND l.classid = ($1::int4)::oid AND l.objsubid = 2`
+	q.Cut = `SELECT s.last_value,
+  ARRAY(SELECT DISTINCT l.virtualtransaction FROM pg_locks AS l WHERE ` + lockFilter + ` AND l.granted AND s.last_value IS NOT NULL),
+  EXISTS (SELECT 1 FROM pg_locks AS l WHERE ` + lockFilter + ` AND l.virtualtransaction = ANY($2::text[]) AND s.last_value IS NOT NULL)
+FROM (SELECT COALESCE(pg_sequence_last_value(pg_get_serial_sequence(` + quoteLiteral(tbl) + `, 'sequence')::regclass), 0) AS last_value) AS s`
+	q.Holds = `SELECT ordering_key, partition::int, sequence, attempts, available_at <= now(), dead_at IS NOT NULL, skip_requested_at IS NOT NULL
+FROM ` + holds + ` WHERE partition = ANY($1::int[])`
+	q.Scan = `SELECT ` + ret + `
+FROM unnest($1::int[], $2::bigint[]) AS p(part, floor)
+CROSS JOIN LATERAL (
+  SELECT * FROM ` + tbl + ` AS k
+  WHERE k.ordering_partition = p.part AND k.ordering_key IS NOT NULL AND k.sequence > p.floor
+  ORDER BY k.sequence LIMIT $3
+) AS o
+WHERE o.published_at IS NULL`
+	q.RowAt = `SELECT ` + ret + ` FROM ` + tbl + ` AS o WHERE o.ordering_key = $1 AND o.sequence = $2`
+	own := `SELECT 1 FROM ` + parts + ` WHERE partition = $2 AND owner = $1 AND lease_until > now()`
+	deadNow := `($7::bool OR h.attempts + 1 >= $6::int)`
+	q.Fail = `INSERT INTO ` + holds + ` AS h (ordering_key, partition, sequence, attempts, available_at, last_error, dead_at)
+SELECT $3, $2, $4, 1,
+  CASE WHEN $7::bool OR $6::int <= 1 THEN 'infinity'::timestamptz ELSE now() + ` + ttl("$8") + ` END, $5,
+  CASE WHEN $7::bool OR $6::int <= 1 THEN now() END
+WHERE EXISTS (` + own + `)
+ON CONFLICT (ordering_key) DO UPDATE SET attempts = h.attempts + 1, last_error = EXCLUDED.last_error,
+  available_at = CASE WHEN ` + deadNow + ` THEN 'infinity'::timestamptz ELSE now() + ` + ttl("$8") + ` END,
+  dead_at = CASE WHEN ` + deadNow + ` THEN now() END, skip_requested_at = NULL
+WHERE h.sequence = EXCLUDED.sequence
+RETURNING h.dead_at IS NOT NULL, h.attempts`
+	q.Advance = `WITH own AS (` + own + `),
+nxt AS (SELECT min(sequence) AS s FROM ` + tbl + ` WHERE ordering_key = $3 AND sequence > $4 AND sequence <= $5),
+upd AS (
+  UPDATE ` + holds + ` AS h SET sequence = nxt.s, attempts = 0, available_at = now(), last_error = NULL, dead_at = NULL, skip_requested_at = NULL
+  FROM nxt WHERE h.ordering_key = $3 AND h.sequence = $4 AND nxt.s IS NOT NULL AND EXISTS (SELECT 1 FROM own)
+  RETURNING h.sequence
+),
+del AS (
+  DELETE FROM ` + holds + ` AS h WHERE h.ordering_key = $3 AND h.sequence = $4 AND (SELECT s FROM nxt) IS NULL AND EXISTS (SELECT 1 FROM own)
+  RETURNING h.sequence
+)
+SELECT EXISTS (SELECT 1 FROM own), (SELECT sequence FROM upd), EXISTS (SELECT 1 FROM del)`
+	keyed := `SELECT o.sequence, o.created_at, o.ordering_key
+  FROM ` + parts + ` AS p CROSS JOIN LATERAL (
+    SELECT k.sequence, k.created_at, k.ordering_key FROM ` + tbl + ` AS k
+    WHERE k.ordering_partition = p.partition AND k.ordering_key IS NOT NULL AND k.sequence > p.floor_sequence AND k.published_at IS NULL
+  ) AS o
+  UNION
+  SELECT o.sequence, o.created_at, o.ordering_key
+  FROM ` + holds + ` AS h JOIN ` + tbl + ` AS o ON o.ordering_key = h.ordering_key AND o.sequence >= h.sequence AND o.published_at IS NULL`
+	q.Stats = `WITH keyed AS (` + keyed + `),
+marked AS (
+  SELECT k.created_at, EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = k.ordering_key AND h.sequence = k.sequence AND h.dead_at IS NOT NULL) AS dead
+  FROM keyed AS k
+),
+unkeyed AS (
+  SELECT count(*) FILTER (WHERE attempts < $1::int) AS pending, count(*) FILTER (WHERE locked_at IS NOT NULL) AS locked,
+    count(*) FILTER (WHERE attempts >= $1::int) AS dead, min(created_at) FILTER (WHERE attempts < $1::int) AS oldest
+  FROM ` + tbl + ` WHERE published_at IS NULL AND ordering_key IS NULL
+)
+SELECT u.pending + (SELECT count(*) FROM marked WHERE NOT dead), u.locked, u.dead + (SELECT count(*) FROM marked WHERE dead),
+  COALESCE(extract(epoch FROM now() - LEAST(u.oldest, (SELECT min(created_at) FROM marked WHERE NOT dead)))::float8, 0)
+FROM unkeyed AS u`
+	q.HeldKeys = `SELECT count(*), count(*) FILTER (WHERE dead_at IS NOT NULL) FROM ` + holds
+	q.DeleteDone = `WITH victims AS (
+  SELECT o.id FROM ` + parts + ` AS p CROSS JOIN LATERAL (
+    SELECT k.id, k.ordering_key, k.sequence FROM ` + tbl + ` AS k
+    WHERE k.ordering_partition = p.partition AND k.ordering_key IS NOT NULL AND k.sequence <= p.floor_sequence
+      AND k.created_at < now() - ` + ttl("$1") + `
+    ORDER BY k.sequence LIMIT $2
+  ) AS o
+  WHERE NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key AND o.sequence >= h.sequence)
+  LIMIT $2
+)
+DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
+	q.ListHolds = `SELECT h.ordering_key, h.partition::int, h.sequence, h.attempts, h.available_at, h.last_error, h.dead_at, h.skip_requested_at,
+  o.event_id::text, o.topic
+FROM ` + holds + ` AS h LEFT JOIN ` + tbl + ` AS o ON o.ordering_key = h.ordering_key AND o.sequence = h.sequence
+ORDER BY h.created_at, h.ordering_key LIMIT $1`
+	q.RetryHold = `UPDATE ` + holds + ` SET dead_at = NULL, attempts = 0, available_at = now(), skip_requested_at = NULL
+WHERE ordering_key = $1 AND sequence = $2`
+	q.SkipHold = `WITH h AS (
+  UPDATE ` + holds + ` SET skip_requested_at = now() WHERE ordering_key = $1 AND sequence = $2 RETURNING sequence
+), o AS (
+  UPDATE ` + tbl + ` SET last_error = 'skipped by an operator at ' || now()::text || COALESCE('; was: ' || last_error, '')
+  WHERE ordering_key = $1 AND sequence = $2 AND EXISTS (SELECT 1 FROM h) RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM h)`
+	return q
+}
+
+// quoteLiteral renders s as an SQL string literal.
+func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
