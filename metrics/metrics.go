@@ -34,6 +34,7 @@ type Metrics struct {
 	CleanerDeleted   *prometheus.CounterVec   // outbox_cleaner_deleted_total{table,kind}
 	LeaseExtended    *prometheus.CounterVec   // outbox_lease_extended_total{table}
 	FenceRejected    *prometheus.CounterVec   // outbox_fence_rejected_total{table,op}
+	HeldKeys         *prometheus.GaugeVec     // outbox_held_keys{table}
 }
 
 // Names of the exported metrics, for alert rules and dashboards.
@@ -50,6 +51,7 @@ var Names = []string{
 	"outbox_cleaner_deleted_total",
 	"outbox_lease_extended_total",
 	"outbox_fence_rejected_total",
+	"outbox_held_keys",
 }
 
 // New creates the collectors and registers them on reg. A nil reg creates
@@ -96,6 +98,9 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		FenceRejected: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_fence_rejected_total", Help: "Acks, nacks or lease renewals refused because the lease had passed to another holder.",
 		}, []string{"table", "op"}),
+		HeldKeys: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_held_keys", Help: "Ordering keys held back by a failing, dead or skipped row (ordered mode).",
+		}, []string{"table"}),
 	}
 	if reg == nil {
 		return m, nil
@@ -115,7 +120,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 func (m *Metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.EnqueueTotal, m.DispatchTotal, m.DeadTotal, m.DispatchLatency,
 		m.Pending, m.Locked, m.RelayLeader, m.OldestPendingAge, m.DeliveryLag, m.CleanerDeleted,
-		m.LeaseExtended, m.FenceRejected}
+		m.LeaseExtended, m.FenceRejected, m.HeldKeys}
 }
 
 // Enqueued counts n new events of topic in table.

@@ -1,6 +1,7 @@
 package schema
 
 import (
+	"context"
 	"fmt"
 	"strings"
 
@@ -258,10 +259,9 @@ FROM ` + holds + ` WHERE partition = ANY($1::int[])`
 FROM unnest($1::int[], $2::bigint[]) AS p(part, floor)
 CROSS JOIN LATERAL (
   SELECT * FROM ` + tbl + ` AS k
-  WHERE k.ordering_partition = p.part AND k.ordering_key IS NOT NULL AND k.sequence > p.floor
+  WHERE k.ordering_partition = p.part AND k.ordering_key IS NOT NULL AND k.sequence > p.floor AND k.published_at IS NULL
   ORDER BY k.sequence LIMIT $3
-) AS o
-WHERE o.published_at IS NULL`
+) AS o`
 	q.RowAt = `SELECT ` + ret + ` FROM ` + tbl + ` AS o WHERE o.ordering_key = $1 AND o.sequence = $2`
 	own := `SELECT 1 FROM ` + parts + ` WHERE partition = $2 AND owner = $1 AND lease_until > now()`
 	deadNow := `($7::bool OR h.attempts + 1 >= $6::int)`
@@ -338,3 +338,15 @@ SELECT EXISTS (SELECT 1 FROM h)`
 
 // quoteLiteral renders s as an SQL string literal.
 func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
+
+// OrderedTablesExist reports whether the companion tables of ordered mode
+// exist for t.
+func OrderedTablesExist(ctx context.Context, q Querier, t Table) (bool, error) {
+	var ok bool
+	err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND to_regclass($3) IS NOT NULL`,
+		t.PartitionsTable(), t.RelaysTable(), t.HoldsTable()).Scan(&ok)
+	if err != nil {
+		return false, fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)
+	}
+	return ok, nil
+}

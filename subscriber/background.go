@@ -259,7 +259,12 @@ func (s *Subscriber) refreshStats(ctx context.Context) {
 		pending, locked, dead int64
 		oldest                float64
 	)
-	if err := s.pool.QueryRow(qctx, s.q.Stats, s.cfg.MaxAttempts).Scan(&pending, &locked, &dead, &oldest); err != nil {
+	stats := s.q.Stats
+	if s.oq != nil {
+		stats = s.oq.Stats
+		s.refreshHeldKeys(qctx)
+	}
+	if err := s.pool.QueryRow(qctx, stats, s.cfg.MaxAttempts).Scan(&pending, &locked, &dead, &oldest); err != nil {
 		if ctx.Err() == nil {
 			s.logger.Error("Could not read table stats", err, nil)
 		}

@@ -53,6 +53,14 @@ type Config struct {
 	// SKIP LOCKED alone. Defaults to false: one active subscriber per table,
 	// elected by advisory lock.
 	DisableSingleActive bool
+	// Ordered relays the rows that have an ordering key in per-key order
+	// (docs/ORDERING.md): a key's next row only after the previous one was
+	// acked, a failing row holds back its key only, and any number of
+	// subscribers (relays) share the table by partition leases of LockTTL;
+	// single-active does not apply. Rows without a key are relayed as in
+	// the default mode. It needs the ordering_key column and the companion
+	// tables (schema.WithOrderingKeyColumn). Defaults to false.
+	Ordered bool
 	// ElectionInterval is how often a standby tries to take over and a leader
 	// checks its connection. Defaults to 1s.
 	ElectionInterval time.Duration

@@ -25,6 +25,7 @@ type Subscriber struct {
 	pool   *pgxpool.Pool
 	cfg    Config
 	q      *schema.Queries
+	oq     *schema.OrderedQueries // ordered mode only
 	logger watermill.LoggerAdapter
 	label  string // table label for metrics
 
@@ -70,7 +71,14 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 	if err != nil {
 		return nil, fmt.Errorf("outbox subscriber: %w", err)
 	}
+	var oq *schema.OrderedQueries
+	if cfg.Ordered {
+		if oq, err = checkOrdered(ctx, pool, cfg.Table, cols); err != nil {
+			return nil, err
+		}
+	}
 	s := &Subscriber{
+		oq:      oq,
 		pool:    pool,
 		cfg:     cfg,
 		q:       schema.NewQueries(cfg.Table, cols),
@@ -88,7 +96,7 @@ func (s *Subscriber) start() {
 	s.startOnce.Do(func() {
 		s.ackerWg.Add(1)
 		go s.runAcker()
-		if !s.cfg.DisableSingleActive {
+		if !s.cfg.DisableSingleActive && !s.cfg.Ordered {
 			s.leader = &elector{s: s}
 			s.bgWg.Add(1)
 			go s.leader.run(s.bgCtx)
@@ -123,6 +131,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if topic == "" {
 		return nil, errors.New("outbox subscriber: empty topic; pass a topic or subscriber.AllTopics")
 	}
+	if s.cfg.Ordered && topic != AllTopics {
+		return nil, errors.New("outbox subscriber: ordered mode relays every topic of the table in key order; subscribe with subscriber.AllTopics")
+	}
 	s.start()
 	ctx, cancel := context.WithCancel(ctx)
 	sub := &subscription{
@@ -134,6 +145,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		slotted: make(chan struct{}, 1),
 		wake:    s.wake.register(),
 		logger:  s.logger.With(watermill.LogFields{"topic": topic}),
+	}
+	if s.cfg.Ordered {
+		sub.ordered = newOrderedRelay(sub)
 	}
 	s.subsWg.Add(1)
 	go func() {
@@ -174,6 +188,9 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	query, args := s.q.ClaimAll, []any{s.cfg.MaxAttempts, s.cfg.LockTTL.Seconds(), n}
 	if topic != AllTopics {
 		query, args = s.q.ClaimTopic, append(args, topic)
+	}
+	if s.oq != nil {
+		query = s.q.ClaimAllUnkeyed // keyed rows go through the ordered relay
 	}
 	var out []*claimed
 	run := func(conn interface {

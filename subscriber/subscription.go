@@ -21,6 +21,8 @@ type subscription struct {
 	logger watermill.LoggerAdapter
 	wake   chan struct{}
 
+	ordered *orderedRelay // keyed rows, in ordered mode
+
 	inflight  atomic.Int64
 	slotted   chan struct{} // a slot was freed
 	watchers  sync.WaitGroup
@@ -47,6 +49,13 @@ func (sub *subscription) stopped() <-chan struct{} {
 func (sub *subscription) run() {
 	s := sub.s
 	stop := sub.stopped()
+	if sub.ordered != nil {
+		sub.watchers.Add(1)
+		go func() {
+			defer sub.watchers.Done()
+			sub.ordered.run(stop)
+		}()
+	}
 	defer func() {
 		sub.watchers.Wait()
 		s.wake.unregister(sub.wake)
