@@ -68,6 +68,11 @@ type orderedRelay struct {
 	cutS0 int64
 	cutVx []string
 
+	// gen counts local hold changes, so that a holds read that started
+	// before a change does not undo it.
+	gen      int64
+	resolved map[string]int64 // key -> gen of a hold deleted here
+
 	abandon bool // tests: stop like a killed process, without giving leases back
 }
 
@@ -95,6 +100,7 @@ type keyState struct {
 	queue     []*entry
 	busy      bool // a runner works on the key
 	hold      *holdState
+	holdGen   int64 // gen of the last local change of hold
 	pending   int   // entries of the key in its partition's window
 	delivered int64 // highest sequence delivered, to check order
 }
@@ -108,19 +114,22 @@ type holdState struct {
 	advancing bool // an Advance statement is running
 }
 
+var debugOrdered = os.Getenv("ORDERED_DEBUG") != ""
+
 func newOrderedRelay(sub *subscription) *orderedRelay {
 	host, _ := os.Hostname()
 	b := make([]byte, 4)
 	_, _ = rand.Read(b)
 	return &orderedRelay{
-		sub:    sub,
-		s:      sub.s,
-		oq:     sub.s.oq,
-		id:     host + "-" + strconv.Itoa(os.Getpid()) + "-" + hex.EncodeToString(b),
-		logger: sub.logger,
-		kick:   make(chan struct{}, 1),
-		parts:  map[int]*partState{},
-		keys:   map[string]*keyState{},
+		sub:      sub,
+		s:        sub.s,
+		oq:       sub.s.oq,
+		id:       host + "-" + strconv.Itoa(os.Getpid()) + "-" + hex.EncodeToString(b),
+		logger:   sub.logger,
+		kick:     make(chan struct{}, 1),
+		parts:    map[int]*partState{},
+		keys:     map[string]*keyState{},
+		resolved: map[string]int64{},
 	}
 }
 
@@ -175,7 +184,7 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 // shutdown waits for the runners and gives the partitions back.
 func (r *orderedRelay) shutdown() {
 	r.runWg.Wait()
-	if r.abandon {
+	if r.abandon || r.s.abandon.Load() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
@@ -412,6 +421,7 @@ func (r *orderedRelay) cycle(ctx context.Context) bool {
 		ids, froms = append(ids, int32(id)), append(froms, p.seen) //nolint:gosec // partition < 64
 	}
 	oldS0, oldVx := r.cutS0, r.cutVx
+	g0 := r.gen
 	r.mu.Unlock()
 	if len(ids) == 0 {
 		return false
@@ -433,6 +443,9 @@ func (r *orderedRelay) cycle(ctx context.Context) bool {
 	r.mu.Lock()
 	if !oldOpen {
 		r.safe = max(r.safe, oldS0)
+	}
+	if debugOrdered {
+		fmt.Fprintf(os.Stderr, "relay %s cut old %d open %v new %d %v\n", r.id[len(r.id)-4:], oldS0, oldOpen, s0, vx)
 	}
 	r.cutS0, r.cutVx = s0, vx
 	if len(vx) == 0 {
@@ -490,17 +503,34 @@ func (r *orderedRelay) cycle(ctx context.Context) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, h := range holds {
-		if r.parts[h.part] == nil {
+		if r.parts[h.part] == nil || r.resolved[h.key] > g0 {
 			continue
 		}
 		k := r.keyLocked(h.key, r.parts[h.part])
+		if k.holdGen > g0 {
+			continue // changed here since the read began
+		}
 		if k.hold == nil {
+			// A hold this relay did not make (taken over with the
+			// partition): the key's rows from its sequence on wait for it.
 			k.hold = &holdState{seq: h.seq}
+			kept := k.queue[:0]
+			for _, e := range k.queue {
+				if e.row.Sequence < h.seq {
+					kept = append(kept, e)
+				}
+			}
+			k.queue = kept
 		}
 		if k.hold.advancing || k.hold.seq != h.seq {
 			continue
 		}
 		k.hold.attempts, k.hold.due, k.hold.dead, k.hold.skip = h.attempts, h.due, h.dead, h.skip
+	}
+	for key, g := range r.resolved {
+		if g <= g0 {
+			delete(r.resolved, key)
+		}
 	}
 	byPart := map[int][]*schema.OrderedRow{}
 	for _, row := range scanned {
@@ -518,6 +548,13 @@ func (r *orderedRelay) cycle(ctx context.Context) bool {
 			r.loadLocked(p, row)
 		}
 		p.lastScan = len(got)
+		if debugOrdered {
+			var seqs []int64
+			for _, g := range got {
+				seqs = append(seqs, g.Sequence)
+			}
+			fmt.Fprintf(os.Stderr, "relay %s part %d from %d safe %d floor %d got %v\n", r.id[len(r.id)-4:], id, froms[i], safe, p.floor, seqs)
+		}
 		switch {
 		case len(got) < limit:
 			p.seen = max(p.seen, safe)
@@ -655,9 +692,20 @@ func (r *orderedRelay) runKey(name string, k *keyState) {
 				r.signal() // read ahead while the key runs
 			}
 			r.mu.Unlock()
-			if !r.deliverRow(name, k, e.row, 1, stop, func() {
+			switch r.deliverRow(name, k, e.row, 1, stop, func() {
 				e.acked = true
 			}) {
+			case verdictAck:
+			case verdictNone:
+				// Not delivered or no verdict: the row stays first of its key.
+				r.mu.Lock()
+				if r.keys[name] == k && k.hold == nil {
+					k.queue = append([]*entry{e}, k.queue...)
+				}
+				r.endRunLocked(name, k)
+				r.mu.Unlock()
+				return
+			default:
 				r.mu.Lock()
 				r.endRunLocked(name, k)
 				r.mu.Unlock()
@@ -689,9 +737,19 @@ func (r *orderedRelay) runKey(name string, k *keyState) {
 				r.mu.Unlock()
 				return
 			}
-			if !r.deliverRow(name, k, row, attempts+1, stop, func() {
+			switch r.deliverRow(name, k, row, attempts+1, stop, func() {
 				k.hold.advancing = true
 			}) {
+			case verdictAck:
+			case verdictNone:
+				r.mu.Lock()
+				if k.hold != nil && k.hold.seq == seq && !k.hold.advancing {
+					k.hold.due = true
+				}
+				r.endRunLocked(name, k)
+				r.mu.Unlock()
+				return
+			default:
 				r.mu.Lock()
 				r.endRunLocked(name, k)
 				r.mu.Unlock()
@@ -730,10 +788,17 @@ func (r *orderedRelay) rowAt(name string, seq int64) (*schema.OrderedRow, error)
 	return row, nil
 }
 
+type verdict int
+
+const (
+	verdictAck  verdict = iota // acked
+	verdictNack                // nacked and recorded (or refused)
+	verdictNone                // not sent, or no verdict before the close timeout
+)
+
 // deliverRow sends one row and waits for its verdict. onAck runs under the
-// relay's lock when the message is acked. It returns false when the key
-// must stop (nack recorded as a hold, subscription stopping, lease lost).
-func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedRow, attempts int, stop <-chan struct{}, onAck func()) bool {
+// relay's lock when the message is acked.
+func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedRow, attempts int, stop <-chan struct{}, onAck func()) verdict {
 	s := r.s
 	row.Attempts = int32(attempts) //nolint:gosec // attempts are small
 	c := &claimed{row: row.ClaimedRow}
@@ -742,7 +807,7 @@ func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedR
 		c.slot = &errorSlot{err: Permanent(err)}
 		c.delivered = time.Now()
 		r.fail(name, k, row, c)
-		return false
+		return verdictNack
 	}
 	c.slot = &errorSlot{}
 	msgCtx, cancel := context.WithCancel(withErrorSlot(r.sub.ctx, c.slot))
@@ -750,10 +815,15 @@ func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedR
 	msg.SetContext(msgCtx)
 	c.msg = msg
 	select {
+	case <-stop:
+		return verdictNone
+	default:
+	}
+	select {
 	case r.sub.out <- msg:
 		c.delivered = time.Now()
 	case <-stop:
-		return false
+		return verdictNone
 	}
 	var grace <-chan time.Time
 	for {
@@ -766,17 +836,17 @@ func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedR
 			if m := s.cfg.Metrics; m != nil {
 				m.DeliveryLag.WithLabelValues(s.label).Observe(time.Since(row.CreatedAt).Seconds())
 			}
-			return true
+			return verdictAck
 		case <-msg.Nacked():
 			r.fail(name, k, row, c)
-			return false
+			return verdictNack
 		case <-stop:
 			stop = nil
 			grace = time.After(s.cfg.CloseTimeout)
 		case <-grace:
 			r.logger.Info("Message neither acked nor nacked before the close timeout; the next owner delivers it again",
 				watermill.LogFields{"event_id": row.EventID})
-			return false
+			return verdictNone
 		}
 	}
 }
@@ -807,10 +877,16 @@ func (r *orderedRelay) fail(name string, k *keyState, row *schema.OrderedRow, c 
 	fields := watermill.LogFields{"event_id": row.EventID, "sequence": row.Sequence, "attempts": attempts, "error": summary}
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if r.keys[name] != k {
+		return // the partition was dropped meanwhile
+	}
 	switch {
 	case errors.Is(qerr, pgx.ErrNoRows):
 		r.fenceRejectedLocked("nack")
-		r.logger.Info("Nack ignored: the partition passed to another relay", fields)
+		r.logger.Info("Nack ignored: the partition passed to another relay, or the key has another hold", fields)
+		if e := r.entryLocked(row); e != nil && k.hold == nil && r.deliverableLocked(k) {
+			k.queue = append([]*entry{e}, k.queue...)
+		}
 		return
 	case qerr != nil:
 		// Deliver the row again: put it back at the head of its key.
@@ -826,6 +902,8 @@ func (r *orderedRelay) fail(name string, k *keyState, row *schema.OrderedRow, c 
 		k.queue = nil
 	}
 	k.hold.attempts, k.hold.dead, k.hold.due, k.hold.advancing = n, dead, false, false
+	r.gen++
+	k.holdGen = r.gen
 	if dead {
 		delete(fields, "error")
 		r.logger.Error("Outbox message is dead and holds its ordering key; replay or skip it once the cause is fixed", errors.New(summary), fields)
@@ -867,9 +945,11 @@ func (r *orderedRelay) advanceHold(name string, k *keyState, seq int64) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	h := k.hold
-	if h == nil || h.seq != seq {
+	if h == nil || h.seq != seq || r.keys[name] != k {
 		return
 	}
+	r.gen++
+	k.holdGen = r.gen
 	switch {
 	case err != nil:
 		r.logger.Error("Could not move a hold on; retrying", err, watermill.LogFields{"sequence": seq})
@@ -882,6 +962,7 @@ func (r *orderedRelay) advanceHold(name string, k *keyState, seq int64) {
 		k.hold = &holdState{seq: *next, due: true}
 	case deleted:
 		k.hold = nil
+		r.resolved[name] = r.gen
 		// The key's rows above the floor that the hold covered are
 		// delivered now, in order.
 		if p := r.parts[k.part]; p != nil && p == k.p {

@@ -45,6 +45,8 @@ type Subscriber struct {
 	closeMu  sync.Mutex
 	subsWg   sync.WaitGroup
 	closeErr error
+
+	abandon atomic.Bool // tests: ordered relays stop like a killed process
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)

@@ -1,0 +1,604 @@
+package subscriber_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// keyed is one event to enqueue with an ordering key.
+type keyed struct {
+	key   string
+	event uuid.UUID
+}
+
+// enqueueKeyed commits one transaction with the events of keys, in order.
+func enqueueKeyed(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, keys ...string) []keyed {
+	t.Helper()
+	ctx := context.Background()
+	out := make([]keyed, len(keys))
+	msgs := make([]publisher.Message, len(keys))
+	for i, k := range keys {
+		out[i] = keyed{k, uuid.New()}
+		msgs[i] = publisher.Message{TenantID: tenant, Topic: "org.thing.changed.v1", EventID: out[i].event,
+			Payload: json.RawMessage(`{"n":1}`), OrderingKey: k}
+	}
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := publisher.EnqueueBatch(ctx, tx, tbl, msgs)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func orderedCfg(tbl schema.Table) subscriber.Config {
+	return subscriber.Config{Table: tbl, Ordered: true, LockTTL: time.Second, ElectionInterval: 100 * time.Millisecond,
+		PollInterval: 100 * time.Millisecond, BatchSize: 50, CloseTimeout: 2 * time.Second,
+		Backoff: func(int) time.Duration { return 20 * time.Millisecond }}
+}
+
+// recorder keeps, per key, the sequences in the order of their first
+// delivery, and which events were acked.
+type recorder struct {
+	mu     sync.Mutex
+	first  map[string][]int64
+	seen   map[string]bool // event_id delivered at least once
+	acked  map[string]bool
+	dups   int
+	change chan struct{}
+	trace  map[string][]string // key -> deliveries, for failures
+}
+
+func newRecorder() *recorder {
+	return &recorder{first: map[string][]int64{}, seen: map[string]bool{}, acked: map[string]bool{}, change: make(chan struct{}, 1),
+		trace: map[string][]string{}}
+}
+
+func (r *recorder) deliver(msg *message.Message) {
+	seq, _ := strconv.ParseInt(msg.Metadata.Get(schema.MetadataSequence), 10, 64)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	k0 := msg.Metadata.Get(schema.MetadataOrderingKey)
+	r.trace[k0] = append(r.trace[k0], fmt.Sprintf("%s:%d/a%s", msg.Metadata.Get("relay"), seq, msg.Metadata.Get(schema.MetadataAttempts)))
+	if r.seen[msg.UUID] {
+		r.dups++
+		return
+	}
+	r.seen[msg.UUID] = true
+	k := msg.Metadata.Get(schema.MetadataOrderingKey)
+	r.first[k] = append(r.first[k], seq)
+}
+
+func (r *recorder) ack(msg *message.Message) {
+	r.mu.Lock()
+	r.acked[msg.UUID] = true
+	r.mu.Unlock()
+	select {
+	case r.change <- struct{}{}:
+	default:
+	}
+}
+
+func (r *recorder) isAcked(id uuid.UUID) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.acked[id.String()]
+}
+
+// checkOrder fails for every key whose first deliveries are not in sequence
+// order.
+func (r *recorder) checkOrder(t *testing.T) {
+	t.Helper()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for k, seqs := range r.first {
+		for i := 1; i < len(seqs); i++ {
+			if seqs[i] <= seqs[i-1] {
+				t.Errorf("key %s: first deliveries out of order: %v\n%v", k, seqs, r.trace[k])
+				break
+			}
+		}
+	}
+}
+
+// waitAcked waits until every event is acked.
+func (r *recorder) waitAcked(t *testing.T, events []keyed, within time.Duration, onFail ...func()) {
+	t.Helper()
+	deadline := time.After(within)
+	for {
+		missing := 0
+		for _, e := range events {
+			if !r.isAcked(e.event) {
+				missing++
+			}
+		}
+		if missing == 0 {
+			return
+		}
+		select {
+		case <-r.change:
+		case <-time.After(50 * time.Millisecond):
+		case <-deadline:
+			for _, f := range onFail {
+				f()
+			}
+			for _, e := range events {
+				if !r.isAcked(e.event) {
+					t.Logf("missing %s %s", e.key, e.event)
+					break
+				}
+			}
+			t.Fatalf("%d of %d events not acked within %s", missing, len(events), within)
+		}
+	}
+}
+
+// consume runs a handler over the messages of one subscription: handle
+// returns false to nack.
+func consume(t *testing.T, s *subscriber.Subscriber, rec *recorder, handle func(*message.Message) bool) {
+	t.Helper()
+	ch, err := s.Subscribe(context.Background(), subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fmt.Sprintf("%p", s)
+	name = name[len(name)-4:]
+	go func() {
+		for msg := range ch {
+			msg.Metadata.Set("relay", name)
+			rec.deliver(msg)
+			if handle != nil && !handle(msg) {
+				msg.Nack()
+				continue
+			}
+			rec.ack(msg)
+			msg.Ack()
+		}
+	}()
+}
+
+func orderedSub(t *testing.T, pool *pgxpool.Pool, cfg subscriber.Config) *subscriber.Subscriber {
+	t.Helper()
+	var logger watermill.LoggerAdapter = watermill.NopLogger{}
+	if os.Getenv("ORDERED_DEBUG") != "" {
+		logger = watermill.NewStdLogger(false, false)
+	}
+	s, err := subscriber.New(pool, cfg, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return s
+}
+
+// TestOrderedPerKeyOrder runs producers and relays that come, go and die
+// while handlers nack at random: every key's first deliveries are in
+// sequence order and every event is acked.
+func TestOrderedPerKeyOrder(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	rec := newRecorder()
+	var nackMu sync.Mutex
+	rng := rand.New(rand.NewPCG(1, 2)) //nolint:gosec // test randomness
+	handle := func(*message.Message) bool {
+		nackMu.Lock()
+		defer nackMu.Unlock()
+		return rng.IntN(100) >= 5
+	}
+	cfg := orderedCfg(tbl)
+	cfg.MaxAttempts = 1000
+
+	var (
+		prodWg sync.WaitGroup
+		evMu   sync.Mutex
+		events []keyed
+	)
+	for p := 0; p < 3; p++ {
+		prodWg.Add(1)
+		go func() {
+			defer prodWg.Done()
+			for i := 0; i < 40; i++ {
+				keys := make([]string, 10)
+				for j := range keys {
+					keys[j] = "k" + strconv.Itoa((p*7+i*3+j)%20)
+				}
+				ev := enqueueKeyed(t, pool, tbl, keys...)
+				evMu.Lock()
+				events = append(events, ev...)
+				evMu.Unlock()
+				time.Sleep(20 * time.Millisecond)
+			}
+		}()
+	}
+	// Relays: a, b from the start; a closes, c joins, b is killed, d joins.
+	a := orderedSub(t, pool, cfg)
+	consume(t, a, rec, handle)
+	b := orderedSub(t, pool, cfg)
+	consume(t, b, rec, handle)
+	time.Sleep(300 * time.Millisecond)
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	c := orderedSub(t, pool, cfg)
+	consume(t, c, rec, handle)
+	time.Sleep(300 * time.Millisecond)
+	subscriber.Abandon(b)
+	_ = b.Close()
+	d := orderedSub(t, pool, cfg)
+	consume(t, d, rec, handle)
+	prodWg.Wait()
+	rec.waitAcked(t, events, 30*time.Second, func() { dumpOrdered(t, pool, tbl) })
+	rec.checkOrder(t)
+	t.Logf("%d events, %d duplicate deliveries", len(events), rec.dups)
+}
+
+// sameSlot returns a key other than k in k's partition.
+func sameSlot(t *testing.T, pool *pgxpool.Pool, k string) string {
+	t.Helper()
+	var other string
+	err := pool.QueryRow(context.Background(), `SELECT 'x' || g FROM generate_series(1, 10000) AS g
+WHERE hashtext('x' || g) & 63 = hashtext($1) & 63 LIMIT 1`, k).Scan(&other)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return other
+}
+
+func partitionFloor(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, key string) int64 {
+	t.Helper()
+	var f int64
+	if err := pool.QueryRow(context.Background(), `SELECT floor_sequence FROM `+tbl.PartitionsTable()+` WHERE partition = hashtext($1) & 63`, key).Scan(&f); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// TestOrderedLateCommit: a transaction that enqueued a row of key K stays
+// open while later rows of another key of the same partition commit and
+// flow; the floor does not pass K's row, which is delivered once committed,
+// before the row a second writer of K enqueued meanwhile.
+func TestOrderedLateCommit(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	ctx := context.Background()
+	k := "late-key"
+	other := sameSlot(t, pool, k)
+
+	txA, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = txA.Rollback(ctx) }()
+	evA := uuid.New()
+	seqA, err := publisher.Enqueue(ctx, txA, tbl, publisher.Message{TenantID: tenant, Topic: "org.thing.changed.v1", EventID: evA,
+		Payload: json.RawMessage(`{}`), OrderingKey: k})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Writer B of the same key blocks on the key lock until A ends.
+	bDone := make(chan []keyed, 1)
+	go func() { bDone <- enqueueKeyed(t, pool, tbl, k) }()
+
+	rec := newRecorder()
+	s := orderedSub(t, pool, orderedCfg(tbl))
+	consume(t, s, rec, nil)
+	flowing := enqueueKeyed(t, pool, tbl, other, other, other)
+	rec.waitAcked(t, flowing, 10*time.Second)
+	time.Sleep(1500 * time.Millisecond) // several cycles and a floor persist
+	if f := partitionFloor(t, pool, tbl, k); f >= seqA {
+		t.Fatalf("floor %d passed the open transaction's row %d", f, seqA)
+	}
+	if rec.isAcked(evA) {
+		t.Fatal("uncommitted row delivered")
+	}
+	if err := txA.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	evB := <-bDone
+	rec.waitAcked(t, append(evB, keyed{k, evA}), 10*time.Second)
+	rec.checkOrder(t)
+	rec.mu.Lock()
+	got := rec.first[k]
+	rec.mu.Unlock()
+	if len(got) != 2 || got[0] != seqA {
+		t.Fatalf("key %s delivered %v, want A's row %d first, then B's", k, got, seqA)
+	}
+}
+
+// TestOrderedUnrelatedLongTransaction: an open transaction that wrote to
+// another table holds nothing back; the floor passes the new rows.
+func TestOrderedUnrelatedLongTransaction(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	ctx := context.Background()
+	other := tbl.Schema() + ".business"
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+other+` (id int)`); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `INSERT INTO `+other+` VALUES (1)`); err != nil {
+		t.Fatal(err)
+	}
+	rec := newRecorder()
+	s := orderedSub(t, pool, orderedCfg(tbl))
+	consume(t, s, rec, nil)
+	start := time.Now()
+	evs := enqueueKeyed(t, pool, tbl, "a", "b", "a", "c")
+	rec.waitAcked(t, evs, 5*time.Second)
+	if d := time.Since(start); d > 2*time.Second {
+		t.Fatalf("keys took %s while an unrelated transaction was open", d)
+	}
+	var last int64
+	if err := pool.QueryRow(ctx, `SELECT max(sequence) FROM `+tbl.Sanitize()+` WHERE ordering_key = 'a'`).Scan(&last); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for partitionFloor(t, pool, tbl, "a") < last {
+		if time.Now().After(deadline) {
+			t.Fatalf("floor of key a's partition stays below %d while an unrelated transaction is open", last)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestOrderedBadInput refuses long keys, NUL and Ordered on a table without
+// the column.
+func TestOrderedBadInput(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	plain := testdb.Table(t, "plain")
+	cases := map[string]struct {
+		tbl  schema.Table
+		key  string
+		want string
+	}{
+		"long": {tbl, strings.Repeat("k", 257), "at most 256 bytes"},
+		"nul":  {tbl, "a\x00b", "NUL"},
+		"utf8": {tbl, "a\xffb", "UTF-8"},
+		"none": {plain, "k", "no ordering_key column"},
+	}
+	for name, c := range cases {
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := publisher.Enqueue(ctx, tx, c.tbl, publisher.Message{TenantID: tenant, Topic: "org.thing.changed.v1",
+				EventID: uuid.New(), Payload: json.RawMessage(`{}`), OrderingKey: c.key})
+			return err
+		})
+		if !errors.Is(err, publisher.ErrInvalidMessage) || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "OrderingKey") {
+			t.Errorf("%s: error %v, want a validation error on OrderingKey mentioning %q", name, err, c.want)
+		}
+	}
+	if _, err := publisher.Enqueue(ctx, nil, tbl, publisher.Message{}); err == nil {
+		t.Error("nil tx accepted")
+	}
+	_, err := subscriber.New(pool, subscriber.Config{Table: plain, Ordered: true}, nil)
+	if err == nil || !strings.Contains(err.Error(), "outbox migrate --table="+plain.String()) || !strings.Contains(err.Error(), "ordering_key") {
+		t.Fatalf("Ordered on a table without the column: %v", err)
+	}
+	s := orderedSub(t, pool, subscriber.Config{Table: tbl, Ordered: true})
+	if _, err := s.Subscribe(ctx, "org.thing.changed.v1"); err == nil {
+		t.Fatal("ordered Subscribe with one topic accepted")
+	}
+}
+
+// TestOrderedHandover: a relay that closes hands its partitions over at
+// once, one that is killed within LockTTL; a joining relay takes a share.
+func TestOrderedHandover(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	ctx := context.Background()
+	owners := func() map[string]int {
+		rows, err := pool.Query(ctx, `SELECT COALESCE(owner, '') FROM `+tbl.PartitionsTable()+` WHERE lease_until > now()`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]int{}
+		for _, n := range names {
+			out[n]++
+		}
+		return out
+	}
+	waitOwners := func(n int, within time.Duration) time.Duration {
+		start := time.Now()
+		for {
+			o := owners()
+			total := 0
+			for _, c := range o {
+				total += c
+			}
+			if len(o) == n && total == schema.OrderingPartitions {
+				return time.Since(start)
+			}
+			if time.Since(start) > within {
+				t.Fatalf("owners %v, want %d relays sharing %d partitions within %s", o, n, schema.OrderingPartitions, within)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	rec := newRecorder()
+	cfg := orderedCfg(tbl)
+	a := orderedSub(t, pool, cfg)
+	consume(t, a, rec, nil)
+	waitOwners(1, 5*time.Second)
+	b := orderedSub(t, pool, cfg)
+	consume(t, b, rec, nil)
+	waitOwners(2, 5*time.Second)
+	evs := enqueueKeyed(t, pool, tbl, "h1", "h2", "h3", "h4", "h1", "h2")
+	rec.waitAcked(t, evs, 5*time.Second)
+
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if d := waitOwners(1, 5*time.Second); d > cfg.LockTTL {
+		t.Errorf("closed relay's partitions taken over after %s, want well within LockTTL %s", d, cfg.LockTTL)
+	}
+	c := orderedSub(t, pool, cfg)
+	consume(t, c, rec, nil)
+	waitOwners(2, 5*time.Second)
+	subscriber.Abandon(b)
+	_ = b.Close()
+	d := waitOwners(1, 5*time.Second)
+	if d > cfg.LockTTL+500*time.Millisecond {
+		t.Errorf("killed relay's partitions taken over after %s, want within LockTTL %s (plus a tick)", d, cfg.LockTTL)
+	}
+	evs = enqueueKeyed(t, pool, tbl, "h1", "h2", "h3", "h4", "h5")
+	rec.waitAcked(t, evs, 5*time.Second)
+	rec.checkOrder(t)
+	t.Logf("killed relay's partitions taken over after %s", d)
+}
+
+// TestOrderedDeadKeyReplayAndSkip: a dead row holds its key only; after a
+// retry of its hold it goes first and the rest of its key follows; a
+// skipped dead row lets its key continue after it.
+func TestOrderedDeadKeyReplayAndSkip(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	ctx := context.Background()
+	oq := schema.NewOrderedQueries(tbl, schema.Columns{TraceContext: true, Headers: true, OrderingKey: true})
+	bad := map[string]bool{}
+	var badMu sync.Mutex
+	handle := func(msg *message.Message) bool {
+		badMu.Lock()
+		defer badMu.Unlock()
+		return !bad[msg.UUID]
+	}
+	held := enqueueKeyed(t, pool, tbl, "dead", "dead", "dead")
+	skipped := enqueueKeyed(t, pool, tbl, "skip", "skip")
+	badMu.Lock()
+	bad[held[0].event.String()] = true
+	bad[skipped[0].event.String()] = true
+	badMu.Unlock()
+	rec := newRecorder()
+	cfg := orderedCfg(tbl)
+	cfg.MaxAttempts = 2
+	s := orderedSub(t, pool, cfg)
+	consume(t, s, rec, handle)
+	flow := enqueueKeyed(t, pool, tbl, "free", "free", "free")
+	rec.waitAcked(t, flow, 10*time.Second)
+	// Wait for both holds to be dead.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.HoldsTable()+` WHERE dead_at IS NOT NULL`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d dead holds, want 2", n)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	time.Sleep(300 * time.Millisecond)
+	for _, e := range append(held[1:], skipped[1:]...) {
+		if rec.isAcked(e.event) {
+			t.Fatalf("a row behind a dead row of key %s was delivered", e.key)
+		}
+	}
+	// Stats read the persisted floors: wait for them to pass the free key.
+	var pending, leased, dead int64
+	var oldest float64
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		if err := pool.QueryRow(ctx, oq.Stats, cfg.MaxAttempts).Scan(&pending, &leased, &dead, &oldest); err != nil {
+			t.Fatal(err)
+		}
+		if (pending == 3 && dead == 2) || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if pending != 3 || dead != 2 || oldest <= 0 {
+		t.Errorf("stats pending=%d dead=%d oldest=%f, want 3 and 2 (rows behind the dead ones are pending)", pending, dead, oldest)
+	}
+	// Fix and retry the dead key; skip the other.
+	badMu.Lock()
+	bad = map[string]bool{skipped[0].event.String(): true}
+	badMu.Unlock()
+	seqOf := func(e keyed) int64 {
+		var s int64
+		if err := pool.QueryRow(ctx, `SELECT sequence FROM `+tbl.Sanitize()+` WHERE event_id = $1`, e.event).Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	if tag, err := pool.Exec(ctx, oq.RetryHold, "dead", seqOf(held[0])); err != nil || tag.RowsAffected() != 1 {
+		t.Fatalf("retry hold: %v %v", tag, err)
+	}
+	var ok bool
+	if err := pool.QueryRow(ctx, oq.SkipHold, "skip", seqOf(skipped[0])).Scan(&ok); err != nil || !ok {
+		t.Fatalf("skip hold: %v %v", ok, err)
+	}
+	rec.waitAcked(t, append(held, skipped[1:]...), 10*time.Second)
+	rec.checkOrder(t)
+	if rec.isAcked(skipped[0].event) {
+		t.Fatal("the skipped row was delivered and acked")
+	}
+	var holds int
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.HoldsTable()).Scan(&holds); err != nil {
+			t.Fatal(err)
+		}
+		if holds == 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if holds != 0 {
+		t.Fatalf("%d holds left, want none", holds)
+	}
+}
+
+func dumpOrdered(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) {
+	t.Helper()
+	for _, q := range []string{
+		`SELECT partition, owner, lease_until > now(), floor_sequence FROM ` + tbl.PartitionsTable() + ` ORDER BY partition`,
+		`SELECT ordering_key, partition, sequence, attempts, available_at, dead_at IS NOT NULL, skip_requested_at IS NOT NULL FROM ` + tbl.HoldsTable(),
+		`SELECT relay_id, heartbeat_at FROM ` + tbl.RelaysTable(),
+	} {
+		rows, err := pool.Query(context.Background(), q)
+		if err != nil {
+			t.Log(err)
+			continue
+		}
+		for rows.Next() {
+			v, _ := rows.Values()
+			t.Log(v...)
+		}
+		rows.Close()
+	}
+}
