@@ -212,13 +212,17 @@ func (r *orderedRelay) shutdown() {
 // among the live relays.
 func (r *orderedRelay) assigned(live []string) map[int]bool {
 	out := map[int]bool{}
+	hashes := make([]uint64, len(live))
+	for i, id := range live {
+		h := fnv.New64a()
+		_, _ = h.Write([]byte(id))
+		hashes[i] = h.Sum64()
+	}
 	for p := 0; p < schema.OrderingPartitions; p++ {
 		var best string
 		var bestScore uint64
-		for _, id := range live {
-			h := fnv.New64a()
-			_, _ = h.Write([]byte(id + ":" + strconv.Itoa(p)))
-			if sc := h.Sum64(); best == "" || sc > bestScore || (sc == bestScore && id < best) {
+		for i, id := range live {
+			if sc := mix64(hashes[i] ^ (uint64(p)+1)*0x9e3779b97f4a7c15); best == "" || sc > bestScore || (sc == bestScore && id < best) {
 				best, bestScore = id, sc
 			}
 		}
@@ -227,6 +231,15 @@ func (r *orderedRelay) assigned(live []string) map[int]bool {
 		}
 	}
 	return out
+}
+
+// mix64 is the splitmix64 finaliser: every input bit moves every output bit.
+func mix64(x uint64) uint64 {
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	return x ^ x>>31
 }
 
 // tick heartbeats, releases partitions no longer assigned, renews leases and
@@ -246,6 +259,9 @@ func (r *orderedRelay) tick(ctx context.Context) {
 	}
 	mine := r.assigned(live)
 	now := time.Now()
+	if debugOrdered {
+		fmt.Fprintf(os.Stderr, "relay %s tick live %v mine %d owned %d\n", r.id[len(r.id)-4:], live, len(mine), len(r.parts))
+	}
 
 	r.mu.Lock()
 	var relIDs []int32
