@@ -276,14 +276,18 @@ func migrationFiles(t Table) map[string]string {
 	h := func(fn string) string { return fmt.Sprintf(header, t, fn, name) }
 	up1 := UpSQL(t)
 	down1 := DownSQL(t)
-	up2 := OptionalColumnsUpSQL(t, WithAllColumns())
-	down2 := OptionalColumnsDownSQL(t, WithAllColumns())
+	up2 := OptionalColumnsUpSQL(t, WithTraceColumns(), WithHeadersColumn())
+	down2 := OptionalColumnsDownSQL(t, WithTraceColumns(), WithHeadersColumn())
+	up3 := OptionalColumnsUpSQL(t, WithOrderingKeyColumn())
+	down3 := OptionalColumnsDownSQL(t, WithOrderingKeyColumn())
 	return map[string]string{
 		"migrations/000001_create_" + name + ".up.sql":                 h("UpSQL") + "\n" + up1,
 		"migrations/000001_create_" + name + ".down.sql":               h("DownSQL") + destructive + "\n" + down1,
 		"migrations/000002_add_" + name + "_optional_columns.up.sql":   h("OptionalColumnsUpSQL") + "\n" + up2,
 		"migrations/000002_add_" + name + "_optional_columns.down.sql": h("OptionalColumnsDownSQL") + destructive + "\n" + down2,
-		"migrations/goose/00001_create_" + name + ".sql": h("UpSQL") + "\n-- +goose Up\n" + up1 + "\n" + up2 +
+		"migrations/000003_add_" + name + "_ordering.up.sql":           h("OptionalColumnsUpSQL") + "\n" + up3,
+		"migrations/000003_add_" + name + "_ordering.down.sql":         h("OptionalColumnsDownSQL") + destructive + "\n" + down3,
+		"migrations/goose/00001_create_" + name + ".sql": h("UpSQL") + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
 	}
 }

@@ -65,9 +65,9 @@ const lockKeysStatement = `SELECT count(pg_advisory_xact_lock($1::int4, h)) FROM
 func orderedColumnStatements(t Table) []string {
 	tbl := t.Sanitize()
 	return []string{
-		`ALTER TABLE ` + tbl + ` ADD COLUMN IF NOT EXISTS ordering_key TEXT NULL,
-  ADD COLUMN IF NOT EXISTS ordering_partition SMALLINT GENERATED ALWAYS AS ((hashtext(ordering_key) & ` + itoa(OrderingPartitions-1) + `)::smallint) STORED,
-  ADD CONSTRAINT ` + t.ident(suffixKeyLengthCheck) + ` CHECK (octet_length(ordering_key) BETWEEN 1 AND ` + itoa(MaxOrderingKeyBytes) + `)`,
+		`ALTER TABLE ` + tbl + ` ADD COLUMN IF NOT EXISTS ordering_key TEXT NULL
+    CONSTRAINT ` + t.ident(suffixKeyLengthCheck) + ` CHECK (octet_length(ordering_key) BETWEEN 1 AND ` + itoa(MaxOrderingKeyBytes) + `),
+  ADD COLUMN IF NOT EXISTS ordering_partition SMALLINT GENERATED ALWAYS AS ((hashtext(ordering_key) & ` + itoa(OrderingPartitions-1) + `)::smallint) STORED`,
 		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixKeyedByPartition) + ` ON ` + tbl + ` (ordering_partition, sequence) WHERE ordering_key IS NOT NULL`,
 		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixKeyedByKey) + ` ON ` + tbl + ` (ordering_key, sequence) WHERE ordering_key IS NOT NULL`,
 		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixPendingUnkeyed) + ` ON ` + tbl + ` (available_at, sequence) WHERE published_at IS NULL AND ordering_key IS NULL`,

@@ -29,19 +29,24 @@ import (
 // (acked, or covered by its key's hold). The floor is the only progress
 // written on the happy path, once per tick; rows are never updated.
 
+// ErrOrderedNotMigrated is matched (errors.Is) by the error of New when
+// Config.Ordered is set on a table without the ordering_key column or the
+// companion tables; it names the migration to run.
+var ErrOrderedNotMigrated = errors.New("table not migrated for ordered mode")
+
 // checkOrdered fails when the table lacks what ordered mode needs.
 func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols schema.Columns) (*schema.OrderedQueries, error) {
-	run := fmt.Sprintf("run `outbox migrate --table=%s` (it adds them) or schema.Migrate(ctx, pool, table, schema.WithOrderingKeyColumn())", t)
+	run := fmt.Sprintf("run `outbox migrate --ordered --table=%s` or schema.Migrate(ctx, pool, table, schema.WithOrderingKeyColumn())", t)
 	if !cols.OrderingKey {
-		return nil, fmt.Errorf("outbox subscriber: invalid config: Ordered needs the ordering_key column in %s; %s", t, run)
+		return nil, fmt.Errorf("outbox subscriber: invalid config: Ordered needs the ordering_key column in %s; %s: %w", t, run, ErrOrderedNotMigrated)
 	}
 	ok, err := schema.OrderedTablesExist(ctx, pool, t)
 	if err != nil {
 		return nil, fmt.Errorf("outbox subscriber: %w", err)
 	}
 	if !ok {
-		return nil, fmt.Errorf("outbox subscriber: invalid config: Ordered needs the tables %s, %s and %s; %s",
-			t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), run)
+		return nil, fmt.Errorf("outbox subscriber: invalid config: Ordered needs the tables %s, %s and %s; %s: %w",
+			t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), run, ErrOrderedNotMigrated)
 	}
 	return schema.NewOrderedQueries(t, cols), nil
 }

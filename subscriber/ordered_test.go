@@ -400,7 +400,7 @@ func TestOrderedBadInput(t *testing.T) {
 		t.Error("nil tx accepted")
 	}
 	_, err := subscriber.New(pool, subscriber.Config{Table: plain, Ordered: true}, nil)
-	if err == nil || !strings.Contains(err.Error(), "outbox migrate --table="+plain.String()) || !strings.Contains(err.Error(), "ordering_key") {
+	if err == nil || !strings.Contains(err.Error(), "outbox migrate --ordered --table="+plain.String()) || !strings.Contains(err.Error(), "ordering_key") {
 		t.Fatalf("Ordered on a table without the column: %v", err)
 	}
 	s := orderedSub(t, pool, subscriber.Config{Table: tbl, Ordered: true})

@@ -22,6 +22,7 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	table := fs.String("table", "", "outbox table, such as public.org_outbox (default: OUTBOX_RELAY_TABLES)")
 	trace := fs.Bool("trace", false, "add the optional traceparent and tracestate columns")
 	headers := fs.Bool("headers", false, "add the optional headers column")
+	ordered := fs.Bool("ordered", false, "add the ordering_key column and the companion tables of ordered mode (default: OUTBOX_RELAY_ORDERED)")
 	printSQL := fs.Bool("print", false, "print the SQL instead of running it")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -48,6 +49,13 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	}
 	if *headers {
 		opts = append(opts, schema.WithHeadersColumn())
+	}
+	envOrdered, err := env.Bool("OUTBOX_RELAY_ORDERED", false)
+	if err != nil {
+		return fmt.Errorf("%w: %w", errUsage, err)
+	}
+	if *ordered || envOrdered {
+		opts = append(opts, schema.WithOrderingKeyColumn())
 	}
 	if *printSQL {
 		for _, t := range tables {

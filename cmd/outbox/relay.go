@@ -39,6 +39,7 @@ type relayConfig struct {
 	relayEnabled    bool
 	tables          []schema.Table
 	singleActive    bool
+	ordered         bool
 	pollInterval    time.Duration
 	batchSize       int
 	lockTTL         time.Duration
@@ -76,6 +77,8 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	c.tables, err = env.Tables("OUTBOX_RELAY_TABLES", nil)
 	must(err)
 	c.singleActive, err = env.Bool("OUTBOX_RELAY_SINGLE_ACTIVE", true)
+	must(err)
+	c.ordered, err = env.Bool("OUTBOX_RELAY_ORDERED", false)
 	must(err)
 	c.pollInterval, err = env.Duration("OUTBOX_RELAY_POLL_INTERVAL", subscriber.PollIntervalDefault, false)
 	must(err)
@@ -235,7 +238,7 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 			var err error
 			s, err = subscriber.New(pool, subscriber.Config{
 				Table: t, BatchSize: cfg.batchSize, PollInterval: cfg.pollInterval, LockTTL: cfg.lockTTL,
-				MaxAttempts: cfg.maxAttempts, DisableSingleActive: !cfg.singleActive, LastErrorMaxBytes: cfg.lastErrorMax,
+				MaxAttempts: cfg.maxAttempts, DisableSingleActive: !cfg.singleActive, Ordered: cfg.ordered, LastErrorMaxBytes: cfg.lastErrorMax,
 				CloseTimeout: cfg.dispatchTimeout, Metrics: m,
 			}, logger)
 			return err
@@ -278,7 +281,7 @@ func retryStartup(ctx context.Context, logger watermill.LoggerAdapter, step func
 	delay := 100 * time.Millisecond
 	for {
 		err := step()
-		if err == nil || ctx.Err() != nil || errors.Is(err, schema.ErrTableNotFound) || time.Now().After(deadline) {
+		if err == nil || ctx.Err() != nil || errors.Is(err, schema.ErrTableNotFound) || errors.Is(err, subscriber.ErrOrderedNotMigrated) || time.Now().After(deadline) {
 			return err
 		}
 		logger.Error("Start-up step failed; retrying", err, watermill.LogFields{"retry_in": delay.String()})

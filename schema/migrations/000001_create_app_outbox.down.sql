@@ -2,4 +2,10 @@
 -- (or print the SQL for it with `outbox migrate --print --table=<name>`).
 -- DESTRUCTIVE: this down migration deletes data, published or not.
 
+DROP TABLE IF EXISTS "public"."app_outbox_holds";
+
+DROP TABLE IF EXISTS "public"."app_outbox_relays";
+
+DROP TABLE IF EXISTS "public"."app_outbox_partitions";
+
 DROP TABLE IF EXISTS "public"."app_outbox";

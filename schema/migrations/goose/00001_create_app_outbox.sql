@@ -30,6 +30,53 @@ ALTER TABLE "public"."app_outbox" ADD COLUMN IF NOT EXISTS traceparent TEXT NULL
 
 ALTER TABLE "public"."app_outbox" ADD COLUMN IF NOT EXISTS headers JSONB NULL;
 
+ALTER TABLE "public"."app_outbox" ADD COLUMN IF NOT EXISTS ordering_key TEXT NULL
+    CONSTRAINT "app_outbox_ordering_key_len" CHECK (octet_length(ordering_key) BETWEEN 1 AND 256),
+  ADD COLUMN IF NOT EXISTS ordering_partition SMALLINT GENERATED ALWAYS AS ((hashtext(ordering_key) & 63)::smallint) STORED;
+
+CREATE INDEX IF NOT EXISTS "app_outbox_keyed_by_part" ON "public"."app_outbox" (ordering_partition, sequence) WHERE ordering_key IS NOT NULL;
+
+CREATE INDEX IF NOT EXISTS "app_outbox_keyed_by_key" ON "public"."app_outbox" (ordering_key, sequence) WHERE ordering_key IS NOT NULL;
+
+CREATE INDEX IF NOT EXISTS "app_outbox_pending_unkeyed" ON "public"."app_outbox" (available_at, sequence) WHERE published_at IS NULL AND ordering_key IS NULL;
+
+CREATE TABLE IF NOT EXISTS "public"."app_outbox_partitions" (
+  partition      SMALLINT    NOT NULL,
+  owner          TEXT        NULL,
+  lease_until    TIMESTAMPTZ NULL,
+  floor_sequence BIGINT      NOT NULL DEFAULT 0,
+  CONSTRAINT "app_outbox_partitions_pkey" PRIMARY KEY (partition)
+);
+
+INSERT INTO "public"."app_outbox_partitions" (partition) SELECT generate_series(0, 63) ON CONFLICT DO NOTHING;
+
+CREATE TABLE IF NOT EXISTS "public"."app_outbox_relays" (
+  relay_id     TEXT        NOT NULL,
+  heartbeat_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+  CONSTRAINT "app_outbox_relays_pkey" PRIMARY KEY (relay_id)
+);
+
+CREATE TABLE IF NOT EXISTS "public"."app_outbox_holds" (
+  ordering_key      TEXT        NOT NULL,
+  partition         SMALLINT    NOT NULL,
+  sequence          BIGINT      NOT NULL,
+  attempts          INT         NOT NULL DEFAULT 0,
+  available_at      TIMESTAMPTZ NOT NULL DEFAULT now(),
+  last_error        TEXT        NULL,
+  dead_at           TIMESTAMPTZ NULL,
+  skip_requested_at TIMESTAMPTZ NULL,
+  created_at        TIMESTAMPTZ NOT NULL DEFAULT now(),
+  CONSTRAINT "app_outbox_holds_pkey" PRIMARY KEY (ordering_key)
+);
+
+CREATE INDEX IF NOT EXISTS "app_outbox_holds_by_part" ON "public"."app_outbox_holds" (partition);
+
 -- +goose Down
 -- DESTRUCTIVE: this down migration deletes data, published or not.
+DROP TABLE IF EXISTS "public"."app_outbox_holds";
+
+DROP TABLE IF EXISTS "public"."app_outbox_relays";
+
+DROP TABLE IF EXISTS "public"."app_outbox_partitions";
+
 DROP TABLE IF EXISTS "public"."app_outbox";
