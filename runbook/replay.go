@@ -131,6 +131,11 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 	q := schema.NewRunbookQueries(t)
 	id := eventID.String()
 
+	// In an ordered table, a keyed row that failed is recorded as its key's
+	// hold (docs/ORDERING.md).
+	if held, ok, err := replayHeld(ctx, db, t, eventID, opts.DryRun); ok || err != nil {
+		return held, err
+	}
 	res, err := inspectEvent(ctx, db, q, eventID, maxAttempts, lockTTL)
 	if err != nil {
 		return EventReplay{}, err

@@ -176,7 +176,7 @@ type OrderedQueries struct {
 	// sequence of its key's hold.
 	DeleteDone string
 	// ListHolds lists up to $1 holds for the runbook: ordering_key,
-	// partition, sequence, attempts, available_at, last_error, dead_at,
+	// partition, sequence, attempts, available_at (NULL when dead), last_error, dead_at,
 	// skip_requested_at, event_id, topic (event_id and topic NULL when the
 	// row is gone).
 	ListHolds string
@@ -320,7 +320,8 @@ FROM unkeyed AS u`
   LIMIT $2
 )
 DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
-	q.ListHolds = `SELECT h.ordering_key, h.partition::int, h.sequence, h.attempts, h.available_at, h.last_error, h.dead_at, h.skip_requested_at,
+	q.ListHolds = `SELECT h.ordering_key, h.partition::int, h.sequence, h.attempts,
+  CASE WHEN h.available_at = 'infinity' THEN NULL ELSE h.available_at END, h.last_error, h.dead_at, h.skip_requested_at,
   o.event_id::text, o.topic
 FROM ` + holds + ` AS h LEFT JOIN ` + tbl + ` AS o ON o.ordering_key = h.ordering_key AND o.sequence = h.sequence
 ORDER BY h.created_at, h.ordering_key LIMIT $1`
@@ -349,4 +350,12 @@ func OrderedTablesExist(ctx context.Context, q Querier, t Table) (bool, error) {
 		return false, fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)
 	}
 	return ok, nil
+}
+
+// HoldOfEventStatement finds the hold of the row whose event_id is $1:
+// ordering_key, sequence, dead, attempts. No row when the row has no hold.
+func (q *OrderedQueries) HoldOfEventStatement(eventID string) Statement {
+	return Statement{SQL: `SELECT h.ordering_key, h.sequence, h.dead_at IS NOT NULL, h.attempts
+FROM ` + q.Table.Sanitize() + ` AS o JOIN ` + q.Table.HoldsTable() + ` AS h ON h.ordering_key = o.ordering_key AND h.sequence = o.sequence
+WHERE o.event_id = $1::uuid`, Args: []any{eventID}}
 }

@@ -21,6 +21,7 @@ import (
 
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -556,12 +557,20 @@ func TestOrderedDeadKeyReplayAndSkip(t *testing.T) {
 		}
 		return s
 	}
-	if tag, err := pool.Exec(ctx, oq.RetryHold, "dead", seqOf(held[0])); err != nil || tag.RowsAffected() != 1 {
-		t.Fatalf("retry hold: %v %v", tag, err)
+	hk, err := runbook.HeldKeys(ctx, pool, tbl, 0)
+	if err != nil || len(hk) != 2 || hk[0].DeadAt == nil || hk[1].DeadAt == nil {
+		t.Fatalf("held keys %+v, %v; want the two dead keys", hk, err)
 	}
-	var ok bool
-	if err := pool.QueryRow(ctx, oq.SkipHold, "skip", seqOf(skipped[0])).Scan(&ok); err != nil || !ok {
-		t.Fatalf("skip hold: %v %v", ok, err)
+	if _, err := runbook.SkipEvent(ctx, pool, tbl, held[1].event, false); !errors.Is(err, runbook.ErrNotHeld) {
+		t.Fatalf("skip of a row that holds nothing: %v", err)
+	}
+	rep, err := runbook.ReplayEvent(ctx, pool, tbl, held[0].event, runbook.ReplayOptions{})
+	if err != nil || rep.Changed != 1 || !rep.Dead || rep.Row.Sequence != seqOf(held[0]) {
+		t.Fatalf("replay of the dead held row: %+v %v", rep, err)
+	}
+	sk, err := runbook.SkipEvent(ctx, pool, tbl, skipped[0].event, false)
+	if err != nil || sk.Changed != 1 || sk.Key != "skip" {
+		t.Fatalf("skip: %+v %v", sk, err)
 	}
 	rec.waitAcked(t, append(held, skipped[1:]...), 10*time.Second)
 	rec.checkOrder(t)

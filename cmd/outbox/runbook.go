@@ -201,11 +201,13 @@ func runDead(ctx context.Context, env Env, args []string, stdout, stderr io.Writ
 		return runDeadList(ctx, env, args[1:], stdout, stderr)
 	case "replay":
 		return runDeadReplay(ctx, env, args[1:], stdout, stderr)
+	case "skip":
+		return runDeadSkip(ctx, env, args[1:], stdout, stderr)
 	case "-h", "-help", "--help", "help":
 		fmt.Fprintln(stdout, "usage: outbox dead list --table=T [flags] | outbox dead replay --table=T (--event-id=E | --topic=X | --all) [flags]\n\nRun `outbox dead list --help` or `outbox dead replay --help` for the flags.")
 		return nil
 	}
-	return fmt.Errorf("%w: unknown subcommand %q of dead; use list or replay", errUsage, args[0])
+	return fmt.Errorf("%w: unknown subcommand %q of dead; use list, replay or skip", errUsage, args[0])
 }
 
 // deadFilterFlags are the flags that select dead rows.

@@ -1,0 +1,105 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"text/tabwriter"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/watermill-outbox/runbook"
+)
+
+func init() {
+	registerCommand("keys", "list the ordering keys held back by a failing or dead row (keys held, ordered mode)", runKeys)
+}
+
+func runKeys(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 || args[0] != "held" {
+		return fmt.Errorf("%w: keys needs the subcommand held: `outbox keys held --table=T`", errUsage)
+	}
+	f, err := newRunbookFlags("keys held", env, stderr)
+	if err != nil {
+		return err
+	}
+	limit := f.fs.Int("limit", runbook.DefaultLimit, "show at most this many held keys, oldest hold first")
+	t, err := f.parse(args[1:])
+	if err != nil {
+		return err
+	}
+	pool, err := openRunbookDB(ctx, env)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	held, err := runbook.HeldKeys(ctx, pool, t, *limit)
+	if err != nil {
+		return err
+	}
+	if f.json {
+		if held == nil {
+			held = []runbook.HeldKey{}
+		}
+		return writeJSON(stdout, held)
+	}
+	if len(held) == 0 {
+		fmt.Fprintf(stdout, "No held key in %s.\n", t)
+		return nil
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "ORDERING_KEY\tSEQUENCE\tEVENT_ID\tTOPIC\tSTATE\tATTEMPTS\tLAST_ERROR")
+	for _, h := range held {
+		state := "retrying"
+		switch {
+		case h.SkipRequestedAt != nil:
+			state = "skip requested"
+		case h.DeadAt != nil:
+			state = "dead"
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%d\t%s\n", cell(h.Key, 40), h.Sequence, h.EventID, cell(h.Topic, 0), state, h.Attempts, lastError(h.LastError, 80))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(stdout, "Replay a dead row with `outbox dead replay --event-id=E --confirm`, or drop it from its key's order with `outbox dead skip --event-id=E --confirm`.")
+	return nil
+}
+
+// runDeadSkip is `outbox dead skip`: the held row of an ordered table is
+// dropped from its key's order.
+func runDeadSkip(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
+	f, err := newRunbookFlags("dead skip", env, stderr)
+	if err != nil {
+		return err
+	}
+	eventID := f.fs.String("event-id", "", "skip the held row with this event_id (a UUID); its key continues with its next row")
+	confirm := f.fs.Bool("confirm", false, "record the skip; without it the command only previews and exits 2")
+	t, err := f.parse(args)
+	if err != nil {
+		return err
+	}
+	id, err := uuid.Parse(*eventID)
+	if err != nil || id == uuid.Nil {
+		return fmt.Errorf("%w: --event-id=%q is not an event_id (a non-nil UUID)", errUsage, *eventID)
+	}
+	pool, err := openRunbookDB(ctx, env)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	res, err := runbook.SkipEvent(ctx, pool, t, id, !*confirm)
+	if err != nil {
+		return err
+	}
+	if f.json {
+		return writeJSON(stdout, res)
+	}
+	if !*confirm {
+		fmt.Fprintf(stdout, "Skip event %s of %s: key %q waits for it (sequence %d).\n", id, t, res.Key, res.Sequence)
+		printStatement(stdout, res.Statement, 1)
+		return fmt.Errorf("%w: nothing changed: this was a preview; add --confirm to skip event %s of %s", errUsage, id, t)
+	}
+	fmt.Fprintf(stdout, "Skipped event %s of %s: key %q continues with its next row; the row stays, its last_error records the skip.\n", id, t, res.Key)
+	return nil
+}

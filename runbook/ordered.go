@@ -1,0 +1,192 @@
+package runbook
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// ErrNotHeld is returned (wrapped) by SkipEvent when the event's row does
+// not hold its ordering key: only the row a key waits for can be skipped.
+var ErrNotHeld = errors.New("event does not hold its ordering key")
+
+// HeldKey is one ordering key held back by a failing, dead or skipped row
+// (ordered mode, docs/ORDERING.md).
+type HeldKey struct {
+	// Key is the ordering key.
+	Key string `json:"ordering_key"`
+	// Partition is the key's partition.
+	Partition int `json:"partition"`
+	// Sequence is the sequence of the row the key waits for.
+	Sequence int64 `json:"sequence"`
+	// EventID and Topic are the held row's, empty when the row is gone.
+	EventID string `json:"event_id,omitempty"`
+	Topic   string `json:"topic,omitempty"`
+	// Attempts counts the failed attempts of the held row.
+	Attempts int `json:"attempts"`
+	// AvailableAt is when the held row is tried again; nil when dead.
+	AvailableAt *time.Time `json:"available_at,omitempty"`
+	// LastError is the redacted error of the last attempt.
+	LastError *string `json:"last_error,omitempty"`
+	// DeadAt is set when the held row is dead: the key waits for an
+	// operator (ReplayEvent or SkipEvent).
+	DeadAt *time.Time `json:"dead_at,omitempty"`
+	// SkipRequestedAt is set when an operator asked to skip the row.
+	SkipRequestedAt *time.Time `json:"skip_requested_at,omitempty"`
+}
+
+func orderedQueries(ctx context.Context, db DB, t schema.Table) (*schema.OrderedQueries, error) {
+	ok, err := schema.OrderedTablesExist(ctx, db, t)
+	if err != nil {
+		return nil, dbError(t, "look up the ordered-mode tables of", err)
+	}
+	if !ok {
+		return nil, nil
+	}
+	cols, err := schema.DetectColumns(ctx, db, t)
+	if err != nil {
+		return nil, dbError(t, "detect the columns of", err)
+	}
+	return schema.NewOrderedQueries(t, cols), nil
+}
+
+// HeldKeys lists up to limit (DefaultLimit when 0) held keys of the ordered
+// table t, oldest hold first. A table without ordered mode has none.
+func HeldKeys(ctx context.Context, db DB, t schema.Table, limit int) ([]HeldKey, error) {
+	if err := checkTable(t); err != nil {
+		return nil, err
+	}
+	limit, err := checkLimit(limit)
+	if err != nil {
+		return nil, err
+	}
+	oq, err := orderedQueries(ctx, db, t)
+	if err != nil || oq == nil {
+		return nil, err
+	}
+	rows, err := db.Query(ctx, oq.ListHolds, limit)
+	if err != nil {
+		return nil, dbError(t, "list held keys of", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (HeldKey, error) {
+		var (
+			h            HeldKey
+			event, topic *string
+		)
+		err := r.Scan(&h.Key, &h.Partition, &h.Sequence, &h.Attempts, &h.AvailableAt, &h.LastError, &h.DeadAt, &h.SkipRequestedAt, &event, &topic)
+		if event != nil {
+			h.EventID = *event
+		}
+		if topic != nil {
+			h.Topic = *topic
+		}
+		return h, err
+	})
+	if err != nil {
+		return nil, dbError(t, "list held keys of", err)
+	}
+	return out, nil
+}
+
+// holdOf returns the hold of the event's row, or ok = false when the table
+// is not ordered or the row holds no key.
+func holdOf(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (oq *schema.OrderedQueries, key string, seq int64, dead bool, ok bool, err error) {
+	if oq, err = orderedQueries(ctx, db, t); err != nil || oq == nil {
+		return nil, "", 0, false, false, err
+	}
+	st := oq.HoldOfEventStatement(eventID.String())
+	var attempts int
+	err = db.QueryRow(ctx, st.SQL, st.Args...).Scan(&key, &seq, &dead, &attempts)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return oq, "", 0, false, false, nil
+	}
+	if err != nil {
+		return nil, "", 0, false, false, dbError(t, "look up the hold of event "+eventID.String()+" in", err)
+	}
+	return oq, key, seq, dead, true, nil
+}
+
+// replayHeld is ReplayEvent for a row that holds its ordering key: it
+// clears the hold's dead_at and attempts and makes it due, so that the relay
+// delivers the row first and the rest of its key after it.
+func replayHeld(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
+	oq, key, seq, dead, ok, err := holdOf(ctx, db, t, eventID)
+	if err != nil || !ok {
+		return EventReplay{}, false, err
+	}
+	q := schema.NewRunbookQueries(t)
+	st := q.Event(eventID.String(), schema.MaxAttemptsDefault, schema.LockTTLDefault)
+	var d, leased bool
+	row, err := scanRow(db.QueryRow(ctx, st.SQL, st.Args...), &d, &leased)
+	if err != nil {
+		return EventReplay{}, true, dbError(t, "look up event "+eventID.String()+" in", err)
+	}
+	res := EventReplay{Table: t.String(), Row: row, Dead: dead,
+		Statement: schema.Statement{SQL: oq.RetryHold, Args: []any{key, seq}}}
+	if dryRun {
+		res.DryRun = true
+		return res, true, nil
+	}
+	tag, err := db.Exec(ctx, res.Statement.SQL, res.Statement.Args...)
+	if err != nil {
+		return EventReplay{}, true, dbError(t, "replay event "+eventID.String()+" of", err)
+	}
+	res.Changed = tag.RowsAffected()
+	wake(ctx, db, q)
+	return res, true, nil
+}
+
+// EventSkip reports a SkipEvent.
+type EventSkip struct {
+	// Table is the table, as given.
+	Table string `json:"table"`
+	// Key and Sequence name the held row that is skipped.
+	Key      string `json:"ordering_key"`
+	Sequence int64  `json:"sequence"`
+	// Statement is the statement that records the skip.
+	Statement schema.Statement `json:"-"`
+	// Changed is 1, or 0 for a dry run.
+	Changed int64 `json:"changed"`
+	// DryRun is true when nothing was changed on purpose.
+	DryRun bool `json:"dry_run"`
+}
+
+// SkipEvent drops the row whose event_id is eventID from its ordering key's
+// order, in an ordered table: the row must hold its key (failing or dead);
+// the relay then continues the key with its next row and never delivers
+// the skipped row again. The row stays in the table, its last_error
+// recording the skip. Any other row is refused with ErrNotHeld.
+func SkipEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryRun bool) (EventSkip, error) {
+	if err := checkTable(t); err != nil {
+		return EventSkip{}, err
+	}
+	oq, key, seq, _, ok, err := holdOf(ctx, db, t, eventID)
+	if err != nil {
+		return EventSkip{}, err
+	}
+	if !ok {
+		return EventSkip{}, fmt.Errorf("runbook: cannot skip event %s of %s: %w (skip applies to the row a held key waits for; list them with `outbox keys held`); nothing changed",
+			eventID, t, ErrNotHeld)
+	}
+	res := EventSkip{Table: t.String(), Key: key, Sequence: seq, Statement: schema.Statement{SQL: oq.SkipHold, Args: []any{key, seq}}}
+	if dryRun {
+		res.DryRun = true
+		return res, nil
+	}
+	var done bool
+	if err := db.QueryRow(ctx, oq.SkipHold, key, seq).Scan(&done); err != nil {
+		return EventSkip{}, dbError(t, "skip event "+eventID.String()+" of", err)
+	}
+	if !done {
+		return EventSkip{}, fmt.Errorf("runbook: cannot skip event %s of %s: the hold moved on meanwhile; nothing changed, look again", eventID, t)
+	}
+	res.Changed = 1
+	wake(ctx, db, schema.NewRunbookQueries(t))
+	return res, nil
+}
