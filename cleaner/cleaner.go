@@ -117,6 +117,11 @@ func (c *Cleaner) CleanOnce(ctx context.Context) (published, dead int64, err err
 	if err != nil {
 		return published, 0, err
 	}
+	keyed, err := c.cleanKeyed(ctx)
+	published += keyed
+	if err != nil {
+		return published, 0, err
+	}
 	if c.cfg.DeadRetention <= 0 {
 		if c.cfg.Vacuum && published > 0 {
 			err = c.vacuum(ctx)
@@ -153,4 +158,17 @@ func (c *Cleaner) deleteAll(ctx context.Context, kind, query string, args ...any
 			return total, nil
 		}
 	}
+}
+
+// cleanKeyed deletes, in an ordered table, the keyed rows at or below their
+// partition's floor (relayed; such rows are never marked published) that are
+// older than Retention, never a row a held key still waits for or any row
+// after it (docs/ORDERING.md).
+func (c *Cleaner) cleanKeyed(ctx context.Context) (int64, error) {
+	ok, err := schema.OrderedTablesExist(ctx, c.pool, c.cfg.Table)
+	if err != nil || !ok {
+		return 0, err
+	}
+	oq := schema.NewOrderedQueries(c.cfg.Table, schema.Columns{OrderingKey: true})
+	return c.deleteAll(ctx, "published", oq.DeleteDone, c.cfg.Retention.Seconds(), c.cfg.BatchSize)
 }

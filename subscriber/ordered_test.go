@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/cleaner"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
@@ -609,5 +610,47 @@ func dumpOrdered(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) {
 			t.Log(v...)
 		}
 		rows.Close()
+	}
+}
+
+// TestOrderedCleaner deletes the relayed keyed rows below the floors, never
+// a held row or the rows behind it.
+func TestOrderedCleaner(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	ctx := context.Background()
+	evs := enqueueKeyed(t, pool, tbl, "c1", "c1", "c2", "c2")
+	var bad sync.Map
+	bad.Store(evs[2].event.String(), true)
+	rec := newRecorder()
+	cfg := orderedCfg(tbl)
+	cfg.MaxAttempts = 1
+	s := orderedSub(t, pool, cfg)
+	consume(t, s, rec, func(m *message.Message) bool { _, b := bad.Load(m.UUID); return !b })
+	rec.waitAcked(t, evs[:2], 5*time.Second)
+	var last int64
+	if err := pool.QueryRow(ctx, `SELECT max(sequence) FROM `+tbl.Sanitize()).Scan(&last); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); partitionFloor(t, pool, tbl, "c1") < last || partitionFloor(t, pool, tbl, "c2") < last; {
+		if time.Now().After(deadline) {
+			t.Fatal("floors did not pass the rows")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	c, err := cleaner.New(pool, cleaner.Config{Table: tbl, Retention: time.Nanosecond}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, _, err := c.CleanOnce(ctx)
+	if err != nil || n != 2 {
+		t.Fatalf("cleaned %d, %v; want the 2 rows of c1", n, err)
+	}
+	var left []string
+	rows, _ := pool.Query(ctx, `SELECT event_id::text FROM `+tbl.Sanitize()+` ORDER BY sequence`)
+	left, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil || len(left) != 2 || left[0] != evs[2].event.String() {
+		t.Fatalf("left %v, %v; want c2's dead row and the row behind it", left, err)
 	}
 }
