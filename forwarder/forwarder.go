@@ -3,8 +3,8 @@
 // message.Publisher.
 //
 // The zero Config relays every row of the subscriber's table to the
-// destination topic named by the row's topic column, with the event_id as
-// partition key, every metadata entry (event_id, tenant_id, topic, sequence,
+// destination topic named by the row's topic column, with the row's ordering
+// key (else the event_id) as partition key, every metadata entry (event_id, tenant_id, topic, sequence,
 // attempts, table, traceparent, tracestate and stored headers) carried as a
 // broker header, and the business JSON as the payload. A publish error is a
 // nack: the row is retried with backoff and never acked silently.
@@ -36,7 +36,8 @@ type Config struct {
 	DestinationTopic func(msg *message.Message) (string, error)
 	// PartitionKey chooses the partition key, stored in metadata
 	// router.MetadataPartitionKey for the Kafka backend. Defaults to
-	// PartitionByEventID.
+	// PartitionByOrderingKey: the row's ordering key when it has one, so a
+	// key stays in one Kafka partition, else its event_id.
 	PartitionKey func(msg *message.Message) (string, error)
 	// HandlerName names the router handler. Defaults to
 	// "outbox_forwarder_" + the table in the message metadata, or
@@ -54,6 +55,17 @@ type Config struct {
 // PartitionByEventID keys records by event_id (the default): the same event
 // lands on the same partition every time it is relayed.
 func PartitionByEventID(msg *message.Message) (string, error) { return msg.UUID, nil }
+
+// PartitionByOrderingKey keys records by the row's ordering key (metadata
+// schema.MetadataOrderingKey) when it has one, so that a key's events share
+// a partition and keep the order an ordered subscriber relays them in;
+// rows without a key are keyed by event_id.
+func PartitionByOrderingKey(msg *message.Message) (string, error) {
+	if k := msg.Metadata.Get(schema.MetadataOrderingKey); k != "" {
+		return k, nil
+	}
+	return msg.UUID, nil
+}
 
 // PartitionByTenantID keys records by tenant_id, so one tenant's events share
 // a partition (still no order guarantee: retries reorder).
@@ -108,7 +120,7 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 		}
 	}
 	if cfg.PartitionKey == nil {
-		cfg.PartitionKey = PartitionByEventID
+		cfg.PartitionKey = PartitionByOrderingKey
 	}
 	if cfg.HandlerName == "" {
 		cfg.HandlerName = "outbox_forwarder"
