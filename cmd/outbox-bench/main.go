@@ -47,6 +47,7 @@ type options struct {
 	cleanerVacuum     bool
 	rates             []int
 	latencyDuration   time.Duration
+	ordered           orderedOptions
 }
 
 func main() {
@@ -71,6 +72,7 @@ func main() {
 	flag.DurationVar(&o.latencyDuration, "latency-duration", 10*time.Second, "length of one latency case")
 	rates := flag.String("rates", "100,1000,5000", "comma-separated offered rates (events/s) for the latency suite")
 	flag.StringVar(&suite, "suite", "all", "comma-separated suites: enqueue, relay, latency, all")
+	o.ordered.register()
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the run to this file")
 	flag.Parse()
 	if *cpuProfile != "" {
@@ -131,9 +133,9 @@ func run(ctx context.Context, o options, suites []string) error {
 	fmt.Printf("outbox-bench: PostgreSQL %s, %d workers, %s per measurement, best of %d\n\n", serverVersion(ctx, pool), o.workers, o.duration, o.rounds)
 	known := map[string]func(context.Context, *pgxpool.Pool, string, options) error{
 		"enqueue": enqueueSuite, "relay": relaySuite, "latency": latencySuite, "brokers": brokerSuite,
-		"scaling": scalingSuite, "sustained": sustainedSuite, "poison": poisonSuite,
+		"scaling": scalingSuite, "sustained": sustainedSuite, "poison": poisonSuite, "ordered": orderedSuite,
 	}
-	order := []string{"enqueue", "relay", "latency", "poison", "brokers", "scaling", "sustained"}
+	order := []string{"enqueue", "relay", "latency", "poison", "brokers", "scaling", "sustained", "ordered"}
 	var run []string
 	for _, s := range suites {
 		s = strings.TrimSpace(s)
