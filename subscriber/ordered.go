@@ -450,14 +450,64 @@ func (r *orderedRelay) cycle(ctx context.Context) bool {
 	qctx, cancel := context.WithTimeout(ctx, opTimeout)
 	defer cancel()
 
+	// One round trip, three statements in this order (each reads its own
+	// snapshot): the cut, the holds, the scan.
 	// 1. The cut: rows up to a last value taken earlier are all committed or
-	// aborted once every key writer seen then has ended.
+	// aborted once every key writer seen then has ended; the scan that
+	// follows sees them all.
+	limit := cfg.BatchSize
+	batch := &pgx.Batch{}
+	batch.Queue(r.oq.Cut, r.s.cfg.Table.OrderingLockClass(), oldVx)
+	batch.Queue(r.oq.Holds, ids)
+	batch.Queue(r.oq.Scan, ids, froms, limit)
+	br := r.s.pool.SendBatch(qctx, batch)
+	type dbHold struct {
+		key             string
+		part            int
+		seq             int64
+		attempts        int
+		due, dead, skip bool
+	}
 	var (
 		s0      int64
 		vx      []string
 		oldOpen bool
+		holds   []dbHold
+		scanned []*schema.OrderedRow
 	)
-	if err := r.s.pool.QueryRow(qctx, r.oq.Cut, r.s.cfg.Table.OrderingLockClass(), oldVx).Scan(&s0, &vx, &oldOpen); err != nil {
+	err := func() error {
+		defer br.Close()
+		if err := br.QueryRow().Scan(&s0, &vx, &oldOpen); err != nil {
+			return err
+		}
+		// 2. Holds of the owned partitions.
+		rows, err := br.Query()
+		if err != nil {
+			return err
+		}
+		holds, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (dbHold, error) {
+			var h dbHold
+			err := row.Scan(&h.key, &h.part, &h.seq, &h.attempts, &h.due, &h.dead, &h.skip)
+			return h, err
+		})
+		if err != nil {
+			return err
+		}
+		// 3. Scan above what each partition has loaded.
+		if rows, err = br.Query(); err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			row := &schema.OrderedRow{}
+			if err := row.Scan(rows, r.oq.Columns); err != nil {
+				return err
+			}
+			scanned = append(scanned, row)
+		}
+		return rows.Err()
+	}()
+	if err != nil {
 		r.cycleError(ctx, err)
 		return false
 	}
@@ -474,52 +524,6 @@ func (r *orderedRelay) cycle(ctx context.Context) bool {
 	}
 	safe := r.safe
 	r.mu.Unlock()
-
-	// 2. Holds of the owned partitions.
-	rows, err := r.s.pool.Query(qctx, r.oq.Holds, ids)
-	if err != nil {
-		r.cycleError(ctx, err)
-		return false
-	}
-	type dbHold struct {
-		key             string
-		part            int
-		seq             int64
-		attempts        int
-		due, dead, skip bool
-	}
-	holds, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (dbHold, error) {
-		var h dbHold
-		err := row.Scan(&h.key, &h.part, &h.seq, &h.attempts, &h.due, &h.dead, &h.skip)
-		return h, err
-	})
-	if err != nil {
-		r.cycleError(ctx, err)
-		return false
-	}
-
-	// 3. Scan above what each partition has loaded.
-	limit := cfg.BatchSize
-	rows, err = r.s.pool.Query(qctx, r.oq.Scan, ids, froms, limit)
-	if err != nil {
-		r.cycleError(ctx, err)
-		return false
-	}
-	var scanned []*schema.OrderedRow
-	for rows.Next() {
-		row := &schema.OrderedRow{}
-		if err := row.Scan(rows, r.oq.Columns); err != nil {
-			rows.Close()
-			r.cycleError(ctx, err)
-			return false
-		}
-		scanned = append(scanned, row)
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		r.cycleError(ctx, err)
-		return false
-	}
 
 	r.mu.Lock()
 	defer r.mu.Unlock()
