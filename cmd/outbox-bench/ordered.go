@@ -323,4 +323,3 @@ func orderedLatency(ctx context.Context, pool *pgxpool.Pool, t schema.Table, o o
 	sort.Float64s(lat)
 	return lat[len(lat)/2], lat[len(lat)*99/100], nil
 }
-
