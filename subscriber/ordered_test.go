@@ -654,3 +654,26 @@ func TestOrderedCleaner(t *testing.T) {
 		t.Fatalf("left %v, %v; want c2's dead row and the row behind it", left, err)
 	}
 }
+
+// TestOrderedHotKey relays a backlog of one key, larger than the window a
+// relay reads ahead, in order.
+func TestOrderedHotKey(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	var evs []keyed
+	for i := 0; i < 5; i++ {
+		keys := make([]string, 1000)
+		for j := range keys {
+			keys[j] = "hot"
+		}
+		evs = append(evs, enqueueKeyed(t, pool, tbl, keys...)...)
+	}
+	rec := newRecorder()
+	cfg := orderedCfg(tbl)
+	cfg.BatchSize = 500
+	s := orderedSub(t, pool, cfg)
+	consume(t, s, rec, nil)
+	rec.waitAcked(t, evs, 20*time.Second, func() { dumpOrdered(t, pool, tbl) })
+	rec.checkOrder(t)
+}
