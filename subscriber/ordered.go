@@ -119,8 +119,6 @@ type holdState struct {
 	advancing bool // an Advance statement is running
 }
 
-var debugOrdered = os.Getenv("ORDERED_DEBUG") != ""
-
 func newOrderedRelay(sub *subscription) *orderedRelay {
 	host, _ := os.Hostname()
 	b := make([]byte, 4)
@@ -264,9 +262,6 @@ func (r *orderedRelay) tick(ctx context.Context) {
 	}
 	mine := r.assigned(live)
 	now := time.Now()
-	if debugOrdered {
-		fmt.Fprintf(os.Stderr, "relay %s tick live %v mine %d owned %d\n", r.id[len(r.id)-4:], live, len(mine), len(r.parts))
-	}
 
 	r.mu.Lock()
 	var relIDs []int32
@@ -515,9 +510,6 @@ func (r *orderedRelay) cycle(ctx context.Context) bool {
 	if !oldOpen {
 		r.safe = max(r.safe, oldS0)
 	}
-	if debugOrdered {
-		fmt.Fprintf(os.Stderr, "relay %s cut old %d open %v new %d %v\n", r.id[len(r.id)-4:], oldS0, oldOpen, s0, vx)
-	}
 	r.cutS0, r.cutVx = s0, vx
 	if len(vx) == 0 {
 		r.safe = max(r.safe, s0)
@@ -573,13 +565,6 @@ func (r *orderedRelay) cycle(ctx context.Context) bool {
 			r.loadLocked(p, row)
 		}
 		p.lastScan = len(got)
-		if debugOrdered {
-			var seqs []int64
-			for _, g := range got {
-				seqs = append(seqs, g.Sequence)
-			}
-			fmt.Fprintf(os.Stderr, "relay %s part %d from %d safe %d floor %d got %v\n", r.id[len(r.id)-4:], id, froms[i], safe, p.floor, seqs)
-		}
 		switch {
 		case len(got) < limit:
 			p.seen = max(p.seen, safe)
