@@ -1,10 +1,12 @@
 // Command outbox is the relay daemon and runbook CLI of watermill-outbox.
 //
 //	outbox relay                 relay and clean the tables of OUTBOX_RELAY_TABLES
-//	outbox migrate --table=T     create an outbox table (--print shows the SQL)
+//	outbox migrate --table=T     create an outbox table (--print shows the SQL; --ordered for ordered mode)
 //	outbox backlog --table=T     pending rows, oldest first
 //	outbox dead list --table=T   dead rows (filters: --topic, --tenant, --error, --after)
 //	outbox dead replay ...       replay one event (--event-id) or dead rows in bulk (--confirm)
+//	outbox dead skip ...         ordered mode: drop a held row from its key's order (--event-id, --confirm)
+//	outbox keys held --table=T   ordered mode: ordering keys held back by a failing or dead row
 //	outbox stats --table=T       pending, locked, dead, oldest pending age
 //
 // Configuration comes from the environment (DESIGN §8); a bad value stops
