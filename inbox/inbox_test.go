@@ -572,7 +572,9 @@ func TestMigrateIdempotent(t *testing.T) {
 		}
 	}
 	fresh := schema.MustParseTable(e.ns + "_other.inbox") // schema created on the way
-	t.Cleanup(func() { _, _ = e.pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+pgx.Identifier{e.ns + "_other"}.Sanitize()+` CASCADE`) })
+	t.Cleanup(func() {
+		_, _ = e.pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+pgx.Identifier{e.ns + "_other"}.Sanitize()+` CASCADE`)
+	})
 	for range 2 {
 		if err := inbox.Migrate(context.Background(), e.pool, fresh); err != nil {
 			t.Fatal(err)
