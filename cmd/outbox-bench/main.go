@@ -8,7 +8,9 @@
 // backlog through the subscriber beside the bare-SQL ceiling of the same
 // claim and ack statements); latency (commit-to-delivery percentiles at
 // steady offered rates, wake-up on and off); brokers (outbox to Kafka via an
-// in-process kfake cluster and to RabbitMQ with confirms). Stop early with
+// in-process kfake cluster and to RabbitMQ with confirms); inbox (a
+// consumer's handler behind the inbox middleware beside the same handler in
+// its own transaction, duplicates, and a concurrent duplicate storm). Stop early with
 // SIGINT; the figures so far are printed.
 package main
 
@@ -131,9 +133,9 @@ func run(ctx context.Context, o options, suites []string) error {
 	fmt.Printf("outbox-bench: PostgreSQL %s, %d workers, %s per measurement, best of %d\n\n", serverVersion(ctx, pool), o.workers, o.duration, o.rounds)
 	known := map[string]func(context.Context, *pgxpool.Pool, string, options) error{
 		"enqueue": enqueueSuite, "relay": relaySuite, "latency": latencySuite, "brokers": brokerSuite,
-		"scaling": scalingSuite, "sustained": sustainedSuite, "poison": poisonSuite,
+		"scaling": scalingSuite, "sustained": sustainedSuite, "poison": poisonSuite, "inbox": inboxSuite,
 	}
-	order := []string{"enqueue", "relay", "latency", "poison", "brokers", "scaling", "sustained"}
+	order := []string{"enqueue", "relay", "latency", "poison", "inbox", "brokers", "scaling", "sustained"}
 	var run []string
 	for _, s := range suites {
 		s = strings.TrimSpace(s)
