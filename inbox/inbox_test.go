@@ -16,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -663,3 +664,28 @@ func TestRouter(t *testing.T) {
 func newGoChannel(logger watermill.LoggerAdapter) *gochannel.GoChannel {
 	return gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, logger)
 }
+
+// TestHandlerMustNotEndTx: a handler that commits the inbox transaction
+// itself gets an error (a nack) that says not to.
+func TestHandlerMustNotEndTx(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	ib := e.newInbox(t, inbox.Config{})
+	_, err := ib.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		tx, _ := inbox.Tx(m.Context())
+		return nil, tx.Commit(m.Context())
+	})(newMsg())
+	if err == nil || !strings.Contains(err.Error(), "never commit or roll back inbox.Tx") {
+		t.Fatalf("err = %v, want the inbox to refuse a handler that ended its transaction", err)
+	}
+}
+
+// sqlcDBTX is the interface sqlc generates for pgx/v5 (sql_package:
+// pgx/v5): the inbox transaction must satisfy it.
+type sqlcDBTX interface {
+	Exec(context.Context, string, ...interface{}) (pgconn.CommandTag, error)
+	Query(context.Context, string, ...interface{}) (pgx.Rows, error)
+	QueryRow(context.Context, string, ...interface{}) pgx.Row
+}
+
+var _ sqlcDBTX = pgx.Tx(nil)
