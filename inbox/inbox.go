@@ -72,11 +72,11 @@ const (
 type Concurrency int
 
 const (
-	// Wait (the default): the copy waits for the other copy's transaction;
+	// Wait (the default) makes the copy wait for the other copy's transaction;
 	// it is then a duplicate (the other committed) or does the work (the
 	// other rolled back). A copy holds a connection while it waits.
 	Wait Concurrency = iota
-	// FailFast: the copy fails at once with ErrInProgress and is nacked, to
+	// FailFast makes the copy fail at once with ErrInProgress and be nacked, to
 	// be redelivered later. It uses a transaction-level advisory lock on
 	// (table, consumer, key); do not mix Wait and FailFast for one consumer.
 	FailFast
@@ -173,19 +173,19 @@ func (c *Config) setDefaults() {
 func (c *Config) validate() error {
 	switch {
 	case c.Table.IsZero():
-		return errors.New("Table is empty; set it to the inbox table (schema.ParseTable), created with inbox.Migrate")
+		return errors.New("inbox: invalid config: Table is empty; set it to the inbox table (schema.ParseTable), created with inbox.Migrate")
 	case c.Consumer == "":
-		return errors.New("Consumer is empty; set it to the handler's name, e.g. \"billing.create-account\"")
+		return errors.New("inbox: invalid config: Consumer is empty; set it to the handler's name, e.g. \"billing.create-account\"")
 	case !utf8.ValidString(c.Consumer) || len(c.Consumer) > MaxKeyBytes || containsNUL(c.Consumer):
-		return fmt.Errorf("Consumer must be valid UTF-8 without NUL bytes, at most %d bytes", MaxKeyBytes)
+		return fmt.Errorf("inbox: invalid config: Consumer must be valid UTF-8 without NUL bytes, at most %d bytes", MaxKeyBytes)
 	case c.Retention < 0:
-		return fmt.Errorf("Retention is %s; leave it 0 for the 30-day default or set a positive duration", c.Retention)
+		return fmt.Errorf("inbox: invalid config: Retention is %s; leave it 0 for the 30-day default or set a positive duration", c.Retention)
 	case c.CleanupInterval < 0:
-		return fmt.Errorf("CleanupInterval is %s; leave it 0 for no background cleanup or set a positive interval", c.CleanupInterval)
+		return fmt.Errorf("inbox: invalid config: CleanupInterval is %s; leave it 0 for no background cleanup or set a positive interval", c.CleanupInterval)
 	case c.CleanupBatch < 0:
-		return fmt.Errorf("CleanupBatch is %d; leave it 0 for the default (%d) or set a positive number", c.CleanupBatch, CleanupBatchDefault)
+		return fmt.Errorf("inbox: invalid config: CleanupBatch is %d; leave it 0 for the default (%d) or set a positive number", c.CleanupBatch, CleanupBatchDefault)
 	case c.Concurrency != Wait && c.Concurrency != FailFast:
-		return fmt.Errorf("Concurrency is %d; use inbox.Wait or inbox.FailFast", int(c.Concurrency))
+		return fmt.Errorf("inbox: invalid config: Concurrency is %d; use inbox.Wait or inbox.FailFast", int(c.Concurrency))
 	}
 	return nil
 }
@@ -232,7 +232,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Inbox, error) {
 	}
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {
-		return nil, fmt.Errorf("inbox: invalid config: %w", err)
+		return nil, err
 	}
 	q := schema.NewInboxQueries(cfg.Table)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

@@ -689,3 +689,39 @@ type sqlcDBTX interface {
 }
 
 var _ sqlcDBTX = pgx.Tx(nil)
+
+// TestQueryExecModes: the inbox statements work under every pgx query
+// execution mode, the simple protocol (PgBouncer) included.
+func TestQueryExecModes(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	modes := map[string]pgx.QueryExecMode{
+		"cache_statement": pgx.QueryExecModeCacheStatement, "cache_describe": pgx.QueryExecModeCacheDescribe,
+		"describe_exec": pgx.QueryExecModeDescribeExec, "exec": pgx.QueryExecModeExec, "simple_protocol": pgx.QueryExecModeSimpleProtocol,
+	}
+	for name, mode := range modes {
+		pool := testdb.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode; c.MaxConns = 4 })
+		for _, cc := range []inbox.Concurrency{inbox.Wait, inbox.FailFast} {
+			consumer := name + "/" + cc.String()
+			ib, err := inbox.New(pool, inbox.Config{Table: e.table, Consumer: consumer, Concurrency: cc, Retention: time.Millisecond})
+			if err != nil {
+				t.Fatalf("%s: %v", consumer, err)
+			}
+			msg := newMsg()
+			msg.Metadata.Set(schema.MetadataEventID, "it's a key with 'quotes' and \\backslashes")
+			for range 2 {
+				if _, err := ib.Middleware(e.effect(consumer, 0, nil))(copyOf(msg)); err != nil {
+					t.Fatalf("%s: %v", consumer, err)
+				}
+			}
+			if got := e.effectsOf(t, consumer); got != 1 {
+				t.Errorf("%s: effects = %d, want 1", consumer, got)
+			}
+			time.Sleep(5 * time.Millisecond)
+			if n, err := ib.Cleanup(context.Background()); err != nil || n != 1 {
+				t.Errorf("%s: Cleanup = %d, %v; want 1", consumer, n, err)
+			}
+			_ = ib.Close()
+		}
+	}
+}
