@@ -9,7 +9,9 @@
 //
 //   - handler success commits the record and the effects together, then the
 //     message is acked (and the messages the handler returned are published
-//     by the router, after the commit);
+//     by the router, after the commit; a duplicate returns none, so messages
+//     whose publish failed after the commit are lost: enqueue the next event
+//     in the transaction with publisher.Enqueue instead);
 //   - a handler error rolls both back and the error is returned: the
 //     message is nacked and redelivered;
 //   - a handler panic rolls both back and the panic continues (it is
