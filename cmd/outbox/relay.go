@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/outboxkit/watermill-outbox/cleaner"
 	"github.com/outboxkit/watermill-outbox/forwarder"
@@ -55,6 +56,9 @@ type relayConfig struct {
 	metricsEnabled  bool
 	metricsPath     string
 	metricsAddr     string
+
+	// Set by runRelay, not read from the environment.
+	tracerProvider trace.TracerProvider // nil: the global provider
 }
 
 // loadRelayConfig reads DESIGN §8's variables; the first bad one is the error.
@@ -144,6 +148,12 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 		return err
 	}
 	logger := watermill.NewSlogLogger(slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelInfo})))
+	tp, stopTracing, err := startTracing(ctx, env, logger)
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
+	cfg.tracerProvider = tp
 
 	poolCfg, err := pgxpool.ParseConfig(cfg.databaseURL)
 	if err != nil {
@@ -248,7 +258,8 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 		}
 		subs = append(subs, s)
 		f, err := forwarder.New(s, pub, forwarder.Config{
-			Middleware: router.Middlewares(router.MiddlewareConfig{DispatchTimeout: cfg.dispatchTimeout, MaxAttempts: cfg.maxAttempts, Logger: logger}),
+			Middleware:     router.Middlewares(router.MiddlewareConfig{DispatchTimeout: cfg.dispatchTimeout, MaxAttempts: cfg.maxAttempts, Logger: logger}),
+			TracerProvider: cfg.tracerProvider, MessagingSystem: messagingSystem(cfg.backend.Kind),
 		}, logger)
 		if err != nil {
 			return err
