@@ -59,6 +59,7 @@ type relayConfig struct {
 
 	// Set by runRelay, not read from the environment.
 	tracerProvider trace.TracerProvider // nil: the global provider
+	health         *health              // nil: OUTBOX_HEALTH_ADDR unset
 }
 
 // loadRelayConfig reads DESIGN §8's variables; the first bad one is the error.
@@ -154,6 +155,10 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 	}
 	defer stopTracing()
 	cfg.tracerProvider = tp
+	if cfg.health, err = startHealth(env, cfg, logger); err != nil {
+		return err
+	}
+	defer cfg.health.Close()
 
 	poolCfg, err := pgxpool.ParseConfig(cfg.databaseURL)
 	if err != nil {
@@ -166,6 +171,7 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 		return fmt.Errorf("connect to OUTBOX_DATABASE_URL: %w", err)
 	}
 	defer pool.Close()
+	cfg.health.setPool(pool)
 	err = retryStartup(ctx, logger, func() error { return pool.Ping(ctx) })
 	if err != nil {
 		if ctx.Err() != nil {
@@ -264,8 +270,9 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 		if err != nil {
 			return err
 		}
-		f.AddTo(r)
+		cfg.health.addRelay(t, s, f.AddTo(r))
 	}
+	cfg.health.setRouter(r)
 	go func() {
 		<-r.Running()
 		fmt.Fprintf(stdout, "relaying %d table(s) to %s\n", len(cfg.tables), cfg.backend.Kind)
