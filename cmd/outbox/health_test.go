@@ -43,7 +43,7 @@ type daemon struct {
 	addr   string // the health server's address
 }
 
-var healthAddrLog = regexp.MustCompile(`msg="Serving health probes" addr=(\S+)`)
+var healthAddrLog = regexp.MustCompile(`msg="Serving health probes"[^\n]* addr=(\S+)`)
 
 // startDaemon runs `outbox relay` with env (plus a health server on a free
 // port) until the test ends, and waits for the health server.
