@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -13,8 +14,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+
+	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
 // lockedBuffer is a bytes.Buffer the daemon and the test share.
@@ -273,4 +280,69 @@ func TestHealthReadiness(t *testing.T) {
 	a.wait(t, readinessPath, http.StatusOK, oneLineBody("ready: "))
 	a.stop(t)
 	b.stop(t)
+}
+
+// TestReadinessFollowsEveryTable: readiness waits for the router, names a
+// table whose relay stopped while the others run, and reports the drain.
+func TestReadinessFollowsEveryTable(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tables := []schema.Table{testdb.Table(t, "a_outbox"), testdb.Table(t, "b_outbox")}
+	h := &health{relayEnabled: true, tables: len(tables)}
+	h.setPool(pool)
+	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	gc := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	defer gc.Close()
+	var subs []*subscriber.Subscriber
+	for _, tbl := range tables {
+		s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		subs = append(subs, s)
+		f, err := forwarder.New(s, gc, forwarder.Config{}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		h.addRelay(tbl, s, f.AddTo(r))
+	}
+	h.setRouter(r)
+	ctx := context.Background()
+	if ok, reason := h.ready(ctx); ok || reason != "starting: 2 of 2 table relays subscribed" {
+		t.Fatalf("before the router runs: %v %q", ok, reason)
+	}
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	<-r.Running()
+	waitReason := func(want func(bool, string) bool) string {
+		t.Helper()
+		deadline := time.Now().Add(20 * time.Second)
+		for {
+			ok, reason := h.ready(ctx)
+			if want(ok, reason) {
+				return reason
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("readiness stuck at %v %q", ok, reason)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	want := fmt.Sprintf("ready: leader of [%s %s], standby for []", tables[0], tables[1])
+	waitReason(func(ok bool, r string) bool { return ok && r == want })
+
+	_ = subs[0].Close() // table a's relay stops; b's runs on
+	waitReason(func(ok bool, r string) bool { return !ok && r == "relay of table "+tables[0].String()+" stopped" })
+
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	waitReason(func(ok bool, r string) bool { return !ok && r == "stopping: the relay is draining" })
 }
