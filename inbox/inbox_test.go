@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -29,7 +31,17 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m, goleak.Cleanup(func(int) { testdb.ClosePool() }))
+	code := m.Run()
+	// Close the shared pool first, so that the leak check sees none of its
+	// goroutines; any other goroutine left behind is a leak.
+	testdb.ClosePool()
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
 }
 
 // env is one test's inbox table and effects table in a fresh schema.
