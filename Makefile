@@ -18,6 +18,7 @@ wait: ## Wait until PostgreSQL and RabbitMQ accept connections.
 
 test: ## Run every test against the real services (the command CI runs), then the fault-injection test at CI size.
 	go test -count=1 -timeout 30m ./...
+	./scripts/docker-build-check.sh && cd deploy/kubernetes/check && go test -count=1 ./...
 	go test -count=1 -timeout 15m -tags fault -run TestFaultInjection -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -25; exit $${PIPESTATUS[0]}
 
 fault: ## The fault-injection test at full size (100,000 events, 12 relay kills); restarts PostgreSQL and RabbitMQ.

@@ -8,6 +8,13 @@
 // attempts, table, traceparent, tracestate and stored headers) carried as a
 // broker header, and the business JSON as the payload. A publish error is a
 // nack: the row is retried with backoff and never acked silently.
+//
+// Each relayed message gets an OpenTelemetry producer span in the trace of
+// the row's traceparent, with the messaging attributes (messaging.system,
+// messaging.destination.name, messaging.message.id = event_id,
+// messaging.operation.type = send), error status when the relay fails, and
+// the published message's traceparent pointing at it. Only the OTel API is
+// used: spans go to Config.TracerProvider or the global provider.
 package forwarder
 
 import (
@@ -19,6 +26,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/outboxkit/watermill-outbox/router"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -50,6 +58,14 @@ type Config struct {
 	// RouterConfig configures the router Run creates. Defaults to Watermill's
 	// defaults.
 	RouterConfig message.RouterConfig
+	// TracerProvider provides the tracer of the relay spans: one producer
+	// span per relayed message, child of the span in the row's traceparent,
+	// and the published message's traceparent continues from it. Defaults to
+	// otel.GetTracerProvider() (a no-op until the process sets one).
+	TracerProvider trace.TracerProvider
+	// MessagingSystem is the span's messaging.system attribute, the broker
+	// kind ("kafka", "rabbitmq"). Defaults to MessagingSystemDefault.
+	MessagingSystem string
 }
 
 // PartitionByEventID keys records by event_id (the default): the same event
@@ -95,6 +111,7 @@ type Forwarder struct {
 	logger watermill.LoggerAdapter
 
 	router    *message.Router
+	tracer    trace.Tracer
 	started   atomic.Bool
 	closeOnce sync.Once
 	closeErr  error
@@ -131,16 +148,22 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 	if cfg.Middleware == nil {
 		cfg.Middleware = router.Middlewares(router.MiddlewareConfig{Logger: logger})
 	}
+	if cfg.MessagingSystem == "" {
+		cfg.MessagingSystem = MessagingSystemDefault
+	}
 	r, err := message.NewRouter(cfg.RouterConfig, logger)
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: %w", err)
 	}
-	return &Forwarder{sub: sub, pub: pub, cfg: cfg, logger: logger, router: r}, nil
+	return &Forwarder{sub: sub, pub: pub, cfg: cfg, logger: logger, router: r, tracer: tracerOf(cfg.TracerProvider)}, nil
 }
 
 // Handle is the forwarder's handler function: it publishes one outbox
-// message to its destination. A publish error nacks the message.
-func (f *Forwarder) Handle(msg *message.Message) error {
+// message to its destination, in a span of its own (see
+// Config.TracerProvider). A publish error nacks the message.
+func (f *Forwarder) Handle(msg *message.Message) (err error) {
+	ctx, span := f.startSpan(msg)
+	defer func() { endSpan(span, err, msg.Payload) }()
 	dest, err := f.cfg.DestinationTopic(msg)
 	if err == nil && dest == "" {
 		err = errors.New("the destination topic is empty")
@@ -148,6 +171,7 @@ func (f *Forwarder) Handle(msg *message.Message) error {
 	if err != nil {
 		return subscriber.Permanent(fmt.Errorf("no destination topic for event %s: %w", msg.UUID, err))
 	}
+	setDestination(span, dest)
 	key, err := f.cfg.PartitionKey(msg)
 	if err != nil {
 		return subscriber.Permanent(fmt.Errorf("partition key for event %s: %w", msg.UUID, err))
@@ -157,7 +181,8 @@ func (f *Forwarder) Handle(msg *message.Message) error {
 		out.Metadata[k] = v
 	}
 	out.Metadata[router.MetadataPartitionKey] = key
-	out.SetContext(msg.Context())
+	injectTrace(ctx, out.Metadata)
+	out.SetContext(ctx)
 	if err := f.pub.Publish(dest, out); err != nil {
 		return fmt.Errorf("publish event %s to %q: %w", msg.UUID, dest, err)
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
@@ -12,7 +13,7 @@ import (
 	"github.com/google/uuid"
 )
 
-// Defaults of Adapter, shared with the subscriber (DESIGN §5).
+// Defaults of Adapter, shared with the subscriber.
 const (
 	MaxAttemptsDefault = 25
 	LockTTLDefault     = 60 * time.Second
@@ -25,12 +26,15 @@ const AllTopics = "*"
 
 // Adapter lets watermill-sql v3's stock NewPublisher and NewSubscriber work on
 // an outbox table. It implements both sql.SchemaAdapter and
-// sql.OffsetsAdapter; pass the same value as both.
+// sql.OffsetsAdapter; pass the same value as both. For watermill-sql v4 use
+// package schema/sqlv4, configured with the same fields; both render their
+// statements with the Statement methods of Adapter (InsertStatement,
+// ClaimStatement, AckStatement, SchemaStatements, ScanClaimed).
 //
 // InsertQuery writes one row per message: msg.UUID must be a UUID (it becomes
 // event_id), metadata tenant_id is required, the payload must be JSON and
 // the remaining metadata goes to the headers column when the table has one.
-// SelectQuery is the lease claim of DESIGN §5; AckMessageQuery marks the rows
+// SelectQuery is the subscriber's lease claim; AckMessageQuery marks the rows
 // the same transaction claimed as published.
 //
 // The stock subscriber is weaker than package subscriber: it keeps the claim
@@ -79,14 +83,15 @@ func (a Adapter) batchSize() int {
 	return a.BatchSize
 }
 
-// InsertQuery implements sql.SchemaAdapter: one multi-row INSERT, idempotent
-// on event_id. Topic is stored in the topic column.
-func (a Adapter) InsertQuery(topic string, msgs message.Messages) (wsql.Query, error) {
+// InsertStatement renders one multi-row INSERT of msgs, idempotent on
+// event_id, with topic stored in the topic column. It is the insert of both
+// watermill-sql adapters (v3 here, v4 in package schema/sqlv4).
+func (a Adapter) InsertStatement(topic string, msgs message.Messages) (Statement, error) {
 	if a.Table.IsZero() {
-		return wsql.Query{}, errors.New("outbox adapter: Table is not set")
+		return Statement{}, errors.New("schema: invalid config: Adapter.Table is not set; set it to the outbox table")
 	}
 	if len(msgs) == 0 {
-		return wsql.Query{}, errors.New("outbox adapter: no messages to insert")
+		return Statement{}, errors.New("schema: adapter: no messages to insert")
 	}
 	cols := []string{ColumnTenantID, ColumnTopic, ColumnPayload, ColumnEventID}
 	if a.Columns.Headers {
@@ -94,29 +99,29 @@ func (a Adapter) InsertQuery(topic string, msgs message.Messages) (wsql.Query, e
 	}
 	var (
 		args   []any
-		values string
+		values strings.Builder
 	)
 	for i, msg := range msgs {
 		row, err := a.insertArgs(topic, msg)
 		if err != nil {
-			return wsql.Query{}, fmt.Errorf("outbox adapter: message #%d (uuid %q): %w", i, msg.UUID, err)
+			return Statement{}, fmt.Errorf("schema: adapter: message #%d (uuid %q): %w", i, msg.UUID, err)
 		}
 		if i > 0 {
-			values += ", "
+			values.WriteString(", ")
 		}
-		values += "("
+		values.WriteString("(")
 		for j := range row {
 			if j > 0 {
-				values += ", "
+				values.WriteString(", ")
 			}
-			values += "$" + itoa(len(args)+j+1) + insertCasts[j]
+			values.WriteString("$" + itoa(len(args)+j+1) + insertCasts[j])
 		}
-		values += ")"
+		values.WriteString(")")
 		args = append(args, row...)
 	}
-	query := `INSERT INTO ` + a.Table.Sanitize() + ` (` + joinComma(cols) + `) VALUES ` + values +
+	query := `INSERT INTO ` + a.Table.Sanitize() + ` (` + joinComma(cols) + `) VALUES ` + values.String() +
 		` ON CONFLICT (` + ColumnEventID + `) DO NOTHING`
-	return wsql.Query{Query: query, Args: args}, nil
+	return Statement{SQL: query, Args: args}, nil
 }
 
 var insertCasts = []string{"::uuid", "", "::jsonb", "::uuid", "::jsonb"}
@@ -153,41 +158,82 @@ func (a Adapter) insertArgs(topic string, msg *message.Message) ([]any, error) {
 	return args, nil
 }
 
-// SelectQuery implements sql.SchemaAdapter with the lease claim of DESIGN §5.
-func (a Adapter) SelectQuery(topic string, _ string, _ wsql.OffsetsAdapter) wsql.Query {
+// ClaimStatement renders the lease claim of the adapters' SelectQuery: up to
+// BatchSize due rows of topic (every topic when topic is AllTopics), leased
+// for LockTTL. Rows it returns are read with ScanClaimed.
+func (a Adapter) ClaimStatement(topic string) Statement {
 	q := a.queries()
 	args := []any{a.maxAttempts(), a.lockTTL().Seconds(), a.batchSize()}
 	if topic == AllTopics {
-		return wsql.Query{Query: q.ClaimAll, Args: args}
+		return Statement{SQL: q.ClaimAll, Args: args}
 	}
-	return wsql.Query{Query: q.ClaimTopic, Args: append(args, topic)}
+	return Statement{SQL: q.ClaimTopic, Args: append(args, topic)}
 }
 
-// UnmarshalMessage implements sql.SchemaAdapter: the message has UUID =
-// event_id and the metadata of DESIGN §4. Row.Offset is the sequence.
-func (a Adapter) UnmarshalMessage(row wsql.Scanner) (wsql.Row, error) {
+// ScanClaimed reads one row returned by ClaimStatement: its sequence (the
+// adapters' offset) and its message, with UUID = event_id and the outbox
+// metadata (see ClaimedRow.Message).
+func (a Adapter) ScanClaimed(row Scanner) (sequence int64, msg *message.Message, err error) {
 	var r ClaimedRow
 	if err := r.Scan(row, a.Columns); err != nil {
-		return wsql.Row{}, err
+		return 0, nil, err
 	}
-	msg, err := r.Message(a.Table)
+	msg, err = r.Message(a.Table)
+	if err != nil {
+		return 0, nil, err
+	}
+	return r.Sequence, msg, nil
+}
+
+// AckStatement renders the adapters' ack: it marks published every row the
+// current transaction claimed, up to sequence.
+func (a Adapter) AckStatement(sequence int64) Statement {
+	return Statement{SQL: a.queries().AckUpToInTx, Args: []any{sequence}}
+}
+
+// SchemaStatements renders the table's idempotent DDL, with the optional
+// columns of Columns, for the adapters' SchemaInitializingQueries.
+func (a Adapter) SchemaStatements() []Statement {
+	var out []Statement
+	for _, s := range upStatements(a.Table, a.Columns) {
+		out = append(out, Statement{SQL: s})
+	}
+	return out
+}
+
+func v3Query(s Statement) wsql.Query { return wsql.Query{Query: s.SQL, Args: s.Args} }
+
+// InsertQuery implements sql.SchemaAdapter with InsertStatement.
+func (a Adapter) InsertQuery(topic string, msgs message.Messages) (wsql.Query, error) {
+	s, err := a.InsertStatement(topic, msgs)
+	if err != nil {
+		return wsql.Query{}, err
+	}
+	return v3Query(s), nil
+}
+
+// SelectQuery implements sql.SchemaAdapter with ClaimStatement.
+func (a Adapter) SelectQuery(topic string, _ string, _ wsql.OffsetsAdapter) wsql.Query {
+	return v3Query(a.ClaimStatement(topic))
+}
+
+// UnmarshalMessage implements sql.SchemaAdapter with ScanClaimed: the
+// message has UUID = event_id and the outbox metadata; Row.Offset is the
+// sequence.
+func (a Adapter) UnmarshalMessage(row wsql.Scanner) (wsql.Row, error) {
+	seq, msg, err := a.ScanClaimed(row)
 	if err != nil {
 		return wsql.Row{}, err
 	}
-	return wsql.Row{
-		Offset:  r.Sequence,
-		UUID:    []byte(r.EventID),
-		Payload: []byte(r.Payload),
-		Msg:     msg,
-	}, nil
+	return wsql.Row{Offset: seq, UUID: []byte(msg.UUID), Payload: msg.Payload, Msg: msg}, nil
 }
 
-// SchemaInitializingQueries implements sql.SchemaAdapter: the table's DDL,
-// with the optional columns of Columns.
+// SchemaInitializingQueries implements sql.SchemaAdapter with
+// SchemaStatements.
 func (a Adapter) SchemaInitializingQueries(string) []wsql.Query {
 	var qs []wsql.Query
-	for _, s := range upStatements(a.Table, a.Columns) {
-		qs = append(qs, wsql.Query{Query: s})
+	for _, s := range a.SchemaStatements() {
+		qs = append(qs, v3Query(s))
 	}
 	return qs
 }
@@ -196,10 +242,9 @@ func (a Adapter) SchemaInitializingQueries(string) []wsql.Query {
 // SKIP LOCKED needs to let concurrent subscribers share a table.
 func (a Adapter) SubscribeIsolationLevel() stdsql.IsolationLevel { return stdsql.LevelReadCommitted }
 
-// AckMessageQuery implements sql.OffsetsAdapter: it marks published every row
-// the subscriber's transaction claimed up to row's sequence.
+// AckMessageQuery implements sql.OffsetsAdapter with AckStatement.
 func (a Adapter) AckMessageQuery(_ string, row wsql.Row, _ string) wsql.Query {
-	return wsql.Query{Query: a.queries().AckUpToInTx, Args: []any{row.Offset}}
+	return v3Query(a.AckStatement(row.Offset))
 }
 
 // ConsumedMessageQuery implements sql.OffsetsAdapter; the claim already

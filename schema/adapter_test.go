@@ -18,7 +18,8 @@ import (
 )
 
 // TestAdapterWithStockWatermillSQL runs watermill-sql v3's own NewPublisher and
-// NewSubscriber over an outbox table through Adapter.
+// NewSubscriber over an outbox table through Adapter: every message arrives
+// once, a nacked one again, and the acks leave the rows published.
 func TestAdapterWithStockWatermillSQL(t *testing.T) {
 	t.Parallel()
 	tbl := testdb.Table(t, "org_outbox", schema.WithHeadersColumn())
@@ -35,6 +36,7 @@ func TestAdapterWithStockWatermillSQL(t *testing.T) {
 	}
 	sub, err := wsql.NewSubscriber(db, wsql.SubscriberConfig{
 		SchemaAdapter: adapter, OffsetsAdapter: adapter, PollInterval: 20 * time.Millisecond,
+		ResendInterval: 20 * time.Millisecond,
 	}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
@@ -44,11 +46,15 @@ func TestAdapterWithStockWatermillSQL(t *testing.T) {
 	const topic = "org.organization.created.v1"
 	tenant := uuid.NewString()
 	sent := map[string]bool{}
+	var first string
 	for i := range 25 {
 		m := message.NewMessage(uuid.NewString(), []byte(`{"n":`+strings.Repeat("1", i%3+1)+`}`))
 		m.Metadata.Set(schema.MetadataTenantID, tenant)
 		m.Metadata.Set("correlation_id", "c")
 		sent[m.UUID] = true
+		if i == 0 {
+			first = m.UUID
+		}
 		if err := pub.Publish(topic, m); err != nil {
 			t.Fatal(err)
 		}
@@ -80,6 +86,7 @@ func TestAdapterWithStockWatermillSQL(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	nacked := false
 	for len(sent) > 0 {
 		select {
 		case m := <-msgs:
@@ -91,6 +98,11 @@ func TestAdapterWithStockWatermillSQL(t *testing.T) {
 				m.Metadata.Get(schema.MetadataTable) != tbl.String() || m.Metadata.Get("correlation_id") != "c" ||
 				m.Metadata.Get(schema.MetadataSequence) == "" {
 				t.Fatalf("metadata %v", m.Metadata)
+			}
+			if m.UUID == first && !nacked {
+				nacked = true
+				m.Nack() // delivered again, then acked
+				continue
 			}
 			delete(sent, m.UUID)
 			m.Ack()

@@ -337,9 +337,6 @@ SELECT EXISTS (SELECT 1 FROM h)`
 	return q
 }
 
-// quoteLiteral renders s as an SQL string literal.
-func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
-
 // OrderedTablesExist reports whether the companion tables of ordered mode
 // exist for t.
 func OrderedTablesExist(ctx context.Context, q Querier, t Table) (bool, error) {

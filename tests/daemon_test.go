@@ -4,6 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +18,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/outboxkit/watermill-outbox/internal/kafkatest"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
@@ -187,6 +193,104 @@ func TestDaemonRefusesBadEnvironment(t *testing.T) {
 		}
 		if strings.Contains(string(out), "s3cret-pw") {
 			t.Errorf("%v: output leaks the database password:\n%s", c.set, out)
+		}
+	}
+}
+
+// TestDaemonExportsRelaySpansOverOTLP: with OTEL_EXPORTER_OTLP_ENDPOINT set,
+// `outbox relay` exports one span per relayed message over OTLP/HTTP, in the
+// trace of the row's traceparent and child of its span, to a collector
+// stand-in served by the test.
+func TestDaemonExportsRelaySpansOverOTLP(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox", schema.WithAllColumns())
+	const topic = "org.organization.created.v1"
+	want := enqueueTraced(t, pool, tbl, topic, 3)
+
+	type export struct {
+		path string
+		req  *coltracepb.ExportTraceServiceRequest
+	}
+	exports := make(chan export, 100)
+	collector := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		req := &coltracepb.ExportTraceServiceRequest{}
+		if err == nil {
+			err = proto.Unmarshal(body, req)
+		}
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		exports <- export{r.URL.Path, req}
+		w.Header().Set("Content-Type", "application/x-protobuf")
+		b, _ := proto.Marshal(&coltracepb.ExportTraceServiceResponse{})
+		_, _ = w.Write(b)
+	}))
+	defer collector.Close()
+
+	var stdout, stderr syncBuffer
+	cmd := exec.Command(outboxBinary(t), "relay")
+	cmd.Env = append(os.Environ(),
+		"OUTBOX_DATABASE_URL="+testdb.URL(),
+		"OUTBOX_RELAY_TABLES="+tbl.String(),
+		"OUTBOX_BACKEND=gochannel",
+		"OUTBOX_RELAY_POLL_INTERVAL=100ms",
+		"OUTBOX_CLEANER_ENABLED=false",
+		"OTEL_EXPORTER_OTLP_ENDPOINT="+collector.URL,
+		"OTEL_BSP_SCHEDULE_DELAY=100",
+		"OTEL_SERVICE_NAME=relay-under-test",
+	)
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		_ = cmd.Wait()
+	}()
+
+	parents := map[string]string{} // event_id -> the row's traceparent
+	for id, s := range want {
+		parents[id] = s.parent
+	}
+	deadline := time.After(30 * time.Second)
+	for len(parents) > 0 {
+		select {
+		case e := <-exports:
+			if e.path != "/v1/traces" {
+				t.Fatalf("export to %s, want /v1/traces", e.path)
+			}
+			for _, rs := range e.req.GetResourceSpans() {
+				service := ""
+				for _, kv := range rs.GetResource().GetAttributes() {
+					if kv.GetKey() == "service.name" {
+						service = kv.GetValue().GetStringValue()
+					}
+				}
+				for _, ss := range rs.GetScopeSpans() {
+					for _, sp := range ss.GetSpans() {
+						id := ""
+						for _, kv := range sp.GetAttributes() {
+							if kv.GetKey() == "messaging.message.id" {
+								id = kv.GetValue().GetStringValue()
+							}
+						}
+						parent, ok := parents[id]
+						if !ok {
+							t.Fatalf("unexpected span %q (message id %q)", sp.GetName(), id)
+						}
+						got := fmt.Sprintf("00-%x-%x-01", sp.GetTraceId(), sp.GetParentSpanId())
+						if got != parent || sp.GetName() != "publish "+topic || service != "relay-under-test" {
+							t.Fatalf("span %q of service %q: trace/parent %s, want %s", sp.GetName(), service, got, parent)
+						}
+						delete(parents, id)
+					}
+				}
+			}
+		case <-deadline:
+			t.Fatalf("%d relay spans not exported; stderr:\n%s", len(parents), stderr.String())
 		}
 	}
 }

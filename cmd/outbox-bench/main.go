@@ -8,7 +8,9 @@
 // backlog through the subscriber beside the bare-SQL ceiling of the same
 // claim and ack statements); latency (commit-to-delivery percentiles at
 // steady offered rates, wake-up on and off); brokers (outbox to Kafka via an
-// in-process kfake cluster and to RabbitMQ with confirms). Stop early with
+// in-process kfake cluster and to RabbitMQ with confirms); inbox (a
+// consumer's handler behind the inbox middleware beside the same handler in
+// its own transaction, duplicates, and a concurrent duplicate storm). Stop early with
 // SIGINT; the figures so far are printed.
 package main
 
@@ -133,9 +135,9 @@ func run(ctx context.Context, o options, suites []string) error {
 	fmt.Printf("outbox-bench: PostgreSQL %s, %d workers, %s per measurement, best of %d\n\n", serverVersion(ctx, pool), o.workers, o.duration, o.rounds)
 	known := map[string]func(context.Context, *pgxpool.Pool, string, options) error{
 		"enqueue": enqueueSuite, "relay": relaySuite, "latency": latencySuite, "brokers": brokerSuite,
-		"scaling": scalingSuite, "sustained": sustainedSuite, "poison": poisonSuite, "ordered": orderedSuite,
+		"scaling": scalingSuite, "sustained": sustainedSuite, "poison": poisonSuite, "inbox": inboxSuite, "ordered": orderedSuite,
 	}
-	order := []string{"enqueue", "relay", "latency", "poison", "brokers", "scaling", "sustained", "ordered"}
+	order := []string{"enqueue", "relay", "latency", "poison", "inbox", "brokers", "scaling", "sustained", "ordered"}
 	var run []string
 	for _, s := range suites {
 		s = strings.TrimSpace(s)

@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/outboxkit/watermill-outbox/cleaner"
 	"github.com/outboxkit/watermill-outbox/forwarder"
@@ -56,6 +57,10 @@ type relayConfig struct {
 	metricsEnabled  bool
 	metricsPath     string
 	metricsAddr     string
+
+	// Set by runRelay, not read from the environment.
+	tracerProvider trace.TracerProvider // nil: the global provider
+	health         *health              // nil: OUTBOX_HEALTH_ADDR unset
 }
 
 // loadRelayConfig reads DESIGN §8's variables; the first bad one is the error.
@@ -147,6 +152,16 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 		return err
 	}
 	logger := watermill.NewSlogLogger(slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelInfo})))
+	tp, stopTracing, err := startTracing(ctx, env, logger)
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
+	cfg.tracerProvider = tp
+	if cfg.health, err = startHealth(env, cfg, logger); err != nil {
+		return err
+	}
+	defer cfg.health.Close()
 
 	poolCfg, err := pgxpool.ParseConfig(cfg.databaseURL)
 	if err != nil {
@@ -159,6 +174,7 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 		return fmt.Errorf("connect to OUTBOX_DATABASE_URL: %w", err)
 	}
 	defer pool.Close()
+	cfg.health.setPool(pool)
 	err = retryStartup(ctx, logger, func() error { return pool.Ping(ctx) })
 	if err != nil {
 		if ctx.Err() != nil {
@@ -251,13 +267,15 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 		}
 		subs = append(subs, s)
 		f, err := forwarder.New(s, pub, forwarder.Config{
-			Middleware: router.Middlewares(router.MiddlewareConfig{DispatchTimeout: cfg.dispatchTimeout, MaxAttempts: cfg.maxAttempts, Logger: logger}),
+			Middleware:     router.Middlewares(router.MiddlewareConfig{DispatchTimeout: cfg.dispatchTimeout, MaxAttempts: cfg.maxAttempts, Logger: logger}),
+			TracerProvider: cfg.tracerProvider, MessagingSystem: messagingSystem(cfg.backend.Kind),
 		}, logger)
 		if err != nil {
 			return err
 		}
-		f.AddTo(r)
+		cfg.health.addRelay(t, s, f.AddTo(r))
 	}
+	cfg.health.setRouter(r)
 	go func() {
 		<-r.Running()
 		fmt.Fprintf(stdout, "relaying %d table(s) to %s\n", len(cfg.tables), cfg.backend.Kind)

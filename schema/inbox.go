@@ -1,0 +1,159 @@
+package schema
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Suffix of the inbox table's retention index.
+const suffixInboxProcessedIndex = "_by_processed"
+
+// InboxQueries are the statements of an inbox table (package inbox): one row
+// per (consumer, key) a consumer has handled, committed in the same
+// transaction as the handler's effects.
+type InboxQueries struct {
+	// Exists selects whether the table exists ($1: the sanitized name).
+	Exists string
+	// Record inserts (consumer $1, key $2). It affects one row for a new
+	// key and none for a key already committed; a copy in flight makes it
+	// wait on that copy's transaction.
+	Record string
+	// RecordNoWait is Record that never waits: it first tries a
+	// transaction-level advisory lock on (consumer, key) and inserts only
+	// when it got it. It returns (locked bool, inserted bool); locked false
+	// means another transaction is handling the same key now.
+	RecordNoWait string
+	// DeleteExpired deletes at most $3 rows of consumer $1 processed before
+	// now() - $2 microseconds.
+	DeleteExpired string
+	// Count counts the rows of consumer $1 (tests and the runbook).
+	Count string
+}
+
+// NewInboxQueries renders the inbox statements for table t.
+func NewInboxQueries(t Table) *InboxQueries {
+	tbl := t.Sanitize()
+	// The advisory-lock key: 64 bits of hashtextextended over the table, the
+	// consumer (length-prefixed, so that no two pairs render alike) and the
+	// key. The table name keeps two inbox tables apart.
+	lockKey := `hashtextextended(` + quoteLiteral("inbox:"+t.Qualified()+":") + ` || length($1)::text || ':' || $1 || $2, 0)`
+	return &InboxQueries{
+		Exists: `SELECT to_regclass($1) IS NOT NULL`,
+		Record: `INSERT INTO ` + tbl + ` (consumer, key) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
+		RecordNoWait: `WITH l AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(` + lockKey + `) AS locked),
+ins AS (INSERT INTO ` + tbl + ` (consumer, key) SELECT $1, $2 FROM l WHERE l.locked ON CONFLICT DO NOTHING RETURNING 1)
+SELECT (SELECT locked FROM l), EXISTS (SELECT 1 FROM ins)`,
+		DeleteExpired: `DELETE FROM ` + tbl + ` WHERE ctid = ANY (ARRAY(
+  SELECT ctid FROM ` + tbl + ` WHERE consumer = $1 AND processed_at < now() - $2::bigint * interval '1 microsecond'
+  ORDER BY processed_at LIMIT $3))`,
+		Count: `SELECT count(*) FROM ` + tbl + ` WHERE consumer = $1`,
+	}
+}
+
+// quoteLiteral renders s as a SQL string literal. s comes from a validated
+// Table, but quote anyway.
+func quoteLiteral(s string) string {
+	out := []byte{'\''}
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\'' {
+			out = append(out, '\'')
+		}
+		out = append(out, s[i])
+	}
+	return string(append(out, '\''))
+}
+
+// inboxUpStatements is the idempotent DDL of an inbox table.
+func inboxUpStatements(t Table) []string {
+	tbl := t.Sanitize()
+	return []string{
+		`CREATE TABLE IF NOT EXISTS ` + tbl + ` (
+  consumer     TEXT        NOT NULL,
+  key          TEXT        NOT NULL,
+  processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+  CONSTRAINT ` + t.ident(suffixPkey) + ` PRIMARY KEY (consumer, key)
+)`,
+		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixInboxProcessedIndex) + ` ON ` + tbl + ` (consumer, processed_at)`,
+	}
+}
+
+// InboxUpSQL returns the idempotent DDL that creates the inbox table t, for
+// migration tools.
+func InboxUpSQL(t Table) string { return joinStatements(inboxUpStatements(t)) }
+
+// InboxDownSQL returns the DDL that drops the inbox table t. It is
+// destructive: every processed key is forgotten, so every redelivered event
+// runs its handler again.
+func InboxDownSQL(t Table) string {
+	return joinStatements([]string{`DROP TABLE IF EXISTS ` + t.Sanitize()})
+}
+
+// MigrateInbox creates the inbox table t and its retention index. It is
+// idempotent and safe when several processes call it at once (one
+// transaction, serialised by a transaction-level advisory lock on t).
+func MigrateInbox(ctx context.Context, db DB, t Table) (err error) {
+	if t.IsZero() {
+		return errors.New("schema: migrate inbox: zero Table; build it with schema.ParseTable")
+	}
+	if db == nil {
+		return errors.New("schema: migrate inbox: nil DB; pass a *pgxpool.Pool or *pgx.Conn")
+	}
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("schema: migrate inbox %s: begin: %w", t, err)
+	}
+	defer func() {
+		if err != nil {
+			if rbErr := tx.Rollback(ctx); rbErr != nil && !errors.Is(rbErr, pgx.ErrTxClosed) {
+				err = errors.Join(err, fmt.Errorf("rollback: %w", rbErr))
+			}
+		}
+	}()
+	if _, err = tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, t.migrateLockKey()); err != nil {
+		return fmt.Errorf("schema: migrate inbox %s: lock: %w", t, err)
+	}
+	exists := func(name string) (bool, error) {
+		var ok bool
+		err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, name).Scan(&ok)
+		return ok, err
+	}
+	if t.schema != "" {
+		var ok bool
+		if err = tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, t.schema).Scan(&ok); err != nil {
+			return fmt.Errorf("schema: migrate inbox %s: look up schema: %w", t, err)
+		}
+		if !ok {
+			if _, err = tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+pgx.Identifier{t.schema}.Sanitize()); err != nil {
+				return fmt.Errorf("schema: migrate inbox %s: create schema: %w", t, err)
+			}
+		}
+	}
+	// Run only what is missing: CREATE INDEX IF NOT EXISTS locks the table
+	// even when the index exists, which would stall live handlers.
+	stmts := inboxUpStatements(t)
+	ok, err := exists(t.Sanitize())
+	if err != nil {
+		return fmt.Errorf("schema: migrate inbox %s: look up table: %w", t, err)
+	}
+	if ok {
+		stmts = stmts[1:]
+		if ok, err = exists(t.indexRegclass(suffixInboxProcessedIndex)); err != nil {
+			return fmt.Errorf("schema: migrate inbox %s: look up index: %w", t, err)
+		}
+		if ok {
+			stmts = nil
+		}
+	}
+	for _, stmt := range stmts {
+		if _, err = tx.Exec(ctx, stmt); err != nil {
+			return fmt.Errorf("schema: migrate inbox %s: %w", t, err)
+		}
+	}
+	if err = tx.Commit(ctx); err != nil {
+		return fmt.Errorf("schema: migrate inbox %s: commit: %w", t, err)
+	}
+	return nil
+}
