@@ -194,7 +194,12 @@ WHERE relid IN (to_regclass($1), to_regclass($2), to_regclass($3), to_regclass($
 // durable (acks written, or floors past every row).
 func drainOrdered(ctx context.Context, pool *pgxpool.Pool, tables []schema.Table, n int, ordered bool, relays int) (float64, error) {
 	t := tables[0]
-	seen := make(chan struct{}, 1024)
+	// Count distinct events: a relay handover repeats some.
+	var (
+		mu       sync.Mutex
+		distinct = make(map[string]struct{}, n)
+		all      = make(chan struct{})
+	)
 	var subs []*subscriber.Subscriber
 	defer func() {
 		for _, s := range subs {
@@ -222,16 +227,20 @@ func drainOrdered(ctx context.Context, pool *pgxpool.Pool, tables []schema.Table
 		go func() {
 			for m := range ch {
 				m.Ack()
-				seen <- struct{}{}
+				mu.Lock()
+				before := len(distinct)
+				distinct[m.UUID] = struct{}{}
+				if before < n && len(distinct) == n {
+					close(all)
+				}
+				mu.Unlock()
 			}
 		}()
 	}
-	for got := 0; got < n; got++ {
-		select {
-		case <-seen:
-		case <-ctx.Done():
-			return 0, ctx.Err()
-		}
+	select {
+	case <-all:
+	case <-ctx.Done():
+		return 0, ctx.Err()
 	}
 	if !ordered {
 		if err := waitPublished(ctx, pool, t, n); err != nil {
