@@ -41,8 +41,8 @@ func (t Table) companion(suffix string) string {
 	return pgx.Identifier{t.schema, t.name + suffix}.Sanitize()
 }
 
-// PartitionsTable, RelaysTable and HoldsTable name the companion tables of
-// ordered mode, sanitized for SQL.
+// PartitionsTable names the table of partition leases and floors of ordered
+// mode, sanitized for SQL (as do RelaysTable and HoldsTable for theirs).
 func (t Table) PartitionsTable() string { return t.companion(suffixPartitions) }
 
 // RelaysTable names the membership table of ordered relays.
@@ -56,7 +56,7 @@ func (t Table) HoldsTable() string { return t.companion(suffixHolds) }
 // transaction-level advisory locks that serialise the writers of one
 // ordering key: pg_advisory_xact_lock(OrderingLockClass, hashtext(key)).
 func (t Table) OrderingLockClass() int32 {
-	return int32(fnvSum("outbox-order:"+t.Qualified()) & 0x7fffffff) //nolint:gosec // masked to 31 bits
+	return int32(fnvSum("outbox-order:"+t.Qualified()) & 0x7fffffff)
 }
 
 const lockKeysStatement = `SELECT count(pg_advisory_xact_lock($1::int4, h)) FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest($2::text[]) AS k ORDER BY 1) AS s`

@@ -202,7 +202,7 @@ func TestOrderedPerKeyOrder(t *testing.T) {
 	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
 	rec := newRecorder()
 	var nackMu sync.Mutex
-	rng := rand.New(rand.NewPCG(1, 2)) //nolint:gosec // test randomness
+	rng := rand.New(rand.NewPCG(1, 2))
 	handle := func(*message.Message) bool {
 		nackMu.Lock()
 		defer nackMu.Unlock()
