@@ -4,7 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"os"
+	"os/exec"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -134,4 +137,29 @@ func TestOrderedRelayToKafka(t *testing.T) {
 		}
 	}
 	t.Logf("%d events over %d keys; %d publishes", len(seen), len(firsts), pub.count.Load())
+}
+
+// TestDaemonOrderedNeedsMigration: OUTBOX_RELAY_ORDERED=true on a table
+// without the ordering column stops the daemon at start, naming the
+// migration to run.
+func TestDaemonOrderedNeedsMigration(t *testing.T) {
+	t.Parallel()
+	tbl := testdb.Table(t, "plain_outbox")
+	cmd := exec.Command(outboxBinary(t), "relay")
+	cmd.Env = append(os.Environ(), "OUTBOX_DATABASE_URL="+testdb.URL(), "OUTBOX_RELAY_TABLES="+tbl.String(),
+		"OUTBOX_BACKEND=gochannel", "OUTBOX_RELAY_ORDERED=true", "OUTBOX_CLEANER_ENABLED=false")
+	done := make(chan struct{})
+	var out []byte
+	var err error
+	go func() { out, err = cmd.CombinedOutput(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		_ = cmd.Process.Kill()
+		<-done
+		t.Fatalf("the daemon did not stop on an unmigrated ordered table:\n%s", out)
+	}
+	if err == nil || !strings.Contains(string(out), "outbox migrate --ordered --table="+tbl.String()) {
+		t.Fatalf("exit %v; output does not name the migration:\n%s", err, out)
+	}
 }
