@@ -128,7 +128,8 @@ type OrderedQueries struct {
 	Columns Columns
 
 	// Heartbeat records that relay $1 is alive and returns the ids of the
-	// relays alive within $2 seconds (text array, this one included).
+	// relays alive within $2 seconds (text array, this one included); it
+	// forgets relays silent for a day (killed without leaving).
 	Heartbeat string
 	// Leave removes relay $1 from the membership.
 	Leave string
@@ -235,6 +236,8 @@ func NewOrderedQueries(t Table, c Columns) *OrderedQueries {
 	q.Heartbeat = `WITH hb AS (
   INSERT INTO ` + relays + ` AS r (relay_id, heartbeat_at) VALUES ($1, now())
   ON CONFLICT (relay_id) DO UPDATE SET heartbeat_at = now() RETURNING r.relay_id
+), gone AS (
+  DELETE FROM ` + relays + ` WHERE heartbeat_at < now() - interval '1 day'
 )
 SELECT ARRAY(SELECT relay_id FROM ` + relays + ` WHERE heartbeat_at > now() - ` + ttl("$2") + ` UNION SELECT relay_id FROM hb)`
 	q.Leave = `DELETE FROM ` + relays + ` WHERE relay_id = $1`
