@@ -84,7 +84,7 @@ func (e *ConflictError) Is(target error) bool { return target == ErrEventIDConfl
 // Config configures an Enqueuer. The zero Config is valid.
 type Config struct {
 	// ValidateTopic checks every topic before any SQL runs. Defaults to
-	// ValidateTopic (the DEV-PLAN-017 convention); ValidateTopicRelaxed
+	// ValidateTopic (the project's topic convention); ValidateTopicRelaxed
 	// accepts broker-style names.
 	ValidateTopic func(topic string) error
 	// MaxPayloadBytes limits the size of one payload. Defaults to 1 MiB.
@@ -117,7 +117,7 @@ func NewEnqueuer(cfg Config) (*Enqueuer, error) {
 		cfg.MaxPayloadBytes = DefaultMaxPayloadBytes
 	}
 	if cfg.MaxPayloadBytes < 0 {
-		return nil, fmt.Errorf("invalid config: MaxPayloadBytes is %d; leave it 0 for the 1 MiB default or set a positive limit", cfg.MaxPayloadBytes)
+		return nil, fmt.Errorf("publisher: invalid config: MaxPayloadBytes is %d; leave it 0 for the 1 MiB default or set a positive limit", cfg.MaxPayloadBytes)
 	}
 	return &Enqueuer{cfg: cfg, v: validator{topic: cfg.ValidateTopic, maxPayload: cfg.MaxPayloadBytes}}, nil
 }
@@ -156,10 +156,10 @@ func (e *Enqueuer) queries(ctx context.Context, tx Tx, table schema.Table) (*sch
 
 func (e *Enqueuer) check(table schema.Table, tx Tx) error {
 	if table.IsZero() {
-		return errors.New("outbox enqueue: zero Table; build it with schema.ParseTable")
+		return errors.New("publisher: enqueue: zero Table; build it with schema.ParseTable")
 	}
 	if tx == nil {
-		return errors.New("outbox enqueue: nil Tx; pass the transaction that writes the business rows")
+		return errors.New("publisher: enqueue: nil Tx; pass the transaction that writes the business rows")
 	}
 	return nil
 }
@@ -193,7 +193,7 @@ func (e *Enqueuer) Enqueue(ctx context.Context, tx Tx, table schema.Table, msg M
 		inserted, nul bool
 	)
 	if err := tx.QueryRow(ctx, q.Enqueue, args...).Scan(&seq, &tenant, &topic, &inserted, &nul); err != nil {
-		return 0, fmt.Errorf("outbox enqueue into %s: %w", table, err)
+		return 0, fmt.Errorf("publisher: enqueue into %s: %w", table, err)
 	}
 	if !inserted && (tenant != msg.TenantID.String() || topic != msg.Topic) {
 		return 0, &ConflictError{EventID: msg.EventID, ExistingTenant: tenant, ExistingTopic: topic, Sequence: seq}
@@ -280,7 +280,7 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 		nul     bool
 	)
 	if err := tx.QueryRow(ctx, q.EnqueueBatch, args...).Scan(&written, &nul); err != nil {
-		return nil, fmt.Errorf("outbox enqueue batch of %d into %s: %w", n, table, err)
+		return nil, fmt.Errorf("publisher: enqueue batch of %d into %s: %w", n, table, err)
 	}
 	seqByID := make(map[string]int64, n)
 	for written != "" {
@@ -289,7 +289,7 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 		id, seqText, _ := strings.Cut(item, ":")
 		seq, err := strconv.ParseInt(seqText, 10, 64)
 		if err != nil {
-			return nil, fmt.Errorf("outbox enqueue batch into %s: decode result: %w", table, err)
+			return nil, fmt.Errorf("publisher: enqueue batch into %s: decode result: %w", table, err)
 		}
 		seqByID[id] = seq
 	}
@@ -322,11 +322,11 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 func (e *Enqueuer) existing(ctx context.Context, tx Tx, q *schema.Queries, ids []string, msgs []Message, first map[uuid.UUID]int, seqByID map[string]int64) error {
 	var resultJSON []byte
 	if err := tx.QueryRow(ctx, q.ExistingEvents, ids).Scan(&resultJSON); err != nil {
-		return fmt.Errorf("outbox enqueue batch into %s: look up existing events: %w", q.Table, err)
+		return fmt.Errorf("publisher: enqueue batch into %s: look up existing events: %w", q.Table, err)
 	}
 	var rows [][4]json.RawMessage
 	if err := json.Unmarshal(resultJSON, &rows); err != nil {
-		return fmt.Errorf("outbox enqueue batch into %s: decode existing events: %w", q.Table, err)
+		return fmt.Errorf("publisher: enqueue batch into %s: decode existing events: %w", q.Table, err)
 	}
 	for _, r := range rows {
 		var (
@@ -334,11 +334,11 @@ func (e *Enqueuer) existing(ctx context.Context, tx Tx, q *schema.Queries, ids [
 			seq               int64
 		)
 		if err := errors.Join(json.Unmarshal(r[0], &id), json.Unmarshal(r[1], &seq), json.Unmarshal(r[2], &tenant), json.Unmarshal(r[3], &topic)); err != nil {
-			return fmt.Errorf("outbox enqueue batch into %s: decode existing events: %w", q.Table, err)
+			return fmt.Errorf("publisher: enqueue batch into %s: decode existing events: %w", q.Table, err)
 		}
 		eventID, err := uuid.Parse(id)
 		if err != nil {
-			return fmt.Errorf("outbox enqueue batch into %s: decode existing events: %w", q.Table, err)
+			return fmt.Errorf("publisher: enqueue batch into %s: decode existing events: %w", q.Table, err)
 		}
 		m := msgs[first[eventID]]
 		if tenant != m.TenantID.String() || topic != m.Topic {
@@ -348,7 +348,7 @@ func (e *Enqueuer) existing(ctx context.Context, tx Tx, q *schema.Queries, ids [
 	}
 	for _, id := range ids {
 		if _, ok := seqByID[id]; !ok {
-			return fmt.Errorf("outbox enqueue batch into %s: event_id %s was neither written nor found", q.Table, id)
+			return fmt.Errorf("publisher: enqueue batch into %s: event_id %s was neither written nor found", q.Table, id)
 		}
 	}
 	return nil
@@ -433,7 +433,7 @@ func lockKeys(ctx context.Context, tx Tx, q *schema.Queries, keys []string) erro
 	}
 	var n int64
 	if err := tx.QueryRow(ctx, q.LockKeys, q.Table.OrderingLockClass(), distinct).Scan(&n); err != nil {
-		return fmt.Errorf("outbox enqueue into %s: lock ordering keys: %w", q.Table, err)
+		return fmt.Errorf("publisher: enqueue into %s: lock ordering keys: %w", q.Table, err)
 	}
 	return nil
 }

@@ -35,7 +35,7 @@ type Queries struct {
 	// array of [event_id, sequence, tenant_id, topic].
 	ExistingEvents string
 
-	// ClaimAll and ClaimTopic lease up to a batch of due rows (DESIGN §5).
+	// ClaimAll and ClaimTopic lease up to a batch of due rows (docs/ARCHITECTURE.md, "The relay").
 	// Re-claiming a row whose lease expired records that in last_error, so a
 	// row that reaches max_attempts through crashes still says why.
 	// Args: max_attempts, lock_ttl seconds (float8), batch size, and for
@@ -65,7 +65,7 @@ type Queries struct {
 	// Nack releases one leased row for a retry or, at max attempts or for a
 	// permanent error, marks it dead. Fenced like Ack. A dead row is parked
 	// at available_at = 'infinity', after every due row in the claim index,
-	// so that dead rows cost claims nothing (DESIGN §5 says now(); with
+	// so that dead rows cost claims nothing (parked at now() instead, with
 	// 100,000 dead rows that made every claim walk them all, 14x slower).
 	// Args: id, attempts, locked_at, last_error, max_attempts, permanent,
 	// backoff seconds. Returns: dead.
