@@ -452,8 +452,13 @@ func TestNotifyAtCommitOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(context.Background())
-	if _, err := conn.Exec(ctx, `LISTEN `+pgx.Identifier{tbl.NotifyChannel()}.Sanitize()); err != nil {
+	if _, err := conn.Exec(ctx, schema.ListenStatement(tbl.NotifyChannel())); err != nil {
 		t.Fatal(err)
+	}
+	// This connection plays an idle relay: it holds the idle lock.
+	var got bool
+	if err := conn.QueryRow(ctx, schema.TryIdleLock, tbl.IdleLockKey()).Scan(&got); err != nil || !got {
+		t.Fatalf("idle lock: %v %v", got, err)
 	}
 	tx, err := pool.Begin(ctx)
 	if err != nil {
@@ -477,6 +482,103 @@ func TestNotifyAtCommitOnly(t *testing.T) {
 	if err != nil || n.Channel != tbl.NotifyChannel() {
 		t.Fatalf("no notification after commit: %v %v", n, err)
 	}
+}
+
+// TestNotifyOnlyWhileRelayIdle is the writer's half of the wake-up
+// handshake: an enqueue sends NOTIFY only while a relay holds the idle lock,
+// and an open enqueueing transaction keeps a relay from taking it.
+func TestNotifyOnlyWhileRelayIdle(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	relay, err := pgx.Connect(ctx, testdb.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer relay.Close(context.Background())
+	if _, err := relay.Exec(ctx, schema.ListenStatement(tbl.NotifyChannel())); err != nil {
+		t.Fatal(err)
+	}
+	noNotification := func(what string) {
+		t.Helper()
+		short, c := context.WithTimeout(ctx, 300*time.Millisecond)
+		defer c()
+		if n, err := relay.WaitForNotification(short); err == nil {
+			t.Fatalf("%s: notification %+v", what, n)
+		}
+	}
+	enqueue := func(batch bool) {
+		t.Helper()
+		inTx(t, pool, func(tx pgx.Tx) {
+			var err error
+			if batch {
+				_, err = publisher.EnqueueBatch(ctx, tx, tbl, []publisher.Message{newMsg("a.b.v1")})
+			} else {
+				_, err = publisher.Enqueue(ctx, tx, tbl, newMsg("a.b.v1"))
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	// No relay idle: no NOTIFY.
+	enqueue(false)
+	enqueue(true)
+	noNotification("no relay idle")
+
+	// A writer with an open transaction keeps the relay from going idle.
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := publisher.Enqueue(ctx, tx, tbl, newMsg("a.b.v1")); err != nil {
+		t.Fatal(err)
+	}
+	var got bool
+	if err := relay.QueryRow(ctx, schema.TryIdleLock, tbl.IdleLockKey()).Scan(&got); err != nil || got {
+		t.Fatalf("idle lock taken while an enqueueing transaction is open: %v %v", got, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := relay.QueryRow(ctx, schema.TryIdleLock, tbl.IdleLockKey()).Scan(&got); err != nil || !got {
+		t.Fatalf("idle lock after the writer committed: %v %v", got, err)
+	}
+	// Relay idle: every enqueue notifies.
+	for _, batch := range []bool{false, true} {
+		enqueue(batch)
+		n, err := relay.WaitForNotification(ctx)
+		if err != nil || n.Channel != tbl.NotifyChannel() {
+			t.Fatalf("batch %v: no notification while the relay is idle: %v %v", batch, n, err)
+		}
+	}
+	// A re-enqueue writes nothing and sends nothing.
+	m := newMsg("a.b.v1")
+	inTx(t, pool, func(tx pgx.Tx) {
+		if _, err := publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if _, err := relay.WaitForNotification(ctx); err != nil {
+		t.Fatal(err)
+	}
+	inTx(t, pool, func(tx pgx.Tx) {
+		if _, err := publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := publisher.EnqueueBatch(ctx, tx, tbl, []publisher.Message{m}); err != nil {
+			t.Fatal(err)
+		}
+	})
+	noNotification("re-enqueue")
+	// Relay busy again.
+	if _, err := relay.Exec(ctx, schema.IdleUnlock, tbl.IdleLockKey()); err != nil {
+		t.Fatal(err)
+	}
+	enqueue(false)
+	noNotification("relay busy")
 }
 
 func TestTxPublisher(t *testing.T) {

@@ -149,7 +149,13 @@ func NewQueries(t Table, c Columns) *Queries {
 		add(ColumnOrderingKey, "")
 		q.LockKeys = lockKeysStatement
 	}
-	notify := `(SELECT pg_notify($5, '') WHERE $5 <> ''`
+	// NOTIFY only when a relay is idle: an idle relay holds the table's idle
+	// lock exclusively, so the shared try fails. When it succeeds, no relay
+	// is idle, and the shared lock, held to the end of this transaction,
+	// keeps any relay from going idle before this row is visible to it
+	// (docs/ARCHITECTURE.md, "Wake-up"). Writers never wait on each other:
+	// shared locks do not conflict.
+	notify := `(SELECT pg_notify($5, '') WHERE $5 <> '' AND NOT pg_try_advisory_xact_lock_shared(` + strconv.FormatInt(t.IdleLockKey(), 10) + `)`
 
 	q.Enqueue = `WITH ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `) VALUES (` + strings.Join(values, ", ") + `)
 ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING sequence, tenant_id, topic),

@@ -14,6 +14,34 @@ const (
 
 	// LeaderUnlock releases TryLeaderLock. Args: the table's lock key.
 	LeaderUnlock = `SELECT pg_advisory_unlock($1)`
+
+	// UnlockAll releases every session-level advisory lock of the
+	// connection (the leader lock and the idle lock), before it goes back
+	// to a pool.
+	UnlockAll = `SELECT pg_advisory_unlock_all()`
+
+	// TryIdleLock tries the session-level idle lock of the wake-up
+	// handshake, in exclusive mode: a relay holds it while it has nothing to
+	// claim, so that enqueues send NOTIFY. It fails while an enqueueing
+	// transaction is open (they hold it in shared mode until they end) or
+	// another relay holds it. Args: Table.IdleLockKey. Returns: whether the
+	// lock was taken.
+	TryIdleLock = `SELECT pg_try_advisory_lock($1)`
+
+	// IdleLock waits for the idle lock (exclusive). While it waits, enqueues
+	// already see it and send NOTIFY (a queued exclusive request makes their
+	// shared try fail). Args: Table.IdleLockKey.
+	IdleLock = `SELECT pg_advisory_lock($1)`
+
+	// IdleUnlock releases the idle lock: the relay is busy again and
+	// enqueues stop sending NOTIFY. Args: Table.IdleLockKey. Returns:
+	// whether it was held.
+	IdleUnlock = `SELECT pg_advisory_unlock($1)`
+
+	// IdleLockQueued tells whether the backend pid holds or waits for the
+	// idle lock. Args: pid, Table.IdleLockKey.
+	IdleLockQueued = `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = $1
+  AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = $2 AND mode = 'ExclusiveLock')`
 )
 
 // ListenStatement is the LISTEN statement for a notification channel

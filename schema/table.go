@@ -127,6 +127,12 @@ func (t Table) Qualified() string {
 // "outbox:" + Qualified().
 func (t Table) LockKey() int64 { return fnvKey("outbox:" + t.Qualified()) }
 
+// IdleLockKey is the advisory-lock key of the table's wake-up handshake
+// (docs/ARCHITECTURE.md, "Wake-up"): a relay with nothing to claim holds it
+// exclusively, and an enqueue sends NOTIFY only when it cannot take it in
+// shared mode. FNV-64a of "outbox-idle:" + Qualified().
+func (t Table) IdleLockKey() int64 { return fnvKey("outbox-idle:" + t.Qualified()) }
+
 // migrateLockKey serialises concurrent Migrate calls on the same table.
 func (t Table) migrateLockKey() int64 { return fnvKey("outbox-migrate:" + t.Qualified()) }
 

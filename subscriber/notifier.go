@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -26,6 +27,13 @@ type notifier struct {
 
 	cancel context.CancelFunc
 	done   chan struct{}
+
+	// The idle locks of the wake-up handshake (idle.go), all tables on one
+	// connection of the pool, taken on first use.
+	idleMu      sync.Mutex
+	idleConn    *pgxpool.Conn
+	idleHolders map[int64]int // lock key -> subscriptions counting on it
+	idleGen     atomic.Uint64 // changes when idleConn, and its locks, are lost
 }
 
 var (
@@ -40,7 +48,8 @@ func acquireNotifier(pool *pgxpool.Pool, logger watermill.LoggerAdapter) *notifi
 	n := notifiers[pool]
 	if n == nil {
 		ctx, cancel := context.WithCancel(context.Background())
-		n = &notifier{pool: pool, logger: logger, channels: map[string]map[*broadcaster]struct{}{}, cancel: cancel, done: make(chan struct{})}
+		n = &notifier{pool: pool, logger: logger, channels: map[string]map[*broadcaster]struct{}{}, cancel: cancel, done: make(chan struct{}),
+			idleHolders: map[int64]int{}}
 		notifiers[pool] = n
 		go n.run(ctx)
 	}
@@ -61,6 +70,7 @@ func (n *notifier) release() {
 	if last {
 		n.cancel()
 		<-n.done
+		n.closeIdleConn()
 	}
 }
 

@@ -56,6 +56,7 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 type orderedRelay struct {
 	sub    *subscription
 	s      *Subscriber
+	wake   chan struct{} // NOTIFY and leadership wake-ups, apart from the claim loop's
 	oq     *schema.OrderedQueries
 	id     string
 	logger watermill.LoggerAdapter
@@ -126,6 +127,7 @@ func newOrderedRelay(sub *subscription) *orderedRelay {
 	return &orderedRelay{
 		sub:      sub,
 		s:        sub.s,
+		wake:     sub.s.wake.register(),
 		oq:       sub.s.oq,
 		id:       host + "-" + strconv.Itoa(os.Getpid()) + "-" + hex.EncodeToString(b),
 		logger:   sub.logger,
@@ -179,13 +181,14 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 			r.tick(ctx)
 		case <-poll.C:
 		case <-r.kick:
-		case <-r.sub.wake:
+		case <-r.wake:
 		}
 	}
 }
 
 // shutdown waits for the runners and gives the partitions back.
 func (r *orderedRelay) shutdown() {
+	defer r.s.wake.unregister(r.wake)
 	r.runWg.Wait()
 	if r.abandon || r.s.abandon.Load() {
 		return

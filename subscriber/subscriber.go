@@ -36,6 +36,7 @@ type Subscriber struct {
 	leader    *elector
 	wake      broadcaster
 	notifier  *notifier
+	idle      idleSignal
 
 	acks     chan ackReq
 	ackStop  chan struct{}
@@ -46,7 +47,8 @@ type Subscriber struct {
 	subsWg   sync.WaitGroup
 	closeErr error
 
-	abandon atomic.Bool // tests: ordered relays stop like a killed process
+	abandon    atomic.Bool // tests: ordered relays stop like a killed process
+	beforeIdle func()      // tests: runs before a subscription tries the idle lock
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -90,6 +92,7 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		ackStop: make(chan struct{}),
 		closing: make(chan struct{}),
 	}
+	s.idle.s = s
 	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
 	return s, nil
 }
@@ -106,6 +109,11 @@ func (s *Subscriber) start() {
 		if !s.cfg.DisableNotify {
 			s.notifier = acquireNotifier(s.pool, s.logger)
 			s.notifier.add(s.cfg.Table.NotifyChannel(), &s.wake)
+			if s.cfg.Ordered {
+				s.idle.permanent = true
+				s.bgWg.Add(1)
+				go s.idle.holdPermanently(s.bgCtx)
+			}
 		}
 		if s.cfg.Metrics != nil {
 			s.bgWg.Add(1)

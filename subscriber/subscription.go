@@ -2,6 +2,7 @@ package subscriber
 
 import (
 	"context"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -65,7 +66,9 @@ func (sub *subscription) run() {
 	poll := time.NewTimer(0)
 	defer poll.Stop()
 	errDelay := 100 * time.Millisecond
-	wait := func(d time.Duration) bool {
+	// wait sleeps up to d or until a wake-up; it reports whether the
+	// subscription goes on and whether a wake-up ended the sleep.
+	wait := func(d time.Duration, wakeable bool) (goOn, woken bool) {
 		if !poll.Stop() {
 			select {
 			case <-poll.C:
@@ -73,14 +76,32 @@ func (sub *subscription) run() {
 			}
 		}
 		poll.Reset(d)
+		wake := sub.wake
+		if !wakeable {
+			wake = nil
+		}
 		select {
 		case <-stop:
-			return false
-		case <-sub.wake:
+			return false, false
+		case <-wake:
+			return true, true
 		case <-poll.C:
+			return true, false
 		}
-		return true
 	}
+	var (
+		holding bool   // this subscription counts on the idle lock
+		idleGen uint64 // the lock's generation when taken
+		misses  int    // empty claims in a row without the idle lock
+		rate    rateMeter
+	)
+	release := func() {
+		if holding {
+			s.idle.leave(idleGen)
+			holding = false
+		}
+	}
+	defer release()
 	for {
 		select {
 		case <-stop:
@@ -88,7 +109,8 @@ func (sub *subscription) run() {
 		default:
 		}
 		if !s.IsLeader() {
-			if !wait(s.cfg.ElectionInterval) {
+			release()
+			if goOn, _ := wait(s.cfg.ElectionInterval, true); !goOn {
 				return
 			}
 			continue
@@ -109,24 +131,94 @@ func (sub *subscription) run() {
 				return
 			}
 			sub.logger.Error("Claim failed, retrying", err, watermill.LogFields{"retry_in": errDelay.String()})
-			if !wait(errDelay) {
+			if goOn, _ := wait(errDelay, true); !goOn {
 				return
 			}
 			errDelay = min(2*errDelay, 5*time.Second)
 			continue
 		}
 		errDelay = 100 * time.Millisecond
+		rate.add(len(batch))
 		if !sub.deliver(batch, stop) {
 			return
 		}
-		if len(batch) == n {
+		switch {
+		case len(batch) == n:
+			release()
+			misses = 0
 			continue // there may be more due rows
+		case len(batch) > 0:
+			// Busy: stay off the idle lock (writers send no NOTIFY) and
+			// claim again after a pause that grows with the rate.
+			release()
+			misses = 0
+			if goOn, _ := wait(linger(rate.perSecond()), false); !goOn {
+				return
+			}
+			continue
 		}
-		if !wait(s.cfg.PollInterval) {
+		if s.cfg.DisableNotify {
+			if goOn, _ := wait(s.cfg.PollInterval, true); !goOn {
+				return
+			}
+			continue
+		}
+		if holding && !s.idle.valid(idleGen) {
+			holding = false // lost with its connection
+		}
+		if holding {
+			// The lock was held before this claim began: every later commit
+			// sends NOTIFY, so sleep until one does (or the poll).
+			goOn, woken := wait(s.cfg.PollInterval, true)
+			if !goOn {
+				return
+			}
+			if woken {
+				// Let a few more commits land, and stop the NOTIFYs.
+				if goOn, _ := wait(wakeCoalesce, false); !goOn {
+					return
+				}
+				release()
+			}
+			continue
+		}
+		if s.beforeIdle != nil {
+			s.beforeIdle()
+		}
+		if gen, ok := s.idle.enter(sub.ctx); ok {
+			// Claim once more: rows committed before the lock was granted
+			// are visible now; later ones notify.
+			holding, idleGen, misses = true, gen, 0
+			continue
+		}
+		// A writer's transaction is open (or another relay holds the lock):
+		// its commit may not notify, so claim again soon.
+		misses++
+		if goOn, _ := wait(idleRetry(misses), true); !goOn {
 			return
 		}
 	}
 }
+
+// rateMeter estimates the recent claim rate in rows per second, decaying
+// with a time constant of rateWindow.
+type rateMeter struct {
+	last time.Time
+	v    float64
+}
+
+const rateWindow = 200 * time.Millisecond
+
+func (m *rateMeter) add(rows int) {
+	now := time.Now()
+	if !m.last.IsZero() {
+		m.v *= math.Exp(-float64(now.Sub(m.last)) / float64(rateWindow))
+	}
+	m.last = now
+	m.v += float64(rows)
+}
+
+func (m *rateMeter) perSecond() float64 { return m.v / rateWindow.Seconds() }
 
 // deliver sends the batch to the consumer, one watcher per message; it
 // returns false when the subscription stopped, after giving back the leases

@@ -1,0 +1,390 @@
+package subscriber_test
+
+import (
+	"context"
+	"encoding/json"
+	"math/rand/v2"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// idleHeld reports whether some session holds the table's idle lock: a relay
+// is idle and enqueues send NOTIFY.
+func idleHeld(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) bool {
+	t.Helper()
+	var held bool
+	err := pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1
+  AND ((classid::bigint << 32) | objid::bigint) = $1 AND mode = 'ExclusiveLock' AND granted)`, tbl.IdleLockKey()).Scan(&held)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return held
+}
+
+// countNotifications LISTENs on the table's channel from a connection of its
+// own and counts what arrives until the test ends.
+func countNotifications(t *testing.T, tbl schema.Table) *atomic.Int64 {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	conn, err := pgx.Connect(ctx, testdb.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, schema.ListenStatement(tbl.NotifyChannel())); err != nil {
+		t.Fatal(err)
+	}
+	var n atomic.Int64
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			if _, err := conn.WaitForNotification(ctx); err != nil {
+				return
+			}
+			n.Add(1)
+		}
+	}()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		_ = conn.Close(context.Background())
+	})
+	return &n
+}
+
+// TestWakeUpHandshake: an idle relay holds the idle lock and an enqueue wakes
+// it within milliseconds, with a poll interval of a minute; a busy relay does
+// not hold it and enqueues send no NOTIFY.
+func TestWakeUpHandshake(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "wake_outbox")
+	notified := countNotifications(t, tbl)
+	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: time.Minute, BatchSize: 10, MaxInFlight: 10})
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	idle := func() bool { return idleHeld(t, pool, tbl) }
+	waitFor(t, "the relay to go idle", 5*time.Second, idle)
+
+	// Idle: each enqueue wakes the relay.
+	var worst time.Duration
+	for i := range 5 {
+		start := time.Now()
+		id := enqueue(t, pool, tbl, "org.wake.v1", 1)[0]
+		select {
+		case msg := <-ch:
+			if msg.UUID != id {
+				t.Fatalf("got %s, want %s", msg.UUID, id)
+			}
+			worst = max(worst, time.Since(start))
+			msg.Ack()
+		case <-ctx.Done():
+			t.Fatalf("event %d not delivered: the wake-up was lost", i)
+		}
+		waitFor(t, "the relay to go idle again", 5*time.Second, idle)
+	}
+	t.Logf("idle relay: worst enqueue-to-delivery %s, %d notifications for 5 events", worst, notified.Load())
+	if worst > time.Second {
+		t.Fatalf("an idle relay took %s to deliver", worst)
+	}
+	if notified.Load() < 5 {
+		t.Fatalf("%d notifications for 5 events enqueued while the relay was idle", notified.Load())
+	}
+
+	// Busy: the relay has MaxInFlight messages in flight and claims as soon
+	// as a slot frees; it is not idle, and enqueues do not notify.
+	enqueue(t, pool, tbl, "org.wake.v1", 10)
+	held := make([]interface{ Ack() bool }, 0, 10)
+	for len(held) < 10 {
+		select {
+		case msg := <-ch:
+			held = append(held, msg)
+		case <-ctx.Done():
+			t.Fatal("batch not delivered")
+		}
+	}
+	waitFor(t, "the relay to be busy", 5*time.Second, func() bool { return !idle() })
+	time.Sleep(100 * time.Millisecond) // notifications of the batch above
+	before := notified.Load()
+	for range 30 {
+		enqueue(t, pool, tbl, "org.wake.v1", 1)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if got := notified.Load() - before; got != 0 {
+		t.Fatalf("%d notifications for 30 events enqueued while the relay was busy", got)
+	}
+	for _, m := range held {
+		m.Ack()
+	}
+	for got := 0; got < 30; got++ {
+		select {
+		case msg := <-ch:
+			msg.Ack()
+		case <-ctx.Done():
+			t.Fatalf("%d of 30 events delivered after the relay got slots back", got)
+		}
+	}
+	waitFor(t, "the relay to go idle after draining", 5*time.Second, idle)
+}
+
+// TestWakeUpCommitBeforeIdleLock is the dangerous case of the handshake,
+// made deterministic: a writer enqueues while the relay is busy (so it sends
+// no NOTIFY) and commits after the relay's last empty claim, just before the
+// relay takes the idle lock. The relay must claim once more after taking it,
+// or the event waits for the poll (a minute here).
+func TestWakeUpCommitBeforeIdleLock(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "wake_outbox")
+	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: time.Minute}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var (
+		armed   atomic.Bool
+		once    sync.Once
+		id      string
+		hookErr error
+		at      time.Time
+	)
+	subscriber.SetBeforeIdle(s, func() {
+		if !armed.Load() {
+			return
+		}
+		once.Do(func() {
+			m := publisher.Message{TenantID: tenant, Topic: "org.wake.v1", EventID: uuid.New(), Payload: json.RawMessage(`{"n":1}`)}
+			id = m.EventID.String()
+			hookErr = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				_, err := publisher.Enqueue(ctx, tx, tbl, m)
+				return err
+			})
+			at = time.Now()
+		})
+	})
+	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Settle: the relay is idle and the wake-ups of its start are spent.
+	waitFor(t, "the relay to go idle", 5*time.Second, func() bool { return idleHeld(t, pool, tbl) })
+	time.Sleep(100 * time.Millisecond)
+	// Wake it with an event; once it has found the table empty again, the
+	// hook commits the writer's event.
+	armed.Store(true)
+	first := enqueue(t, pool, tbl, "org.wake.v1", 1)[0]
+	select {
+	case msg := <-ch:
+		if msg.UUID != first {
+			t.Fatalf("got %s, want %s", msg.UUID, first)
+		}
+		msg.Ack()
+	case <-time.After(10 * time.Second):
+		t.Fatal("first event not delivered")
+	}
+	select {
+	case msg := <-ch:
+		if hookErr != nil {
+			t.Fatal(hookErr)
+		}
+		if msg.UUID != id {
+			t.Fatalf("got %s, want %s", msg.UUID, id)
+		}
+		msg.Ack()
+		if d := time.Since(at); d > 2*time.Second {
+			t.Fatalf("delivered %s after commit", d)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the event committed just before the relay took the idle lock waits for the poll: the relay did not claim again")
+	}
+}
+
+// TestWakeUpRace: writers commit at random moments, some keeping their
+// transaction open after the enqueue, while relays toggle between busy and
+// idle; with a poll interval of a minute, a lost wake-up would show as an
+// event waiting for the poll. Every event must arrive well under it.
+func TestWakeUpRace(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name   string
+		relays int
+		cfg    subscriber.Config
+	}{
+		{"single-active", 1, subscriber.Config{}},
+		// Two relays on pools of their own: each has its own lock
+		// connection, so one may hold the lock while the other cannot.
+		{"two relays, SingleActive off", 2, subscriber.Config{DisableSingleActive: true}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			tbl := testdb.Table(t, "race_outbox")
+			writers := testdb.Pool(t)
+			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+			defer cancel()
+			var (
+				mu      sync.Mutex
+				arrived = map[string]time.Time{}
+			)
+			for range c.relays {
+				pool := testdb.NewPool(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 6 })
+				cfg := c.cfg
+				cfg.Table, cfg.PollInterval = tbl, time.Minute
+				s := newSub(t, pool, cfg)
+				ch, err := s.Subscribe(ctx, subscriber.AllTopics)
+				if err != nil {
+					t.Fatal(err)
+				}
+				go func() {
+					for m := range ch {
+						mu.Lock()
+						if _, dup := arrived[m.UUID]; !dup {
+							arrived[m.UUID] = time.Now()
+						}
+						mu.Unlock()
+						m.Ack()
+					}
+				}()
+			}
+			time.Sleep(300 * time.Millisecond)
+			var (
+				cmu       sync.Mutex
+				committed = map[string]time.Time{}
+				wg        sync.WaitGroup
+			)
+			stop := time.Now().Add(3 * time.Second)
+			for w := range 8 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					rng := rand.New(rand.NewPCG(uint64(w), 42)) //nolint:gosec // test jitter
+					for time.Now().Before(stop) {
+						// Pauses from none to 20ms: the relay finds the
+						// table empty now and then and goes idle.
+						time.Sleep(time.Duration(rng.IntN(20_000)) * time.Microsecond)
+						n := 1 + rng.IntN(2)*rng.IntN(5)
+						msgs := make([]publisher.Message, n)
+						for i := range msgs {
+							msgs[i] = publisher.Message{TenantID: tenant, Topic: "org.race.v1", EventID: uuid.New(), Payload: json.RawMessage(`{"n":1}`)}
+						}
+						tx, err := writers.Begin(ctx)
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						if n == 1 {
+							_, err = publisher.Enqueue(ctx, tx, tbl, msgs[0])
+						} else {
+							_, err = publisher.EnqueueBatch(ctx, tx, tbl, msgs)
+						}
+						if err != nil {
+							t.Error(err)
+							_ = tx.Rollback(ctx)
+							return
+						}
+						// The dangerous case: the enqueue checked the lock
+						// before the relay took it, the commit comes after.
+						if rng.IntN(3) == 0 {
+							time.Sleep(time.Duration(rng.IntN(5_000)) * time.Microsecond)
+						}
+						if err := tx.Commit(ctx); err != nil {
+							t.Error(err)
+							return
+						}
+						at := time.Now()
+						cmu.Lock()
+						for _, m := range msgs {
+							committed[m.EventID.String()] = at
+						}
+						cmu.Unlock()
+					}
+				}()
+			}
+			wg.Wait()
+			deadline := time.Now().Add(20 * time.Second)
+			for {
+				mu.Lock()
+				n := len(arrived)
+				mu.Unlock()
+				if n >= len(committed) || time.Now().After(deadline) {
+					break
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			lat := make([]time.Duration, 0, len(committed))
+			for id, c := range committed {
+				a, ok := arrived[id]
+				if !ok {
+					t.Fatalf("event %s not delivered 20s after the writers stopped (poll interval 1 min): a wake-up was lost", id)
+				}
+				lat = append(lat, max(0, a.Sub(c)))
+			}
+			sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+			p := func(q int) time.Duration { return lat[(len(lat)*q+99)/100-1] }
+			t.Logf("%d events: p50 %s, p99 %s, max %s", len(lat), p(50), p(99), lat[len(lat)-1])
+			if worst := lat[len(lat)-1]; worst > 2*time.Second {
+				t.Fatalf("an event took %s from commit to delivery (poll interval 1 min)", worst)
+			}
+		})
+	}
+}
+
+// TestOrderedWakeUp: an ordered relay keeps the idle lock, so keyed events
+// enqueued while it waits wake it, with a poll interval of a minute.
+func TestOrderedWakeUp(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	cfg := orderedCfg(tbl)
+	cfg.PollInterval = time.Minute
+	s := orderedSub(t, pool, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the ordered relay to hold the idle lock", 5*time.Second, func() bool { return idleHeld(t, pool, tbl) })
+	time.Sleep(300 * time.Millisecond) // partitions assigned, first cycles done
+	for i, key := range []string{"a", "b", "", "a"} {
+		start := time.Now()
+		m := publisher.Message{TenantID: tenant, Topic: "org.thing.changed.v1", EventID: uuid.New(), Payload: json.RawMessage(`{"n":1}`), OrderingKey: key}
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := publisher.Enqueue(ctx, tx, tbl, m)
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case msg := <-ch:
+			if msg.UUID != m.EventID.String() {
+				t.Fatalf("got %s, want %s", msg.UUID, m.EventID)
+			}
+			msg.Ack()
+			if d := time.Since(start); d > 2*time.Second {
+				t.Fatalf("event %d (key %q) took %s", i, key, d)
+			}
+		case <-ctx.Done():
+			t.Fatalf("event %d (key %q) not delivered: the wake-up was lost", i, key)
+		}
+	}
+}
