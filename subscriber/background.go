@@ -23,6 +23,10 @@ type ackReq struct{ c *claimed }
 // maxAckGroup bounds the rows of one ack statement.
 const maxAckGroup = 1000
 
+// ackLinger is how long the acker gathers acks after the first one before it
+// writes them: it delays published_at by as much, never a delivery.
+const ackLinger = 2 * time.Millisecond
+
 // runAcker writes acks in groups: it takes what has accumulated while the
 // previous statement ran, so under load one statement acks many rows. After
 // ackStop it writes what is left and returns.
@@ -47,13 +51,29 @@ func (s *Subscriber) runAcker() {
 			}
 		}
 		group = append(group[:0], first.c)
+		// Gather the acks that come within ackLinger, so that under load
+		// one statement acks a claim's worth of rows.
+		linger := time.NewTimer(ackLinger)
 	more:
 		for len(group) < maxAckGroup {
 			select {
 			case r := <-s.acks:
 				group = append(group, r.c)
-			default:
+			case <-linger.C:
 				break more
+			case <-s.ackStop:
+				stopping = true
+				break more
+			}
+		}
+		linger.Stop()
+	rest:
+		for len(group) < maxAckGroup {
+			select {
+			case r := <-s.acks:
+				group = append(group, r.c)
+			default:
+				break rest
 			}
 		}
 		s.writeAcks(group)

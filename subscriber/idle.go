@@ -38,13 +38,13 @@ const (
 	// again after the pause, which grows with the rate so that claims and
 	// acks carry more rows under load.
 	lingerMin = time.Millisecond
-	lingerMax = 10 * time.Millisecond
+	lingerMax = 15 * time.Millisecond
 	// lingerPerRate is the pause per event/s of the recent rate: 1,000
-	// events/s give 2ms, 5,000 give the 10ms cap.
-	lingerPerRate = 2 * time.Microsecond
+	// events/s give 3ms, 5,000 give the 15ms cap.
+	lingerPerRate = 3 * time.Microsecond
 	// idleRetryMax caps the backoff of a relay that found nothing and could
 	// not take the idle lock.
-	idleRetryMax = 32 * time.Millisecond
+	idleRetryMax = 8 * time.Millisecond
 )
 
 // linger is the pause after a partial batch at rate events/s.
@@ -55,7 +55,7 @@ func linger(rate float64) time.Duration {
 // idleRetry is the pause after the n-th empty claim in a row without the
 // idle lock: 1ms, 2ms, 4ms ... idleRetryMax.
 func idleRetry(n int) time.Duration {
-	if n > 6 {
+	if n > 4 {
 		return idleRetryMax
 	}
 	return min(idleRetryMax, time.Millisecond<<max(0, n-1))

@@ -174,11 +174,12 @@ func (sub *subscription) run() {
 				return
 			}
 			if woken {
-				// Let a few more commits land, and stop the NOTIFYs.
+				// Let a few more commits land. The lock stays held through
+				// the claim (it still covers commits after it); the claim
+				// gives it back when it finds rows.
 				if goOn, _ := wait(wakeCoalesce, false); !goOn {
 					return
 				}
-				release()
 			}
 			continue
 		}

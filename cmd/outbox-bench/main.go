@@ -4,7 +4,10 @@
 //	go run ./cmd/outbox-bench -suite enqueue
 //
 // Suites: enqueue (Enqueue and EnqueueBatch beside a bare INSERT into an
-// equivalent table, with and without the NOTIFY wake-up); relay (drain a
+// equivalent table, with and without the NOTIFY wake-up); writer (what the
+// outbox costs 8 producers on a pool of 16, with and without a relay
+// draining, latency from 8 writers, producers offered 5,000 events/s, and
+// the relay's statements per event); relay (drain a
 // backlog through the subscriber beside the bare-SQL ceiling of the same
 // claim and ack statements); latency (commit-to-delivery percentiles at
 // steady offered rates, wake-up on and off); brokers (outbox to Kafka via an
@@ -73,7 +76,7 @@ func main() {
 	flag.StringVar(&o.chart, "chart", "", "write the latency chart (PNG) to this file")
 	flag.DurationVar(&o.latencyDuration, "latency-duration", 10*time.Second, "length of one latency case")
 	rates := flag.String("rates", "100,1000,5000", "comma-separated offered rates (events/s) for the latency suite")
-	flag.StringVar(&suite, "suite", "all", "comma-separated suites: enqueue, relay, latency, all")
+	flag.StringVar(&suite, "suite", "all", "comma-separated suites: enqueue, writer, relay, latency, all")
 	o.ordered.register()
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the run to this file")
 	flag.Parse()
@@ -134,10 +137,10 @@ func run(ctx context.Context, o options, suites []string) error {
 	}()
 	fmt.Printf("outbox-bench: PostgreSQL %s, %d workers, %s per measurement, best of %d\n\n", serverVersion(ctx, pool), o.workers, o.duration, o.rounds)
 	known := map[string]func(context.Context, *pgxpool.Pool, string, options) error{
-		"enqueue": enqueueSuite, "relay": relaySuite, "latency": latencySuite, "brokers": brokerSuite,
+		"enqueue": enqueueSuite, "writer": writerSuite, "relay": relaySuite, "latency": latencySuite, "brokers": brokerSuite,
 		"scaling": scalingSuite, "sustained": sustainedSuite, "poison": poisonSuite, "inbox": inboxSuite, "ordered": orderedSuite,
 	}
-	order := []string{"enqueue", "relay", "latency", "poison", "inbox", "brokers", "scaling", "sustained", "ordered"}
+	order := []string{"enqueue", "writer", "relay", "latency", "poison", "inbox", "brokers", "scaling", "sustained", "ordered"}
 	var run []string
 	for _, s := range suites {
 		s = strings.TrimSpace(s)

@@ -358,13 +358,17 @@ func measureLatencyPoisoned(ctx context.Context, pool *pgxpool.Pool, t schema.Ta
 // rate/250 paced goroutines) for d, and returns those times by id. It stops
 // a goroutine at its first error.
 func offerSteady(ctx context.Context, rate int, d time.Duration, produce func() (string, time.Time, error)) map[string]time.Time {
+	return offerSteadyN(ctx, rate, d, max(1, rate/250), produce)
+}
+
+// offerSteadyN is offerSteady from a given number of paced goroutines.
+func offerSteadyN(ctx context.Context, rate int, d time.Duration, producers int, produce func() (string, time.Time, error)) map[string]time.Time {
 	var (
 		mu        sync.Mutex
 		committed = map[string]time.Time{}
 		wg        sync.WaitGroup
 	)
 	interval := time.Second / time.Duration(rate)
-	producers := max(1, rate/250)
 	stop := time.Now().Add(d)
 	for p := range producers {
 		wg.Add(1)
