@@ -195,7 +195,7 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 		query = s.q.ClaimAllUnkeyed // keyed rows go through the ordered relay
 	}
 	var out []*claimed
-	run := func(conn interface {
+	run := func(ctx context.Context, conn interface {
 		Query(context.Context, string, ...any) (pgx.Rows, error)
 	}) error {
 		rows, err := conn.Query(ctx, query, args...)
@@ -214,9 +214,9 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	}
 	var err error
 	if s.leader != nil {
-		err = s.leader.withConn(ctx, func(conn *pgx.Conn) error { return run(conn) })
+		err = s.leader.withConn(ctx, func(ctx context.Context, conn *pgx.Conn) error { return run(ctx, conn) })
 	} else {
-		err = run(s.pool)
+		err = run(ctx, s.pool)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("claim from %s: %w", s.cfg.Table, err)
