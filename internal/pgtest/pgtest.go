@@ -100,7 +100,7 @@ func Start(tb testing.TB, o Options) *Cluster {
 	if out, err := c.command("initdb", "-D", data, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync").CombinedOutput(); err != nil {
 		tb.Fatalf("pgtest: initdb: %v\n%s", err, out)
 	}
-	hba, err := os.OpenFile(filepath.Join(data, "pg_hba.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	hba, err := os.OpenFile(filepath.Join(data, "pg_hba.conf"), os.O_APPEND|os.O_WRONLY, 0) //nolint:gosec // the cluster's own file
 	if err != nil {
 		tb.Fatalf("pgtest: %v", err)
 	}
@@ -202,9 +202,9 @@ func (c *Cluster) command(name string, args ...string) *exec.Cmd {
 		path = name
 	}
 	if c.owner != nil {
-		return exec.Command("runuser", append([]string{"-u", c.owner.Username, "--", path}, args...)...)
+		return exec.Command("runuser", append([]string{"-u", c.owner.Username, "--", path}, args...)...) //nolint:gosec // PostgreSQL's own binaries
 	}
-	return exec.Command(path, args...)
+	return exec.Command(path, args...) //nolint:gosec // PostgreSQL's own binaries
 }
 
 func binDir() (string, error) {

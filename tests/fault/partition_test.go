@@ -333,14 +333,15 @@ func startRelayIn(t *testing.T, ns, bin string, env []string, logPath string) *r
 		t.Fatal(err)
 	}
 	p := &relayProc{cmd: cmd, done: make(chan error, 1), log: logPath}
-	go func() { p.done <- cmd.Wait(); _ = f.Close() }()
+	exited := make(chan struct{})
+	go func() { p.done <- cmd.Wait(); _ = f.Close(); close(exited) }()
 	t.Cleanup(func() {
-		if cmd.ProcessState == nil {
-			_ = cmd.Process.Kill()
-			select {
-			case <-p.done:
-			case <-time.After(10 * time.Second):
-			}
+		// A relay still running (the test failed early) must not keep its
+		// namespace alive.
+		_ = cmd.Process.Kill()
+		select {
+		case <-exited:
+		case <-time.After(10 * time.Second):
 		}
 	})
 	return p
