@@ -48,7 +48,7 @@ func init() {
 
 // runbookFlags are the flags every runbook command has.
 type runbookFlags struct {
-	fs          *flag.FlagSet
+	fs    *flag.FlagSet
 	table string
 	json  bool
 }
