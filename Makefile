@@ -25,7 +25,7 @@ fault: ## The fault-injection test at full size (100,000 events, 12 relay kills)
 	FAULT_EVENTS=100000 FAULT_KILLS=12 FAULT_SUMMARY_FILE=$(CURDIR)/docs/fault-summary.txt \
 		go test -count=1 -timeout 60m -tags fault -run TestFaultInjection -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -25; exit $${PIPESTATUS[0]}
 
-test_short: ## Run the tests with -short.
+test_short: ## Quick run (~1 min): every package with -short (Watermill's universal suites run with few messages); no Docker or fault test.
 	go test -count=1 -short -timeout 10m ./...
 
 test_race: ## Run every test with the race detector.

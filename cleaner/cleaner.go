@@ -17,7 +17,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// Defaults of Config (DESIGN §8).
+// Defaults of Config; the daemon reads them from OUTBOX_CLEANER_*.
 const (
 	IntervalDefault  = time.Minute
 	RetentionDefault = 168 * time.Hour
@@ -131,7 +131,7 @@ func (c *Cleaner) CleanOnce(ctx context.Context) (published, dead int64, err err
 }
 
 func (c *Cleaner) vacuum(ctx context.Context) error {
-	if _, err := c.pool.Exec(ctx, `VACUUM (ANALYZE) `+c.cfg.Table.Sanitize()); err != nil {
+	if _, err := c.pool.Exec(ctx, schema.VacuumStatement(c.cfg.Table)); err != nil {
 		return fmt.Errorf("vacuum %s: %w", c.cfg.Table, err)
 	}
 	return nil

@@ -1,4 +1,4 @@
-// Package metrics defines the Prometheus collectors of the outbox (DESIGN §7).
+// Package metrics defines the Prometheus collectors of the outbox (listed in docs/OPERATIONS.md).
 // Labels are low-cardinality only: table, topic and result; never tenant_id,
 // event_id or sequence.
 //

@@ -1,11 +1,13 @@
 package publisher
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/big"
 	"strconv"
 	"strings"
 	"sync"
@@ -61,30 +63,51 @@ func (s stdlibTx) QueryRow(ctx context.Context, query string, args ...any) pgx.R
 }
 
 // ErrEventIDConflict is matched (errors.Is) by a ConflictError.
-var ErrEventIDConflict = errors.New("event_id already enqueued with another tenant or topic")
+var ErrEventIDConflict = errors.New("publisher: event_id already enqueued with another tenant, topic or payload")
 
-// ConflictError is returned when an event_id is enqueued again with a tenant
-// or topic that differs from the stored row's. Nothing was written; the
-// transaction stays usable.
+// ConflictError is returned when an event_id is enqueued again with a
+// tenant, topic or payload that differs from the stored row's. Payloads are
+// compared as JSONB values, so key order and whitespace do not matter.
+// Nothing was written; the transaction stays usable. The error never
+// contains a payload.
 type ConflictError struct {
 	EventID        uuid.UUID
 	ExistingTenant string
 	ExistingTopic  string
 	Sequence       int64
+	// PayloadDiffers is true when tenant and topic match and the payload
+	// does not.
+	PayloadDiffers bool
 }
 
 func (e *ConflictError) Error() string {
-	return fmt.Sprintf("event_id %s already enqueued (sequence %d) with tenant %s and topic %q; generate a new event_id for a different event",
+	if e.PayloadDiffers {
+		return fmt.Sprintf("publisher: event_id %s already enqueued (sequence %d) with another payload; generate a new event_id for a different event",
+			e.EventID, e.Sequence)
+	}
+	return fmt.Sprintf("publisher: event_id %s already enqueued (sequence %d) with tenant %s and topic %q; generate a new event_id for a different event",
 		e.EventID, e.Sequence, e.ExistingTenant, e.ExistingTopic)
 }
 
 // Is makes errors.Is(err, ErrEventIDConflict) true.
 func (e *ConflictError) Is(target error) bool { return target == ErrEventIDConflict }
 
+// conflict returns the ConflictError of a stored row that does not match
+// msg, or nil.
+func conflict(msg *Message, seq int64, tenant, topic string, samePayload bool) error {
+	if tenant != msg.TenantID.String() || topic != msg.Topic {
+		return &ConflictError{EventID: msg.EventID, ExistingTenant: tenant, ExistingTopic: topic, Sequence: seq}
+	}
+	if !samePayload {
+		return &ConflictError{EventID: msg.EventID, ExistingTenant: tenant, ExistingTopic: topic, Sequence: seq, PayloadDiffers: true}
+	}
+	return nil
+}
+
 // Config configures an Enqueuer. The zero Config is valid.
 type Config struct {
 	// ValidateTopic checks every topic before any SQL runs. Defaults to
-	// ValidateTopic (the DEV-PLAN-017 convention); ValidateTopicRelaxed
+	// ValidateTopic (the project's topic convention); ValidateTopicRelaxed
 	// accepts broker-style names.
 	ValidateTopic func(topic string) error
 	// MaxPayloadBytes limits the size of one payload. Defaults to 1 MiB.
@@ -117,7 +140,7 @@ func NewEnqueuer(cfg Config) (*Enqueuer, error) {
 		cfg.MaxPayloadBytes = DefaultMaxPayloadBytes
 	}
 	if cfg.MaxPayloadBytes < 0 {
-		return nil, fmt.Errorf("invalid config: MaxPayloadBytes is %d; leave it 0 for the 1 MiB default or set a positive limit", cfg.MaxPayloadBytes)
+		return nil, fmt.Errorf("publisher: invalid config: MaxPayloadBytes is %d; leave it 0 for the 1 MiB default or set a positive limit", cfg.MaxPayloadBytes)
 	}
 	return &Enqueuer{cfg: cfg, v: validator{topic: cfg.ValidateTopic, maxPayload: cfg.MaxPayloadBytes}}, nil
 }
@@ -125,14 +148,17 @@ func NewEnqueuer(cfg Config) (*Enqueuer, error) {
 var defaultEnqueuer, _ = NewEnqueuer(Config{})
 
 // Enqueue writes msg into table inside tx with the default Config and
-// returns the row's sequence. Re-enqueueing an existing event_id returns the
-// existing row's sequence and writes nothing.
+// returns the row's sequence. Re-enqueueing an existing event_id with the
+// same tenant, topic and payload (compared as JSONB) returns the existing
+// row's sequence, writes nothing and does not lock the row; with another
+// tenant, topic or payload it returns a *ConflictError.
 func Enqueue(ctx context.Context, tx Tx, table schema.Table, msg Message) (sequence int64, err error) {
 	return defaultEnqueuer.Enqueue(ctx, tx, table, msg)
 }
 
 // EnqueueBatch writes msgs into table inside tx in one statement with the
 // default Config and returns their sequences in the order of msgs.
+// Existing event_ids behave as in Enqueue; a conflict writes none of msgs.
 func EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, msgs []Message) ([]int64, error) {
 	return defaultEnqueuer.EnqueueBatch(ctx, tx, table, msgs)
 }
@@ -156,10 +182,10 @@ func (e *Enqueuer) queries(ctx context.Context, tx Tx, table schema.Table) (*sch
 
 func (e *Enqueuer) check(table schema.Table, tx Tx) error {
 	if table.IsZero() {
-		return errors.New("outbox enqueue: zero Table; build it with schema.ParseTable")
+		return errors.New("publisher: enqueue: zero Table; build it with schema.ParseTable")
 	}
 	if tx == nil {
-		return errors.New("outbox enqueue: nil Tx; pass the transaction that writes the business rows")
+		return errors.New("publisher: enqueue: nil Tx; pass the transaction that writes the business rows")
 	}
 	return nil
 }
@@ -188,21 +214,35 @@ func (e *Enqueuer) Enqueue(ctx context.Context, tx Tx, table schema.Table, msg M
 		}
 	}
 	var (
-		seq           int64
-		tenant, topic string
-		inserted, nul bool
+		seq                 int64
+		tenant, topic       string
+		inserted, same, nul bool
 	)
-	if err := tx.QueryRow(ctx, q.Enqueue, args...).Scan(&seq, &tenant, &topic, &inserted, &nul); err != nil {
-		return 0, fmt.Errorf("outbox enqueue into %s: %w", table, err)
+	err = tx.QueryRow(ctx, q.Enqueue, args...).Scan(&seq, &tenant, &topic, &inserted, &same, &nul)
+	if isNoRows(err) {
+		// A concurrent transaction committed this event_id after the
+		// statement began: read it with a fresh snapshot.
+		found := map[string]int64{}
+		err = e.existing(ctx, tx, q, []string{msg.EventID.String()}, []string{string(msg.Payload)}, []Message{msg}, map[uuid.UUID]int{msg.EventID: 0}, found)
+		if err != nil {
+			return 0, err
+		}
+		return found[msg.EventID.String()], nil
 	}
-	if !inserted && (tenant != msg.TenantID.String() || topic != msg.Topic) {
-		return 0, &ConflictError{EventID: msg.EventID, ExistingTenant: tenant, ExistingTopic: topic, Sequence: seq}
+	if err != nil {
+		return 0, fmt.Errorf("publisher: enqueue into %s: %w", table, err)
 	}
-	if inserted {
-		e.cfg.Metrics.Enqueued(table.Qualified(), msg.Topic, 1)
+	if !inserted {
+		if err := conflict(&msg, seq, tenant, topic, same); err != nil {
+			return 0, err
+		}
+		return seq, nil
 	}
+	e.cfg.Metrics.Enqueued(table.Qualified(), msg.Topic, 1)
 	return seq, nil
 }
+
+func isNoRows(err error) bool { return errors.Is(err, pgx.ErrNoRows) || errors.Is(err, sql.ErrNoRows) }
 
 // EnqueueBatch writes msgs into table inside tx in one statement; see the
 // package-level EnqueueBatch. A message repeated in msgs (same event_id)
@@ -226,8 +266,8 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 			return nil, err
 		}
 		if j, dup := first[msgs[i].EventID]; dup {
-			if msgs[j].TenantID != msgs[i].TenantID || msgs[j].Topic != msgs[i].Topic {
-				return nil, &ValidationError{i, "EventID", fmt.Sprintf("repeats the event_id of message #%d with another tenant or topic", j)}
+			if msgs[j].TenantID != msgs[i].TenantID || msgs[j].Topic != msgs[i].Topic || !sameJSON(msgs[j].Payload, msgs[i].Payload) {
+				return nil, &ValidationError{i, "EventID", fmt.Sprintf("repeats the event_id of message #%d with another tenant, topic or payload", j)}
 			}
 			continue
 		}
@@ -276,11 +316,11 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 		}
 	}
 	var (
-		written string
-		nul     bool
+		written, existed string
+		nul              bool
 	)
-	if err := tx.QueryRow(ctx, q.EnqueueBatch, args...).Scan(&written, &nul); err != nil {
-		return nil, fmt.Errorf("outbox enqueue batch of %d into %s: %w", n, table, err)
+	if err := tx.QueryRow(ctx, q.EnqueueBatch, args...).Scan(&written, &existed, &nul); err != nil {
+		return nil, fmt.Errorf("publisher: enqueue batch of %d into %s: %w", n, table, err)
 	}
 	seqByID := make(map[string]int64, n)
 	for written != "" {
@@ -289,23 +329,43 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 		id, seqText, _ := strings.Cut(item, ":")
 		seq, err := strconv.ParseInt(seqText, 10, 64)
 		if err != nil {
-			return nil, fmt.Errorf("outbox enqueue batch into %s: decode result: %w", table, err)
+			return nil, fmt.Errorf("publisher: enqueue batch into %s: decode result: %w", table, err)
 		}
 		seqByID[id] = seq
 	}
+	var writtenIDs []string
 	newByTopic := map[string]int{}
-	var skipped []string
 	for k, i := range unique {
 		if _, ok := seqByID[ids[k]]; ok {
+			writtenIDs = append(writtenIDs, ids[k])
 			newByTopic[msgs[i].Topic]++
-		} else {
-			skipped = append(skipped, ids[k])
 		}
 	}
-	if len(skipped) > 0 {
-		if err := e.existing(ctx, tx, q, skipped, msgs, first, seqByID); err != nil {
-			return nil, err
+	err = e.checkExisting(q, []byte(existed), msgs, first, seqByID)
+	if err == nil {
+		var racedIDs, racedPayloads []string
+		for k := range unique {
+			if _, ok := seqByID[ids[k]]; !ok {
+				racedIDs, racedPayloads = append(racedIDs, ids[k]), append(racedPayloads, payloads[k])
+			}
 		}
+		if len(racedIDs) > 0 {
+			// Committed by a concurrent transaction after the statement
+			// began: read them with a fresh snapshot.
+			err = e.existing(ctx, tx, q, racedIDs, racedPayloads, msgs, first, seqByID)
+		}
+	}
+	if err != nil {
+		var ce *ConflictError
+		if errors.As(err, &ce) && len(writtenIDs) > 0 {
+			// A conflict writes nothing: take back the rows this statement
+			// wrote (they are this transaction's own, seen by no one else).
+			var undone int64
+			if uerr := tx.QueryRow(ctx, q.UndoEnqueue, writtenIDs).Scan(&undone); uerr != nil {
+				return nil, fmt.Errorf("publisher: enqueue batch into %s: take back the rows written before the conflict (roll the transaction back): %w", table, errors.Join(err, uerr))
+			}
+		}
+		return nil, err
 	}
 	seqs := make([]int64, len(msgs))
 	for i := range msgs {
@@ -317,41 +377,112 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 	return seqs, nil
 }
 
-// existing resolves the sequences of event_ids that EnqueueBatch skipped
-// because they were already enqueued, and checks their tenant and topic.
-func (e *Enqueuer) existing(ctx context.Context, tx Tx, q *schema.Queries, ids []string, msgs []Message, first map[uuid.UUID]int, seqByID map[string]int64) error {
+// existing reads the rows of event_ids that an enqueue skipped because a
+// concurrent transaction committed them, checks them like checkExisting, and
+// fails when one is still missing.
+func (e *Enqueuer) existing(ctx context.Context, tx Tx, q *schema.Queries, ids, payloads []string, msgs []Message, first map[uuid.UUID]int, seqByID map[string]int64) error {
 	var resultJSON []byte
-	if err := tx.QueryRow(ctx, q.ExistingEvents, ids).Scan(&resultJSON); err != nil {
-		return fmt.Errorf("outbox enqueue batch into %s: look up existing events: %w", q.Table, err)
+	if err := tx.QueryRow(ctx, q.ExistingEvents, ids, payloads).Scan(&resultJSON); err != nil {
+		return fmt.Errorf("publisher: enqueue into %s: look up existing events: %w", q.Table, err)
 	}
-	var rows [][4]json.RawMessage
+	if err := e.checkExisting(q, resultJSON, msgs, first, seqByID); err != nil {
+		return err
+	}
+	for _, id := range ids {
+		if _, ok := seqByID[id]; !ok {
+			return fmt.Errorf("publisher: enqueue into %s: event_id %s was neither written nor found", q.Table, id)
+		}
+	}
+	return nil
+}
+
+// checkExisting decodes rows that existed before an enqueue (the JSON of
+// schema.Queries.ExistingEvents), checks each against the message with its
+// event_id, and records their sequences.
+func (e *Enqueuer) checkExisting(q *schema.Queries, resultJSON []byte, msgs []Message, first map[uuid.UUID]int, seqByID map[string]int64) error {
+	var rows [][5]json.RawMessage
 	if err := json.Unmarshal(resultJSON, &rows); err != nil {
-		return fmt.Errorf("outbox enqueue batch into %s: decode existing events: %w", q.Table, err)
+		return fmt.Errorf("publisher: enqueue into %s: decode existing events: %w", q.Table, err)
 	}
 	for _, r := range rows {
 		var (
 			id, tenant, topic string
 			seq               int64
+			same              bool
 		)
-		if err := errors.Join(json.Unmarshal(r[0], &id), json.Unmarshal(r[1], &seq), json.Unmarshal(r[2], &tenant), json.Unmarshal(r[3], &topic)); err != nil {
-			return fmt.Errorf("outbox enqueue batch into %s: decode existing events: %w", q.Table, err)
+		if err := errors.Join(json.Unmarshal(r[0], &id), json.Unmarshal(r[1], &seq), json.Unmarshal(r[2], &tenant),
+			json.Unmarshal(r[3], &topic), json.Unmarshal(r[4], &same)); err != nil {
+			return fmt.Errorf("publisher: enqueue into %s: decode existing events: %w", q.Table, err)
 		}
 		eventID, err := uuid.Parse(id)
 		if err != nil {
-			return fmt.Errorf("outbox enqueue batch into %s: decode existing events: %w", q.Table, err)
+			return fmt.Errorf("publisher: enqueue into %s: decode existing events: %w", q.Table, err)
 		}
-		m := msgs[first[eventID]]
-		if tenant != m.TenantID.String() || topic != m.Topic {
-			return &ConflictError{EventID: eventID, ExistingTenant: tenant, ExistingTopic: topic, Sequence: seq}
+		i, ok := first[eventID]
+		if !ok {
+			return fmt.Errorf("publisher: enqueue into %s: decode existing events: unexpected event_id %s", q.Table, id)
+		}
+		if err := conflict(&msgs[i], seq, tenant, topic, same); err != nil {
+			return err
 		}
 		seqByID[id] = seq
 	}
-	for _, id := range ids {
-		if _, ok := seqByID[id]; !ok {
-			return fmt.Errorf("outbox enqueue batch into %s: event_id %s was neither written nor found", q.Table, id)
-		}
-	}
 	return nil
+}
+
+// sameJSON reports whether a and b (valid JSON) are the same value the way
+// jsonb compares them: key order, whitespace and the spelling of numbers
+// (1, 1.0, 1e0) do not matter.
+func sameJSON(a, b json.RawMessage) bool {
+	if bytes.Equal(a, b) {
+		return true
+	}
+	var va, vb any
+	da, db := json.NewDecoder(bytes.NewReader(a)), json.NewDecoder(bytes.NewReader(b))
+	da.UseNumber()
+	db.UseNumber()
+	if da.Decode(&va) != nil || db.Decode(&vb) != nil {
+		return false
+	}
+	return sameValue(va, vb)
+}
+
+func sameValue(a, b any) bool {
+	switch x := a.(type) {
+	case map[string]any:
+		y, ok := b.(map[string]any)
+		if !ok || len(x) != len(y) {
+			return false
+		}
+		for k, v := range x {
+			w, ok := y[k]
+			if !ok || !sameValue(v, w) {
+				return false
+			}
+		}
+		return true
+	case []any:
+		y, ok := b.([]any)
+		if !ok || len(x) != len(y) {
+			return false
+		}
+		for i := range x {
+			if !sameValue(x[i], y[i]) {
+				return false
+			}
+		}
+		return true
+	case json.Number:
+		y, ok := b.(json.Number)
+		if !ok {
+			return false
+		}
+		rx, okx := new(big.Rat).SetString(string(x))
+		ry, oky := new(big.Rat).SetString(string(y))
+		return okx && oky && rx.Cmp(ry) == 0
+	default:
+		return a == b
+	}
 }
 
 func (e *Enqueuer) channel(t schema.Table) string {
@@ -433,7 +564,7 @@ func lockKeys(ctx context.Context, tx Tx, q *schema.Queries, keys []string) erro
 	}
 	var n int64
 	if err := tx.QueryRow(ctx, q.LockKeys, q.Table.OrderingLockClass(), distinct).Scan(&n); err != nil {
-		return fmt.Errorf("outbox enqueue into %s: lock ordering keys: %w", q.Table, err)
+		return fmt.Errorf("publisher: enqueue into %s: lock ordering keys: %w", q.Table, err)
 	}
 	return nil
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
 var tenant = uuid.MustParse("7a1f0c5e-8a57-4d6a-9d43-0d2b8f2f0c11")
@@ -540,5 +541,196 @@ func TestTxPublisher(t *testing.T) {
 	}
 	if _, err := publisher.NewTxPublisher(nil, publisher.TxPublisherConfig{Table: tbl}); err == nil {
 		t.Fatal("nil tx accepted")
+	}
+}
+
+// TestReenqueueWithAnotherPayload: the same event_id with a different payload
+// is a conflict, for Enqueue and EnqueueBatch, and the error carries no
+// payload; the same payload spelled with another key order, whitespace or
+// number spelling is the same event.
+func TestReenqueueWithAnotherPayload(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox")
+	ctx := context.Background()
+	m := newMsg("org.organization.created.v1")
+	m.Payload = json.RawMessage(`{"id":1,"name":"acme","tags":["a","b"],"n":1.0}`)
+	var first int64
+	inTx(t, pool, func(tx pgx.Tx) {
+		var err error
+		if first, err = publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+			t.Fatal(err)
+		}
+	})
+	same := m
+	same.Payload = json.RawMessage("{ \"n\": 1, \"tags\": [\"a\", \"b\"],\n \"name\": \"acme\", \"id\": 1e0 }")
+	other := m
+	other.Payload = json.RawMessage(`{"id":1,"name":"secret-value-xyz","tags":["a","b"],"n":1}`)
+	reordered := m
+	reordered.Payload = json.RawMessage(`{"id":1,"name":"acme","tags":["b","a"],"n":1}`)
+	inTx(t, pool, func(tx pgx.Tx) {
+		if seq, err := publisher.Enqueue(ctx, tx, tbl, same); err != nil || seq != first {
+			t.Fatalf("same payload, other spelling: seq %d (first %d), %v", seq, first, err)
+		}
+		if seqs, err := publisher.EnqueueBatch(ctx, tx, tbl, []publisher.Message{newMsg("org.a.b.v1"), same}); err != nil || seqs[1] != first {
+			t.Fatalf("batch, same payload, other spelling: %v, %v", seqs, err)
+		}
+		for name, bad := range map[string]publisher.Message{"other value": other, "array order": reordered} {
+			for _, batch := range []bool{false, true} {
+				var err error
+				if batch {
+					_, err = publisher.EnqueueBatch(ctx, tx, tbl, []publisher.Message{newMsg("org.a.b.v1"), bad})
+				} else {
+					_, err = publisher.Enqueue(ctx, tx, tbl, bad)
+				}
+				var ce *publisher.ConflictError
+				if !errors.As(err, &ce) || !errors.Is(err, publisher.ErrEventIDConflict) || !ce.PayloadDiffers || ce.Sequence != first {
+					t.Fatalf("%s (batch %v): %v", name, batch, err)
+				}
+				if strings.Contains(err.Error(), "secret-value-xyz") || strings.Contains(err.Error(), "acme") || !strings.HasPrefix(err.Error(), "publisher: ") {
+					t.Fatalf("error text: %q", err)
+				}
+			}
+		}
+		// Inside one batch, a repeat with another payload is refused before SQL.
+		_, err := publisher.EnqueueBatch(ctx, tx, tbl, []publisher.Message{same, other})
+		var ve *publisher.ValidationError
+		if !errors.As(err, &ve) {
+			t.Fatalf("repeat with another payload inside a batch: %v", err)
+		}
+		if _, err := publisher.EnqueueBatch(ctx, tx, tbl, []publisher.Message{m, same}); err != nil {
+			t.Fatalf("repeat with the same payload, other spelling, inside a batch: %v", err)
+		}
+	})
+	var stored string
+	if err := pool.QueryRow(ctx, `SELECT payload::text FROM `+tbl.Sanitize()+` WHERE event_id = $1`, m.EventID).Scan(&stored); err != nil {
+		t.Fatal(err)
+	}
+	// A batch that met a conflict wrote none of its rows.
+	if strings.Contains(stored, "secret") || count(t, pool, tbl) != 2 {
+		t.Fatalf("stored %s, rows %d", stored, count(t, pool, tbl))
+	}
+}
+
+// TestReenqueueDoesNotBlockRelayAck: a producer transaction that re-enqueues
+// an event the relay holds leased, and stays open, must not hold the row: the
+// relay's ack completes at once, not when the producer ends.
+func TestReenqueueDoesNotBlockRelayAck(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	m := newMsg("org.organization.created.v1")
+	inTx(t, pool, func(tx pgx.Tx) {
+		if _, err := publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+			t.Fatal(err)
+		}
+	})
+	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, DisableNotify: true, PollInterval: 50 * time.Millisecond}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	ch, err := sub.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got *message.Message
+	select {
+	case got = <-ch:
+	case <-ctx.Done():
+		t.Fatal("no delivery")
+	}
+	// The producer re-enqueues the leased event and keeps its transaction open.
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	if _, err := publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := publisher.EnqueueBatch(ctx, tx, tbl, []publisher.Message{m}); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	got.Ack()
+	for {
+		var published bool
+		if err := pool.QueryRow(ctx, `SELECT published_at IS NOT NULL FROM `+tbl.Sanitize()+` WHERE event_id = $1`, m.EventID).Scan(&published); err != nil {
+			t.Fatal(err)
+		}
+		if published {
+			break
+		}
+		if time.Since(start) > 2*time.Second {
+			t.Fatal("the relay's ack waited on the producer's open transaction for 2s")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestReenqueueRacingCommit: a re-enqueue that waits on a concurrent,
+// uncommitted insert of the same event_id returns that row's sequence once it
+// commits (or a conflict when its payload differs), for Enqueue and
+// EnqueueBatch.
+func TestReenqueueRacingCommit(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "org_outbox")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for _, batch := range []bool{false, true} {
+		for _, otherPayload := range []bool{false, true} {
+			m := newMsg("org.organization.created.v1")
+			first, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want, err := publisher.Enqueue(ctx, first, tbl, m)
+			if err != nil {
+				t.Fatal(err)
+			}
+			again := m
+			if otherPayload {
+				again.Payload = json.RawMessage(`{"id":2}`)
+			}
+			type result struct {
+				seq int64
+				err error
+			}
+			done := make(chan result, 1)
+			go func() {
+				var r result
+				r.err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+					if batch {
+						seqs, err := publisher.EnqueueBatch(ctx, tx, tbl, []publisher.Message{again})
+						if err == nil {
+							r.seq = seqs[0]
+						}
+						return err
+					}
+					var err error
+					r.seq, err = publisher.Enqueue(ctx, tx, tbl, again)
+					return err
+				})
+				done <- r
+			}()
+			time.Sleep(200 * time.Millisecond) // the second insert waits on the first
+			if err := first.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			r := <-done
+			switch {
+			case otherPayload && !errors.Is(r.err, publisher.ErrEventIDConflict):
+				t.Fatalf("batch %v, other payload: %v", batch, r.err)
+			case !otherPayload && (r.err != nil || r.seq != want):
+				t.Fatalf("batch %v: seq %d (want %d), %v", batch, r.seq, want, r.err)
+			}
+		}
+	}
+	if n := count(t, pool, tbl); n != 4 {
+		t.Fatalf("rows %d, want 4", n)
 	}
 }

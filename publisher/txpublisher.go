@@ -52,7 +52,7 @@ var _ message.Publisher = (*TxPublisher)(nil)
 // setDefaults fills Enqueuer and checks Table.
 func (c *TxPublisherConfig) setDefaults() error {
 	if c.Table.IsZero() {
-		return errors.New("invalid config: Table is not set; build it with schema.ParseTable")
+		return errors.New("publisher: invalid config: Table is not set; build it with schema.ParseTable")
 	}
 	if c.Enqueuer == nil {
 		c.Enqueuer = defaultEnqueuer
@@ -63,7 +63,7 @@ func (c *TxPublisherConfig) setDefaults() error {
 // NewTxPublisher binds a publisher to tx.
 func NewTxPublisher(tx Tx, cfg TxPublisherConfig) (*TxPublisher, error) {
 	if tx == nil {
-		return nil, errors.New("invalid config: nil Tx; pass the transaction that writes the business rows")
+		return nil, errors.New("publisher: invalid config: nil Tx; pass the transaction that writes the business rows")
 	}
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
@@ -151,7 +151,7 @@ var _ message.Publisher = (*DBPublisher)(nil)
 // Publish call.
 func NewDBPublisher(db Beginner, cfg TxPublisherConfig) (*DBPublisher, error) {
 	if db == nil {
-		return nil, errors.New("invalid config: nil db; pass a *pgxpool.Pool")
+		return nil, errors.New("publisher: invalid config: nil db; pass a *pgxpool.Pool")
 	}
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err

@@ -45,7 +45,7 @@ const DefaultMaxPayloadBytes = 1 << 20
 
 var defaultTopicPattern = regexp.MustCompile(`^[a-z0-9-]+(\.[a-z0-9-]+)*\.v[0-9]+$`)
 
-// ValidateTopic is the default topic rule (DEV-PLAN-017 §5.3): lowercase
+// ValidateTopic is the default topic rule (the project's topic convention): lowercase
 // dotted segments of [a-z0-9-] ending in a version segment vN, shorter than
 // 128 bytes, such as org.organization.created.v1.
 func ValidateTopic(topic string) error {

@@ -15,13 +15,13 @@ import (
 // ErrNoSubscribers is returned by InProcess.Publish when no one is
 // subscribed to the topic: an outbox must not treat a dropped message as
 // delivered.
-var ErrNoSubscribers = errors.New("no subscribers for the topic")
+var ErrNoSubscribers = errors.New("router: no subscribers for the topic")
 
 // ErrInProcessClosed is returned after InProcess.Close.
-var ErrInProcessClosed = errors.New("in-process pub/sub is closed")
+var ErrInProcessClosed = errors.New("router: in-process pub/sub is closed")
 
 // InProcess is an in-memory Watermill pub/sub with the dispatch contract an
-// outbox needs (DEV-PLAN-017's PublishE): Publish hands each message to
+// outbox needs (docs/ARCHITECTURE.md, "In-process dispatch"): Publish hands each message to
 // every subscriber of the topic and returns only when all of them acked; a
 // nack (a handler error or panic, through a router) is Publish's error, with
 // the handler's error when the consumer's router uses

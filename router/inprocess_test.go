@@ -15,7 +15,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
-// TestInProcessDispatchContract is DEV-PLAN-017's PublishE contract on the
+// TestInProcessDispatchContract is the in-process dispatch contract on the
 // in-process backend: no subscriber is an error, a handler error or panic is
 // the publisher's error, success needs every subscriber's ack.
 func TestInProcessDispatchContract(t *testing.T) {

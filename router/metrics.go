@@ -1,7 +1,7 @@
 package router
 
 import (
-	"fmt"
+	"errors"
 
 	wmetrics "github.com/ThreeDotsLabs/watermill/components/metrics"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -10,7 +10,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/metrics"
 )
 
-// RegisterMetrics registers the outbox metrics of DESIGN §7 on reg and, when
+// RegisterMetrics registers the outbox metrics (package metrics) on reg and, when
 // r is not nil, Watermill's own router metrics (handler execution time,
 // messages published and received) for r. Pass the returned Metrics to the
 // publisher and subscriber configurations.
@@ -21,7 +21,7 @@ func RegisterMetrics(reg prometheus.Registerer, r *message.Router) (*metrics.Met
 	}
 	if r != nil {
 		if reg == nil {
-			return nil, fmt.Errorf("router metrics need a registry")
+			return nil, errors.New("router: metrics need a registry")
 		}
 		wmetrics.NewPrometheusMetricsBuilder(reg, "", "").AddPrometheusRouterMetrics(r)
 	}

@@ -229,7 +229,7 @@ func TestGrafanaDashboard(t *testing.T) {
 		}
 	}
 	checkMetricNames(t, dashboardFile, string(raw), nil)
-	// Every metric of DESIGN §7 is on the dashboard.
+	// Every metric listed in docs/OPERATIONS.md is on the dashboard.
 	checkMetricNames(t, dashboardFile+" (queries)", exprs.String(), []string{
 		"outbox_enqueue_total", "outbox_dispatch_total", "outbox_dead_total", "outbox_dispatch_latency_seconds",
 		"outbox_pending", "outbox_locked", "outbox_relay_leader", "outbox_oldest_pending_age_seconds", "outbox_delivery_lag_seconds"})

@@ -14,7 +14,7 @@ import (
 
 // ErrNotHeld is returned (wrapped) by SkipEvent when the event's row does
 // not hold its ordering key: only the row a key waits for can be skipped.
-var ErrNotHeld = errors.New("event does not hold its ordering key")
+var ErrNotHeld = errors.New("runbook: event does not hold its ordering key")
 
 // HeldKey is one ordering key held back by a failing, dead or skipped row
 // (ordered mode, docs/ORDERING.md).

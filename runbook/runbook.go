@@ -1,5 +1,5 @@
 // Package runbook holds the operations an operator runs on one outbox table
-// (DESIGN §9): list the backlog, list dead rows, read the table's counters,
+// (docs/OPERATIONS.md): list the backlog, list dead rows, read the table's counters,
 // replay one event and replay dead rows in bulk. The `outbox backlog`,
 // `outbox dead list|replay` and `outbox stats` commands are thin wrappers
 // around it.

@@ -67,7 +67,7 @@ func columnsOf(opts []MigrateOption) Columns {
 	return c
 }
 
-// createTableStatement is the CREATE TABLE of DESIGN §3.
+// createTableStatement is the CREATE TABLE of the table contract (docs/ARCHITECTURE.md).
 func createTableStatement(t Table) string {
 	return `CREATE TABLE IF NOT EXISTS ` + t.Sanitize() + ` (
   id           UUID        NOT NULL DEFAULT gen_random_uuid(),
@@ -93,7 +93,7 @@ type indexDef struct {
 	suffix, stmt string
 }
 
-// indexes lists the secondary indexes of DESIGN §3.
+// indexes lists the secondary indexes of the table contract.
 func indexes(t Table) []indexDef {
 	tbl := t.Sanitize()
 	return []indexDef{
@@ -111,7 +111,7 @@ func (t Table) indexRegclass(suffix string) string {
 	return pgx.Identifier{t.schema, t.name + suffix}.Sanitize()
 }
 
-// upStatements is the DDL of DESIGN §3, idempotent (IF NOT EXISTS throughout).
+// upStatements is the DDL of the table contract, idempotent (IF NOT EXISTS throughout).
 func upStatements(t Table, c Columns) []string {
 	stmts := []string{createTableStatement(t)}
 	for _, ix := range indexes(t) {

@@ -15,25 +15,41 @@ type Queries struct {
 	Table   Table
 	Columns Columns
 
-	// Enqueue inserts one row, idempotent on event_id, and wakes relays.
+	// Enqueue inserts one row, idempotent on event_id, and wakes relays when
+	// it wrote the row. An existing event_id is left alone (ON CONFLICT DO
+	// NOTHING: no row lock, so a producer's open transaction never holds up
+	// the relay's ack of that row) and read in the same statement.
 	// Args: tenant_id, topic, payload, event_id (all text), notify channel (""
 	// for none),
 	// then traceparent, tracestate when Columns.TraceContext, then headers
-	// when Columns.Headers.
-	// Returns: sequence, tenant_id::text, topic, inserted.
+	// when Columns.Headers, then ordering_key when Columns.OrderingKey.
+	// Returns one row: sequence, tenant_id::text, topic, inserted, and
+	// whether the stored payload equals the given one as jsonb (true when
+	// inserted), then a NULL-tested NOTIFY column. No row when the event_id
+	// was committed by a concurrent transaction after the statement began:
+	// then read it with ExistingEvents.
 	Enqueue string
 
 	// EnqueueBatch is Enqueue for many rows, as text arrays in the same
 	// argument order, skipping event_ids that exist. It returns one row (so
 	// that database/sql drivers read it too): "event_id:sequence,..." for
-	// the rows written, and whether NOTIFY ran. It wakes relays only when it
-	// wrote a row.
+	// the rows written; the rows that existed before the statement, as the
+	// JSON of ExistingEvents; and a NULL-tested NOTIFY column. It wakes
+	// relays only when it wrote a row. An event_id in neither list was
+	// committed by a concurrent transaction: read it with ExistingEvents.
 	EnqueueBatch string
 
-	// ExistingEvents looks up rows by event_id, for the event_ids that
-	// EnqueueBatch skipped. Args: event_ids (text array). Returns one JSON
-	// array of [event_id, sequence, tenant_id, topic].
+	// ExistingEvents looks up rows by event_id, for the event_ids that an
+	// enqueue skipped. Args: event_ids, payloads (text arrays, same order).
+	// Returns one JSON array of [event_id, sequence, tenant_id, topic,
+	// same_payload], same_payload comparing the stored and the given payload
+	// as jsonb (key order and whitespace do not matter).
 	ExistingEvents string
+
+	// UndoEnqueue deletes rows that an EnqueueBatch of the same transaction
+	// wrote, when a conflict makes the batch write nothing. Args: event_ids
+	// (text array). Returns: rows deleted.
+	UndoEnqueue string
 
 	// ClaimAll and ClaimTopic lease up to a batch of due rows: unpublished,
 	// not dead (dead_at IS NULL), due, and not leased or with an expired
@@ -44,7 +60,8 @@ type Queries struct {
 	// the lease expired) by the same statement, and returned with parked =
 	// true so that the relay counts it. max_attempts plays no other part:
 	// raising it does not revive dead rows, lowering it does not kill rows
-	// that are retrying (they die when their next attempt fails).
+	// that are retrying (they die when their next attempt fails). See
+	// docs/ARCHITECTURE.md, "The relay".
 	// Args: max_attempts, lock_ttl seconds (float8), batch size, and for
 	// ClaimTopic the topic. Returns the claimed columns (see ClaimedRow),
 	// then parked; read them with ClaimedRow.ScanClaim.
@@ -79,9 +96,9 @@ type Queries struct {
 	// Nack releases one leased row for a retry or, at max attempts or for a
 	// permanent error, marks it dead (dead_at = now()). Fenced like Ack. A
 	// dead row is parked at available_at = 'infinity', after every due row
-	// in the claim index, so that dead rows cost claims nothing (with
-	// 100,000 dead rows parked at now() every claim walked them all, 14x
-	// slower).
+	// in the claim index, so that dead rows cost claims nothing (parked at
+	// now() instead, with 100,000 dead rows that made every claim walk them
+	// all, 14x slower).
 	// Args: id, attempts, locked_at, last_error, max_attempts, permanent,
 	// backoff seconds. Returns: dead.
 	Nack string
@@ -151,20 +168,37 @@ func NewQueries(t Table, c Columns) *Queries {
 		add(ColumnOrderingKey, "")
 		q.LockKeys = lockKeysStatement
 	}
-	conflict := ` ON CONFLICT (` + ColumnEventID + `) DO UPDATE SET ` + ColumnEventID + ` = EXCLUDED.` + ColumnEventID
-	notify := `(SELECT pg_notify($5, '') WHERE $5 <> '')`
+	notify := `(SELECT pg_notify($5, '') WHERE $5 <> ''`
 
-	q.Enqueue = `WITH ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `) VALUES (` + strings.Join(values, ", ") + `)` +
-		conflict + ` RETURNING sequence, tenant_id, topic, (xmax = 0) AS inserted)
-SELECT sequence, tenant_id::text, topic, inserted, ` + notify + ` IS NULL FROM ins`
+	q.Enqueue = `WITH ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `) VALUES (` + strings.Join(values, ", ") + `)
+ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING sequence, tenant_id, topic),
+res AS (
+  SELECT sequence, tenant_id, topic, true AS inserted, true AS same_payload FROM ins
+  UNION ALL
+  SELECT sequence, tenant_id, topic, false, payload = $3::jsonb FROM ` + tbl + `
+  WHERE event_id = $4::uuid AND NOT EXISTS (SELECT 1 FROM ins)
+)
+SELECT sequence, tenant_id::text, topic, inserted, same_payload, ` + notify + ` AND res.inserted) IS NULL FROM res`
 
-	q.EnqueueBatch = `WITH ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `)
-SELECT ` + strings.Join(unnestCols, ", ") + ` FROM unnest(` + strings.Join(unnestArgs, ", ") + `) AS u(` + strings.Join(aliases, ", ") + `)
-ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING event_id, sequence)
-SELECT COALESCE(string_agg(event_id::text || ':' || sequence::text, ','), ''), ` + notify + ` IS NULL FROM ins`
+	q.EnqueueBatch = `WITH u AS (SELECT * FROM unnest(` + strings.Join(unnestArgs, ", ") + `) AS u(` + strings.Join(aliases, ", ") + `)),
+ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `)
+SELECT ` + strings.Join(unnestCols, ", ") + ` FROM u
+ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING event_id, sequence),
+ex AS (
+  SELECT o.event_id, o.sequence, o.tenant_id, o.topic, o.payload = u.c3::jsonb AS same_payload
+  FROM u JOIN ` + tbl + ` AS o ON o.event_id = u.c4::uuid
+  WHERE u.c4::uuid NOT IN (SELECT event_id FROM ins)
+)
+SELECT (SELECT COALESCE(string_agg(event_id::text || ':' || sequence::text, ','), '') FROM ins),
+  (SELECT ` + existingJSON + ` FROM ex),
+  ` + notify + ` AND EXISTS (SELECT 1 FROM ins)) IS NULL`
 
-	q.ExistingEvents = `SELECT COALESCE(json_agg(json_build_array(event_id::text, sequence, tenant_id::text, topic)), '[]')::text FROM ` + tbl + `
-WHERE event_id = ANY($1::uuid[])`
+	q.ExistingEvents = `SELECT ` + existingJSON + `
+FROM (SELECT o.event_id, o.sequence, o.tenant_id, o.topic, o.payload = u.p::jsonb AS same_payload
+  FROM unnest($1::text[], $2::text[]) AS u(e, p) JOIN ` + tbl + ` AS o ON o.event_id = u.e::uuid) AS ex`
+
+	q.UndoEnqueue = `WITH d AS (DELETE FROM ` + tbl + ` WHERE event_id = ANY($1::text[]::uuid[]) RETURNING 1)
+SELECT count(*) FROM d`
 
 	claim := func(topicFilter string, adapter bool) string {
 		// A row leased on its last allowed attempt whose lease expired (the
@@ -262,6 +296,10 @@ DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
 WHERE locked_at = now() AND published_at IS NULL AND sequence <= $1`
 	return q
 }
+
+// existingJSON aggregates the rows of an "ex" relation into the JSON that
+// ExistingEvents returns.
+const existingJSON = `COALESCE(json_agg(json_build_array(ex.event_id::text, ex.sequence, ex.tenant_id::text, ex.topic, ex.same_payload)), '[]')::text`
 
 // claimReturning lists the columns a claim's UPDATE returns, named c1,
 // c2, ... in ClaimedRow.Scan order; claimColumns lists those names.

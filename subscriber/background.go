@@ -10,6 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // opTimeout bounds one ack, nack, renewal or release statement.
@@ -161,7 +163,7 @@ func (e *elector) tick(ctx context.Context) {
 		return
 	}
 	var got bool
-	if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1)`, s.cfg.Table.LockKey()).Scan(&got); err != nil || !got {
+	if err := conn.QueryRow(ctx, schema.TryLeaderLock, s.cfg.Table.LockKey()).Scan(&got); err != nil || !got {
 		if err != nil && ctx.Err() == nil {
 			s.logger.Error("Leader election query failed", err, nil)
 		}
@@ -213,7 +215,7 @@ func (e *elector) resign() {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
-	if _, err := e.conn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, e.s.cfg.Table.LockKey()); err != nil {
+	if _, err := e.conn.Exec(ctx, schema.LeaderUnlock, e.s.cfg.Table.LockKey()); err != nil {
 		e.dropLocked()
 		return
 	}

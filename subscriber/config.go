@@ -15,7 +15,7 @@ import (
 // AllTopics as the topic of Subscribe delivers every row of the table.
 const AllTopics = schema.AllTopics
 
-// Defaults of Config (DESIGN §5).
+// Defaults of Config (docs/ARCHITECTURE.md, "The relay").
 const (
 	BatchSizeDefault         = schema.BatchSizeDefault
 	PollIntervalDefault      = time.Second
@@ -148,7 +148,7 @@ func (c *Config) validate() error {
 	return errors.Join(errs...)
 }
 
-// Backoff is the retry delay of DESIGN §5: min(Base * 2^(n-1), Max) plus a
+// Backoff is the retry delay between attempts: min(Base * 2^(n-1), Max) plus a
 // jitter drawn uniformly from [0, Jitter) by Rand.
 type Backoff struct {
 	Base, Max, Jitter time.Duration

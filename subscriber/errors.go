@@ -9,7 +9,7 @@ import (
 )
 
 // ErrSubscriberClosed is returned by Subscribe after Close.
-var ErrSubscriberClosed = errors.New("outbox subscriber is closed")
+var ErrSubscriberClosed = errors.New("subscriber: closed")
 
 // PermanentError marks an error that retrying cannot fix (no route for the
 // topic, a payload the consumer can never accept): the row goes dead at once.

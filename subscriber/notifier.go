@@ -7,8 +7,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // notifier is the one LISTEN connection a pool needs: every Subscriber on the
@@ -153,7 +153,7 @@ func (n *notifier) session(ctx context.Context) error {
 		n.mu.Unlock()
 		for ch := range want {
 			if !listening[ch] {
-				if _, err := conn.Exec(ctx, `LISTEN `+pgx.Identifier{ch}.Sanitize()); err != nil {
+				if _, err := conn.Exec(ctx, schema.ListenStatement(ch)); err != nil {
 					return err
 				}
 				listening[ch] = true
@@ -162,7 +162,7 @@ func (n *notifier) session(ctx context.Context) error {
 		}
 		for ch := range listening {
 			if !want[ch] {
-				if _, err := conn.Exec(ctx, `UNLISTEN `+pgx.Identifier{ch}.Sanitize()); err != nil {
+				if _, err := conn.Exec(ctx, schema.UnlistenStatement(ch)); err != nil {
 					return err
 				}
 				delete(listening, ch)

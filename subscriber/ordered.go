@@ -38,14 +38,14 @@ var ErrOrderedNotMigrated = errors.New("table not migrated for ordered mode")
 func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols schema.Columns) (*schema.OrderedQueries, error) {
 	run := fmt.Sprintf("run `outbox migrate --ordered --table=%s` or schema.Migrate(ctx, pool, table, schema.WithOrderingKeyColumn())", t)
 	if !cols.OrderingKey {
-		return nil, fmt.Errorf("outbox subscriber: invalid config: Ordered needs the ordering_key column in %s; %s: %w", t, run, ErrOrderedNotMigrated)
+		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the ordering_key column in %s; %s: %w", t, run, ErrOrderedNotMigrated)
 	}
 	ok, err := schema.OrderedTablesExist(ctx, pool, t)
 	if err != nil {
-		return nil, fmt.Errorf("outbox subscriber: %w", err)
+		return nil, fmt.Errorf("subscriber: %w", err)
 	}
 	if !ok {
-		return nil, fmt.Errorf("outbox subscriber: invalid config: Ordered needs the tables %s, %s and %s; %s: %w",
+		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the tables %s, %s and %s; %s: %w",
 			t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), run, ErrOrderedNotMigrated)
 	}
 	return schema.NewOrderedQueries(t, cols), nil

@@ -58,11 +58,11 @@ var _ message.Subscriber = (*Subscriber)(nil)
 // pool for them.
 func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	if pool == nil {
-		return nil, errors.New("outbox subscriber: nil pool; pass a *pgxpool.Pool")
+		return nil, errors.New("subscriber: nil pool; pass a *pgxpool.Pool")
 	}
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {
-		return nil, fmt.Errorf("outbox subscriber: invalid config: %w", err)
+		return nil, fmt.Errorf("subscriber: invalid config: %w", err)
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
@@ -71,10 +71,10 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 	defer cancel()
 	cols, err := schema.DetectColumns(ctx, pool, cfg.Table)
 	if err != nil {
-		return nil, fmt.Errorf("outbox subscriber: %w", err)
+		return nil, fmt.Errorf("subscriber: %w", err)
 	}
 	if err := schema.CheckDeadAt(ctx, pool, cfg.Table); err != nil {
-		return nil, fmt.Errorf("outbox subscriber: %w", err)
+		return nil, fmt.Errorf("subscriber: %w", err)
 	}
 	var oq *schema.OrderedQueries
 	if cfg.Ordered {
@@ -134,10 +134,10 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, ErrSubscriberClosed
 	}
 	if topic == "" {
-		return nil, errors.New("outbox subscriber: empty topic; pass a topic or subscriber.AllTopics")
+		return nil, errors.New("subscriber: empty topic; pass a topic or subscriber.AllTopics")
 	}
 	if s.cfg.Ordered && topic != AllTopics {
-		return nil, errors.New("outbox subscriber: ordered mode relays every topic of the table in key order; subscribe with subscriber.AllTopics")
+		return nil, errors.New("subscriber: ordered mode relays every topic of the table in key order; subscribe with subscriber.AllTopics")
 	}
 	s.start()
 	ctx, cancel := context.WithCancel(ctx)

@@ -57,7 +57,7 @@ func scaleCase(ctx context.Context, pool *pgxpool.Pool, t schema.Table, pending,
 	if dead > 0 {
 		// Dead rows as the relay's nack leaves them: attempts at the
 		// maximum, an error, parked at available_at = 'infinity'. (Parked
-		// at their time of death, as DESIGN §5 first said, they sat before
+		// at their time of death, as a first design had it, they sat before
 		// every due row: EXPLAIN showed 80 ms per claim instead of 0.2 ms.)
 		if _, err := pool.Exec(ctx, `UPDATE `+t.Sanitize()+` SET attempts = $1, last_error = 'dead in benchmark',
 			available_at = 'infinity', dead_at = now()`, schema.MaxAttemptsDefault); err != nil {

@@ -9,7 +9,7 @@
 //	outbox keys held --table=T   ordered mode: ordering keys held back by a failing or dead row
 //	outbox stats --table=T       pending, locked, dead, oldest pending age
 //
-// Configuration comes from the environment (DESIGN §8); a bad value stops
+// Configuration comes from the environment (outbox relay --help lists it); a bad value stops
 // the command at start with the variable's name. Run `outbox help` for the
 // list of commands.
 package main

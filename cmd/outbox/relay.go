@@ -63,7 +63,7 @@ type relayConfig struct {
 	health         *health              // nil: OUTBOX_HEALTH_ADDR unset
 }
 
-// loadRelayConfig reads DESIGN §8's variables; the first bad one is the error.
+// loadRelayConfig reads the OUTBOX_* variables; the first bad one is the error.
 func loadRelayConfig(env Env) (relayConfig, error) {
 	var (
 		c    relayConfig

@@ -1,6 +1,6 @@
 package main
 
-// The runbook commands (DESIGN §9), thin wrappers around package runbook:
+// The runbook commands (docs/OPERATIONS.md), thin wrappers around package runbook:
 //
 //	outbox backlog     --table=T [--topic=X] [--limit=N] [--json]
 //	outbox stats       --table=T [--json]
