@@ -281,6 +281,7 @@ func (s *Subscriber) runStats(ctx context.Context) {
 			// A standby must not keep exporting what it saw as leader.
 			m := s.cfg.Metrics
 			m.Pending.DeleteLabelValues(s.label)
+			m.Dead.DeleteLabelValues(s.label)
 			m.Locked.DeleteLabelValues(s.label)
 			m.OldestPendingAge.DeleteLabelValues(s.label)
 		}
@@ -304,7 +305,7 @@ func (s *Subscriber) refreshStats(ctx context.Context) {
 		stats = s.oq.Stats
 		s.refreshHeldKeys(qctx)
 	}
-	if err := s.pool.QueryRow(qctx, stats, s.cfg.MaxAttempts).Scan(&pending, &locked, &dead, &oldest); err != nil {
+	if err := s.pool.QueryRow(qctx, stats).Scan(&pending, &locked, &dead, &oldest); err != nil {
 		if ctx.Err() == nil {
 			s.logger.Error("Could not read table stats", err, nil)
 		}
@@ -312,6 +313,7 @@ func (s *Subscriber) refreshStats(ctx context.Context) {
 	}
 	m := s.cfg.Metrics
 	m.Pending.WithLabelValues(s.label).Set(float64(pending))
+	m.Dead.WithLabelValues(s.label).Set(float64(dead))
 	m.Locked.WithLabelValues(s.label).Set(float64(locked))
 	m.OldestPendingAge.WithLabelValues(s.label).Set(oldest)
 }

@@ -215,7 +215,7 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 	if cfg.cleanerEnabled {
 		for _, t := range cfg.cleanerTables {
 			c, err := cleaner.New(pool, cleaner.Config{Table: t, Interval: cfg.cleanerInterval, Retention: cfg.retention,
-				DeadRetention: cfg.deadRetention, MaxAttempts: cfg.maxAttempts, Metrics: m, Vacuum: cfg.cleanerVacuum}, logger)
+				DeadRetention: cfg.deadRetention, Metrics: m, Vacuum: cfg.cleanerVacuum}, logger)
 			if err != nil {
 				return err
 			}
