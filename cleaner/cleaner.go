@@ -1,6 +1,6 @@
 // Package cleaner deletes what an outbox table no longer needs: rows
-// published longer ago than a retention and, when asked, dead rows older than
-// a dead retention (by created_at). It deletes in bounded batches, each its
+// published longer ago than a retention and, when asked, dead rows that died
+// longer ago than a dead retention (by dead_at, the time of death). It deletes in bounded batches, each its
 // own short statement, and never touches pending or recently published rows.
 package cleaner
 
@@ -33,12 +33,10 @@ type Config struct {
 	// Retention keeps published rows this long after published_at.
 	// Defaults to 168h.
 	Retention time.Duration
-	// DeadRetention, when positive, also deletes dead rows created longer
-	// ago than it. Defaults to 0: dead rows are kept for replay.
+	// DeadRetention, when positive, also deletes dead rows (dead_at set)
+	// that died longer ago than it, however old they are. Defaults to 0:
+	// dead rows are kept for replay.
 	DeadRetention time.Duration
-	// MaxAttempts defines dead (attempts >= MaxAttempts); it must match the
-	// relay's. Defaults to 25.
-	MaxAttempts int
 	// BatchSize bounds the rows one DELETE removes. Defaults to 1000.
 	BatchSize int
 	// Metrics counts deleted rows (outbox_cleaner_deleted_total). Defaults
@@ -73,14 +71,11 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Clean
 	if cfg.Retention == 0 {
 		cfg.Retention = RetentionDefault
 	}
-	if cfg.MaxAttempts == 0 {
-		cfg.MaxAttempts = schema.MaxAttemptsDefault
-	}
 	if cfg.BatchSize == 0 {
 		cfg.BatchSize = BatchSizeDefault
 	}
-	if cfg.Interval < 0 || cfg.Retention < 0 || cfg.DeadRetention < 0 || cfg.MaxAttempts < 0 || cfg.BatchSize < 0 {
-		return nil, errors.New("cleaner: invalid config: negative Interval, Retention, DeadRetention, MaxAttempts or BatchSize; leave 0 for the defaults")
+	if cfg.Interval < 0 || cfg.Retention < 0 || cfg.DeadRetention < 0 || cfg.BatchSize < 0 {
+		return nil, errors.New("cleaner: invalid config: negative Interval, Retention, DeadRetention or BatchSize; leave 0 for the defaults")
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
@@ -128,7 +123,7 @@ func (c *Cleaner) CleanOnce(ctx context.Context) (published, dead int64, err err
 		}
 		return published, 0, err
 	}
-	dead, err = c.deleteAll(ctx, "dead", c.q.DeleteDead, c.cfg.DeadRetention.Seconds(), c.cfg.BatchSize, c.cfg.MaxAttempts)
+	dead, err = c.deleteAll(ctx, "dead", c.q.DeleteDead, c.cfg.DeadRetention.Seconds(), c.cfg.BatchSize)
 	if err == nil && c.cfg.Vacuum && published+dead > 0 {
 		err = c.vacuum(ctx)
 	}

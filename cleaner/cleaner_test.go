@@ -17,7 +17,8 @@ import (
 )
 
 // TestCleanerRetention: only rows the retentions allow are deleted; pending,
-// locked, recently published and (without dead retention) dead rows stay.
+// locked, recently published and (without dead retention) dead rows stay;
+// dead retention deletes by time of death (dead_at), not created_at.
 func TestCleanerRetention(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -29,8 +30,15 @@ func TestCleanerRetention(t *testing.T) {
 		"pending":          `attempts = 0`,
 		"retrying":         `attempts = 3, last_error = 'x', available_at = now() + interval '1 minute'`,
 		"locked":           `attempts = 1, locked_at = now()`,
-		"old_dead":         `attempts = 25, last_error = 'x', created_at = now() - interval '100 hours'`,
-		"recent_dead":      `attempts = 25, last_error = 'x', created_at = now() - interval '1 hour'`,
+		"old_dead": `attempts = 25, last_error = 'x', available_at = 'infinity', created_at = now() - interval '200 hours',
+			dead_at = now() - interval '100 hours'`,
+		// Created long ago, dead only recently: dead retention counts from
+		// the time of death, so it stays.
+		"recent_dead": `attempts = 25, last_error = 'x', available_at = 'infinity', created_at = now() - interval '200 hours',
+			dead_at = now() - interval '1 hour'`,
+		// Many attempts, old, but still retrying (a relay with a higher
+		// MaxAttempts): not dead, never deleted.
+		"old_retrying": `attempts = 40, last_error = 'x', created_at = now() - interval '200 hours'`,
 	}
 	ids := map[string][]string{}
 	for kind, set := range kinds {

@@ -27,6 +27,7 @@ type Metrics struct {
 	DeadTotal        *prometheus.CounterVec   // outbox_dead_total{table,topic}
 	DispatchLatency  *prometheus.HistogramVec // outbox_dispatch_latency_seconds{table,topic,result}
 	Pending          *prometheus.GaugeVec     // outbox_pending{table}
+	Dead             *prometheus.GaugeVec     // outbox_dead{table}
 	Locked           *prometheus.GaugeVec     // outbox_locked{table}
 	RelayLeader      *prometheus.GaugeVec     // outbox_relay_leader{table}
 	OldestPendingAge *prometheus.GaugeVec     // outbox_oldest_pending_age_seconds{table}
@@ -44,6 +45,7 @@ var Names = []string{
 	"outbox_dead_total",
 	"outbox_dispatch_latency_seconds",
 	"outbox_pending",
+	"outbox_dead",
 	"outbox_locked",
 	"outbox_relay_leader",
 	"outbox_oldest_pending_age_seconds",
@@ -74,7 +76,10 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			Buckets: latencyBuckets,
 		}, []string{"table", "topic", "result"}),
 		Pending: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "outbox_pending", Help: "Rows not yet published (published_at IS NULL), dead rows included.",
+			Name: "outbox_pending", Help: "Rows not published and not dead (leased and retrying rows included).",
+		}, []string{"table"}),
+		Dead: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_dead", Help: "Rows not published and dead (dead_at set): waiting for a replay or the dead retention.",
 		}, []string{"table"}),
 		Locked: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "outbox_locked", Help: "Unpublished rows currently leased by a relay.",
@@ -119,7 +124,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 
 func (m *Metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.EnqueueTotal, m.DispatchTotal, m.DeadTotal, m.DispatchLatency,
-		m.Pending, m.Locked, m.RelayLeader, m.OldestPendingAge, m.DeliveryLag, m.CleanerDeleted,
+		m.Pending, m.Dead, m.Locked, m.RelayLeader, m.OldestPendingAge, m.DeliveryLag, m.CleanerDeleted,
 		m.LeaseExtended, m.FenceRejected, m.HeldKeys}
 }
 

@@ -60,7 +60,7 @@ func TestReplayedDeadRowIsDelivered(t *testing.T) {
 	tbl := testdb.Table(t, "deliver_outbox")
 	// Dead from the start: enqueued and made dead in one transaction.
 	dead := enqueue(t, pool, tbl, tenantA, repeat(topicA, 3), func(tx pgx.Tx, ids []uuid.UUID) error {
-		_, err := tx.Exec(context.Background(), replaceTable(`UPDATE %s SET attempts = 25, last_error = 'publish: broker unavailable' WHERE event_id = ANY($1::uuid[])`, tbl), uuidStrings(ids))
+		_, err := tx.Exec(context.Background(), replaceTable(`UPDATE %s SET attempts = 25, last_error = 'publish: broker unavailable', dead_at = now(), available_at = 'infinity' WHERE event_id = ANY($1::uuid[])`, tbl), uuidStrings(ids))
 		return err
 	})
 	live := enqueue(t, pool, tbl, tenantA, []string{topicA}, nil)
@@ -126,7 +126,7 @@ func TestReplayedDeadRowIsDelivered(t *testing.T) {
 		t.Fatalf("bulk replay delivered %v, want %v", got, want)
 	}
 	waitPublished(t, pool, tbl, dead)
-	s, err := runbook.Stats(ctx, pool, tbl, 0)
+	s, err := runbook.Stats(ctx, pool, tbl)
 	if err != nil {
 		t.Fatal(err)
 	}

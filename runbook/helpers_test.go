@@ -74,10 +74,10 @@ func exec(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, sql string, args .
 }
 
 // markDead makes the rows dead the way the relay leaves them: attempts at the
-// threshold, last_error set, lease released.
+// threshold, last_error set, lease released, dead_at set, parked.
 func markDead(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, lastError string, ids ...uuid.UUID) {
 	t.Helper()
-	n := exec(t, pool, tbl, `UPDATE %s SET attempts = 25, last_error = $2, locked_at = NULL WHERE event_id = ANY($1::uuid[])`, uuidStrings(ids), lastError)
+	n := exec(t, pool, tbl, `UPDATE %s SET attempts = 25, last_error = $2, locked_at = NULL, dead_at = now(), available_at = 'infinity' WHERE event_id = ANY($1::uuid[])`, uuidStrings(ids), lastError)
 	if n != int64(len(ids)) {
 		t.Fatalf("marked %d rows dead, want %d", n, len(ids))
 	}
@@ -95,17 +95,18 @@ func uuidStrings(ids []uuid.UUID) []string {
 // changed.
 type rowState struct {
 	Attempts    int
-	AvailableAt time.Time
+	AvailableAt time.Time // 'infinity' (parked) reads as the zero time
 	LockedAt    *time.Time
 	PublishedAt *time.Time
 	LastError   *string
+	Dead        bool
 }
 
 func state(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, id uuid.UUID) rowState {
 	t.Helper()
 	var s rowState
-	err := pool.QueryRow(context.Background(), replaceTable(`SELECT attempts, available_at, locked_at, published_at, last_error FROM %s WHERE event_id = $1`, tbl), id).
-		Scan(&s.Attempts, &s.AvailableAt, &s.LockedAt, &s.PublishedAt, &s.LastError)
+	err := pool.QueryRow(context.Background(), replaceTable(`SELECT attempts, COALESCE(NULLIF(available_at, 'infinity'), '0001-01-01Z'), locked_at, published_at, last_error, dead_at IS NOT NULL FROM %s WHERE event_id = $1`, tbl), id).
+		Scan(&s.Attempts, &s.AvailableAt, &s.LockedAt, &s.PublishedAt, &s.LastError, &s.Dead)
 	if err != nil {
 		t.Fatalf("state of %s: %v", id, err)
 	}
@@ -132,7 +133,7 @@ func assertUnchanged(t *testing.T, what string, before, after []rowState) {
 func assertReset(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, id uuid.UUID) {
 	t.Helper()
 	s := state(t, pool, tbl, id)
-	if s.Attempts != 0 || s.LockedAt != nil || s.LastError != nil || s.PublishedAt != nil || time.Since(s.AvailableAt) > time.Minute {
+	if s.Attempts != 0 || s.LockedAt != nil || s.LastError != nil || s.PublishedAt != nil || s.Dead || time.Since(s.AvailableAt) > time.Minute {
 		t.Fatalf("row %s not reset: %+v", id, s)
 	}
 }

@@ -121,7 +121,7 @@ func replayHeld(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, d
 		return EventReplay{}, false, err
 	}
 	q := schema.NewRunbookQueries(t)
-	st := q.Event(eventID.String(), schema.MaxAttemptsDefault, schema.LockTTLDefault)
+	st := q.Event(eventID.String(), schema.LockTTLDefault)
 	var d, leased bool
 	row, err := scanRow(db.QueryRow(ctx, st.SQL, st.Args...), &d, &leased)
 	if err != nil {

@@ -19,8 +19,8 @@ var (
 	ErrEventNotFound = errors.New("event not found")
 	// ErrAlreadyPublished: the row was acked; there is nothing to replay.
 	ErrAlreadyPublished = errors.New("event already published")
-	// ErrNotFailed: the row is pending, below max_attempts and without
-	// last_error; the relay delivers it when it is due.
+	// ErrNotFailed: the row is pending, not dead and without last_error;
+	// the relay delivers it when it is due.
 	ErrNotFailed = errors.New("event is pending and has not failed")
 	// ErrLocked: a relay leased the row less than the lock TTL ago and may
 	// be delivering it right now.
@@ -75,9 +75,6 @@ func (e *NotReplayableError) Unwrap() error { return e.Reason }
 
 // ReplayOptions configures ReplayEvent.
 type ReplayOptions struct {
-	// MaxAttempts is the relay's dead threshold. Defaults to
-	// schema.MaxAttemptsDefault.
-	MaxAttempts int
 	// LockTTL is the relay's lease duration: a row leased less than LockTTL
 	// ago is refused with ErrLocked. Defaults to schema.LockTTLDefault.
 	LockTTL time.Duration
@@ -92,8 +89,8 @@ type EventReplay struct {
 	Table string `json:"table"`
 	// Row is the row as it was before the replay.
 	Row Row `json:"row"`
-	// Dead is true when the row was dead (attempts >= max_attempts), false
-	// when it was failed and still being retried.
+	// Dead is true when the row was dead (dead_at set), false when it was
+	// failed and still being retried.
 	Dead bool `json:"dead"`
 	// Statement is the UPDATE that resets the row.
 	Statement schema.Statement `json:"-"`
@@ -104,10 +101,10 @@ type EventReplay struct {
 }
 
 // ReplayEvent resets the row of t whose event_id is eventID so that the
-// relay delivers it again (attempts = 0, available_at = now(), locked_at =
-// NULL, last_error = NULL), and wakes the table's relays. It acts only on a
-// row that is dead or failed (published_at IS NULL AND (attempts >=
-// max_attempts OR last_error IS NOT NULL)) and not leased by a relay right
+// relay delivers it again (dead_at = NULL, attempts = 0, available_at =
+// now(), locked_at = NULL, last_error = NULL), and wakes the table's relays.
+// It acts only on a row that is dead or failed (published_at IS NULL AND
+// (dead_at IS NOT NULL OR last_error IS NOT NULL)) and not leased by a relay right
 // now; any other row is refused with a *NotReplayableError and left as it
 // is. With opts.DryRun it checks the row the same way and changes nothing.
 func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, opts ReplayOptions) (EventReplay, error) {
@@ -116,10 +113,6 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 	}
 	if eventID == uuid.Nil {
 		return EventReplay{}, errors.New("runbook: replay: the event_id is the nil UUID; pass the event_id of the row to replay")
-	}
-	maxAttempts, err := checkMaxAttempts(opts.MaxAttempts)
-	if err != nil {
-		return EventReplay{}, err
 	}
 	lockTTL := opts.LockTTL
 	switch {
@@ -136,11 +129,11 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 	if held, ok, err := replayHeld(ctx, db, t, eventID, opts.DryRun); ok || err != nil {
 		return held, err
 	}
-	res, err := inspectEvent(ctx, db, q, eventID, maxAttempts, lockTTL)
+	res, err := inspectEvent(ctx, db, q, eventID, lockTTL)
 	if err != nil {
 		return EventReplay{}, err
 	}
-	res.Statement = q.ReplayEvent(id, maxAttempts, lockTTL)
+	res.Statement = q.ReplayEvent(id, lockTTL)
 	if opts.DryRun {
 		res.DryRun = true
 		return res, nil
@@ -149,7 +142,7 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 	err = db.QueryRow(ctx, res.Statement.SQL, res.Statement.Args...).Scan(&seq)
 	if errors.Is(err, pgx.ErrNoRows) {
 		// The row changed between the look-up and the update: say how.
-		if _, again := inspectEvent(ctx, db, q, eventID, maxAttempts, lockTTL); again != nil {
+		if _, again := inspectEvent(ctx, db, q, eventID, lockTTL); again != nil {
 			return EventReplay{}, again
 		}
 		return EventReplay{}, fmt.Errorf("runbook: replay event %s of %s: the row changed while it was being replayed; nothing changed, look at it again and retry", eventID, t)
@@ -164,8 +157,8 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 
 // inspectEvent looks the row up and returns a *NotReplayableError unless it
 // can be replayed.
-func inspectEvent(ctx context.Context, db DB, q schema.RunbookQueries, eventID uuid.UUID, maxAttempts int, lockTTL time.Duration) (EventReplay, error) {
-	st := q.Event(eventID.String(), maxAttempts, lockTTL)
+func inspectEvent(ctx context.Context, db DB, q schema.RunbookQueries, eventID uuid.UUID, lockTTL time.Duration) (EventReplay, error) {
+	st := q.Event(eventID.String(), lockTTL)
 	var dead, leased bool
 	row, err := scanRow(db.QueryRow(ctx, st.SQL, st.Args...), &dead, &leased)
 	refuse := func(reason error, r *Row) (EventReplay, error) {

@@ -81,13 +81,14 @@ func TestReplayEvent(t *testing.T) {
 	}
 	assertUnchanged(t, "refused replays", before, states(t, pool, tbl, ids))
 
-	// Dead, failed, and dead with an abandoned lease are replayed.
+	// Dead, failed, and failed with an abandoned lease (not yet parked dead
+	// by a claim) are replayed.
 	for _, id := range []uuid.UUID{dead, failed, staleLeasedDead} {
 		res, err := runbook.ReplayEvent(ctx, pool, tbl, id, runbook.ReplayOptions{})
 		if err != nil {
 			t.Fatalf("replay %s: %v", id, err)
 		}
-		if res.Changed != 1 || res.DryRun || res.Row.EventID != id || res.Dead != (id != failed) {
+		if res.Changed != 1 || res.DryRun || res.Row.EventID != id || res.Dead != (id == dead) {
 			t.Fatalf("replay %s: %+v", id, res)
 		}
 		assertReset(t, pool, tbl, id)
@@ -103,12 +104,13 @@ func TestReplayEvent(t *testing.T) {
 	if _, err := runbook.ReplayEvent(ctx, pool, tbl, dead, runbook.ReplayOptions{}); !errors.Is(err, runbook.ErrNotFailed) {
 		t.Fatalf("second replay: %v", err)
 	}
-	// The threshold and the lock TTL come from the options.
-	exec(t, pool, tbl, `UPDATE %s SET attempts = 3, locked_at = NULL, last_error = NULL WHERE event_id = $1`, pending)
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, pending, runbook.ReplayOptions{MaxAttempts: 3}); err != nil {
-		t.Fatalf("dead at max attempts 3: %v", err)
+	// Dead is dead_at, not a number of attempts: many attempts without
+	// dead_at or last_error is pending.
+	exec(t, pool, tbl, `UPDATE %s SET attempts = 30, locked_at = NULL, last_error = NULL WHERE event_id = $1`, pending)
+	if _, err := runbook.ReplayEvent(ctx, pool, tbl, pending, runbook.ReplayOptions{}); !errors.Is(err, runbook.ErrNotFailed) {
+		t.Fatalf("30 attempts, not dead: %v", err)
 	}
-	assertReset(t, pool, tbl, pending)
+	// The lock TTL comes from the options.
 	time.Sleep(20 * time.Millisecond)
 	if _, err := runbook.ReplayEvent(ctx, pool, tbl, leasedDead, runbook.ReplayOptions{LockTTL: 10 * time.Millisecond}); err != nil {
 		t.Fatalf("lease older than a 10ms lock TTL: %v", err)
@@ -226,8 +228,6 @@ func TestReplayDead(t *testing.T) {
 	replay(runbook.DeadFilter{AllTopics: true, TenantID: tenantA, Limit: 1}, 1, a[1])
 	// A cursor.
 	replay(runbook.DeadFilter{Topic: topicB, AfterSequence: sequenceOf(t, pool, tbl, a[4])}, 1, a[5])
-	// A custom threshold: nothing else reaches 30 attempts.
-	replay(runbook.DeadFilter{AllTopics: true, MaxAttempts: 30}, 0)
 	// Everything left but the leased row.
 	replay(runbook.DeadFilter{AllTopics: true}, 2, a[4], b[0])
 	if s := state(t, pool, tbl, a[2]); s.Attempts != 25 || s.LockedAt == nil {
@@ -235,7 +235,7 @@ func TestReplayDead(t *testing.T) {
 	}
 
 	st, err := runbook.ReplayDeadStatement(tbl, runbook.DeadFilter{Topic: topicA, Limit: 10})
-	if err != nil || !strings.Contains(st.SQL, "FOR UPDATE") || !strings.Contains(st.SQL, tbl.Sanitize()) || len(st.Args) != 4 {
+	if err != nil || !strings.Contains(st.SQL, "FOR UPDATE") || !strings.Contains(st.SQL, tbl.Sanitize()) || len(st.Args) != 3 {
 		t.Fatalf("statement: %v %+v", err, st)
 	}
 	if _, err := runbook.ReplayDeadStatement(tbl, runbook.DeadFilter{}); !errors.Is(err, runbook.ErrNoReplayFilter) {

@@ -4,11 +4,13 @@
 // `outbox dead list|replay` and `outbox stats` commands are thin wrappers
 // around it.
 //
-// A row is dead when it is not published and attempts >= max_attempts
-// (schema.MaxAttemptsDefault, 25, unless the relay is configured otherwise);
-// it is failed when its last attempt left a last_error. Replaying a row
-// resets it (attempts = 0, available_at = now(), locked_at = NULL,
-// last_error = NULL) so that the relay delivers it again; delivery stays at
+// A row is dead when it is not published and its dead_at is set (the relay
+// sets it when the last allowed attempt fails, on a permanent error, when
+// the lease of the last attempt expires, or when the last attempt got no
+// verdict before the relay stopped); it is failed when its last attempt
+// left a last_error. No operation needs the relay's max_attempts. Replaying
+// a row resets it (dead_at = NULL, attempts = 0, available_at = now(),
+// locked_at = NULL, last_error = NULL) so that the relay delivers it again; delivery stays at
 // least once, so consumers dedup on event_id. Rows that a relay is handling
 // right now (leased less than the lock TTL ago) are never replayed.
 //
@@ -67,6 +69,8 @@ type Row struct {
 	PublishedAt *time.Time `json:"published_at"`
 	// LastError is the summary of the last failed attempt, or nil.
 	LastError *string `json:"last_error"`
+	// DeadAt is when the row went dead, or nil when it is not dead.
+	DeadAt *time.Time `json:"dead_at"`
 }
 
 func scanRow(s schema.Scanner, extra ...any) (Row, error) {
@@ -76,7 +80,7 @@ func scanRow(s schema.Scanner, extra ...any) (Row, error) {
 		attempts          int32
 	)
 	dest := append([]any{&r.Sequence, &eventID, &r.Topic, &tenantID, &attempts, &r.CreatedAt, &r.AvailableAt,
-		&r.LockedAt, &r.PublishedAt, &r.LastError}, extra...)
+		&r.LockedAt, &r.PublishedAt, &r.LastError, &r.DeadAt}, extra...)
 	if err := s.Scan(dest...); err != nil {
 		return Row{}, err
 	}
@@ -129,16 +133,6 @@ func checkTable(t schema.Table) error {
 	return nil
 }
 
-func checkMaxAttempts(n int) (int, error) {
-	switch {
-	case n < 0:
-		return 0, fmt.Errorf("runbook: max attempts %d is negative; pass 0 for the default (%d) or the relay's OUTBOX_RELAY_MAX_ATTEMPTS", n, schema.MaxAttemptsDefault)
-	case n == 0:
-		return schema.MaxAttemptsDefault, nil
-	}
-	return n, nil
-}
-
 func checkLimit(n int) (int, error) {
 	switch {
 	case n < 0:
@@ -156,9 +150,6 @@ type BacklogOptions struct {
 	Limit int
 	// Topic keeps the rows of one topic. Defaults to every topic.
 	Topic string
-	// MaxAttempts is the relay's dead threshold; rows at or above it are
-	// dead, not pending. Defaults to schema.MaxAttemptsDefault.
-	MaxAttempts int
 }
 
 // Backlog lists the pending rows of t (published_at IS NULL, not dead)
@@ -173,11 +164,7 @@ func Backlog(ctx context.Context, db DB, t schema.Table, opts BacklogOptions) ([
 	if err != nil {
 		return nil, err
 	}
-	maxAttempts, err := checkMaxAttempts(opts.MaxAttempts)
-	if err != nil {
-		return nil, err
-	}
-	return queryRows(ctx, db, t, "backlog of", schema.NewRunbookQueries(t).Backlog(maxAttempts, opts.Topic, limit))
+	return queryRows(ctx, db, t, "backlog of", schema.NewRunbookQueries(t).Backlog(opts.Topic, limit))
 }
 
 // DeadFilter selects dead rows for Dead and ReplayDead. A zero field does
@@ -196,9 +183,6 @@ type DeadFilter struct {
 	// AfterSequence keeps the rows whose sequence is greater: pass the last
 	// sequence of a page to read the next one.
 	AfterSequence int64
-	// MaxAttempts is the relay's dead threshold. Defaults to
-	// schema.MaxAttemptsDefault.
-	MaxAttempts int
 	// LockTTL is the relay's lease duration; ReplayDead leaves alone the
 	// rows leased less than LockTTL ago. Defaults to schema.LockTTLDefault.
 	LockTTL time.Duration
@@ -209,10 +193,6 @@ type DeadFilter struct {
 }
 
 func (f DeadFilter) schemaFilter() (schema.RunbookFilter, error) {
-	maxAttempts, err := checkMaxAttempts(f.MaxAttempts)
-	if err != nil {
-		return schema.RunbookFilter{}, err
-	}
 	if f.AfterSequence < 0 {
 		return schema.RunbookFilter{}, fmt.Errorf("runbook: after sequence %d is negative; pass 0 to start from the first row", f.AfterSequence)
 	}
@@ -220,7 +200,6 @@ func (f DeadFilter) schemaFilter() (schema.RunbookFilter, error) {
 		return schema.RunbookFilter{}, fmt.Errorf("runbook: lock TTL %s is negative; pass 0 for the default (%s)", f.LockTTL, schema.LockTTLDefault)
 	}
 	sf := schema.RunbookFilter{
-		MaxAttempts:   maxAttempts,
 		Topic:         f.Topic,
 		ErrorContains: f.ErrorContains,
 		AfterSequence: f.AfterSequence,
@@ -234,7 +213,7 @@ func (f DeadFilter) schemaFilter() (schema.RunbookFilter, error) {
 }
 
 // Dead lists the dead rows of t matching f (published_at IS NULL AND
-// attempts >= max_attempts), in sequence order. Page through them by
+// dead_at IS NOT NULL), in sequence order. Page through them by
 // passing the last Sequence returned as the next AfterSequence.
 func Dead(ctx context.Context, db DB, t schema.Table, f DeadFilter) ([]Row, error) {
 	if err := checkTable(t); err != nil {
@@ -255,15 +234,13 @@ func Dead(ctx context.Context, db DB, t schema.Table, f DeadFilter) ([]Row, erro
 type TableStats struct {
 	// Table is the table, as given.
 	Table string `json:"table"`
-	// MaxAttempts is the dead threshold the counts were computed with.
-	MaxAttempts int `json:"max_attempts"`
 	// Pending counts the rows not published and not dead.
 	Pending int64 `json:"pending"`
 	// Retrying counts the pending rows whose last attempt failed.
 	Retrying int64 `json:"retrying"`
 	// Locked counts the unpublished rows with a lease (locked_at set).
 	Locked int64 `json:"locked"`
-	// Dead counts the dead rows (not published, attempts >= MaxAttempts).
+	// Dead counts the dead rows (not published, dead_at set).
 	Dead int64 `json:"dead"`
 	// OldestPendingCreatedAt is the created_at of the oldest pending row, or
 	// nil when nothing is pending.
@@ -281,19 +258,14 @@ func (s TableStats) OldestPendingAge() time.Duration {
 	return time.Duration(s.OldestPendingAgeSeconds * float64(time.Second))
 }
 
-// Stats reads the counters of t with the dead threshold maxAttempts (0 for
-// schema.MaxAttemptsDefault).
-func Stats(ctx context.Context, db DB, t schema.Table, maxAttempts int) (TableStats, error) {
+// Stats reads the counters of t.
+func Stats(ctx context.Context, db DB, t schema.Table) (TableStats, error) {
 	if err := checkTable(t); err != nil {
 		return TableStats{}, err
 	}
-	maxAttempts, err := checkMaxAttempts(maxAttempts)
-	if err != nil {
-		return TableStats{}, err
-	}
-	st := schema.NewRunbookQueries(t).Stats(maxAttempts)
-	s := TableStats{Table: t.String(), MaxAttempts: maxAttempts}
-	err = db.QueryRow(ctx, st.SQL, st.Args...).Scan(&s.Pending, &s.Retrying, &s.Locked, &s.Dead,
+	st := schema.NewRunbookQueries(t).Stats()
+	s := TableStats{Table: t.String()}
+	err := db.QueryRow(ctx, st.SQL, st.Args...).Scan(&s.Pending, &s.Retrying, &s.Locked, &s.Dead,
 		&s.OldestPendingCreatedAt, &s.OldestPendingAgeSeconds, &s.PublishedLastHour)
 	if err != nil {
 		return TableStats{}, dbError(t, "stats of", err)

@@ -78,13 +78,6 @@ func TestBacklog(t *testing.T) {
 	}
 	assertIDs(t, "backlog of topic B", rows, ids[5])
 
-	// With a threshold of 2 the row at 2 attempts is dead, not pending.
-	rows, err = runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{MaxAttempts: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	assertIDs(t, "backlog max attempts 2", rows, ids[4], ids[0], ids[5])
-
 	if _, err := runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{Limit: -1}); err == nil || !strings.Contains(err.Error(), "negative") {
 		t.Errorf("negative limit: %v", err)
 	}
@@ -140,9 +133,7 @@ func TestDead(t *testing.T) {
 	assertIDs(t, "page 2", page, a[2], b[0])
 	assertIDs(t, "page 3", list(runbook.DeadFilter{Limit: 2, AfterSequence: page[1].Sequence}))
 
-	assertIDs(t, "max attempts 3", list(runbook.DeadFilter{MaxAttempts: 3}), a[0], a[1], a[2], a[4], b[0])
-
-	for _, bad := range []runbook.DeadFilter{{Limit: -1}, {AfterSequence: -1}, {MaxAttempts: -1}} {
+	for _, bad := range []runbook.DeadFilter{{Limit: -1}, {AfterSequence: -1}} {
 		if _, err := runbook.Dead(ctx, pool, tbl, bad); err == nil || !strings.Contains(err.Error(), "negative") {
 			t.Errorf("Dead(%+v): %v", bad, err)
 		}
@@ -155,11 +146,11 @@ func TestStats(t *testing.T) {
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "stats_outbox")
 
-	empty, err := runbook.Stats(ctx, pool, tbl, 0)
+	empty, err := runbook.Stats(ctx, pool, tbl)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (runbook.TableStats{Table: tbl.String(), MaxAttempts: 25}); empty != want {
+	if want := (runbook.TableStats{Table: tbl.String()}); empty != want {
 		t.Fatalf("empty table: %+v, want %+v", empty, want)
 	}
 
@@ -172,11 +163,11 @@ func TestStats(t *testing.T) {
 	exec(t, pool, tbl, `UPDATE %s SET published_at = now() WHERE event_id = $1`, ids[5])
 	exec(t, pool, tbl, `UPDATE %s SET published_at = now() - interval '2 hours' WHERE event_id = $1`, ids[6])
 
-	s, err := runbook.Stats(ctx, pool, tbl, 0)
+	s, err := runbook.Stats(ctx, pool, tbl)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Pending != 3 || s.Retrying != 1 || s.Locked != 1 || s.Dead != 2 || s.PublishedLastHour != 1 || s.MaxAttempts != 25 {
+	if s.Pending != 3 || s.Retrying != 1 || s.Locked != 1 || s.Dead != 2 || s.PublishedLastHour != 1 {
 		t.Fatalf("stats: %+v", s)
 	}
 	if s.OldestPendingAgeSeconds < 3600 || s.OldestPendingAgeSeconds > 3660 || s.OldestPendingCreatedAt == nil ||
@@ -187,14 +178,9 @@ func TestStats(t *testing.T) {
 		t.Fatalf("OldestPendingAge = %s", d)
 	}
 
-	s, err = runbook.Stats(ctx, pool, tbl, 2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if s.Pending != 2 || s.Retrying != 0 || s.Dead != 3 || s.MaxAttempts != 2 {
-		t.Fatalf("stats with max attempts 2: %+v", s)
-	}
-	if _, err := runbook.Stats(ctx, pool, tbl, -3); err == nil {
-		t.Fatal("negative max attempts accepted")
+	// Many attempts without dead_at is still pending.
+	exec(t, pool, tbl, `UPDATE %s SET attempts = 40 WHERE event_id = $1`, ids[1])
+	if s, err = runbook.Stats(ctx, pool, tbl); err != nil || s.Pending != 3 || s.Dead != 2 {
+		t.Fatalf("stats after 40 attempts: %+v, %v", s, err)
 	}
 }

@@ -47,7 +47,10 @@ type Adapter struct {
 	// Columns lists the table's optional columns (see DetectColumns).
 	// Defaults to none.
 	Columns Columns
-	// MaxAttempts excludes rows with this many attempts (dead). Defaults to 25.
+	// MaxAttempts is the last allowed attempt: a row whose lease expires on
+	// it is parked dead by the claim instead of being claimed again. Dead
+	// rows (dead_at set) are never claimed, whatever MaxAttempts says.
+	// Defaults to 25.
 	MaxAttempts int
 	// LockTTL is after how long a lease is considered abandoned. Defaults to 60s.
 	LockTTL time.Duration
@@ -165,9 +168,9 @@ func (a Adapter) ClaimStatement(topic string) Statement {
 	q := a.queries()
 	args := []any{a.maxAttempts(), a.lockTTL().Seconds(), a.batchSize()}
 	if topic == AllTopics {
-		return Statement{SQL: q.ClaimAll, Args: args}
+		return Statement{SQL: q.AdapterClaimAll, Args: args}
 	}
-	return Statement{SQL: q.ClaimTopic, Args: append(args, topic)}
+	return Statement{SQL: q.AdapterClaimTopic, Args: append(args, topic)}
 }
 
 // ScanClaimed reads one row returned by ClaimStatement: its sequence (the

@@ -22,6 +22,8 @@ const (
 	ColumnAvailableAt = "available_at"
 	ColumnLockedAt    = "locked_at"
 	ColumnLastError   = "last_error"
+	// ColumnDeadAt is when the row went dead; NULL while it is not dead.
+	ColumnDeadAt      = "dead_at"
 	ColumnTraceParent = "traceparent"
 	ColumnTraceState  = "tracestate"
 	ColumnHeaders     = "headers"
@@ -80,23 +82,49 @@ type Querier interface {
 // only the standard columns is valid. It fails with ErrTableNotFound when the
 // table does not exist (run Migrate first).
 func DetectColumns(ctx context.Context, q Querier, t Table) (Columns, error) {
+	c, _, err := detectColumns(ctx, q, t)
+	return c, err
+}
+
+// ErrNoDeadAt is returned (wrapped) by CheckDeadAt when the table predates
+// the dead_at column.
+var ErrNoDeadAt = errors.New("outbox table has no dead_at column")
+
+// CheckDeadAt fails with ErrNoDeadAt when table t has no dead_at column,
+// which the relay, the cleaner and the runbook read: the table was created
+// by an older version and needs its migration (schema.Migrate, `outbox
+// migrate`, or the shipped 000004 migration), which adds the column without
+// rewriting the table.
+func CheckDeadAt(ctx context.Context, q Querier, t Table) error {
+	_, ok, err := detectColumns(ctx, q, t)
+	if err != nil {
+		return err
+	}
+	if !ok {
+		return fmt.Errorf("%w: %s (add it with schema.Migrate or `outbox migrate --table=%s`; it does not rewrite the table)", ErrNoDeadAt, t, t)
+	}
+	return nil
+}
+
+func detectColumns(ctx context.Context, q Querier, t Table) (Columns, bool, error) {
 	var (
 		found                bool
 		parent, state, heads bool
-		okey                 bool
+		okey, deadAt         bool
 	)
 	err := q.QueryRow(ctx, `
 SELECT to_regclass($1) IS NOT NULL,
        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'traceparent' AND NOT attisdropped),
        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'tracestate'  AND NOT attisdropped),
        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'headers'     AND NOT attisdropped),
-       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'ordering_partition' AND NOT attisdropped)`,
-		t.Sanitize()).Scan(&found, &parent, &state, &heads, &okey)
+       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'ordering_partition' AND NOT attisdropped),
+       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'dead_at' AND NOT attisdropped)`,
+		t.Sanitize()).Scan(&found, &parent, &state, &heads, &okey, &deadAt)
 	if err != nil {
-		return Columns{}, fmt.Errorf("detect columns of %s: %w", t, err)
+		return Columns{}, false, fmt.Errorf("detect columns of %s: %w", t, err)
 	}
 	if !found {
-		return Columns{}, fmt.Errorf("%w: %s (create it with schema.Migrate or `outbox migrate`)", ErrTableNotFound, t)
+		return Columns{}, false, fmt.Errorf("%w: %s (create it with schema.Migrate or `outbox migrate`)", ErrTableNotFound, t)
 	}
-	return Columns{TraceContext: parent && state, Headers: heads, OrderingKey: okey}, nil
+	return Columns{TraceContext: parent && state, Headers: heads, OrderingKey: okey}, deadAt, nil
 }

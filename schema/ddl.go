@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Names of the table's derived objects are the table name plus these
@@ -80,6 +82,7 @@ func createTableStatement(t Table) string {
   available_at TIMESTAMPTZ NOT NULL DEFAULT now(),
   locked_at    TIMESTAMPTZ NULL,
   last_error   TEXT        NULL,
+  dead_at      TIMESTAMPTZ NULL,
   CONSTRAINT ` + t.ident(suffixPkey) + ` PRIMARY KEY (id),
   CONSTRAINT ` + t.ident(suffixEventIDKey) + ` UNIQUE (event_id),
   CONSTRAINT ` + t.ident(suffixAttemptsCheck) + ` CHECK (attempts >= 0)
@@ -115,6 +118,41 @@ func upStatements(t Table, c Columns) []string {
 		stmts = append(stmts, ix.stmt)
 	}
 	return append(stmts, optionalColumnStatements(t, c)...)
+}
+
+// LegacyDeadAttempts is the attempts count at or above which the migration
+// that adds dead_at marks an unpublished, unleased row dead: the default
+// max_attempts of the versions that read dead as attempts >= max_attempts.
+// Rows those versions parked (available_at = 'infinity') are marked dead
+// whatever their attempts. A relay that ran with a higher MaxAttempts should
+// edit the number in the migration file (or run its UPDATE itself) before
+// applying it.
+const LegacyDeadAttempts = MaxAttemptsDefault
+
+// deadAtStatements add the dead_at column to an existing table (no rewrite:
+// the column is nullable without a default) and mark dead, and park, the
+// rows that older versions considered dead. Both are idempotent.
+func deadAtStatements(t Table) []string {
+	tbl := t.Sanitize()
+	return []string{
+		`ALTER TABLE ` + tbl + ` ADD COLUMN IF NOT EXISTS dead_at TIMESTAMPTZ NULL`,
+		`UPDATE ` + tbl + ` SET dead_at = now(), available_at = 'infinity', locked_at = NULL
+WHERE published_at IS NULL AND dead_at IS NULL
+  AND (available_at = 'infinity' OR (attempts >= ` + itoa(LegacyDeadAttempts) + ` AND locked_at IS NULL))`,
+	}
+}
+
+// DeadAtUpSQL returns the DDL that adds the dead_at column to an existing
+// table t and marks dead the rows that versions without it considered dead
+// (parked at available_at = 'infinity', or attempts >= LegacyDeadAttempts
+// and not leased), idempotently.
+func DeadAtUpSQL(t Table) string { return joinStatements(deadAtStatements(t)) }
+
+// DeadAtDownSQL returns the DDL that drops the dead_at column. Dead rows
+// stay parked at available_at = 'infinity' but are no longer marked dead:
+// code that reads dead_at must not run on the table afterwards.
+func DeadAtDownSQL(t Table) string {
+	return joinStatements([]string{`ALTER TABLE ` + t.Sanitize() + ` DROP COLUMN IF EXISTS dead_at`})
 }
 
 func optionalColumnStatements(t Table, c Columns) []string {
@@ -154,19 +192,43 @@ type DB interface {
 }
 
 // Migrate creates the outbox table t with its constraints and indexes, and
-// the optional columns that opts ask for. It is idempotent and safe when
+// the optional columns that opts ask for; on an existing table it adds what
+// is missing, including the dead_at column (marking dead the rows older
+// versions considered dead, see DeadAtUpSQL). It is idempotent and safe when
 // several processes call it at once: the statements run in one transaction
-// serialised by a transaction-level advisory lock on the table.
+// serialised by a transaction-level advisory lock on the table. Statements
+// that lock an existing table wait at most 5s for the lock (lock_timeout),
+// so that a long transaction on the table does not queue live traffic
+// behind the migration; Migrate then retries, up to 5 times.
 //
 // gen_random_uuid() is built in from PostgreSQL 13; on PostgreSQL 12 run
 // CREATE EXTENSION pgcrypto first.
-func Migrate(ctx context.Context, db DB, t Table, opts ...MigrateOption) (err error) {
+func Migrate(ctx context.Context, db DB, t Table, opts ...MigrateOption) error {
 	if t.IsZero() {
 		return errors.New("migrate: zero Table; build it with schema.ParseTable")
 	}
 	if db == nil {
 		return errors.New("migrate: nil DB; pass a *pgxpool.Pool or *pgx.Conn")
 	}
+	var err error
+	for try := 1; ; try++ {
+		err = migrateOnce(ctx, db, t, opts)
+		var pgErr *pgconn.PgError
+		if try == migrateTries || !errors.As(err, &pgErr) || pgErr.Code != "55P03" { // lock_not_available
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return errors.Join(err, ctx.Err())
+		case <-time.After(time.Duration(try) * time.Second):
+		}
+	}
+}
+
+// migrateTries bounds the attempts of Migrate that fail on lock_timeout.
+const migrateTries = 5
+
+func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("migrate %s: begin: %w", t, err)
@@ -180,6 +242,9 @@ func Migrate(ctx context.Context, db DB, t Table, opts ...MigrateOption) (err er
 	}()
 	if _, err = tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, t.migrateLockKey()); err != nil {
 		return fmt.Errorf("migrate %s: lock: %w", t, err)
+	}
+	if _, err = tx.Exec(ctx, `SET LOCAL lock_timeout = '5s'`); err != nil {
+		return fmt.Errorf("migrate %s: set lock_timeout: %w", t, err)
 	}
 	if t.schema != "" {
 		// CREATE SCHEMA IF NOT EXISTS checks the CREATE privilege even when
@@ -218,9 +283,12 @@ func Migrate(ctx context.Context, db DB, t Table, opts ...MigrateOption) (err er
 				stmts = append(stmts, ix.stmt)
 			}
 		}
-		have, err := DetectColumns(ctx, tx, t)
+		have, deadAt, err := detectColumns(ctx, tx, t)
 		if err != nil {
 			return fmt.Errorf("migrate %s: %w", t, err)
+		}
+		if !deadAt {
+			stmts = append(stmts, deadAtStatements(t)...)
 		}
 		want := columnsOf(opts)
 		stmts = append(stmts, optionalColumnStatements(t, Columns{
@@ -267,6 +335,11 @@ func OptionalColumnsDownSQL(t Table, opts ...MigrateOption) string {
 	return joinStatements(stmts)
 }
 
+// deadAtNote heads the dead_at migration.
+const deadAtNote = "-- Adds dead_at (no table rewrite) and marks dead the rows older versions considered dead:\n" +
+	"-- parked at available_at = 'infinity', or attempts >= 25 and not leased. If your relay ran with\n" +
+	"-- OUTBOX_RELAY_MAX_ATTEMPTS above 25, put its value in place of 25 before applying it.\n"
+
 // migrationFiles renders the shipped migration files for table t, by path
 // under Migrations.
 func migrationFiles(t Table) map[string]string {
@@ -280,6 +353,8 @@ func migrationFiles(t Table) map[string]string {
 	down2 := OptionalColumnsDownSQL(t, WithTraceColumns(), WithHeadersColumn())
 	up3 := OptionalColumnsUpSQL(t, WithOrderingKeyColumn())
 	down3 := OptionalColumnsDownSQL(t, WithOrderingKeyColumn())
+	up4 := DeadAtUpSQL(t)
+	down4 := DeadAtDownSQL(t)
 	return map[string]string{
 		"migrations/000001_create_" + name + ".up.sql":                 h("UpSQL") + "\n" + up1,
 		"migrations/000001_create_" + name + ".down.sql":               h("DownSQL") + destructive + "\n" + down1,
@@ -287,7 +362,11 @@ func migrationFiles(t Table) map[string]string {
 		"migrations/000002_add_" + name + "_optional_columns.down.sql": h("OptionalColumnsDownSQL") + destructive + "\n" + down2,
 		"migrations/000003_add_" + name + "_ordering.up.sql":           h("OptionalColumnsUpSQL") + "\n" + up3,
 		"migrations/000003_add_" + name + "_ordering.down.sql":         h("OptionalColumnsDownSQL") + destructive + "\n" + down3,
+		"migrations/000004_add_" + name + "_dead_at.up.sql":            h("DeadAtUpSQL") + deadAtNote + "\n" + up4,
+		"migrations/000004_add_" + name + "_dead_at.down.sql":          h("DeadAtDownSQL") + "\n" + down4,
 		"migrations/goose/00001_create_" + name + ".sql": h("UpSQL") + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
+		"migrations/goose/00002_add_" + name + "_dead_at.sql": h("DeadAtUpSQL") + deadAtNote + "\n-- +goose Up\n" + up4 +
+			"\n-- +goose Down\n" + down4,
 	}
 }

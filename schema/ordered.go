@@ -167,8 +167,9 @@ type OrderedQueries struct {
 	// hold was deleted or not found), deleted.
 	Advance string
 	// Stats returns pending (not dead), leased, dead and the oldest pending
-	// age in seconds, for keyed and unkeyed rows together. Args:
-	// max_attempts.
+	// age in seconds, for keyed and unkeyed rows together: an unkeyed row is
+	// dead when its dead_at is set, a keyed row when its key's hold on it
+	// has dead_at set. No args.
 	Stats string
 	// HeldKeys counts the holds: all, dead.
 	HeldKeys string
@@ -304,8 +305,8 @@ marked AS (
   FROM keyed AS k
 ),
 unkeyed AS (
-  SELECT count(*) FILTER (WHERE attempts < $1::int) AS pending, count(*) FILTER (WHERE locked_at IS NOT NULL) AS locked,
-    count(*) FILTER (WHERE attempts >= $1::int) AS dead, min(created_at) FILTER (WHERE attempts < $1::int) AS oldest
+  SELECT count(*) FILTER (WHERE dead_at IS NULL) AS pending, count(*) FILTER (WHERE locked_at IS NOT NULL) AS locked,
+    count(*) FILTER (WHERE dead_at IS NOT NULL) AS dead, min(created_at) FILTER (WHERE dead_at IS NULL) AS oldest
   FROM ` + tbl + ` WHERE published_at IS NULL AND ordering_key IS NULL
 )
 SELECT u.pending + (SELECT count(*) FROM marked WHERE NOT dead), u.locked, u.dead + (SELECT count(*) FROM marked WHERE dead),

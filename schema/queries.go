@@ -51,13 +51,28 @@ type Queries struct {
 	// (text array). Returns: rows deleted.
 	UndoEnqueue string
 
-	// ClaimAll and ClaimTopic lease up to a batch of due rows (docs/ARCHITECTURE.md, "The relay").
-	// Re-claiming a row whose lease expired records that in last_error, so a
-	// row that reaches max_attempts through crashes still says why.
+	// ClaimAll and ClaimTopic lease up to a batch of due rows: unpublished,
+	// not dead (dead_at IS NULL), due, and not leased or with an expired
+	// lease. Re-claiming a row whose lease expired records that in
+	// last_error. A row whose lease expired on its last allowed attempt
+	// (attempts >= max_attempts) is not claimed but parked dead (dead_at =
+	// now(), available_at = 'infinity', locked_at = NULL, last_error saying
+	// the lease expired) by the same statement, and returned with parked =
+	// true so that the relay counts it. max_attempts plays no other part:
+	// raising it does not revive dead rows, lowering it does not kill rows
+	// that are retrying (they die when their next attempt fails). See
+	// docs/ARCHITECTURE.md, "The relay".
 	// Args: max_attempts, lock_ttl seconds (float8), batch size, and for
-	// ClaimTopic the topic. Returns the claimed columns, see ClaimedRow.
+	// ClaimTopic the topic. Returns the claimed columns (see ClaimedRow),
+	// then parked; read them with ClaimedRow.ScanClaim.
 	ClaimAll   string
 	ClaimTopic string
+
+	// AdapterClaimAll and AdapterClaimTopic are ClaimAll and ClaimTopic
+	// without the parked rows and column, for the watermill-sql adapters:
+	// they return only the rows leased, read with ClaimedRow.Scan.
+	AdapterClaimAll   string
+	AdapterClaimTopic string
 
 	// ClaimAllUnkeyed and ClaimTopicUnkeyed are ClaimAll and ClaimTopic
 	// restricted to rows without an ordering key: ordered mode claims only
@@ -79,10 +94,11 @@ type Queries struct {
 	Ack string
 
 	// Nack releases one leased row for a retry or, at max attempts or for a
-	// permanent error, marks it dead. Fenced like Ack. A dead row is parked
-	// at available_at = 'infinity', after every due row in the claim index,
-	// so that dead rows cost claims nothing (parked at now() instead, with
-	// 100,000 dead rows that made every claim walk them all, 14x slower).
+	// permanent error, marks it dead (dead_at = now()). Fenced like Ack. A
+	// dead row is parked at available_at = 'infinity', after every due row
+	// in the claim index, so that dead rows cost claims nothing (parked at
+	// now() instead, with 100,000 dead rows that made every claim walk them
+	// all, 14x slower).
 	// Args: id, attempts, locked_at, last_error, max_attempts, permanent,
 	// backoff seconds. Returns: dead.
 	Nack string
@@ -94,21 +110,24 @@ type Queries struct {
 	// Release gives leases back without an attempt's verdict, when a
 	// subscription stops: locked_at = NULL, due now, and attempts lowered
 	// by the undo argument (1 for rows never delivered, 0 for rows whose
-	// handler did not answer). Fenced like Ack.
-	// Args: ids, attempts, locked_ats (arrays), undo.
+	// handler did not answer). A row left at or above max_attempts (the
+	// handler did not answer on the last allowed attempt) is parked dead
+	// instead. Fenced like Ack.
+	// Args: ids, attempts, locked_ats (arrays), undo, max_attempts.
+	// Returns: id::text, topic, dead, for the rows released.
 	Release string
 
-	// Stats reads the gauges of one table. Args: max_attempts. Returns:
-	// pending (unpublished, dead included), locked, dead, oldest pending
-	// (not dead) age in seconds.
+	// Stats reads the gauges of one table. No args. Returns: pending
+	// (unpublished and not dead, leased and retrying rows included), locked,
+	// dead (dead_at set), oldest pending age in seconds.
 	Stats string
 
 	// DeletePublished deletes up to a batch of rows published before a
 	// retention. Args: retention seconds, batch size. Command tag: rows.
 	DeletePublished string
 
-	// DeleteDead deletes up to a batch of dead rows created before a
-	// retention. Args: retention seconds, batch size, max_attempts.
+	// DeleteDead deletes up to a batch of dead rows that died (dead_at)
+	// longer ago than a retention. Args: retention seconds, batch size.
 	DeleteDead string
 
 	// AckUpToInTx is the watermill-sql offsets-style ack used by Adapter: it
@@ -187,28 +206,48 @@ FROM (SELECT o.event_id, o.sequence, o.tenant_id, o.topic, o.payload = u.p::json
 	q.UndoEnqueue = `WITH d AS (DELETE FROM ` + tbl + ` WHERE event_id = ANY($1::text[]::uuid[]) RETURNING 1)
 SELECT count(*) FROM d`
 
-	returning := claimReturning(c)
-	claim := func(topicFilter string) string {
+	claim := func(topicFilter string, adapter bool) string {
+		// A row leased on its last allowed attempt whose lease expired (the
+		// relay crashed, hung, or its ack or nack write failed) is parked
+		// dead by the claim that finds it, instead of being claimed again.
+		parking := `(o.locked_at IS NOT NULL AND o.attempts >= $1::int)`
+		out := claimColumns(c)
+		if !adapter {
+			out += `, parked`
+		}
+		filter := ``
+		if adapter {
+			filter = ` WHERE NOT parked`
+		}
 		return `WITH due AS (
   SELECT id FROM ` + tbl + `
-  WHERE published_at IS NULL AND available_at <= now() AND attempts < $1
+  WHERE published_at IS NULL AND dead_at IS NULL AND available_at <= now()
     AND (locked_at IS NULL OR locked_at < now() - make_interval(secs => $2::float8))` + topicFilter + `
   ORDER BY available_at, sequence
   LIMIT $3
   FOR UPDATE SKIP LOCKED
+), claimed AS (
+  UPDATE ` + tbl + ` AS o SET
+    locked_at = CASE WHEN ` + parking + ` THEN NULL ELSE now() END,
+    attempts = CASE WHEN ` + parking + ` THEN o.attempts ELSE o.attempts + 1 END,
+    dead_at = CASE WHEN ` + parking + ` THEN now() END,
+    available_at = CASE WHEN ` + parking + ` THEN 'infinity'::timestamptz ELSE o.available_at END,
+    last_error = CASE
+      WHEN ` + parking + ` THEN 'lease of attempt ' || o.attempts || ' expired: the relay holding it crashed, hung or lost its connection; dead: it was the last allowed attempt (max ' || $1::int || ')'
+      WHEN o.locked_at IS NOT NULL THEN 'lease of attempt ' || o.attempts || ' expired: the relay holding it crashed, hung or lost its connection'
+      ELSE o.last_error END
+  FROM due WHERE o.id = due.id
+  RETURNING ` + claimReturning(c) + `, o.dead_at IS NOT NULL AS parked
 )
-UPDATE ` + tbl + ` AS o SET locked_at = now(), attempts = o.attempts + 1,
-  last_error = CASE WHEN o.locked_at IS NOT NULL
-    THEN 'lease of attempt ' || o.attempts || ' expired: the relay holding it crashed, hung or lost its connection'
-    ELSE o.last_error END
-FROM due WHERE o.id = due.id
-RETURNING ` + returning
+SELECT ` + out + ` FROM claimed` + filter
 	}
-	q.ClaimAll = claim("")
-	q.ClaimTopic = claim("\n    AND topic = $4")
+	q.ClaimAll = claim("", false)
+	q.ClaimTopic = claim("\n    AND topic = $4", false)
+	q.AdapterClaimAll = claim("", true)
+	q.AdapterClaimTopic = claim("\n    AND topic = $4", true)
 	if c.OrderingKey {
-		q.ClaimAllUnkeyed = claim("\n    AND ordering_key IS NULL")
-		q.ClaimTopicUnkeyed = claim("\n    AND ordering_key IS NULL AND topic = $4")
+		q.ClaimAllUnkeyed = claim("\n    AND ordering_key IS NULL", false)
+		q.ClaimTopicUnkeyed = claim("\n    AND ordering_key IS NULL AND topic = $4", false)
 	}
 
 	fence := `o.id = a.id AND o.attempts = a.attempts AND o.locked_at = a.locked_at AND o.published_at IS NULL`
@@ -218,23 +257,30 @@ WHERE ` + fence + `
 RETURNING o.id::text, extract(epoch FROM o.published_at - o.created_at)::float8`
 
 	q.Nack = `UPDATE ` + tbl + ` AS o SET locked_at = NULL, last_error = $4,
-  attempts = CASE WHEN $6::bool THEN GREATEST(o.attempts, $5::int) ELSE o.attempts END,
+  dead_at = CASE WHEN $6::bool OR o.attempts >= $5::int THEN now() END,
   available_at = CASE WHEN $6::bool OR o.attempts >= $5::int THEN 'infinity'::timestamptz ELSE now() + make_interval(secs => $7::float8) END
 FROM (SELECT $1::uuid AS id, $2::int AS attempts, $3::timestamptz AS locked_at) AS a
 WHERE ` + fence + `
-RETURNING o.attempts >= $5::int`
+RETURNING o.dead_at IS NOT NULL`
 
 	q.Extend = `UPDATE ` + tbl + ` AS o SET locked_at = clock_timestamp()
 FROM (SELECT $1::uuid AS id, $2::int AS attempts, $3::timestamptz AS locked_at) AS a
 WHERE ` + fence + `
 RETURNING o.locked_at`
 
-	q.Release = `UPDATE ` + tbl + ` AS o SET locked_at = NULL, available_at = now(), attempts = GREATEST(o.attempts - $4::int, 0)
+	lastTry := `($4::int = 0 AND o.attempts >= $5::int)`
+	q.Release = `UPDATE ` + tbl + ` AS o SET locked_at = NULL, attempts = GREATEST(o.attempts - $4::int, 0),
+  dead_at = CASE WHEN ` + lastTry + ` THEN now() END,
+  available_at = CASE WHEN ` + lastTry + ` THEN 'infinity'::timestamptz ELSE now() END,
+  last_error = CASE WHEN ` + lastTry + `
+    THEN 'attempt ' || o.attempts || ' got no verdict before the relay stopped; dead: it was the last allowed attempt (max ' || $5::int || ')'
+    ELSE o.last_error END
 FROM unnest($1::uuid[], $2::int[], $3::timestamptz[]) AS a(id, attempts, locked_at)
-WHERE ` + fence
+WHERE ` + fence + `
+RETURNING o.id::text, o.topic, o.dead_at IS NOT NULL`
 
-	q.Stats = `SELECT count(*), count(*) FILTER (WHERE locked_at IS NOT NULL), count(*) FILTER (WHERE attempts >= $1::int),
-  COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE attempts < $1::int))::float8, 0)
+	q.Stats = `SELECT count(*) FILTER (WHERE dead_at IS NULL), count(*) FILTER (WHERE locked_at IS NOT NULL), count(*) FILTER (WHERE dead_at IS NOT NULL),
+  COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE dead_at IS NULL))::float8, 0)
 FROM ` + tbl + ` WHERE published_at IS NULL`
 
 	q.DeletePublished = `WITH victims AS (
@@ -246,8 +292,8 @@ DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
 
 	q.DeleteDead = `WITH victims AS (
   SELECT id FROM ` + tbl + `
-  WHERE published_at IS NULL AND attempts >= $3::int AND locked_at IS NULL
-    AND created_at < now() - make_interval(secs => $1::float8)
+  WHERE published_at IS NULL AND dead_at IS NOT NULL
+    AND dead_at < now() - make_interval(secs => $1::float8)
   LIMIT $2 FOR UPDATE SKIP LOCKED
 )
 DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
@@ -261,7 +307,8 @@ WHERE locked_at = now() AND published_at IS NULL AND sequence <= $1`
 // ExistingEvents returns.
 const existingJSON = `COALESCE(json_agg(json_build_array(ex.event_id::text, ex.sequence, ex.tenant_id::text, ex.topic, ex.same_payload)), '[]')::text`
 
-// claimReturning lists the columns a claim returns, in ClaimedRow.Scan order.
+// claimReturning lists the columns a claim's UPDATE returns, named c1,
+// c2, ... in ClaimedRow.Scan order; claimColumns lists those names.
 func claimReturning(c Columns) string {
 	cols := []string{"o.id::text", "o.event_id::text", "o.tenant_id::text", "o.topic", "o.payload::text",
 		"o.sequence", "o.attempts", "o.locked_at", "o.created_at"}
@@ -270,6 +317,24 @@ func claimReturning(c Columns) string {
 	}
 	if c.Headers {
 		cols = append(cols, "o.headers::text")
+	}
+	for i := range cols {
+		cols[i] += " AS c" + itoa(i+1)
+	}
+	return strings.Join(cols, ", ")
+}
+
+func claimColumns(c Columns) string {
+	n := 9
+	if c.TraceContext {
+		n += 2
+	}
+	if c.Headers {
+		n++
+	}
+	cols := make([]string, n)
+	for i := range cols {
+		cols[i] = "c" + itoa(i+1)
 	}
 	return strings.Join(cols, ", ")
 }

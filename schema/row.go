@@ -26,6 +26,9 @@ type ClaimedRow struct {
 	// OrderingKey is the row's ordering key; only ordered-mode reads fill
 	// it.
 	OrderingKey *string
+	// Parked is true for a row that the claim did not lease but parked dead
+	// (its lease expired on the last allowed attempt); ScanClaim fills it.
+	Parked bool
 }
 
 // Scanner is satisfied by pgx.Row, pgx.Rows and *sql.Rows.
@@ -33,7 +36,8 @@ type Scanner interface {
 	Scan(dest ...any) error
 }
 
-// Scan reads a row produced by a claim statement of Queries with columns c.
+// Scan reads a row produced by Queries.AdapterClaimAll or
+// AdapterClaimTopic (Adapter.ClaimStatement) with columns c.
 func (r *ClaimedRow) Scan(s Scanner, c Columns) error {
 	dest := []any{&r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.Attempts, &r.LockedAt, &r.CreatedAt}
 	if c.TraceContext {
@@ -44,6 +48,29 @@ func (r *ClaimedRow) Scan(s Scanner, c Columns) error {
 	}
 	if err := s.Scan(dest...); err != nil {
 		return fmt.Errorf("scan claimed outbox row: %w", err)
+	}
+	return nil
+}
+
+// ScanClaim reads a row produced by Queries.ClaimAll, ClaimTopic,
+// ClaimAllUnkeyed or ClaimTopicUnkeyed: the columns Scan reads, then
+// Parked.
+func (r *ClaimedRow) ScanClaim(s Scanner, c Columns) error {
+	var lockedAt *time.Time // NULL for a parked row
+	dest := []any{&r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.Attempts, &lockedAt, &r.CreatedAt}
+	if c.TraceContext {
+		dest = append(dest, &r.TraceParent, &r.TraceState)
+	}
+	if c.Headers {
+		dest = append(dest, &r.Headers)
+	}
+	dest = append(dest, &r.Parked)
+	if err := s.Scan(dest...); err != nil {
+		return fmt.Errorf("scan claimed outbox row: %w", err)
+	}
+	r.LockedAt = time.Time{}
+	if lockedAt != nil {
+		r.LockedAt = *lockedAt
 	}
 	return nil
 }

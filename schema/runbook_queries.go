@@ -47,17 +47,14 @@ func literal(a any) string {
 // RunbookColumns is the select list of every runbook statement that returns
 // rows (Backlog, Dead, Event), in this order: sequence, event_id (text),
 // topic, tenant_id (text), attempts, created_at, available_at (NULL for a
-// dead row, parked at 'infinity'), locked_at,
-// published_at, last_error.
-const RunbookColumns = "sequence, event_id::text, topic, tenant_id::text, attempts, created_at, NULLIF(available_at, 'infinity'), locked_at, published_at, last_error"
+// dead row, parked at 'infinity'), locked_at, published_at, last_error,
+// dead_at.
+const RunbookColumns = "sequence, event_id::text, topic, tenant_id::text, attempts, created_at, NULLIF(available_at, 'infinity'), locked_at, published_at, last_error, dead_at"
 
-// RunbookFilter selects dead rows for the runbook statements Dead,
-// CountReplayDead and ReplayDead. A zero field does not filter.
+// RunbookFilter selects dead rows (not published, dead_at set) for the
+// runbook statements Dead, CountReplayDead and ReplayDead. A zero field does
+// not filter.
 type RunbookFilter struct {
-	// MaxAttempts is the dead threshold: a row is dead when it is not
-	// published and attempts >= MaxAttempts. Values below 1 mean
-	// MaxAttemptsDefault.
-	MaxAttempts int
 	// Topic keeps the rows whose topic column equals it.
 	Topic string
 	// TenantID keeps the rows of one tenant; a canonical UUID string.
@@ -74,13 +71,6 @@ type RunbookFilter struct {
 	// LockTTL ago (a relay is handling them right now) are left alone.
 	// Values below 1ns mean LockTTLDefault.
 	LockTTL time.Duration
-}
-
-func (f RunbookFilter) maxAttempts() int {
-	if f.MaxAttempts < 1 {
-		return MaxAttemptsDefault
-	}
-	return f.MaxAttempts
 }
 
 func lockTTLSeconds(d time.Duration) float64 {
@@ -106,15 +96,12 @@ func NewRunbookQueries(t Table) RunbookQueries { return RunbookQueries{Table: t}
 // BY available_at, sequence, the order in which the relay claims them. An
 // empty topic lists every topic; limit must be positive. Returns
 // RunbookColumns.
-func (q RunbookQueries) Backlog(maxAttempts int, topic string, limit int) Statement {
-	if maxAttempts < 1 {
-		maxAttempts = MaxAttemptsDefault
-	}
-	args := []any{maxAttempts}
-	where := "published_at IS NULL AND attempts < $1::int"
+func (q RunbookQueries) Backlog(topic string, limit int) Statement {
+	var args []any
+	where := "published_at IS NULL AND dead_at IS NULL"
 	if topic != "" {
 		args = append(args, topic)
-		where += " AND topic = $2::text"
+		where += " AND topic = $1::text"
 	}
 	args = append(args, limit)
 	return Statement{
@@ -135,7 +122,7 @@ func deadWhere(f RunbookFilter, args []any, replay bool, indent string) (string,
 		args = append(args, v)
 		return "$" + strconv.Itoa(len(args)) + cast
 	}
-	conds := []string{"published_at IS NULL", "attempts >= " + arg(f.maxAttempts(), "::int")}
+	conds := []string{"published_at IS NULL", "dead_at IS NOT NULL"}
 	if replay {
 		conds = append(conds, "(locked_at IS NULL OR locked_at < now() - make_interval(secs => "+arg(lockTTLSeconds(f.LockTTL), "::float8")+"))")
 	}
@@ -175,8 +162,8 @@ func deadTarget(tbl string, f RunbookFilter, cols string, replay, lock bool) (st
 	return sql, args
 }
 
-// Dead lists the dead rows matching f (published_at IS NULL AND attempts >=
-// MaxAttempts) in sequence order, from AfterSequence on. A Limit of 0 lists
+// Dead lists the dead rows matching f (published_at IS NULL AND dead_at IS
+// NOT NULL) in sequence order, from AfterSequence on. A Limit of 0 lists
 // them all. Returns RunbookColumns.
 func (q RunbookQueries) Dead(f RunbookFilter) Statement {
 	sql, args := deadTarget(q.Table.Sanitize(), f, RunbookColumns, false, false)
@@ -193,8 +180,8 @@ func (q RunbookQueries) CountReplayDead(f RunbookFilter) Statement {
 }
 
 // ReplayDead resets the dead rows matching f, except those leased by a
-// relay right now, so that the relay delivers them again: attempts = 0,
-// available_at = now(), locked_at = NULL, last_error = NULL. The rows are
+// relay right now, so that the relay delivers them again: dead_at = NULL,
+// attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL. The rows are
 // locked in sequence order first, so a Limit takes the oldest. Command tag:
 // the rows changed.
 func (q RunbookQueries) ReplayDead(f RunbookFilter) Statement {
@@ -203,62 +190,53 @@ func (q RunbookQueries) ReplayDead(f RunbookFilter) Statement {
 	return Statement{SQL: `WITH target AS (
   ` + target + `
 )
-UPDATE ` + tbl + ` AS o SET attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
+UPDATE ` + tbl + ` AS o SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
 FROM target WHERE o.id = target.id`, Args: args}
 }
 
 // Event looks up one row by event_id (canonical UUID string) and classifies
-// it for a replay. Returns RunbookColumns, then dead (attempts >=
-// maxAttempts) and leased (locked_at within lockTTL of now()).
-func (q RunbookQueries) Event(eventID string, maxAttempts int, lockTTL time.Duration) Statement {
-	if maxAttempts < 1 {
-		maxAttempts = MaxAttemptsDefault
-	}
+// it for a replay. Returns RunbookColumns, then dead (dead_at IS NOT NULL)
+// and leased (locked_at within lockTTL of now()).
+func (q RunbookQueries) Event(eventID string, lockTTL time.Duration) Statement {
 	return Statement{SQL: `SELECT ` + RunbookColumns + `,
-  attempts >= $2::int,
-  COALESCE(locked_at >= now() - make_interval(secs => $3::float8), false)
+  dead_at IS NOT NULL,
+  COALESCE(locked_at >= now() - make_interval(secs => $2::float8), false)
 FROM ` + q.Table.Sanitize() + `
-WHERE event_id = $1::uuid`, Args: []any{eventID, maxAttempts, lockTTLSeconds(lockTTL)}}
+WHERE event_id = $1::uuid`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
 }
 
 // ReplayEvent resets one row, by event_id (canonical UUID string), so that
-// the relay delivers it again: attempts = 0, available_at = now(),
-// locked_at = NULL, last_error = NULL. It changes the row only when it is
-// not published, dead or failed (attempts >= maxAttempts or last_error IS
-// NOT NULL), and not leased by a relay right now (locked_at older than
-// lockTTL, or NULL). Returns: sequence, for the row changed.
-func (q RunbookQueries) ReplayEvent(eventID string, maxAttempts int, lockTTL time.Duration) Statement {
-	if maxAttempts < 1 {
-		maxAttempts = MaxAttemptsDefault
-	}
-	return Statement{SQL: `UPDATE ` + q.Table.Sanitize() + ` SET attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
+// the relay delivers it again: dead_at = NULL, attempts = 0, available_at =
+// now(), locked_at = NULL, last_error = NULL. It changes the row only when
+// it is not published, dead or failed (dead_at or last_error set), and not
+// leased by a relay right now (locked_at older than lockTTL, or NULL).
+// Returns: sequence, for the row changed.
+func (q RunbookQueries) ReplayEvent(eventID string, lockTTL time.Duration) Statement {
+	return Statement{SQL: `UPDATE ` + q.Table.Sanitize() + ` SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
 WHERE event_id = $1::uuid
   AND published_at IS NULL
-  AND (attempts >= $2::int OR last_error IS NOT NULL)
-  AND (locked_at IS NULL OR locked_at < now() - make_interval(secs => $3::float8))
-RETURNING sequence`, Args: []any{eventID, maxAttempts, lockTTLSeconds(lockTTL)}}
+  AND (dead_at IS NOT NULL OR last_error IS NOT NULL)
+  AND (locked_at IS NULL OR locked_at < now() - make_interval(secs => $2::float8))
+RETURNING sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
 }
 
 // Stats reads the runbook's counters of the table. Returns: pending
 // (unpublished, not dead), retrying (pending whose last attempt failed),
-// locked (unpublished with locked_at set), dead, the created_at of the
-// oldest pending row (NULL when none), its age in seconds (0 when none),
-// and the rows published in the last hour.
-func (q RunbookQueries) Stats(maxAttempts int) Statement {
-	if maxAttempts < 1 {
-		maxAttempts = MaxAttemptsDefault
-	}
+// locked (unpublished with locked_at set), dead (dead_at set), the
+// created_at of the oldest pending row (NULL when none), its age in seconds
+// (0 when none), and the rows published in the last hour.
+func (q RunbookQueries) Stats() Statement {
 	tbl := q.Table.Sanitize()
 	return Statement{SQL: `SELECT
-  count(*) FILTER (WHERE attempts < $1::int),
-  count(*) FILTER (WHERE attempts < $1::int AND last_error IS NOT NULL),
+  count(*) FILTER (WHERE dead_at IS NULL),
+  count(*) FILTER (WHERE dead_at IS NULL AND last_error IS NOT NULL),
   count(*) FILTER (WHERE locked_at IS NOT NULL),
-  count(*) FILTER (WHERE attempts >= $1::int),
-  min(created_at) FILTER (WHERE attempts < $1::int),
-  COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE attempts < $1::int))::float8, 0),
+  count(*) FILTER (WHERE dead_at IS NOT NULL),
+  min(created_at) FILTER (WHERE dead_at IS NULL),
+  COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE dead_at IS NULL))::float8, 0),
   (SELECT count(*) FROM ` + tbl + ` WHERE published_at IS NOT NULL AND published_at >= now() - interval '1 hour')
 FROM ` + tbl + `
-WHERE published_at IS NULL`, Args: []any{maxAttempts}}
+WHERE published_at IS NULL`}
 }
 
 // Wake notifies the table's relays (NotifyChannel) that rows are due, so a

@@ -536,7 +536,7 @@ func TestOrderedDeadKeyReplayAndSkip(t *testing.T) {
 	var pending, leased, dead int64
 	var oldest float64
 	for deadline := time.Now().Add(5 * time.Second); ; {
-		if err := pool.QueryRow(ctx, oq.Stats, cfg.MaxAttempts).Scan(&pending, &leased, &dead, &oldest); err != nil {
+		if err := pool.QueryRow(ctx, oq.Stats).Scan(&pending, &leased, &dead, &oldest); err != nil {
 			t.Fatal(err)
 		}
 		if (pending == 3 && dead == 2) || time.Now().After(deadline) {

@@ -75,6 +75,9 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 	if err != nil {
 		return nil, fmt.Errorf("subscriber: %w", err)
 	}
+	if err := schema.CheckDeadAt(ctx, pool, cfg.Table); err != nil {
+		return nil, fmt.Errorf("subscriber: %w", err)
+	}
 	var oq *schema.OrderedQueries
 	if cfg.Ordered {
 		if oq, err = checkOrdered(ctx, pool, cfg.Table, cols); err != nil {
@@ -202,8 +205,8 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	if s.oq != nil {
 		query = s.q.ClaimAllUnkeyed // keyed rows go through the ordered relay
 	}
-	var out []*claimed
-	run := func(conn interface {
+	var out, parked []*claimed
+	run := func(ctx context.Context, conn interface {
 		Query(context.Context, string, ...any) (pgx.Rows, error)
 	}) error {
 		rows, err := conn.Query(ctx, query, args...)
@@ -213,8 +216,12 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 		defer rows.Close()
 		for rows.Next() {
 			c := &claimed{}
-			if err := c.row.Scan(rows, s.q.Columns); err != nil {
+			if err := c.row.ScanClaim(rows, s.q.Columns); err != nil {
 				return err
+			}
+			if c.row.Parked {
+				parked = append(parked, c)
+				continue
 			}
 			out = append(out, c)
 		}
@@ -222,12 +229,18 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	}
 	var err error
 	if s.leader != nil {
-		err = s.leader.withConn(ctx, func(conn *pgx.Conn) error { return run(conn) })
+		err = s.leader.withConn(ctx, func(ctx context.Context, conn *pgx.Conn) error { return run(ctx, conn) })
 	} else {
-		err = run(s.pool)
+		err = run(ctx, s.pool)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("claim from %s: %w", s.cfg.Table, err)
+	}
+	for _, c := range parked {
+		s.wentDead(c.row.Topic)
+		s.logger.Error("Outbox message is dead: the lease of its last allowed attempt expired; replay it once the cause is fixed",
+			errors.New("lease expired on the last attempt"),
+			watermill.LogFields{"event_id": c.row.EventID, "tenant_id": c.row.TenantID, "sequence": c.row.Sequence, "attempts": c.row.Attempts})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].row.Sequence < out[j].row.Sequence })
 	return out, nil
@@ -271,9 +284,7 @@ func (s *Subscriber) nack(c *claimed) {
 	case dead:
 		delete(fields, "error") // passed as the error itself
 		s.logger.Error("Outbox message is dead; replay it once the cause is fixed", errors.New(summary), fields)
-		if m := s.cfg.Metrics; m != nil {
-			m.DeadTotal.WithLabelValues(s.label, c.row.Topic).Inc()
-		}
+		s.wentDead(c.row.Topic)
 	default:
 		fields["retry_in"] = backoff.String()
 		s.logger.Info("Outbox message nacked, retrying later", fields)
@@ -314,8 +325,36 @@ func (s *Subscriber) release(cs []*claimed, undo int) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
-	if _, err := s.pool.Exec(ctx, s.q.Release, ids, attempts, locked, undo); err != nil {
+	rows, err := s.pool.Query(ctx, s.q.Release, ids, attempts, locked, undo, s.cfg.MaxAttempts)
+	if err == nil {
+		defer rows.Close()
+		for rows.Next() {
+			var (
+				id, topic string
+				dead      bool
+			)
+			if err = rows.Scan(&id, &topic, &dead); err != nil {
+				break
+			}
+			if dead {
+				s.wentDead(topic)
+				s.logger.Error("Outbox message is dead: its last allowed attempt got no verdict before the relay stopped; replay it once the cause is fixed",
+					errors.New("no verdict on the last attempt"), watermill.LogFields{"row_id": id})
+			}
+		}
+		if err == nil {
+			err = rows.Err()
+		}
+	}
+	if err != nil {
 		s.logger.Error("Could not give leases back; the rows return after the lock TTL", err, watermill.LogFields{"rows": len(cs)})
+	}
+}
+
+// wentDead counts a row's first entry into the dead state.
+func (s *Subscriber) wentDead(topic string) {
+	if m := s.cfg.Metrics; m != nil {
+		m.DeadTotal.WithLabelValues(s.label, topic).Inc()
 	}
 }
 

@@ -114,6 +114,8 @@ func TestConfigValidation(t *testing.T) {
 		{subscriber.Config{Table: tbl, BatchSize: 100, MaxInFlight: 10}, "MaxInFlight (10) is below BatchSize"},
 		{subscriber.Config{Table: tbl, LockTTL: time.Millisecond}, "too short"},
 		{subscriber.Config{Table: tbl, DisableLeaseExtension: true, LockTTL: time.Second}, "CloseTimeout"},
+		{subscriber.Config{Table: tbl, LeaderTimeout: 2 * time.Second}, "LeaderTimeout: 2s is below 3s"},
+		{subscriber.Config{Table: tbl, LeaderTimeout: -time.Second}, "LeaderTimeout is negative"},
 	}
 	for _, b := range bad {
 		if _, err := subscriber.New(pool, b.cfg, nil); err == nil || !strings.Contains(err.Error(), b.want) {
@@ -405,10 +407,10 @@ func TestPoisonMessagesDoNotBlock(t *testing.T) {
 	})
 	waitFor(t, "bad messages dead", 30*time.Second, func() bool {
 		var dead int
-		_ = pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE published_at IS NULL AND attempts >= 2 AND locked_at IS NULL`).Scan(&dead)
+		_ = pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE published_at IS NULL AND dead_at IS NOT NULL AND locked_at IS NULL`).Scan(&dead)
 		return dead == 3
 	})
-	if st := state(t, pool, tbl, failing); st.attempts != 2 || !strings.Contains(*st.lastError, "permanent: no route") {
+	if st := state(t, pool, tbl, failing); st.attempts != 1 || !st.parked || !strings.Contains(*st.lastError, "permanent: no route") {
 		t.Fatalf("permanent error row %+v, %v", st, *st.lastError)
 	}
 	if badSeen.Load() != 1+2+2 { // the permanent error is not retried

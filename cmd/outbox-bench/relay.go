@@ -126,7 +126,7 @@ func drainBareSQL(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n, wo
 				var locked []time.Time
 				for rows.Next() {
 					var r schema.ClaimedRow
-					if err := r.Scan(rows, schema.Columns{}); err != nil {
+					if err := r.ScanClaim(rows, schema.Columns{}); err != nil {
 						errs <- err
 						return
 					}
@@ -487,7 +487,7 @@ func poisonSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 			return err
 		}
 		var dead int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()+` WHERE published_at IS NULL AND attempts >= $1`, schema.MaxAttemptsDefault).Scan(&dead); err != nil {
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()+` WHERE published_at IS NULL AND dead_at IS NOT NULL`).Scan(&dead); err != nil {
 			return err
 		}
 		if dead != poisoned {

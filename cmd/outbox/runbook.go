@@ -48,21 +48,15 @@ func init() {
 
 // runbookFlags are the flags every runbook command has.
 type runbookFlags struct {
-	fs          *flag.FlagSet
-	table       string
-	maxAttempts int
-	json        bool
+	fs    *flag.FlagSet
+	table string
+	json  bool
 }
 
 func newRunbookFlags(name string, env Env, stderr io.Writer) (*runbookFlags, error) {
-	defMax, err := env.Int("OUTBOX_RELAY_MAX_ATTEMPTS", schema.MaxAttemptsDefault)
-	if err != nil {
-		return nil, fmt.Errorf("%w: %w", errUsage, err)
-	}
 	f := &runbookFlags{fs: flag.NewFlagSet(name, flag.ContinueOnError)}
 	f.fs.SetOutput(stderr)
 	f.fs.StringVar(&f.table, "table", "", "outbox table, such as public.org_outbox (required)")
-	f.fs.IntVar(&f.maxAttempts, "max-attempts", defMax, "attempts after which a row is dead, as configured on the relay (default: OUTBOX_RELAY_MAX_ATTEMPTS, else 25)")
 	f.fs.BoolVar(&f.json, "json", false, "print JSON for scripts instead of a table for people")
 	return f, nil
 }
@@ -81,9 +75,6 @@ func (f *runbookFlags) parse(args []string) (schema.Table, error) {
 	t, err := schema.ParseTable(f.table)
 	if err != nil {
 		return schema.Table{}, fmt.Errorf("%w: --table: %w", errUsage, err)
-	}
-	if f.maxAttempts < 1 {
-		return schema.Table{}, fmt.Errorf("%w: --max-attempts=%d must be at least 1; use the relay's OUTBOX_RELAY_MAX_ATTEMPTS", errUsage, f.maxAttempts)
 	}
 	return t, nil
 }
@@ -131,16 +122,15 @@ func runBacklog(ctx context.Context, env Env, args []string, stdout, stderr io.W
 		return err
 	}
 	defer pool.Close()
-	rows, err := runbook.Backlog(ctx, pool, t, runbook.BacklogOptions{Limit: *limit, Topic: *topic, MaxAttempts: f.maxAttempts})
+	rows, err := runbook.Backlog(ctx, pool, t, runbook.BacklogOptions{Limit: *limit, Topic: *topic})
 	if err != nil {
 		return err
 	}
 	if f.json {
 		return writeJSON(stdout, struct {
-			Table       string        `json:"table"`
-			MaxAttempts int           `json:"max_attempts"`
-			Rows        []runbook.Row `json:"rows"`
-		}{t.String(), f.maxAttempts, rows})
+			Table string        `json:"table"`
+			Rows  []runbook.Row `json:"rows"`
+		}{t.String(), rows})
 	}
 	if len(rows) == 0 {
 		fmt.Fprintf(stdout, "No pending rows in %s.\n", t)
@@ -170,7 +160,7 @@ func runStats(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 		return err
 	}
 	defer pool.Close()
-	s, err := runbook.Stats(ctx, pool, t, f.maxAttempts)
+	s, err := runbook.Stats(ctx, pool, t)
 	if err != nil {
 		return err
 	}
@@ -186,7 +176,7 @@ func runStats(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 	fmt.Fprintf(tw, "pending\t%d\tnot published, not dead\n", s.Pending)
 	fmt.Fprintf(tw, "retrying\t%d\tpending, last attempt failed\n", s.Retrying)
 	fmt.Fprintf(tw, "locked\t%d\tleased by a relay\n", s.Locked)
-	fmt.Fprintf(tw, "dead\t%d\tattempts >= %d; see `outbox dead list --table=%s`\n", s.Dead, s.MaxAttempts, t)
+	fmt.Fprintf(tw, "dead\t%d\tdead_at set; see `outbox dead list --table=%s`\n", s.Dead, t)
 	fmt.Fprintf(tw, "oldest pending age\t%s\n", oldest)
 	fmt.Fprintf(tw, "published last hour\t%d\n", s.PublishedLastHour)
 	return tw.Flush()
@@ -225,9 +215,9 @@ func (d *deadFilterFlags) register(fs *flag.FlagSet, defLimit int, limitHelp str
 	fs.IntVar(&d.limit, "limit", defLimit, limitHelp)
 }
 
-func (d *deadFilterFlags) filter(maxAttempts int, lockTTL time.Duration) (runbook.DeadFilter, error) {
+func (d *deadFilterFlags) filter(lockTTL time.Duration) (runbook.DeadFilter, error) {
 	f := runbook.DeadFilter{Topic: d.topic, ErrorContains: d.errorText, AfterSequence: d.after, Limit: d.limit,
-		MaxAttempts: maxAttempts, LockTTL: lockTTL}
+		LockTTL: lockTTL}
 	if d.tenant != "" {
 		id, err := uuid.Parse(d.tenant)
 		if err != nil {
@@ -255,7 +245,7 @@ func runDeadList(ctx context.Context, env Env, args []string, stdout, stderr io.
 	if d.limit < 1 {
 		return fmt.Errorf("%w: --limit=%d must be at least 1", errUsage, d.limit)
 	}
-	filter, err := d.filter(f.maxAttempts, 0)
+	filter, err := d.filter(0)
 	if err != nil {
 		return err
 	}
@@ -274,11 +264,10 @@ func runDeadList(ctx context.Context, env Env, args []string, stdout, stderr io.
 	}
 	if f.json {
 		return writeJSON(stdout, struct {
-			Table       string        `json:"table"`
-			MaxAttempts int           `json:"max_attempts"`
-			Rows        []runbook.Row `json:"rows"`
-			NextAfter   int64         `json:"next_after,omitempty"`
-		}{t.String(), f.maxAttempts, rows, next})
+			Table     string        `json:"table"`
+			Rows      []runbook.Row `json:"rows"`
+			NextAfter int64         `json:"next_after,omitempty"`
+		}{t.String(), rows, next})
 	}
 	if len(rows) == 0 {
 		fmt.Fprintf(stdout, "No dead rows in %s match (%s).\n", t, describeFilter(filter, false))
@@ -345,7 +334,7 @@ func runDeadReplay(ctx context.Context, env Env, args []string, stdout, stderr i
 		if err != nil || id == uuid.Nil {
 			return fmt.Errorf("%w: --event-id=%q is not an event_id (a non-nil UUID)", errUsage, *eventID)
 		}
-		return replayOne(ctx, env, t, id, runbook.ReplayOptions{MaxAttempts: f.maxAttempts, LockTTL: lockTTL},
+		return replayOne(ctx, env, t, id, runbook.ReplayOptions{LockTTL: lockTTL},
 			replayMode{json: f.json, dryRun: *dryRun, confirm: *confirm}, stdout)
 	}
 	switch {
@@ -356,7 +345,7 @@ func runDeadReplay(ctx context.Context, env Env, args []string, stdout, stderr i
 	case d.limit < 0:
 		return fmt.Errorf("%w: --limit=%d is negative; omit it to replay every matching row", errUsage, d.limit)
 	}
-	filter, err := d.filter(f.maxAttempts, lockTTL)
+	filter, err := d.filter(lockTTL)
 	if err != nil {
 		return err
 	}
@@ -384,9 +373,9 @@ func replayOne(ctx context.Context, env Env, t schema.Table, id uuid.UUID, opts 
 	rep := replayReport{Table: t.String(), EventID: id.String(), Row: &p.Row, Statement: p.Statement.SQL,
 		Args: p.Statement.Args, Rows: 1, DryRun: mode.dryRun}
 	if !mode.json {
-		state := fmt.Sprintf("failed (%d attempts, retrying; max %d)", p.Row.Attempts, opts.MaxAttempts)
+		state := fmt.Sprintf("failed (%d attempts, retrying)", p.Row.Attempts)
 		if p.Dead {
-			state = fmt.Sprintf("dead (%d attempts, max %d)", p.Row.Attempts, opts.MaxAttempts)
+			state = fmt.Sprintf("dead (%d attempts, dead since %s)", p.Row.Attempts, formatTime(p.Row.DeadAt))
 		}
 		fmt.Fprintf(stdout, "Replay one event of %s\n", t)
 		tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
@@ -513,7 +502,7 @@ func describeFilter(f runbook.DeadFilter, replay bool) string {
 	if replay && f.Limit > 0 {
 		parts = append(parts, "at most "+strconv.Itoa(f.Limit)+" rows")
 	}
-	parts = append(parts, "attempts >= "+strconv.Itoa(f.MaxAttempts))
+	parts = append(parts, "dead_at set")
 	if replay {
 		parts = append(parts, "skipping rows leased in the last "+f.LockTTL.String())
 	}
@@ -540,10 +529,10 @@ func writeJSON(w io.Writer, v any) error {
 
 func writeRows(w io.Writer, rows []runbook.Row) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "SEQUENCE\tEVENT_ID\tTOPIC\tTENANT_ID\tATTEMPTS\tCREATED_AT\tAVAILABLE_AT\tLOCKED_AT\tLAST_ERROR")
+	fmt.Fprintln(tw, "SEQUENCE\tEVENT_ID\tTOPIC\tTENANT_ID\tATTEMPTS\tCREATED_AT\tAVAILABLE_AT\tLOCKED_AT\tDEAD_AT\tLAST_ERROR")
 	for _, r := range rows {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\n", r.Sequence, r.EventID, cell(r.Topic, 0), r.TenantID, r.Attempts,
-			formatTime(&r.CreatedAt), formatTime(r.AvailableAt), formatTime(r.LockedAt), lastError(r.LastError, 80))
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", r.Sequence, r.EventID, cell(r.Topic, 0), r.TenantID, r.Attempts,
+			formatTime(&r.CreatedAt), formatTime(r.AvailableAt), formatTime(r.LockedAt), formatTime(r.DeadAt), lastError(r.LastError, 80))
 	}
 	if err := tw.Flush(); err != nil {
 		return fmt.Errorf("write table: %w", err)

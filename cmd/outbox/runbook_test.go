@@ -99,7 +99,7 @@ func rbExec(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, sql string, args
 func rbMarkDead(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, lastError string, ids ...uuid.UUID) {
 	t.Helper()
 	for _, id := range ids {
-		rbExec(t, pool, tbl, `UPDATE %s SET attempts = 25, last_error = $2, locked_at = NULL WHERE event_id = $1`, id, lastError)
+		rbExec(t, pool, tbl, `UPDATE %s SET attempts = 25, last_error = $2, locked_at = NULL, dead_at = now(), available_at = 'infinity' WHERE event_id = $1`, id, lastError)
 	}
 }
 
@@ -166,8 +166,7 @@ func TestRunbookUsageErrors(t *testing.T) {
 		{rbEnv(), []string{"backlog", "--table=" + tbl, "extra"}, "unexpected argument"},
 		{rbEnv(), []string{"backlog", "--table=" + tbl, "--no-such-flag"}, "no-such-flag"},
 		{map[string]string{}, []string{"stats", "--table=" + tbl}, "OUTBOX_DATABASE_URL is not set"},
-		{rbEnv("OUTBOX_RELAY_MAX_ATTEMPTS", "many"), []string{"stats", "--table=" + tbl}, "OUTBOX_RELAY_MAX_ATTEMPTS"},
-		{rbEnv(), []string{"stats", "--table=" + tbl, "--max-attempts=0"}, "--max-attempts=0"},
+		{rbEnv(), []string{"stats", "--table=" + tbl, "--max-attempts=3"}, "max-attempts"},
 		{rbEnv(), []string{"dead"}, "needs a subcommand"},
 		{rbEnv(), []string{"dead", "purge"}, `unknown subcommand "purge"`},
 		{rbEnv(), []string{"dead", "list", "--table=" + tbl, "--tenant=nope"}, "--tenant"},
@@ -184,7 +183,7 @@ func TestRunbookUsageErrors(t *testing.T) {
 		}
 	}
 	r := rbRun(t, rbEnv(), "stats", "--help")
-	r.expect(t, 0, nil, []string{"-table", "-max-attempts", "-json"})
+	r.expect(t, 0, nil, []string{"-table", "-json"})
 	r = rbRun(t, rbEnv(), "dead", "replay", "--help")
 	r.expect(t, 0, nil, []string{"-confirm", "-force", "-dry-run", "-event-id", "-all"})
 }
@@ -201,23 +200,19 @@ func TestRunbookStatsCommand(t *testing.T) {
 
 	r := rbRun(t, rbEnv(), "stats", "--table="+tbl.String())
 	r.expect(t, 0, []string{"table                " + tbl.String(), "pending              2", "locked               1",
-		"dead                 2", "attempts >= 25", "oldest pending age   1m30s", "published last hour  1"}, nil)
+		"dead                 2", "dead_at set", "oldest pending age   1m30s", "published last hour  1"}, nil)
 
 	r = rbRun(t, rbEnv(), "stats", "--table="+tbl.String(), "--json")
 	r.expect(t, 0, nil, nil)
 	s := rbDecode[runbook.TableStats](t, r.stdout)
-	if s.Table != tbl.String() || s.Pending != 2 || s.Locked != 1 || s.Dead != 2 || s.PublishedLastHour != 1 || s.MaxAttempts != 25 ||
+	if s.Table != tbl.String() || s.Pending != 2 || s.Locked != 1 || s.Dead != 2 || s.PublishedLastHour != 1 ||
 		s.OldestPendingAgeSeconds < 90 || s.OldestPendingAgeSeconds > 150 {
 		t.Fatalf("stats JSON: %+v", s)
 	}
-	// The threshold comes from the relay's environment, and --max-attempts wins over it.
+	// Dead is dead_at: the relay's max attempts plays no part.
 	r = rbRun(t, rbEnv("OUTBOX_RELAY_MAX_ATTEMPTS", "1"), "stats", "--table="+tbl.String(), "--json")
-	if s := rbDecode[runbook.TableStats](t, r.stdout); s.Dead != 3 || s.Pending != 1 || s.MaxAttempts != 1 {
+	if s := rbDecode[runbook.TableStats](t, r.stdout); s.Dead != 2 || s.Pending != 2 {
 		t.Fatalf("stats with OUTBOX_RELAY_MAX_ATTEMPTS=1: %+v", s)
-	}
-	r = rbRun(t, rbEnv("OUTBOX_RELAY_MAX_ATTEMPTS", "1"), "stats", "--table="+tbl.String(), "--json", "--max-attempts=30")
-	if s := rbDecode[runbook.TableStats](t, r.stdout); s.Dead != 0 || s.Pending != 4 {
-		t.Fatalf("stats with --max-attempts=30: %+v", s)
 	}
 
 	missing := tbl.Schema() + ".missing_outbox"
@@ -231,10 +226,9 @@ func TestRunbookStatsCommand(t *testing.T) {
 }
 
 type rbRowsJSON struct {
-	Table       string        `json:"table"`
-	MaxAttempts int           `json:"max_attempts"`
-	Rows        []runbook.Row `json:"rows"`
-	NextAfter   int64         `json:"next_after"`
+	Table     string        `json:"table"`
+	Rows      []runbook.Row `json:"rows"`
+	NextAfter int64         `json:"next_after"`
 }
 
 func rbIDs(rows []runbook.Row) []uuid.UUID {
@@ -334,8 +328,8 @@ func TestRunbookReplayOneCommand(t *testing.T) {
 
 	// Without --confirm: the preview, exit 2, nothing changed.
 	r := rbRun(t, rbEnv("OUTBOX_ENVIRONMENT", "development"), args...)
-	r.expect(t, 2, []string{"Replay one event of " + tbl.String(), dead.String(), "dead (25 attempts, max 25)", "HTTP 503",
-		"Statement:", "UPDATE " + tbl.Sanitize() + " SET attempts = 0", "-- $1 = '" + dead.String() + "'", "Rows affected: 1"},
+	r.expect(t, 2, []string{"Replay one event of " + tbl.String(), dead.String(), "dead (25 attempts, dead since ", "HTTP 503",
+		"Statement:", "UPDATE " + tbl.Sanitize() + " SET dead_at = NULL, attempts = 0", "-- $1 = '" + dead.String() + "'", "Rows affected: 1"},
 		[]string{"nothing changed", "add --confirm"})
 	if !reflect.DeepEqual(before, rbSnapshot(t, pool, tbl)) {
 		t.Fatal("the preview changed rows")
@@ -397,7 +391,7 @@ func TestRunbookReplayBulkCommand(t *testing.T) {
 	// Preview without --confirm: the statement and the count, exit 2.
 	r := rbRun(t, dev, args...)
 	r.expect(t, 2, []string{"Replay dead rows of " + tbl.String(), `topic = "` + rbTopicA + `"`, `last_error contains "TIMEOUT"`,
-		"WITH target AS", "FOR UPDATE", "UPDATE " + tbl.Sanitize(), "-- $3 = '" + rbTopicA + "'", "-- $4 = 'TIMEOUT'", "Rows affected: 2"},
+		"WITH target AS", "FOR UPDATE", "UPDATE " + tbl.Sanitize(), "-- $2 = '" + rbTopicA + "'", "-- $3 = 'TIMEOUT'", "Rows affected: 2"},
 		[]string{"nothing changed", "add --confirm to replay 2 rows of " + tbl.String()})
 	if strings.Contains(r.stderr, "--force") {
 		t.Fatalf("a development database asked for --force: %s", r.stderr)

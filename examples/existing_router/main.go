@@ -192,7 +192,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	var published, indexed int
 	var dead []string
 	rows, err := pool.Query(ctx, `SELECT event_id::text || ' attempts=' || attempts || ' last_error=' || COALESCE(last_error, '')
-FROM `+t.outbox.Sanitize()+` WHERE published_at IS NULL AND attempts >= $1 ORDER BY sequence`, subscriber.MaxAttemptsDefault)
+FROM `+t.outbox.Sanitize()+` WHERE published_at IS NULL AND dead_at IS NOT NULL ORDER BY sequence`)
 	if err == nil {
 		dead, err = pgx.CollectRows(rows, pgx.RowTo[string])
 	}
@@ -372,8 +372,7 @@ func waitSettled(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error 
 	defer tick.Stop()
 	for {
 		var pending int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()+` WHERE published_at IS NULL AND attempts < $1`,
-			subscriber.MaxAttemptsDefault).Scan(&pending); err != nil {
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()+` WHERE published_at IS NULL AND dead_at IS NULL`).Scan(&pending); err != nil {
 			return fmt.Errorf("count pending rows: %w", err)
 		}
 		if pending == 0 {

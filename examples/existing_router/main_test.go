@@ -36,7 +36,7 @@ var (
 	enqueuedRE = regexp.MustCompile(`(?m)^enqueued org\.organization\.created\.v1 event_id=(` + uuidRE + `) \(organization "(\w+)"`)
 	indexedRE  = regexp.MustCompile(`(?m)^indexed organization "(\w+)" event_id=(` + uuidRE + `) correlation_id=create-(\w+)$`)
 	rejectedRE = regexp.MustCompile(`(?m)^rejected event_id=(` + uuidRE + `): invalid UUID length: 10$`)
-	deadRE     = regexp.MustCompile(`(?m)^dead event_id=(` + uuidRE + `) attempts=25 last_error=(.*)$`)
+	deadRE     = regexp.MustCompile(`(?m)^dead event_id=(` + uuidRE + `) attempts=1 last_error=(.*)$`)
 )
 
 func TestExistingRouter(t *testing.T) {

@@ -14,6 +14,7 @@ CREATE TABLE IF NOT EXISTS "public"."app_outbox" (
   available_at TIMESTAMPTZ NOT NULL DEFAULT now(),
   locked_at    TIMESTAMPTZ NULL,
   last_error   TEXT        NULL,
+  dead_at      TIMESTAMPTZ NULL,
   CONSTRAINT "app_outbox_pkey" PRIMARY KEY (id),
   CONSTRAINT "app_outbox_event_id_key" UNIQUE (event_id),
   CONSTRAINT "app_outbox_attempts_nonnegative" CHECK (attempts >= 0)
