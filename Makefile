@@ -5,7 +5,7 @@ GOBIN ?= $(shell go env GOPATH)/bin
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 export TEST_DATABASE_URL
 
-.PHONY: help up wait test fault test_short test_race test_stress lint fmt vet bench demo
+.PHONY: help up wait test fault partition test_short test_race test_stress lint fmt vet bench demo
 
 help: ## List the targets.
 	@grep -E '^[a-z_]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -16,14 +16,18 @@ up: ## Check PostgreSQL and RabbitMQ and start whichever is down (fails loudly i
 wait: ## Wait until PostgreSQL and RabbitMQ accept connections.
 	@./scripts/services.sh wait
 
-test: ## Run every test against the real services (the command CI runs), then the fault-injection test at CI size.
+test: ## Run every test against the real services (the command CI runs), then the partition test (root) and the fault-injection test at CI size.
 	go test -count=1 -timeout 30m ./...
 	./scripts/docker-build-check.sh && cd deploy/kubernetes/check && go test -count=1 ./...
+	go test -count=1 -timeout 10m -tags fault -run TestFaultPartition -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -15; exit $${PIPESTATUS[0]}
 	go test -count=1 -timeout 15m -tags fault -run TestFaultInjection -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -25; exit $${PIPESTATUS[0]}
 
-fault: ## The fault-injection test at full size (100,000 events, 12 relay kills); restarts PostgreSQL and RabbitMQ.
+fault: ## The fault-injection test at full size (100,000 events, 12 relay kills); restarts its own private PostgreSQL and RabbitMQ, not the shared ones.
 	FAULT_EVENTS=100000 FAULT_KILLS=12 FAULT_SUMMARY_FILE=$(CURDIR)/docs/fault-summary.txt \
 		go test -count=1 -timeout 60m -tags fault -run TestFaultInjection -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -25; exit $${PIPESTATUS[0]}
+
+partition: ## The partition test alone (root): a relay leader cut off in its own network namespace, a standby takes over.
+	go test -count=1 -timeout 10m -tags fault -run TestFaultPartition -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -15; exit $${PIPESTATUS[0]}
 
 test_short: ## Quick run (~1 min): every package with -short (Watermill's universal suites run with few messages); no Docker or fault test.
 	go test -count=1 -short -timeout 10m ./...

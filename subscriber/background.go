@@ -3,6 +3,7 @@ package subscriber
 import (
 	"context"
 	"errors"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -141,32 +142,46 @@ func (e *elector) run(ctx context.Context) {
 	}
 }
 
+// stepTimeout bounds each statement on the leader's connection (ping,
+// election, claim): LeaderTimeout/3.
+func (e *elector) stepTimeout() time.Duration { return e.s.cfg.LeaderTimeout / 3 }
+
 func (e *elector) tick(ctx context.Context) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	s := e.s
+	sctx, cancel := context.WithTimeout(ctx, e.stepTimeout())
+	defer cancel()
 	if e.conn != nil {
-		pctx, cancel := context.WithTimeout(ctx, opTimeout)
-		err := e.conn.Ping(pctx)
-		cancel()
-		if err != nil && ctx.Err() == nil {
-			s.logger.Error("Leader connection lost; standing down", err, nil)
+		// A ping that does not answer in time means this relay cannot reach
+		// the database: step down, so it claims nothing more; the server
+		// ends the silent session within LeaderTimeout (keepalive).
+		if err := e.conn.Ping(sctx); err != nil && ctx.Err() == nil {
+			s.logger.Error("Leader cannot reach the database; stepping down", err, watermill.LogFields{"timeout": e.stepTimeout().String()})
 			e.dropLocked()
 		}
 		return
 	}
-	conn, err := s.pool.Acquire(ctx)
+	conn, err := s.pool.Acquire(sctx)
 	if err != nil {
 		if ctx.Err() == nil {
 			s.logger.Error("Cannot acquire a connection for the leader election", err, nil)
 		}
 		return
 	}
+	idle, interval, count, userTimeout := leaderKeepalive(s.cfg.LeaderTimeout)
 	var got bool
-	if err := conn.QueryRow(ctx, schema.TryLeaderLock, s.cfg.Table.LockKey()).Scan(&got); err != nil || !got {
-		if err != nil && ctx.Err() == nil {
+	err = conn.QueryRow(sctx, schema.TryLeaderLock, s.cfg.Table.LockKey(), idle, interval, count, userTimeout).Scan(&got, nil, nil, nil, nil)
+	if err != nil {
+		if ctx.Err() == nil {
 			s.logger.Error("Leader election query failed", err, nil)
 		}
+		// A session-level lock survives a failed statement: end the session
+		// rather than hand it back to the pool holding a lock.
+		closeConn(conn)
+		return
+	}
+	if !got {
 		conn.Release()
 		return
 	}
@@ -177,17 +192,34 @@ func (e *elector) tick(ctx context.Context) {
 	s.wake.broadcast()
 }
 
-// withConn runs fn on the leader's connection; it fails when this subscriber
-// is not the leader, and stands down when the connection broke.
-func (e *elector) withConn(ctx context.Context, fn func(*pgx.Conn) error) error {
+// leaderKeepalive derives the leader session's TCP settings from the leader
+// timeout L: keepalive idle L/3, interval L/6 and count (L - idle)/interval,
+// in whole seconds, and TCP_USER_TIMEOUT L in milliseconds. With
+// TCP_USER_TIMEOUT set, Linux ends the connection at the first keepalive
+// probe (or retransmission) at least L after the peer's last packet: at
+// most L + L/6.
+func leaderKeepalive(l time.Duration) (idle, interval, count, userTimeout string) {
+	secs := max(1, int(l/time.Second))
+	i := max(1, secs/3)
+	iv := max(1, secs/6)
+	c := max(1, (secs-i)/iv)
+	return strconv.Itoa(i), strconv.Itoa(iv), strconv.Itoa(c), strconv.FormatInt(l.Milliseconds(), 10)
+}
+
+// withConn runs fn on the leader's connection, bounded by LeaderTimeout/3;
+// it fails when this subscriber is not the leader, and steps down when the
+// connection broke or did not answer in time.
+func (e *elector) withConn(ctx context.Context, fn func(context.Context, *pgx.Conn) error) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.conn == nil {
 		return errNotLeader
 	}
-	err := fn(e.conn.Conn())
+	ctx, cancel := context.WithTimeout(ctx, e.stepTimeout())
+	defer cancel()
+	err := fn(ctx, e.conn.Conn())
 	if err != nil && e.conn.Conn().IsClosed() {
-		e.s.logger.Error("Leader connection lost during a claim; standing down", err, nil)
+		e.s.logger.Error("Leader connection lost during a claim; stepping down", err, nil)
 		e.dropLocked()
 	}
 	return err
@@ -198,13 +230,19 @@ var errNotLeader = errors.New("not the active relay for the table")
 // dropLocked forgets a broken leader connection; closing it ends the session
 // and so releases the lock if the server still holds it.
 func (e *elector) dropLocked() {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	_ = e.conn.Conn().Close(ctx)
-	cancel()
-	e.conn.Release()
+	closeConn(e.conn)
 	e.conn = nil
 	e.isLeader.Store(false)
 	e.s.setLeaderGauge(0)
+}
+
+// closeConn ends conn's session and gives the slot back to the pool, which
+// discards the closed connection.
+func closeConn(conn *pgxpool.Conn) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	_ = conn.Conn().Close(ctx)
+	cancel()
+	conn.Release()
 }
 
 func (e *elector) resign() {

@@ -22,10 +22,15 @@ const (
 	LockTTLDefault           = schema.LockTTLDefault
 	MaxAttemptsDefault       = schema.MaxAttemptsDefault
 	ElectionIntervalDefault  = time.Second
+	LeaderTimeoutDefault     = 15 * time.Second
 	CloseTimeoutDefault      = 30 * time.Second
 	StatsIntervalDefault     = 15 * time.Second
 	LastErrorMaxBytesDefault = redact.DefaultMaxBytes
 )
+
+// LeaderTimeoutMin is the smallest LeaderTimeout: the keepalive settings
+// derived from it count whole seconds.
+const LeaderTimeoutMin = 3 * time.Second
 
 // Config configures a Subscriber.
 type Config struct {
@@ -64,6 +69,21 @@ type Config struct {
 	// ElectionInterval is how often a standby tries to take over and a leader
 	// checks its connection. Defaults to 1s.
 	ElectionInterval time.Duration
+	// LeaderTimeout bounds how long a single-active leader that cannot reach
+	// the database keeps the table (a host cut off from the network, a hung
+	// process). The leader's session gets TCP keepalive and TCP_USER_TIMEOUT
+	// settings derived from it, so the server ends a silent leader's session,
+	// which frees the lock, at most LeaderTimeout + LeaderTimeout/6 after the
+	// leader's last packet; a standby takes over at its next election tick.
+	// Takeover after a partition is therefore bounded by
+	// LeaderTimeout*7/6 + ElectionInterval (18.5s with the defaults). On its
+	// side, the leader pings its connection every ElectionInterval and bounds
+	// each ping and claim by LeaderTimeout/3: when one does not answer, it
+	// steps down (stops claiming and renewing leases, closes the connection,
+	// reports outbox_relay_leader 0). It needs a session connection to the
+	// server (not PgBouncer transaction pooling, see docs/OPERATIONS.md).
+	// At least 3s. Defaults to 15s.
+	LeaderTimeout time.Duration
 	// DisableNotify turns the LISTEN/NOTIFY wake-up off; new rows are then
 	// found by polling. Defaults to false.
 	DisableNotify bool
@@ -110,6 +130,9 @@ func (c *Config) setDefaults() {
 	if c.ElectionInterval == 0 {
 		c.ElectionInterval = ElectionIntervalDefault
 	}
+	if c.LeaderTimeout == 0 {
+		c.LeaderTimeout = LeaderTimeoutDefault
+	}
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = CloseTimeoutDefault
 	}
@@ -132,6 +155,7 @@ func (c *Config) validate() error {
 	}{
 		{"BatchSize", int64(c.BatchSize)}, {"MaxInFlight", int64(c.MaxInFlight)}, {"MaxAttempts", int64(c.MaxAttempts)},
 		{"PollInterval", int64(c.PollInterval)}, {"LockTTL", int64(c.LockTTL)}, {"ElectionInterval", int64(c.ElectionInterval)},
+		{"LeaderTimeout", int64(c.LeaderTimeout)},
 		{"CloseTimeout", int64(c.CloseTimeout)}, {"LastErrorMaxBytes", int64(c.LastErrorMaxBytes)}, {"StatsInterval", int64(c.StatsInterval)},
 	}
 	for _, p := range positive {
@@ -144,6 +168,9 @@ func (c *Config) validate() error {
 	}
 	if c.LockTTL > 0 && c.LockTTL < 100*time.Millisecond {
 		errs = append(errs, fmt.Errorf("LockTTL %s is too short to renew leases reliably; use at least 100ms", c.LockTTL))
+	}
+	if c.LeaderTimeout > 0 && c.LeaderTimeout < LeaderTimeoutMin {
+		errs = append(errs, fmt.Errorf("LeaderTimeout: %s is below %s (the TCP keepalive derived from it counts whole seconds); use at least %s", c.LeaderTimeout, LeaderTimeoutMin, LeaderTimeoutMin))
 	}
 	if c.DisableLeaseExtension && c.CloseTimeout > c.LockTTL {
 		errs = append(errs, fmt.Errorf("with DisableLeaseExtension, CloseTimeout (%s) must not exceed LockTTL (%s): a lease would expire while Close waits", c.CloseTimeout, c.LockTTL))

@@ -210,10 +210,10 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
 	defer cancel()
 	var out, parked []*claimed
-	run := func(conn interface {
+	run := func(ctx context.Context, conn interface {
 		Query(context.Context, string, ...any) (pgx.Rows, error)
 	}) error {
-		rows, err := conn.Query(qctx, query, args...)
+		rows, err := conn.Query(ctx, query, args...)
 		if err != nil {
 			return err
 		}
@@ -236,9 +236,9 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	}
 	var err error
 	if s.leader != nil {
-		err = s.leader.withConn(qctx, func(conn *pgx.Conn) error { return run(conn) })
+		err = s.leader.withConn(qctx, func(ctx context.Context, conn *pgx.Conn) error { return run(ctx, conn) })
 	} else {
-		err = run(s.pool)
+		err = run(qctx, s.pool)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("claim from %s: %w", s.cfg.Table, err)

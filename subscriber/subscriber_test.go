@@ -114,6 +114,8 @@ func TestConfigValidation(t *testing.T) {
 		{subscriber.Config{Table: tbl, BatchSize: 100, MaxInFlight: 10}, "MaxInFlight (10) is below BatchSize"},
 		{subscriber.Config{Table: tbl, LockTTL: time.Millisecond}, "too short"},
 		{subscriber.Config{Table: tbl, DisableLeaseExtension: true, LockTTL: time.Second}, "CloseTimeout"},
+		{subscriber.Config{Table: tbl, LeaderTimeout: 2 * time.Second}, "LeaderTimeout: 2s is below 3s"},
+		{subscriber.Config{Table: tbl, LeaderTimeout: -time.Second}, "LeaderTimeout is negative"},
 	}
 	for _, b := range bad {
 		if _, err := subscriber.New(pool, b.cfg, nil); err == nil || !strings.Contains(err.Error(), b.want) {

@@ -194,6 +194,13 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 			s.nack(c)
 			return
 		case <-renew:
+			if !s.IsLeader() {
+				// A relay that stepped down (it could not reach the
+				// database) renews no lease: its rows return to the new
+				// leader after LockTTL. Its ack is still tried: fenced,
+				// it lands only while the lease is still this relay's.
+				continue
+			}
 			if !s.extend(c) {
 				renew = nil
 			}

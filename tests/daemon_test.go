@@ -211,6 +211,8 @@ func TestDaemonRefusesBadEnvironment(t *testing.T) {
 		{map[string]string{"OUTBOX_RELAY_POLL_INTERVAL": "soon"}, "OUTBOX_RELAY_POLL_INTERVAL"},
 		{map[string]string{"OUTBOX_RELAY_SINGLE_ACTIVE": "maybe"}, "OUTBOX_RELAY_SINGLE_ACTIVE"},
 		{map[string]string{"OUTBOX_RELAY_ORDERED": "sometimes"}, "OUTBOX_RELAY_ORDERED"},
+		{map[string]string{"OUTBOX_RELAY_LEADER_TIMEOUT": "2s"}, "OUTBOX_RELAY_LEADER_TIMEOUT=2s is below 3s"},
+		{map[string]string{"OUTBOX_RELAY_LEADER_TIMEOUT": "soon"}, "OUTBOX_RELAY_LEADER_TIMEOUT"},
 		{map[string]string{"OUTBOX_RELAY_TABLES": `public.org_outbox; DROP TABLE x`}, "OUTBOX_RELAY_TABLES"},
 		{map[string]string{"OUTBOX_RELAY_TABLES": ""}, "OUTBOX_RELAY_TABLES is not set"},
 		{map[string]string{"OUTBOX_BACKEND": "carrier-pigeon"}, "OUTBOX_BACKEND"},

@@ -44,6 +44,7 @@ type relayConfig struct {
 	pollInterval    time.Duration
 	batchSize       int
 	lockTTL         time.Duration
+	leaderTimeout   time.Duration
 	maxAttempts     int
 	dispatchTimeout time.Duration
 	lastErrorMax    int
@@ -91,6 +92,11 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	must(err)
 	c.lockTTL, err = env.Duration("OUTBOX_RELAY_LOCK_TTL", subscriber.LockTTLDefault, false)
 	must(err)
+	c.leaderTimeout, err = env.Duration("OUTBOX_RELAY_LEADER_TIMEOUT", subscriber.LeaderTimeoutDefault, false)
+	must(err)
+	if err == nil && c.leaderTimeout < subscriber.LeaderTimeoutMin {
+		errs = append(errs, fmt.Errorf("OUTBOX_RELAY_LEADER_TIMEOUT=%s is below %s; use at least %s", c.leaderTimeout, subscriber.LeaderTimeoutMin, subscriber.LeaderTimeoutMin))
+	}
 	c.maxAttempts, err = env.Int("OUTBOX_RELAY_MAX_ATTEMPTS", subscriber.MaxAttemptsDefault)
 	must(err)
 	c.dispatchTimeout, err = env.Duration("OUTBOX_RELAY_DISPATCH_TIMEOUT", router.DispatchTimeoutDefault, false)
@@ -169,6 +175,7 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN", errUsage)
 	}
 	poolCfg.MaxConns = max(poolCfg.MaxConns, int32(2*len(cfg.tables)+8)) //nolint:gosec // a handful of tables
+	tuneConnConfig(poolCfg, cfg.leaderTimeout)
 	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
 	if err != nil {
 		return fmt.Errorf("connect to OUTBOX_DATABASE_URL: %w", err)
@@ -253,7 +260,7 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 		err := retryStartup(ctx, logger, func() error {
 			var err error
 			s, err = subscriber.New(pool, subscriber.Config{
-				Table: t, BatchSize: cfg.batchSize, PollInterval: cfg.pollInterval, LockTTL: cfg.lockTTL,
+				Table: t, BatchSize: cfg.batchSize, PollInterval: cfg.pollInterval, LockTTL: cfg.lockTTL, LeaderTimeout: cfg.leaderTimeout,
 				MaxAttempts: cfg.maxAttempts, DisableSingleActive: !cfg.singleActive, Ordered: cfg.ordered, LastErrorMaxBytes: cfg.lastErrorMax,
 				CloseTimeout: cfg.dispatchTimeout, Metrics: m,
 			}, logger)
@@ -285,6 +292,22 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 	}
 	fmt.Fprintln(stdout, "relay stopped; leases given back")
 	return nil
+}
+
+// tuneConnConfig bounds what an unreachable database costs the relay's
+// connections: a dial gives up after leaderTimeout unless the URL sets
+// connect_timeout, and TCP keepalive (idle leaderTimeout/3, interval
+// leaderTimeout/6, 3 probes) closes pooled connections to a host that went
+// silent instead of after the operating system's two hours. The leader's own
+// session gets the server-side settings from the subscriber.
+func tuneConnConfig(c *pgxpool.Config, leaderTimeout time.Duration) {
+	if c.ConnConfig.ConnectTimeout == 0 {
+		c.ConnConfig.ConnectTimeout = leaderTimeout
+	}
+	d := &net.Dialer{KeepAliveConfig: net.KeepAliveConfig{
+		Enable: true, Idle: leaderTimeout / 3, Interval: max(time.Second, leaderTimeout/6), Count: 3,
+	}}
+	c.ConnConfig.DialFunc = d.DialContext
 }
 
 // startupTimeout bounds how long start-up waits out a database that is

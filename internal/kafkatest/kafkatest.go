@@ -7,6 +7,7 @@ package kafkatest
 
 import (
 	"fmt"
+	"net"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -32,6 +33,17 @@ func Start(partitions int32, port int) (*Cluster, error) {
 	c, err := kfake.NewCluster(opts...)
 	if err != nil {
 		return nil, fmt.Errorf("start in-process Kafka cluster: %w", err)
+	}
+	return &Cluster{c: c}, nil
+}
+
+// StartOn is Start on a free port of the local address host (reachable, for
+// example, from processes in other network namespaces).
+func StartOn(host string, partitions int32) (*Cluster, error) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.AllowAutoTopicCreation(), kfake.DefaultNumPartitions(int(max(1, partitions))),
+		kfake.ListenFn(func(network, _ string) (net.Listener, error) { return net.Listen(network, net.JoinHostPort(host, "0")) }))
+	if err != nil {
+		return nil, fmt.Errorf("start in-process Kafka cluster on %s: %w", host, err)
 	}
 	return &Cluster{c: c}, nil
 }
