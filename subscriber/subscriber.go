@@ -47,8 +47,9 @@ type Subscriber struct {
 	closeErr  error
 	closeDone chan struct{} // closed when Close has finished
 
-	abandon         atomic.Bool // tests: ordered relays stop like a killed process
-	afterClaimQuery func()      // tests: runs between a claim's query and its rows
+	abandon         atomic.Bool   // tests: ordered relays stop like a killed process
+	afterClaimQuery func()        // tests: runs between a claim's query and its rows
+	writeTimeout    time.Duration // bounds each ack, nack, renewal or release write
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -85,16 +86,17 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		}
 	}
 	s := &Subscriber{
-		oq:        oq,
-		pool:      pool,
-		cfg:       cfg,
-		q:         schema.NewQueries(cfg.Table, cols),
-		logger:    logger.With(watermill.LogFields{"table": cfg.Table.String()}),
-		label:     cfg.Table.Qualified(),
-		acks:      make(chan ackReq, 4*cfg.BatchSize),
-		ackStop:   make(chan struct{}),
-		closing:   make(chan struct{}),
-		closeDone: make(chan struct{}),
+		oq:           oq,
+		pool:         pool,
+		cfg:          cfg,
+		q:            schema.NewQueries(cfg.Table, cols),
+		logger:       logger.With(watermill.LogFields{"table": cfg.Table.String()}),
+		label:        cfg.Table.Qualified(),
+		acks:         make(chan ackReq, 4*cfg.BatchSize),
+		ackStop:      make(chan struct{}),
+		closing:      make(chan struct{}),
+		writeTimeout: opTimeout,
+		closeDone:    make(chan struct{}),
 	}
 	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
 	return s, nil
@@ -265,7 +267,7 @@ func (c *claimed) fence() (string, int32, time.Time) { return c.row.ID, c.row.At
 
 // nack records a failed attempt of c.
 func (s *Subscriber) nack(c *claimed) {
-	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
 	defer cancel()
 	err := c.slot.get()
 	text := "handler nacked the message without an error (add the subscriber.CaptureError middleware to record it)"
@@ -300,7 +302,7 @@ func (s *Subscriber) nack(c *claimed) {
 
 // extend renews the lease of c; it updates the fence token.
 func (s *Subscriber) extend(c *claimed) bool {
-	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
 	defer cancel()
 	id, attempts, lockedAt := c.fence()
 	var renewed time.Time
@@ -330,7 +332,7 @@ func (s *Subscriber) release(cs []*claimed, undo int) {
 	for i, c := range cs {
 		ids[i], attempts[i], locked[i] = c.fence()
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
 	defer cancel()
 	rows, err := s.pool.Query(ctx, s.q.Release, ids, attempts, locked, undo, s.cfg.MaxAttempts)
 	if err == nil {
