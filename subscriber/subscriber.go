@@ -300,13 +300,16 @@ func (s *Subscriber) nack(c *claimed) {
 	}
 }
 
-// extend renews the lease of c; it updates the fence token.
+// extend renews the lease of c. The fence token (id, attempts, locked_at)
+// does not change, so a renewal whose reply is lost breaks nothing.
 func (s *Subscriber) extend(c *claimed) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
 	defer cancel()
 	id, attempts, lockedAt := c.fence()
-	var renewed time.Time
-	err := s.pool.QueryRow(ctx, s.q.Extend, id, attempts, lockedAt).Scan(&renewed)
+	tag, err := s.pool.Exec(ctx, s.q.Extend, id, attempts, lockedAt)
+	if err == nil && tag.RowsAffected() == 0 {
+		err = pgx.ErrNoRows
+	}
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		s.fenceRejected("extend")
@@ -316,7 +319,6 @@ func (s *Subscriber) extend(c *claimed) bool {
 		s.logger.Error("Could not renew lease", err, watermill.LogFields{"event_id": c.row.EventID})
 		return true
 	}
-	c.row.LockedAt = renewed
 	if m := s.cfg.Metrics; m != nil {
 		m.LeaseExtended.WithLabelValues(s.label).Inc()
 	}
@@ -358,6 +360,16 @@ func (s *Subscriber) release(cs []*claimed, undo int) {
 	if err != nil {
 		s.logger.Error("Could not give leases back; the rows return after the lock TTL", err, watermill.LogFields{"rows": len(cs)})
 	}
+}
+
+// overrunAfter is how long after delivery a message loses its lease:
+// DispatchTimeout plus one renewal period (LockTTL/2) of margin.
+func (s *Subscriber) overrunAfter() time.Duration { return s.cfg.DispatchTimeout + s.cfg.LockTTL/2 }
+
+// overrunError is the failure recorded for a handler that overran.
+func (s *Subscriber) overrunError() error {
+	return fmt.Errorf("handler overran: no ack or nack %s after delivery (DispatchTimeout %s plus a margin of LockTTL/2); its lease was taken back",
+		s.overrunAfter(), s.cfg.DispatchTimeout)
 }
 
 // wentDead counts a row's first entry into the dead state.
