@@ -91,9 +91,12 @@ type Config struct {
 	// flight; a handler slower than LockTTL then sees its message delivered
 	// again. Defaults to false.
 	DisableLeaseExtension bool
-	// CloseTimeout bounds how long Close, or the end of a subscription, waits
-	// for messages in flight to be acked or nacked before giving their leases
-	// back. Defaults to 30s.
+	// CloseTimeout bounds how long Close, or the end of a subscription (its
+	// Subscribe context done, as a router does at Close), waits for messages
+	// in flight to be acked or nacked. Their contexts do not derive from the
+	// Subscribe context: they stay live until CloseTimeout after the stop,
+	// then are cancelled and their leases given back (a lease on the last
+	// allowed attempt goes dead). Defaults to 30s.
 	CloseTimeout time.Duration
 	// LastErrorMaxBytes bounds last_error. Defaults to 2048.
 	LastErrorMaxBytes int

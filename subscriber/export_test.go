@@ -11,6 +11,10 @@ import (
 // process: without giving their partitions back or leaving the membership.
 func Abandon(s *Subscriber) { s.abandon.Store(true) }
 
+// AfterClaimQuery makes s run fn after each claim statement was sent and
+// before its rows are read.
+func AfterClaimQuery(s *Subscriber, fn func()) { s.afterClaimQuery = fn }
+
 // LeaderSetting reads a setting of s's leader session; ok is false when s is
 // not the leader.
 func LeaderSetting(ctx context.Context, s *Subscriber, name string) (value string, ok bool, err error) {

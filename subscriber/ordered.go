@@ -820,7 +820,9 @@ func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedR
 		return verdictNack
 	}
 	c.slot = &errorSlot{}
-	msgCtx, cancel := context.WithCancel(withErrorSlot(r.sub.ctx, c.slot))
+	// As in the default mode, the message outlives the Subscribe context
+	// until CloseTimeout after the relay stopped.
+	msgCtx, cancel := context.WithCancel(withErrorSlot(context.WithoutCancel(r.sub.ctx), c.slot))
 	defer cancel()
 	msg.SetContext(msgCtx)
 	c.msg = msg

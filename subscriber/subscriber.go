@@ -37,16 +37,18 @@ type Subscriber struct {
 	wake      broadcaster
 	notifier  *notifier
 
-	acks     chan ackReq
-	ackStop  chan struct{}
-	ackerWg  sync.WaitGroup
-	closing  chan struct{}
-	closed   atomic.Bool
-	closeMu  sync.Mutex
-	subsWg   sync.WaitGroup
-	closeErr error
+	acks      chan ackReq
+	ackStop   chan struct{}
+	ackerWg   sync.WaitGroup
+	closing   chan struct{}
+	closed    atomic.Bool
+	closeMu   sync.Mutex
+	subsWg    sync.WaitGroup
+	closeErr  error
+	closeDone chan struct{} // closed when Close has finished
 
-	abandon atomic.Bool // tests: ordered relays stop like a killed process
+	abandon         atomic.Bool // tests: ordered relays stop like a killed process
+	afterClaimQuery func()      // tests: runs between a claim's query and its rows
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -83,15 +85,16 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		}
 	}
 	s := &Subscriber{
-		oq:      oq,
-		pool:    pool,
-		cfg:     cfg,
-		q:       schema.NewQueries(cfg.Table, cols),
-		logger:  logger.With(watermill.LogFields{"table": cfg.Table.String()}),
-		label:   cfg.Table.Qualified(),
-		acks:    make(chan ackReq, 4*cfg.BatchSize),
-		ackStop: make(chan struct{}),
-		closing: make(chan struct{}),
+		oq:        oq,
+		pool:      pool,
+		cfg:       cfg,
+		q:         schema.NewQueries(cfg.Table, cols),
+		logger:    logger.With(watermill.LogFields{"table": cfg.Table.String()}),
+		label:     cfg.Table.Qualified(),
+		acks:      make(chan ackReq, 4*cfg.BatchSize),
+		ackStop:   make(chan struct{}),
+		closing:   make(chan struct{}),
+		closeDone: make(chan struct{}),
 	}
 	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
 	return s, nil
@@ -165,13 +168,16 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 // Close stops every subscription: claims stop, messages in flight get up to
 // CloseTimeout to be acked or nacked, the remaining leases are given back,
 // pending acks are written, and the connections are returned. Close is
-// idempotent and safe to call while subscriptions are blocked.
+// idempotent and safe to call while subscriptions are blocked; a second call
+// (a router closes its subscribers too) waits until the first has finished.
 func (s *Subscriber) Close() error {
 	s.closeMu.Lock()
 	if s.closed.Swap(true) {
 		s.closeMu.Unlock()
+		<-s.closeDone
 		return s.closeErr
 	}
+	defer close(s.closeDone)
 	close(s.closing)
 	s.closeMu.Unlock()
 
@@ -197,6 +203,12 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	if s.oq != nil {
 		query = s.q.ClaimAllUnkeyed // keyed rows go through the ordered relay
 	}
+	// The claim commits its leases as it runs: cancelled between its UPDATE
+	// and the reading of its rows, it would orphan the batch until LockTTL.
+	// So it runs on a context of its own, detached from ctx's cancellation
+	// and bounded by opTimeout; the caller gives back what it cannot deliver.
+	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
+	defer cancel()
 	var out, parked []*claimed
 	run := func(ctx context.Context, conn interface {
 		Query(context.Context, string, ...any) (pgx.Rows, error)
@@ -206,6 +218,9 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 			return err
 		}
 		defer rows.Close()
+		if s.afterClaimQuery != nil {
+			s.afterClaimQuery()
+		}
 		for rows.Next() {
 			c := &claimed{}
 			if err := c.row.ScanClaim(rows, s.q.Columns); err != nil {
@@ -221,9 +236,9 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	}
 	var err error
 	if s.leader != nil {
-		err = s.leader.withConn(ctx, func(ctx context.Context, conn *pgx.Conn) error { return run(ctx, conn) })
+		err = s.leader.withConn(qctx, func(ctx context.Context, conn *pgx.Conn) error { return run(ctx, conn) })
 	} else {
-		err = run(ctx, s.pool)
+		err = run(qctx, s.pool)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("claim from %s: %w", s.cfg.Table, err)

@@ -143,7 +143,10 @@ func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 			continue
 		}
 		c.slot = &errorSlot{}
-		msgCtx, cancel := context.WithCancel(withErrorSlot(sub.ctx, c.slot))
+		// The message outlives the Subscribe context, which a router
+		// cancels at Close: in-flight work finishes, or is cancelled
+		// CloseTimeout after the subscription stopped (watch).
+		msgCtx, cancel := context.WithCancel(withErrorSlot(context.WithoutCancel(sub.ctx), c.slot))
 		msg.SetContext(msgCtx)
 		c.msg = msg
 		sub.inflight.Add(1)
@@ -205,8 +208,9 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 			stop = nil
 			grace = time.After(s.cfg.CloseTimeout)
 		case <-grace:
-			sub.logger.Info("Message neither acked nor nacked before the close timeout; giving its lease back",
+			sub.logger.Info("Message neither acked nor nacked before the close timeout; cancelling it and giving its lease back",
 				watermill.LogFields{"event_id": c.row.EventID})
+			cancel()
 			s.release([]*claimed{c}, 0)
 			return
 		}
