@@ -316,7 +316,8 @@ const startupTimeout = 60 * time.Second
 
 // retryStartup runs step until it succeeds, retrying transient failures
 // (a restarting database) with backoff for up to startupTimeout; a missing
-// table or a stop signal ends it at once.
+// table, an error that cannot heal (a wrong password, user or database
+// name) or a stop signal ends it at once.
 func retryStartup(ctx context.Context, logger watermill.LoggerAdapter, step func() error) error {
 	deadline := time.Now().Add(startupTimeout)
 	delay := 100 * time.Millisecond
@@ -324,6 +325,9 @@ func retryStartup(ctx context.Context, logger watermill.LoggerAdapter, step func
 		err := step()
 		if err == nil || ctx.Err() != nil || errors.Is(err, schema.ErrTableNotFound) || errors.Is(err, subscriber.ErrOrderedNotMigrated) || time.Now().After(deadline) {
 			return err
+		}
+		if hint, ok := unhealable(err); ok {
+			return fmt.Errorf("%s (not retried): %w", hint, err)
 		}
 		logger.Error("Start-up step failed; retrying", err, watermill.LogFields{"retry_in": delay.String()})
 		select {

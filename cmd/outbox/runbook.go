@@ -98,6 +98,9 @@ func openRunbookDB(ctx context.Context, env Env) (*pgxpool.Pool, error) {
 	defer cancel()
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
+		if hint, ok := unhealable(err); ok {
+			return nil, fmt.Errorf("connect to OUTBOX_DATABASE_URL: %s: %w", hint, err)
+		}
 		return nil, fmt.Errorf("connect to OUTBOX_DATABASE_URL (is the database up and the URL right?): %w", err)
 	}
 	return pool, nil
