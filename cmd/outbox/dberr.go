@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"strings"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -26,4 +27,31 @@ func unhealable(err error) (string, bool) {
 		return "the role may not connect to the database: GRANT CONNECT to it, or use another role in OUTBOX_DATABASE_URL", true
 	}
 	return "", false
+}
+
+// parseProblem says what is wrong with a connection string that pgx could
+// not parse, without quoting the string: pgx's own message, and url.Parse's,
+// repeat it, password included.
+func parseProblem(err error) string {
+	msg := err.Error()
+	if strings.HasPrefix(msg, "cannot parse `") {
+		if i := strings.Index(msg, "`: "); i > 0 {
+			msg = msg[i+3:]
+		}
+	}
+	if i := strings.Index(msg, " ("); i > 0 {
+		msg = msg[:i] // pgx's reason; the cause in parentheses may quote the string
+	}
+	return msg + "; the form is postgres://user:password@host:5432/database?sslmode=disable or host=... user=... dbname=..."
+}
+
+// backendAddressVar names the variable that holds the address of a backend.
+func backendAddressVar(kind string) string {
+	switch kind {
+	case "kafka":
+		return "OUTBOX_KAFKA_BROKERS"
+	case "amqp":
+		return "OUTBOX_AMQP_URL (user, password, host and vhost)"
+	}
+	return "OUTBOX_BACKEND"
 }

@@ -73,7 +73,7 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	}
 	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
-		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN", errUsage)
+		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN: %s", errUsage, parseProblem(err))
 	}
 	defer pool.Close()
 	mctx, cancel := context.WithTimeout(ctx, time.Minute)

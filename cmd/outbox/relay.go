@@ -81,6 +81,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	c.relayEnabled, err = env.Bool("OUTBOX_RELAY_ENABLED", true)
 	must(err)
 	c.tables, err = env.Tables("OUTBOX_RELAY_TABLES", nil)
+	tablesErr := err
 	must(err)
 	c.singleActive, err = env.Bool("OUTBOX_RELAY_SINGLE_ACTIVE", true)
 	must(err)
@@ -120,7 +121,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	c.metricsPath = env.String("PROMETHEUS_METRICS_PATH", "/debug/prometheus")
 	c.metricsAddr = env.String("PROMETHEUS_METRICS_ADDR", ":9464")
 	if c.relayEnabled {
-		if len(c.tables) == 0 && err == nil {
+		if len(c.tables) == 0 && tablesErr == nil {
 			errs = append(errs, errors.New("OUTBOX_RELAY_TABLES is not set; list the tables to relay, for example OUTBOX_RELAY_TABLES=public.org_outbox"))
 		}
 		c.backend.Kind, err = env.Required("OUTBOX_BACKEND", "kafka (or amqp, gochannel)")
@@ -171,8 +172,7 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 
 	poolCfg, err := pgxpool.ParseConfig(cfg.databaseURL)
 	if err != nil {
-		// pgx's parse errors can quote the URL; never echo it.
-		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN", errUsage)
+		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN: %s", errUsage, parseProblem(err))
 	}
 	poolCfg.MaxConns = max(poolCfg.MaxConns, int32(2*len(cfg.tables)+8)) //nolint:gosec // a handful of tables
 	tuneConnConfig(poolCfg, cfg.leaderTimeout)
@@ -213,6 +213,16 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 		defer srv.Close()
 	}
 	if cfg.cleanerEnabled {
+		// A missing table is reported once, as itself, before any cleaner
+		// or relay starts.
+		for _, t := range cfg.cleanerTables {
+			if err := retryStartup(ctx, logger, func() error { _, err := schema.DetectColumns(ctx, pool, t); return err }); err != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
+				return err
+			}
+		}
 		for _, t := range cfg.cleanerTables {
 			c, err := cleaner.New(pool, cleaner.Config{Table: t, Interval: cfg.cleanerInterval, Retention: cfg.retention,
 				DeadRetention: cfg.deadRetention, Metrics: m, Vacuum: cfg.cleanerVacuum}, logger)
@@ -245,7 +255,7 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *message.Router, m *metrics.Metrics, logger watermill.LoggerAdapter, stdout io.Writer) error {
 	backendPub, err := router.NewPublisher(cfg.backend, logger)
 	if err != nil {
-		return err
+		return fmt.Errorf("OUTBOX_BACKEND=%s: %w; check %s", cfg.backend.Kind, err, backendAddressVar(cfg.backend.Kind))
 	}
 	defer backendPub.Close()
 	pub := relayIDPublisher{Publisher: backendPub, id: relayID()}
