@@ -122,7 +122,7 @@ func (c *Config) setDefaults() {
 	if c.BatchSize == 0 {
 		c.BatchSize = BatchSizeDefault
 	}
-	if c.MaxInFlight == 0 {
+	if c.MaxInFlight == 0 && c.BatchSize > 0 { // a negative BatchSize is reported as itself
 		c.MaxInFlight = 2 * c.BatchSize
 	}
 	if c.PollInterval == 0 {

@@ -81,6 +81,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	c.relayEnabled, err = env.Bool("OUTBOX_RELAY_ENABLED", true)
 	must(err)
 	c.tables, err = env.Tables("OUTBOX_RELAY_TABLES", nil)
+	tablesErr := err
 	must(err)
 	c.singleActive, err = env.Bool("OUTBOX_RELAY_SINGLE_ACTIVE", true)
 	must(err)
@@ -120,7 +121,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	c.metricsPath = env.String("PROMETHEUS_METRICS_PATH", "/debug/prometheus")
 	c.metricsAddr = env.String("PROMETHEUS_METRICS_ADDR", ":9464")
 	if c.relayEnabled {
-		if len(c.tables) == 0 && err == nil {
+		if len(c.tables) == 0 && tablesErr == nil {
 			errs = append(errs, errors.New("OUTBOX_RELAY_TABLES is not set; list the tables to relay, for example OUTBOX_RELAY_TABLES=public.org_outbox"))
 		}
 		c.backend.Kind, err = env.Required("OUTBOX_BACKEND", "kafka (or amqp, gochannel)")
@@ -171,8 +172,7 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 
 	poolCfg, err := pgxpool.ParseConfig(cfg.databaseURL)
 	if err != nil {
-		// pgx's parse errors can quote the URL; never echo it.
-		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN", errUsage)
+		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN: %s", errUsage, parseProblem(err))
 	}
 	poolCfg.MaxConns = max(poolCfg.MaxConns, int32(2*len(cfg.tables)+8)) //nolint:gosec // a handful of tables
 	tuneConnConfig(poolCfg, cfg.leaderTimeout)
@@ -213,6 +213,16 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 		defer srv.Close()
 	}
 	if cfg.cleanerEnabled {
+		// A missing table is reported once, as itself, before any cleaner
+		// or relay starts.
+		for _, t := range cfg.cleanerTables {
+			if err := retryStartup(ctx, logger, func() error { _, err := schema.DetectColumns(ctx, pool, t); return err }); err != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
+				return err
+			}
+		}
 		for _, t := range cfg.cleanerTables {
 			c, err := cleaner.New(pool, cleaner.Config{Table: t, Interval: cfg.cleanerInterval, Retention: cfg.retention,
 				DeadRetention: cfg.deadRetention, Metrics: m, Vacuum: cfg.cleanerVacuum}, logger)
@@ -245,7 +255,7 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *message.Router, m *metrics.Metrics, logger watermill.LoggerAdapter, stdout io.Writer) error {
 	backendPub, err := router.NewPublisher(cfg.backend, logger)
 	if err != nil {
-		return err
+		return fmt.Errorf("OUTBOX_BACKEND=%s: %w; check %s", cfg.backend.Kind, err, backendAddressVar(cfg.backend.Kind))
 	}
 	defer backendPub.Close()
 	pub := relayIDPublisher{Publisher: backendPub, id: relayID()}
@@ -316,7 +326,8 @@ const startupTimeout = 60 * time.Second
 
 // retryStartup runs step until it succeeds, retrying transient failures
 // (a restarting database) with backoff for up to startupTimeout; a missing
-// table or a stop signal ends it at once.
+// table, an error that cannot heal (a wrong password, user or database
+// name) or a stop signal ends it at once.
 func retryStartup(ctx context.Context, logger watermill.LoggerAdapter, step func() error) error {
 	deadline := time.Now().Add(startupTimeout)
 	delay := 100 * time.Millisecond
@@ -324,6 +335,9 @@ func retryStartup(ctx context.Context, logger watermill.LoggerAdapter, step func
 		err := step()
 		if err == nil || ctx.Err() != nil || errors.Is(err, schema.ErrTableNotFound) || errors.Is(err, subscriber.ErrOrderedNotMigrated) || time.Now().After(deadline) {
 			return err
+		}
+		if hint, ok := unhealable(err); ok {
+			return fmt.Errorf("%s (not retried): %w", hint, err)
 		}
 		logger.Error("Start-up step failed; retrying", err, watermill.LogFields{"retry_in": delay.String()})
 		select {

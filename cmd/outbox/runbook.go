@@ -87,7 +87,7 @@ func openRunbookDB(ctx context.Context, env Env) (*pgxpool.Pool, error) {
 	}
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
-		return nil, fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN", errUsage)
+		return nil, fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN: %s", errUsage, parseProblem(err))
 	}
 	cfg.MaxConns = 2
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
@@ -98,6 +98,9 @@ func openRunbookDB(ctx context.Context, env Env) (*pgxpool.Pool, error) {
 	defer cancel()
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
+		if hint, ok := unhealable(err); ok {
+			return nil, fmt.Errorf("connect to OUTBOX_DATABASE_URL: %s: %w", hint, err)
+		}
 		return nil, fmt.Errorf("connect to OUTBOX_DATABASE_URL (is the database up and the URL right?): %w", err)
 	}
 	return pool, nil
