@@ -151,6 +151,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	fs.Usage = func() { relayUsage(stdout) }
 	if err := fs.Parse(args); err != nil {
 		return err
 	}

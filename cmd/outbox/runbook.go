@@ -481,7 +481,7 @@ func printStatement(w io.Writer, st schema.Statement, rows int64) {
 	for _, line := range strings.Split(st.String(), "\n") {
 		fmt.Fprintf(w, "  %s\n", line)
 	}
-	fmt.Fprintf(w, "Rows affected: %d\n", rows)
+	fmt.Fprintf(w, "Rows it changes: %d\n", rows)
 }
 
 // describeFilter renders a dead filter for people.
@@ -535,7 +535,7 @@ func writeRows(w io.Writer, rows []runbook.Row) error {
 	fmt.Fprintln(tw, "SEQUENCE\tEVENT_ID\tTOPIC\tTENANT_ID\tATTEMPTS\tCREATED_AT\tAVAILABLE_AT\tLOCKED_AT\tDEAD_AT\tLAST_ERROR")
 	for _, r := range rows {
 		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", r.Sequence, r.EventID, cell(r.Topic, 0), r.TenantID, r.Attempts,
-			formatTime(&r.CreatedAt), formatTime(r.AvailableAt), formatTime(r.LockedAt), formatTime(r.DeadAt), lastError(r.LastError, 80))
+			formatTime(&r.CreatedAt), formatTime(r.AvailableAt), formatTime(r.LockedAt), formatTime(r.DeadAt), lastError(r.LastError, 120))
 	}
 	if err := tw.Flush(); err != nil {
 		return fmt.Errorf("write table: %w", err)
@@ -558,7 +558,7 @@ func lastError(s *string, maxRunes int) string {
 }
 
 // cell makes s fit one table cell: control characters become spaces and,
-// when maxRunes > 0, it is cut to maxRunes runes.
+// when maxRunes > 0, its middle is cut so that it has maxRunes runes.
 func cell(s string, maxRunes int) string {
 	s = strings.Map(func(r rune) rune {
 		if unicode.IsControl(r) {
@@ -567,7 +567,10 @@ func cell(s string, maxRunes int) string {
 		return r
 	}, s)
 	if r := []rune(s); maxRunes > 0 && len(r) > maxRunes {
-		return string(r[:maxRunes-3]) + "..."
+		// Keep the head (what failed) and the tail (the cause, which wrapped
+		// errors put last), and cut the middle.
+		head := (maxRunes - 5) / 3
+		return string(r[:head]) + " ... " + string(r[len(r)-(maxRunes-5-head):])
 	}
 	return s
 }
