@@ -202,6 +202,7 @@ func TestReplayDead(t *testing.T) {
 			t.Fatalf("dry run %+v: %v", f, err)
 		}
 		assertUnchanged(t, "dry run", snapshot, states(t, pool, tbl, all))
+		f.Expect = &dry.Snapshot // exactly the previewed rows
 		real, err := runbook.ReplayDead(ctx, pool, tbl, f, false)
 		if err != nil {
 			t.Fatalf("replay %+v: %v", f, err)

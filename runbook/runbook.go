@@ -186,6 +186,11 @@ type DeadFilter struct {
 	// LockTTL is the relay's lease duration; ReplayDead leaves alone the
 	// rows leased less than LockTTL ago. Defaults to schema.LockTTLDefault.
 	LockTTL time.Duration
+	// Expect, for ReplayDead, is the snapshot of its preview (a dry run's
+	// BulkReplay.Snapshot): the replay then changes exactly the rows the
+	// preview counted, up to its last sequence, or refuses with
+	// ErrReplaySetChanged and changes nothing. Dead ignores it.
+	Expect *ReplaySnapshot
 	// AllTopics must be set for ReplayDead to replay every topic; it is
 	// there so that a bulk replay without a Topic is never the default. It
 	// cannot be combined with Topic. Dead ignores it.

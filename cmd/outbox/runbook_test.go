@@ -473,3 +473,38 @@ func TestRunbookBulkReplayRefusesNonDevelopment(t *testing.T) {
 		}
 	}
 }
+
+// TestRunbookReplayBulkExpect: `outbox dead replay --expect=...` replays the
+// rows of an earlier preview only while they are still exactly those rows;
+// once the set changed it refuses and changes nothing.
+func TestRunbookReplayBulkExpect(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "cli_replay_expect_outbox")
+	ids := rbEnqueue(t, pool, tbl, rbTopicA, rbTopicA, rbTopicA, rbTopicA)
+	rbMarkDead(t, pool, tbl, "publish: timeout", ids[1], ids[2])
+	dev := rbEnv("OUTBOX_ENVIRONMENT", "development")
+	args := []string{"dead", "replay", "--table=" + tbl.String(), "--topic=" + rbTopicA}
+
+	r := rbRun(t, dev, append(args, "--dry-run", "--json")...)
+	r.expect(t, 0, nil, nil)
+	preview := rbDecode[replayReport](t, r.stdout)
+	if preview.Rows != 2 || preview.Expect == "" {
+		t.Fatalf("preview %+v", preview)
+	}
+	// An older row goes dead after the preview: the set changed, refused.
+	rbMarkDead(t, pool, tbl, "publish: timeout", ids[0])
+	before := rbSnapshot(t, pool, tbl)
+	r = rbRun(t, dev, append(args, "--confirm", "--expect="+preview.Expect)...)
+	r.expect(t, 1, nil, []string{"changed since the preview", "nothing changed"})
+	if !reflect.DeepEqual(before, rbSnapshot(t, pool, tbl)) {
+		t.Fatal("a refused replay changed rows")
+	}
+	// A fresh preview's --expect replays exactly its rows.
+	r = rbRun(t, dev, append(args, "--dry-run", "--json")...)
+	preview = rbDecode[replayReport](t, r.stdout)
+	r = rbRun(t, dev, append(args, "--confirm", "--expect="+preview.Expect)...)
+	r.expect(t, 0, []string{"Replayed 3 rows of " + tbl.String() + ", exactly those previewed"}, nil)
+	r = rbRun(t, dev, append(args, "--confirm", "--expect=nonsense")...)
+	r.expect(t, 2, nil, []string{"--expect"})
+}
