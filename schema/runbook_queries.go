@@ -124,7 +124,7 @@ func deadWhere(f RunbookFilter, args []any, replay bool, indent string) (string,
 	}
 	conds := []string{"published_at IS NULL", "dead_at IS NOT NULL"}
 	if replay {
-		conds = append(conds, "(locked_at IS NULL OR locked_at < now() - make_interval(secs => "+arg(lockTTLSeconds(f.LockTTL), "::float8")+"))")
+		conds = append(conds, "NOT "+LeaseLiveWithin(arg(lockTTLSeconds(f.LockTTL), "::float8")))
 	}
 	if f.Topic != "" {
 		conds = append(conds, "topic = "+arg(f.Topic, "::text"))
@@ -196,11 +196,11 @@ FROM target WHERE o.id = target.id`, Args: args}
 
 // Event looks up one row by event_id (canonical UUID string) and classifies
 // it for a replay. Returns RunbookColumns, then dead (dead_at IS NOT NULL)
-// and leased (locked_at within lockTTL of now()).
+// and leased (claimed or renewed within lockTTL, LeaseLiveWithin).
 func (q RunbookQueries) Event(eventID string, lockTTL time.Duration) Statement {
 	return Statement{SQL: `SELECT ` + RunbookColumns + `,
   dead_at IS NOT NULL,
-  COALESCE(locked_at >= now() - make_interval(secs => $2::float8), false)
+  ` + LeaseLiveWithin("$2::float8") + `
 FROM ` + q.Table.Sanitize() + `
 WHERE event_id = $1::uuid`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
 }
@@ -209,14 +209,14 @@ WHERE event_id = $1::uuid`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
 // the relay delivers it again: dead_at = NULL, attempts = 0, available_at =
 // now(), locked_at = NULL, last_error = NULL. It changes the row only when
 // it is not published, dead or failed (dead_at or last_error set), and not
-// leased by a relay right now (locked_at older than lockTTL, or NULL).
+// leased by a relay right now (not LeaseLiveWithin lockTTL).
 // Returns: sequence, for the row changed.
 func (q RunbookQueries) ReplayEvent(eventID string, lockTTL time.Duration) Statement {
 	return Statement{SQL: `UPDATE ` + q.Table.Sanitize() + ` SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
 WHERE event_id = $1::uuid
   AND published_at IS NULL
   AND (dead_at IS NOT NULL OR last_error IS NOT NULL)
-  AND (locked_at IS NULL OR locked_at < now() - make_interval(secs => $2::float8))
+  AND NOT ` + LeaseLiveWithin("$2::float8") + `
 RETURNING sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
 }
 

@@ -24,6 +24,7 @@ const (
 	ElectionIntervalDefault  = time.Second
 	LeaderTimeoutDefault     = 15 * time.Second
 	CloseTimeoutDefault      = 30 * time.Second
+	DispatchTimeoutDefault   = 30 * time.Second
 	StatsIntervalDefault     = 15 * time.Second
 	LastErrorMaxBytesDefault = redact.DefaultMaxBytes
 )
@@ -91,6 +92,15 @@ type Config struct {
 	// flight; a handler slower than LockTTL then sees its message delivered
 	// again. Defaults to false.
 	DisableLeaseExtension bool
+	// DispatchTimeout is how long a handler may keep a message. The lease
+	// of a message in flight is renewed until DispatchTimeout plus a margin
+	// of LockTTL/2 after its delivery (one renewal period, so that a handler
+	// cancelled at DispatchTimeout by the router's timeout middleware has
+	// time to answer); then the renewals stop, the message's context is
+	// cancelled and the attempt counts as failed: the row is nacked with an
+	// error saying the handler overran. Set it to the router's dispatch
+	// timeout (router.MiddlewareConfig.DispatchTimeout). Defaults to 30s.
+	DispatchTimeout time.Duration
 	// CloseTimeout bounds how long Close, or the end of a subscription (its
 	// Subscribe context done, as a router does at Close), waits for messages
 	// in flight to be acked or nacked. Their contexts do not derive from the
@@ -136,6 +146,9 @@ func (c *Config) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = CloseTimeoutDefault
 	}
+	if c.DispatchTimeout == 0 {
+		c.DispatchTimeout = DispatchTimeoutDefault
+	}
 	if c.LastErrorMaxBytes == 0 {
 		c.LastErrorMaxBytes = LastErrorMaxBytesDefault
 	}
@@ -156,7 +169,7 @@ func (c *Config) validate() error {
 		{"BatchSize", int64(c.BatchSize)}, {"MaxInFlight", int64(c.MaxInFlight)}, {"MaxAttempts", int64(c.MaxAttempts)},
 		{"PollInterval", int64(c.PollInterval)}, {"LockTTL", int64(c.LockTTL)}, {"ElectionInterval", int64(c.ElectionInterval)},
 		{"LeaderTimeout", int64(c.LeaderTimeout)},
-		{"CloseTimeout", int64(c.CloseTimeout)}, {"LastErrorMaxBytes", int64(c.LastErrorMaxBytes)}, {"StatsInterval", int64(c.StatsInterval)},
+		{"CloseTimeout", int64(c.CloseTimeout)}, {"DispatchTimeout", int64(c.DispatchTimeout)}, {"LastErrorMaxBytes", int64(c.LastErrorMaxBytes)}, {"StatsInterval", int64(c.StatsInterval)},
 	}
 	for _, p := range positive {
 		if p.v < 0 {

@@ -1,6 +1,8 @@
 package subscriber
 
 import (
+	"time"
+
 	"context"
 	"errors"
 
@@ -33,3 +35,7 @@ func LeaderSetting(ctx context.Context, s *Subscriber, name string) (value strin
 // LeaderKeepalive exposes the keepalive settings derived from a leader
 // timeout.
 var LeaderKeepalive = leaderKeepalive
+
+// SetWriteTimeout sets the timeout of each ack, nack, renewal and release
+// statement of s (each attempt of a grouped ack has its own).
+func SetWriteTimeout(s *Subscriber, d time.Duration) { s.writeTimeout = d }

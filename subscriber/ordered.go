@@ -838,8 +838,19 @@ func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedR
 		return verdictNone
 	}
 	var grace <-chan time.Time
+	overrun := time.NewTimer(s.overrunAfter())
+	defer overrun.Stop()
 	for {
 		select {
+		case <-overrun.C:
+			// As in the default mode: the attempt counts as failed and holds
+			// the key like any failure.
+			c.slot.set(s.overrunError())
+			cancel()
+			r.logger.Error("Handler overran its dispatch timeout; counting a failed attempt", s.overrunError(),
+				watermill.LogFields{"event_id": row.EventID})
+			r.fail(name, k, row, c)
+			return verdictNack
 		case <-msg.Acked():
 			r.mu.Lock()
 			onAck()

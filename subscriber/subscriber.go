@@ -47,8 +47,9 @@ type Subscriber struct {
 	closeErr  error
 	closeDone chan struct{} // closed when Close has finished
 
-	abandon         atomic.Bool // tests: ordered relays stop like a killed process
-	afterClaimQuery func()      // tests: runs between a claim's query and its rows
+	abandon         atomic.Bool   // tests: ordered relays stop like a killed process
+	afterClaimQuery func()        // tests: runs between a claim's query and its rows
+	writeTimeout    time.Duration // bounds each ack, nack, renewal or release write
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -85,16 +86,17 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		}
 	}
 	s := &Subscriber{
-		oq:        oq,
-		pool:      pool,
-		cfg:       cfg,
-		q:         schema.NewQueries(cfg.Table, cols),
-		logger:    logger.With(watermill.LogFields{"table": cfg.Table.String()}),
-		label:     cfg.Table.Qualified(),
-		acks:      make(chan ackReq, 4*cfg.BatchSize),
-		ackStop:   make(chan struct{}),
-		closing:   make(chan struct{}),
-		closeDone: make(chan struct{}),
+		oq:           oq,
+		pool:         pool,
+		cfg:          cfg,
+		q:            schema.NewQueries(cfg.Table, cols),
+		logger:       logger.With(watermill.LogFields{"table": cfg.Table.String()}),
+		label:        cfg.Table.Qualified(),
+		acks:         make(chan ackReq, 4*cfg.BatchSize),
+		ackStop:      make(chan struct{}),
+		closing:      make(chan struct{}),
+		writeTimeout: opTimeout,
+		closeDone:    make(chan struct{}),
 	}
 	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
 	return s, nil
@@ -265,7 +267,7 @@ func (c *claimed) fence() (string, int32, time.Time) { return c.row.ID, c.row.At
 
 // nack records a failed attempt of c.
 func (s *Subscriber) nack(c *claimed) {
-	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
 	defer cancel()
 	err := c.slot.get()
 	text := "handler nacked the message without an error (add the subscriber.CaptureError middleware to record it)"
@@ -298,13 +300,16 @@ func (s *Subscriber) nack(c *claimed) {
 	}
 }
 
-// extend renews the lease of c; it updates the fence token.
+// extend renews the lease of c. The fence token (id, attempts, locked_at)
+// does not change, so a renewal whose reply is lost breaks nothing.
 func (s *Subscriber) extend(c *claimed) bool {
-	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
 	defer cancel()
 	id, attempts, lockedAt := c.fence()
-	var renewed time.Time
-	err := s.pool.QueryRow(ctx, s.q.Extend, id, attempts, lockedAt).Scan(&renewed)
+	tag, err := s.pool.Exec(ctx, s.q.Extend, id, attempts, lockedAt)
+	if err == nil && tag.RowsAffected() == 0 {
+		err = pgx.ErrNoRows
+	}
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		s.fenceRejected("extend")
@@ -314,7 +319,6 @@ func (s *Subscriber) extend(c *claimed) bool {
 		s.logger.Error("Could not renew lease", err, watermill.LogFields{"event_id": c.row.EventID})
 		return true
 	}
-	c.row.LockedAt = renewed
 	if m := s.cfg.Metrics; m != nil {
 		m.LeaseExtended.WithLabelValues(s.label).Inc()
 	}
@@ -330,7 +334,7 @@ func (s *Subscriber) release(cs []*claimed, undo int) {
 	for i, c := range cs {
 		ids[i], attempts[i], locked[i] = c.fence()
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
 	defer cancel()
 	rows, err := s.pool.Query(ctx, s.q.Release, ids, attempts, locked, undo, s.cfg.MaxAttempts)
 	if err == nil {
@@ -356,6 +360,16 @@ func (s *Subscriber) release(cs []*claimed, undo int) {
 	if err != nil {
 		s.logger.Error("Could not give leases back; the rows return after the lock TTL", err, watermill.LogFields{"rows": len(cs)})
 	}
+}
+
+// overrunAfter is how long after delivery a message loses its lease:
+// DispatchTimeout plus one renewal period (LockTTL/2) of margin.
+func (s *Subscriber) overrunAfter() time.Duration { return s.cfg.DispatchTimeout + s.cfg.LockTTL/2 }
+
+// overrunError is the failure recorded for a handler that overran.
+func (s *Subscriber) overrunError() error {
+	return fmt.Errorf("handler overran: no ack or nack %s after delivery (DispatchTimeout %s plus a margin of LockTTL/2); its lease was taken back",
+		s.overrunAfter(), s.cfg.DispatchTimeout)
 }
 
 // wentDead counts a row's first entry into the dead state.

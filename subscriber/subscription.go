@@ -185,12 +185,23 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 	}
 	stop := sub.stopped()
 	var grace <-chan time.Time
+	overrun := time.NewTimer(s.overrunAfter())
+	defer overrun.Stop()
 	for {
 		select {
 		case <-c.msg.Acked():
 			s.acks <- ackReq{c: c}
 			return
 		case <-c.msg.Nacked():
+			s.nack(c)
+			return
+		case <-overrun.C:
+			// No more renewals: the handler loses its lease and the attempt
+			// counts as failed.
+			c.slot.set(s.overrunError())
+			cancel()
+			sub.logger.Error("Handler overran its dispatch timeout; taking its lease back and counting a failed attempt",
+				s.overrunError(), watermill.LogFields{"event_id": c.row.EventID})
 			s.nack(c)
 			return
 		case <-renew:

@@ -273,7 +273,7 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 			s, err = subscriber.New(pool, subscriber.Config{
 				Table: t, BatchSize: cfg.batchSize, PollInterval: cfg.pollInterval, LockTTL: cfg.lockTTL, LeaderTimeout: cfg.leaderTimeout,
 				MaxAttempts: cfg.maxAttempts, DisableSingleActive: !cfg.singleActive, Ordered: cfg.ordered, LastErrorMaxBytes: cfg.lastErrorMax,
-				CloseTimeout: cfg.dispatchTimeout, Metrics: m,
+				CloseTimeout: cfg.dispatchTimeout, DispatchTimeout: cfg.dispatchTimeout, Metrics: m,
 			}, logger)
 			return err
 		})
