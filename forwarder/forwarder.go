@@ -76,17 +76,17 @@ func (cfg Config) validate() error {
 	var errs []error
 	for i, m := range cfg.Middleware {
 		if m == nil {
-			errs = append(errs, fmt.Errorf("Middleware: entry %d is nil; remove it (an empty, non-nil slice means no middleware of the forwarder's own)", i))
+			errs = append(errs, invalidField("Middleware", "entry %d is nil; remove it (an empty, non-nil slice means no middleware of the forwarder's own)", i))
 		}
 	}
 	if cfg.RouterConfig.CloseTimeout < 0 {
-		errs = append(errs, fmt.Errorf("RouterConfig.CloseTimeout: %s is negative; leave it 0 for Watermill's default or set how long Close waits for handlers", cfg.RouterConfig.CloseTimeout))
+		errs = append(errs, invalidField("RouterConfig.CloseTimeout", "%s is negative; leave it 0 for Watermill's default or set how long Close waits for handlers", cfg.RouterConfig.CloseTimeout))
 	}
 	if strings.ContainsFunc(cfg.HandlerName, unicode.IsSpace) {
-		errs = append(errs, fmt.Errorf("HandlerName: %q contains white space; it names the handler in logs and metric labels, use something like outbox_forwarder_org", cfg.HandlerName))
+		errs = append(errs, invalidField("HandlerName", "%q contains white space; it names the handler in logs and metric labels, use something like outbox_forwarder_org", cfg.HandlerName))
 	}
 	if !validMessagingSystem(cfg.MessagingSystem) {
-		errs = append(errs, fmt.Errorf("MessagingSystem: %q is not an OpenTelemetry messaging.system value; use lowercase letters, digits, '_' or '-', such as kafka or rabbitmq", cfg.MessagingSystem))
+		errs = append(errs, invalidField("MessagingSystem", "%q is not an OpenTelemetry messaging.system value; use lowercase letters, digits, '_' or '-', such as kafka or rabbitmq", cfg.MessagingSystem))
 	}
 	if len(errs) == 0 {
 		return nil
@@ -99,7 +99,7 @@ func (cfg Config) validate() error {
 
 func validMessagingSystem(s string) bool {
 	for _, r := range s {
-		if !(r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '_' || r == '-') {
+		if (r < 'a' || r > 'z') && (r < '0' || r > '9') && r != '_' && r != '-' {
 			return false
 		}
 	}
@@ -263,4 +263,10 @@ func (f *Forwarder) Running() <-chan struct{} { return f.router.Running() }
 func (f *Forwarder) Close() error {
 	f.closeOnce.Do(func() { f.closeErr = f.router.Close() })
 	return f.closeErr
+}
+
+// invalidField renders a configuration error: "forwarder: invalid config:
+// <Field>: what is wrong; what to do".
+func invalidField(field, format string, args ...any) error {
+	return fmt.Errorf("forwarder: invalid config: "+field+": "+format, args...)
 }

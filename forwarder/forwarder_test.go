@@ -136,7 +136,9 @@ func TestForwarderFailures(t *testing.T) {
 	go func() { done <- f.Run(context.Background()) }()
 	defer func() {
 		_ = f.Close()
-		<-done
+		if err := <-done; err != nil {
+			t.Errorf("run: %v", err)
+		}
 	}()
 	waitRow(t, tbl, retried.String(), func(published, _ bool, attempts int) bool { return published && attempts == 2 })
 	dead := enqueueIn(t, tbl, producerSpan(t), `{"unroutable":true}`)

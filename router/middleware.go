@@ -54,16 +54,16 @@ type MiddlewareConfig struct {
 func (cfg MiddlewareConfig) Validate() error {
 	var errs []error
 	if cfg.DispatchTimeout < 0 {
-		errs = append(errs, fmt.Errorf("DispatchTimeout: %s is negative; leave it 0 for the default (%s) or set a positive value", cfg.DispatchTimeout, DispatchTimeoutDefault))
+		errs = append(errs, invalidField("DispatchTimeout", "%s is negative; leave it 0 for the default (%s) or set a positive value", cfg.DispatchTimeout, DispatchTimeoutDefault))
 	}
 	if cfg.MaxAttempts < 0 {
-		errs = append(errs, fmt.Errorf("MaxAttempts: %d is negative; leave it 0 for the default (%d) or set the subscriber's MaxAttempts", cfg.MaxAttempts, schema.MaxAttemptsDefault))
+		errs = append(errs, invalidField("MaxAttempts", "%d is negative; leave it 0 for the default (%d) or set the subscriber's MaxAttempts", cfg.MaxAttempts, schema.MaxAttemptsDefault))
 	}
 	if cfg.PoisonPublisher != nil && cfg.PoisonTopic == "" {
-		errs = append(errs, errors.New("PoisonTopic: empty while PoisonPublisher is set; name the topic of the poison copies, or unset PoisonPublisher"))
+		errs = append(errs, invalidField("PoisonTopic", "empty while PoisonPublisher is set; name the topic of the poison copies, or unset PoisonPublisher"))
 	}
 	if cfg.PoisonPublisher == nil && cfg.PoisonTopic != "" {
-		errs = append(errs, fmt.Errorf("PoisonPublisher: nil while PoisonTopic is %q; set the publisher of the poison copies, or unset PoisonTopic", cfg.PoisonTopic))
+		errs = append(errs, invalidField("PoisonPublisher", "nil while PoisonTopic is %q; set the publisher of the poison copies, or unset PoisonTopic", cfg.PoisonTopic))
 	}
 	if len(errs) == 0 {
 		return nil
@@ -154,4 +154,10 @@ func poisonCopy(cfg MiddlewareConfig) message.HandlerMiddleware {
 			return out, err
 		}
 	}
+}
+
+// invalidField renders a configuration error: "router: invalid config:
+// <Field>: what is wrong; what to do".
+func invalidField(field, format string, args ...any) error {
+	return fmt.Errorf("router: invalid config: "+field+": "+format, args...)
 }
