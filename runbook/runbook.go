@@ -23,6 +23,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -119,6 +120,10 @@ func queryRows(ctx context.Context, db DB, t schema.Table, op string, st schema.
 // table into schema.ErrTableNotFound with what to do about it.
 func dbError(t schema.Table, op string, err error) error {
 	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42703" && strings.Contains(pgErr.Message, "dead_at") {
+		return fmt.Errorf("runbook: %s %s: %w: add it with schema.Migrate or `outbox migrate --table=%s` (%w)",
+			op, t, schema.ErrNoDeadAt, t, err)
+	}
 	if errors.As(err, &pgErr) && pgErr.Code == "42P01" {
 		return fmt.Errorf("runbook: %s %s: %w: check the table name, or create it with schema.Migrate or `outbox migrate --table=%s` (%w)",
 			op, t, schema.ErrTableNotFound, t, err)
