@@ -115,6 +115,9 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 	for _, f := range []string{
 		"migrations/000001_create_app_outbox.up.sql",
 		"migrations/000002_add_app_outbox_optional_columns.up.sql",
+		"migrations/000004_add_app_outbox_dead_at.up.sql", // a no-op after 000001 of this version
+		"migrations/000004_add_app_outbox_dead_at.down.sql",
+		"migrations/000004_add_app_outbox_dead_at.up.sql",
 		"migrations/000002_add_app_outbox_optional_columns.down.sql",
 		"migrations/000001_create_app_outbox.down.sql",
 	} {
@@ -126,6 +129,16 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 		sql := strings.ReplaceAll(string(body), `"public".`, "")
 		if _, err := conn.Exec(ctx, sql); err != nil {
 			t.Fatalf("%s: %v", f, err)
+		}
+		if strings.HasSuffix(f, "000004_add_app_outbox_dead_at.down.sql") {
+			if err := schema.CheckDeadAt(ctx, conn, schema.MustParseTable(sch+".app_outbox")); !errors.Is(err, schema.ErrNoDeadAt) {
+				t.Fatalf("after %s: %v, want ErrNoDeadAt", f, err)
+			}
+		}
+		if strings.HasSuffix(f, "000004_add_app_outbox_dead_at.up.sql") {
+			if err := schema.CheckDeadAt(ctx, conn, schema.MustParseTable(sch+".app_outbox")); err != nil {
+				t.Fatalf("after %s: %v", f, err)
+			}
 		}
 		if strings.HasSuffix(f, "000002_add_app_outbox_optional_columns.up.sql") {
 			cols, err := schema.DetectColumns(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
