@@ -287,7 +287,7 @@ func TestDaemonExportsRelaySpansOverOTLP(t *testing.T) {
 	cmd.Env = append(os.Environ(),
 		"OUTBOX_DATABASE_URL="+testdb.URL(),
 		"OUTBOX_RELAY_TABLES="+tbl.String(),
-		"OUTBOX_BACKEND=gochannel",
+		"OUTBOX_BACKEND=amqp", "OUTBOX_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/",
 		"OUTBOX_RELAY_POLL_INTERVAL=100ms",
 		"OUTBOX_CLEANER_ENABLED=false",
 		"OTEL_EXPORTER_OTLP_ENDPOINT="+collector.URL,

@@ -147,7 +147,7 @@ func TestDaemonOrderedNeedsMigration(t *testing.T) {
 	tbl := testdb.Table(t, "plain_outbox")
 	cmd := exec.Command(outboxBinary(t), "relay")
 	cmd.Env = append(os.Environ(), "OUTBOX_DATABASE_URL="+testdb.URL(), "OUTBOX_RELAY_TABLES="+tbl.String(),
-		"OUTBOX_BACKEND=gochannel", "OUTBOX_RELAY_ORDERED=true", "OUTBOX_CLEANER_ENABLED=false")
+		"OUTBOX_BACKEND=amqp", "OUTBOX_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/", "OUTBOX_RELAY_ORDERED=true", "OUTBOX_CLEANER_ENABLED=false")
 	done := make(chan struct{})
 	var out []byte
 	var err error

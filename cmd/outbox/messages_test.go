@@ -54,3 +54,11 @@ func TestStartupMessagesSayOneThing(t *testing.T) {
 		t.Fatalf("password printed:\n%s", r.stderr)
 	}
 }
+
+// TestDaemonRefusesGoChannel: an in-process backend in the daemon could
+// only send every event dead, so it is a start-up error naming the way out.
+func TestDaemonRefusesGoChannel(t *testing.T) {
+	t.Parallel()
+	r := rbRun(t, map[string]string{"OUTBOX_DATABASE_URL": testdb.URL(), "OUTBOX_RELAY_TABLES": "public.org_outbox", "OUTBOX_BACKEND": "gochannel"}, "relay")
+	r.expect(t, 2, nil, []string{"OUTBOX_BACKEND=gochannel cannot work in the daemon", "use kafka or amqp", "router.NewInProcess()"})
+}

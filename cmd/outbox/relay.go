@@ -124,7 +124,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 		if len(c.tables) == 0 && tablesErr == nil {
 			errs = append(errs, errors.New("OUTBOX_RELAY_TABLES is not set; list the tables to relay, for example OUTBOX_RELAY_TABLES=public.org_outbox"))
 		}
-		c.backend.Kind, err = env.Required("OUTBOX_BACKEND", "kafka (or amqp, gochannel)")
+		c.backend.Kind, err = env.Required("OUTBOX_BACKEND", "kafka (or amqp)")
 		must(err)
 		switch c.backend.Kind {
 		case router.BackendKafka:
@@ -134,9 +134,11 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 		case router.BackendAMQP:
 			c.backend.AMQPURL, err = env.Required("OUTBOX_AMQP_URL", "amqp://user:password@rabbitmq:5672/")
 			must(err)
-		case router.BackendGoChannel, "":
+		case router.BackendGoChannel:
+			errs = append(errs, errors.New("OUTBOX_BACKEND=gochannel cannot work in the daemon: an in-process pub/sub has no subscriber in this process, so every event would go dead; use kafka or amqp, or relay in-process inside your service with forwarder.New(sub, router.NewInProcess(), ...)"))
+		case "":
 		default:
-			errs = append(errs, fmt.Errorf("OUTBOX_BACKEND=%q is not a backend; use kafka, amqp or gochannel", c.backend.Kind))
+			errs = append(errs, fmt.Errorf("OUTBOX_BACKEND=%q is not a backend; use kafka or amqp", c.backend.Kind))
 		}
 	}
 	if len(c.metricsPath) == 0 || c.metricsPath[0] != '/' {
