@@ -26,6 +26,8 @@ import (
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/router/amqpbackend"
+	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -195,7 +197,7 @@ func TestRelayToKafka(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cluster.Close()
-	pub, err := router.NewPublisher(router.BackendConfig{Kind: router.BackendKafka, KafkaBrokers: cluster.Brokers()}, watermill.NopLogger{})
+	pub, err := kafkabackend.NewPublisher(cluster.Brokers(), watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -222,7 +224,7 @@ func TestRelayToRabbitMQ(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "org_outbox", schema.WithAllColumns())
-	pub, err := router.NewPublisher(router.BackendConfig{Kind: router.BackendAMQP, AMQPURL: amqpURL}, watermill.NopLogger{})
+	pub, err := amqpbackend.NewPublisher(amqpbackend.Config{URL: amqpURL}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatalf("RabbitMQ at %s is required (run `make up`): %v", amqpURL, err)
 	}
@@ -232,7 +234,7 @@ func TestRelayToRabbitMQ(t *testing.T) {
 	startRelay(t, pool, tbl, pub, subscriber.Config{})
 	waitAllPublished(t, pool, tbl, len(want))
 
-	sub, err := amqp.NewSubscriber(router.AMQPConfig(amqpURL, 0), watermill.NopLogger{})
+	sub, err := amqp.NewSubscriber(amqpbackend.WatermillConfig(amqpbackend.Config{URL: amqpURL}), watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -22,7 +22,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/internal/kafkatest"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
-	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -55,7 +55,7 @@ func TestOrderedRelayToKafka(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cluster.Close()
-	kpub, err := router.NewPublisher(router.BackendConfig{Kind: router.BackendKafka, KafkaBrokers: cluster.Brokers()}, watermill.NopLogger{})
+	kpub, err := kafkabackend.NewPublisher(cluster.Brokers(), watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}

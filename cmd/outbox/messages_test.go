@@ -62,3 +62,14 @@ func TestDaemonRefusesGoChannel(t *testing.T) {
 	r := rbRun(t, map[string]string{"OUTBOX_DATABASE_URL": testdb.URL(), "OUTBOX_RELAY_TABLES": "public.org_outbox", "OUTBOX_BACKEND": "gochannel"}, "relay")
 	r.expect(t, 2, nil, []string{"OUTBOX_BACKEND=gochannel cannot work in the daemon", "use kafka or amqp", "router.NewInProcess()"})
 }
+
+// TestDaemonAMQPLayoutValidated: a bad AMQP layout is a start-up error
+// naming the variables.
+func TestDaemonAMQPLayoutValidated(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"OUTBOX_DATABASE_URL": testdb.URL(), "OUTBOX_RELAY_TABLES": "public.org_outbox", "OUTBOX_BACKEND": "amqp",
+		"OUTBOX_AMQP_URL": "amqp://guest:guest@127.0.0.1:5672/", "OUTBOX_AMQP_LAYOUT": "mesh"}
+	rbRun(t, env, "relay").expect(t, 2, nil, []string{`OUTBOX_AMQP_LAYOUT="mesh"`, `Layout: "mesh" is not a layout`})
+	env["OUTBOX_AMQP_LAYOUT"], env["OUTBOX_AMQP_EXCHANGE"] = "queue", "events"
+	rbRun(t, env, "relay").expect(t, 2, nil, []string{`OUTBOX_AMQP_EXCHANGE="events"`, "only LayoutFanout"})
+}

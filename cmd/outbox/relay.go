@@ -26,6 +26,8 @@ import (
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/router/amqpbackend"
+	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -54,7 +56,7 @@ type relayConfig struct {
 	retention       time.Duration
 	deadRetention   time.Duration
 	cleanerVacuum   bool
-	backend         router.BackendConfig
+	backend         backendConfig
 	metricsEnabled  bool
 	metricsPath     string
 	metricsAddr     string
@@ -132,8 +134,15 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 			must(err)
 			c.backend.KafkaBrokers = router.ParseBrokers(brokers)
 		case router.BackendAMQP:
-			c.backend.AMQPURL, err = env.Required("OUTBOX_AMQP_URL", "amqp://user:password@rabbitmq:5672/")
+			c.backend.AMQP.URL, err = env.Required("OUTBOX_AMQP_URL", "amqp://user:password@rabbitmq:5672/")
 			must(err)
+			c.backend.AMQP.Layout = env.String("OUTBOX_AMQP_LAYOUT", amqpbackend.LayoutQueue)
+			c.backend.AMQP.Exchange = env.String("OUTBOX_AMQP_EXCHANGE", "")
+			if err == nil {
+				if verr := c.backend.AMQP.Validate(); verr != nil {
+					errs = append(errs, fmt.Errorf("OUTBOX_AMQP_LAYOUT=%q, OUTBOX_AMQP_EXCHANGE=%q: %w", c.backend.AMQP.Layout, c.backend.AMQP.Exchange, verr))
+				}
+			}
 		case router.BackendGoChannel:
 			errs = append(errs, errors.New("OUTBOX_BACKEND=gochannel cannot work in the daemon: an in-process pub/sub has no subscriber in this process, so every event would go dead; use kafka or amqp, or relay in-process inside your service with forwarder.New(sub, router.NewInProcess(), ...)"))
 		case "":
@@ -252,11 +261,28 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 	return err
 }
 
+// backendConfig selects the broker the relay publishes to.
+type backendConfig struct {
+	Kind         string
+	KafkaBrokers []string
+	AMQP         amqpbackend.Config
+}
+
+func (b backendConfig) newPublisher(logger watermill.LoggerAdapter) (message.Publisher, error) {
+	switch b.Kind {
+	case router.BackendKafka:
+		return kafkabackend.NewPublisher(b.KafkaBrokers, logger)
+	case router.BackendAMQP:
+		return amqpbackend.NewPublisher(b.AMQP, logger)
+	}
+	return nil, fmt.Errorf("OUTBOX_BACKEND=%q is not a backend; use kafka or amqp", b.Kind)
+}
+
 // relayTables runs one router with a forwarder per table until ctx is done,
 // then drains: the router stops taking messages, waits for those in flight,
 // and every subscriber gives its remaining leases back.
 func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *message.Router, m *metrics.Metrics, logger watermill.LoggerAdapter, stdout io.Writer) error {
-	backendPub, err := router.NewPublisher(cfg.backend, logger)
+	backendPub, err := cfg.backend.newPublisher(logger)
 	if err != nil {
 		return fmt.Errorf("OUTBOX_BACKEND=%s: %w; check %s", cfg.backend.Kind, err, backendAddressVar(cfg.backend.Kind))
 	}

@@ -30,6 +30,8 @@ var relayVars = [][3]string{
 	{"OUTBOX_BACKEND", "(required)", "kafka or amqp"},
 	{"OUTBOX_KAFKA_BROKERS", "", "host:port,... (OUTBOX_BACKEND=kafka)"},
 	{"OUTBOX_AMQP_URL", "", "amqp://user:password@host:5672/vhost (OUTBOX_BACKEND=amqp)"},
+	{"OUTBOX_AMQP_LAYOUT", "queue", "queue: per topic an exchange and one shared queue; fanout: exchanges only, each consumer binds its own queue"},
+	{"OUTBOX_AMQP_EXCHANGE", "", "fanout layout: one topic exchange for every topic (routing key = topic); empty: one fanout exchange per topic"},
 	{"PROMETHEUS_METRICS_ENABLED", "false", "serve metrics"},
 	{"PROMETHEUS_METRICS_PATH", "/debug/prometheus", "metrics path"},
 	{"PROMETHEUS_METRICS_ADDR", ":9464", "metrics listen address"},

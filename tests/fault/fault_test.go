@@ -29,7 +29,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/internal/pgtest"
 	"github.com/outboxkit/watermill-outbox/internal/rmqtest"
 	"github.com/outboxkit/watermill-outbox/publisher"
-	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/router/amqpbackend"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -184,7 +184,7 @@ func TestFaultInjection(t *testing.T) {
 	)}
 
 	// The consumer: every event_id received, with the relay that sent it.
-	sub, err := amqp.NewSubscriber(router.AMQPConfig(broker.URL(), 0), watermill.NopLogger{})
+	sub, err := amqp.NewSubscriber(amqpbackend.WatermillConfig(amqpbackend.Config{URL: broker.URL()}), watermill.NopLogger{})
 	if err != nil {
 		t.Fatalf("the private RabbitMQ node does not answer: %v", err)
 	}
