@@ -22,7 +22,7 @@ test: ## Run every test against the real services (the command CI runs), then th
 	go test -count=1 -timeout 10m -tags fault -run TestFaultPartition -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -15; exit $${PIPESTATUS[0]}
 	go test -count=1 -timeout 15m -tags fault -run TestFaultInjection -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -25; exit $${PIPESTATUS[0]}
 
-fault: ## The fault-injection test at full size (100,000 events, 12 relay kills); restarts PostgreSQL and RabbitMQ.
+fault: ## The fault-injection test at full size (100,000 events, 12 relay kills); restarts its own private PostgreSQL and RabbitMQ, not the shared ones.
 	FAULT_EVENTS=100000 FAULT_KILLS=12 FAULT_SUMMARY_FILE=$(CURDIR)/docs/fault-summary.txt \
 		go test -count=1 -timeout 60m -tags fault -run TestFaultInjection -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -25; exit $${PIPESTATUS[0]}
 

@@ -21,8 +21,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"unicode"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -66,6 +68,42 @@ type Config struct {
 	// MessagingSystem is the span's messaging.system attribute, the broker
 	// kind ("kafka", "rabbitmq"). Defaults to MessagingSystemDefault.
 	MessagingSystem string
+}
+
+// validate checks cfg after its defaults are set; each problem names the
+// field and what to do, like subscriber.Config.
+func (cfg Config) validate() error {
+	var errs []error
+	for i, m := range cfg.Middleware {
+		if m == nil {
+			errs = append(errs, invalidField("Middleware", "entry %d is nil; remove it (an empty, non-nil slice means no middleware of the forwarder's own)", i))
+		}
+	}
+	if cfg.RouterConfig.CloseTimeout < 0 {
+		errs = append(errs, invalidField("RouterConfig.CloseTimeout", "%s is negative; leave it 0 for Watermill's default or set how long Close waits for handlers", cfg.RouterConfig.CloseTimeout))
+	}
+	if strings.ContainsFunc(cfg.HandlerName, unicode.IsSpace) {
+		errs = append(errs, invalidField("HandlerName", "%q contains white space; it names the handler in logs and metric labels, use something like outbox_forwarder_org", cfg.HandlerName))
+	}
+	if !validMessagingSystem(cfg.MessagingSystem) {
+		errs = append(errs, invalidField("MessagingSystem", "%q is not an OpenTelemetry messaging.system value; use lowercase letters, digits, '_' or '-', such as kafka or rabbitmq", cfg.MessagingSystem))
+	}
+	if len(errs) == 0 {
+		return nil
+	}
+	for i, e := range errs {
+		errs[i] = fmt.Errorf("forwarder: invalid config: %w", e)
+	}
+	return errors.Join(errs...)
+}
+
+func validMessagingSystem(s string) bool {
+	for _, r := range s {
+		if (r < 'a' || r > 'z') && (r < '0' || r > '9') && r != '_' && r != '-' {
+			return false
+		}
+	}
+	return s != ""
 }
 
 // PartitionByEventID keys records by event_id (the default): the same event
@@ -151,6 +189,9 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 	if cfg.MessagingSystem == "" {
 		cfg.MessagingSystem = MessagingSystemDefault
 	}
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
 	r, err := message.NewRouter(cfg.RouterConfig, logger)
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: %w", err)
@@ -222,4 +263,10 @@ func (f *Forwarder) Running() <-chan struct{} { return f.router.Running() }
 func (f *Forwarder) Close() error {
 	f.closeOnce.Do(func() { f.closeErr = f.router.Close() })
 	return f.closeErr
+}
+
+// invalidField renders a configuration error: "forwarder: invalid config:
+// <Field>: what is wrong; what to do".
+func invalidField(field, format string, args ...any) error {
+	return fmt.Errorf("forwarder: invalid config: "+field+": "+format, args...)
 }

@@ -217,9 +217,10 @@ type Inbox struct {
 // Migrate creates the inbox table t (consumer, key, processed_at, primary key
 // (consumer, key) and an index for retention). It is idempotent and safe when
 // several processes call it at once, like schema.Migrate. Print the DDL for a
-// migration tool with schema.InboxUpSQL.
-func Migrate(ctx context.Context, db schema.DB, t schema.Table) error {
-	if err := schema.MigrateInbox(ctx, db, t); err != nil {
+// migration tool with schema.InboxUpSQL. A missing schema is an error
+// (schema.ErrSchemaNotFound) unless opts has schema.WithCreateSchema().
+func Migrate(ctx context.Context, db schema.DB, t schema.Table, opts ...schema.MigrateOption) error {
+	if err := schema.MigrateInbox(ctx, db, t, opts...); err != nil {
 		return fmt.Errorf("inbox: %w", err)
 	}
 	return nil

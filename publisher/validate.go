@@ -45,15 +45,16 @@ const DefaultMaxPayloadBytes = 1 << 20
 
 var defaultTopicPattern = regexp.MustCompile(`^[a-z0-9-]+(\.[a-z0-9-]+)*\.v[0-9]+$`)
 
-// ValidateTopic is the default topic rule (the project's topic convention): lowercase
-// dotted segments of [a-z0-9-] ending in a version segment vN, shorter than
-// 128 bytes, such as org.organization.created.v1.
+// ValidateTopic is the default topic rule (the project's topic convention):
+// one or more dot-separated segments of [a-z0-9-], then a version segment vN,
+// shorter than 128 bytes, such as org.organization.created.v1 (the usual
+// <module>.<aggregate>.<event>.vN) or billing.v2.
 func ValidateTopic(topic string) error {
 	if err := validateTopicBasics(topic); err != nil {
 		return err
 	}
 	if !defaultTopicPattern.MatchString(topic) {
-		return fmt.Errorf("%q does not follow <module>.<aggregate>.<event>.vN with [a-z0-9.-] (for example org.organization.created.v1); supply Config.ValidateTopic for another convention", topic)
+		return fmt.Errorf("%q does not follow the topic convention: one or more dot-separated segments of [a-z0-9-], then a version segment vN (for example org.organization.created.v1 or billing.v2); set Config.ValidateTopic to ValidateTopicRelaxed or your own rule for another convention", topic)
 	}
 	return nil
 }

@@ -14,7 +14,9 @@ import (
 
 // ErrNoSubscribers is returned by InProcess.Publish when no one is
 // subscribed to the topic: an outbox must not treat a dropped message as
-// delivered.
+// delivered. It comes wrapped with subscriber.Permanent (there is no route for
+// the topic), so the relay parks the row dead at once; replay it once a
+// consumer subscribes.
 var ErrNoSubscribers = errors.New("router: no subscribers for the topic")
 
 // ErrInProcessClosed is returned after InProcess.Close.
@@ -107,7 +109,9 @@ func (p *InProcess) Publish(topic string, msgs ...*message.Message) error {
 		}
 		p.mu.RUnlock()
 		if len(subs) == 0 {
-			return fmt.Errorf("topic %q: %w", topic, ErrNoSubscribers)
+			// No route for the topic: the row goes dead at once instead of
+			// retrying 25 times into the void.
+			return subscriber.Permanent(fmt.Errorf("topic %q: %w", topic, ErrNoSubscribers))
 		}
 		var errs []error
 		for _, s := range subs {

@@ -24,8 +24,8 @@ func TestInProcessDispatchContract(t *testing.T) {
 	defer bus.Close()
 	msg := func() *message.Message { return message.NewMessage(watermill.NewUUID(), []byte(`{}`)) }
 
-	if err := bus.Publish("nobody.listens.v1", msg()); !errors.Is(err, router.ErrNoSubscribers) {
-		t.Fatalf("publish without subscribers: %v, want ErrNoSubscribers", err)
+	if err := bus.Publish("nobody.listens.v1", msg()); !errors.Is(err, router.ErrNoSubscribers) || !subscriber.IsPermanent(err) {
+		t.Fatalf("publish without subscribers: %v, want a permanent ErrNoSubscribers", err)
 	}
 
 	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"errors"
 	"fmt"
 	"strconv"
 	"time"
@@ -47,6 +48,41 @@ type MiddlewareConfig struct {
 	Logger watermill.LoggerAdapter
 }
 
+// Validate checks cfg as NewMiddlewares does: negative durations or counts,
+// and a poison copy with only one of PoisonPublisher and PoisonTopic, are
+// refused with an error that names the field and says what to do.
+func (cfg MiddlewareConfig) Validate() error {
+	var errs []error
+	if cfg.DispatchTimeout < 0 {
+		errs = append(errs, invalidField("DispatchTimeout", "%s is negative; leave it 0 for the default (%s) or set a positive value", cfg.DispatchTimeout, DispatchTimeoutDefault))
+	}
+	if cfg.MaxAttempts < 0 {
+		errs = append(errs, invalidField("MaxAttempts", "%d is negative; leave it 0 for the default (%d) or set the subscriber's MaxAttempts", cfg.MaxAttempts, schema.MaxAttemptsDefault))
+	}
+	if cfg.PoisonPublisher != nil && cfg.PoisonTopic == "" {
+		errs = append(errs, invalidField("PoisonTopic", "empty while PoisonPublisher is set; name the topic of the poison copies, or unset PoisonPublisher"))
+	}
+	if cfg.PoisonPublisher == nil && cfg.PoisonTopic != "" {
+		errs = append(errs, invalidField("PoisonPublisher", "nil while PoisonTopic is %q; set the publisher of the poison copies, or unset PoisonTopic", cfg.PoisonTopic))
+	}
+	if len(errs) == 0 {
+		return nil
+	}
+	for i, e := range errs {
+		errs[i] = fmt.Errorf("router: invalid config: %w", e)
+	}
+	return errors.Join(errs...)
+}
+
+// NewMiddlewares validates cfg and returns the relay's middleware stack (see
+// Middlewares).
+func NewMiddlewares(cfg MiddlewareConfig) ([]message.HandlerMiddleware, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return Middlewares(cfg), nil
+}
+
 // Middlewares returns the relay's middleware stack, outermost first:
 //
 //  1. subscriber.CaptureError records the final error for last_error and
@@ -58,8 +94,13 @@ type MiddlewareConfig struct {
 //  5. middleware.Timeout cancels the message context after DispatchTimeout,
 //     per attempt.
 //
-// Add it with router.AddMiddleware(stack...) or handler.AddMiddleware.
+// Add it with router.AddMiddleware(stack...) or handler.AddMiddleware. It
+// panics with Validate's error on an invalid cfg, like regexp.MustCompile;
+// use NewMiddlewares for a configuration read at run time.
 func Middlewares(cfg MiddlewareConfig) []message.HandlerMiddleware {
+	if err := cfg.Validate(); err != nil {
+		panic(err)
+	}
 	if cfg.DispatchTimeout == 0 {
 		cfg.DispatchTimeout = DispatchTimeoutDefault
 	}
@@ -113,4 +154,10 @@ func poisonCopy(cfg MiddlewareConfig) message.HandlerMiddleware {
 			return out, err
 		}
 	}
+}
+
+// invalidField renders a configuration error: "router: invalid config:
+// <Field>: what is wrong; what to do".
+func invalidField(field, format string, args ...any) error {
+	return fmt.Errorf("router: invalid config: "+field+": "+format, args...)
 }

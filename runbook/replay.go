@@ -27,6 +27,25 @@ var (
 	ErrLocked = errors.New("event is leased by a relay")
 )
 
+// ErrReplaySetChanged is returned (wrapped) by ReplayDead given an Expect
+// snapshot when the dead rows matching the filter are no longer the rows the
+// preview counted (one was replayed, deleted or leased meanwhile, or an older
+// one went dead). Nothing was changed: preview again.
+var ErrReplaySetChanged = errors.New("the dead rows changed since the preview")
+
+// ReplaySnapshot identifies the rows a bulk replay preview counted: how many,
+// the greatest sequence among them, and a digest of their sequences.
+type ReplaySnapshot struct {
+	// Rows is the number of rows previewed.
+	Rows int64 `json:"rows"`
+	// MaxSequence is the greatest sequence previewed (0 when none); the
+	// replay leaves alone rows that went dead later with a higher one.
+	MaxSequence int64 `json:"max_sequence"`
+	// Digest is the md5 of the previewed sequences, in order ("" when
+	// none).
+	Digest string `json:"digest"`
+}
+
 // ErrNoReplayFilter is returned (wrapped) by ReplayDead when the filter has
 // neither a Topic nor AllTopics: a bulk replay of every dead row is never
 // the default.
@@ -190,11 +209,16 @@ func wake(ctx context.Context, db DB, q schema.RunbookQueries) {
 type BulkReplay struct {
 	// Table is the table, as given.
 	Table string `json:"table"`
-	// Statement is the UPDATE that resets the rows.
+	// Statement is the UPDATE that resets the rows; after a dry run, the
+	// one guarded by its snapshot, which a replay with Expect runs.
 	Statement schema.Statement `json:"-"`
 	// Rows is, for a dry run, the number of rows the statement would
 	// change, and otherwise the number it changed.
 	Rows int64 `json:"rows"`
+	// Snapshot identifies the rows of a dry run (pass it as
+	// DeadFilter.Expect to replay exactly them), or the rows a replay with
+	// Expect found.
+	Snapshot ReplaySnapshot `json:"snapshot"`
 	// DryRun is true when nothing was changed on purpose.
 	DryRun bool `json:"dry_run"`
 }
@@ -206,7 +230,11 @@ func ReplayDeadStatement(t schema.Table, f DeadFilter) (schema.Statement, error)
 	if err != nil {
 		return schema.Statement{}, err
 	}
-	return schema.NewRunbookQueries(t).ReplayDead(sf), nil
+	q := schema.NewRunbookQueries(t)
+	if e := f.Expect; e != nil {
+		return q.ReplayDeadExpecting(sf, e.MaxSequence, e.Rows, e.Digest), nil
+	}
+	return q.ReplayDead(sf), nil
 }
 
 func replayFilter(t schema.Table, f DeadFilter) (schema.RunbookFilter, error) {
@@ -230,8 +258,10 @@ func replayFilter(t schema.Table, f DeadFilter) (schema.RunbookFilter, error) {
 // f.LockTTL ago are left alone. f must name a Topic or set AllTopics.
 //
 // With dryRun it changes nothing and returns in Rows the number of rows the
-// statement would change now; otherwise Rows is the number it changed. The
-// two differ only if rows change in between.
+// statement would change now, and their Snapshot. Otherwise Rows is the
+// number it changed. Pass the dry run's Snapshot as f.Expect to change
+// exactly the previewed rows or none (ErrReplaySetChanged); without Expect
+// the replay takes whatever matches when it runs.
 func ReplayDead(ctx context.Context, db DB, t schema.Table, f DeadFilter, dryRun bool) (BulkReplay, error) {
 	sf, err := replayFilter(t, f)
 	if err != nil {
@@ -241,8 +271,29 @@ func ReplayDead(ctx context.Context, db DB, t schema.Table, f DeadFilter, dryRun
 	res := BulkReplay{Table: t.String(), Statement: q.ReplayDead(sf), DryRun: dryRun}
 	if dryRun {
 		count := q.CountReplayDead(sf)
-		if err := db.QueryRow(ctx, count.SQL, count.Args...).Scan(&res.Rows); err != nil {
+		s := &res.Snapshot
+		if err := db.QueryRow(ctx, count.SQL, count.Args...).Scan(&s.Rows, &s.MaxSequence, &s.Digest); err != nil {
 			return BulkReplay{}, dbError(t, "count dead rows to replay of", err)
+		}
+		res.Rows = s.Rows
+		res.Statement = q.ReplayDeadExpecting(sf, s.MaxSequence, s.Rows, s.Digest)
+		return res, nil
+	}
+	if e := f.Expect; e != nil {
+		res.Statement = q.ReplayDeadExpecting(sf, e.MaxSequence, e.Rows, e.Digest)
+		var changed int64
+		s := &res.Snapshot
+		if err := db.QueryRow(ctx, res.Statement.SQL, res.Statement.Args...).Scan(&s.Rows, &s.Digest, &changed); err != nil {
+			return BulkReplay{}, dbError(t, "replay dead rows of", err)
+		}
+		s.MaxSequence = e.MaxSequence
+		if s.Rows != e.Rows || s.Digest != e.Digest {
+			return res, fmt.Errorf("runbook: replay dead rows of %s: %w: the preview counted %d rows up to sequence %d, %d match now; nothing changed, preview again",
+				t, ErrReplaySetChanged, e.Rows, e.MaxSequence, s.Rows)
+		}
+		res.Rows = changed
+		if res.Rows > 0 {
+			wake(ctx, db, q)
 		}
 		return res, nil
 	}

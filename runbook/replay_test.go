@@ -40,7 +40,7 @@ func TestReplayEvent(t *testing.T) {
 	exec(t, pool, tbl, `UPDATE %s SET attempts = 3, last_error = 'timeout', available_at = now() + interval '1 hour' WHERE event_id = $1`, failed)
 	exec(t, pool, tbl, `UPDATE %s SET published_at = now(), attempts = 1 WHERE event_id = $1`, published)
 	exec(t, pool, tbl, `UPDATE %s SET attempts = 25, last_error = 'x', locked_at = now() WHERE event_id = $1`, leasedDead)
-	exec(t, pool, tbl, `UPDATE %s SET attempts = 25, last_error = 'relay crashed', locked_at = now() - interval '2 hours' WHERE event_id = $1`, staleLeasedDead)
+	exec(t, pool, tbl, `UPDATE %s SET attempts = 25, last_error = 'relay crashed', locked_at = now() - interval '2 hours', available_at = now() - interval '3 hours' WHERE event_id = $1`, staleLeasedDead)
 	exec(t, pool, tbl, `UPDATE %s SET attempts = 2, last_error = 'x', locked_at = now() WHERE event_id = $1`, leasedFailed)
 	exec(t, pool, tbl, `UPDATE %s SET attempts = 1, locked_at = now() WHERE event_id = $1`, leasedFirstTry)
 	before := states(t, pool, tbl, ids)
@@ -202,6 +202,7 @@ func TestReplayDead(t *testing.T) {
 			t.Fatalf("dry run %+v: %v", f, err)
 		}
 		assertUnchanged(t, "dry run", snapshot, states(t, pool, tbl, all))
+		f.Expect = &dry.Snapshot // exactly the previewed rows
 		real, err := runbook.ReplayDead(ctx, pool, tbl, f, false)
 		if err != nil {
 			t.Fatalf("replay %+v: %v", f, err)

@@ -23,6 +23,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -119,6 +120,10 @@ func queryRows(ctx context.Context, db DB, t schema.Table, op string, st schema.
 // table into schema.ErrTableNotFound with what to do about it.
 func dbError(t schema.Table, op string, err error) error {
 	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42703" && strings.Contains(pgErr.Message, "dead_at") {
+		return fmt.Errorf("runbook: %s %s: %w: add it with schema.Migrate or `outbox migrate --table=%s` (%w)",
+			op, t, schema.ErrNoDeadAt, t, err)
+	}
 	if errors.As(err, &pgErr) && pgErr.Code == "42P01" {
 		return fmt.Errorf("runbook: %s %s: %w: check the table name, or create it with schema.Migrate or `outbox migrate --table=%s` (%w)",
 			op, t, schema.ErrTableNotFound, t, err)
@@ -186,6 +191,11 @@ type DeadFilter struct {
 	// LockTTL is the relay's lease duration; ReplayDead leaves alone the
 	// rows leased less than LockTTL ago. Defaults to schema.LockTTLDefault.
 	LockTTL time.Duration
+	// Expect, for ReplayDead, is the snapshot of its preview (a dry run's
+	// BulkReplay.Snapshot): the replay then changes exactly the rows the
+	// preview counted, up to its last sequence, or refuses with
+	// ErrReplaySetChanged and changes nothing. Dead ignores it.
+	Expect *ReplaySnapshot
 	// AllTopics must be set for ReplayDead to replay every topic; it is
 	// there so that a bulk replay without a Topic is never the default. It
 	// cannot be combined with Topic. Dead ignores it.

@@ -184,3 +184,19 @@ func TestStats(t *testing.T) {
 		t.Fatalf("stats after 40 attempts: %+v, %v", s, err)
 	}
 }
+
+// TestLegacyTableWithoutDeadAt: on a table created before dead_at, the
+// runbook says what to run instead of a bare SQL error.
+func TestLegacyTableWithoutDeadAt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "legacy_runbook_outbox")
+	if _, err := pool.Exec(ctx, `ALTER TABLE `+tbl.Sanitize()+` DROP COLUMN dead_at`); err != nil {
+		t.Fatal(err)
+	}
+	_, err := runbook.Stats(ctx, pool, tbl)
+	if !errors.Is(err, schema.ErrNoDeadAt) || !strings.Contains(err.Error(), "outbox migrate --table="+tbl.String()) {
+		t.Fatalf("stats of a legacy table: %v", err)
+	}
+}

@@ -36,35 +36,93 @@ const (
 //go:embed migrations
 var Migrations embed.FS
 
-// MigrateOption selects optional columns for Migrate, UpSQL and DownSQL.
-type MigrateOption func(*Columns)
+// MigrateOption selects optional columns for Migrate and UpSQL, and whether
+// Migrate may create a missing schema.
+type MigrateOption func(*migrateOptions)
+
+type migrateOptions struct {
+	columns      Columns
+	createSchema bool
+}
+
+// ErrSchemaNotFound is returned by Migrate and MigrateInbox when the table's
+// schema does not exist and WithCreateSchema was not given: a typo in the
+// schema name must not create a new schema silently.
+var ErrSchemaNotFound = errors.New("schema does not exist")
+
+// WithCreateSchema lets Migrate and MigrateInbox create the table's schema
+// when it does not exist (CREATE SCHEMA IF NOT EXISTS), and makes UpSQL print
+// that statement. Without it a missing schema is ErrSchemaNotFound.
+func WithCreateSchema() MigrateOption { return func(o *migrateOptions) { o.createSchema = true } }
 
 // WithTraceColumns adds the optional traceparent and tracestate columns (W3C
 // Trace Context).
-func WithTraceColumns() MigrateOption { return func(c *Columns) { c.TraceContext = true } }
+func WithTraceColumns() MigrateOption {
+	return func(o *migrateOptions) { o.columns.TraceContext = true }
+}
 
 // WithHeadersColumn adds the optional headers column (extra string metadata).
-func WithHeadersColumn() MigrateOption { return func(c *Columns) { c.Headers = true } }
+func WithHeadersColumn() MigrateOption { return func(o *migrateOptions) { o.columns.Headers = true } }
 
 // WithOrderingKeyColumn adds the ordering_key column of ordered mode, the
 // ordering_partition column derived from it, their indexes and the companion
 // tables <table>_partitions, <table>_relays and <table>_holds
 // (docs/ORDERING.md). Adding it to an existing table rewrites the table (a
 // stored generated column).
-func WithOrderingKeyColumn() MigrateOption { return func(c *Columns) { c.OrderingKey = true } }
+func WithOrderingKeyColumn() MigrateOption {
+	return func(o *migrateOptions) { o.columns.OrderingKey = true }
+}
 
 // WithAllColumns adds every optional column, and the companion tables of
 // ordered mode.
 func WithAllColumns() MigrateOption {
-	return func(c *Columns) { c.TraceContext, c.Headers, c.OrderingKey = true, true, true }
+	return func(o *migrateOptions) {
+		o.columns.TraceContext, o.columns.Headers, o.columns.OrderingKey = true, true, true
+	}
 }
 
-func columnsOf(opts []MigrateOption) Columns {
-	var c Columns
-	for _, o := range opts {
-		o(&c)
+func optionsOf(opts []MigrateOption) migrateOptions {
+	var o migrateOptions
+	for _, opt := range opts {
+		if opt != nil {
+			opt(&o)
+		}
 	}
-	return c
+	return o
+}
+
+func columnsOf(opts []MigrateOption) Columns { return optionsOf(opts).columns }
+
+// createSchemaStatement creates t's schema; empty for an unqualified table.
+func createSchemaStatement(t Table) []string {
+	if t.schema == "" {
+		return nil
+	}
+	return []string{`CREATE SCHEMA IF NOT EXISTS ` + pgx.Identifier{t.schema}.Sanitize()}
+}
+
+// ensureSchema checks that t's schema exists and, when create is set,
+// creates it. CREATE SCHEMA IF NOT EXISTS checks the CREATE privilege even
+// when the schema exists, so it looks first.
+func ensureSchema(ctx context.Context, tx pgx.Tx, t Table, create bool, what string) error {
+	if t.schema == "" {
+		return nil
+	}
+	var exists bool
+	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, t.schema).Scan(&exists); err != nil {
+		return fmt.Errorf("schema: %s %s: look up schema: %w", what, t, err)
+	}
+	if exists {
+		return nil
+	}
+	if !create {
+		return fmt.Errorf("schema: %s %s: %w: %q; check the name, create it first, or pass schema.WithCreateSchema() (outbox migrate --create-schema)",
+			what, t, ErrSchemaNotFound, t.schema)
+	}
+	if _, err := tx.Exec(ctx, createSchemaStatement(t)[0]); err != nil {
+		return fmt.Errorf("schema: %s %s: create schema: %w", what, t, err)
+	}
+	return nil
 }
 
 // createTableStatement is the CREATE TABLE of the table contract (docs/ARCHITECTURE.md).
@@ -173,7 +231,12 @@ func optionalColumnStatements(t Table, c Columns) []string {
 // UpSQL returns the idempotent DDL that creates t (and the optional columns
 // opts ask for) as one script, for migration tools.
 func UpSQL(t Table, opts ...MigrateOption) string {
-	return joinStatements(upStatements(t, columnsOf(opts)))
+	o := optionsOf(opts)
+	var stmts []string
+	if o.createSchema {
+		stmts = createSchemaStatement(t)
+	}
+	return joinStatements(append(stmts, upStatements(t, o.columns)...))
 }
 
 // DownSQL returns the DDL that drops t. It is destructive: every event in the
@@ -246,18 +309,8 @@ func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err
 	if _, err = tx.Exec(ctx, `SET LOCAL lock_timeout = '5s'`); err != nil {
 		return fmt.Errorf("migrate %s: set lock_timeout: %w", t, err)
 	}
-	if t.schema != "" {
-		// CREATE SCHEMA IF NOT EXISTS checks the CREATE privilege even when
-		// the schema exists, so look first.
-		var exists bool
-		if err = tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, t.schema).Scan(&exists); err != nil {
-			return fmt.Errorf("migrate %s: look up schema: %w", t, err)
-		}
-		if !exists {
-			if _, err = tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+pgx.Identifier{t.schema}.Sanitize()); err != nil {
-				return fmt.Errorf("migrate %s: create schema: %w", t, err)
-			}
-		}
+	if err = ensureSchema(ctx, tx, t, optionsOf(opts).createSchema, "migrate"); err != nil {
+		return err
 	}
 	// Run only what is missing: CREATE INDEX IF NOT EXISTS and ALTER TABLE
 	// lock the table even when there is nothing to do, which would stall

@@ -45,7 +45,7 @@ func TestClaimSkipsDeadAndParksExpiredLastAttempt(t *testing.T) {
 		ids := insertRows(t, pool, tbl,
 			"",                              // due
 			"dead_at = now(), attempts = 1", // dead, due now
-			"attempts = 5, locked_at = now() - interval '1 hour'", // lease expired on the last attempt
+			"attempts = 5, locked_at = now() - interval '1 hour', available_at = now() - interval '2 hours'", // lease expired on the last attempt
 			"attempts = 9", // above max, not leased: claimed (max lowered)
 		)
 		var (

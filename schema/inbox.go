@@ -91,10 +91,12 @@ func InboxDownSQL(t Table) string {
 	return joinStatements([]string{`DROP TABLE IF EXISTS ` + t.Sanitize()})
 }
 
-// MigrateInbox creates the inbox table t and its retention index. It is
+// MigrateInbox creates the inbox table t and its retention index. A missing
+// schema is ErrSchemaNotFound unless opts has WithCreateSchema (the only
+// option it reads). It is
 // idempotent and safe when several processes call it at once (one
 // transaction, serialised by a transaction-level advisory lock on t).
-func MigrateInbox(ctx context.Context, db DB, t Table) (err error) {
+func MigrateInbox(ctx context.Context, db DB, t Table, opts ...MigrateOption) (err error) {
 	if t.IsZero() {
 		return errors.New("schema: migrate inbox: zero Table; build it with schema.ParseTable")
 	}
@@ -120,16 +122,8 @@ func MigrateInbox(ctx context.Context, db DB, t Table) (err error) {
 		err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, name).Scan(&ok)
 		return ok, err
 	}
-	if t.schema != "" {
-		var ok bool
-		if err = tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, t.schema).Scan(&ok); err != nil {
-			return fmt.Errorf("schema: migrate inbox %s: look up schema: %w", t, err)
-		}
-		if !ok {
-			if _, err = tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+pgx.Identifier{t.schema}.Sanitize()); err != nil {
-				return fmt.Errorf("schema: migrate inbox %s: create schema: %w", t, err)
-			}
-		}
+	if err = ensureSchema(ctx, tx, t, optionsOf(opts).createSchema, "migrate inbox"); err != nil {
+		return err
 	}
 	// Run only what is missing: CREATE INDEX IF NOT EXISTS locks the table
 	// even when the index exists, which would stall live handlers.

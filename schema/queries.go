@@ -103,8 +103,14 @@ type Queries struct {
 	// backoff seconds. Returns: dead.
 	Nack string
 
-	// Extend renews the lease of one row that is still being handled.
-	// Args: id, attempts, locked_at. Returns: the new locked_at.
+	// Extend renews the lease of one row that is still being handled. It
+	// leaves locked_at, the fence token set by the claim, alone and records
+	// the renewal in available_at, which a leased row does not otherwise
+	// use: a lease lasts lock_ttl from GREATEST(locked_at, available_at)
+	// (LeaseExpiredSince). So a renewal that committed but whose reply was
+	// lost changes nothing the relay fences on, and the later ack or nack
+	// still matches. Fenced like Ack. Args: id, attempts, locked_at. Command
+	// tag: 1 when renewed, 0 when the lease passed to another holder.
 	Extend string
 
 	// Release gives leases back without an attempt's verdict, when a
@@ -222,7 +228,7 @@ SELECT count(*) FROM d`
 		return `WITH due AS (
   SELECT id FROM ` + tbl + `
   WHERE published_at IS NULL AND dead_at IS NULL AND available_at <= now()
-    AND (locked_at IS NULL OR locked_at < now() - make_interval(secs => $2::float8))` + topicFilter + `
+    AND (locked_at IS NULL OR ` + LeaseExpiredSince("$2::float8") + `)` + topicFilter + `
   ORDER BY available_at, sequence
   LIMIT $3
   FOR UPDATE SKIP LOCKED
@@ -263,10 +269,9 @@ FROM (SELECT $1::uuid AS id, $2::int AS attempts, $3::timestamptz AS locked_at) 
 WHERE ` + fence + `
 RETURNING o.dead_at IS NOT NULL`
 
-	q.Extend = `UPDATE ` + tbl + ` AS o SET locked_at = clock_timestamp()
+	q.Extend = `UPDATE ` + tbl + ` AS o SET available_at = clock_timestamp()
 FROM (SELECT $1::uuid AS id, $2::int AS attempts, $3::timestamptz AS locked_at) AS a
-WHERE ` + fence + `
-RETURNING o.locked_at`
+WHERE ` + fence
 
 	lastTry := `($4::int = 0 AND o.attempts >= $5::int)`
 	q.Release = `UPDATE ` + tbl + ` AS o SET locked_at = NULL, attempts = GREATEST(o.attempts - $4::int, 0),
@@ -301,6 +306,21 @@ DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
 	q.AckUpToInTx = `UPDATE ` + tbl + ` SET published_at = now(), locked_at = NULL, last_error = NULL
 WHERE locked_at = now() AND published_at IS NULL AND sequence <= $1`
 	return q
+}
+
+// LeaseExpiredSince renders the predicate "this leased row's lease expired":
+// no claim and no renewal within ttl, a SQL expression of seconds. A lease
+// starts at locked_at (the claim) and is renewed through available_at
+// (Queries.Extend), so it lasts until GREATEST(locked_at, available_at) +
+// ttl. Use it with locked_at IS NOT NULL.
+func LeaseExpiredSince(ttl string) string {
+	return `GREATEST(locked_at, available_at) < now() - make_interval(secs => ` + ttl + `)`
+}
+
+// LeaseLiveWithin renders the predicate "this row is leased and its lease
+// has not expired": false for a row that is not leased.
+func LeaseLiveWithin(ttl string) string {
+	return `(locked_at IS NOT NULL AND GREATEST(locked_at, available_at) >= now() - make_interval(secs => ` + ttl + `))`
 }
 
 // existingJSON aggregates the rows of an "ex" relation into the JSON that

@@ -64,6 +64,10 @@ type RunbookFilter struct {
 	ErrorContains string
 	// AfterSequence keeps the rows whose sequence is greater (a cursor).
 	AfterSequence int64
+	// MaxSequence, when positive, keeps the rows whose sequence is at most
+	// it: a bulk replay caps its rows at the last sequence its preview saw.
+	// ReplayDeadExpecting always applies it, 0 included.
+	MaxSequence int64
 	// Limit bounds the number of rows, taken in sequence order. 0 means no
 	// limit.
 	Limit int
@@ -71,6 +75,8 @@ type RunbookFilter struct {
 	// LockTTL ago (a relay is handling them right now) are left alone.
 	// Values below 1ns mean LockTTLDefault.
 	LockTTL time.Duration
+
+	capped bool // apply MaxSequence even when 0
 }
 
 func lockTTLSeconds(d time.Duration) float64 {
@@ -124,7 +130,7 @@ func deadWhere(f RunbookFilter, args []any, replay bool, indent string) (string,
 	}
 	conds := []string{"published_at IS NULL", "dead_at IS NOT NULL"}
 	if replay {
-		conds = append(conds, "(locked_at IS NULL OR locked_at < now() - make_interval(secs => "+arg(lockTTLSeconds(f.LockTTL), "::float8")+"))")
+		conds = append(conds, "NOT "+LeaseLiveWithin(arg(lockTTLSeconds(f.LockTTL), "::float8")))
 	}
 	if f.Topic != "" {
 		conds = append(conds, "topic = "+arg(f.Topic, "::text"))
@@ -137,6 +143,9 @@ func deadWhere(f RunbookFilter, args []any, replay bool, indent string) (string,
 	}
 	if f.AfterSequence > 0 {
 		conds = append(conds, "sequence > "+arg(f.AfterSequence, "::bigint"))
+	}
+	if f.MaxSequence > 0 || f.capped {
+		conds = append(conds, "sequence <= "+arg(f.MaxSequence, "::bigint"))
 	}
 	return strings.Join(conds, "\n"+indent+"AND "), args
 }
@@ -170,13 +179,42 @@ func (q RunbookQueries) Dead(f RunbookFilter) Statement {
 	return Statement{SQL: sql, Args: args}
 }
 
-// CountReplayDead counts the rows ReplayDead would change with the same
-// filter, changing nothing. Returns: count.
+// CountReplayDead takes the snapshot of the rows ReplayDead would change
+// with the same filter, changing nothing. Returns: count, the greatest
+// sequence (0 when none), and a digest of the sequences (md5 of their
+// ordered list, "" when none), which ReplayDeadExpecting checks.
 func (q RunbookQueries) CountReplayDead(f RunbookFilter) Statement {
-	target, args := deadTarget(q.Table.Sanitize(), f, "1", true, false)
-	return Statement{SQL: `SELECT count(*) FROM (
+	target, args := deadTarget(q.Table.Sanitize(), f, "sequence", true, false)
+	return Statement{SQL: `SELECT count(*), COALESCE(max(sequence), 0), ` + sequenceDigest + ` FROM (
   ` + target + `
 ) AS target`, Args: args}
+}
+
+// sequenceDigest is the digest of the sequences of a relation "target".
+const sequenceDigest = `COALESCE(md5(string_agg(target.sequence::text, ',' ORDER BY target.sequence)), '')`
+
+// ReplayDeadExpecting is ReplayDead guarded by the snapshot of a preview
+// (CountReplayDead): it takes the rows matching f up to maxSequence, locks
+// them, and resets them only when they are exactly the rows the preview
+// counted (same count and digest); otherwise it changes nothing. Returns:
+// the rows matched now, their digest, and the rows changed (0 or all).
+func (q RunbookQueries) ReplayDeadExpecting(f RunbookFilter, maxSequence, rows int64, digest string) Statement {
+	tbl := q.Table.Sanitize()
+	f.MaxSequence, f.capped = maxSequence, true
+	target, args := deadTarget(tbl, f, "id, sequence", true, true)
+	args = append(args, rows, digest)
+	n := strconv.Itoa(len(args))
+	m := strconv.Itoa(len(args) - 1)
+	return Statement{SQL: `WITH target AS (
+  ` + target + `
+), snap AS (
+  SELECT count(*) AS n, ` + sequenceDigest + ` AS digest FROM target
+), upd AS (
+  UPDATE ` + tbl + ` AS o SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
+  FROM target, snap WHERE o.id = target.id AND snap.n = $` + m + `::bigint AND snap.digest = $` + n + `::text
+  RETURNING 1
+)
+SELECT snap.n, snap.digest, (SELECT count(*) FROM upd) FROM snap`, Args: args}
 }
 
 // ReplayDead resets the dead rows matching f, except those leased by a
@@ -196,11 +234,11 @@ FROM target WHERE o.id = target.id`, Args: args}
 
 // Event looks up one row by event_id (canonical UUID string) and classifies
 // it for a replay. Returns RunbookColumns, then dead (dead_at IS NOT NULL)
-// and leased (locked_at within lockTTL of now()).
+// and leased (claimed or renewed within lockTTL, LeaseLiveWithin).
 func (q RunbookQueries) Event(eventID string, lockTTL time.Duration) Statement {
 	return Statement{SQL: `SELECT ` + RunbookColumns + `,
   dead_at IS NOT NULL,
-  COALESCE(locked_at >= now() - make_interval(secs => $2::float8), false)
+  ` + LeaseLiveWithin("$2::float8") + `
 FROM ` + q.Table.Sanitize() + `
 WHERE event_id = $1::uuid`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
 }
@@ -209,14 +247,14 @@ WHERE event_id = $1::uuid`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
 // the relay delivers it again: dead_at = NULL, attempts = 0, available_at =
 // now(), locked_at = NULL, last_error = NULL. It changes the row only when
 // it is not published, dead or failed (dead_at or last_error set), and not
-// leased by a relay right now (locked_at older than lockTTL, or NULL).
+// leased by a relay right now (not LeaseLiveWithin lockTTL).
 // Returns: sequence, for the row changed.
 func (q RunbookQueries) ReplayEvent(eventID string, lockTTL time.Duration) Statement {
 	return Statement{SQL: `UPDATE ` + q.Table.Sanitize() + ` SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
 WHERE event_id = $1::uuid
   AND published_at IS NULL
   AND (dead_at IS NOT NULL OR last_error IS NOT NULL)
-  AND (locked_at IS NULL OR locked_at < now() - make_interval(secs => $2::float8))
+  AND NOT ` + LeaseLiveWithin("$2::float8") + `
 RETURNING sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
 }
 

@@ -115,6 +115,9 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 	for _, f := range []string{
 		"migrations/000001_create_app_outbox.up.sql",
 		"migrations/000002_add_app_outbox_optional_columns.up.sql",
+		"migrations/000004_add_app_outbox_dead_at.up.sql", // a no-op after 000001 of this version
+		"migrations/000004_add_app_outbox_dead_at.down.sql",
+		"migrations/000004_add_app_outbox_dead_at.up.sql",
 		"migrations/000002_add_app_outbox_optional_columns.down.sql",
 		"migrations/000001_create_app_outbox.down.sql",
 	} {
@@ -126,6 +129,16 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 		sql := strings.ReplaceAll(string(body), `"public".`, "")
 		if _, err := conn.Exec(ctx, sql); err != nil {
 			t.Fatalf("%s: %v", f, err)
+		}
+		if strings.HasSuffix(f, "000004_add_app_outbox_dead_at.down.sql") {
+			if err := schema.CheckDeadAt(ctx, conn, schema.MustParseTable(sch+".app_outbox")); !errors.Is(err, schema.ErrNoDeadAt) {
+				t.Fatalf("after %s: %v, want ErrNoDeadAt", f, err)
+			}
+		}
+		if strings.HasSuffix(f, "000004_add_app_outbox_dead_at.up.sql") {
+			if err := schema.CheckDeadAt(ctx, conn, schema.MustParseTable(sch+".app_outbox")); err != nil {
+				t.Fatalf("after %s: %v", f, err)
+			}
 		}
 		if strings.HasSuffix(f, "000002_add_app_outbox_optional_columns.up.sql") {
 			cols, err := schema.DetectColumns(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
@@ -190,14 +203,46 @@ func TestMigrateIdempotentConcurrentAndOptionalColumns(t *testing.T) {
 	}
 }
 
-func TestMigrateCreatesMissingSchemaAndRejectsZeroTable(t *testing.T) {
+func TestMigrateRefusesMissingSchemaUnlessAskedAndRejectsZeroTable(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	ctx := context.Background()
 	sch := testdb.Schema(t) + "_new"
 	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+sch+` CASCADE`) })
-	if err := schema.Migrate(ctx, pool, schema.MustParseTable(sch+".x_outbox")); err != nil {
+	tbl := schema.MustParseTable(sch + ".x_outbox")
+	schemaExists := func() bool {
+		var ok bool
+		if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, sch).Scan(&ok); err != nil {
+			t.Fatal(err)
+		}
+		return ok
+	}
+	for name, migrate := range map[string]func(...schema.MigrateOption) error{
+		"outbox": func(o ...schema.MigrateOption) error { return schema.Migrate(ctx, pool, tbl, o...) },
+		"inbox":  func(o ...schema.MigrateOption) error { return schema.MigrateInbox(ctx, pool, tbl, o...) },
+	} {
+		err := migrate()
+		if !errors.Is(err, schema.ErrSchemaNotFound) {
+			t.Fatalf("%s: Migrate into a missing schema: %v, want ErrSchemaNotFound", name, err)
+		}
+		for _, want := range []string{`"` + sch + `"`, "schema.WithCreateSchema()", "--create-schema"} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("%s: error %q does not mention %s", name, err, want)
+			}
+		}
+		if schemaExists() {
+			t.Fatalf("%s: the refused Migrate created the schema", name)
+		}
+	}
+	if !strings.Contains(schema.UpSQL(tbl, schema.WithCreateSchema()), `CREATE SCHEMA IF NOT EXISTS "`+sch+`"`) ||
+		strings.Contains(schema.UpSQL(tbl), "CREATE SCHEMA") {
+		t.Fatal("UpSQL must print CREATE SCHEMA exactly when WithCreateSchema is given")
+	}
+	if err := schema.Migrate(ctx, pool, tbl, schema.WithCreateSchema()); err != nil {
 		t.Fatal(err)
+	}
+	if !schemaExists() {
+		t.Fatal("Migrate with WithCreateSchema did not create the schema")
 	}
 	if err := schema.Migrate(ctx, pool, schema.Table{}); err == nil {
 		t.Fatal("Migrate accepted a zero Table")

@@ -15,8 +15,13 @@ import (
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// opTimeout bounds one ack, nack, renewal or release statement.
+// opTimeout bounds one ack, nack, renewal or release statement, and one
+// claim: each attempt of a write gets its own.
 const opTimeout = 10 * time.Second
+
+// ackTries is how many times a grouped ack is written before its rows are
+// left to come back after LockTTL.
+const ackTries = 3
 
 // ackReq is one acked message waiting to be written.
 type ackReq struct{ c *claimed }
@@ -86,14 +91,17 @@ func (s *Subscriber) writeAcks(group []*claimed) {
 	for i, c := range group {
 		ids[i], attempts[i], locked[i] = c.fence()
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
-	defer cancel()
 	var (
 		acked map[string]float64
 		err   error
 	)
-	for try := 0; try < 3; try++ {
-		if acked, err = s.ackRows(ctx, ids, attempts, locked); err == nil {
+	// Each attempt has a timeout of its own: one write stuck behind a lock
+	// must not eat the time of the retries.
+	for try := 0; try < ackTries; try++ {
+		ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
+		acked, err = s.ackRows(ctx, ids, attempts, locked)
+		cancel()
+		if err == nil {
 			break
 		}
 		time.Sleep(time.Duration(try+1) * 50 * time.Millisecond)

@@ -24,6 +24,7 @@ const (
 	ElectionIntervalDefault  = time.Second
 	LeaderTimeoutDefault     = 15 * time.Second
 	CloseTimeoutDefault      = 30 * time.Second
+	DispatchTimeoutDefault   = 30 * time.Second
 	StatsIntervalDefault     = 15 * time.Second
 	LastErrorMaxBytesDefault = redact.DefaultMaxBytes
 )
@@ -91,9 +92,21 @@ type Config struct {
 	// flight; a handler slower than LockTTL then sees its message delivered
 	// again. Defaults to false.
 	DisableLeaseExtension bool
-	// CloseTimeout bounds how long Close, or the end of a subscription, waits
-	// for messages in flight to be acked or nacked before giving their leases
-	// back. Defaults to 30s.
+	// DispatchTimeout is how long a handler may keep a message. The lease
+	// of a message in flight is renewed until DispatchTimeout plus a margin
+	// of LockTTL/2 after its delivery (one renewal period, so that a handler
+	// cancelled at DispatchTimeout by the router's timeout middleware has
+	// time to answer); then the renewals stop, the message's context is
+	// cancelled and the attempt counts as failed: the row is nacked with an
+	// error saying the handler overran. Set it to the router's dispatch
+	// timeout (router.MiddlewareConfig.DispatchTimeout). Defaults to 30s.
+	DispatchTimeout time.Duration
+	// CloseTimeout bounds how long Close, or the end of a subscription (its
+	// Subscribe context done, as a router does at Close), waits for messages
+	// in flight to be acked or nacked. Their contexts do not derive from the
+	// Subscribe context: they stay live until CloseTimeout after the stop,
+	// then are cancelled and their leases given back (a lease on the last
+	// allowed attempt goes dead). Defaults to 30s.
 	CloseTimeout time.Duration
 	// LastErrorMaxBytes bounds last_error. Defaults to 2048.
 	LastErrorMaxBytes int
@@ -109,7 +122,7 @@ func (c *Config) setDefaults() {
 	if c.BatchSize == 0 {
 		c.BatchSize = BatchSizeDefault
 	}
-	if c.MaxInFlight == 0 {
+	if c.MaxInFlight == 0 && c.BatchSize > 0 { // a negative BatchSize is reported as itself
 		c.MaxInFlight = 2 * c.BatchSize
 	}
 	if c.PollInterval == 0 {
@@ -133,6 +146,9 @@ func (c *Config) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = CloseTimeoutDefault
 	}
+	if c.DispatchTimeout == 0 {
+		c.DispatchTimeout = DispatchTimeoutDefault
+	}
 	if c.LastErrorMaxBytes == 0 {
 		c.LastErrorMaxBytes = LastErrorMaxBytesDefault
 	}
@@ -153,7 +169,7 @@ func (c *Config) validate() error {
 		{"BatchSize", int64(c.BatchSize)}, {"MaxInFlight", int64(c.MaxInFlight)}, {"MaxAttempts", int64(c.MaxAttempts)},
 		{"PollInterval", int64(c.PollInterval)}, {"LockTTL", int64(c.LockTTL)}, {"ElectionInterval", int64(c.ElectionInterval)},
 		{"LeaderTimeout", int64(c.LeaderTimeout)},
-		{"CloseTimeout", int64(c.CloseTimeout)}, {"LastErrorMaxBytes", int64(c.LastErrorMaxBytes)}, {"StatsInterval", int64(c.StatsInterval)},
+		{"CloseTimeout", int64(c.CloseTimeout)}, {"DispatchTimeout", int64(c.DispatchTimeout)}, {"LastErrorMaxBytes", int64(c.LastErrorMaxBytes)}, {"StatsInterval", int64(c.StatsInterval)},
 	}
 	for _, p := range positive {
 		if p.v < 0 {

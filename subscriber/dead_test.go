@@ -52,10 +52,10 @@ func TestLeaseExpiredOnLastAttemptGoesDead(t *testing.T) {
 	ids := enqueue(t, pool, tbl, topic, 2)
 	// ids[0] was leased on its 3rd and last attempt by a relay that crashed
 	// two hours ago; ids[1] is on its 2nd attempt, also abandoned.
-	if _, err := pool.Exec(ctx, `UPDATE `+tbl.Sanitize()+` SET attempts = 3, locked_at = now() - interval '2 hours' WHERE event_id = $1`, ids[0]); err != nil {
+	if _, err := pool.Exec(ctx, `UPDATE `+tbl.Sanitize()+` SET attempts = 3, locked_at = now() - interval '2 hours', available_at = now() - interval '3 hours' WHERE event_id = $1`, ids[0]); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := pool.Exec(ctx, `UPDATE `+tbl.Sanitize()+` SET attempts = 2, locked_at = now() - interval '2 hours' WHERE event_id = $1`, ids[1]); err != nil {
+	if _, err := pool.Exec(ctx, `UPDATE `+tbl.Sanitize()+` SET attempts = 2, locked_at = now() - interval '2 hours', available_at = now() - interval '3 hours' WHERE event_id = $1`, ids[1]); err != nil {
 		t.Fatal(err)
 	}
 	_, m := newMetrics(t)

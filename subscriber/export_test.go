@@ -1,6 +1,8 @@
 package subscriber
 
 import (
+	"time"
+
 	"context"
 	"errors"
 
@@ -14,6 +16,10 @@ func Abandon(s *Subscriber) { s.abandon.Store(true) }
 // SetBeforeIdle makes f run each time a subscription of s found nothing and
 // is about to try the idle lock. Set it before Subscribe.
 func SetBeforeIdle(s *Subscriber, f func()) { s.beforeIdle = f }
+
+// AfterClaimQuery makes s run fn after each claim statement was sent and
+// before its rows are read.
+func AfterClaimQuery(s *Subscriber, fn func()) { s.afterClaimQuery = fn }
 
 // LeaderSetting reads a setting of s's leader session; ok is false when s is
 // not the leader.
@@ -33,3 +39,7 @@ func LeaderSetting(ctx context.Context, s *Subscriber, name string) (value strin
 // LeaderKeepalive exposes the keepalive settings derived from a leader
 // timeout.
 var LeaderKeepalive = leaderKeepalive
+
+// SetWriteTimeout sets the timeout of each ack, nack, renewal and release
+// statement of s (each attempt of a grouped ack has its own).
+func SetWriteTimeout(s *Subscriber, d time.Duration) { s.writeTimeout = d }

@@ -121,11 +121,18 @@ func (n *notifier) notifyAll() {
 
 func (n *notifier) run(ctx context.Context) {
 	defer close(n.done)
-	delay := 100 * time.Millisecond
+	const firstDelay = 100 * time.Millisecond
+	delay := firstDelay
 	for ctx.Err() == nil {
-		err := n.session(ctx)
+		listened, err := n.session(ctx)
 		if ctx.Err() != nil {
 			return
+		}
+		if listened {
+			// The connection worked before it was lost: this is a new
+			// failure, not the same outage going on, so the backoff starts
+			// again instead of growing to seconds over a day of rare drops.
+			delay = firstDelay
 		}
 		n.logger.Error("LISTEN connection lost; reconnecting", err, watermill.LogFields{"retry_in": delay.String()})
 		select {
@@ -137,11 +144,12 @@ func (n *notifier) run(ctx context.Context) {
 	}
 }
 
-// session listens on one connection until it fails.
-func (n *notifier) session(ctx context.Context) error {
+// session listens on one connection until it fails; listened reports
+// whether it got as far as listening on every channel.
+func (n *notifier) session(ctx context.Context) (listened bool, err error) {
 	conn, err := n.pool.Acquire(ctx)
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer func() {
 		// A connection that was listening is not handed out again.
@@ -164,7 +172,7 @@ func (n *notifier) session(ctx context.Context) error {
 		for ch := range want {
 			if !listening[ch] {
 				if _, err := conn.Exec(ctx, schema.ListenStatement(ch)); err != nil {
-					return err
+					return listened, err
 				}
 				listening[ch] = true
 				n.notify(ch)
@@ -173,11 +181,12 @@ func (n *notifier) session(ctx context.Context) error {
 		for ch := range listening {
 			if !want[ch] {
 				if _, err := conn.Exec(ctx, schema.UnlistenStatement(ch)); err != nil {
-					return err
+					return listened, err
 				}
 				delete(listening, ch)
 			}
 		}
+		listened = true
 		wctx, interrupt := context.WithCancel(ctx)
 		n.mu.Lock()
 		dirty := n.dirty
@@ -195,11 +204,11 @@ func (n *notifier) session(ctx context.Context) error {
 		case err == nil:
 			n.notify(msg.Channel)
 		case ctx.Err() != nil:
-			return ctx.Err()
+			return listened, ctx.Err()
 		case wctx.Err() != nil && !conn.Conn().IsClosed():
 			// Interrupted to change the channel set.
 		default:
-			return errors.Join(errors.New("wait for notification"), err)
+			return listened, errors.Join(errors.New("wait for notification"), err)
 		}
 	}
 }

@@ -823,7 +823,9 @@ func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedR
 		return verdictNack
 	}
 	c.slot = &errorSlot{}
-	msgCtx, cancel := context.WithCancel(withErrorSlot(r.sub.ctx, c.slot))
+	// As in the default mode, the message outlives the Subscribe context
+	// until CloseTimeout after the relay stopped.
+	msgCtx, cancel := context.WithCancel(withErrorSlot(context.WithoutCancel(r.sub.ctx), c.slot))
 	defer cancel()
 	msg.SetContext(msgCtx)
 	c.msg = msg
@@ -839,8 +841,19 @@ func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedR
 		return verdictNone
 	}
 	var grace <-chan time.Time
+	overrun := time.NewTimer(s.overrunAfter())
+	defer overrun.Stop()
 	for {
 		select {
+		case <-overrun.C:
+			// As in the default mode: the attempt counts as failed and holds
+			// the key like any failure.
+			c.slot.set(s.overrunError())
+			cancel()
+			r.logger.Error("Handler overran its dispatch timeout; counting a failed attempt", s.overrunError(),
+				watermill.LogFields{"event_id": row.EventID})
+			r.fail(name, k, row, c)
+			return verdictNack
 		case <-msg.Acked():
 			r.mu.Lock()
 			onAck()

@@ -38,17 +38,20 @@ type Subscriber struct {
 	notifier  *notifier
 	idle      idleSignal
 
-	acks     chan ackReq
-	ackStop  chan struct{}
-	ackerWg  sync.WaitGroup
-	closing  chan struct{}
-	closed   atomic.Bool
-	closeMu  sync.Mutex
-	subsWg   sync.WaitGroup
-	closeErr error
+	acks      chan ackReq
+	ackStop   chan struct{}
+	ackerWg   sync.WaitGroup
+	closing   chan struct{}
+	closed    atomic.Bool
+	closeMu   sync.Mutex
+	subsWg    sync.WaitGroup
+	closeErr  error
+	closeDone chan struct{} // closed when Close has finished
 
-	abandon    atomic.Bool // tests: ordered relays stop like a killed process
-	beforeIdle func()      // tests: runs before a subscription tries the idle lock
+	abandon         atomic.Bool   // tests: ordered relays stop like a killed process
+	beforeIdle      func()        // tests: runs before a subscription tries the idle lock
+	afterClaimQuery func()        // tests: runs between a claim's query and its rows
+	writeTimeout    time.Duration // bounds each ack, nack, renewal or release write
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -85,15 +88,17 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		}
 	}
 	s := &Subscriber{
-		oq:      oq,
-		pool:    pool,
-		cfg:     cfg,
-		q:       schema.NewQueries(cfg.Table, cols),
-		logger:  logger.With(watermill.LogFields{"table": cfg.Table.String()}),
-		label:   cfg.Table.Qualified(),
-		acks:    make(chan ackReq, 4*cfg.BatchSize),
-		ackStop: make(chan struct{}),
-		closing: make(chan struct{}),
+		oq:           oq,
+		pool:         pool,
+		cfg:          cfg,
+		q:            schema.NewQueries(cfg.Table, cols),
+		logger:       logger.With(watermill.LogFields{"table": cfg.Table.String()}),
+		label:        cfg.Table.Qualified(),
+		acks:         make(chan ackReq, 4*cfg.BatchSize),
+		ackStop:      make(chan struct{}),
+		closing:      make(chan struct{}),
+		writeTimeout: opTimeout,
+		closeDone:    make(chan struct{}),
 	}
 	s.idle.s = s
 	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
@@ -173,13 +178,16 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 // Close stops every subscription: claims stop, messages in flight get up to
 // CloseTimeout to be acked or nacked, the remaining leases are given back,
 // pending acks are written, and the connections are returned. Close is
-// idempotent and safe to call while subscriptions are blocked.
+// idempotent and safe to call while subscriptions are blocked; a second call
+// (a router closes its subscribers too) waits until the first has finished.
 func (s *Subscriber) Close() error {
 	s.closeMu.Lock()
 	if s.closed.Swap(true) {
 		s.closeMu.Unlock()
+		<-s.closeDone
 		return s.closeErr
 	}
+	defer close(s.closeDone)
 	close(s.closing)
 	s.closeMu.Unlock()
 
@@ -205,6 +213,12 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	if s.oq != nil {
 		query = s.q.ClaimAllUnkeyed // keyed rows go through the ordered relay
 	}
+	// The claim commits its leases as it runs: cancelled between its UPDATE
+	// and the reading of its rows, it would orphan the batch until LockTTL.
+	// So it runs on a context of its own, detached from ctx's cancellation
+	// and bounded by opTimeout; the caller gives back what it cannot deliver.
+	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
+	defer cancel()
 	var out, parked []*claimed
 	run := func(ctx context.Context, conn interface {
 		Query(context.Context, string, ...any) (pgx.Rows, error)
@@ -214,6 +228,9 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 			return err
 		}
 		defer rows.Close()
+		if s.afterClaimQuery != nil {
+			s.afterClaimQuery()
+		}
 		for rows.Next() {
 			c := &claimed{}
 			if err := c.row.ScanClaim(rows, s.q.Columns); err != nil {
@@ -229,9 +246,9 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	}
 	var err error
 	if s.leader != nil {
-		err = s.leader.withConn(ctx, func(ctx context.Context, conn *pgx.Conn) error { return run(ctx, conn) })
+		err = s.leader.withConn(qctx, func(ctx context.Context, conn *pgx.Conn) error { return run(ctx, conn) })
 	} else {
-		err = run(ctx, s.pool)
+		err = run(qctx, s.pool)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("claim from %s: %w", s.cfg.Table, err)
@@ -258,7 +275,7 @@ func (c *claimed) fence() (string, int32, time.Time) { return c.row.ID, c.row.At
 
 // nack records a failed attempt of c.
 func (s *Subscriber) nack(c *claimed) {
-	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
 	defer cancel()
 	err := c.slot.get()
 	text := "handler nacked the message without an error (add the subscriber.CaptureError middleware to record it)"
@@ -291,13 +308,16 @@ func (s *Subscriber) nack(c *claimed) {
 	}
 }
 
-// extend renews the lease of c; it updates the fence token.
+// extend renews the lease of c. The fence token (id, attempts, locked_at)
+// does not change, so a renewal whose reply is lost breaks nothing.
 func (s *Subscriber) extend(c *claimed) bool {
-	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
 	defer cancel()
 	id, attempts, lockedAt := c.fence()
-	var renewed time.Time
-	err := s.pool.QueryRow(ctx, s.q.Extend, id, attempts, lockedAt).Scan(&renewed)
+	tag, err := s.pool.Exec(ctx, s.q.Extend, id, attempts, lockedAt)
+	if err == nil && tag.RowsAffected() == 0 {
+		err = pgx.ErrNoRows
+	}
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		s.fenceRejected("extend")
@@ -307,7 +327,6 @@ func (s *Subscriber) extend(c *claimed) bool {
 		s.logger.Error("Could not renew lease", err, watermill.LogFields{"event_id": c.row.EventID})
 		return true
 	}
-	c.row.LockedAt = renewed
 	if m := s.cfg.Metrics; m != nil {
 		m.LeaseExtended.WithLabelValues(s.label).Inc()
 	}
@@ -323,7 +342,7 @@ func (s *Subscriber) release(cs []*claimed, undo int) {
 	for i, c := range cs {
 		ids[i], attempts[i], locked[i] = c.fence()
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
 	defer cancel()
 	rows, err := s.pool.Query(ctx, s.q.Release, ids, attempts, locked, undo, s.cfg.MaxAttempts)
 	if err == nil {
@@ -349,6 +368,16 @@ func (s *Subscriber) release(cs []*claimed, undo int) {
 	if err != nil {
 		s.logger.Error("Could not give leases back; the rows return after the lock TTL", err, watermill.LogFields{"rows": len(cs)})
 	}
+}
+
+// overrunAfter is how long after delivery a message loses its lease:
+// DispatchTimeout plus one renewal period (LockTTL/2) of margin.
+func (s *Subscriber) overrunAfter() time.Duration { return s.cfg.DispatchTimeout + s.cfg.LockTTL/2 }
+
+// overrunError is the failure recorded for a handler that overran.
+func (s *Subscriber) overrunError() error {
+	return fmt.Errorf("handler overran: no ack or nack %s after delivery (DispatchTimeout %s plus a margin of LockTTL/2); its lease was taken back",
+		s.overrunAfter(), s.cfg.DispatchTimeout)
 }
 
 // wentDead counts a row's first entry into the dead state.

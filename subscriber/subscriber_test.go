@@ -122,6 +122,11 @@ func TestConfigValidation(t *testing.T) {
 			t.Errorf("config %+v: got %v, want %q", b.cfg, err, b.want)
 		}
 	}
+	// One mistake, one message: a negative BatchSize does not also report
+	// the MaxInFlight derived from it.
+	if _, err := subscriber.New(pool, subscriber.Config{Table: tbl, BatchSize: -1}, nil); err == nil || strings.Contains(err.Error(), "MaxInFlight") {
+		t.Errorf("BatchSize -1: %v, want only the BatchSize error", err)
+	}
 	if _, err := subscriber.New(pool, subscriber.Config{Table: schema.MustParseTable(tbl.Schema() + ".missing")}, nil); !errors.Is(err, schema.ErrTableNotFound) {
 		t.Errorf("missing table: %v", err)
 	}

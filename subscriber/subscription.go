@@ -236,7 +236,10 @@ func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 			continue
 		}
 		c.slot = &errorSlot{}
-		msgCtx, cancel := context.WithCancel(withErrorSlot(sub.ctx, c.slot))
+		// The message outlives the Subscribe context, which a router
+		// cancels at Close: in-flight work finishes, or is cancelled
+		// CloseTimeout after the subscription stopped (watch).
+		msgCtx, cancel := context.WithCancel(withErrorSlot(context.WithoutCancel(sub.ctx), c.slot))
 		msg.SetContext(msgCtx)
 		c.msg = msg
 		sub.inflight.Add(1)
@@ -275,12 +278,23 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 	}
 	stop := sub.stopped()
 	var grace <-chan time.Time
+	overrun := time.NewTimer(s.overrunAfter())
+	defer overrun.Stop()
 	for {
 		select {
 		case <-c.msg.Acked():
 			s.acks <- ackReq{c: c}
 			return
 		case <-c.msg.Nacked():
+			s.nack(c)
+			return
+		case <-overrun.C:
+			// No more renewals: the handler loses its lease and the attempt
+			// counts as failed.
+			c.slot.set(s.overrunError())
+			cancel()
+			sub.logger.Error("Handler overran its dispatch timeout; taking its lease back and counting a failed attempt",
+				s.overrunError(), watermill.LogFields{"event_id": c.row.EventID})
 			s.nack(c)
 			return
 		case <-renew:
@@ -298,8 +312,9 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 			stop = nil
 			grace = time.After(s.cfg.CloseTimeout)
 		case <-grace:
-			sub.logger.Info("Message neither acked nor nacked before the close timeout; giving its lease back",
+			sub.logger.Info("Message neither acked nor nacked before the close timeout; cancelling it and giving its lease back",
 				watermill.LogFields{"event_id": c.row.EventID})
+			cancel()
 			s.release([]*claimed{c}, 0)
 			return
 		}

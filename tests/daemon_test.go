@@ -73,8 +73,10 @@ func (s *syncBuffer) String() string {
 }
 
 // TestDaemonRelaysAndDrainsOnSIGTERM starts `outbox relay` from the
-// environment, checks that it relays to Kafka, sends SIGTERM, and checks it
-// exits 0 with nothing left locked.
+// environment, checks that it relays to Kafka, then makes the broker slow
+// (every produce answered 1.5s late), enqueues more events and sends SIGTERM
+// while they are in flight: the daemon lets them finish, acks them on their
+// first attempt (none nacked, none left locked) and exits 0.
 func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -86,6 +88,10 @@ func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 	defer cluster.Close()
 	const topic = "org.organization.created.v1"
 	want := enqueueTraced(t, pool, tbl, topic, 30)
+	all := map[string]sent{}
+	for id, s := range want {
+		all[id] = s
+	}
 
 	var stdout, stderr syncBuffer
 	cmd := exec.Command(outboxBinary(t), "relay")
@@ -118,9 +124,36 @@ func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 	}
 	defer sub.Close()
 	receiveAll(t, sub, topic, tbl, want, nil)
-	// New events while running, then SIGTERM.
+
+	// A slow broker, new events, and SIGTERM once they are all in flight.
+	cluster.SlowProduce(1500 * time.Millisecond)
 	more := enqueueTraced(t, pool, tbl, topic, 10)
-	waitAllPublished(t, pool, tbl, 30+len(more))
+	for id, s := range more {
+		all[id] = s
+	}
+	ctx := context.Background()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		var leased int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE locked_at IS NOT NULL`).Scan(&leased); err != nil {
+			t.Fatal(err)
+		}
+		if leased == len(more) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d events in flight; stderr:\n%s", leased, len(more), stderr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	var published int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE published_at IS NOT NULL`).Scan(&published); err != nil {
+		t.Fatal(err)
+	}
+	if published != 30 {
+		t.Fatalf("%d rows published before SIGTERM, want 30: the broker was not slow enough to catch the new ones in flight", published)
+	}
+	signalled := time.Now()
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
@@ -129,16 +162,32 @@ func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 		if err != nil {
 			t.Fatalf("daemon exit: %v\nstderr:\n%s", err, stderr.String())
 		}
-	case <-time.After(30 * time.Second):
+	case <-time.After(60 * time.Second):
 		t.Fatalf("daemon did not exit after SIGTERM; stderr:\n%s", stderr.String())
 	}
-	var locked int
-	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE locked_at IS NOT NULL`).Scan(&locked); err != nil {
+	t.Logf("daemon exited %s after SIGTERM", time.Since(signalled).Round(time.Millisecond))
+	for id := range more {
+		var (
+			isPublished, locked bool
+			attempts            int
+			lastError           *string
+		)
+		if err := pool.QueryRow(ctx, `SELECT published_at IS NOT NULL, locked_at IS NOT NULL, attempts, last_error FROM `+tbl.Sanitize()+` WHERE event_id = $1`, id).
+			Scan(&isPublished, &locked, &attempts, &lastError); err != nil {
+			t.Fatal(err)
+		}
+		if !isPublished || locked || attempts != 1 || lastError != nil {
+			t.Fatalf("in-flight event %s after SIGTERM: published %v, locked %v, attempts %d, last_error %v; want acked on its first attempt\nstderr:\n%s",
+				id, isPublished, locked, attempts, lastError, stderr.String())
+		}
+	}
+	// Every event on the broker exactly once, each with attempts = 1.
+	again, err := cluster.NewSubscriber("daemon-e2e-after-sigterm", watermill.NopLogger{})
+	if err != nil {
 		t.Fatal(err)
 	}
-	if locked != 0 {
-		t.Fatalf("%d rows left locked after SIGTERM", locked)
-	}
+	defer again.Close()
+	receiveAll(t, again, topic, tbl, all, nil)
 	if !strings.Contains(stdout.String(), "relaying 1 table(s) to kafka") || !strings.Contains(stdout.String(), "relay stopped") {
 		t.Fatalf("daemon stdout:\n%s", stdout.String())
 	}
@@ -238,7 +287,7 @@ func TestDaemonExportsRelaySpansOverOTLP(t *testing.T) {
 	cmd.Env = append(os.Environ(),
 		"OUTBOX_DATABASE_URL="+testdb.URL(),
 		"OUTBOX_RELAY_TABLES="+tbl.String(),
-		"OUTBOX_BACKEND=gochannel",
+		"OUTBOX_BACKEND=amqp", "OUTBOX_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/",
 		"OUTBOX_RELAY_POLL_INTERVAL=100ms",
 		"OUTBOX_CLEANER_ENABLED=false",
 		"OTEL_EXPORTER_OTLP_ENDPOINT="+collector.URL,

@@ -22,7 +22,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/internal/kafkatest"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
-	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -55,7 +55,7 @@ func TestOrderedRelayToKafka(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cluster.Close()
-	kpub, err := router.NewPublisher(router.BackendConfig{Kind: router.BackendKafka, KafkaBrokers: cluster.Brokers()}, watermill.NopLogger{})
+	kpub, err := kafkabackend.NewPublisher(cluster.Brokers(), watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -147,7 +147,7 @@ func TestDaemonOrderedNeedsMigration(t *testing.T) {
 	tbl := testdb.Table(t, "plain_outbox")
 	cmd := exec.Command(outboxBinary(t), "relay")
 	cmd.Env = append(os.Environ(), "OUTBOX_DATABASE_URL="+testdb.URL(), "OUTBOX_RELAY_TABLES="+tbl.String(),
-		"OUTBOX_BACKEND=gochannel", "OUTBOX_RELAY_ORDERED=true", "OUTBOX_CLEANER_ENABLED=false")
+		"OUTBOX_BACKEND=amqp", "OUTBOX_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/", "OUTBOX_RELAY_ORDERED=true", "OUTBOX_CLEANER_ENABLED=false")
 	done := make(chan struct{})
 	var out []byte
 	var err error

@@ -13,7 +13,8 @@ import (
 
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/internal/kafkatest"
-	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/router/amqpbackend"
+	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -30,17 +31,21 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 	defer cluster.Close()
 	backends := []struct {
 		name string
-		cfg  router.BackendConfig
+		open func() (message.Publisher, error)
 	}{
-		{"outbox -> Kafka (kfake, acks=all, idempotent)", router.BackendConfig{Kind: router.BackendKafka, KafkaBrokers: cluster.Brokers()}},
-		{fmt.Sprintf("outbox -> RabbitMQ (confirms, pool %d)", o.amqpPool), router.BackendConfig{Kind: router.BackendAMQP, AMQPURL: o.amqpURL, AMQPChannelPoolSize: o.amqpPool}},
+		{"outbox -> Kafka (kfake, acks=all, idempotent)", func() (message.Publisher, error) {
+			return kafkabackend.NewPublisher(cluster.Brokers(), watermill.NopLogger{})
+		}},
+		{fmt.Sprintf("outbox -> RabbitMQ (confirms, pool %d)", o.amqpPool), func() (message.Publisher, error) {
+			return amqpbackend.NewPublisher(amqpbackend.Config{URL: o.amqpURL, ChannelPoolSize: o.amqpPool}, watermill.NopLogger{})
+		}},
 	}
 	var (
 		names, baselines []string
 		values           []float64
 	)
 	for i, b := range backends {
-		pub, err := router.NewPublisher(b.cfg, watermill.NopLogger{})
+		pub, err := b.open()
 		if err != nil {
 			return fmt.Errorf("%s: %w", b.name, err)
 		}

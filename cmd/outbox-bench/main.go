@@ -32,7 +32,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/router/amqpbackend"
 )
 
 type options struct {
@@ -67,7 +67,7 @@ func main() {
 	flag.IntVar(&o.backlog, "backlog", 100000, "rows to drain in the relay suite")
 	flag.IntVar(&o.brokerBacklog, "broker-backlog", 30000, "rows to relay in the brokers suite")
 	flag.StringVar(&o.amqpURL, "amqp", envOr("OUTBOX_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ URL for the brokers suite")
-	flag.IntVar(&o.amqpPool, "amqp-pool", router.AMQPChannelPoolSizeDefault, "AMQP publisher channel pool size")
+	flag.IntVar(&o.amqpPool, "amqp-pool", amqpbackend.ChannelPoolSizeDefault, "AMQP publisher channel pool size")
 	flag.IntVar(&o.scalingSample, "scaling-sample", 10000, "rows drained per case in the scaling suite (at most 10,000, the smallest backlog)")
 	flag.IntVar(&o.scalingMax, "scaling-max", 1_000_000, "largest backlog of the scaling suite")
 	flag.IntVar(&o.sustainedRate, "sustained-rate", 500, "events/s of the sustained suite (multiple of 10)")

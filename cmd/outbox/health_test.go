@@ -129,7 +129,8 @@ func relayEnv(dbURL string, tbl schema.Table) map[string]string {
 	return map[string]string{
 		"OUTBOX_DATABASE_URL":        dbURL,
 		"OUTBOX_RELAY_TABLES":        tbl.String(),
-		"OUTBOX_BACKEND":             "gochannel",
+		"OUTBOX_BACKEND":             "amqp",
+		"OUTBOX_AMQP_URL":            "amqp://guest:guest@127.0.0.1:5672/",
 		"OUTBOX_RELAY_POLL_INTERVAL": "100ms",
 		"OUTBOX_CLEANER_ENABLED":     "false",
 	}

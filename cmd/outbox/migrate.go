@@ -13,7 +13,7 @@ import (
 )
 
 func init() {
-	registerCommand("migrate", "create outbox tables (--table or OUTBOX_RELAY_TABLES); --print shows the SQL only", runMigrate)
+	registerCommand("migrate", "create outbox tables (--table or OUTBOX_RELAY_TABLES); --print shows the SQL only; --create-schema for a new schema", runMigrate)
 }
 
 func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
@@ -23,6 +23,7 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	trace := fs.Bool("trace", false, "add the optional traceparent and tracestate columns")
 	headers := fs.Bool("headers", false, "add the optional headers column")
 	ordered := fs.Bool("ordered", false, "add the ordering_key column and the companion tables of ordered mode (default: OUTBOX_RELAY_ORDERED)")
+	createSchema := fs.Bool("create-schema", false, "create the table's schema if it does not exist (otherwise a missing schema is an error)")
 	printSQL := fs.Bool("print", false, "print the SQL instead of running it")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -44,6 +45,9 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 		}
 	}
 	var opts []schema.MigrateOption
+	if *createSchema {
+		opts = append(opts, schema.WithCreateSchema())
+	}
 	if *trace {
 		opts = append(opts, schema.WithTraceColumns())
 	}
@@ -69,7 +73,7 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	}
 	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
-		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN", errUsage)
+		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN: %s", errUsage, parseProblem(err))
 	}
 	defer pool.Close()
 	mctx, cancel := context.WithTimeout(ctx, time.Minute)

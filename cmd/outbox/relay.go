@@ -26,6 +26,8 @@ import (
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/router/amqpbackend"
+	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -54,7 +56,7 @@ type relayConfig struct {
 	retention       time.Duration
 	deadRetention   time.Duration
 	cleanerVacuum   bool
-	backend         router.BackendConfig
+	backend         backendConfig
 	metricsEnabled  bool
 	metricsPath     string
 	metricsAddr     string
@@ -81,6 +83,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	c.relayEnabled, err = env.Bool("OUTBOX_RELAY_ENABLED", true)
 	must(err)
 	c.tables, err = env.Tables("OUTBOX_RELAY_TABLES", nil)
+	tablesErr := err
 	must(err)
 	c.singleActive, err = env.Bool("OUTBOX_RELAY_SINGLE_ACTIVE", true)
 	must(err)
@@ -120,10 +123,10 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	c.metricsPath = env.String("PROMETHEUS_METRICS_PATH", "/debug/prometheus")
 	c.metricsAddr = env.String("PROMETHEUS_METRICS_ADDR", ":9464")
 	if c.relayEnabled {
-		if len(c.tables) == 0 && err == nil {
+		if len(c.tables) == 0 && tablesErr == nil {
 			errs = append(errs, errors.New("OUTBOX_RELAY_TABLES is not set; list the tables to relay, for example OUTBOX_RELAY_TABLES=public.org_outbox"))
 		}
-		c.backend.Kind, err = env.Required("OUTBOX_BACKEND", "kafka (or amqp, gochannel)")
+		c.backend.Kind, err = env.Required("OUTBOX_BACKEND", "kafka (or amqp)")
 		must(err)
 		switch c.backend.Kind {
 		case router.BackendKafka:
@@ -131,11 +134,20 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 			must(err)
 			c.backend.KafkaBrokers = router.ParseBrokers(brokers)
 		case router.BackendAMQP:
-			c.backend.AMQPURL, err = env.Required("OUTBOX_AMQP_URL", "amqp://user:password@rabbitmq:5672/")
+			c.backend.AMQP.URL, err = env.Required("OUTBOX_AMQP_URL", "amqp://user:password@rabbitmq:5672/")
 			must(err)
-		case router.BackendGoChannel, "":
+			c.backend.AMQP.Layout = env.String("OUTBOX_AMQP_LAYOUT", amqpbackend.LayoutQueue)
+			c.backend.AMQP.Exchange = env.String("OUTBOX_AMQP_EXCHANGE", "")
+			if err == nil {
+				if verr := c.backend.AMQP.Validate(); verr != nil {
+					errs = append(errs, fmt.Errorf("OUTBOX_AMQP_LAYOUT=%q, OUTBOX_AMQP_EXCHANGE=%q: %w", c.backend.AMQP.Layout, c.backend.AMQP.Exchange, verr))
+				}
+			}
+		case router.BackendGoChannel:
+			errs = append(errs, errors.New("OUTBOX_BACKEND=gochannel cannot work in the daemon: an in-process pub/sub has no subscriber in this process, so every event would go dead; use kafka or amqp, or relay in-process inside your service with forwarder.New(sub, router.NewInProcess(), ...)"))
+		case "":
 		default:
-			errs = append(errs, fmt.Errorf("OUTBOX_BACKEND=%q is not a backend; use kafka, amqp or gochannel", c.backend.Kind))
+			errs = append(errs, fmt.Errorf("OUTBOX_BACKEND=%q is not a backend; use kafka or amqp", c.backend.Kind))
 		}
 	}
 	if len(c.metricsPath) == 0 || c.metricsPath[0] != '/' {
@@ -150,6 +162,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	fs.Usage = func() { relayUsage(stdout) }
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -171,8 +184,7 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 
 	poolCfg, err := pgxpool.ParseConfig(cfg.databaseURL)
 	if err != nil {
-		// pgx's parse errors can quote the URL; never echo it.
-		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN", errUsage)
+		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN: %s", errUsage, parseProblem(err))
 	}
 	poolCfg.MaxConns = max(poolCfg.MaxConns, int32(2*len(cfg.tables)+8)) //nolint:gosec // a handful of tables
 	tuneConnConfig(poolCfg, cfg.leaderTimeout)
@@ -213,6 +225,16 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 		defer srv.Close()
 	}
 	if cfg.cleanerEnabled {
+		// A missing table is reported once, as itself, before any cleaner
+		// or relay starts.
+		for _, t := range cfg.cleanerTables {
+			if err := retryStartup(ctx, logger, func() error { _, err := schema.DetectColumns(ctx, pool, t); return err }); err != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
+				return err
+			}
+		}
 		for _, t := range cfg.cleanerTables {
 			c, err := cleaner.New(pool, cleaner.Config{Table: t, Interval: cfg.cleanerInterval, Retention: cfg.retention,
 				DeadRetention: cfg.deadRetention, Metrics: m, Vacuum: cfg.cleanerVacuum}, logger)
@@ -239,13 +261,30 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 	return err
 }
 
+// backendConfig selects the broker the relay publishes to.
+type backendConfig struct {
+	Kind         string
+	KafkaBrokers []string
+	AMQP         amqpbackend.Config
+}
+
+func (b backendConfig) newPublisher(logger watermill.LoggerAdapter) (message.Publisher, error) {
+	switch b.Kind {
+	case router.BackendKafka:
+		return kafkabackend.NewPublisher(b.KafkaBrokers, logger)
+	case router.BackendAMQP:
+		return amqpbackend.NewPublisher(b.AMQP, logger)
+	}
+	return nil, fmt.Errorf("OUTBOX_BACKEND=%q is not a backend; use kafka or amqp", b.Kind)
+}
+
 // relayTables runs one router with a forwarder per table until ctx is done,
 // then drains: the router stops taking messages, waits for those in flight,
 // and every subscriber gives its remaining leases back.
 func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *message.Router, m *metrics.Metrics, logger watermill.LoggerAdapter, stdout io.Writer) error {
-	backendPub, err := router.NewPublisher(cfg.backend, logger)
+	backendPub, err := cfg.backend.newPublisher(logger)
 	if err != nil {
-		return err
+		return fmt.Errorf("OUTBOX_BACKEND=%s: %w; check %s", cfg.backend.Kind, err, backendAddressVar(cfg.backend.Kind))
 	}
 	defer backendPub.Close()
 	pub := relayIDPublisher{Publisher: backendPub, id: relayID()}
@@ -262,7 +301,7 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 			s, err = subscriber.New(pool, subscriber.Config{
 				Table: t, BatchSize: cfg.batchSize, PollInterval: cfg.pollInterval, LockTTL: cfg.lockTTL, LeaderTimeout: cfg.leaderTimeout,
 				MaxAttempts: cfg.maxAttempts, DisableSingleActive: !cfg.singleActive, Ordered: cfg.ordered, LastErrorMaxBytes: cfg.lastErrorMax,
-				CloseTimeout: cfg.dispatchTimeout, Metrics: m,
+				CloseTimeout: cfg.dispatchTimeout, DispatchTimeout: cfg.dispatchTimeout, Metrics: m,
 			}, logger)
 			return err
 		})
@@ -316,7 +355,8 @@ const startupTimeout = 60 * time.Second
 
 // retryStartup runs step until it succeeds, retrying transient failures
 // (a restarting database) with backoff for up to startupTimeout; a missing
-// table or a stop signal ends it at once.
+// table, an error that cannot heal (a wrong password, user or database
+// name) or a stop signal ends it at once.
 func retryStartup(ctx context.Context, logger watermill.LoggerAdapter, step func() error) error {
 	deadline := time.Now().Add(startupTimeout)
 	delay := 100 * time.Millisecond
@@ -324,6 +364,9 @@ func retryStartup(ctx context.Context, logger watermill.LoggerAdapter, step func
 		err := step()
 		if err == nil || ctx.Err() != nil || errors.Is(err, schema.ErrTableNotFound) || errors.Is(err, subscriber.ErrOrderedNotMigrated) || time.Now().After(deadline) {
 			return err
+		}
+		if hint, ok := unhealable(err); ok {
+			return fmt.Errorf("%s (not retried): %w", hint, err)
 		}
 		logger.Error("Start-up step failed; retrying", err, watermill.LogFields{"retry_in": delay.String()})
 		select {

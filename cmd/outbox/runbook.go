@@ -87,7 +87,7 @@ func openRunbookDB(ctx context.Context, env Env) (*pgxpool.Pool, error) {
 	}
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
-		return nil, fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN", errUsage)
+		return nil, fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN: %s", errUsage, parseProblem(err))
 	}
 	cfg.MaxConns = 2
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
@@ -98,6 +98,9 @@ func openRunbookDB(ctx context.Context, env Env) (*pgxpool.Pool, error) {
 	defer cancel()
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
+		if hint, ok := unhealable(err); ok {
+			return nil, fmt.Errorf("connect to OUTBOX_DATABASE_URL: %s: %w", hint, err)
+		}
 		return nil, fmt.Errorf("connect to OUTBOX_DATABASE_URL (is the database up and the URL right?): %w", err)
 	}
 	return pool, nil
@@ -297,6 +300,8 @@ type replayReport struct {
 	DryRun    bool         `json:"dry_run"`
 	Applied   bool         `json:"applied"`
 	Refused   string       `json:"refused,omitempty"`
+	// Expect is the --expect value that replays exactly the previewed rows.
+	Expect string `json:"expect,omitempty"`
 }
 
 func runDeadReplay(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
@@ -315,6 +320,7 @@ func runDeadReplay(ctx context.Context, env Env, args []string, stdout, stderr i
 	dryRun := f.fs.Bool("dry-run", false, "print what would change and exit 0 without changing anything")
 	confirm := f.fs.Bool("confirm", false, "change the rows; without it the command only previews and exits 2")
 	force := f.fs.Bool("force", false, "allow a bulk replay on a database not marked "+environmentVar+"="+environmentDevelopment)
+	expect := f.fs.String("expect", "", "bulk replay only the rows of an earlier preview: the ROWS:MAX_SEQUENCE:DIGEST it printed; refused if the dead rows changed since")
 	t, err := f.parse(args)
 	if err != nil {
 		return err
@@ -350,8 +356,34 @@ func runDeadReplay(ctx context.Context, env Env, args []string, stdout, stderr i
 		return err
 	}
 	filter.AllTopics = *all
+	if *expect != "" {
+		snap, err := parseSnapshot(*expect)
+		if err != nil {
+			return err
+		}
+		filter.Expect = &snap
+	}
 	development := strings.EqualFold(env.String(environmentVar, ""), environmentDevelopment)
 	return replayBulk(ctx, env, t, filter, replayMode{json: f.json, dryRun: *dryRun, confirm: *confirm, force: *force, development: development}, stdout)
+}
+
+// formatSnapshot renders a preview's snapshot as the value of --expect.
+func formatSnapshot(s runbook.ReplaySnapshot) string {
+	return fmt.Sprintf("%d:%d:%s", s.Rows, s.MaxSequence, s.Digest)
+}
+
+func parseSnapshot(v string) (runbook.ReplaySnapshot, error) {
+	parts := strings.Split(v, ":")
+	bad := fmt.Errorf("%w: --expect=%q is not a preview's ROWS:MAX_SEQUENCE:DIGEST; copy it from the preview's output", errUsage, v)
+	if len(parts) != 3 {
+		return runbook.ReplaySnapshot{}, bad
+	}
+	rows, err1 := strconv.ParseInt(parts[0], 10, 64)
+	maxSeq, err2 := strconv.ParseInt(parts[1], 10, 64)
+	if err1 != nil || err2 != nil || rows < 0 || maxSeq < 0 {
+		return runbook.ReplaySnapshot{}, bad
+	}
+	return runbook.ReplaySnapshot{Rows: rows, MaxSequence: maxSeq, Digest: parts[2]}, nil
 }
 
 type replayMode struct {
@@ -414,16 +446,23 @@ func replayBulk(ctx context.Context, env Env, t schema.Table, filter runbook.Dea
 		return err
 	}
 	defer pool.Close()
+	expect := filter.Expect
+	filter.Expect = nil
 	p, err := runbook.ReplayDead(ctx, pool, t, filter, true)
 	if err != nil {
 		return err
 	}
 	desc := describeFilter(filter, true)
 	rep := replayReport{Table: t.String(), Filter: desc, Statement: p.Statement.SQL, Args: p.Statement.Args,
-		Rows: p.Rows, DryRun: mode.dryRun}
+		Rows: p.Rows, DryRun: mode.dryRun, Expect: formatSnapshot(p.Snapshot)}
 	if !mode.json {
 		fmt.Fprintf(stdout, "Replay dead rows of %s\n  filter  %s\n", t, desc)
 		printStatement(stdout, p.Statement, p.Rows)
+		fmt.Fprintf(stdout, "Snapshot: --expect=%s replays exactly these rows, or nothing if they change.\n", rep.Expect)
+	}
+	if expect != nil && *expect != p.Snapshot {
+		return fmt.Errorf("runbook: replay dead rows of %s: %w: --expect names %d rows up to sequence %d, the preview now finds %d (--expect=%s); nothing changed",
+			t, runbook.ErrReplaySetChanged, expect.Rows, expect.MaxSequence, p.Rows, rep.Expect)
 	}
 	if p.Rows == 0 {
 		return finishPreview(stdout, mode, rep, "Nothing to replay: no dead row matches.")
@@ -446,6 +485,8 @@ func replayBulk(ctx context.Context, env Env, t schema.Table, filter runbook.Dea
 		}
 		return fmt.Errorf("%w: nothing changed: %s", errUsage, rep.Refused)
 	}
+	// Exactly the previewed rows, or none.
+	filter.Expect = &p.Snapshot
 	res, err := runbook.ReplayDead(ctx, pool, t, filter, false)
 	if err != nil {
 		return err
@@ -454,10 +495,7 @@ func replayBulk(ctx context.Context, env Env, t schema.Table, filter runbook.Dea
 	if mode.json {
 		return writeJSON(stdout, rep)
 	}
-	fmt.Fprintf(stdout, "Replayed %s of %s; they are due now and the relay delivers them again.\n", plural(res.Rows, "row"), t)
-	if res.Rows != p.Rows {
-		fmt.Fprintf(stdout, "The preview counted %d: rows changed in between (a relay, the cleaner or another operator).\n", p.Rows)
-	}
+	fmt.Fprintf(stdout, "Replayed %s of %s, exactly those previewed; they are due now and the relay delivers them again.\n", plural(res.Rows, "row"), t)
 	return nil
 }
 
@@ -478,7 +516,7 @@ func printStatement(w io.Writer, st schema.Statement, rows int64) {
 	for _, line := range strings.Split(st.String(), "\n") {
 		fmt.Fprintf(w, "  %s\n", line)
 	}
-	fmt.Fprintf(w, "Rows affected: %d\n", rows)
+	fmt.Fprintf(w, "Rows it changes: %d\n", rows)
 }
 
 // describeFilter renders a dead filter for people.
@@ -532,7 +570,7 @@ func writeRows(w io.Writer, rows []runbook.Row) error {
 	fmt.Fprintln(tw, "SEQUENCE\tEVENT_ID\tTOPIC\tTENANT_ID\tATTEMPTS\tCREATED_AT\tAVAILABLE_AT\tLOCKED_AT\tDEAD_AT\tLAST_ERROR")
 	for _, r := range rows {
 		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", r.Sequence, r.EventID, cell(r.Topic, 0), r.TenantID, r.Attempts,
-			formatTime(&r.CreatedAt), formatTime(r.AvailableAt), formatTime(r.LockedAt), formatTime(r.DeadAt), lastError(r.LastError, 80))
+			formatTime(&r.CreatedAt), formatTime(r.AvailableAt), formatTime(r.LockedAt), formatTime(r.DeadAt), lastError(r.LastError, 120))
 	}
 	if err := tw.Flush(); err != nil {
 		return fmt.Errorf("write table: %w", err)
@@ -555,7 +593,7 @@ func lastError(s *string, maxRunes int) string {
 }
 
 // cell makes s fit one table cell: control characters become spaces and,
-// when maxRunes > 0, it is cut to maxRunes runes.
+// when maxRunes > 0, its middle is cut so that it has maxRunes runes.
 func cell(s string, maxRunes int) string {
 	s = strings.Map(func(r rune) rune {
 		if unicode.IsControl(r) {
@@ -564,7 +602,10 @@ func cell(s string, maxRunes int) string {
 		return r
 	}, s)
 	if r := []rune(s); maxRunes > 0 && len(r) > maxRunes {
-		return string(r[:maxRunes-3]) + "..."
+		// Keep the head (what failed) and the tail (the cause, which wrapped
+		// errors put last), and cut the middle.
+		head := (maxRunes - 5) / 3
+		return string(r[:head]) + " ... " + string(r[len(r)-(maxRunes-5-head):])
 	}
 	return s
 }

@@ -329,7 +329,7 @@ func TestRunbookReplayOneCommand(t *testing.T) {
 	// Without --confirm: the preview, exit 2, nothing changed.
 	r := rbRun(t, rbEnv("OUTBOX_ENVIRONMENT", "development"), args...)
 	r.expect(t, 2, []string{"Replay one event of " + tbl.String(), dead.String(), "dead (25 attempts, dead since ", "HTTP 503",
-		"Statement:", "UPDATE " + tbl.Sanitize() + " SET dead_at = NULL, attempts = 0", "-- $1 = '" + dead.String() + "'", "Rows affected: 1"},
+		"Statement:", "UPDATE " + tbl.Sanitize() + " SET dead_at = NULL, attempts = 0", "-- $1 = '" + dead.String() + "'", "Rows it changes: 1"},
 		[]string{"nothing changed", "add --confirm"})
 	if !reflect.DeepEqual(before, rbSnapshot(t, pool, tbl)) {
 		t.Fatal("the preview changed rows")
@@ -355,7 +355,7 @@ func TestRunbookReplayOneCommand(t *testing.T) {
 
 	// With --confirm the dead row is reset, and only it; no --force is needed for one event.
 	r = rbRun(t, rbEnv(), append(args, "--confirm")...)
-	r.expect(t, 0, []string{"Rows affected: 1", "Replayed 1 row: event " + dead.String() + " of " + tbl.String()}, nil)
+	r.expect(t, 0, []string{"Rows it changes: 1", "Replayed 1 row: event " + dead.String() + " of " + tbl.String()}, nil)
 	if a, le := rbAttempts(t, pool, tbl, dead); a != 0 || le != nil {
 		t.Fatalf("after replay: attempts %d, last_error %v", a, le)
 	}
@@ -391,7 +391,7 @@ func TestRunbookReplayBulkCommand(t *testing.T) {
 	// Preview without --confirm: the statement and the count, exit 2.
 	r := rbRun(t, dev, args...)
 	r.expect(t, 2, []string{"Replay dead rows of " + tbl.String(), `topic = "` + rbTopicA + `"`, `last_error contains "TIMEOUT"`,
-		"WITH target AS", "FOR UPDATE", "UPDATE " + tbl.Sanitize(), "-- $2 = '" + rbTopicA + "'", "-- $3 = 'TIMEOUT'", "Rows affected: 2"},
+		"WITH target AS", "FOR UPDATE", "UPDATE " + tbl.Sanitize(), "-- $2 = '" + rbTopicA + "'", "-- $3 = 'TIMEOUT'", "Rows it changes: 2"},
 		[]string{"nothing changed", "add --confirm to replay 2 rows of " + tbl.String()})
 	if strings.Contains(r.stderr, "--force") {
 		t.Fatalf("a development database asked for --force: %s", r.stderr)
@@ -424,11 +424,11 @@ func TestRunbookReplayBulkCommand(t *testing.T) {
 
 	// Nothing left to match: exit 0 without --confirm.
 	r = rbRun(t, dev, args...)
-	r.expect(t, 0, []string{"Rows affected: 0", "Nothing to replay"}, nil)
+	r.expect(t, 0, []string{"Rows it changes: 0", "Nothing to replay"}, nil)
 
 	// --all with text output.
 	r = rbRun(t, dev, "dead", "replay", "--table="+tbl.String(), "--all", "--confirm")
-	r.expect(t, 0, []string{"every topic (--all)", "Rows affected: 2", "Replayed 2 rows of " + tbl.String()}, nil)
+	r.expect(t, 0, []string{"every topic (--all)", "Rows it changes: 2", "Replayed 2 rows of " + tbl.String()}, nil)
 	for _, id := range []uuid.UUID{ids[2], ids[3]} {
 		if a, _ := rbAttempts(t, pool, tbl, id); a != 0 {
 			t.Fatalf("%s not replayed by --all", id)
@@ -447,7 +447,7 @@ func TestRunbookBulkReplayRefusesNonDevelopment(t *testing.T) {
 
 	for _, env := range []map[string]string{rbEnv(), rbEnv("OUTBOX_ENVIRONMENT", "production"), rbEnv("OUTBOX_ENVIRONMENT", "dev")} {
 		r := rbRun(t, env, args...)
-		r.expect(t, 2, []string{"Rows affected: 2"}, []string{"nothing changed", "not marked as development", "OUTBOX_ENVIRONMENT", "--force"})
+		r.expect(t, 2, []string{"Rows it changes: 2"}, []string{"nothing changed", "not marked as development", "OUTBOX_ENVIRONMENT", "--force"})
 		if strings.Contains(r.stderr, "add --confirm") {
 			t.Fatalf("asks for --confirm although it was given: %s", r.stderr)
 		}
@@ -472,4 +472,39 @@ func TestRunbookBulkReplayRefusesNonDevelopment(t *testing.T) {
 			t.Fatalf("%s not replayed with --force", id)
 		}
 	}
+}
+
+// TestRunbookReplayBulkExpect: `outbox dead replay --expect=...` replays the
+// rows of an earlier preview only while they are still exactly those rows;
+// once the set changed it refuses and changes nothing.
+func TestRunbookReplayBulkExpect(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "cli_replay_expect_outbox")
+	ids := rbEnqueue(t, pool, tbl, rbTopicA, rbTopicA, rbTopicA, rbTopicA)
+	rbMarkDead(t, pool, tbl, "publish: timeout", ids[1], ids[2])
+	dev := rbEnv("OUTBOX_ENVIRONMENT", "development")
+	args := []string{"dead", "replay", "--table=" + tbl.String(), "--topic=" + rbTopicA}
+
+	r := rbRun(t, dev, append(args, "--dry-run", "--json")...)
+	r.expect(t, 0, nil, nil)
+	preview := rbDecode[replayReport](t, r.stdout)
+	if preview.Rows != 2 || preview.Expect == "" {
+		t.Fatalf("preview %+v", preview)
+	}
+	// An older row goes dead after the preview: the set changed, refused.
+	rbMarkDead(t, pool, tbl, "publish: timeout", ids[0])
+	before := rbSnapshot(t, pool, tbl)
+	r = rbRun(t, dev, append(args, "--confirm", "--expect="+preview.Expect)...)
+	r.expect(t, 1, nil, []string{"changed since the preview", "nothing changed"})
+	if !reflect.DeepEqual(before, rbSnapshot(t, pool, tbl)) {
+		t.Fatal("a refused replay changed rows")
+	}
+	// A fresh preview's --expect replays exactly its rows.
+	r = rbRun(t, dev, append(args, "--dry-run", "--json")...)
+	preview = rbDecode[replayReport](t, r.stdout)
+	r = rbRun(t, dev, append(args, "--confirm", "--expect="+preview.Expect)...)
+	r.expect(t, 0, []string{"Replayed 3 rows of " + tbl.String() + ", exactly those previewed"}, nil)
+	r = rbRun(t, dev, append(args, "--confirm", "--expect=nonsense")...)
+	r.expect(t, 2, nil, []string{"--expect"})
 }

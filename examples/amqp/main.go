@@ -3,11 +3,11 @@
 //   - events for two tenants are committed with their business rows, with a
 //     custom header (correlation_id) stored in the outbox's headers column;
 //   - the relay (subscriber.New + forwarder.New) publishes them through
-//     router.NewPublisher with kind amqp: per topic a durable exchange and a
+//     amqpbackend.NewPublisher (the default queue layout): per topic a durable exchange and a
 //     durable queue of the same name, persistent messages, publisher
 //     confirms and a channel pool;
 //   - a Watermill router consumes the queues with a watermill-amqp
-//     subscriber on the same configuration (router.AMQPConfig), dedups on
+//     subscriber on the same configuration (amqpbackend.WatermillConfig), dedups on
 //     event_id, and prints every message's headers: the outbox metadata
 //     (event_id, tenant_id, topic, sequence, attempts, table, partition_key)
 //     and the custom ones.
@@ -37,6 +37,7 @@ import (
 	"time"
 
 	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
+	"github.com/outboxkit/watermill-outbox/router/amqpbackend"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
@@ -48,7 +49,6 @@ import (
 
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/publisher"
-	"github.com/outboxkit/watermill-outbox/router"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -135,7 +135,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 
 	// The consumer: a watermill-amqp subscriber on the relay's AMQP
 	// configuration, so both sides agree on exchanges and queues.
-	amqpSubscriber, err := amqp.NewSubscriber(router.AMQPConfig(brokerURL, 0), logger)
+	amqpSubscriber, err := amqp.NewSubscriber(amqpbackend.WatermillConfig(amqpbackend.Config{URL: brokerURL}), logger)
 	if err != nil {
 		return fmt.Errorf("RabbitMQ at %s is unreachable (start it with `make up`, or set OUTBOX_AMQP_URL): %w", redactURL(brokerURL), err)
 	}
@@ -190,7 +190,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	}
 
 	// The relay: outbox -> RabbitMQ.
-	amqpPublisher, err := router.NewPublisher(router.BackendConfig{Kind: router.BackendAMQP, AMQPURL: brokerURL}, logger)
+	amqpPublisher, err := amqpbackend.NewPublisher(amqpbackend.Config{URL: brokerURL}, logger)
 	if err != nil {
 		return fmt.Errorf("RabbitMQ at %s: %w", redactURL(brokerURL), err)
 	}

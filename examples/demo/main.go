@@ -30,6 +30,7 @@ import (
 	"time"
 
 	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
+	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
@@ -40,7 +41,6 @@ import (
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/internal/kafkatest"
 	"github.com/outboxkit/watermill-outbox/publisher"
-	"github.com/outboxkit/watermill-outbox/router"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -128,7 +128,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	// The relay: outbox subscriber -> forwarder -> Kafka publisher. The zero
 	// forwarder.Config sends each row to the Kafka topic named by its topic
 	// column, keyed by event_id, with every metadata entry as a header.
-	kafkaPublisher, err := router.NewPublisher(router.BackendConfig{Kind: router.BackendKafka, KafkaBrokers: cluster.Brokers()}, logger)
+	kafkaPublisher, err := kafkabackend.NewPublisher(cluster.Brokers(), logger)
 	if err != nil {
 		return err
 	}

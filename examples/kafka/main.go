@@ -3,8 +3,8 @@
 //
 //   - the producer side writes a business row (an invitation) and its event
 //     in one transaction;
-//   - the relay (subscriber.New + forwarder.New + router.NewPublisher of kind
-//     kafka) keys each record by tenant (forwarder.PartitionByTenantID), so
+//   - the relay (subscriber.New + forwarder.New + kafkabackend.NewPublisher)
+//     keys each record by tenant (forwarder.PartitionByTenantID), so
 //     one tenant's events share a partition (retries still reorder: no order
 //     is guaranteed);
 //   - the consumer is a Watermill router over a Kafka consumer group that
@@ -33,6 +33,7 @@ import (
 	"time"
 
 	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
+	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
@@ -160,7 +161,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	defer func() { err = errors.Join(err, stopConsumer()) }()
 
 	// Relay: the outbox to Kafka, keyed by tenant.
-	kafkaPublisher, err := router.NewPublisher(router.BackendConfig{Kind: router.BackendKafka, KafkaBrokers: brokers}, logger)
+	kafkaPublisher, err := kafkabackend.NewPublisher(brokers, logger)
 	if err != nil {
 		return err
 	}

@@ -8,11 +8,13 @@ package kafkatest
 import (
 	"fmt"
 	"net"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
 )
 
 // Cluster is a running in-process Kafka cluster.
@@ -48,6 +50,17 @@ func StartOn(host string, partitions int32) (*Cluster, error) {
 
 // Brokers are the bootstrap addresses.
 func (c *Cluster) Brokers() []string { return c.c.ListenAddrs() }
+
+// SlowProduce makes the broker answer every produce request d late, like a
+// slow or distant broker, until the cluster closes. Other requests are
+// served meanwhile.
+func (c *Cluster) SlowProduce(d time.Duration) {
+	c.c.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
+		c.c.KeepControl()
+		c.c.SleepControl(func() { time.Sleep(d) })
+		return nil, nil, false
+	})
+}
 
 // Close stops the cluster; its data is gone.
 func (c *Cluster) Close() { c.c.Close() }

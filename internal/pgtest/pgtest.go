@@ -41,6 +41,10 @@ type Options struct {
 	// Settings are extra server settings (name to value), e.g.
 	// max_connections.
 	Settings map[string]string
+	// PasswordRoles are login roles created with a password (role to
+	// password) that must authenticate with it (scram-sha-256) from any
+	// address, for tests of authentication failures.
+	PasswordRoles map[string]string
 }
 
 // Cluster is a running private PostgreSQL cluster.
@@ -100,14 +104,20 @@ func Start(tb testing.TB, o Options) *Cluster {
 	if out, err := c.command("initdb", "-D", data, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync").CombinedOutput(); err != nil {
 		tb.Fatalf("pgtest: initdb: %v\n%s", err, out)
 	}
-	hba, err := os.OpenFile(filepath.Join(data, "pg_hba.conf"), os.O_APPEND|os.O_WRONLY, 0) //nolint:gosec // the cluster's own file
+	hbaPath := filepath.Join(data, "pg_hba.conf")
+	initial, err := os.ReadFile(hbaPath) //nolint:gosec // the cluster's own file
 	if err != nil {
 		tb.Fatalf("pgtest: %v", err)
 	}
-	for _, n := range o.Trust {
-		fmt.Fprintf(hba, "host all all %s trust\n", n)
+	var hba strings.Builder
+	for r := range o.PasswordRoles { // first match wins: these lines go first
+		fmt.Fprintf(&hba, "host all %s 0.0.0.0/0 scram-sha-256\n", r)
 	}
-	if err := hba.Close(); err != nil {
+	hba.Write(initial)
+	for _, n := range o.Trust {
+		fmt.Fprintf(&hba, "host all all %s trust\n", n)
+	}
+	if err := os.WriteFile(hbaPath, []byte(hba.String()), 0o600); err != nil {
 		tb.Fatalf("pgtest: %v", err)
 	}
 	settings := map[string]string{
@@ -134,8 +144,23 @@ func Start(tb testing.TB, o Options) *Cluster {
 	}
 	c.opts = strings.Join(opts, " ")
 	c.start()
+	if len(o.PasswordRoles) > 0 {
+		ctx := context.Background()
+		conn, err := pgx.Connect(ctx, c.URL("", ""))
+		if err != nil {
+			tb.Fatalf("pgtest: %v", err)
+		}
+		defer func() { _ = conn.Close(ctx) }()
+		for r, pw := range o.PasswordRoles {
+			if _, err := conn.Exec(ctx, `CREATE ROLE `+pgx.Identifier{r}.Sanitize()+` LOGIN PASSWORD `+quoteLiteral(pw)); err != nil {
+				tb.Fatalf("pgtest: create role: %v", err)
+			}
+		}
+	}
 	return c
 }
+
+func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
 
 // URL is a connection URL for database db ("postgres" when empty) at host
 // (the first listen address when empty).

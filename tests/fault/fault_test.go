@@ -24,13 +24,16 @@ import (
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/internal/pgtest"
+	"github.com/outboxkit/watermill-outbox/internal/rmqtest"
 	"github.com/outboxkit/watermill-outbox/publisher"
-	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/router/amqpbackend"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
+// amqpURL is the shared RabbitMQ node, for the tests that restart no service.
 const amqpURL = "amqp://guest:guest@127.0.0.1:5672/"
 
 func envInt(name string, def int) int {
@@ -138,14 +141,6 @@ func run(t *testing.T, name string, args ...string) {
 	}
 }
 
-func restartPostgres(t *testing.T) {
-	versions, _ := os.ReadDir("/etc/postgresql")
-	if len(versions) == 0 {
-		t.Fatal("no PostgreSQL cluster in /etc/postgresql")
-	}
-	run(t, "pg_ctlcluster", "--skip-systemctl-redirect", versions[len(versions)-1].Name(), "main", "restart")
-}
-
 type received struct {
 	at    time.Time
 	relay string
@@ -153,6 +148,9 @@ type received struct {
 
 // TestFaultInjection is the promise "nothing committed is ever lost", under
 // relay crashes, a PostgreSQL restart, a broker outage and concurrent relays.
+// The database and the broker it restarts are its own: a private PostgreSQL
+// cluster (internal/pgtest) and a private RabbitMQ node (internal/rmqtest),
+// so the shared services other tests and developers use stay up.
 func TestFaultInjection(t *testing.T) {
 	events := envInt("FAULT_EVENTS", 6000)
 	kills := envInt("FAULT_KILLS", 6)
@@ -161,18 +159,24 @@ func TestFaultInjection(t *testing.T) {
 	bin := filepath.Join(t.TempDir(), "outbox")
 	run(t, "go", "build", "-o", bin, "../../cmd/outbox")
 
-	pool := testdb.NewPool(t, nil)
-	tbl := schema.MustParseTable(testdb.Schema(t) + ".fault_outbox")
+	pg := pgtest.Start(t, pgtest.Options{})
+	broker := rmqtest.Start(t)
+	pool, err := pgxpool.New(ctx, pg.URL("", ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	tbl := schema.MustParseTable("public.fault_outbox")
 	if err := schema.Migrate(ctx, pool, tbl); err != nil {
 		t.Fatal(err)
 	}
 	topic := "fault" + strings.ReplaceAll(uuid.NewString()[:8], "-", "") + ".event.happened.v1"
 	logDir := t.TempDir()
 	h := &harness{t: t, bin: bin, logDir: logDir, env: append(os.Environ(),
-		"OUTBOX_DATABASE_URL="+testdb.URL(),
+		"OUTBOX_DATABASE_URL="+pg.URL("", ""),
 		"OUTBOX_RELAY_TABLES="+tbl.String(),
 		"OUTBOX_BACKEND=amqp",
-		"OUTBOX_AMQP_URL="+amqpURL,
+		"OUTBOX_AMQP_URL="+broker.URL(),
 		"OUTBOX_RELAY_LOCK_TTL=3s",
 		"OUTBOX_RELAY_POLL_INTERVAL=200ms",
 		"OUTBOX_RELAY_DISPATCH_TIMEOUT=5s",
@@ -180,9 +184,9 @@ func TestFaultInjection(t *testing.T) {
 	)}
 
 	// The consumer: every event_id received, with the relay that sent it.
-	sub, err := amqp.NewSubscriber(router.AMQPConfig(amqpURL, 0), watermill.NopLogger{})
+	sub, err := amqp.NewSubscriber(amqpbackend.WatermillConfig(amqpbackend.Config{URL: broker.URL()}), watermill.NopLogger{})
 	if err != nil {
-		t.Fatalf("RabbitMQ is required (run `make up`): %v", err)
+		t.Fatalf("the private RabbitMQ node does not answer: %v", err)
 	}
 	subCtx, stopSub := context.WithCancel(ctx)
 	defer stopSub()
@@ -268,13 +272,13 @@ func TestFaultInjection(t *testing.T) {
 		time.Sleep(time.Duration(300+rand.IntN(1200)) * time.Millisecond)
 		h.killRandom(true)
 		if k == pgRestartAt {
-			restartPostgres(t)
+			pg.Restart()
 			pgRestarts++
 		}
 		if k == brokerOutageAt {
-			run(t, "rabbitmqctl", "stop_app")
+			broker.Stop()
 			time.Sleep(10 * time.Second)
-			run(t, "rabbitmqctl", "start_app")
+			broker.Start()
 			brokerOutages++
 		}
 	}
@@ -395,7 +399,7 @@ func TestFaultInjection(t *testing.T) {
 	fmt.Fprintf(w, "rows in the table\t%d\n", len(rows))
 	fmt.Fprintf(w, "relay SIGKILLs\t%d\n", h.kills.Load())
 	fmt.Fprintf(w, "PostgreSQL restarts\t%d\n", pgRestarts)
-	fmt.Fprintf(w, "broker outages (RabbitMQ stop_app 10s)\t%d\n", brokerOutages)
+	fmt.Fprintf(w, "broker outages (RabbitMQ node stopped 10s)\t%d\n", brokerOutages)
 	fmt.Fprintf(w, "relays: phase 1 single-active on / phase 2 off\t2 / 3\n")
 	fmt.Fprintf(w, "lost (committed, never received)\t%d\n", lostCommitted)
 	fmt.Fprintf(w, "lost (in table, never received)\t%d\n", lostInTable)

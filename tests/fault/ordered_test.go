@@ -21,7 +21,7 @@ import (
 
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
-	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/router/amqpbackend"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -56,7 +56,7 @@ func TestFaultOrderedKills(t *testing.T) {
 		"OUTBOX_RELAY_DISPATCH_TIMEOUT=5s",
 		"OUTBOX_CLEANER_ENABLED=false",
 	)}
-	sub, err := amqp.NewSubscriber(router.AMQPConfig(amqpURL, 0), watermill.NopLogger{})
+	sub, err := amqp.NewSubscriber(amqpbackend.WatermillConfig(amqpbackend.Config{URL: amqpURL}), watermill.NopLogger{})
 	if err != nil {
 		t.Fatalf("RabbitMQ is required (run `make up`): %v", err)
 	}

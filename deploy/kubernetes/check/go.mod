@@ -1,6 +1,6 @@
 module github.com/outboxkit/watermill-outbox/deploy/kubernetes/check
 
-go 1.26.8
+go 1.26.0
 
 require (
 	k8s.io/api v0.37.2

@@ -1,0 +1,56 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"text/tabwriter"
+)
+
+// relayVars lists the environment of `outbox relay` for its --help; the
+// README's configuration table lists the same names (TestRelayHelpListsTheREADMEVariables).
+var relayVars = [][3]string{
+	{"OUTBOX_DATABASE_URL", "(required)", "PostgreSQL URL or DSN"},
+	{"OUTBOX_RELAY_ENABLED", "true", "false runs the cleaner only"},
+	{"OUTBOX_RELAY_TABLES", "(required)", "tables to relay, such as public.org_outbox,public.hrm_outbox"},
+	{"OUTBOX_RELAY_SINGLE_ACTIVE", "true", "one active relay per table (advisory lock)"},
+	{"OUTBOX_RELAY_ORDERED", "false", "ordered mode: per-key order, any number of relays (needs outbox migrate --ordered)"},
+	{"OUTBOX_RELAY_POLL_INTERVAL", "1s", "safety-net polling; NOTIFY wakes the relay at commit"},
+	{"OUTBOX_RELAY_BATCH_SIZE", "100", "rows per claim"},
+	{"OUTBOX_RELAY_LOCK_TTL", "60s", "lease length (renewed while a message is in flight)"},
+	{"OUTBOX_RELAY_LEADER_TIMEOUT", "15s", "single-active: bound on losing the table when cut off from the database"},
+	{"OUTBOX_RELAY_MAX_ATTEMPTS", "25", "attempts before a row is dead"},
+	{"OUTBOX_RELAY_DISPATCH_TIMEOUT", "30s", "per-message timeout"},
+	{"OUTBOX_LAST_ERROR_MAX_BYTES", "2048", "last_error bound"},
+	{"OUTBOX_CLEANER_ENABLED", "true", "delete old published rows"},
+	{"OUTBOX_CLEANER_TABLES", "the relay tables", "tables to clean"},
+	{"OUTBOX_CLEANER_INTERVAL", "1m", "time between cleaning passes"},
+	{"OUTBOX_CLEANER_RETENTION", "168h", "keep published rows this long"},
+	{"OUTBOX_CLEANER_DEAD_RETENTION", "0 (keep)", "also delete rows dead for longer than this"},
+	{"OUTBOX_CLEANER_VACUUM", "false", "VACUUM after deleting; only for servers with autovacuum off"},
+	{"OUTBOX_BACKEND", "(required)", "kafka or amqp"},
+	{"OUTBOX_KAFKA_BROKERS", "", "host:port,... (OUTBOX_BACKEND=kafka)"},
+	{"OUTBOX_AMQP_URL", "", "amqp://user:password@host:5672/vhost (OUTBOX_BACKEND=amqp)"},
+	{"OUTBOX_AMQP_LAYOUT", "queue", "queue: per topic an exchange and one shared queue; fanout: exchanges only, each consumer binds its own queue"},
+	{"OUTBOX_AMQP_EXCHANGE", "", "fanout layout: one topic exchange for every topic (routing key = topic); empty: one fanout exchange per topic"},
+	{"PROMETHEUS_METRICS_ENABLED", "false", "serve metrics"},
+	{"PROMETHEUS_METRICS_PATH", "/debug/prometheus", "metrics path"},
+	{"PROMETHEUS_METRICS_ADDR", ":9464", "metrics listen address"},
+	{"OUTBOX_HEALTH_ADDR", "(off)", "serve GET /healthz and GET /readyz on this address, such as :8081"},
+	{"OTEL_EXPORTER_OTLP_ENDPOINT", "(off)", "export relay spans over OTLP/HTTP; the standard OTEL_* variables apply"},
+}
+
+// relayUsage prints the relay's help: what it does and its environment.
+func relayUsage(w io.Writer) {
+	fmt.Fprintln(w, "usage: outbox relay\n\nRelays OUTBOX_RELAY_TABLES to OUTBOX_BACKEND and cleans them; SIGTERM drains.\nIt takes no flags; it reads the environment:")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "\n  VARIABLE\tDEFAULT\tMEANING")
+	for _, v := range relayVars {
+		def := v[1]
+		if def == "" {
+			def = "-"
+		}
+		fmt.Fprintf(tw, "  %s\t%s\t%s\n", v[0], def, v[2])
+	}
+	_ = tw.Flush()
+	fmt.Fprintln(w, "\nA bad value stops the relay with exit code 2 and the variable's name.")
+}
