@@ -584,12 +584,16 @@ func TestMigrateIdempotent(t *testing.T) {
 			t.Errorf("Migrate again: %v", err)
 		}
 	}
-	fresh := schema.MustParseTable(e.ns + "_other.inbox") // schema created on the way
+	fresh := schema.MustParseTable(e.ns + "_other.inbox")
 	t.Cleanup(func() {
 		_, _ = e.pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+pgx.Identifier{e.ns + "_other"}.Sanitize()+` CASCADE`)
 	})
+	// A missing schema is refused unless asked for; then it is created on the way.
+	if err := inbox.Migrate(context.Background(), e.pool, fresh); !errors.Is(err, schema.ErrSchemaNotFound) || !strings.HasPrefix(err.Error(), "inbox: ") {
+		t.Fatalf("Migrate into a missing schema: %v, want inbox: ... ErrSchemaNotFound", err)
+	}
 	for range 2 {
-		if err := inbox.Migrate(context.Background(), e.pool, fresh); err != nil {
+		if err := inbox.Migrate(context.Background(), e.pool, fresh, schema.WithCreateSchema()); err != nil {
 			t.Fatal(err)
 		}
 	}
