@@ -274,7 +274,7 @@ func TestWakeUpRace(t *testing.T) {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
-					rng := rand.New(rand.NewPCG(uint64(w), 42)) //nolint:gosec // test jitter
+					rng := rand.New(rand.NewPCG(uint64(w), 42))
 					for time.Now().Before(stop) {
 						// Pauses from none to 20ms: the relay finds the
 						// table empty now and then and goes idle.
