@@ -214,8 +214,8 @@ func (e *elector) tick(ctx context.Context) {
 		return
 	}
 	e.conn = conn
+	s.setLeaderGauge(1) // the gauge first: whoever sees IsLeader sees the gauge agree
 	e.isLeader.Store(true)
-	s.setLeaderGauge(1)
 	s.logger.Info("Became the active relay for the table", nil)
 	s.wake.broadcast()
 }
@@ -258,10 +258,13 @@ var errNotLeader = errors.New("not the active relay for the table")
 // dropLocked forgets a broken leader connection; closing it ends the session
 // and so releases the lock if the server still holds it.
 func (e *elector) dropLocked() {
+	// Not the leader any more before the (possibly slow) close of a silent
+	// connection; the gauge first, so that whoever sees IsLeader false sees
+	// the gauge agree.
+	e.s.setLeaderGauge(0)
+	e.isLeader.Store(false)
 	closeConn(e.conn)
 	e.conn = nil
-	e.isLeader.Store(false)
-	e.s.setLeaderGauge(0)
 }
 
 // closeConn ends conn's session and gives the slot back to the pool, which
@@ -285,10 +288,10 @@ func (e *elector) resign() {
 		e.dropLocked()
 		return
 	}
+	e.s.setLeaderGauge(0)
+	e.isLeader.Store(false)
 	e.conn.Release()
 	e.conn = nil
-	e.isLeader.Store(false)
-	e.s.setLeaderGauge(0)
 }
 
 func (s *Subscriber) setLeaderGauge(v float64) {
