@@ -298,35 +298,7 @@ func TestFaultInjection(t *testing.T) {
 	producersWg.Wait()
 
 	// Drain: every row of the table published, every one received.
-	deadline := time.Now().Add(3 * time.Minute)
-	var rows []string
-	for {
-		var pending int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE published_at IS NULL`).Scan(&pending); err == nil && pending == 0 {
-			r, err := pool.Query(ctx, `SELECT event_id::text FROM `+tbl.Sanitize())
-			if err != nil {
-				t.Fatal(err)
-			}
-			if rows, err = pgx.CollectRows(r, pgx.RowTo[string]); err != nil {
-				t.Fatal(err)
-			}
-			recvMu.Lock()
-			missing := 0
-			for _, id := range rows {
-				if recv[id] == 0 {
-					missing++
-				}
-			}
-			recvMu.Unlock()
-			if missing == 0 {
-				break
-			}
-		}
-		if time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	rows := waitDrained(ctx, t, pool, tbl, &recvMu, recv, time.Now().Add(3*time.Minute))
 	h.stopAll()
 	stopSub()
 	_ = sub.Close()

@@ -224,35 +224,7 @@ func TestFaultPartition(t *testing.T) {
 	n.heal(t, 0)
 	healed := time.Now()
 
-	var rows []string
-	drainDeadline := time.Now().Add(lockTTL + 90*time.Second)
-	for {
-		var pending int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE published_at IS NULL`).Scan(&pending); err == nil && pending == 0 {
-			r, err := pool.Query(ctx, `SELECT event_id::text FROM `+tbl.Sanitize())
-			if err != nil {
-				t.Fatal(err)
-			}
-			if rows, err = pgx.CollectRows(r, pgx.RowTo[string]); err != nil {
-				t.Fatal(err)
-			}
-			recvMu.Lock()
-			missing := 0
-			for _, id := range rows {
-				if recv[id] == 0 {
-					missing++
-				}
-			}
-			recvMu.Unlock()
-			if missing == 0 {
-				break
-			}
-		}
-		if time.Now().After(drainDeadline) {
-			break
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	rows := waitDrained(ctx, t, pool, tbl, &recvMu, recv, time.Now().Add(lockTTL+90*time.Second))
 	aLeadsAgain := holder() == n.links[0].nsIP
 	for _, p := range []*relayProc{a, b} {
 		_ = p.cmd.Process.Signal(syscall.SIGTERM)
