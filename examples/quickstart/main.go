@@ -10,7 +10,10 @@
 //     the event_id in processed_events in the same transaction as its side
 //     effect, so a second delivery of the same event changes nothing.
 //
-// Delivery is at least once: every consumer of an outbox must dedup.
+// Delivery is at least once: every consumer of an outbox must dedup. This
+// example writes the dedup by hand so that the rule is visible in a few
+// lines; package inbox does the same as a Watermill middleware, with
+// retention and concurrent copies handled (examples/inbox).
 //
 // Run it with `go run ./examples/quickstart` against the PostgreSQL of
 // OUTBOX_DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test). It
