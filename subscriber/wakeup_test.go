@@ -99,13 +99,21 @@ func TestWakeUpHandshake(t *testing.T) {
 		}
 		waitFor(t, "the relay to go idle again", 5*time.Second, idle)
 	}
-	t.Logf("idle relay: worst enqueue-to-delivery %s, %d notifications for 5 events", worst, notified.Load())
 	if worst > time.Second {
 		t.Fatalf("an idle relay took %s to deliver", worst)
 	}
-	if notified.Load() < 5 {
-		t.Fatalf("%d notifications for 5 events enqueued while the relay was idle", notified.Load())
+	// Delivery within a second with a poll interval of a minute is the
+	// proof that the wake-up reached the sleeping relay. Notifications
+	// number at most one per event: a relay between two idle spells (it
+	// woke, claimed, is about to take the lock again) is not idle, and the
+	// writer rightly skips the NOTIFY; under the race detector that window
+	// is wide enough to be hit, so only at least one is required.
+	waitFor(t, "a notification for the events enqueued while the relay was idle", 5*time.Second,
+		func() bool { return notified.Load() >= 1 })
+	if n := notified.Load(); n > 5 {
+		t.Fatalf("%d notifications for 5 events", n)
 	}
+	t.Logf("idle relay: worst enqueue-to-delivery %s, %d notifications for 5 events", worst, notified.Load())
 
 	// Busy: the relay has MaxInFlight messages in flight and claims as soon
 	// as a slot frees; it is not idle, and enqueues do not notify.
