@@ -41,6 +41,8 @@ VALUES ('org-1', hashtext('org-1') & 63, $1, 3, 'infinity', 'boom', now())`, seq
 		t.Fatalf("keys held: %+v", held)
 	}
 	rbRun(t, rbEnv(), "keys", "held", "--table="+tbl.String()).expect(t, 0, []string{"org-1", "dead", "outbox dead skip"}, nil)
+	// dead list does not show the keyed dead row itself, but says it exists.
+	rbRun(t, rbEnv(), "dead", "list", "--table="+tbl.String()).expect(t, 0, []string{"No dead rows", "1 key held by a dead row", "outbox keys held --table=" + tbl.String()}, nil)
 
 	rbRun(t, rbEnv(), "dead", "skip", "--table="+tbl.String(), "--event-id="+id.String()).expect(t, 2, []string{"org-1"}, []string{"--confirm"})
 	rbRun(t, rbEnv(), "dead", "skip", "--table="+tbl.String(), "--event-id="+id.String(), "--confirm").expect(t, 0, []string{"Skipped event"}, nil)
