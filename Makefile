@@ -16,7 +16,7 @@ up: ## Check PostgreSQL and RabbitMQ and start whichever is down (fails loudly i
 wait: ## Wait until PostgreSQL and RabbitMQ accept connections.
 	@./scripts/services.sh wait
 
-test: ## Run every test against the real services (the command CI runs), then the partition test (root) and the fault-injection test at CI size.
+test: up ## Run every test against the real services (the command CI runs), then the partition test (root) and the fault-injection test at CI size.
 	go test -count=1 -timeout 30m ./...
 	./scripts/docker-build-check.sh && cd deploy/kubernetes/check && go test -count=1 ./...
 	go test -count=1 -timeout 10m -tags fault -run TestFaultPartition -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -15; exit $${PIPESTATUS[0]}
