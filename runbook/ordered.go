@@ -39,6 +39,9 @@ type HeldKey struct {
 	DeadAt *time.Time `json:"dead_at,omitempty"`
 	// SkipRequestedAt is set when an operator asked to skip the row.
 	SkipRequestedAt *time.Time `json:"skip_requested_at,omitempty"`
+	// Replay is true for an operator's replay of a row already relayed:
+	// the row is delivered once more before the key's next row.
+	Replay bool `json:"replay,omitempty"`
 }
 
 func orderedQueries(ctx context.Context, db DB, t schema.Table) (*schema.OrderedQueries, error) {
@@ -79,7 +82,7 @@ func HeldKeys(ctx context.Context, db DB, t schema.Table, limit int) ([]HeldKey,
 			h            HeldKey
 			event, topic *string
 		)
-		err := r.Scan(&h.Key, &h.Partition, &h.Sequence, &h.Attempts, &h.AvailableAt, &h.LastError, &h.DeadAt, &h.SkipRequestedAt, &event, &topic)
+		err := r.Scan(&h.Key, &h.Partition, &h.Sequence, &h.Attempts, &h.AvailableAt, &h.LastError, &h.DeadAt, &h.SkipRequestedAt, &event, &topic, &h.Replay)
 		if event != nil {
 			h.EventID = *event
 		}
@@ -140,6 +143,63 @@ func replayHeld(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, d
 	res.Changed = tag.RowsAffected()
 	wake(ctx, db, q)
 	return res, true, nil
+}
+
+// ErrNotRelayedYet is returned (wrapped) by ReplayEvent for a keyed row of
+// an ordered table that its relay has not recorded as done yet: it will be
+// delivered anyway.
+var ErrNotRelayedYet = errors.New("runbook: keyed event not relayed yet")
+
+// replayKeyed is ReplayEvent for a keyed row of an ordered table that does
+// not hold its key: a row already relayed (acked or skipped, at or below
+// its partition's written floor) becomes a replay hold, delivered once more
+// before the key's next row. ok is false when the row is not keyed or the
+// table is not ordered.
+func replayKeyed(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
+	oq, err := orderedQueries(ctx, db, t)
+	if err != nil || oq == nil {
+		return EventReplay{}, false, err
+	}
+	var keyed bool
+	if err := db.QueryRow(ctx, oq.Keyed, eventID.String()).Scan(&keyed); errors.Is(err, pgx.ErrNoRows) || (err == nil && !keyed) {
+		return EventReplay{}, false, nil
+	} else if err != nil {
+		return EventReplay{}, true, dbError(t, "look up event "+eventID.String()+" in", err)
+	}
+	q := schema.NewRunbookQueries(t)
+	st := q.Event(eventID.String(), schema.LockTTLDefault)
+	var d, leased bool
+	row, err := scanRow(db.QueryRow(ctx, st.SQL, st.Args...), &d, &leased)
+	if err != nil {
+		return EventReplay{}, true, dbError(t, "look up event "+eventID.String()+" in", err)
+	}
+	res := EventReplay{Table: t.String(), Row: row, Statement: schema.Statement{SQL: oq.ReplayDone, Args: []any{eventID.String()}}}
+	if dryRun {
+		res.DryRun = true
+		return res, true, nil
+	}
+	var (
+		inserted, above bool
+		held            *int64
+	)
+	if err := db.QueryRow(ctx, oq.ReplayDone, eventID.String()).Scan(&inserted, &above, &held); err != nil {
+		return EventReplay{}, true, dbError(t, "replay event "+eventID.String()+" of", err)
+	}
+	switch {
+	case inserted:
+		res.Changed = 1
+		wake(ctx, db, q)
+		return res, true, nil
+	case held != nil:
+		return EventReplay{}, true, fmt.Errorf("runbook: cannot replay event %s of %s: its ordering key is held at sequence %d; replay or skip that row first (`outbox keys held`); nothing changed: %w",
+			eventID, t, *held, ErrNotHeld)
+	case above:
+		return EventReplay{}, true, fmt.Errorf("runbook: cannot replay event %s of %s: the relay has not recorded it as done yet (it is above its partition's floor) and will deliver it; if it was just acked or skipped, try again after one relay tick; nothing changed: %w",
+			eventID, t, ErrNotRelayedYet)
+	default:
+		return EventReplay{}, true, fmt.Errorf("runbook: cannot replay event %s of %s: its key's last hold is not cleaned yet; try again after one relay tick; nothing changed: %w",
+			eventID, t, ErrNotRelayedYet)
+	}
 }
 
 // EventSkip reports a SkipEvent.

@@ -148,6 +148,9 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 	if held, ok, err := replayHeld(ctx, db, t, eventID, opts.DryRun); ok || err != nil {
 		return held, err
 	}
+	if keyed, ok, err := replayKeyed(ctx, db, t, eventID, opts.DryRun); ok || err != nil {
+		return keyed, err
+	}
 	res, err := inspectEvent(ctx, db, q, eventID, lockTTL)
 	if err != nil {
 		return EventReplay{}, err

@@ -393,6 +393,10 @@ const deadAtNote = "-- Adds dead_at (no table rewrite) and marks dead the rows o
 	"-- parked at available_at = 'infinity', or attempts >= 25 and not leased. If your relay ran with\n" +
 	"-- OUTBOX_RELAY_MAX_ATTEMPTS above 25, put its value in place of 25 before applying it.\n"
 
+// holdStatesNote heads the hold-states migration.
+const holdStatesNote = "-- Ordered tables only (skip it for a table without ordered mode): adds the hold states of\n" +
+	"-- this version to <table>_holds (resolved holds kept until the floor passes them, operator replays).\n"
+
 // migrationFiles renders the shipped migration files for table t, by path
 // under Migrations.
 func migrationFiles(t Table) map[string]string {
@@ -408,6 +412,8 @@ func migrationFiles(t Table) map[string]string {
 	down3 := OptionalColumnsDownSQL(t, WithOrderingKeyColumn())
 	up4 := DeadAtUpSQL(t)
 	down4 := DeadAtDownSQL(t)
+	up5 := HoldsStateUpSQL(t)
+	down5 := HoldsStateDownSQL(t)
 	return map[string]string{
 		"migrations/000001_create_" + name + ".up.sql":                 h("UpSQL") + "\n" + up1,
 		"migrations/000001_create_" + name + ".down.sql":               h("DownSQL") + destructive + "\n" + down1,
@@ -417,9 +423,13 @@ func migrationFiles(t Table) map[string]string {
 		"migrations/000003_add_" + name + "_ordering.down.sql":         h("OptionalColumnsDownSQL") + destructive + "\n" + down3,
 		"migrations/000004_add_" + name + "_dead_at.up.sql":            h("DeadAtUpSQL") + deadAtNote + "\n" + up4,
 		"migrations/000004_add_" + name + "_dead_at.down.sql":          h("DeadAtDownSQL") + "\n" + down4,
+		"migrations/000005_add_" + name + "_hold_states.up.sql":        h("HoldsStateUpSQL") + holdStatesNote + "\n" + up5,
+		"migrations/000005_add_" + name + "_hold_states.down.sql":      h("HoldsStateDownSQL") + "\n" + down5,
 		"migrations/goose/00001_create_" + name + ".sql": h("UpSQL") + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
 		"migrations/goose/00002_add_" + name + "_dead_at.sql": h("DeadAtUpSQL") + deadAtNote + "\n-- +goose Up\n" + up4 +
 			"\n-- +goose Down\n" + down4,
+		"migrations/goose/00003_add_" + name + "_hold_states.sql": h("HoldsStateUpSQL") + holdStatesNote + "\n-- +goose Up\n" + up5 +
+			"\n-- +goose Down\n" + down5,
 	}
 }

@@ -103,7 +103,28 @@ func orderedCompanionStatements(t Table) []string {
   CONSTRAINT ` + t.ident(suffixHolds+suffixPkey) + ` PRIMARY KEY (ordering_key)
 )`,
 		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixHoldsByPartition) + ` ON ` + t.HoldsTable() + ` (partition)`,
+		holdsStateStatement(t),
 	}
+}
+
+// holdsStateStatement adds the hold states of this version to a holds table
+// made by an older one, idempotently: resolved_at marks a resolved hold (a
+// tombstone: the key's rows up to its sequence are done, kept until the
+// partition's written floor passes it) and replay marks an operator's
+// replay of a row already relayed (delivered once more, covering nothing).
+func holdsStateStatement(t Table) string {
+	return `ALTER TABLE ` + t.HoldsTable() + ` ADD COLUMN IF NOT EXISTS resolved_at TIMESTAMPTZ NULL,
+  ADD COLUMN IF NOT EXISTS replay BOOLEAN NOT NULL DEFAULT false`
+}
+
+// HoldsStateUpSQL returns the DDL that brings the holds table of an ordered
+// table t made by an older version to this version's hold states
+// (idempotent; the shipped migration 000005).
+func HoldsStateUpSQL(t Table) string { return holdsStateStatement(t) + ";\n" }
+
+// HoldsStateDownSQL reverts HoldsStateUpSQL.
+func HoldsStateDownSQL(t Table) string {
+	return `ALTER TABLE ` + t.HoldsTable() + ` DROP COLUMN IF EXISTS resolved_at, DROP COLUMN IF EXISTS replay;\n`
 }
 
 func orderedCompanionDrops(t Table) []string {
@@ -143,44 +164,59 @@ type OrderedQueries struct {
 	Renew string
 	// Release gives partitions $2 back with floors $3, fenced like Renew.
 	Release string
-	// Cut returns the sequence's last value, the virtual transactions that
-	// hold a key lock of the table (lock class $1) now, and whether any of
-	// the transactions $2 (text array) still holds one.
+	// Cut returns the sequence's last value, then the virtual transactions
+	// that hold a key lock of the table (lock class $1) and the lock's key
+	// hash (objid as bigint; its low 6 bits are the key's partition), as two
+	// arrays of the same length. The last value is read before the locks.
 	Cut string
 	// Holds lists the holds of partitions $1 (int array): ordering_key,
-	// partition, sequence, attempts, due, dead, skip requested.
+	// partition, sequence, attempts, seconds until due (<= 0: due), dead,
+	// skip requested, replay, resolved.
 	Holds string
-	// Scan reads the keyed rows of partitions $1 (int array) above
-	// sequences $2 (bigint array, same order), at most $3 per partition, in
-	// sequence order per partition. Returns OrderedRow columns.
+	// Scan reads the keyed rows of partitions $1 (int array) with
+	// sequences in ($2, $3] ($2 a bigint array, same order; $3 one bigint),
+	// at most $4 per partition, in sequence order per partition. Returns
+	// OrderedRow columns.
 	Scan string
-	// RowAt reads the row of key $1 at sequence $2 (OrderedRow columns).
+	// Rescan reads the keyed rows of partition $1[i] whose key hash is
+	// $2[i] with sequences in ($3[i], $4[i]], for each i, in sequence order.
+	// Returns OrderedRow columns.
+	Rescan string
+	// RowAt reads the row of key $1 at sequence $2 while its key's hold is
+	// at that sequence, not resolved and no skip is requested (OrderedRow
+	// columns; no row otherwise).
 	RowAt string
 	// Fail records a failed attempt of row (key $3, sequence $4) of
 	// partition $2 as its key's hold, fenced on relay $1's lease. Args then:
-	// last_error $5, max_attempts $6, permanent $7, backoff seconds $8.
-	// Returns: dead, attempts.
+	// last_error $5, max_attempts $6, permanent $7, backoff seconds $8. A
+	// resolved hold below the row is replaced; a hold at the row counts one
+	// more attempt and keeps a requested skip. Returns: dead, attempts,
+	// skip requested (no row when not owned or the key has another hold).
 	Fail string
 	// Advance moves the hold of key $3 at sequence $4 (partition $2,
-	// relay $1) to the key's next row at or below sequence $5, or deletes
-	// it when there is none. Returns: owned, next sequence (NULL when the
-	// hold was deleted or not found), deleted.
+	// relay $1), whose row succeeded or was skipped, to the key's next row
+	// at or below sequence $5; without one the hold is resolved (kept as a
+	// tombstone); a replay hold is deleted. Returns: owned, next sequence
+	// (NULL when none), resolved, deleted.
 	Advance string
+	// CleanResolved deletes the resolved holds at or below the written
+	// floor of their partition, for the partitions relay $1 owns.
+	CleanResolved string
 	// Stats returns pending (not dead), leased, dead and the oldest pending
 	// age in seconds, for keyed and unkeyed rows together: an unkeyed row is
 	// dead when its dead_at is set, a keyed row when its key's hold on it
 	// has dead_at set. No args.
 	Stats string
-	// HeldKeys counts the holds: all, dead.
+	// HeldKeys counts the holds that hold a key (not resolved): all, dead.
 	HeldKeys string
 	// DeleteDone deletes up to $2 keyed rows at or below their partition's
 	// floor created more than $1 seconds ago, never a row at or after the
-	// sequence of its key's hold.
+	// sequence of its key's hold (a replay hold keeps only its own row).
 	DeleteDone string
 	// ListHolds lists up to $1 holds for the runbook: ordering_key,
 	// partition, sequence, attempts, available_at (NULL when dead), last_error, dead_at,
 	// skip_requested_at, event_id, topic (event_id and topic NULL when the
-	// row is gone).
+	// row is gone), replay.
 	ListHolds string
 	// RetryHold makes the hold of key $1 at sequence $2 due now and clears
 	// dead_at and attempts. Command tag: rows.
@@ -189,11 +225,20 @@ type OrderedQueries struct {
 	// continue with the key's next row; it records the skip in the row's
 	// last_error. Returns: skipped (bool).
 	SkipHold string
+	// ReplayDone makes the keyed row whose event_id is $1 a replay hold when
+	// it is at or below its partition's written floor and its key has no
+	// hold (or only a resolved one at or below that floor): the relay
+	// delivers it once more before the key's next row. Returns: inserted,
+	// above floor, held sequence (NULL when the key has no hold).
+	ReplayDone string
+	// Keyed reports whether the row whose event_id is $1 has an ordering
+	// key (no row when there is no such event).
+	Keyed string
 }
 
 // orderedReturning lists the columns of an OrderedRow, for row alias o.
 func orderedReturning(c Columns) string {
-	cols := []string{"o.ordering_partition::int", "o.ordering_key", "o.id::text", "o.event_id::text", "o.tenant_id::text", "o.topic",
+	cols := []string{"o.ordering_partition::int", "o.ordering_key", "hashtext(o.ordering_key)", "o.id::text", "o.event_id::text", "o.tenant_id::text", "o.topic",
 		"o.payload::text", "o.sequence", "o.created_at"}
 	if c.TraceContext {
 		cols = append(cols, "o.traceparent", "o.tracestate")
@@ -204,16 +249,19 @@ func orderedReturning(c Columns) string {
 	return strings.Join(cols, ", ")
 }
 
-// OrderedRow is one keyed row read by OrderedQueries.Scan or RowAt.
+// OrderedRow is one keyed row read by OrderedQueries.Scan, Rescan or RowAt.
 type OrderedRow struct {
 	ClaimedRow
 	Partition int
 	Key       string
+	// KeyHash is hashtext(Key), the second key of the key's writer lock.
+	KeyHash int32
 }
 
-// Scan reads a row produced by Scan or RowAt for a table with columns c.
+// Scan reads a row produced by Scan, Rescan or RowAt for a table with
+// columns c.
 func (r *OrderedRow) Scan(s Scanner, c Columns) error {
-	dest := []any{&r.Partition, &r.Key, &r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.CreatedAt}
+	dest := []any{&r.Partition, &r.Key, &r.KeyHash, &r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.CreatedAt}
 	if c.TraceContext {
 		dest = append(dest, &r.TraceParent, &r.TraceState)
 	}
@@ -252,45 +300,72 @@ RETURNING p.partition::int`
 	q.Release = `UPDATE ` + parts + ` AS p SET owner = NULL, lease_until = NULL, floor_sequence = GREATEST(p.floor_sequence, u.floor)
 FROM unnest($2::int[], $3::bigint[]) AS u(part, floor)
 WHERE p.partition = u.part AND p.owner = $1 AND p.lease_until > now()`
-	lockFilter := `l.locktype = 'advisory' AND l.classid = ($1::int4)::oid AND l.objsubid = 2`
-	q.Cut = `SELECT s.last_value,
-  ARRAY(SELECT DISTINCT l.virtualtransaction FROM pg_locks AS l WHERE ` + lockFilter + ` AND l.granted AND s.last_value IS NOT NULL),
-  EXISTS (SELECT 1 FROM pg_locks AS l WHERE ` + lockFilter + ` AND l.virtualtransaction = ANY($2::text[]) AND s.last_value IS NOT NULL)
-FROM (SELECT COALESCE(pg_sequence_last_value(pg_get_serial_sequence(` + quoteLiteral(tbl) + `, 'sequence')::regclass), 0) AS last_value) AS s`
-	q.Holds = `SELECT ordering_key, partition::int, sequence, attempts, available_at <= now(), dead_at IS NOT NULL, skip_requested_at IS NOT NULL
+	// The last value is read in a subquery that runs before the lock list
+	// (OFFSET 0 keeps it from being flattened into it).
+	q.Cut = `SELECT s.last_value, COALESCE(l.vx, '{}'), COALESCE(l.h, '{}')
+FROM (SELECT COALESCE(pg_sequence_last_value(pg_get_serial_sequence(` + quoteLiteral(tbl) + `, 'sequence')::regclass), 0) AS last_value OFFSET 0) AS s
+CROSS JOIN LATERAL (
+  SELECT array_agg(k.virtualtransaction) AS vx, array_agg(k.objid::int8) AS h FROM pg_locks AS k
+  WHERE k.locktype = 'advisory' AND k.classid = ($1::int4)::oid AND k.objsubid = 2 AND k.granted AND s.last_value IS NOT NULL
+) AS l`
+	q.Holds = `SELECT ordering_key, partition::int, sequence, attempts, extract(epoch FROM available_at - now())::float8,
+  dead_at IS NOT NULL, skip_requested_at IS NOT NULL, replay, resolved_at IS NOT NULL
 FROM ` + holds + ` WHERE partition = ANY($1::int[])`
 	q.Scan = `SELECT ` + ret + `
-FROM unnest($1::int[], $2::bigint[]) AS p(part, floor)
+FROM unnest($1::int[], $2::bigint[]) AS p(part, lo)
 CROSS JOIN LATERAL (
   SELECT * FROM ` + tbl + ` AS k
-  WHERE k.ordering_partition = p.part AND k.ordering_key IS NOT NULL AND k.sequence > p.floor AND k.published_at IS NULL
-  ORDER BY k.sequence LIMIT $3
+  WHERE k.ordering_partition = p.part AND k.ordering_key IS NOT NULL AND k.sequence > p.lo AND k.sequence <= $3 AND k.published_at IS NULL
+  ORDER BY k.sequence LIMIT $4
 ) AS o`
-	q.RowAt = `SELECT ` + ret + ` FROM ` + tbl + ` AS o WHERE o.ordering_key = $1 AND o.sequence = $2`
+	q.Rescan = `SELECT ` + ret + `
+FROM unnest($1::int[], $2::int4[], $3::bigint[], $4::bigint[]) AS w(part, h, lo, hi)
+CROSS JOIN LATERAL (
+  SELECT * FROM ` + tbl + ` AS k
+  WHERE k.ordering_partition = w.part AND k.ordering_key IS NOT NULL AND k.sequence > w.lo AND k.sequence <= w.hi
+    AND hashtext(k.ordering_key) = w.h AND k.published_at IS NULL
+) AS o ORDER BY o.sequence`
+	q.RowAt = `SELECT ` + ret + ` FROM ` + tbl + ` AS o JOIN ` + holds + ` AS h ON h.ordering_key = o.ordering_key AND h.sequence = o.sequence
+WHERE o.ordering_key = $1 AND o.sequence = $2 AND h.resolved_at IS NULL AND h.skip_requested_at IS NULL`
 	own := `SELECT 1 FROM ` + parts + ` WHERE partition = $2 AND owner = $1 AND lease_until > now()`
-	deadNow := `($7::bool OR h.attempts + 1 >= $6::int)`
+	deadFirst := `$7::bool OR $6::int <= 1`
+	same := `(h.resolved_at IS NULL AND h.sequence = EXCLUDED.sequence)`
+	deadNow := `($7::bool OR (CASE WHEN ` + same + ` THEN h.attempts ELSE 0 END) + 1 >= $6::int)`
 	q.Fail = `INSERT INTO ` + holds + ` AS h (ordering_key, partition, sequence, attempts, available_at, last_error, dead_at)
 SELECT $3, $2, $4, 1,
-  CASE WHEN $7::bool OR $6::int <= 1 THEN 'infinity'::timestamptz ELSE now() + ` + ttl("$8") + ` END, $5,
-  CASE WHEN $7::bool OR $6::int <= 1 THEN now() END
+  CASE WHEN ` + deadFirst + ` THEN 'infinity'::timestamptz ELSE now() + ` + ttl("$8") + ` END, $5,
+  CASE WHEN ` + deadFirst + ` THEN now() END
 WHERE EXISTS (` + own + `)
-ON CONFLICT (ordering_key) DO UPDATE SET attempts = h.attempts + 1, last_error = EXCLUDED.last_error,
+ON CONFLICT (ordering_key) DO UPDATE SET
+  sequence = EXCLUDED.sequence,
+  attempts = CASE WHEN ` + same + ` THEN h.attempts + 1 ELSE 1 END,
+  last_error = EXCLUDED.last_error,
   available_at = CASE WHEN ` + deadNow + ` THEN 'infinity'::timestamptz ELSE now() + ` + ttl("$8") + ` END,
-  dead_at = CASE WHEN ` + deadNow + ` THEN now() END, skip_requested_at = NULL
-WHERE h.sequence = EXCLUDED.sequence
-RETURNING h.dead_at IS NOT NULL, h.attempts`
+  dead_at = CASE WHEN ` + deadNow + ` THEN now() END,
+  skip_requested_at = CASE WHEN ` + same + ` THEN h.skip_requested_at END,
+  replay = CASE WHEN ` + same + ` THEN h.replay ELSE false END,
+  resolved_at = NULL, created_at = CASE WHEN ` + same + ` THEN h.created_at ELSE now() END
+WHERE ` + same + ` OR (h.resolved_at IS NOT NULL AND h.sequence < EXCLUDED.sequence)
+RETURNING h.dead_at IS NOT NULL, h.attempts, h.skip_requested_at IS NOT NULL`
 	q.Advance = `WITH own AS (` + own + `),
+h0 AS (SELECT replay FROM ` + holds + ` WHERE ordering_key = $3 AND sequence = $4 AND resolved_at IS NULL AND EXISTS (SELECT 1 FROM own) FOR UPDATE),
 nxt AS (SELECT min(sequence) AS s FROM ` + tbl + ` WHERE ordering_key = $3 AND sequence > $4 AND sequence <= $5),
-upd AS (
-  UPDATE ` + holds + ` AS h SET sequence = nxt.s, attempts = 0, available_at = now(), last_error = NULL, dead_at = NULL, skip_requested_at = NULL
-  FROM nxt WHERE h.ordering_key = $3 AND h.sequence = $4 AND nxt.s IS NOT NULL AND EXISTS (SELECT 1 FROM own)
-  RETURNING h.sequence
-),
 del AS (
-  DELETE FROM ` + holds + ` AS h WHERE h.ordering_key = $3 AND h.sequence = $4 AND (SELECT s FROM nxt) IS NULL AND EXISTS (SELECT 1 FROM own)
-  RETURNING h.sequence
+  DELETE FROM ` + holds + ` AS h WHERE h.ordering_key = $3 AND h.sequence = $4 AND (SELECT replay FROM h0)
+  RETURNING 1
+),
+upd AS (
+  UPDATE ` + holds + ` AS h SET sequence = COALESCE((SELECT s FROM nxt), h.sequence), attempts = 0, available_at = now(),
+    last_error = NULL, dead_at = NULL, skip_requested_at = NULL, created_at = now(),
+    resolved_at = CASE WHEN (SELECT s FROM nxt) IS NULL THEN now() END
+  WHERE h.ordering_key = $3 AND h.sequence = $4 AND h.resolved_at IS NULL AND NOT (SELECT replay FROM h0)
+  RETURNING h.sequence, h.resolved_at IS NOT NULL AS resolved
 )
-SELECT EXISTS (SELECT 1 FROM own), (SELECT sequence FROM upd), EXISTS (SELECT 1 FROM del)`
+SELECT EXISTS (SELECT 1 FROM own), (SELECT sequence FROM upd WHERE NOT resolved), EXISTS (SELECT 1 FROM upd WHERE resolved),
+  EXISTS (SELECT 1 FROM del)`
+	q.CleanResolved = `DELETE FROM ` + holds + ` AS h USING ` + parts + ` AS p
+WHERE h.partition = p.partition AND p.owner = $1 AND p.lease_until > now() AND h.resolved_at IS NOT NULL AND h.sequence <= p.floor_sequence`
+	active := `h.resolved_at IS NULL`
 	keyed := `SELECT o.sequence, o.created_at, o.ordering_key
   FROM ` + parts + ` AS p CROSS JOIN LATERAL (
     SELECT k.sequence, k.created_at, k.ordering_key FROM ` + tbl + ` AS k
@@ -298,10 +373,12 @@ SELECT EXISTS (SELECT 1 FROM own), (SELECT sequence FROM upd), EXISTS (SELECT 1 
   ) AS o
   UNION
   SELECT o.sequence, o.created_at, o.ordering_key
-  FROM ` + holds + ` AS h JOIN ` + tbl + ` AS o ON o.ordering_key = h.ordering_key AND o.sequence >= h.sequence AND o.published_at IS NULL`
+  FROM ` + holds + ` AS h JOIN ` + tbl + ` AS o ON o.ordering_key = h.ordering_key AND o.published_at IS NULL
+    AND (o.sequence = h.sequence OR (o.sequence > h.sequence AND NOT h.replay))
+  WHERE ` + active
 	q.Stats = `WITH keyed AS (` + keyed + `),
 marked AS (
-  SELECT k.created_at, EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = k.ordering_key AND h.sequence = k.sequence AND h.dead_at IS NOT NULL) AS dead
+  SELECT k.created_at, EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = k.ordering_key AND h.sequence = k.sequence AND h.dead_at IS NOT NULL AND ` + active + `) AS dead
   FROM keyed AS k
 ),
 unkeyed AS (
@@ -312,7 +389,7 @@ unkeyed AS (
 SELECT u.pending + (SELECT count(*) FROM marked WHERE NOT dead), u.locked, u.dead + (SELECT count(*) FROM marked WHERE dead),
   COALESCE(extract(epoch FROM now() - LEAST(u.oldest, (SELECT min(created_at) FROM marked WHERE NOT dead)))::float8, 0)
 FROM unkeyed AS u`
-	q.HeldKeys = `SELECT count(*), count(*) FILTER (WHERE dead_at IS NOT NULL) FROM ` + holds
+	q.HeldKeys = `SELECT count(*), count(*) FILTER (WHERE dead_at IS NOT NULL) FROM ` + holds + ` AS h WHERE ` + active
 	q.DeleteDone = `WITH victims AS (
   SELECT o.id FROM ` + parts + ` AS p CROSS JOIN LATERAL (
     SELECT k.id, k.ordering_key, k.sequence FROM ` + tbl + ` AS k
@@ -320,24 +397,41 @@ FROM unkeyed AS u`
       AND k.created_at < now() - ` + ttl("$1") + `
     ORDER BY k.sequence LIMIT $2
   ) AS o
-  WHERE NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key AND o.sequence >= h.sequence)
+  WHERE NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key AND ` + active + `
+    AND (o.sequence = h.sequence OR (o.sequence > h.sequence AND NOT h.replay)))
   LIMIT $2
 )
 DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
 	q.ListHolds = `SELECT h.ordering_key, h.partition::int, h.sequence, h.attempts,
   CASE WHEN h.available_at = 'infinity' THEN NULL ELSE h.available_at END, h.last_error, h.dead_at, h.skip_requested_at,
-  o.event_id::text, o.topic
+  o.event_id::text, o.topic, h.replay
 FROM ` + holds + ` AS h LEFT JOIN ` + tbl + ` AS o ON o.ordering_key = h.ordering_key AND o.sequence = h.sequence
+WHERE ` + active + `
 ORDER BY h.created_at, h.ordering_key LIMIT $1`
 	q.RetryHold = `UPDATE ` + holds + ` SET dead_at = NULL, attempts = 0, available_at = now(), skip_requested_at = NULL
-WHERE ordering_key = $1 AND sequence = $2`
+WHERE ordering_key = $1 AND sequence = $2 AND resolved_at IS NULL`
 	q.SkipHold = `WITH h AS (
-  UPDATE ` + holds + ` SET skip_requested_at = now() WHERE ordering_key = $1 AND sequence = $2 RETURNING sequence
+  UPDATE ` + holds + ` SET skip_requested_at = now() WHERE ordering_key = $1 AND sequence = $2 AND resolved_at IS NULL RETURNING sequence
 ), o AS (
   UPDATE ` + tbl + ` SET last_error = 'skipped by an operator at ' || now()::text || COALESCE('; was: ' || last_error, '')
   WHERE ordering_key = $1 AND sequence = $2 AND EXISTS (SELECT 1 FROM h) RETURNING 1
 )
 SELECT EXISTS (SELECT 1 FROM h)`
+	q.ReplayDone = `WITH r AS (
+  SELECT o.ordering_key, o.ordering_partition, o.sequence, o.sequence <= p.floor_sequence AS done, p.floor_sequence AS floor
+  FROM ` + tbl + ` AS o JOIN ` + parts + ` AS p ON p.partition = o.ordering_partition
+  WHERE o.event_id = $1::uuid AND o.ordering_key IS NOT NULL
+), ins AS (
+  INSERT INTO ` + holds + ` AS h (ordering_key, partition, sequence, attempts, available_at, replay)
+  SELECT r.ordering_key, r.ordering_partition, r.sequence, 0, now(), true FROM r WHERE r.done
+  ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, partition = EXCLUDED.partition, attempts = 0,
+    available_at = now(), last_error = NULL, dead_at = NULL, skip_requested_at = NULL, replay = true, resolved_at = NULL, created_at = now()
+  WHERE h.resolved_at IS NOT NULL AND h.sequence <= (SELECT floor FROM r)
+  RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM ins), NOT COALESCE((SELECT done FROM r), false),
+  (SELECT h.sequence FROM ` + holds + ` AS h, r WHERE h.ordering_key = r.ordering_key AND h.resolved_at IS NULL)`
+	q.Keyed = `SELECT ordering_key IS NOT NULL FROM ` + tbl + ` WHERE event_id = $1::uuid`
 	return q
 }
 
@@ -358,5 +452,5 @@ func OrderedTablesExist(ctx context.Context, q Querier, t Table) (bool, error) {
 func (q *OrderedQueries) HoldOfEventStatement(eventID string) Statement {
 	return Statement{SQL: `SELECT h.ordering_key, h.sequence, h.dead_at IS NOT NULL, h.attempts
 FROM ` + q.Table.Sanitize() + ` AS o JOIN ` + q.Table.HoldsTable() + ` AS h ON h.ordering_key = o.ordering_key AND h.sequence = o.sequence
-WHERE o.event_id = $1::uuid`, Args: []any{eventID}}
+WHERE o.event_id = $1::uuid AND h.resolved_at IS NULL`, Args: []any{eventID}}
 }

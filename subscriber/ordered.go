@@ -51,6 +51,34 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 	return schema.NewOrderedQueries(t, cols), nil
 }
 
+// Design (docs/ORDERING.md, "How it works"); the invariants the code keeps:
+//
+//   - Prefix: writers of one key hold the key's lock from enqueue to commit,
+//     so a visible row of key K has every lower row of K that will ever
+//     commit already visible. Delivering a key's rows in sequence order as
+//     they become visible is therefore order-safe; the relay only has to
+//     find rows that become visible late, below its scan position.
+//   - Scan (per partition): every committed row at or below seen was loaded,
+//     or belongs to a watch: a (writer, key hash) that held the key lock at
+//     the cut that bounded the scan which passed the row. The scan reads
+//     only up to the sequence value read before the lock list, so a row
+//     invisible to the scan belongs to a writer that held its lock at the
+//     cut. When that writer has ended, one rescan of its hash over the
+//     watch's range finds what it committed; until then the loaded rows of
+//     that hash above the range's start are parked (not delivered), so a
+//     late row can never be overtaken by a later row of its key.
+//   - Floor (per partition): floor = min(seen, every open row - 1, every
+//     watch's start). Open rows are loaded rows neither acked nor covered by
+//     a hold. Every keyed row at or below the floor is done: acked, or at or
+//     above its key's hold. Floors only rise and are written each tick.
+//   - Holds: a hold (key, sequence) is written before the rows it covers
+//     leave the open set: every row of the key at or above its sequence.
+//     Rows of the key below an active hold are done; the relay delivers the
+//     held row, and when it succeeds or is skipped, moves the hold to the
+//     key's next row at or below seen, or resolves it (a tombstone: rows at
+//     or below it are done) until the written floor passes it. A replay hold
+//     (an operator's replay of a row already relayed) covers nothing.
+
 // orderedRelay delivers the keyed rows of one subscription; it is one relay
 // of the table's membership.
 type orderedRelay struct {
@@ -61,6 +89,7 @@ type orderedRelay struct {
 	id     string
 	logger watermill.LoggerAdapter
 	kick   chan struct{}
+	class  int32
 
 	mu      sync.Mutex
 	parts   map[int]*partState
@@ -68,16 +97,9 @@ type orderedRelay struct {
 	runners int // key runners alive (each has at most one message in flight)
 	runWg   sync.WaitGroup
 
-	// cut: rows up to safe are all committed or aborted (no writer of a key
-	// can still commit one); cutS0/cutVx wait for their writers to end.
-	safe  int64
-	cutS0 int64
-	cutVx []string
-
 	// gen counts local hold changes, so that a holds read that started
 	// before a change does not undo it.
-	gen      int64
-	resolved map[string]int64 // key -> gen of a hold deleted here
+	gen int64
 
 	abandon bool // tests: stop like a killed process, without giving leases back
 }
@@ -86,55 +108,70 @@ type partState struct {
 	id        int
 	floor     int64 // in memory; every keyed row <= floor is done
 	persisted int64
-	seen      int64 // every visible row in (floor, seen] is loaded
-	window    []*entry
-	loaded    map[int64]*entry
+	seen      int64              // every committed row <= seen is loaded, or in a watch
+	open      map[int64]struct{} // loaded rows neither acked nor covered by a hold
+	watches   []*watch
+	full      bool      // the last scan stopped for the read-ahead limit
 	deadline  time.Time // local clock: deliver nothing after it
 	renewed   time.Time
 	releasing bool
-	lastScan  int // rows returned by the last scan
+}
+
+// watch is a writer that held the lock of key hash hash when a scan passed
+// (from, to]: rows of that hash in the range may become visible later.
+type watch struct {
+	vxid     string
+	hash     int32
+	from, to int64
+	ended    bool               // the writer ended; rescan in this cycle
+	loaded   map[int64]struct{} // rows of the hash in the range already loaded
 }
 
 type entry struct {
-	row   *schema.OrderedRow
-	acked bool
+	row *schema.OrderedRow
 }
 
 type keyState struct {
-	part      int
-	p         *partState // the partition state the key belongs to
-	queue     []*entry
-	busy      bool // a runner works on the key
-	hold      *holdState
-	holdGen   int64 // gen of the last local change of hold
-	pending   int   // entries of the key in its partition's window
-	delivered int64 // highest sequence delivered, to check order
+	name     string
+	p        *partState // the partition state the key belongs to
+	queue    []*entry   // loaded, open rows in sequence order; none in flight
+	busy     bool       // a runner works on the key
+	hold     *holdState
+	holdGen  int64 // gen of the last local change of hold
+	lastDone int64 // highest sequence acked or skipped here, to check order
 }
 
 type holdState struct {
 	seq       int64
 	attempts  int
-	due       bool
+	dueAt     time.Time // local clock
 	dead      bool
 	skip      bool
+	replay    bool
+	resolved  bool // tombstone: rows <= seq are done
 	advancing bool // an Advance statement is running
+	inflight  bool // the held row is being delivered
 }
+
+// covering reports whether h covers the key's rows at and above its
+// sequence.
+func (h *holdState) covering() bool { return h != nil && !h.resolved && !h.replay }
 
 func newOrderedRelay(sub *subscription) *orderedRelay {
 	host, _ := os.Hostname()
 	b := make([]byte, 4)
 	_, _ = rand.Read(b)
 	return &orderedRelay{
-		sub:      sub,
-		s:        sub.s,
-		wake:     sub.s.wake.register(),
-		oq:       sub.s.oq,
-		id:       host + "-" + strconv.Itoa(os.Getpid()) + "-" + hex.EncodeToString(b),
-		logger:   sub.logger,
-		kick:     make(chan struct{}, 1),
-		parts:    map[int]*partState{},
-		keys:     map[string]*keyState{},
-		resolved: map[string]int64{},
+		sub:    sub,
+		s:      sub.s,
+		wake:   sub.s.wake.register(),
+		oq:     sub.s.oq,
+		id:     host + "-" + strconv.Itoa(os.Getpid()) + "-" + hex.EncodeToString(b),
+		logger: sub.logger,
+		kick:   make(chan struct{}, 1),
+		class:  sub.s.cfg.Table.OrderingLockClass(),
+		parts:  map[int]*partState{},
+		keys:   map[string]*keyState{},
 	}
 }
 
@@ -145,6 +182,9 @@ func (r *orderedRelay) tickInterval() time.Duration {
 // margin is how long before its lease ends a relay stops delivering.
 func (r *orderedRelay) margin() time.Duration { return r.s.cfg.LockTTL / 5 }
 
+// readAhead is how many open rows a partition keeps loaded at most.
+func (r *orderedRelay) readAhead() int { return 4 * r.s.cfg.BatchSize }
+
 func (r *orderedRelay) signal() {
 	select {
 	case r.kick <- struct{}{}:
@@ -153,37 +193,116 @@ func (r *orderedRelay) signal() {
 }
 
 // run is the relay's main loop: membership and leases each tick, and scan
-// cycles on wake-ups, polls and acks.
+// cycles on wake-ups, polls and freed read-ahead. It takes part in the
+// wake-up handshake as the default mode does: it holds the idle lock only
+// while it sleeps, so writers notify only then.
 func (r *orderedRelay) run(stop <-chan struct{}) {
 	defer r.shutdown()
 	tick := time.NewTicker(r.tickInterval())
 	defer tick.Stop()
-	poll := time.NewTicker(r.s.cfg.PollInterval)
-	defer poll.Stop()
 	ctx := r.sub.ctx
+	s := r.s
+	var (
+		holding bool
+		idleGen uint64
+		misses  int
+		rate    float64 // rows per second, smoothed
+		last    = time.Now()
+	)
+	defer func() {
+		if holding {
+			s.idle.leave(idleGen)
+		}
+	}()
+	release := func() {
+		if holding {
+			s.idle.leave(idleGen)
+			holding = false
+		}
+	}
 	r.tick(ctx)
 	for {
-		more := r.cycle(ctx)
-		if more {
-			select {
-			case <-stop:
-				return
-			case <-tick.C:
-				r.tick(ctx)
-			default:
-			}
-			continue
-		}
 		select {
 		case <-stop:
 			return
 		case <-tick.C:
 			r.tick(ctx)
-		case <-poll.C:
+		default:
+		}
+		found, more := r.cycle(ctx)
+		now := time.Now()
+		if dt := now.Sub(last).Seconds(); dt > 0 {
+			a := min(1, dt)
+			rate = (1-a)*rate + a*float64(found)/dt
+		}
+		last = now
+		if more {
+			release()
+			continue
+		}
+		var wait time.Duration
+		switch {
+		case found > 0:
+			// Busy: stay off the idle lock and look again shortly.
+			release()
+			misses = 0
+			wait = linger(rate)
+		case holding && s.idle.valid(idleGen):
+			wait = s.cfg.PollInterval
+		case holding:
+			holding = false // the lock was lost: go through the handshake again
+			continue
+		default:
+			if s.beforeIdle != nil {
+				s.beforeIdle()
+			}
+			if gen, ok := s.idle.enter(ctx); ok {
+				// Look once more under the lock: a commit before it was
+				// granted is visible now, later ones notify.
+				holding, idleGen, misses = true, gen, 0
+				continue
+			}
+			misses++
+			wait = idleRetry(misses)
+		}
+		if due := r.nextDue(); !due.IsZero() {
+			wait = min(wait, max(0, time.Until(due)))
+		}
+		timer := time.NewTimer(wait)
+		select {
+		case <-stop:
+			timer.Stop()
+			return
+		case <-tick.C:
+			r.tick(ctx)
+		case <-timer.C:
 		case <-r.kick:
 		case <-r.wake:
+			release()
+			select { // coalesce the commits of a burst into one cycle
+			case <-stop:
+			case <-time.After(wakeCoalesce):
+			}
+		}
+		timer.Stop()
+	}
+}
+
+// nextDue is when the next held row of an owned key is due, zero if none.
+func (r *orderedRelay) nextDue() time.Time {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var due time.Time
+	for _, k := range r.keys {
+		h := k.hold
+		if h == nil || h.resolved || h.dead || h.inflight || h.advancing || k.busy {
+			continue
+		}
+		if due.IsZero() || h.dueAt.Before(due) {
+			due = h.dueAt
 		}
 	}
+	return due
 }
 
 // shutdown waits for the runners and gives the partitions back.
@@ -249,7 +368,8 @@ func mix64(x uint64) uint64 {
 }
 
 // tick heartbeats, releases partitions no longer assigned, renews leases and
-// persists floors, and takes assigned partitions that are free.
+// persists floors, cleans resolved holds below the written floors, and takes
+// assigned partitions that are free.
 func (r *orderedRelay) tick(ctx context.Context) {
 	cfg := r.s.cfg
 	ttl := cfg.LockTTL.Seconds()
@@ -274,10 +394,10 @@ func (r *orderedRelay) tick(ctx context.Context) {
 	for id, p := range r.parts {
 		if !mine[id] && !p.releasing {
 			p.releasing = true
-			r.dropQueuesLocked(id)
+			r.dropQueuesLocked(p)
 		}
 		r.advanceFloorLocked(p)
-		if p.releasing && !r.partBusyLocked(id) {
+		if p.releasing && !r.partBusyLocked(p) {
 			relIDs, relFloors = append(relIDs, int32(id)), append(relFloors, p.floor) //nolint:gosec // partition < 64
 			r.dropPartLocked(id)
 			continue
@@ -324,7 +444,7 @@ func (r *orderedRelay) tick(ctx context.Context) {
 				}
 				if !got[id] {
 					r.logger.Info("Partition lease lost; another relay took it", watermill.LogFields{"partition": id})
-					r.fenceRejectedLocked("renew")
+					r.s.fenceRejected("renew")
 					r.dropPartLocked(id)
 					continue
 				}
@@ -333,7 +453,13 @@ func (r *orderedRelay) tick(ctx context.Context) {
 				p.deadline = t0.Add(cfg.LockTTL - r.margin())
 			}
 		}
+		clean := r.resolvedBelowPersistedLocked()
 		r.mu.Unlock()
+		if clean && err == nil {
+			if _, err := r.s.pool.Exec(qctx, r.oq.CleanResolved, r.id); err != nil && ctx.Err() == nil {
+				r.logger.Error("Could not clean resolved holds; retrying next tick", err, nil)
+			}
+		}
 	}
 	r.fence()
 	if len(want) > 0 {
@@ -363,13 +489,26 @@ func (r *orderedRelay) tick(ctx context.Context) {
 		r.mu.Lock()
 		for _, t := range got {
 			r.parts[t.id] = &partState{id: t.id, floor: t.floor, persisted: t.floor, seen: t.floor,
-				loaded: map[int64]*entry{}, renewed: t0, deadline: t0.Add(cfg.LockTTL - r.margin())}
+				open: map[int64]struct{}{}, renewed: t0, deadline: t0.Add(cfg.LockTTL - r.margin())}
 		}
 		r.mu.Unlock()
 		if len(got) > 0 {
 			r.signal()
 		}
 	}
+}
+
+// resolvedBelowPersistedLocked reports whether a resolved hold of an owned
+// partition is at or below its written floor (CleanResolved has work).
+func (r *orderedRelay) resolvedBelowPersistedLocked() bool {
+	for name, k := range r.keys {
+		if h := k.hold; h != nil && h.resolved && h.seq <= k.p.persisted && r.parts[k.p.id] == k.p {
+			k.hold = nil
+			r.pruneKeyLocked(name, k)
+			return true
+		}
+	}
+	return false
 }
 
 // fence drops the partitions whose lease may have ended by the local clock.
@@ -385,21 +524,21 @@ func (r *orderedRelay) fence() {
 	}
 }
 
-func (r *orderedRelay) fenceRejectedLocked(op string) { r.s.fenceRejected(op) }
-
-// partBusyLocked reports whether a runner works on a key of partition id.
-func (r *orderedRelay) partBusyLocked(id int) bool {
+// partBusyLocked reports whether a runner works on a key of p.
+func (r *orderedRelay) partBusyLocked(p *partState) bool {
 	for _, k := range r.keys {
-		if k.part == id && k.busy {
+		if k.p == p && k.busy {
 			return true
 		}
 	}
 	return false
 }
 
-func (r *orderedRelay) dropQueuesLocked(id int) {
+// dropQueuesLocked stops the deliveries of p's keys; their rows stay open,
+// so the floor stays below them.
+func (r *orderedRelay) dropQueuesLocked(p *partState) {
 	for _, k := range r.keys {
-		if k.part == id {
+		if k.p == p {
 			k.queue = nil
 		}
 	}
@@ -408,9 +547,10 @@ func (r *orderedRelay) dropQueuesLocked(id int) {
 // dropPartLocked forgets a partition and its keys; runners of its keys stop
 // after their message in flight.
 func (r *orderedRelay) dropPartLocked(id int) {
+	p := r.parts[id]
 	delete(r.parts, id)
 	for name, k := range r.keys {
-		if k.part == id {
+		if k.p == p {
 			k.queue = nil
 			delete(r.keys, name)
 		}
@@ -420,141 +560,193 @@ func (r *orderedRelay) dropPartLocked(id int) {
 // deliverableLocked reports whether k's partition is still owned (by the
 // same lease) and within its lease.
 func (r *orderedRelay) deliverableLocked(k *keyState) bool {
-	p := r.parts[k.part]
+	p := r.parts[k.p.id]
 	return p != nil && p == k.p && !p.releasing && time.Now().Before(p.deadline)
 }
 
-// cycle runs one cut, hold refresh and scan, advances the floors in memory
-// and starts runners. It returns true when a scan was cut by its limit and
-// there is room for more.
-func (r *orderedRelay) cycle(ctx context.Context) bool {
+// cutLock is a key lock held by a writer at a cut.
+type cutLock struct {
+	vxid string
+	hash int32
+}
+
+type dbHold struct {
+	key                          string
+	part                         int
+	seq                          int64
+	attempts                     int
+	dueIn                        float64
+	dead, skip, replay, resolved bool
+}
+
+// cycle takes a cut, then reads the holds, rescans the watches whose writer
+// ended and scans each partition up to the cut; it loads what it read,
+// advances the floors in memory and starts runners. It returns how many
+// rows it loaded and whether a scan stopped at its limit with room for more.
+func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 	cfg := r.s.cfg
+	qctx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
 	r.mu.Lock()
+	owned := len(r.parts) > 0
+	r.mu.Unlock()
+	if !owned {
+		return 0, false
+	}
+
+	// 1. The cut: the sequence's last value, then the writers holding a key
+	// lock. A row at or below s0 that the scan below cannot see belongs to
+	// one of them (a writer takes its key lock before its sequence value).
+	var (
+		s0     int64
+		vxids  []string
+		hashes []int64
+	)
+	if err := r.s.pool.QueryRow(qctx, r.oq.Cut, r.class).Scan(&s0, &vxids, &hashes); err != nil {
+		r.cycleError(ctx, err)
+		return 0, false
+	}
+	locks := map[cutLock]bool{}
+	byPart := map[int][]cutLock{}
+	for i, v := range vxids {
+		l := cutLock{vxid: v, hash: int32(uint32(hashes[i]))} //nolint:gosec // objid is the int4 hash as an unsigned oid
+		locks[l] = true
+		part := int(uint32(hashes[i]) & (schema.OrderingPartitions - 1)) //nolint:gosec // as above
+		byPart[part] = append(byPart[part], l)
+	}
+
+	r.mu.Lock()
+	var all []int32
 	var ids []int32
 	var froms []int64
+	var wParts, wHashes []int32
+	var wFroms, wTos []int64
+	var ended []*watch
+	var endedParts []*partState
 	for id, p := range r.parts {
-		r.advanceFloorLocked(p)
-		if p.releasing || !time.Now().Before(p.deadline) || len(p.window) >= 2*cfg.BatchSize {
+		all = append(all, int32(id)) //nolint:gosec // partition < 64
+		for _, w := range p.watches {
+			if !locks[cutLock{w.vxid, w.hash}] {
+				w.ended = true
+				ended = append(ended, w)
+				endedParts = append(endedParts, p)
+				wParts, wHashes = append(wParts, int32(id)), append(wHashes, w.hash) //nolint:gosec // partition < 64
+				wFroms, wTos = append(wFroms, w.from), append(wTos, w.to)
+			}
+		}
+		p.full = len(p.open) >= r.readAhead()
+		if p.releasing || !time.Now().Before(p.deadline) || p.full || p.seen >= s0 {
 			continue
 		}
 		ids, froms = append(ids, int32(id)), append(froms, p.seen) //nolint:gosec // partition < 64
 	}
-	oldS0, oldVx := r.cutS0, r.cutVx
 	g0 := r.gen
 	r.mu.Unlock()
-	if len(ids) == 0 {
-		return false
-	}
-	qctx, cancel := context.WithTimeout(ctx, opTimeout)
-	defer cancel()
 
-	// One round trip, three statements in this order (each reads its own
-	// snapshot): the cut, the holds, the scan.
-	// 1. The cut: rows up to a last value taken earlier are all committed or
-	// aborted once every key writer seen then has ended; the scan that
-	// follows sees them all.
+	// 2. One round trip: holds, rescans, scans (each statement takes its
+	// snapshot after the cut).
 	limit := cfg.BatchSize
 	batch := &pgx.Batch{}
-	batch.Queue(r.oq.Cut, r.s.cfg.Table.OrderingLockClass(), oldVx)
-	batch.Queue(r.oq.Holds, ids)
-	batch.Queue(r.oq.Scan, ids, froms, limit)
-	br := r.s.pool.SendBatch(qctx, batch)
-	type dbHold struct {
-		key             string
-		part            int
-		seq             int64
-		attempts        int
-		due, dead, skip bool
+	batch.Queue(r.oq.Holds, all)
+	if len(ended) > 0 {
+		batch.Queue(r.oq.Rescan, wParts, wHashes, wFroms, wTos)
 	}
+	if len(ids) > 0 {
+		batch.Queue(r.oq.Scan, ids, froms, s0, limit)
+	}
+	br := r.s.pool.SendBatch(qctx, batch)
 	var (
-		s0      int64
-		vx      []string
-		oldOpen bool
-		holds   []dbHold
-		scanned []*schema.OrderedRow
+		holds    []dbHold
+		rescan   []*schema.OrderedRow
+		scanned  []*schema.OrderedRow
+		readRows = func(dst *[]*schema.OrderedRow) error {
+			rows, err := br.Query()
+			if err != nil {
+				return err
+			}
+			defer rows.Close()
+			for rows.Next() {
+				row := &schema.OrderedRow{}
+				if err := row.Scan(rows, r.oq.Columns); err != nil {
+					return err
+				}
+				*dst = append(*dst, row)
+			}
+			return rows.Err()
+		}
 	)
 	err := func() error {
 		defer br.Close()
-		if err := br.QueryRow().Scan(&s0, &vx, &oldOpen); err != nil {
-			return err
-		}
-		// 2. Holds of the owned partitions.
 		rows, err := br.Query()
 		if err != nil {
 			return err
 		}
 		holds, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (dbHold, error) {
 			var h dbHold
-			err := row.Scan(&h.key, &h.part, &h.seq, &h.attempts, &h.due, &h.dead, &h.skip)
+			err := row.Scan(&h.key, &h.part, &h.seq, &h.attempts, &h.dueIn, &h.dead, &h.skip, &h.replay, &h.resolved)
 			return h, err
 		})
 		if err != nil {
 			return err
 		}
-		// 3. Scan above what each partition has loaded.
-		if rows, err = br.Query(); err != nil {
-			return err
-		}
-		defer rows.Close()
-		for rows.Next() {
-			row := &schema.OrderedRow{}
-			if err := row.Scan(rows, r.oq.Columns); err != nil {
+		if len(ended) > 0 {
+			if err := readRows(&rescan); err != nil {
 				return err
 			}
-			scanned = append(scanned, row)
 		}
-		return rows.Err()
+		if len(ids) > 0 {
+			return readRows(&scanned)
+		}
+		return nil
 	}()
 	if err != nil {
+		r.mu.Lock()
+		for _, w := range ended {
+			w.ended = false // rescan again next cycle
+		}
+		r.mu.Unlock()
 		r.cycleError(ctx, err)
-		return false
+		return 0, false
 	}
-	r.mu.Lock()
-	if !oldOpen {
-		r.safe = max(r.safe, oldS0)
-	}
-	r.cutS0, r.cutVx = s0, vx
-	if len(vx) == 0 {
-		r.safe = max(r.safe, s0)
-	}
-	safe := r.safe
-	r.mu.Unlock()
 
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for _, h := range holds {
-		if r.parts[h.part] == nil || r.resolved[h.key] > g0 {
-			continue
-		}
-		k := r.keyLocked(h.key, r.parts[h.part])
-		if k.holdGen > g0 {
-			continue // changed here since the read began
-		}
-		if k.hold == nil {
-			// A hold this relay did not make (taken over with the
-			// partition): the key's rows from its sequence on wait for it.
-			k.hold = &holdState{seq: h.seq}
-			kept := k.queue[:0]
-			for _, e := range k.queue {
-				if e.row.Sequence < h.seq {
-					kept = append(kept, e)
-				}
+	r.applyHoldsLocked(holds, g0)
+	loaded := 0
+	// Rescans: what the ended writers committed in their ranges.
+	for _, row := range rescan {
+		for i, w := range ended {
+			p := endedParts[i]
+			if r.parts[p.id] != p || row.Partition != p.id || row.KeyHash != w.hash || row.Sequence <= w.from || row.Sequence > w.to {
+				continue
 			}
-			k.queue = kept
+			if _, ok := w.loaded[row.Sequence]; ok {
+				continue
+			}
+			w.loaded[row.Sequence] = struct{}{}
+			if r.loadLocked(p, row) {
+				loaded++
+			}
 		}
-		if k.hold.advancing || k.hold.seq != h.seq {
+	}
+	for i, w := range ended {
+		p := endedParts[i]
+		if !w.ended {
 			continue
 		}
-		k.hold.attempts, k.hold.due, k.hold.dead, k.hold.skip = h.attempts, h.due, h.dead, h.skip
-	}
-	for key, g := range r.resolved {
-		if g <= g0 {
-			delete(r.resolved, key)
+		kept := p.watches[:0]
+		for _, x := range p.watches {
+			if x != w {
+				kept = append(kept, x)
+			}
 		}
+		p.watches = kept
 	}
-	byPart := map[int][]*schema.OrderedRow{}
+	// Scans: load, and watch the writers of the partition's keys that held
+	// their lock at the cut, over the range the scan passed.
+	got := map[int][]*schema.OrderedRow{}
 	for _, row := range scanned {
-		byPart[row.Partition] = append(byPart[row.Partition], row)
+		got[row.Partition] = append(got[row.Partition], row)
 	}
 	more := false
 	for i, id32 := range ids {
@@ -563,22 +755,106 @@ func (r *orderedRelay) cycle(ctx context.Context) bool {
 		if p == nil || p.seen != froms[i] {
 			continue
 		}
-		got := byPart[id]
-		for _, row := range got {
-			r.loadLocked(p, row)
-		}
-		p.lastScan = len(got)
-		switch {
-		case len(got) < limit:
-			p.seen = max(p.seen, safe)
-		default:
-			p.seen = max(p.seen, min(got[len(got)-1].Sequence, safe))
+		rows := got[id]
+		to := s0
+		if len(rows) == limit {
+			to = rows[len(rows)-1].Sequence
 			more = true
 		}
+		for _, l := range byPart[id] {
+			r.watchLocked(p, l, p.seen, to)
+		}
+		for _, row := range rows {
+			for _, w := range p.watches {
+				if w.hash == row.KeyHash && row.Sequence > w.from && row.Sequence <= w.to {
+					w.loaded[row.Sequence] = struct{}{}
+				}
+			}
+			if r.loadLocked(p, row) {
+				loaded++
+			}
+		}
+		p.seen = to
+	}
+	for _, p := range r.parts {
 		r.advanceFloorLocked(p)
 	}
 	r.startRunnersLocked()
-	return more && r.runners < cfg.MaxInFlight
+	return loaded, more
+}
+
+// watchLocked records that the writer of l may commit rows of its hash in
+// (from, to] of p later.
+func (r *orderedRelay) watchLocked(p *partState, l cutLock, from, to int64) {
+	if to <= from {
+		return
+	}
+	for _, w := range p.watches {
+		if w.vxid == l.vxid && w.hash == l.hash && !w.ended {
+			w.to = max(w.to, to)
+			return
+		}
+	}
+	p.watches = append(p.watches, &watch{vxid: l.vxid, hash: l.hash, from: from, to: to, loaded: map[int64]struct{}{}})
+}
+
+// applyHoldsLocked merges the holds read from the table: holds this relay
+// does not know (taken over with a partition, or an operator's replay) and
+// an operator's changes (skip, retry) of the ones it knows.
+func (r *orderedRelay) applyHoldsLocked(holds []dbHold, g0 int64) {
+	inDB := map[string]bool{}
+	for _, h := range holds {
+		p := r.parts[h.part]
+		if p == nil {
+			continue
+		}
+		inDB[h.key] = true
+		k := r.keyLocked(h.key, p)
+		if k.holdGen > g0 {
+			continue // changed here since the read began
+		}
+		cur := k.hold
+		if cur != nil && (cur.inflight || cur.advancing) {
+			if cur.seq == h.seq && h.skip {
+				cur.skip = true // honoured once the attempt in flight ends
+			}
+			continue
+		}
+		if cur != nil && cur.seq == h.seq && cur.replay == h.replay && cur.resolved == h.resolved {
+			cur.attempts, cur.dead, cur.skip = h.attempts, h.dead, h.skip
+			cur.dueAt = time.Now().Add(time.Duration(h.dueIn * float64(time.Second)))
+			continue
+		}
+		r.setHoldLocked(k, &holdState{seq: h.seq, attempts: h.attempts, dead: h.dead, skip: h.skip, replay: h.replay,
+			resolved: h.resolved, dueAt: time.Now().Add(time.Duration(h.dueIn * float64(time.Second)))})
+	}
+	for name, k := range r.keys {
+		if k.hold != nil && !inDB[name] && k.holdGen <= g0 && !k.hold.inflight && !k.hold.advancing && r.parts[k.p.id] == k.p {
+			k.hold = nil // gone from the table (cleaned, or a replay that ended)
+			r.pruneKeyLocked(name, k)
+		}
+	}
+}
+
+// setHoldLocked makes h the hold of k and applies what it says to the
+// key's loaded rows: rows below an active hold are done, rows at or above
+// it are covered (the hold delivers them); rows at or below a resolved hold
+// are done; a replay hold changes nothing.
+func (r *orderedRelay) setHoldLocked(k *keyState, h *holdState) {
+	k.hold = h
+	if h == nil || h.replay {
+		return
+	}
+	kept := k.queue[:0]
+	for _, e := range k.queue {
+		if h.resolved && e.row.Sequence > h.seq {
+			kept = append(kept, e)
+			continue
+		}
+		delete(k.p.open, e.row.Sequence)
+	}
+	clear(k.queue[len(kept):])
+	k.queue = kept
 }
 
 func (r *orderedRelay) cycleError(ctx context.Context, err error) {
@@ -595,200 +871,234 @@ func (r *orderedRelay) cycleError(ctx context.Context, err error) {
 func (r *orderedRelay) keyLocked(name string, p *partState) *keyState {
 	k := r.keys[name]
 	if k == nil || k.p != p {
-		k = &keyState{part: p.id, p: p}
+		k = &keyState{name: name, p: p}
 		r.keys[name] = k
 	}
 	return k
 }
 
-// loadLocked adds a scanned row to its partition's window and, unless its
-// key's hold covers it, to its key's queue.
-func (r *orderedRelay) loadLocked(p *partState, row *schema.OrderedRow) {
-	if row.Sequence <= p.floor || p.loaded[row.Sequence] != nil {
-		return
+// loadLocked adds a row read by a scan or rescan to its key's queue and its
+// partition's open rows, unless it is done or covered. It reports whether
+// the row was added.
+func (r *orderedRelay) loadLocked(p *partState, row *schema.OrderedRow) bool {
+	if row.Sequence <= p.floor {
+		return false
+	}
+	if _, ok := p.open[row.Sequence]; ok {
+		return false
+	}
+	k := r.keyLocked(row.Key, p)
+	if row.Sequence <= k.lastDone {
+		return false
+	}
+	if h := k.hold; h != nil && !h.replay {
+		if row.Sequence <= h.seq {
+			return false // done, or the held row itself
+		}
+		if !h.resolved && !h.advancing {
+			return false // covered: the hold reaches it (it is at or below seen)
+		}
 	}
 	e := &entry{row: row}
-	p.loaded[row.Sequence] = e
-	i := sort.Search(len(p.window), func(i int) bool { return p.window[i].row.Sequence > row.Sequence })
-	p.window = append(p.window, nil)
-	copy(p.window[i+1:], p.window[i:])
-	p.window[i] = e
-	k := r.keyLocked(row.Key, p)
-	k.pending++
-	if k.hold != nil && row.Sequence >= k.hold.seq {
-		return // covered: delivered after the hold resolves
-	}
-	if row.Sequence <= k.delivered {
-		r.logger.Error("Ordered relay read a row below one already delivered for its key; the writer did not take the key lock",
-			errors.New("ordering violated"), watermill.LogFields{"sequence": row.Sequence, "partition": p.id})
-	}
+	p.open[row.Sequence] = struct{}{}
 	j := sort.Search(len(k.queue), func(i int) bool { return k.queue[i].row.Sequence > row.Sequence })
 	k.queue = append(k.queue, nil)
 	copy(k.queue[j+1:], k.queue[j:])
 	k.queue[j] = e
+	return true
 }
 
-// advanceFloorLocked moves the in-memory floor of p over the done rows at
-// the front of its window, never past seen.
+// advanceFloorLocked raises the in-memory floor of p to the highest value
+// its invariant allows: below every open row and every watch, at most seen.
 func (r *orderedRelay) advanceFloorLocked(p *partState) {
-	for len(p.window) > 0 && p.window[0].row.Sequence <= p.seen {
-		e := p.window[0]
-		k := r.keys[e.row.Key]
-		covered := k != nil && k.hold != nil && !k.hold.advancing && e.row.Sequence >= k.hold.seq
-		if !e.acked && !covered {
-			break
-		}
-		p.window[0] = nil
-		p.window = p.window[1:]
-		delete(p.loaded, e.row.Sequence)
-		if k != nil {
-			k.pending--
-			r.pruneKeyLocked(e.row.Key, k)
-		}
+	f := p.seen
+	for seq := range p.open {
+		f = min(f, seq-1)
 	}
-	if len(p.window) == 0 || p.window[0].row.Sequence > p.seen {
-		p.floor = max(p.floor, p.seen)
-	} else {
-		p.floor = max(p.floor, p.window[0].row.Sequence-1)
+	for _, w := range p.watches {
+		f = min(f, w.from)
 	}
+	p.floor = max(p.floor, f)
 }
 
 func (r *orderedRelay) pruneKeyLocked(name string, k *keyState) {
-	if k.pending <= 0 && !k.busy && k.hold == nil && len(k.queue) == 0 {
+	if !k.busy && k.hold == nil && len(k.queue) == 0 {
 		delete(r.keys, name)
 	}
+}
+
+// parkedLocked reports whether row waits for a watch of its hash: a writer
+// that may still commit a lower row of its key.
+func parkedLocked(p *partState, row *schema.OrderedRow) bool {
+	for _, w := range p.watches {
+		if w.hash == row.KeyHash && row.Sequence > w.from {
+			return true
+		}
+	}
+	return false
 }
 
 // startRunnersLocked starts a runner for every key with work, up to
 // MaxInFlight runners.
 func (r *orderedRelay) startRunnersLocked() {
-	for name, k := range r.keys {
+	for _, k := range r.keys {
 		if r.runners >= r.s.cfg.MaxInFlight {
 			return
 		}
-		if k.busy || !r.deliverableLocked(k) || !r.hasWorkLocked(k) {
+		if k.busy || !r.deliverableLocked(k) || r.nextActionLocked(k) == actNone {
 			continue
 		}
 		k.busy = true
 		r.runners++
 		r.runWg.Add(1)
-		go r.runKey(name, k)
+		go r.runKey(k)
 	}
 }
 
-func (r *orderedRelay) hasWorkLocked(k *keyState) bool {
-	if len(k.queue) > 0 {
-		return true
+type action int
+
+const (
+	actNone    action = iota
+	actQueue          // deliver the first queued row
+	actHeld           // deliver the held row (a retry or a replay)
+	actAdvance        // the held row was skipped: move the hold on
+)
+
+func (r *orderedRelay) nextActionLocked(k *keyState) action {
+	if h := k.hold; h != nil && !h.resolved {
+		switch {
+		case h.inflight || h.advancing:
+			return actNone
+		case h.skip:
+			return actAdvance
+		case h.dead || time.Now().Before(h.dueAt):
+			return actNone
+		default:
+			return actHeld
+		}
 	}
-	h := k.hold
-	return h != nil && !h.advancing && (h.skip || (h.due && !h.dead))
+	if len(k.queue) > 0 && !parkedLocked(k.p, k.queue[0].row) {
+		return actQueue
+	}
+	return actNone
 }
 
 // runKey delivers the rows of one key one after another until the key has
 // nothing to do.
-func (r *orderedRelay) runKey(name string, k *keyState) {
+func (r *orderedRelay) runKey(k *keyState) {
 	defer r.runWg.Done()
 	stop := r.sub.stopped()
 	for {
 		r.mu.Lock()
-		if !r.deliverableLocked(k) || r.keys[name] != k {
-			r.endRunLocked(name, k)
+		if !r.deliverableLocked(k) || r.keys[k.name] != k {
+			r.endRunLocked(k)
 			r.mu.Unlock()
 			return
 		}
-		switch {
-		case len(k.queue) > 0:
+		switch r.nextActionLocked(k) {
+		case actQueue:
 			e := k.queue[0]
 			k.queue = k.queue[1:]
-			k.delivered = max(k.delivered, e.row.Sequence)
-			if len(k.queue) == r.s.cfg.BatchSize/2 {
-				r.signal() // read ahead while the key runs
-			}
 			r.mu.Unlock()
-			switch r.deliverRow(name, k, e.row, 1, stop, func() {
-				e.acked = true
-			}) {
+			v := r.deliverRow(k, e.row, 1, stop)
+			r.mu.Lock()
+			switch v {
 			case verdictAck:
-			case verdictNone:
+				delete(k.p.open, e.row.Sequence)
+				k.lastDone = max(k.lastDone, e.row.Sequence)
+				r.freedLocked(k.p)
+			case verdictNack:
+				// fail made the row the key's hold (or put it back).
+			default:
 				// Not delivered or no verdict: the row stays first of its key.
-				r.mu.Lock()
-				if r.keys[name] == k && k.hold == nil {
+				if r.keys[k.name] == k {
 					k.queue = append([]*entry{e}, k.queue...)
 				}
-				r.endRunLocked(name, k)
-				r.mu.Unlock()
-				return
-			default:
-				r.mu.Lock()
-				r.endRunLocked(name, k)
+				r.endRunLocked(k)
 				r.mu.Unlock()
 				return
 			}
-		case k.hold != nil && !k.hold.advancing && k.hold.skip:
-			k.hold.advancing = true
-			seq := k.hold.seq
 			r.mu.Unlock()
-			r.advanceHold(name, k, seq)
-		case k.hold != nil && !k.hold.advancing && k.hold.due && !k.hold.dead:
-			seq, attempts := k.hold.seq, k.hold.attempts
-			k.hold.due = false
+		case actHeld:
+			h := k.hold
+			h.inflight = true
+			seq, attempts := h.seq, h.attempts
 			r.mu.Unlock()
-			row, err := r.rowAt(name, seq)
+			row, err := r.rowAt(k.name, seq)
 			if errors.Is(err, pgx.ErrNoRows) {
-				// The held row is gone (deleted by hand): continue after it.
+				// Skipped meanwhile, resolved by another relay, or the
+				// row was deleted by hand: the holds read sorts it out.
 				r.mu.Lock()
-				k.hold.advancing = true
+				h.inflight = false
+				if k.hold == h {
+					r.refreshLaterLocked(k)
+				}
+				r.endRunLocked(k)
 				r.mu.Unlock()
-				r.advanceHold(name, k, seq)
-				continue
+				return
 			}
 			if err != nil {
-				r.logger.Error("Could not read a held row; retrying at the next poll", err, watermill.LogFields{"sequence": seq})
+				r.logger.Error("Could not read a held row; retrying shortly", err, watermill.LogFields{"sequence": seq})
 				r.mu.Lock()
-				k.hold.due = true
-				r.endRunLocked(name, k)
+				h.inflight = false
+				h.dueAt = time.Now().Add(100 * time.Millisecond)
+				r.endRunLocked(k)
 				r.mu.Unlock()
 				return
 			}
-			switch r.deliverRow(name, k, row, attempts+1, stop, func() {
-				k.hold.advancing = true
-			}) {
-			case verdictAck:
-			case verdictNone:
-				r.mu.Lock()
-				if k.hold != nil && k.hold.seq == seq && !k.hold.advancing {
-					k.hold.due = true
-				}
-				r.endRunLocked(name, k)
-				r.mu.Unlock()
-				return
-			default:
-				r.mu.Lock()
-				r.endRunLocked(name, k)
-				r.mu.Unlock()
-				return
-			}
+			v := r.deliverRow(k, row, attempts+1, stop)
 			r.mu.Lock()
-			adv := k.hold != nil && k.hold.advancing && k.hold.seq == seq
-			r.mu.Unlock()
-			if adv {
-				r.advanceHold(name, k, seq)
+			h.inflight = false
+			if k.hold != h {
+				r.endRunLocked(k)
+				r.mu.Unlock()
+				return
 			}
+			switch v {
+			case verdictAck:
+				r.mu.Unlock()
+				r.advance(k, h)
+			case verdictNack:
+				r.mu.Unlock() // fail updated the hold (and a requested skip)
+			default:
+				r.endRunLocked(k)
+				r.mu.Unlock()
+				return
+			}
+		case actAdvance:
+			h := k.hold
+			r.mu.Unlock()
+			r.advance(k, h)
 		default:
-			r.endRunLocked(name, k)
+			r.endRunLocked(k)
 			r.mu.Unlock()
 			return
 		}
 	}
 }
 
-func (r *orderedRelay) endRunLocked(name string, k *keyState) {
+// refreshLaterLocked makes the next holds read replace k's hold.
+func (r *orderedRelay) refreshLaterLocked(k *keyState) {
+	k.hold.dueAt = time.Now().Add(time.Second)
+	k.holdGen = 0
+}
+
+// freedLocked starts a cycle when p's scan had stopped for the read-ahead
+// limit and has room again.
+func (r *orderedRelay) freedLocked(p *partState) {
+	if p.full && len(p.open) < r.readAhead()/2 {
+		p.full = false
+		r.signal()
+	}
+}
+
+func (r *orderedRelay) endRunLocked(k *keyState) {
 	k.busy = false
 	r.runners--
-	if r.keys[name] == k {
-		r.pruneKeyLocked(name, k)
+	if r.keys[k.name] == k {
+		r.pruneKeyLocked(k.name, k)
 	}
-	r.signal()
+	r.startRunnersLocked()
 }
 
 func (r *orderedRelay) rowAt(name string, seq int64) (*schema.OrderedRow, error) {
@@ -809,9 +1119,9 @@ const (
 	verdictNone                // not sent, or no verdict before the close timeout
 )
 
-// deliverRow sends one row and waits for its verdict. onAck runs under the
-// relay's lock when the message is acked.
-func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedRow, attempts int, stop <-chan struct{}, onAck func()) verdict {
+// deliverRow sends one row and waits for its verdict; a nack is recorded by
+// fail before it returns.
+func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts int, stop <-chan struct{}) verdict {
 	s := r.s
 	row.Attempts = int32(attempts) //nolint:gosec // attempts are small
 	c := &claimed{row: row.ClaimedRow}
@@ -819,7 +1129,7 @@ func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedR
 	if err != nil {
 		c.slot = &errorSlot{err: Permanent(err)}
 		c.delivered = time.Now()
-		r.fail(name, k, row, c)
+		r.fail(k, row, c)
 		return verdictNack
 	}
 	c.slot = &errorSlot{}
@@ -852,19 +1162,16 @@ func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedR
 			cancel()
 			r.logger.Error("Handler overran its dispatch timeout; counting a failed attempt", s.overrunError(),
 				watermill.LogFields{"event_id": row.EventID})
-			r.fail(name, k, row, c)
+			r.fail(k, row, c)
 			return verdictNack
 		case <-msg.Acked():
-			r.mu.Lock()
-			onAck()
-			r.mu.Unlock()
 			s.observeDispatch(c, metrics.ResultSuccess)
 			if m := s.cfg.Metrics; m != nil {
 				m.DeliveryLag.WithLabelValues(s.label).Observe(time.Since(row.CreatedAt).Seconds())
 			}
 			return verdictAck
 		case <-msg.Nacked():
-			r.fail(name, k, row, c)
+			r.fail(k, row, c)
 			return verdictNack
 		case <-stop:
 			stop = nil
@@ -877,8 +1184,9 @@ func (r *orderedRelay) deliverRow(name string, k *keyState, row *schema.OrderedR
 	}
 }
 
-// fail records a failed attempt of row as its key's hold.
-func (r *orderedRelay) fail(name string, k *keyState, row *schema.OrderedRow, c *claimed) {
+// fail records a failed attempt of row as its key's hold. The rows of the
+// key queued behind it are covered once the hold is written.
+func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 	s := r.s
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
@@ -891,11 +1199,11 @@ func (r *orderedRelay) fail(name string, k *keyState, row *schema.OrderedRow, c 
 	attempts := int(row.Attempts)
 	backoff := s.cfg.Backoff(attempts)
 	var (
-		dead bool
-		n    int
+		dead, skip bool
+		n          int
 	)
-	qerr := s.pool.QueryRow(ctx, r.oq.Fail, r.id, row.Partition, name, row.Sequence, summary, s.cfg.MaxAttempts,
-		IsPermanent(err), backoff.Seconds()).Scan(&dead, &n)
+	qerr := s.pool.QueryRow(ctx, r.oq.Fail, r.id, row.Partition, k.name, row.Sequence, summary, s.cfg.MaxAttempts,
+		IsPermanent(err), backoff.Seconds()).Scan(&dead, &n, &skip)
 	s.observeDispatch(c, metrics.ResultFailure)
 	if qerr != nil && !errors.Is(qerr, pgx.ErrNoRows) {
 		time.Sleep(100 * time.Millisecond) // the database is failing; do not spin
@@ -903,33 +1211,43 @@ func (r *orderedRelay) fail(name string, k *keyState, row *schema.OrderedRow, c 
 	fields := watermill.LogFields{"event_id": row.EventID, "sequence": row.Sequence, "attempts": attempts, "error": summary}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.keys[name] != k {
-		return // the partition was dropped meanwhile
+	if r.keys[k.name] != k {
+		return // the partition was dropped meanwhile; its next owner delivers the row again
 	}
-	switch {
-	case errors.Is(qerr, pgx.ErrNoRows):
-		r.fenceRejectedLocked("nack")
-		r.logger.Info("Nack ignored: the partition passed to another relay, or the key has another hold", fields)
-		if e := r.entryLocked(row); e != nil && k.hold == nil && r.deliverableLocked(k) {
-			k.queue = append([]*entry{e}, k.queue...)
-		}
-		return
-	case qerr != nil:
-		// Deliver the row again: put it back at the head of its key.
-		r.logger.Error("Could not record nack; delivering the row again", qerr, fields)
-		if e := r.entryLocked(row); e != nil && k.hold == nil {
-			k.queue = append([]*entry{e}, k.queue...)
-		}
-		return
-	}
-	if k.hold == nil || k.hold.seq != row.Sequence {
-		k.hold = &holdState{seq: row.Sequence}
-		// The rows queued behind it wait for the hold.
-		k.queue = nil
-	}
-	k.hold.attempts, k.hold.dead, k.hold.due, k.hold.advancing = n, dead, false, false
 	r.gen++
 	k.holdGen = r.gen
+	h := k.hold
+	switch {
+	case errors.Is(qerr, pgx.ErrNoRows), qerr != nil:
+		// Not recorded: lease lost, another hold of the key this relay has
+		// not read yet, or a database error. The row stays first of its
+		// key (open, so the floor stays below it); the holds read tells.
+		if qerr != nil && !errors.Is(qerr, pgx.ErrNoRows) {
+			r.logger.Error("Could not record nack; delivering the row again", qerr, fields)
+		} else {
+			s.fenceRejected("nack")
+			r.logger.Info("Nack not recorded: the partition passed to another relay, or the key has another hold; reading the holds again", fields)
+			k.holdGen = 0
+		}
+		if h != nil && h.seq == row.Sequence {
+			h.dueAt = time.Now().Add(backoff)
+			return
+		}
+		if _, open := k.p.open[row.Sequence]; open {
+			k.queue = append([]*entry{{row: row}}, k.queue...)
+		}
+		return
+	}
+	if h == nil || h.seq != row.Sequence || h.resolved {
+		// The hold is written: the row and the key's queued rows are
+		// covered (the hold reaches them).
+		delete(k.p.open, row.Sequence)
+		r.setHoldLocked(k, &holdState{seq: row.Sequence})
+		r.freedLocked(k.p)
+		h = k.hold
+	}
+	h.attempts, h.dead, h.skip = n, dead, skip
+	h.dueAt = time.Now().Add(backoff)
 	if dead {
 		delete(fields, "error")
 		r.logger.Error("Outbox message is dead and holds its ordering key; replay or skip it once the cause is fixed", errors.New(summary), fields)
@@ -942,66 +1260,56 @@ func (r *orderedRelay) fail(name string, k *keyState, row *schema.OrderedRow, c 
 	r.logger.Info("Outbox message nacked; its ordering key waits for the retry", fields)
 }
 
-func (r *orderedRelay) entryLocked(row *schema.OrderedRow) *entry {
-	if p := r.parts[row.Partition]; p != nil {
-		return p.loaded[row.Sequence]
-	}
-	return nil
-}
-
-// advanceHold moves the key's hold past seq (the held row succeeded or was
-// skipped): to the key's next row at or below the floor, or away.
-func (r *orderedRelay) advanceHold(name string, k *keyState, seq int64) {
+// advance moves the key's hold h on: its row succeeded or was skipped. It
+// goes to the key's next row at or below seen (every such row is covered),
+// or is resolved; a replay hold is deleted.
+func (r *orderedRelay) advance(k *keyState, h *holdState) {
 	r.mu.Lock()
-	p := r.parts[k.part]
-	if p == nil || p != k.p {
-		k.hold.advancing = false
+	if k.hold != h || r.keys[k.name] != k {
 		r.mu.Unlock()
 		return
 	}
-	floor := p.floor
+	h.advancing = true
+	bound := k.p.seen
+	seq := h.seq
+	r.gen++
+	k.holdGen = r.gen
 	r.mu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
 	var (
-		owned, deleted bool
-		next           *int64
+		owned, resolved, deleted bool
+		next                     *int64
 	)
-	err := r.s.pool.QueryRow(ctx, r.oq.Advance, r.id, k.part, name, seq, floor).Scan(&owned, &next, &deleted)
+	err := r.s.pool.QueryRow(ctx, r.oq.Advance, r.id, k.p.id, k.name, seq, bound).Scan(&owned, &next, &resolved, &deleted)
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	h := k.hold
-	if h == nil || h.seq != seq || r.keys[name] != k {
-		return
-	}
+	h.advancing = false
 	r.gen++
 	k.holdGen = r.gen
+	if k.hold != h || r.keys[k.name] != k {
+		return
+	}
 	switch {
 	case err != nil:
 		r.logger.Error("Could not move a hold on; retrying", err, watermill.LogFields{"sequence": seq})
-		h.advancing = false
 		h.skip = true // retried as a skip: the row was handled
+		h.dueAt = time.Now().Add(100 * time.Millisecond)
+		time.AfterFunc(100*time.Millisecond, r.signal)
 	case !owned:
-		h.advancing = false
-		r.fenceRejectedLocked("ack")
+		r.s.fenceRejected("ack")
 	case next != nil:
-		k.hold = &holdState{seq: *next, due: true}
+		k.lastDone = max(k.lastDone, seq)
+		r.setHoldLocked(k, &holdState{seq: *next, dueAt: time.Now()})
+		r.freedLocked(k.p)
+	case resolved:
+		k.lastDone = max(k.lastDone, seq)
+		r.setHoldLocked(k, &holdState{seq: seq, resolved: true})
 	case deleted:
 		k.hold = nil
-		r.resolved[name] = r.gen
-		// The key's rows above the floor that the hold covered are
-		// delivered now, in order.
-		if p := r.parts[k.part]; p != nil && p == k.p {
-			k.queue = k.queue[:0]
-			for _, e := range p.window {
-				if e.row.Key == name && e.row.Sequence > seq && !e.acked {
-					k.queue = append(k.queue, e)
-				}
-			}
-		}
 	default:
-		// The hold changed under us (runbook); reload it next cycle.
-		h.advancing = false
+		// The hold changed under us (an operator): read it again.
+		r.refreshLaterLocked(k)
 	}
 }
 

@@ -117,11 +117,6 @@ func (s *Subscriber) start() {
 		if !s.cfg.DisableNotify {
 			s.notifier = acquireNotifier(s.pool, s.logger)
 			s.notifier.add(s.cfg.Table.NotifyChannel(), &s.wake)
-			if s.cfg.Ordered {
-				s.idle.permanent = true
-				s.bgWg.Add(1)
-				go s.idle.holdPermanently(s.bgCtx)
-			}
 		}
 		if s.cfg.Metrics != nil {
 			s.bgWg.Add(1)

@@ -72,6 +72,9 @@ CREATE TABLE IF NOT EXISTS "public"."app_outbox_holds" (
 
 CREATE INDEX IF NOT EXISTS "app_outbox_holds_by_part" ON "public"."app_outbox_holds" (partition);
 
+ALTER TABLE "public"."app_outbox_holds" ADD COLUMN IF NOT EXISTS resolved_at TIMESTAMPTZ NULL,
+  ADD COLUMN IF NOT EXISTS replay BOOLEAN NOT NULL DEFAULT false;
+
 -- +goose Down
 -- DESTRUCTIVE: this down migration deletes data, published or not.
 DROP TABLE IF EXISTS "public"."app_outbox_holds";
