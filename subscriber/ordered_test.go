@@ -522,6 +522,7 @@ func TestOrderedDeadKeyReplayAndSkip(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
+			dumpOrdered(t, pool, tbl)
 			t.Fatalf("%d dead holds, want 2", n)
 		}
 		time.Sleep(50 * time.Millisecond)
