@@ -100,6 +100,11 @@ type orderedRelay struct {
 	// gen counts local hold changes, so that a holds read that started
 	// before a change does not undo it.
 	gen int64
+	// needHolds asks the next cycle to read the holds: set by a wake-up (an
+	// operator's change notifies), a refresh request, and PollInterval after
+	// the last read. A partition taken over is read with its first scan.
+	needHolds bool
+	holdsRead time.Time
 
 	abandon bool // tests: stop like a killed process, without giving leases back
 }
@@ -115,6 +120,7 @@ type partState struct {
 	deadline  time.Time // local clock: deliver nothing after it
 	renewed   time.Time
 	releasing bool
+	fresh     bool // taken over: its holds are not read yet
 }
 
 // watch is a writer that held the lock of key hash hash when a scan passed
@@ -278,6 +284,9 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 		case <-timer.C:
 		case <-r.kick:
 		case <-r.wake:
+			r.mu.Lock()
+			r.needHolds = true // an operator's change notifies too
+			r.mu.Unlock()
 			release()
 			select { // coalesce the commits of a burst into one cycle
 			case <-stop:
@@ -488,7 +497,7 @@ func (r *orderedRelay) tick(ctx context.Context) {
 		}
 		r.mu.Lock()
 		for _, t := range got {
-			r.parts[t.id] = &partState{id: t.id, floor: t.floor, persisted: t.floor, seen: t.floor,
+			r.parts[t.id] = &partState{id: t.id, floor: t.floor, persisted: t.floor, seen: t.floor, fresh: true,
 				open: map[int64]struct{}{}, renewed: t0, deadline: t0.Add(cfg.LockTTL - r.margin())}
 		}
 		r.mu.Unlock()
@@ -623,8 +632,10 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 	var wFroms, wTos []int64
 	var ended []*watch
 	var endedParts []*partState
+	readHolds := r.needHolds || time.Since(r.holdsRead) >= cfg.PollInterval
 	for id, p := range r.parts {
 		all = append(all, int32(id)) //nolint:gosec // partition < 64
+		readHolds = readHolds || p.fresh
 		for _, w := range p.watches {
 			if !locks[cutLock{w.vxid, w.hash}] {
 				w.ended = true
@@ -641,13 +652,25 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		ids, froms = append(ids, int32(id)), append(froms, p.seen) //nolint:gosec // partition < 64
 	}
 	g0 := r.gen
+	if readHolds {
+		r.needHolds = false
+	}
+	if !readHolds && len(ended) == 0 && len(ids) == 0 {
+		// Nothing new to read (no writer ended, no sequence taken): only
+		// retries that came due.
+		r.startRunnersLocked()
+		r.mu.Unlock()
+		return 0, false
+	}
 	r.mu.Unlock()
 
 	// 2. One round trip: holds, rescans, scans (each statement takes its
 	// snapshot after the cut).
 	limit := cfg.BatchSize
 	batch := &pgx.Batch{}
-	batch.Queue(r.oq.Holds, all)
+	if readHolds {
+		batch.Queue(r.oq.Holds, all)
+	}
 	if len(ended) > 0 {
 		batch.Queue(r.oq.Rescan, wParts, wHashes, wFroms, wTos)
 	}
@@ -677,17 +700,19 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 	)
 	err := func() error {
 		defer br.Close()
-		rows, err := br.Query()
-		if err != nil {
-			return err
-		}
-		holds, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (dbHold, error) {
-			var h dbHold
-			err := row.Scan(&h.key, &h.part, &h.seq, &h.attempts, &h.dueIn, &h.dead, &h.skip, &h.replay, &h.resolved)
-			return h, err
-		})
-		if err != nil {
-			return err
+		if readHolds {
+			rows, err := br.Query()
+			if err != nil {
+				return err
+			}
+			holds, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (dbHold, error) {
+				var h dbHold
+				err := row.Scan(&h.key, &h.part, &h.seq, &h.attempts, &h.dueIn, &h.dead, &h.skip, &h.replay, &h.resolved)
+				return h, err
+			})
+			if err != nil {
+				return err
+			}
 		}
 		if len(ended) > 0 {
 			if err := readRows(&rescan); err != nil {
@@ -704,6 +729,7 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		for _, w := range ended {
 			w.ended = false // rescan again next cycle
 		}
+		r.needHolds = r.needHolds || readHolds
 		r.mu.Unlock()
 		r.cycleError(ctx, err)
 		return 0, false
@@ -711,7 +737,10 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.applyHoldsLocked(holds, g0)
+	if readHolds {
+		r.applyHoldsLocked(holds, g0, all)
+		r.holdsRead = time.Now()
+	}
 	loaded := 0
 	// Rescans: what the ended writers committed in their ranges.
 	for _, row := range rescan {
@@ -752,7 +781,7 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 	for i, id32 := range ids {
 		id := int(id32)
 		p := r.parts[id]
-		if p == nil || p.seen != froms[i] {
+		if p == nil || p.seen != froms[i] || (p.fresh && !readHolds) {
 			continue
 		}
 		rows := got[id]
@@ -801,7 +830,12 @@ func (r *orderedRelay) watchLocked(p *partState, l cutLock, from, to int64) {
 // applyHoldsLocked merges the holds read from the table: holds this relay
 // does not know (taken over with a partition, or an operator's replay) and
 // an operator's changes (skip, retry) of the ones it knows.
-func (r *orderedRelay) applyHoldsLocked(holds []dbHold, g0 int64) {
+func (r *orderedRelay) applyHoldsLocked(holds []dbHold, g0 int64, read []int32) {
+	for _, id := range read {
+		if p := r.parts[int(id)]; p != nil {
+			p.fresh = false
+		}
+	}
 	inDB := map[string]bool{}
 	for _, h := range holds {
 		p := r.parts[h.part]
@@ -828,8 +862,12 @@ func (r *orderedRelay) applyHoldsLocked(holds []dbHold, g0 int64) {
 		r.setHoldLocked(k, &holdState{seq: h.seq, attempts: h.attempts, dead: h.dead, skip: h.skip, replay: h.replay,
 			resolved: h.resolved, dueAt: time.Now().Add(time.Duration(h.dueIn * float64(time.Second)))})
 	}
+	inRead := map[int]bool{}
+	for _, id := range read {
+		inRead[int(id)] = true
+	}
 	for name, k := range r.keys {
-		if k.hold != nil && !inDB[name] && k.holdGen <= g0 && !k.hold.inflight && !k.hold.advancing && r.parts[k.p.id] == k.p {
+		if k.hold != nil && !inDB[name] && inRead[k.p.id] && k.holdGen <= g0 && !k.hold.inflight && !k.hold.advancing && r.parts[k.p.id] == k.p {
 			k.hold = nil // gone from the table (cleaned, or a replay that ended)
 			r.pruneKeyLocked(name, k)
 		}
@@ -1081,6 +1119,7 @@ func (r *orderedRelay) runKey(k *keyState) {
 func (r *orderedRelay) refreshLaterLocked(k *keyState) {
 	k.hold.dueAt = time.Now().Add(time.Second)
 	k.holdGen = 0
+	r.needHolds = true
 }
 
 // freedLocked starts a cycle when p's scan had stopped for the read-ahead
@@ -1228,6 +1267,7 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 			s.fenceRejected("nack")
 			r.logger.Info("Nack not recorded: the partition passed to another relay, or the key has another hold; reading the holds again", fields)
 			k.holdGen = 0
+			r.needHolds = true
 		}
 		if h != nil && h.seq == row.Sequence {
 			h.dueAt = time.Now().Add(backoff)

@@ -598,7 +598,7 @@ func dumpOrdered(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) {
 	t.Helper()
 	for _, q := range []string{
 		`SELECT partition, owner, lease_until > now(), floor_sequence FROM ` + tbl.PartitionsTable() + ` ORDER BY partition`,
-		`SELECT ordering_key, partition, sequence, attempts, available_at, dead_at IS NOT NULL, skip_requested_at IS NOT NULL FROM ` + tbl.HoldsTable(),
+		`SELECT ordering_key, partition, sequence, attempts, available_at, dead_at IS NOT NULL, skip_requested_at IS NOT NULL, replay, resolved_at FROM ` + tbl.HoldsTable(),
 		`SELECT relay_id, heartbeat_at FROM ` + tbl.RelaysTable(),
 	} {
 		rows, err := pool.Query(context.Background(), q)
