@@ -124,7 +124,7 @@ func newHistory(t *testing.T, seed uint64, events int) *history {
 	cfg.PollInterval = time.Second
 	cfg.CloseTimeout = 200 * time.Millisecond
 	return &history{t: t, seed: seed, events: events, pool: pool, tbl: tbl, cfg: cfg,
-		rnd: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), //nolint:gosec // test randomness
+		rnd:  rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), //nolint:gosec // test randomness
 		rows: map[string]*hRow{}, poison: map[string]bool{}, permanent: map[string]bool{}, acked: map[string]bool{},
 		counts: map[string]int{}}
 }
