@@ -124,7 +124,7 @@ func HoldsStateUpSQL(t Table) string { return holdsStateStatement(t) + ";\n" }
 
 // HoldsStateDownSQL reverts HoldsStateUpSQL.
 func HoldsStateDownSQL(t Table) string {
-	return `ALTER TABLE ` + t.HoldsTable() + ` DROP COLUMN IF EXISTS resolved_at, DROP COLUMN IF EXISTS replay;\n`
+	return `ALTER TABLE ` + t.HoldsTable() + ` DROP COLUMN IF EXISTS resolved_at, DROP COLUMN IF EXISTS replay;` + "\n"
 }
 
 func orderedCompanionDrops(t Table) []string {
@@ -439,7 +439,8 @@ SELECT EXISTS (SELECT 1 FROM ins), NOT COALESCE((SELECT done FROM r), false),
 // exist for t.
 func OrderedTablesExist(ctx context.Context, q Querier, t Table) (bool, error) {
 	var ok bool
-	err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND to_regclass($3) IS NOT NULL`,
+	err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND to_regclass($3) IS NOT NULL
+  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($3) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2`,
 		t.PartitionsTable(), t.RelaysTable(), t.HoldsTable()).Scan(&ok)
 	if err != nil {
 		return false, fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)

@@ -115,9 +115,15 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 	for _, f := range []string{
 		"migrations/000001_create_app_outbox.up.sql",
 		"migrations/000002_add_app_outbox_optional_columns.up.sql",
+		"migrations/000003_add_app_outbox_ordering.up.sql",
+		"migrations/000005_add_app_outbox_hold_states.up.sql", // a no-op after 000003 of this version
+		"migrations/000005_add_app_outbox_hold_states.down.sql",
+		"migrations/000005_add_app_outbox_hold_states.up.sql",
 		"migrations/000004_add_app_outbox_dead_at.up.sql", // a no-op after 000001 of this version
 		"migrations/000004_add_app_outbox_dead_at.down.sql",
 		"migrations/000004_add_app_outbox_dead_at.up.sql",
+		"migrations/000005_add_app_outbox_hold_states.down.sql",
+		"migrations/000003_add_app_outbox_ordering.down.sql",
 		"migrations/000002_add_app_outbox_optional_columns.down.sql",
 		"migrations/000001_create_app_outbox.down.sql",
 	} {
@@ -138,6 +144,13 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 		if strings.HasSuffix(f, "000004_add_app_outbox_dead_at.up.sql") {
 			if err := schema.CheckDeadAt(ctx, conn, schema.MustParseTable(sch+".app_outbox")); err != nil {
 				t.Fatalf("after %s: %v", f, err)
+			}
+		}
+		if strings.Contains(f, "000005_") || strings.Contains(f, "000003_") {
+			// Ordered mode needs the companion tables with the hold states.
+			ok, err := schema.OrderedTablesExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
+			if want := strings.HasSuffix(f, ".up.sql"); err != nil || ok != want {
+				t.Fatalf("after %s: ordered tables ready %v (%v), want %v", f, ok, err, want)
 			}
 		}
 		if strings.HasSuffix(f, "000002_add_app_outbox_optional_columns.up.sql") {

@@ -45,7 +45,7 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 		return nil, fmt.Errorf("subscriber: %w", err)
 	}
 	if !ok {
-		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the tables %s, %s and %s; %s: %w",
+		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the tables %s, %s and %s, with the hold states of migration 000005 (resolved_at, replay); %s: %w",
 			t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), run, ErrOrderedNotMigrated)
 	}
 	return schema.NewOrderedQueries(t, cols), nil

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -516,4 +517,28 @@ func TestOrderedIdleFleet(t *testing.T) {
 	if d := time.Since(start); d > time.Second {
 		t.Errorf("idle relays delivered 16 keys (both relays' partitions) after %s, want within a second", d)
 	}
+}
+
+// TestOrderedNeedsHoldStates: a table migrated by an earlier version
+// (holds without the hold states) is refused with the migration to run.
+func TestOrderedNeedsHoldStates(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	if _, err := pool.Exec(context.Background(), schema.HoldsStateDownSQL(tbl)); err != nil {
+		t.Fatal(err)
+	}
+	_, err := subscriber.New(pool, orderedCfg(tbl), nil)
+	if !errors.Is(err, subscriber.ErrOrderedNotMigrated) || !strings.Contains(err.Error(), "000005") ||
+		!strings.Contains(err.Error(), "outbox migrate --ordered") {
+		t.Fatalf("ordered relay on holds without the hold states: %v", err)
+	}
+	if _, err := pool.Exec(context.Background(), schema.HoldsStateUpSQL(tbl)); err != nil {
+		t.Fatal(err)
+	}
+	s, err := subscriber.New(pool, orderedCfg(tbl), nil)
+	if err != nil {
+		t.Fatalf("after the migration: %v", err)
+	}
+	_ = s.Close()
 }
