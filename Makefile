@@ -5,7 +5,7 @@ GOBIN ?= $(shell go env GOPATH)/bin
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 export TEST_DATABASE_URL
 
-.PHONY: help up wait test fault partition test_short test_race test_stress lint fmt vet bench demo
+.PHONY: help up wait test fault partition ordered_history test_short test_race test_stress lint fmt vet bench demo
 
 help: ## List the targets.
 	@grep -E '^[a-z_]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -28,6 +28,9 @@ fault: ## The fault-injection test at full size (100,000 events, 12 relay kills)
 
 partition: ## The partition test alone (root): a relay leader cut off in its own network namespace, a standby takes over.
 	go test -count=1 -timeout 10m -tags fault -run TestFaultPartition -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -15; exit $${PIPESTATUS[0]}
+
+ordered_history: up ## The ordered-mode history checker at full size (30,000 events, relays joining, closing and killed, operator skips and replays); prints its counts and seed.
+	ORDERED_HISTORY_EVENTS=30000 go test -count=1 -timeout 30m -run 'TestOrderedHistory$$' -v ./subscriber/ 2>&1 | grep -v '^\[watermill\]' | grep -v '^=== ' | tail -25; exit $${PIPESTATUS[0]}
 
 test_short: ## Quick run (~1 min): every package with -short (Watermill's universal suites run with few messages); no Docker or fault test.
 	go test -count=1 -short -timeout 10m ./...

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -116,7 +118,7 @@ func startRelay(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cfg sub
 			m.Ack()
 		}
 	}()
-	for !s.IsLeader() && ctx.Err() == nil {
+	for !cfg.Ordered && !s.IsLeader() && ctx.Err() == nil {
 		time.Sleep(10 * time.Millisecond)
 	}
 	time.Sleep(200 * time.Millisecond) // first claims done, the relay is idle
@@ -154,13 +156,20 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 	msg := func() publisher.Message {
 		return publisher.Message{TenantID: tenant, Topic: "org.organization.updated.v1", EventID: uuid.New(), Payload: benchPayload}
 	}
+	// Ordered writers: one keyed event per transaction over 1,000 keys.
+	keyedMsg := func() publisher.Message {
+		m := msg()
+		m.OrderingKey = "org-" + strconv.Itoa(rand.IntN(1000)) //nolint:gosec // bench keys
+		return m
+	}
 	seq := 0
-	newTable := func(prefix string) (schema.Table, error) {
+	newTableWith := func(prefix string, opts ...schema.MigrateOption) (schema.Table, error) {
 		seq++
 		t := schema.MustParseTable(fmt.Sprintf("%s.%s_%d", schemaName, prefix, seq))
 		counter.watch(t)
-		return t, schema.Migrate(ctx, producers, t)
+		return t, schema.Migrate(ctx, producers, t, opts...)
 	}
+	newTable := func(prefix string) (schema.Table, error) { return newTableWith(prefix) }
 	bareInsert := func(t schema.Table) func() (int, error) {
 		sql := `INSERT INTO ` + t.Sanitize() + ` (tenant_id, topic, payload, event_id) VALUES ($1, $2, $3, $4)`
 		return func() (int, error) {
@@ -171,10 +180,14 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 			})
 		}
 	}
-	enqueue := func(e *publisher.Enqueuer, t schema.Table) func() (int, error) {
+	enqueue := func(e *publisher.Enqueuer, t schema.Table, ordered bool) func() (int, error) {
+		next := msg
+		if ordered {
+			next = keyedMsg
+		}
 		return func() (int, error) {
 			return 1, pgx.BeginFunc(ctx, producers, func(tx pgx.Tx) error {
-				_, err := e.Enqueue(ctx, tx, t, msg())
+				_, err := e.Enqueue(ctx, tx, t, next())
 				return err
 			})
 		}
@@ -187,14 +200,18 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 		name, baseline string
 		relay          *subscriber.Config  // nil: no relay
 		enq            *publisher.Enqueuer // nil: bare INSERT
+		ordered        bool                // keyed events into an ordered table
 	}
 	relayDefault, relayNoNotify := subscriber.Config{}, subscriber.Config{DisableNotify: true}
+	relayOrdered := subscriber.Config{Ordered: true}
 	cases := []tcase{
 		{name: "bare INSERT, no relay"},
 		{name: "Enqueue, default, no relay", baseline: "bare INSERT, no relay", enq: defaults},
 		{name: "Enqueue, DisableNotify, no relay", baseline: "bare INSERT, no relay", enq: noNotify},
 		{name: "relay draining, NOTIFY off (producers and relay)", relay: &relayNoNotify, enq: noNotify},
 		{name: "relay draining, default wake-up", baseline: "relay draining, NOTIFY off (producers and relay)", relay: &relayDefault, enq: defaults},
+		{name: "ordered: Enqueue keyed (1,000 keys), no relay", baseline: "Enqueue, default, no relay", enq: defaults, ordered: true},
+		{name: "ordered: keyed writers, ordered relay draining", baseline: "relay draining, default wake-up", relay: &relayOrdered, enq: defaults, ordered: true},
 	}
 	best := make([]float64, len(cases))
 	stmts := make([][3]float64, len(cases)) // claims, acks, all relay statements per event (best run)
@@ -203,13 +220,17 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			t, err := newTable("w")
+			var opts []schema.MigrateOption
+			if c.ordered {
+				opts = append(opts, schema.WithOrderingKeyColumn())
+			}
+			t, err := newTableWith("w", opts...)
 			if err != nil {
 				return err
 			}
 			op := bareInsert(t)
 			if c.enq != nil {
-				op = enqueue(c.enq, t)
+				op = enqueue(c.enq, t, c.ordered)
 			}
 			var r *relayRun
 			if c.relay != nil {
@@ -223,7 +244,7 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 				return fmt.Errorf("%s: %w", c.name, err)
 			}
 			if r != nil {
-				total, err := drainAll(ctx, producers, t, r, 30*time.Second)
+				total, err := drainAll(ctx, producers, t, r, 30*time.Second, c.ordered)
 				if err != nil {
 					return fmt.Errorf("%s: %w", c.name, err)
 				}
@@ -245,7 +266,7 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 	for i, c := range cases {
 		names[i], baselines[i] = c.name, c.baseline
 	}
-	printTable(fmt.Sprintf("Writer cost: %d producers on a pool of %d, 1 event per transaction, best of %d (goals: Enqueue default >= 0.90x of bare INSERT; with a relay draining, default wake-up >= 0.95x of NOTIFY off)",
+	printTable(fmt.Sprintf("Writer cost: %d producers on a pool of %d, 1 event per transaction, best of %d (goals: Enqueue default >= 0.90x of bare INSERT; with a relay draining, default wake-up >= 0.95x of NOTIFY off; ordered writers >= 0.90x of the default mode's)",
 		writerProducers, writerPoolSize, o.rounds), ratioRows(names, baselines, best, "events/s"))
 	for i, c := range cases {
 		if c.relay != nil {
@@ -260,9 +281,14 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 	for _, lc := range []struct {
 		rate        int
 		alwaysWoken bool
-	}{{500, true}, {500, false}, {1000, true}, {1000, false}} {
+		ordered     bool
+	}{{500, true, false}, {500, false, false}, {1000, true, false}, {1000, false, false}, {500, false, true}, {1000, false, true}} {
 		rate := lc.rate
-		t, err := newTable("wl")
+		var opts []schema.MigrateOption
+		if lc.ordered {
+			opts = append(opts, schema.WithOrderingKeyColumn())
+		}
+		t, err := newTableWith("wl", opts...)
 		if err != nil {
 			return err
 		}
@@ -277,13 +303,17 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 				return err
 			}
 		}
-		r, err := startRelay(ctx, relayPool, t, subscriber.Config{}, true)
+		r, err := startRelay(ctx, relayPool, t, subscriber.Config{Ordered: lc.ordered}, true)
 		if err != nil {
 			return err
 		}
 		counter.reset()
+		next := msg
+		if lc.ordered {
+			next = keyedMsg
+		}
 		committed := offerSteadyN(ctx, rate, o.latencyDuration, writerProducers, func() (string, time.Time, error) {
-			m := msg()
+			m := next()
 			tx, err := producers.Begin(ctx)
 			if err != nil {
 				return "", time.Time{}, err
@@ -307,8 +337,11 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 			return err
 		}
 		name := "default handshake"
-		if lc.alwaysWoken {
+		switch {
+		case lc.alwaysWoken:
 			name = "NOTIFY on every commit"
+		case lc.ordered:
+			name = "ordered, 1,000 keys"
 		}
 		fmt.Printf("  %-22s %5d events/s offered: events=%-6d p50=%-10s p95=%-10s p99=%-10s max=%-10s claims+acks per event %.2f\n", name, rate, len(lat),
 			percentile(lat, 50).Round(10*time.Microsecond), percentile(lat, 95).Round(10*time.Microsecond),
@@ -343,14 +376,14 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 			}
 			op := bareInsert(t)
 			if c.enq != nil {
-				op = enqueue(c.enq, t)
+				op = enqueue(c.enq, t, false)
 			}
 			committed := offerSteadyN(ctx, offered, o.duration, writerProducers*2, func() (string, time.Time, error) {
 				_, err := op()
 				return uuid.NewString(), time.Now(), err
 			})
 			if r != nil {
-				if _, err := drainAll(ctx, producers, t, r, 30*time.Second); err != nil {
+				if _, err := drainAll(ctx, producers, t, r, 30*time.Second, false); err != nil {
 					return err
 				}
 				if err := r.stop(); err != nil {
@@ -377,7 +410,7 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 
 // drainAll waits until the relay has received every row of t and they are
 // all published; it returns how many rows t has.
-func drainAll(ctx context.Context, pool *pgxpool.Pool, t schema.Table, r *relayRun, wait time.Duration) (int64, error) {
+func drainAll(ctx context.Context, pool *pgxpool.Pool, t schema.Table, r *relayRun, wait time.Duration, ordered bool) (int64, error) {
 	var total int64
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()).Scan(&total); err != nil {
 		return 0, err
@@ -388,6 +421,9 @@ func drainAll(ctx context.Context, pool *pgxpool.Pool, t schema.Table, r *relayR
 			return 0, fmt.Errorf("relay received %d of %d rows within %s", r.received.Load(), total, wait)
 		}
 		time.Sleep(5 * time.Millisecond)
+	}
+	if ordered {
+		return total, nil // keyed rows are never updated; the floors are the progress
 	}
 	dctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
