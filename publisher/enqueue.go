@@ -208,10 +208,8 @@ func (e *Enqueuer) Enqueue(ctx context.Context, tx Tx, table schema.Table, msg M
 		return 0, err
 	}
 	if q.Columns.OrderingKey {
+		// The statement takes the key's lock itself.
 		args = append(args, nullIfEmptyString(msg.OrderingKey))
-		if err := lockKeys(ctx, tx, q, []string{msg.OrderingKey}); err != nil {
-			return 0, err
-		}
 	}
 	var (
 		seq                 int64
@@ -310,10 +308,7 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 		for k, i := range unique {
 			keys[k] = msgs[i].OrderingKey
 		}
-		args = append(args, nullIfEmpty(keys))
-		if err := lockKeys(ctx, tx, q, keys); err != nil {
-			return nil, err
-		}
+		args = append(args, nullIfEmpty(keys)) // the statement takes the keys' locks itself
 	}
 	var (
 		written, existed string
@@ -547,24 +542,3 @@ func nullIfEmpty(ss []string) []*string {
 	return out
 }
 
-// lockKeys takes the per-key transaction-level advisory locks of the
-// non-empty keys, so that the writers of one key commit in sequence order
-// (docs/ORDERING.md).
-func lockKeys(ctx context.Context, tx Tx, q *schema.Queries, keys []string) error {
-	var distinct []string
-	seen := map[string]bool{}
-	for _, k := range keys {
-		if k != "" && !seen[k] {
-			seen[k] = true
-			distinct = append(distinct, k)
-		}
-	}
-	if len(distinct) == 0 {
-		return nil
-	}
-	var n int64
-	if err := tx.QueryRow(ctx, q.LockKeys, q.Table.OrderingLockClass(), distinct).Scan(&n); err != nil {
-		return fmt.Errorf("publisher: enqueue into %s: lock ordering keys: %w", q.Table, err)
-	}
-	return nil
-}
