@@ -541,4 +541,3 @@ func nullIfEmpty(ss []string) []*string {
 	}
 	return out
 }
-
