@@ -591,6 +591,7 @@ func (h *history) check() {
 			}
 		}
 	}
+	h.counts["violations"] += 0 // printed also when none
 	h.counts["events committed"] = committed
 	h.counts["events rolled back"] = rolled
 	h.counts["deliveries"] = len(dels)
