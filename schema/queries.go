@@ -182,7 +182,21 @@ func NewQueries(t Table, c Columns) *Queries {
 	// keeps any relay from going idle before this row is visible to it
 	// (docs/ARCHITECTURE.md, "Wake-up"). Writers never wait on each other:
 	// shared locks do not conflict.
-	notify := `(SELECT pg_notify($5, '') WHERE $5 <> '' AND NOT pg_try_advisory_xact_lock_shared(` + strconv.FormatInt(t.IdleLockKey(), 10) + `)`
+	idleKey := strconv.FormatInt(t.IdleLockKey(), 10)
+	notify := `(SELECT pg_notify($5, '') WHERE $5 <> '' AND NOT pg_try_advisory_xact_lock_shared(` + idleKey + `)`
+	batchNotify := notify
+	if c.OrderingKey {
+		// A keyed row wakes the ordered relays, an unkeyed one the claim
+		// loop: each kind tries its own idle lock. A batch tries the lock
+		// of each kind it holds (when one try fails it notifies anyway,
+		// which wakes both).
+		okey := strconv.FormatInt(t.OrderedIdleLockKey(), 10)
+		notify = `(SELECT pg_notify($5, '') WHERE $5 <> '' AND NOT pg_try_advisory_xact_lock_shared(CASE WHEN ` + keyArg + `::text IS NULL THEN ` + idleKey + ` ELSE ` + okey + ` END)`
+		kcol := "u.c" + keyArg[1:]
+		batchNotify = `(SELECT pg_notify($5, '') WHERE $5 <> '' AND (
+    (EXISTS (SELECT 1 FROM u WHERE ` + kcol + ` IS NULL) AND NOT pg_try_advisory_xact_lock_shared(` + idleKey + `))
+    OR (EXISTS (SELECT 1 FROM u WHERE ` + kcol + ` IS NOT NULL) AND NOT pg_try_advisory_xact_lock_shared(` + okey + `)))`
+	}
 
 	// With an ordering key, the statement takes the key's lock first (lk is
 	// aggregated before the row is formed, so before its sequence value):
@@ -221,7 +235,7 @@ ex AS (
 )
 SELECT (SELECT COALESCE(string_agg(event_id::text || ':' || sequence::text, ','), '') FROM ins),
   (SELECT ` + existingJSON + ` FROM ex),
-  ` + notify + ` AND EXISTS (SELECT 1 FROM ins)) IS NULL`
+  ` + batchNotify + ` AND EXISTS (SELECT 1 FROM ins)) IS NULL`
 
 	q.ExistingEvents = `SELECT ` + existingJSON + `
 FROM (SELECT o.event_id, o.sequence, o.tenant_id, o.topic, o.payload = u.p::jsonb AS same_payload

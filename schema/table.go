@@ -133,6 +133,12 @@ func (t Table) LockKey() int64 { return fnvKey("outbox:" + t.Qualified()) }
 // shared mode. FNV-64a of "outbox-idle:" + Qualified().
 func (t Table) IdleLockKey() int64 { return fnvKey("outbox-idle:" + t.Qualified()) }
 
+// OrderedIdleLockKey is the idle lock of the ordered relays of the table:
+// writers of keyed rows try it instead of IdleLockKey, so that an idle
+// claim loop (for unkeyed rows) does not make every keyed commit notify,
+// and the reverse (docs/ARCHITECTURE.md, "Wake-up").
+func (t Table) OrderedIdleLockKey() int64 { return fnvKey("outbox-idle-ordered:" + t.Qualified()) }
+
 // migrateLockKey serialises concurrent Migrate calls on the same table.
 func (t Table) migrateLockKey() int64 { return fnvKey("outbox-migrate:" + t.Qualified()) }
 

@@ -68,6 +68,9 @@ func idleRetry(n int) time.Duration {
 // holds it for the subscriber's life.
 type idleSignal struct {
 	s *Subscriber
+	// key is the advisory key of the lock: Table.IdleLockKey for the claim
+	// loop, Table.OrderedIdleLockKey for the ordered relay.
+	key int64
 
 	// ordered mode: a background goroutine holds the lock for the
 	// subscriber's life; granted says it has it.
@@ -86,7 +89,7 @@ func (i *idleSignal) enter(ctx context.Context) (uint64, bool) {
 	if i.s.notifier == nil {
 		return 0, false
 	}
-	return i.s.notifier.enterIdle(ctx, i.s.cfg.Table.IdleLockKey())
+	return i.s.notifier.enterIdle(ctx, i.key)
 }
 
 // valid reports whether a lock taken at gen is still held.
@@ -102,7 +105,7 @@ func (i *idleSignal) leave(gen uint64) {
 	if i.permanent || i.s.notifier == nil {
 		return
 	}
-	i.s.notifier.leaveIdle(i.s.cfg.Table.IdleLockKey(), gen)
+	i.s.notifier.leaveIdle(i.key, gen)
 }
 
 // lost records that the lock is gone and wakes the subscriptions, so that
@@ -247,7 +250,7 @@ func (i *idleSignal) holdOnce(ctx context.Context) error {
 		cancel()
 		conn.Release()
 	}()
-	if _, err := conn.Exec(ctx, schema.IdleLock, i.s.cfg.Table.IdleLockKey()); err != nil {
+	if _, err := conn.Exec(ctx, schema.IdleLock, i.key); err != nil {
 		return err
 	}
 	i.granted.Store(true)

@@ -217,12 +217,12 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 	)
 	defer func() {
 		if holding {
-			s.idle.leave(idleGen)
+			s.oidle.leave(idleGen)
 		}
 	}()
 	release := func() {
 		if holding {
-			s.idle.leave(idleGen)
+			s.oidle.leave(idleGen)
 			holding = false
 		}
 	}
@@ -253,7 +253,7 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 			release()
 			misses = 0
 			wait = linger(rate)
-		case holding && s.idle.valid(idleGen):
+		case holding && s.oidle.valid(idleGen):
 			wait = s.cfg.PollInterval
 		case holding:
 			holding = false // the lock was lost: go through the handshake again
@@ -262,7 +262,7 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 			if s.beforeIdle != nil {
 				s.beforeIdle()
 			}
-			if gen, ok := s.idle.enter(ctx); ok {
+			if gen, ok := s.oidle.enter(ctx); ok {
 				// Look once more under the lock: a commit before it was
 				// granted is visible now, later ones notify.
 				holding, idleGen, misses = true, gen, 0

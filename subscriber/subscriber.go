@@ -36,7 +36,8 @@ type Subscriber struct {
 	leader    *elector
 	wake      broadcaster
 	notifier  *notifier
-	idle      idleSignal
+	idle      idleSignal // the claim loop's (unkeyed rows)
+	oidle     idleSignal // the ordered relay's (keyed rows)
 
 	acks      chan ackReq
 	ackStop   chan struct{}
@@ -100,7 +101,8 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		writeTimeout: opTimeout,
 		closeDone:    make(chan struct{}),
 	}
-	s.idle.s = s
+	s.idle.s, s.idle.key = s, cfg.Table.IdleLockKey()
+	s.oidle.s, s.oidle.key = s, cfg.Table.OrderedIdleLockKey()
 	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
 	return s, nil
 }

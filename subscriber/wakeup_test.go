@@ -24,9 +24,16 @@ import (
 // is idle and enqueues send NOTIFY.
 func idleHeld(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) bool {
 	t.Helper()
+	return idleKeyHeld(t, pool, tbl.IdleLockKey())
+}
+
+// idleKeyHeld reports whether a session holds the advisory lock key
+// exclusively.
+func idleKeyHeld(t *testing.T, pool *pgxpool.Pool, key int64) bool {
+	t.Helper()
 	var held bool
 	err := pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1
-  AND ((classid::bigint << 32) | objid::bigint) = $1 AND mode = 'ExclusiveLock' AND granted)`, tbl.IdleLockKey()).Scan(&held)
+  AND ((classid::bigint << 32) | objid::bigint) = $1 AND mode = 'ExclusiveLock' AND granted)`, key).Scan(&held)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -356,7 +363,8 @@ func TestWakeUpRace(t *testing.T) {
 	}
 }
 
-// TestOrderedWakeUp: an ordered relay keeps the idle lock, so keyed events
+// TestOrderedWakeUp: an idle ordered subscriber holds both idle locks (its
+// claim loop's and its ordered relay's), so keyed and unkeyed events
 // enqueued while it waits wake it, with a poll interval of a minute.
 func TestOrderedWakeUp(t *testing.T) {
 	t.Parallel()
@@ -371,7 +379,9 @@ func TestOrderedWakeUp(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the ordered relay to hold the idle lock", 5*time.Second, func() bool { return idleHeld(t, pool, tbl) })
+	waitFor(t, "the idle locks to be held", 5*time.Second, func() bool {
+		return idleHeld(t, pool, tbl) && idleKeyHeld(t, pool, tbl.OrderedIdleLockKey())
+	})
 	time.Sleep(300 * time.Millisecond) // partitions assigned, first cycles done
 	for i, key := range []string{"a", "b", "", "a"} {
 		start := time.Now()
@@ -395,4 +405,66 @@ func TestOrderedWakeUp(t *testing.T) {
 			t.Fatalf("event %d (key %q) not delivered: the wake-up was lost", i, key)
 		}
 	}
+}
+
+// TestWakeUpKeyedAndUnkeyedLocks: keyed rows try the ordered relays' idle
+// lock and unkeyed rows the claim loop's, so an idle claim loop does not
+// make every keyed commit notify (nor the reverse); a batch with both kinds
+// notifies when either kind's relay sleeps.
+func TestWakeUpKeyedAndUnkeyedLocks(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	ctx := context.Background()
+	n := countNotifications(t, tbl)
+	enqueue := func(keys ...string) {
+		t.Helper()
+		msgs := make([]publisher.Message, len(keys))
+		for i, k := range keys {
+			msgs[i] = publisher.Message{TenantID: tenant, Topic: "org.thing.changed.v1", EventID: uuid.New(), Payload: json.RawMessage(`{}`), OrderingKey: k}
+		}
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if len(msgs) == 1 {
+				_, err := publisher.Enqueue(ctx, tx, tbl, msgs[0])
+				return err
+			}
+			_, err := publisher.EnqueueBatch(ctx, tx, tbl, msgs)
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	expect := func(what string, want int64, keys ...string) {
+		t.Helper()
+		before := n.Load()
+		enqueue(keys...)
+		time.Sleep(200 * time.Millisecond)
+		if got := n.Load() - before; got != want {
+			t.Errorf("%s: %d notifications, want %d", what, got, want)
+		}
+	}
+	for _, c := range []struct {
+		name string
+		key  int64
+		// notifications for: keyed, unkeyed, keyed batch, unkeyed batch, mixed batch
+		want [5]int64
+	}{
+		{"claim loop asleep", tbl.IdleLockKey(), [5]int64{0, 1, 0, 1, 1}},
+		{"ordered relay asleep", tbl.OrderedIdleLockKey(), [5]int64{1, 0, 1, 0, 1}},
+	} {
+		holder, err := pgx.Connect(ctx, testdb.URL())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := holder.Exec(ctx, schema.TryIdleLock, c.key); err != nil {
+			t.Fatal(err)
+		}
+		expect(c.name+", keyed", c.want[0], "k1")
+		expect(c.name+", unkeyed", c.want[1], "")
+		expect(c.name+", keyed batch", c.want[2], "k1", "k2")
+		expect(c.name+", unkeyed batch", c.want[3], "", "")
+		expect(c.name+", mixed batch", c.want[4], "k1", "")
+		_ = holder.Close(ctx)
+	}
+	expect("nobody asleep, mixed batch", 0, "k1", "")
 }
