@@ -159,10 +159,6 @@ type holdState struct {
 	inflight  bool // the held row is being delivered
 }
 
-// covering reports whether h covers the key's rows at and above its
-// sequence.
-func (h *holdState) covering() bool { return h != nil && !h.resolved && !h.replay }
-
 func newOrderedRelay(sub *subscription) *orderedRelay {
 	host, _ := os.Hostname()
 	b := make([]byte, 4)

@@ -128,7 +128,7 @@ func newHistory(t *testing.T, seed uint64, events int) *history {
 	cfg.CloseTimeout = 200 * time.Millisecond
 	return &history{t: t, seed: seed, events: events, pool: pool, tbl: tbl, cfg: cfg,
 		oq:   schema.NewOrderedQueries(tbl, schema.Columns{TraceContext: true, Headers: true, OrderingKey: true}),
-		rnd:  rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), //nolint:gosec // test randomness
+		rnd:  rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)),
 		rows: map[string]*hRow{}, poison: map[string]bool{}, permanent: map[string]bool{}, acked: map[string]bool{},
 		counts: map[string]int{}}
 }

@@ -489,12 +489,9 @@ func TestOrderedIdleFleet(t *testing.T) {
 	cfg := orderedCfg(tbl)
 	cfg.PollInterval = time.Minute
 	rec := newRecorder()
-	var subs []*subscriber.Subscriber
 	for i := 0; i < 2; i++ {
 		p := testdb.NewPool(t, nil)
-		s := orderedSub(t, p, cfg)
-		consume(t, s, rec, nil)
-		subs = append(subs, s)
+		consume(t, orderedSub(t, p, cfg), rec, nil)
 	}
 	waitFor(t, "two relays share the partitions", 5*time.Second, func() bool {
 		var n int

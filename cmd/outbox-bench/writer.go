@@ -159,7 +159,7 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 	// Ordered writers: one keyed event per transaction over 1,000 keys.
 	keyedMsg := func() publisher.Message {
 		m := msg()
-		m.OrderingKey = "org-" + strconv.Itoa(rand.IntN(1000)) //nolint:gosec // bench keys
+		m.OrderingKey = "org-" + strconv.Itoa(rand.IntN(1000))
 		return m
 	}
 	seq := 0
