@@ -308,9 +308,12 @@ CROSS JOIN LATERAL (
   SELECT array_agg(k.virtualtransaction) AS vx, array_agg(k.objid::int8) AS h FROM pg_locks AS k
   WHERE k.locktype = 'advisory' AND k.classid = ($1::int4)::oid AND k.objsubid = 2 AND k.granted AND s.last_value IS NOT NULL
 ) AS l`
+	// Holds filters on an expression, so that reading the holds of many
+	// partitions is one scan of the (small) holds table, not one index probe
+	// per partition.
 	q.Holds = `SELECT ordering_key, partition::int, sequence, attempts, extract(epoch FROM LEAST(available_at, now() + interval '1 day') - now())::float8,
   dead_at IS NOT NULL, skip_requested_at IS NOT NULL, replay, resolved_at IS NOT NULL
-FROM ` + holds + ` WHERE partition = ANY($1::int[])`
+FROM ` + holds + ` WHERE partition::int + 0 = ANY($1::int[])`
 	q.Scan = `SELECT ` + ret + `
 FROM unnest($1::int[], $2::bigint[]) AS p(part, lo)
 CROSS JOIN LATERAL (

@@ -41,6 +41,19 @@ FROM (SELECT pg_try_advisory_lock($1) AS got OFFSET 0) AS l`
 	// lock was taken.
 	TryIdleLock = `SELECT pg_try_advisory_lock($1)`
 
+	// TryIdleLockOrHolder tries the idle lock like TryIdleLock and, when it
+	// fails, tells whether another session holds it exclusively (a relay
+	// asleep: writers notify) rather than only writers in shared mode.
+	// Args: the lock key. Returns: got, held exclusively by another session.
+	TryIdleLockOrHolder = `SELECT got, NOT got AND EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1
+  AND ((classid::bigint << 32) | objid::bigint) = $1 AND mode = 'ExclusiveLock' AND granted AND pid <> pg_backend_pid())
+FROM (SELECT pg_try_advisory_lock($1) AS got) AS t`
+
+	// IdleUnlockNotify releases the idle lock and notifies the table's
+	// channel, so that relays that slept covered by this lock go through the
+	// handshake again. Args: the lock key, the channel.
+	IdleUnlockNotify = `SELECT pg_advisory_unlock($1), pg_notify($2, '')`
+
 	// IdleLock waits for the idle lock (exclusive). While it waits, enqueues
 	// already see it and send NOTIFY (a queued exclusive request makes their
 	// shared try fail). Args: Table.IdleLockKey.

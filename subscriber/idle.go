@@ -2,10 +2,8 @@ package subscriber
 
 import (
 	"context"
-	"sync/atomic"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -24,10 +22,19 @@ import (
 //     after the commit is visible, so the relay's next claim, which begins
 //     after the lock was granted, sees the row;
 //   - a writer whose try came after fails it and notifies at commit.
-// A relay that cannot take the lock (a writer's transaction is open, or
-// another relay holds it) does not sleep: it claims again after a short
-// backoff (idleRetryMax at most). Writers never wait on each other: shared
-// locks do not conflict.
+// A relay that cannot take the lock because another relay holds it
+// (exclusively) is covered: writers notify while that relay sleeps, and that
+// relay notifies when it gives the lock back, so the covered relay sleeps
+// too, checking again every coveredRecheck in case the holder died without
+// a word. A relay that cannot take it because a writer's transaction is open
+// (shared holders only) does not sleep: that commit may not notify, so it
+// claims again after a short backoff (idleRetryMax at most). Writers never
+// wait on each other: shared locks do not conflict.
+//
+// The locks are held on the notifier's LISTEN connection: its loss ends the
+// wait for notifications at once, so a relay never sleeps on a lock whose
+// session is gone (the notifier bumps the generation and wakes every
+// subscription, which go through the handshake again).
 
 const (
 	// wakeCoalesce is how long a relay woken by a notification waits before
@@ -43,8 +50,12 @@ const (
 	// events/s give 3ms, 5,000 give the 15ms cap.
 	lingerPerRate = 3 * time.Microsecond
 	// idleRetryMax caps the backoff of a relay that found nothing and could
-	// not take the idle lock.
+	// not take the idle lock while writers' transactions held it.
 	idleRetryMax = 8 * time.Millisecond
+	// coveredRecheck bounds the sleep of a relay covered by another relay's
+	// idle lock: if that relay's session died without giving the lock back
+	// (and so without notifying), the covered relay finds out this late.
+	coveredRecheck = time.Second
 )
 
 // linger is the pause after a partial batch at rate events/s.
@@ -61,213 +72,188 @@ func idleRetry(n int) time.Duration {
 	return min(idleRetryMax, time.Millisecond<<max(0, n-1))
 }
 
-// idleSignal is one Subscriber's side of the handshake. In the default mode
-// the lock is held through the pool's notifier, which counts the
-// subscriptions of every Subscriber of the process on one table and holds
-// the locks of all tables on one connection; in ordered mode a goroutine
-// holds it for the subscriber's life.
+// idleSignal is one Subscriber's side of the handshake for one lock: the
+// lock is held through the pool's notifier, which counts the subscriptions
+// of every Subscriber of the process on one lock and holds the locks of all
+// tables on its LISTEN connection.
 type idleSignal struct {
 	s *Subscriber
 	// key is the advisory key of the lock: Table.IdleLockKey for the claim
 	// loop, Table.OrderedIdleLockKey for the ordered relay.
 	key int64
-
-	// ordered mode: a background goroutine holds the lock for the
-	// subscriber's life; granted says it has it.
-	permanent bool
-	granted   atomic.Bool
-	gen       atomic.Uint64
 }
 
+// idleState is the outcome of enter.
+type idleState int
+
+const (
+	idleMissed  idleState = iota // a writer's transaction holds the lock: look again soon
+	idleHeld                     // taken (or counted in): look once more, then sleep
+	idleCovered                  // another relay holds it: sleep, checking every coveredRecheck
+)
+
 // enter takes the lock for one subscription, or counts it in when it is
-// already held. It reports false when the lock could not be taken; the
-// caller must then not sleep longer than idleRetryMax.
-func (i *idleSignal) enter(ctx context.Context) (uint64, bool) {
-	if i.permanent {
-		return i.gen.Load(), i.granted.Load()
-	}
+// already held.
+func (i *idleSignal) enter(ctx context.Context) (uint64, idleState) {
 	if i.s.notifier == nil {
-		return 0, false
+		return 0, idleMissed
 	}
-	return i.s.notifier.enterIdle(ctx, i.key)
+	return i.s.notifier.enterIdle(ctx, i.key, i.s.cfg.Table.NotifyChannel())
 }
 
 // valid reports whether a lock taken at gen is still held.
 func (i *idleSignal) valid(gen uint64) bool {
-	if i.permanent {
-		return i.granted.Load() && gen == i.gen.Load()
-	}
 	return i.s.notifier != nil && gen == i.s.notifier.idleGen.Load()
 }
 
 // leave counts one subscription out; the last one gives the lock back.
-func (i *idleSignal) leave(gen uint64) {
-	if i.permanent || i.s.notifier == nil {
+// announce asks it to notify the table's channel, so that relays covered by
+// this lock go through the handshake again: needed unless the subscription
+// woke up from a notification (which reached them too).
+func (i *idleSignal) leave(gen uint64, announce bool) {
+	if i.s.notifier == nil {
 		return
 	}
-	i.s.notifier.leaveIdle(i.key, gen)
+	i.s.notifier.leaveIdle(i.key, i.s.cfg.Table.NotifyChannel(), gen, announce)
 }
 
-// lost records that the lock is gone and wakes the subscriptions, so that
-// sleeping ones go through the handshake again.
-func (i *idleSignal) lost() {
-	i.gen.Add(1)
-	i.s.wake.broadcast()
+// idleOp is a request to the notifier's session, which runs it on the
+// LISTEN connection.
+type idleOp struct {
+	enter    bool
+	announce bool
+	key      int64
+	channel  string
+	gen      uint64
+	reply    chan idleReply
 }
 
-// enterIdle takes the idle lock of key on the notifier's lock connection, or
-// counts one more holder when it is held.
-func (n *notifier) enterIdle(ctx context.Context, key int64) (uint64, bool) {
-	n.idleMu.Lock()
-	defer n.idleMu.Unlock()
-	gen := n.idleGen.Load()
-	if n.idleHolders[key] > 0 {
-		n.idleHolders[key]++
-		return gen, true
-	}
-	qctx, cancel := context.WithTimeout(ctx, opTimeout)
-	defer cancel()
-	var got bool
-	err := n.withIdleConn(qctx, func(c *pgx.Conn) error {
-		return c.QueryRow(qctx, schema.TryIdleLock, key).Scan(&got)
-	})
-	if err != nil || !got {
-		return 0, false
-	}
-	n.idleHolders[key] = 1
-	return n.idleGen.Load(), true
+type idleReply struct {
+	gen   uint64
+	state idleState
 }
 
-// leaveIdle counts one holder of key out; the last one releases the lock.
-func (n *notifier) leaveIdle(key int64, gen uint64) {
-	n.idleMu.Lock()
-	defer n.idleMu.Unlock()
-	if gen != n.idleGen.Load() || n.idleHolders[key] == 0 {
-		return
+// enterIdle takes the idle lock of key on the LISTEN connection, or counts
+// one more holder when it is held.
+func (n *notifier) enterIdle(ctx context.Context, key int64, channel string) (uint64, idleState) {
+	r, ok := n.idleRequest(ctx, idleOp{enter: true, key: key, channel: channel})
+	if !ok {
+		return 0, idleMissed
 	}
-	n.idleHolders[key]--
-	if n.idleHolders[key] > 0 {
-		return
-	}
-	delete(n.idleHolders, key)
+	return r.gen, r.state
+}
+
+// leaveIdle counts one holder of key out; the last one releases the lock
+// and, when announce is set, notifies channel so that relays covered by it
+// go through the handshake again.
+func (n *notifier) leaveIdle(key int64, channel string, gen uint64, announce bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
-	var was bool
-	err := n.withIdleConn(ctx, func(c *pgx.Conn) error {
-		return c.QueryRow(ctx, schema.IdleUnlock, key).Scan(&was)
-	})
-	if err != nil && n.idleConn != nil {
-		// Do not keep a connection that may still hold the lock: writers
-		// would notify for nothing.
-		n.dropIdleConnLocked()
+	n.idleRequest(ctx, idleOp{key: key, channel: channel, gen: gen, announce: announce})
+}
+
+// idleRequest hands op to the session and waits for its reply; false when
+// no session answers (the LISTEN connection is down, or ctx ended).
+func (n *notifier) idleRequest(ctx context.Context, op idleOp) (idleReply, bool) {
+	op.reply = make(chan idleReply, 1)
+	n.mu.Lock()
+	if !n.live {
+		n.mu.Unlock()
+		return idleReply{}, false
+	}
+	n.idleOps = append(n.idleOps, op)
+	if n.interrupt != nil {
+		n.interrupt()
+	}
+	n.mu.Unlock()
+	select {
+	case r := <-op.reply:
+		return r, r.gen != 0 || !op.enter
+	case <-ctx.Done():
+		return idleReply{}, false
 	}
 }
 
-// withIdleConn runs fn on the connection that holds the idle locks,
-// acquiring it on first use. Called with idleMu held.
-func (n *notifier) withIdleConn(ctx context.Context, fn func(*pgx.Conn) error) error {
-	if n.idleConn == nil {
-		conn, err := n.pool.Acquire(ctx)
+// runIdleOps runs the pending idle requests on the session's connection. A
+// failed statement ends the session (its locks may be in doubt).
+func (n *notifier) runIdleOps(ctx context.Context, conn *pgx.Conn) error {
+	n.mu.Lock()
+	ops := n.idleOps
+	n.idleOps = nil
+	n.mu.Unlock()
+	for i, op := range ops {
+		gen := n.idleGen.Load()
+		if op.enter {
+			if n.idleHolders[op.key] > 0 {
+				n.idleHolders[op.key]++
+				op.reply <- idleReply{gen: gen, state: idleHeld}
+				continue
+			}
+			var got, covered bool
+			qctx, cancel := context.WithTimeout(ctx, opTimeout)
+			err := conn.QueryRow(qctx, schema.TryIdleLockOrHolder, op.key).Scan(&got, &covered)
+			cancel()
+			if err != nil {
+				failIdleOps(ops[i:])
+				return err
+			}
+			switch {
+			case got:
+				n.idleHolders[op.key] = 1
+				op.reply <- idleReply{gen: gen, state: idleHeld}
+			case covered:
+				op.reply <- idleReply{gen: gen, state: idleCovered}
+			default:
+				op.reply <- idleReply{gen: gen, state: idleMissed}
+			}
+			continue
+		}
+		if op.gen != gen || n.idleHolders[op.key] == 0 {
+			op.reply <- idleReply{}
+			continue
+		}
+		n.idleHolders[op.key]--
+		if n.idleHolders[op.key] > 0 {
+			op.reply <- idleReply{}
+			continue
+		}
+		delete(n.idleHolders, op.key)
+		qctx, cancel := context.WithTimeout(ctx, opTimeout)
+		var err error
+		if op.announce {
+			_, err = conn.Exec(qctx, schema.IdleUnlockNotify, op.key, op.channel)
+		} else {
+			_, err = conn.Exec(qctx, schema.IdleUnlock, op.key)
+		}
+		cancel()
+		op.reply <- idleReply{}
 		if err != nil {
+			// Do not keep a session that may still hold the lock: writers
+			// would notify for nothing.
+			failIdleOps(ops[i+1:])
 			return err
 		}
-		n.idleConn = conn
 	}
-	err := fn(n.idleConn.Conn())
-	if err != nil && n.idleConn.Conn().IsClosed() {
-		n.dropIdleConnLocked()
-	}
-	return err
+	return nil
 }
 
-// dropIdleConnLocked closes the lock connection (which ends its session and
-// so its locks) instead of handing a locked connection back to the pool,
-// forgets the holders, and wakes every subscription so that sleeping ones go
-// through the handshake again.
-func (n *notifier) dropIdleConnLocked() {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	_ = n.idleConn.Conn().Close(ctx)
-	cancel()
-	n.idleConn.Release()
-	n.idleConn = nil
+func failIdleOps(ops []idleOp) {
+	for _, op := range ops {
+		op.reply <- idleReply{}
+	}
+}
+
+// lostIdle forgets the locks of a session that ended (they ended with it)
+// and wakes every subscription, so that sleeping ones go through the
+// handshake again.
+func (n *notifier) lostIdle() {
+	n.mu.Lock()
+	ops := n.idleOps
+	n.idleOps = nil
+	n.live = false
+	n.mu.Unlock()
+	failIdleOps(ops)
 	clear(n.idleHolders)
 	n.idleGen.Add(1)
 	n.notifyAll()
-}
-
-// closeIdleConn gives the lock connection back to the pool, unlocked.
-func (n *notifier) closeIdleConn() {
-	n.idleMu.Lock()
-	defer n.idleMu.Unlock()
-	if n.idleConn == nil {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
-	defer cancel()
-	if _, err := n.idleConn.Exec(ctx, schema.UnlockAll); err != nil {
-		_ = n.idleConn.Conn().Close(ctx)
-	}
-	n.idleConn.Release()
-	n.idleConn = nil
-	clear(n.idleHolders)
-	n.idleGen.Add(1)
-}
-
-// holdPermanently is the ordered mode's side of the handshake: ordered
-// relays keep the idle lock, or wait for it, for their whole life, so every
-// enqueue notifies while one runs. It waits for the lock on a connection of
-// its own; once the lock is granted, a claim sees every row committed before,
-// and later ones notify.
-func (i *idleSignal) holdPermanently(ctx context.Context) {
-	defer i.s.bgWg.Done()
-	delay := 100 * time.Millisecond
-	for ctx.Err() == nil {
-		err := i.holdOnce(ctx)
-		i.granted.Store(false)
-		i.lost()
-		if ctx.Err() != nil {
-			return
-		}
-		i.s.logger.Error("Wake-up lock connection lost; reconnecting", err, watermill.LogFields{"retry_in": delay.String()})
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(delay):
-		}
-		delay = min(2*delay, 5*time.Second)
-	}
-}
-
-func (i *idleSignal) holdOnce(ctx context.Context) error {
-	conn, err := i.s.pool.Acquire(ctx)
-	if err != nil {
-		return err
-	}
-	defer func() {
-		// A connection that held or waited for the lock is not reused.
-		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		_ = conn.Conn().Close(cctx)
-		cancel()
-		conn.Release()
-	}()
-	if _, err := conn.Exec(ctx, schema.IdleLock, i.key); err != nil {
-		return err
-	}
-	i.granted.Store(true)
-	i.s.wake.broadcast()
-	t := time.NewTicker(i.s.cfg.ElectionInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-t.C:
-		}
-		pctx, cancel := context.WithTimeout(ctx, opTimeout)
-		err := conn.Ping(pctx)
-		cancel()
-		if err != nil {
-			return err
-		}
-	}
 }

@@ -24,16 +24,16 @@ type notifier struct {
 	channels  map[string]map[*broadcaster]struct{}
 	dirty     bool
 	interrupt context.CancelFunc
+	live      bool     // a session listens and takes idle requests
+	idleOps   []idleOp // idle requests for the session (idle.go)
 
 	cancel context.CancelFunc
 	done   chan struct{}
 
-	// The idle locks of the wake-up handshake (idle.go), all tables on one
-	// connection of the pool, taken on first use.
-	idleMu      sync.Mutex
-	idleConn    *pgxpool.Conn
+	// The idle locks of the wake-up handshake (idle.go), all tables on the
+	// LISTEN connection. idleHolders belongs to the session goroutine.
 	idleHolders map[int64]int // lock key -> subscriptions counting on it
-	idleGen     atomic.Uint64 // changes when idleConn, and its locks, are lost
+	idleGen     atomic.Uint64 // changes when a session, and its locks, ends; never 0
 }
 
 var (
@@ -50,6 +50,7 @@ func acquireNotifier(pool *pgxpool.Pool, logger watermill.LoggerAdapter) *notifi
 		ctx, cancel := context.WithCancel(context.Background())
 		n = &notifier{pool: pool, logger: logger, channels: map[string]map[*broadcaster]struct{}{}, cancel: cancel, done: make(chan struct{}),
 			idleHolders: map[int64]int{}}
+		n.idleGen.Store(1)
 		notifiers[pool] = n
 		go n.run(ctx)
 	}
@@ -70,7 +71,6 @@ func (n *notifier) release() {
 	if last {
 		n.cancel()
 		<-n.done
-		n.closeIdleConn()
 	}
 }
 
@@ -152,12 +152,17 @@ func (n *notifier) session(ctx context.Context) (listened bool, err error) {
 		return false, err
 	}
 	defer func() {
-		// A connection that was listening is not handed out again.
+		// A connection that was listening (and may hold idle locks) is not
+		// handed out again; its locks end with it.
 		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		_ = conn.Conn().Close(cctx)
 		cancel()
 		conn.Release()
+		n.lostIdle()
 	}()
+	n.mu.Lock()
+	n.live = true
+	n.mu.Unlock()
 	listening := map[string]bool{}
 	// Rows committed while no one listened are found now.
 	n.notifyAll()
@@ -187,9 +192,12 @@ func (n *notifier) session(ctx context.Context) (listened bool, err error) {
 			}
 		}
 		listened = true
+		if err := n.runIdleOps(ctx, conn.Conn()); err != nil {
+			return listened, errors.Join(errors.New("idle lock"), err)
+		}
 		wctx, interrupt := context.WithCancel(ctx)
 		n.mu.Lock()
-		dirty := n.dirty
+		dirty := n.dirty || len(n.idleOps) > 0
 		n.interrupt = interrupt
 		n.mu.Unlock()
 		if dirty {

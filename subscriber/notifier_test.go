@@ -11,11 +11,13 @@ import (
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
-// TestListenerReconnectsFastAfterEachLoss: the LISTEN connection is killed
-// (pg_terminate_backend) six times in a row; each time the listener is back
+// TestListenerReconnectsFastAfterEachLoss: the LISTEN connection, which
+// holds the idle lock of the sleeping relay, is killed (pg_terminate_backend)
+// six times in a row; each time the listener is back, with the idle lock,
 // within a second (its reconnect backoff starts again after every successful
-// connection instead of growing to seconds), and afterwards a NOTIFY still
-// wakes the relay at once, with polling every hour.
+// connection instead of growing to seconds), and afterwards a commit still
+// wakes the relay at once, with polling every hour: a relay never sleeps on
+// an idle lock whose session is gone.
 func TestListenerReconnectsFastAfterEachLoss(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -30,9 +32,12 @@ func TestListenerReconnectsFastAfterEachLoss(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The LISTEN connection also holds the idle lock of a sleeping relay.
 	listener := func() int {
 		var pid int
-		_ = pool.QueryRow(ctx, `SELECT COALESCE(max(pid), 0) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN %'`, app).Scan(&pid)
+		_ = pool.QueryRow(ctx, `SELECT COALESCE(max(a.pid), 0) FROM pg_stat_activity AS a JOIN pg_locks AS l ON l.pid = a.pid
+WHERE a.application_name = $1 AND l.locktype = 'advisory' AND l.granted AND ((l.classid::bigint << 32) | l.objid::bigint) = $2`,
+			app, tbl.IdleLockKey()).Scan(&pid)
 		return pid
 	}
 	waitFor(t, "the listener", 10*time.Second, func() bool { return listener() != 0 })

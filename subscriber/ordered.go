@@ -213,12 +213,14 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 	)
 	defer func() {
 		if holding {
-			s.oidle.leave(idleGen)
+			s.oidle.leave(idleGen, true)
 		}
 	}()
-	release := func() {
+	// release gives the lock back; announce unless a notification (which
+	// reached every relay) woke this one.
+	release := func(announce bool) {
 		if holding {
-			s.oidle.leave(idleGen)
+			s.oidle.leave(idleGen, announce)
 			holding = false
 		}
 	}
@@ -239,14 +241,14 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 		}
 		last = now
 		if more {
-			release()
+			release(true)
 			continue
 		}
 		var wait time.Duration
 		switch {
 		case found > 0:
 			// Busy: stay off the idle lock and look again shortly.
-			release()
+			release(true)
 			misses = 0
 			wait = linger(rate)
 		case holding && s.oidle.valid(idleGen):
@@ -258,11 +260,19 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 			if s.beforeIdle != nil {
 				s.beforeIdle()
 			}
-			if gen, ok := s.oidle.enter(ctx); ok {
+			gen, st := s.oidle.enter(ctx)
+			if st == idleHeld {
 				// Look once more under the lock: a commit before it was
 				// granted is visible now, later ones notify.
 				holding, idleGen, misses = true, gen, 0
 				continue
+			}
+			if st == idleCovered {
+				// Another relay sleeps on the lock: writers notify, and
+				// it notifies when it gives the lock back.
+				misses = 0
+				wait = min(s.cfg.PollInterval, coveredRecheck)
+				break
 			}
 			misses++
 			wait = idleRetry(misses)
@@ -283,7 +293,7 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 			r.mu.Lock()
 			r.needHolds = true // an operator's change notifies too
 			r.mu.Unlock()
-			release()
+			release(false)
 			select { // coalesce the commits of a burst into one cycle
 			case <-stop:
 			case <-time.After(wakeCoalesce):

@@ -90,14 +90,15 @@ func (sub *subscription) run() {
 		}
 	}
 	var (
-		holding bool   // this subscription counts on the idle lock
-		idleGen uint64 // the lock's generation when taken
-		misses  int    // empty claims in a row without the idle lock
-		rate    rateMeter
+		holding  bool   // this subscription counts on the idle lock
+		idleGen  uint64 // the lock's generation when taken
+		notified bool   // woken by a notification while holding it
+		misses   int    // empty claims in a row without the idle lock
+		rate     rateMeter
 	)
 	release := func() {
 		if holding {
-			s.idle.leave(idleGen)
+			s.idle.leave(idleGen, !notified)
 			holding = false
 		}
 	}
@@ -174,6 +175,7 @@ func (sub *subscription) run() {
 				return
 			}
 			if woken {
+				notified = true
 				// Let a few more commits land. The lock stays held through
 				// the claim (it still covers commits after it); the claim
 				// gives it back when it finds rows.
@@ -186,14 +188,30 @@ func (sub *subscription) run() {
 		if s.beforeIdle != nil {
 			s.beforeIdle()
 		}
-		if gen, ok := s.idle.enter(sub.ctx); ok {
+		gen, st := s.idle.enter(sub.ctx)
+		switch st {
+		case idleHeld:
 			// Claim once more: rows committed before the lock was granted
 			// are visible now; later ones notify.
-			holding, idleGen, misses = true, gen, 0
+			holding, idleGen, misses, notified = true, gen, 0, false
+			continue
+		case idleCovered:
+			// Another relay sleeps on the lock: writers notify, and it
+			// notifies when it gives the lock back.
+			misses = 0
+			goOn, woken := wait(min(s.cfg.PollInterval, coveredRecheck), true)
+			if !goOn {
+				return
+			}
+			if woken {
+				if goOn, _ := wait(wakeCoalesce, false); !goOn {
+					return
+				}
+			}
 			continue
 		}
-		// A writer's transaction is open (or another relay holds the lock):
-		// its commit may not notify, so claim again soon.
+		// A writer's transaction is open: its commit may not notify, so
+		// claim again soon.
 		misses++
 		if goOn, _ := wait(idleRetry(misses), true); !goOn {
 			return

@@ -111,13 +111,16 @@ func TestWakeUpHandshake(t *testing.T) {
 	}
 	// Delivery within a second with a poll interval of a minute is the
 	// proof that the wake-up reached the sleeping relay. Notifications
-	// number at most one per event: a relay between two idle spells (it
-	// woke, claimed, is about to take the lock again) is not idle, and the
-	// writer rightly skips the NOTIFY; under the race detector that window
-	// is wide enough to be hit, so only at least one is required.
+	// number at most two per event: the writer's, and the relay's own when
+	// it gives the lock back after finding rows that no notification woke
+	// it for (a commit just before its look under the lock; relays covered
+	// by its lock must hear that it is awake). A relay between two idle
+	// spells is not idle, and the writer rightly skips the NOTIFY; under the
+	// race detector that window is wide enough to be hit, so only at least
+	// one is required.
 	waitFor(t, "a notification for the events enqueued while the relay was idle", 5*time.Second,
 		func() bool { return notified.Load() >= 1 })
-	if n := notified.Load(); n > 5 {
+	if n := notified.Load(); n > 10 {
 		t.Fatalf("%d notifications for 5 events", n)
 	}
 	t.Logf("idle relay: worst enqueue-to-delivery %s, %d notifications for 5 events", worst, notified.Load())
@@ -438,7 +441,10 @@ func TestWakeUpKeyedAndUnkeyedLocks(t *testing.T) {
 		t.Helper()
 		before := n.Load()
 		enqueue(keys...)
-		time.Sleep(200 * time.Millisecond)
+		for deadline := time.Now().Add(2 * time.Second); n.Load()-before < want && time.Now().Before(deadline); {
+			time.Sleep(10 * time.Millisecond)
+		}
+		time.Sleep(200 * time.Millisecond) // and nothing more arrives
 		if got := n.Load() - before; got != want {
 			t.Errorf("%s: %d notifications, want %d", what, got, want)
 		}
@@ -464,6 +470,9 @@ func TestWakeUpKeyedAndUnkeyedLocks(t *testing.T) {
 		expect(c.name+", keyed batch", c.want[2], "k1", "k2")
 		expect(c.name+", unkeyed batch", c.want[3], "", "")
 		expect(c.name+", mixed batch", c.want[4], "k1", "")
+		if _, err := holder.Exec(ctx, `SELECT pg_advisory_unlock_all()`); err != nil {
+			t.Fatal(err)
+		}
 		_ = holder.Close(ctx)
 	}
 	expect("nobody asleep, mixed batch", 0, "k1", "")
