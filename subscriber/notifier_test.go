@@ -63,3 +63,62 @@ WHERE a.application_name = $1 AND l.locktype = 'advisory' AND l.granted AND ((l.
 		t.Fatal("a NOTIFY after the reconnections did not wake the relay")
 	}
 }
+
+// TestWakeUpAfterAllSessionsTerminated: two relays share a table
+// (DisableSingleActive, polling every minute) and sleep; every session of
+// both is terminated (a server restart, a proxy dropping them); an event
+// committed afterwards is delivered within seconds, not at the next poll,
+// and so is one committed while the relays are idle again. Two idle relays
+// cost at most 20 scans of the table a second.
+func TestWakeUpAfterAllSessionsTerminated(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := testdb.Table(t, "allgone_outbox")
+	app := "allgone_" + tbl.Schema()
+	got := make(chan string, 16)
+	for i := 0; i < 2; i++ {
+		own := testdb.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["application_name"] = app })
+		s := newSub(t, own, subscriber.Config{Table: tbl, PollInterval: time.Minute, DisableSingleActive: true})
+		ch, err := s.Subscribe(ctx, subscriber.AllTopics)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			for msg := range ch {
+				got <- msg.UUID
+				msg.Ack()
+			}
+		}()
+	}
+	deliver := func(what string) time.Duration {
+		t.Helper()
+		start := time.Now()
+		id := enqueue(t, pool, tbl, "org.allgone.v1", 1)[0]
+		for {
+			select {
+			case u := <-got:
+				if u == id {
+					return time.Since(start)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatalf("%s: not delivered within 5s (poll interval 1 min): a relay slept on a lost idle lock", what)
+			}
+		}
+	}
+	holder := func() bool { return idleHeld(t, pool, tbl) }
+	waitFor(t, "a relay asleep on the idle lock", 5*time.Second, holder)
+	rate := scanRate(t, pool, 4*time.Second, tbl.String())
+	t.Logf("two idle relays: %.1f scans/s", rate)
+	if rate > 20 {
+		t.Errorf("two idle relays scan the table %.1f times a second, want at most 20", rate)
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1`, app).Scan(&n); err != nil || n == 0 {
+		t.Fatalf("terminated %d sessions: %v", n, err)
+	}
+	d := deliver("after every session was terminated")
+	waitFor(t, "a relay asleep on the idle lock again", 5*time.Second, holder)
+	d2 := deliver("idle again")
+	t.Logf("%d sessions terminated; delivered %s after, then %s once idle again", n, d, d2)
+}
