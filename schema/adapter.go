@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -88,7 +89,9 @@ func (a Adapter) batchSize() int {
 
 // InsertStatement renders one multi-row INSERT of msgs, idempotent on
 // event_id, with topic stored in the topic column. It is the insert of both
-// watermill-sql adapters (v3 here, v4 in package schema/sqlv4).
+// watermill-sql adapters (v3 here, v4 in package schema/sqlv4), and it takes
+// part in the wake-up handshake as publisher.Enqueue does: a sleeping relay
+// is woken within milliseconds.
 func (a Adapter) InsertStatement(topic string, msgs message.Messages) (Statement, error) {
 	if a.Table.IsZero() {
 		return Statement{}, errors.New("schema: invalid config: Adapter.Table is not set; set it to the outbox table")
@@ -122,8 +125,14 @@ func (a Adapter) InsertStatement(topic string, msgs message.Messages) (Statement
 		values.WriteString(")")
 		args = append(args, row...)
 	}
-	query := `INSERT INTO ` + a.Table.Sanitize() + ` (` + joinComma(cols) + `) VALUES ` + values.String() +
-		` ON CONFLICT (` + ColumnEventID + `) DO NOTHING`
+	// The insert takes part in the wake-up handshake as Enqueue does
+	// (docs/ARCHITECTURE.md, "Wake-up"): it notifies only while a relay
+	// sleeps on the idle lock, else holds the lock shared until it commits.
+	args = append(args, a.Table.NotifyChannel())
+	query := `WITH ins AS (INSERT INTO ` + a.Table.Sanitize() + ` (` + joinComma(cols) + `) VALUES ` + values.String() +
+		` ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING 1)
+SELECT pg_notify($` + itoa(len(args)) + `::text, '') WHERE EXISTS (SELECT 1 FROM ins) AND NOT pg_try_advisory_xact_lock_shared(` +
+		strconv.FormatInt(a.Table.IdleLockKey(), 10) + `)`
 	return Statement{SQL: query, Args: args}, nil
 }
 
