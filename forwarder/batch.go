@@ -33,28 +33,30 @@ const MaxPublishesDefault = 4
 type queued struct {
 	dest string
 	out  *message.Message
-	done chan error // buffered: the publishing goroutine never waits
-	// taken is set, under batcher.mu, when a publish call took the message.
+	done chan error // buffered: the flusher never waits
+	// taken is set, under batcher.mu, when a flusher took the message.
 	taken bool
 }
 
 // batcher gathers the messages handed to it by concurrent handler calls into
 // publish calls of up to size messages per destination topic, with at most
-// cap(slots) calls under way (group commit). There is no goroutine of its
-// own and no timer: the handler call that gets a free slot publishes what has
-// queued up, its own message included, so a message alone is published at
-// once and messages arriving while calls are under way share the next one.
+// publishes calls under way (group commit). A message that finds fewer calls
+// under way starts a flusher goroutine, which publishes what has queued up,
+// oldest first, until the queue is empty, and ends; so a message alone is
+// published at once, messages that arrive while calls are under way share
+// the next one, and nothing runs while nothing is queued. There is no timer.
 type batcher struct {
-	size    int
-	slots   chan struct{}
-	publish func(dest string, msgs []*message.Message) []error
+	size      int
+	publishes int
+	publish   func(dest string, msgs []*message.Message) []error
 
-	mu    sync.Mutex
-	queue []*queued
+	mu       sync.Mutex
+	queue    []*queued
+	flushers int
 }
 
 func newBatcher(pub message.Publisher, size, publishes int) *batcher {
-	b := &batcher{size: size, slots: make(chan struct{}, publishes)}
+	b := &batcher{size: size, publishes: publishes}
 	if bp, ok := pub.(BatchPublisher); ok {
 		b.publish = bp.PublishBatch
 	} else {
@@ -62,11 +64,7 @@ func newBatcher(pub message.Publisher, size, publishes int) *batcher {
 		// message in it.
 		b.publish = func(dest string, msgs []*message.Message) []error {
 			if err := pub.Publish(dest, msgs...); err != nil {
-				errs := make([]error, len(msgs))
-				for i := range errs {
-					errs[i] = err
-				}
-				return errs
+				return fill(len(msgs), err)
 			}
 			return nil
 		}
@@ -82,49 +80,49 @@ func (b *batcher) submit(ctx context.Context, dest string, out *message.Message)
 	q := &queued{dest: dest, out: out, done: make(chan error, 1)}
 	b.mu.Lock()
 	b.queue = append(b.queue, q)
+	if b.flushers < b.publishes {
+		b.flushers++
+		go b.flush()
+	}
 	b.mu.Unlock()
+	select {
+	case err := <-q.done:
+		return err
+	case <-ctx.Done():
+	}
+	b.mu.Lock()
+	if !q.taken {
+		b.queue = slices.DeleteFunc(b.queue, func(e *queued) bool { return e == q })
+		b.mu.Unlock()
+		return fmt.Errorf("no publish call took it: %w", ctx.Err())
+	}
+	b.mu.Unlock()
+	return fmt.Errorf("the publish call carrying it did not return: %w", ctx.Err())
+}
+
+// flush publishes batches from the queue until it is empty.
+func (b *batcher) flush() {
 	for {
 		b.mu.Lock()
-		taken := q.taken
-		b.mu.Unlock()
-		if taken {
-			select {
-			case err := <-q.done:
-				return err
-			case <-ctx.Done():
-				return fmt.Errorf("the publish call carrying it did not return: %w", ctx.Err())
-			}
-		}
-		select {
-		case err := <-q.done:
-			return err
-		case b.slots <- struct{}{}:
-			b.lead()
-			<-b.slots
-		case <-ctx.Done():
-			b.mu.Lock()
-			if !q.taken {
-				b.queue = slices.DeleteFunc(b.queue, func(e *queued) bool { return e == q })
-				b.mu.Unlock()
-				return fmt.Errorf("no publish call took it: %w", ctx.Err())
-			}
+		n := min(len(b.queue), b.size)
+		if n == 0 {
+			b.flushers--
 			b.mu.Unlock()
+			return
 		}
+		batch := slices.Clone(b.queue[:n])
+		b.queue = slices.Delete(b.queue, 0, n)
+		for _, q := range batch {
+			q.taken = true
+		}
+		b.mu.Unlock()
+		b.send(batch)
 	}
 }
 
-// lead takes up to size queued messages, oldest first, and publishes them
-// with one call per destination topic (in queue order within a topic), then
-// hands every message its result.
-func (b *batcher) lead() {
-	b.mu.Lock()
-	n := min(len(b.queue), b.size)
-	batch := slices.Clone(b.queue[:n])
-	b.queue = slices.Delete(b.queue, 0, n)
-	for _, q := range batch {
-		q.taken = true
-	}
-	b.mu.Unlock()
+// send publishes batch with one call per destination topic (in queue order
+// within a topic) and hands every message its result.
+func (b *batcher) send(batch []*queued) {
 	for len(batch) > 0 {
 		dest := batch[0].dest
 		var group, rest []*queued
