@@ -69,54 +69,75 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 	}
 	var (
 		names, baselines []string
-		values           []float64
+		best             []float64
 	)
-	idx := 0
-	for _, b := range backends {
-		pub, err := b.open()
-		if err != nil {
-			return fmt.Errorf("%s: %w", b.name, err)
-		}
-		bare := "bare publisher, " + b.name
-		bareRate, err := publishDirect(ctx, pub, n, 200)
-		if err != nil {
-			_ = pub.Close()
-			return fmt.Errorf("%s: %w", bare, err)
-		}
-		names, baselines, values = append(names, bare), append(baselines, ""), append(values, bareRate)
-		for _, c := range b.cases {
-			t := schema.MustParseTable(fmt.Sprintf("%s.broker_%d", schemaName, idx))
-			idx++
-			k := 0
-			if c.ordered {
-				k = keys
+	for round := 0; round < o.rounds; round++ {
+		var values []float64
+		for bi, b := range backends {
+			pub, err := b.open()
+			if err != nil {
+				return fmt.Errorf("%s: %w", b.name, err)
 			}
-			if err := fillKeyed(ctx, pool, t, n, k); err != nil {
-				_ = pub.Close()
-				return err
-			}
-			rate, err := drainForwarderWith(ctx, pool, t, n, pub, c.sub, c.fwd)
+			bare := "bare publisher, " + b.name
+			bareRate, err := publishDirect(ctx, pub, n, 200)
 			if err != nil {
 				_ = pub.Close()
-				return fmt.Errorf("%s: %w", c.name, err)
+				return fmt.Errorf("%s: %w", bare, err)
 			}
-			names, baselines, values = append(names, c.name), append(baselines, bare), append(values, rate)
+			if round == 0 {
+				names, baselines = append(names, bare), append(baselines, "")
+			}
+			values = append(values, bareRate)
+			for ci, c := range b.cases {
+				t := schema.MustParseTable(fmt.Sprintf("%s.broker_%d_%d_%d", schemaName, round, bi, ci))
+				k := 0
+				if c.ordered {
+					k = keys
+				}
+				if err := fillKeyed(ctx, pool, t, n, k); err != nil {
+					_ = pub.Close()
+					return err
+				}
+				rate, err := drainForwarderWith(ctx, pool, t, n, pub, c.sub, c.fwd)
+				if err != nil {
+					_ = pub.Close()
+					return fmt.Errorf("%s: %w", c.name, err)
+				}
+				if _, err := pool.Exec(ctx, `DROP TABLE `+t.Sanitize()+` CASCADE`); err != nil {
+					_ = pub.Close()
+					return err
+				}
+				if round == 0 {
+					names, baselines = append(names, c.name), append(baselines, bare)
+				}
+				values = append(values, rate)
+			}
+			_ = pub.Close()
 		}
-		_ = pub.Close()
+		// The default mode's ceiling on this machine: its claim and ack
+		// statements alone.
+		t := schema.MustParseTable(fmt.Sprintf("%s.broker_ceiling_%d", schemaName, round))
+		if err := fillBacklog(ctx, pool, t, n); err != nil {
+			return err
+		}
+		ceiling, err := drainBareSQL(ctx, pool, t, n, 2, o.brokerBatch)
+		if err != nil {
+			return err
+		}
+		if _, err := pool.Exec(ctx, `DROP TABLE `+t.Sanitize()); err != nil {
+			return err
+		}
+		values = append(values, ceiling)
+		if round == 0 {
+			names, baselines = append(names, "default mode's SQL ceiling: claim+ack loop, no delivery"), append(baselines, "")
+			best = make([]float64, len(values))
+		}
+		for i, v := range values {
+			best[i] = max(best[i], v)
+		}
 	}
-	// The default mode's ceiling on this machine: its claim and ack
-	// statements alone.
-	t := schema.MustParseTable(fmt.Sprintf("%s.broker_ceiling", schemaName))
-	if err := fillBacklog(ctx, pool, t, n); err != nil {
-		return err
-	}
-	ceiling, err := drainBareSQL(ctx, pool, t, n, 2, o.brokerBatch)
-	if err != nil {
-		return err
-	}
-	names, baselines, values = append(names, "default mode's SQL ceiling: claim+ack loop, no delivery"), append(baselines, ""), append(values, ceiling)
-	printTable(fmt.Sprintf("Relay throughput to brokers: drain %d rows (subscriber BatchSize %d, MaxInFlight %d), beside the same publisher fed directly by 200 goroutines (goals: Kafka >= 0.3x default mode, >= 0.5x ordered mode; RabbitMQ >= 0.8x)", n, o.brokerBatch, o.brokerInFlight),
-		ratioRows(names, baselines, values, "msgs/s"))
+	printTable(fmt.Sprintf("Relay throughput to brokers: drain %d rows (subscriber BatchSize %d, MaxInFlight %d), best of %d, beside the same publisher fed directly by 200 goroutines (goals: Kafka >= 0.3x default mode, >= 0.5x ordered mode; RabbitMQ >= 0.8x)", n, o.brokerBatch, o.brokerInFlight, o.rounds),
+		ratioRows(names, baselines, best, "msgs/s"))
 	return nil
 }
 
