@@ -68,6 +68,27 @@ type Config struct {
 	// MessagingSystem is the span's messaging.system attribute, the broker
 	// kind ("kafka", "rabbitmq"). Defaults to MessagingSystemDefault.
 	MessagingSystem string
+	// BatchSize is the most messages one publish call carries. With
+	// BatchSize above 1, the messages the subscriber has in flight at once
+	// (subscriber.Config.MaxInFlight) queue up while up to MaxPublishes
+	// publish calls are under way, and the next free call publishes them,
+	// oldest first, one call per destination topic; there is no timer, so
+	// a message that arrives alone is published at once. Every message is
+	// still acked or nacked on its own, by its own result: a BatchPublisher
+	// reports one per message; a plain publisher's Publish(topic, msgs...)
+	// fails or succeeds as a whole, so a failed call nacks every message in
+	// it (nothing is lost: they are retried). Per-key order holds in
+	// ordered mode because the subscriber never has two messages of one key
+	// in flight. Defaults to BatchSizeDefault (100) when the publisher
+	// implements BatchPublisher (kafkabackend's does), else to 1 (one
+	// Publish per message, calls running concurrently): watermill-amqp's and
+	// watermill-kafka's own publishers send a multi-message call one message
+	// at a time, each waiting for the broker, which is slower than
+	// concurrent single calls.
+	BatchSize int
+	// MaxPublishes bounds the publish calls under way at once when
+	// BatchSize is above 1. Defaults to MaxPublishesDefault (4).
+	MaxPublishes int
 }
 
 // validate checks cfg after its defaults are set; each problem names the
@@ -84,6 +105,12 @@ func (cfg Config) validate() error {
 	}
 	if strings.ContainsFunc(cfg.HandlerName, unicode.IsSpace) {
 		errs = append(errs, invalidField("HandlerName", "%q contains white space; it names the handler in logs and metric labels, use something like outbox_forwarder_org", cfg.HandlerName))
+	}
+	if cfg.BatchSize < 0 {
+		errs = append(errs, invalidField("BatchSize", "%d is negative; leave it 0 for the default or set the most messages one publish call carries", cfg.BatchSize))
+	}
+	if cfg.MaxPublishes < 0 {
+		errs = append(errs, invalidField("MaxPublishes", "%d is negative; leave it 0 for the default (%d)", cfg.MaxPublishes, MaxPublishesDefault))
 	}
 	if !validMessagingSystem(cfg.MessagingSystem) {
 		errs = append(errs, invalidField("MessagingSystem", "%q is not an OpenTelemetry messaging.system value; use lowercase letters, digits, '_' or '-', such as kafka or rabbitmq", cfg.MessagingSystem))
@@ -150,6 +177,7 @@ type Forwarder struct {
 
 	router    *message.Router
 	tracer    trace.Tracer
+	batcher   *batcher // nil: one Publish per message
 	started   atomic.Bool
 	closeOnce sync.Once
 	closeErr  error
@@ -189,6 +217,15 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 	if cfg.MessagingSystem == "" {
 		cfg.MessagingSystem = MessagingSystemDefault
 	}
+	if cfg.BatchSize == 0 {
+		cfg.BatchSize = 1
+		if _, ok := pub.(BatchPublisher); ok {
+			cfg.BatchSize = BatchSizeDefault
+		}
+	}
+	if cfg.MaxPublishes == 0 {
+		cfg.MaxPublishes = MaxPublishesDefault
+	}
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
@@ -196,12 +233,18 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: %w", err)
 	}
-	return &Forwarder{sub: sub, pub: pub, cfg: cfg, logger: logger, router: r, tracer: tracerOf(cfg.TracerProvider)}, nil
+	f := &Forwarder{sub: sub, pub: pub, cfg: cfg, logger: logger, router: r, tracer: tracerOf(cfg.TracerProvider)}
+	if cfg.BatchSize > 1 {
+		f.batcher = newBatcher(pub, cfg.BatchSize, cfg.MaxPublishes)
+	}
+	return f, nil
 }
 
 // Handle is the forwarder's handler function: it publishes one outbox
 // message to its destination, in a span of its own (see
-// Config.TracerProvider). A publish error nacks the message.
+// Config.TracerProvider), alone or in a batch with the messages handled at
+// the same time (Config.BatchSize), and returns once the broker has it. A
+// publish error nacks the message.
 func (f *Forwarder) Handle(msg *message.Message) (err error) {
 	ctx, span := f.startSpan(msg)
 	defer func() { endSpan(span, err, msg.Payload) }()
@@ -224,6 +267,12 @@ func (f *Forwarder) Handle(msg *message.Message) (err error) {
 	out.Metadata[router.MetadataPartitionKey] = key
 	injectTrace(ctx, out.Metadata)
 	out.SetContext(ctx)
+	if f.batcher != nil {
+		if err := f.batcher.submit(ctx, dest, out); err != nil {
+			return fmt.Errorf("publish event %s to %q: %w", msg.UUID, dest, err)
+		}
+		return nil
+	}
 	if err := f.pub.Publish(dest, out); err != nil {
 		return fmt.Errorf("publish event %s to %q: %w", msg.UUID, dest, err)
 	}

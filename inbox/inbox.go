@@ -4,7 +4,12 @@
 // Inbox.Middleware opens a pgx transaction, records (consumer, key) in the
 // inbox table with INSERT ... ON CONFLICT DO NOTHING, and runs the handler
 // with that transaction in the message's context (Tx(msg.Context())). The
-// handler writes its effects, and may enqueue new outbox events with
+// BEGIN and the record go to the server in one round trip (a pipeline of
+// two prepared statements), so the inbox adds a row to the handler's
+// transaction but no round trip; the transaction is a pgx.Tx of the inbox's
+// own over a pooled connection, which behaves as pgx's (Begin makes a
+// savepoint, LargeObjects works, Commit reports pgx.ErrTxCommitRollback).
+// The handler writes its effects, and may enqueue new outbox events with
 // publisher.Enqueue, through that transaction:
 //
 //   - handler success commits the record and the effects together, then the
@@ -52,6 +57,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -312,13 +318,21 @@ func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, err
 		}
 		origCtx := msg.Context()
-		tx, err := i.pool.Begin(origCtx)
+		conn, tx, inserted, err := i.begin(origCtx, key)
 		if err != nil {
 			i.cfg.Metrics.failed(i.labels)
-			return nil, fmt.Errorf("inbox: begin the transaction of %s for consumer %s: %w", key, i.cfg.Consumer, err)
+			return nil, err
+		}
+		if !inserted {
+			// Already committed by an earlier copy: ack without running
+			// the handler; begin ended the transaction.
+			i.cfg.Metrics.duplicate(i.labels)
+			i.cfg.Logger.Debug("inbox: duplicate skipped", watermill.LogFields{"consumer": i.cfg.Consumer, "key": key, "message_uuid": msg.UUID})
+			return nil, nil
 		}
 		committed := false
 		defer func() {
+			defer conn.Release() // after the rollback below
 			if committed {
 				return
 			}
@@ -331,22 +345,6 @@ func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			msg.SetContext(origCtx)
 			i.cfg.Metrics.failed(i.labels)
 		}()
-
-		inserted, err := i.record(origCtx, tx, key)
-		if err != nil {
-			return nil, err
-		}
-		if !inserted {
-			// Already committed by an earlier copy: ack without running
-			// the handler. Nothing was written; end the transaction.
-			committed = true
-			if rbErr := tx.Rollback(origCtx); rbErr != nil && !errors.Is(rbErr, pgx.ErrTxClosed) {
-				i.cfg.Logger.Debug("inbox: rollback after a duplicate failed", watermill.LogFields{"error": rbErr.Error()})
-			}
-			i.cfg.Metrics.duplicate(i.labels)
-			i.cfg.Logger.Debug("inbox: duplicate skipped", watermill.LogFields{"consumer": i.cfg.Consumer, "key": key, "message_uuid": msg.UUID})
-			return nil, nil
-		}
 
 		msg.SetContext(context.WithValue(origCtx, txKey{}, tx))
 		out, err = h(msg)
@@ -368,23 +366,64 @@ func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-// record inserts (consumer, key) in tx and reports whether the key is new.
-func (i *Inbox) record(ctx context.Context, tx pgx.Tx, key string) (bool, error) {
-	if i.cfg.Concurrency == FailFast {
-		var locked, inserted bool
-		if err := tx.QueryRow(ctx, i.q.RecordNoWait, i.cfg.Consumer, key).Scan(&locked, &inserted); err != nil {
-			return false, fmt.Errorf("inbox: record %s for consumer %s: %w", key, i.cfg.Consumer, err)
-		}
-		if !locked {
-			return false, fmt.Errorf("%w (consumer %s, key %s)", ErrInProgress, i.cfg.Consumer, key)
-		}
-		return inserted, nil
-	}
-	tag, err := tx.Exec(ctx, i.q.Record, i.cfg.Consumer, key)
+// begin opens the message's transaction with (consumer, key) recorded in
+// it, and reports whether the key is new. For a key already committed it
+// ends the transaction itself and reports false (tx nil); so does an error.
+//
+// It costs one round trip: on a connection taken from the pool, BEGIN and
+// the record (the prepared Record statement, or RecordNoWait with its
+// advisory lock under FailFast) go out in one pipeline (pgx.Batch), and the
+// transaction is a connTx over that connection. Under Wait, a copy in flight
+// makes the INSERT wait on that copy's transaction, as before. conn must be
+// released after tx ends.
+func (i *Inbox) begin(ctx context.Context, key string) (conn *pgxpool.Conn, tx pgx.Tx, inserted bool, err error) {
+	conn, err = i.pool.Acquire(ctx)
 	if err != nil {
-		return false, fmt.Errorf("inbox: record %s for consumer %s: %w", key, i.cfg.Consumer, err)
+		return nil, nil, false, fmt.Errorf("inbox: begin the transaction of %s for consumer %s: %w", key, i.cfg.Consumer, err)
 	}
-	return tag.RowsAffected() == 1, nil
+	b := &pgx.Batch{}
+	b.Queue("begin")
+	failFast := i.cfg.Concurrency == FailFast
+	if failFast {
+		b.Queue(i.q.RecordNoWait, i.cfg.Consumer, key)
+	} else {
+		b.Queue(i.q.Record, i.cfg.Consumer, key)
+	}
+	br := conn.SendBatch(ctx, b)
+	_, err = br.Exec()
+	locked := true
+	if err == nil {
+		if failFast {
+			err = br.QueryRow().Scan(&locked, &inserted)
+		} else {
+			var tag pgconn.CommandTag
+			tag, err = br.Exec()
+			inserted = tag.RowsAffected() == 1
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	t := &connTx{conn: conn.Conn()}
+	if err == nil && inserted {
+		return conn, t, true, nil
+	}
+	// Nothing to do in this transaction: end it and give the connection
+	// back (one left inside a transaction is closed, not reused).
+	if conn.Conn().PgConn().TxStatus() != 'I' {
+		if rbErr := t.Rollback(context.WithoutCancel(ctx)); rbErr != nil {
+			i.cfg.Logger.Debug("inbox: rollback failed", watermill.LogFields{"error": rbErr.Error()})
+		}
+	}
+	conn.Release()
+	switch {
+	case err != nil:
+		return nil, nil, false, fmt.Errorf("inbox: record %s for consumer %s: %w", key, i.cfg.Consumer, err)
+	case !locked:
+		return nil, nil, false, fmt.Errorf("%w (consumer %s, key %s)", ErrInProgress, i.cfg.Consumer, key)
+	}
+	// Already committed by an earlier copy. Nothing was written.
+	return nil, nil, false, nil
 }
 
 // Cleanup deletes this consumer's keys processed more than Retention ago, in

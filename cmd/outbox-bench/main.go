@@ -42,6 +42,8 @@ type options struct {
 	rounds            int
 	backlog           int
 	brokerBacklog     int
+	brokerBatch       int
+	brokerInFlight    int
 	amqpURL           string
 	amqpPool          int
 	scalingSample     int
@@ -66,6 +68,8 @@ func main() {
 	flag.IntVar(&o.rounds, "rounds", 2, "measurements per case, interleaved; the best is kept")
 	flag.IntVar(&o.backlog, "backlog", 100000, "rows to drain in the relay suite")
 	flag.IntVar(&o.brokerBacklog, "broker-backlog", 30000, "rows to relay in the brokers suite")
+	flag.IntVar(&o.brokerBatch, "broker-batch", 100, "brokers suite: the subscriber's BatchSize (rows per claim)")
+	flag.IntVar(&o.brokerInFlight, "broker-inflight", 1000, "brokers suite: the subscriber's MaxInFlight")
 	flag.StringVar(&o.amqpURL, "amqp", envOr("OUTBOX_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ URL for the brokers suite")
 	flag.IntVar(&o.amqpPool, "amqp-pool", amqpbackend.ChannelPoolSizeDefault, "AMQP publisher channel pool size")
 	flag.IntVar(&o.scalingSample, "scaling-sample", 10000, "rows drained per case in the scaling suite (at most 10,000, the smallest backlog)")

@@ -287,7 +287,11 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 		return fmt.Errorf("OUTBOX_BACKEND=%s: %w; check %s", cfg.backend.Kind, err, backendAddressVar(cfg.backend.Kind))
 	}
 	defer backendPub.Close()
-	pub := relayIDPublisher{Publisher: backendPub, id: relayID()}
+	var pub message.Publisher = relayIDPublisher{Publisher: backendPub, id: relayID()}
+	if bp, ok := backendPub.(forwarder.BatchPublisher); ok {
+		// Keep the forwarder's batching (Kafka).
+		pub = relayIDBatchPublisher{relayIDPublisher: pub.(relayIDPublisher), batch: bp}
+	}
 	var subs []*subscriber.Subscriber
 	defer func() {
 		for _, s := range subs {
@@ -399,12 +403,29 @@ type relayIDPublisher struct {
 }
 
 func (p relayIDPublisher) Publish(topic string, msgs ...*message.Message) error {
+	p.stamp(msgs)
+	return p.Publisher.Publish(topic, msgs...)
+}
+
+func (p relayIDPublisher) stamp(msgs []*message.Message) {
 	now := strconv.FormatInt(time.Now().UnixNano(), 10)
 	for _, m := range msgs {
 		m.Metadata.Set(MetadataRelayID, p.id)
 		m.Metadata.Set(MetadataRelayedAt, now)
 	}
-	return p.Publisher.Publish(topic, msgs...)
+}
+
+// relayIDBatchPublisher is relayIDPublisher over a forwarder.BatchPublisher,
+// which it stays, so that the forwarder batches.
+type relayIDBatchPublisher struct {
+	relayIDPublisher
+	batch forwarder.BatchPublisher
+}
+
+// PublishBatch stamps msgs and publishes them in one batch.
+func (p relayIDBatchPublisher) PublishBatch(topic string, msgs []*message.Message) []error {
+	p.stamp(msgs)
+	return p.batch.PublishBatch(topic, msgs)
 }
 
 func serveMetrics(cfg relayConfig, reg *prometheus.Registry, logger watermill.LoggerAdapter) (*http.Server, error) {

@@ -6,6 +6,8 @@ package kafkabackend
 import (
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
@@ -43,17 +45,119 @@ func PartitionKey(_ string, msg *message.Message) (string, error) {
 	return msg.UUID, nil
 }
 
-// NewPublisher returns a Kafka publisher with PublisherConfig.
+// NewPublisher returns a Kafka publisher with PublisherConfig: a *Publisher,
+// which hands every message of a Publish call to Sarama at once.
 func NewPublisher(brokers []string, logger watermill.LoggerAdapter) (message.Publisher, error) {
 	if len(brokers) == 0 {
 		return nil, errors.New("kafkabackend: no brokers; set OUTBOX_KAFKA_BROKERS (host:port,...)")
 	}
-	if logger == nil {
-		logger = watermill.NopLogger{}
-	}
-	pub, err := kafka.NewPublisher(PublisherConfig(brokers), logger)
+	_ = logger // Sarama logs through its own sarama.Logger
+	cfg := PublisherConfig(brokers)
+	producer, err := sarama.NewSyncProducer(cfg.Brokers, cfg.OverwriteSaramaConfig)
 	if err != nil {
-		return nil, fmt.Errorf("kafkabackend: %w", err)
+		return nil, fmt.Errorf("kafkabackend: cannot create Kafka producer: %w", err)
 	}
-	return pub, nil
+	return &Publisher{producer: producer, marshaler: cfg.Marshaler}, nil
+}
+
+// Publisher publishes to Kafka like watermill-kafka's publisher (same
+// Sarama configuration, marshaler and headers), except that a call with many
+// messages hands them all to Sarama at once (SyncProducer.SendMessages) and
+// waits for them together: Sarama packs them into as few produce requests as
+// the partitions allow, where watermill-kafka waits for each message's
+// acknowledgement before sending the next. Messages of one call and one
+// partition key keep their order. It implements forwarder.BatchPublisher,
+// reporting each message's outcome, so the forwarder acks and nacks them
+// one by one.
+type Publisher struct {
+	producer  sarama.SyncProducer
+	marshaler kafka.Marshaler
+	closeOnce sync.Once
+	closed    atomic.Bool
+	closeErr  error
+}
+
+// Publish publishes msgs to topic and returns once Kafka acknowledged all
+// of them; the error names the messages that failed (the others are
+// published).
+func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
+	errs := p.PublishBatch(topic, msgs)
+	if errs == nil {
+		return nil
+	}
+	var failed []error
+	for i, err := range errs {
+		if err != nil {
+			failed = append(failed, fmt.Errorf("message %s: %w", msgs[i].UUID, err))
+		}
+	}
+	return fmt.Errorf("kafkabackend: %d of %d messages not published: %w", len(failed), len(msgs), errors.Join(failed...))
+}
+
+// PublishBatch publishes msgs to topic in one SendMessages call and returns
+// nil when Kafka acknowledged every message, else one error (or nil) per
+// message.
+func (p *Publisher) PublishBatch(topic string, msgs []*message.Message) []error {
+	if p.closed.Load() {
+		return fillErr(len(msgs), errors.New("kafkabackend: publisher closed"))
+	}
+	var (
+		errs  []error
+		pms   = make([]*sarama.ProducerMessage, 0, len(msgs))
+		index = make(map[*sarama.ProducerMessage]int, len(msgs))
+	)
+	for i, m := range msgs {
+		pm, err := p.marshaler.Marshal(topic, m)
+		if err != nil {
+			if errs == nil {
+				errs = make([]error, len(msgs))
+			}
+			errs[i] = fmt.Errorf("cannot marshal message %s: %w", m.UUID, err)
+			continue
+		}
+		index[pm] = i
+		pms = append(pms, pm)
+	}
+	if len(pms) == 0 {
+		return errs
+	}
+	err := p.producer.SendMessages(pms)
+	if err == nil {
+		return errs
+	}
+	if errs == nil {
+		errs = make([]error, len(msgs))
+	}
+	var perrs sarama.ProducerErrors
+	if !errors.As(err, &perrs) {
+		for _, i := range index {
+			errs[i] = err
+		}
+		return errs
+	}
+	for _, pe := range perrs {
+		if i, ok := index[pe.Msg]; ok {
+			errs[i] = pe.Err
+		}
+	}
+	return errs
+}
+
+// Close closes the producer, after the messages under way. It is idempotent.
+func (p *Publisher) Close() error {
+	p.closeOnce.Do(func() {
+		p.closed.Store(true)
+		if err := p.producer.Close(); err != nil {
+			p.closeErr = fmt.Errorf("kafkabackend: cannot close Kafka producer: %w", err)
+		}
+	})
+	return p.closeErr
+}
+
+func fillErr(n int, err error) []error {
+	errs := make([]error, n)
+	for i := range errs {
+		errs[i] = err
+	}
+	return errs
 }
