@@ -85,7 +85,8 @@ type hDelivery struct {
 
 type hSkip struct {
 	id   string
-	n    int64
+	req  int64 // logged before the call: the relay may act on it from then on
+	n    int64 // logged once the call returned (acknowledged)
 	done time.Time
 }
 
@@ -322,9 +323,10 @@ func (h *history) operate(ctx context.Context) {
 				h.mu.Unlock()
 			}
 		case k.DeadAt != nil || h.intn(10) == 0:
+			req := h.clock.Add(1)
 			if sk, err := runbook.SkipEvent(ctx, h.pool, h.tbl, id, false); err == nil && sk.Changed == 1 {
 				h.mu.Lock()
-				h.skips = append(h.skips, hSkip{id: k.EventID, n: h.clock.Add(1), done: time.Now()})
+				h.skips = append(h.skips, hSkip{id: k.EventID, req: req, n: h.clock.Add(1), done: time.Now()})
 				h.counts["skips"]++
 				h.mu.Unlock()
 			}
@@ -547,10 +549,10 @@ func (h *history) check() {
 					break
 				}
 				if e.seq > d.seq {
-					if s, ok := skipOf[d.id]; ok && s.n < e.n {
+					if s, ok := skipOf[d.id]; ok && s.req < e.n {
 						break
 					}
-					violate("key %s: sequence %d delivered after the nack of %d and before its redelivery", k, e.seq, d.seq)
+					violate("key %s: sequence %d delivered after the nack of %d and before its redelivery; %s", k, e.seq, d.seq, h.keyTrace(ds, i))
 					break
 				}
 			}
@@ -569,7 +571,7 @@ func (h *history) check() {
 			}
 		}
 		for _, sk := range h.skips {
-			if sk.id == rp.id && sk.n > rp.n {
+			if sk.id == rp.id && sk.req > rp.n {
 				again = true // skipped after the replay, before the relay got to it
 			}
 		}
@@ -611,4 +613,29 @@ func (h *history) check() {
 		t.Fatalf("%d violations (seed %d, rerun with ORDERED_HISTORY_SEED=%d):\n%s", h.counts["violations"], h.seed, h.seed,
 			strings.Join(violations, "\n"))
 	}
+}
+
+// keyTrace describes the deliveries of a key from the i-th on, and the
+// operator's actions on their rows, for a violation's message.
+func (h *history) keyTrace(ds []hDelivery, i int) string {
+	var b strings.Builder
+	ids := map[string]bool{}
+	for j, d := range ds[i:] {
+		if j == 8 {
+			break
+		}
+		ids[d.id] = true
+		fmt.Fprintf(&b, "[%s seq %d n %d-%d nack=%v] ", d.relay, d.seq, d.n, d.end, d.nack)
+	}
+	for _, s := range h.skips {
+		if ids[s.id] {
+			fmt.Fprintf(&b, "skip of %d at n %d-%d; ", h.rows[s.id].seq, s.req, s.n)
+		}
+	}
+	for _, r := range h.replays {
+		if ids[r.id] {
+			fmt.Fprintf(&b, "replay (held=%v) of %d at n %d; ", r.held, h.rows[r.id].seq, r.n)
+		}
+	}
+	return b.String()
 }
