@@ -95,6 +95,7 @@ type orderedRelay struct {
 	parts   map[int]*partState
 	keys    map[string]*keyState
 	runners int // key runners alive (each has at most one message in flight)
+	starved bool // the last startRunnersLocked stopped at MaxInFlight: keys may wait for a runner
 	runWg   sync.WaitGroup
 
 	// gen counts local hold changes, so that a holds read that started
@@ -985,8 +986,10 @@ func parkedLocked(p *partState, row *schema.OrderedRow) bool {
 // startRunnersLocked starts a runner for every key with work, up to
 // MaxInFlight runners.
 func (r *orderedRelay) startRunnersLocked() {
+	r.starved = false
 	for _, k := range r.keys {
 		if r.runners >= r.s.cfg.MaxInFlight {
+			r.starved = true
 			return
 		}
 		if k.busy || !r.deliverableLocked(k) || r.nextActionLocked(k) == actNone {
@@ -1143,7 +1146,12 @@ func (r *orderedRelay) endRunLocked(k *keyState) {
 	if r.keys[k.name] == k {
 		r.pruneKeyLocked(k.name, k)
 	}
-	r.startRunnersLocked()
+	// A key with work has a runner unless the last start stopped at
+	// MaxInFlight (cycles and due timers start the others): walk the keys
+	// only then, not at the end of every key's run.
+	if r.starved {
+		r.startRunnersLocked()
+	}
 }
 
 func (r *orderedRelay) rowAt(name string, seq int64) (*schema.OrderedRow, error) {
