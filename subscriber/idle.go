@@ -28,7 +28,7 @@ import (
 // too, checking again every coveredRecheck in case the holder died without
 // a word. A relay that cannot take it because a writer's transaction is open
 // (shared holders only) does not sleep: that commit may not notify, so it
-// claims again after a short backoff (idleRetryMax at most). Writers never
+// claims again after a short backoff (idleRetry). Writers never
 // wait on each other: shared locks do not conflict.
 //
 // The locks are held on the notifier's LISTEN connection: its loss ends the
@@ -52,6 +52,12 @@ const (
 	// idleRetryMax caps the backoff of a relay that found nothing and could
 	// not take the idle lock while writers' transactions held it.
 	idleRetryMax = 8 * time.Millisecond
+	// idleRetryPatience is how many retries at idleRetryMax (about 130 ms
+	// of writers holding the lock) come before idleRetryLong: a writer
+	// whose transaction stays open that long is waited for at a slower
+	// pace.
+	idleRetryPatience = 20
+	idleRetryLong     = 32 * time.Millisecond
 	// coveredRecheck bounds the sleep of a relay covered by another relay's
 	// idle lock: if that relay's session died without giving the lock back
 	// (and so without notifying), the covered relay finds out this late.
@@ -64,9 +70,13 @@ func linger(rate float64) time.Duration {
 }
 
 // idleRetry is the pause after the n-th empty claim in a row without the
-// idle lock: 1ms, 2ms, 4ms ... idleRetryMax.
+// idle lock: 1, 2, 4, 8 ms, then idleRetryMax until idleRetryPatience
+// retries, then idleRetryLong.
 func idleRetry(n int) time.Duration {
-	if n > 4 {
+	switch {
+	case n > idleRetryPatience:
+		return idleRetryLong
+	case n > 4:
 		return idleRetryMax
 	}
 	return min(idleRetryMax, time.Millisecond<<max(0, n-1))

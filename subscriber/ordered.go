@@ -94,7 +94,7 @@ type orderedRelay struct {
 	mu      sync.Mutex
 	parts   map[int]*partState
 	keys    map[string]*keyState
-	runners int // key runners alive (each has at most one message in flight)
+	runners int  // key runners alive (each has at most one message in flight)
 	starved bool // the last startRunnersLocked stopped at MaxInFlight: keys may wait for a runner
 	runWg   sync.WaitGroup
 

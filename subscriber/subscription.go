@@ -103,6 +103,23 @@ func (sub *subscription) run() {
 		}
 	}
 	defer release()
+	// A claim that filled its batch starts the next claim at once, before
+	// the batch is delivered, so that claiming overlaps delivery (as the
+	// bare claim+ack ceiling overlaps two workers). pre is that claim.
+	type claimResult struct {
+		batch []*claimed
+		err   error
+		n     int
+	}
+	var pre chan claimResult
+	dropPre := func() {
+		if pre != nil {
+			r := <-pre
+			pre = nil
+			s.release(r.batch, 1) // not delivered: the attempt does not count
+		}
+	}
+	defer dropPre()
 	for {
 		select {
 		case <-stop:
@@ -110,23 +127,35 @@ func (sub *subscription) run() {
 		default:
 		}
 		if !s.IsLeader() {
+			dropPre()
 			release()
 			if goOn, _ := wait(s.cfg.ElectionInterval, true); !goOn {
 				return
 			}
 			continue
 		}
-		free := s.cfg.MaxInFlight - int(sub.inflight.Load())
-		if free <= 0 {
-			select {
-			case <-stop:
-				return
-			case <-sub.slotted:
+		var (
+			batch []*claimed
+			err   error
+			n     int
+		)
+		if pre != nil {
+			r := <-pre
+			pre = nil
+			batch, err, n = r.batch, r.err, r.n
+		} else {
+			free := s.cfg.MaxInFlight - int(sub.inflight.Load())
+			if free <= 0 {
+				select {
+				case <-stop:
+					return
+				case <-sub.slotted:
+				}
+				continue
 			}
-			continue
+			n = min(s.cfg.BatchSize, free)
+			batch, err = s.claim(sub.ctx, sub.topic, n)
 		}
-		n := min(s.cfg.BatchSize, free)
-		batch, err := s.claim(sub.ctx, sub.topic, n)
 		if err != nil {
 			if sub.ctx.Err() != nil {
 				return
@@ -140,6 +169,16 @@ func (sub *subscription) run() {
 		}
 		errDelay = 100 * time.Millisecond
 		rate.add(len(batch))
+		if len(batch) == n {
+			if free := s.cfg.MaxInFlight - int(sub.inflight.Load()) - len(batch); free > 0 {
+				n2 := min(s.cfg.BatchSize, free)
+				pre = make(chan claimResult, 1)
+				go func(ch chan claimResult) {
+					b, err := s.claim(sub.ctx, sub.topic, n2)
+					ch <- claimResult{b, err, n2}
+				}(pre)
+			}
+		}
 		if !sub.deliver(batch, stop) {
 			return
 		}
