@@ -153,6 +153,10 @@ type elector struct {
 	mu       sync.Mutex
 	conn     *pgxpool.Conn
 	isLeader atomic.Bool
+	// dropped is when this relay lost its leader session: it lets the
+	// standbys try first (each tries within one ElectionInterval) and tries
+	// again itself only after two.
+	dropped time.Time
 }
 
 func (e *elector) run(ctx context.Context) {
@@ -188,6 +192,9 @@ func (e *elector) tick(ctx context.Context) {
 			s.logger.Error("Leader cannot reach the database; stepping down", err, watermill.LogFields{"timeout": e.stepTimeout().String()})
 			e.dropLocked()
 		}
+		return
+	}
+	if !e.dropped.IsZero() && time.Since(e.dropped) < 2*s.cfg.ElectionInterval {
 		return
 	}
 	conn, err := s.pool.Acquire(sctx)
@@ -265,6 +272,7 @@ func (e *elector) dropLocked() {
 	e.isLeader.Store(false)
 	closeConn(e.conn)
 	e.conn = nil
+	e.dropped = time.Now()
 }
 
 // closeConn ends conn's session and gives the slot back to the pool, which
