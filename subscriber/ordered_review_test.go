@@ -446,7 +446,7 @@ func TestOrderedReplayKeyedRow(t *testing.T) {
 	// The skipped row's tombstone goes once the floor passes it; until
 	// then the replay is refused with a reason.
 	var rep runbook.EventReplay
-	waitFor(t, "replay of the skipped row accepted", 5*time.Second, func() bool {
+	waitFor(t, "replay of the skipped row accepted", 15*time.Second, func() bool {
 		var err error
 		rep, err = runbook.ReplayEvent(ctx, pool, tbl, evs[0].event, runbook.ReplayOptions{})
 		return err == nil
