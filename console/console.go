@@ -324,18 +324,17 @@ func (h *handler) authorized(r *http.Request) bool {
 	return err == nil && subtle.ConstantTimeCompare([]byte(c.Value), []byte(h.mac("session"))) == 1
 }
 
-// sameOrigin refuses cross-site requests (Sec-Fetch-Site, Origin).
+// sameOrigin refuses cross-site requests. Browsers send Sec-Fetch-Site:
+// only same-origin (or none: typed by the user) passes. Without it (an older
+// browser, or a script with the bearer token), an Origin header must name
+// this host; "null" (an opaque origin) is refused.
 func sameOrigin(r *http.Request) bool {
-	switch r.Header.Get("Sec-Fetch-Site") {
-	case "", "same-origin", "none":
-	default:
-		return false
+	if site := r.Header.Get("Sec-Fetch-Site"); site != "" {
+		return site == "same-origin" || site == "none"
 	}
 	if o := r.Header.Get("Origin"); o != "" {
 		u, err := url.Parse(o)
-		if err != nil || u.Host != r.Host {
-			return false
-		}
+		return err == nil && u.Host == r.Host
 	}
 	return true
 }

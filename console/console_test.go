@@ -178,12 +178,14 @@ func TestActionsNeedTokenCSRFAndSameOrigin(t *testing.T) {
 		hdr  map[string]string
 		want int
 	}{
-		"no token":     {csrf, nil, 401},
-		"wrong token":  {csrf, map[string]string{"Authorization": "Bearer nope"}, 401},
-		"no CSRF":      {url.Values{}, bearer, 403},
-		"wrong CSRF":   {url.Values{"csrf": {"00"}}, bearer, 403},
-		"cross origin": {csrf, map[string]string{"Authorization": "Bearer " + token, "Origin": "http://evil.example"}, 403},
-		"cross site":   {csrf, map[string]string{"Authorization": "Bearer " + token, "Sec-Fetch-Site": "cross-site"}, 403},
+		"no token":      {csrf, nil, 401},
+		"wrong token":   {csrf, map[string]string{"Authorization": "Bearer nope"}, 401},
+		"no CSRF":       {url.Values{}, bearer, 403},
+		"wrong CSRF":    {url.Values{"csrf": {"00"}}, bearer, 403},
+		"cross origin":  {csrf, map[string]string{"Authorization": "Bearer " + token, "Origin": "http://evil.example"}, 403},
+		"cross site":    {csrf, map[string]string{"Authorization": "Bearer " + token, "Sec-Fetch-Site": "cross-site"}, 403},
+		"same site":     {csrf, map[string]string{"Authorization": "Bearer " + token, "Sec-Fetch-Site": "same-site"}, 403},
+		"opaque origin": {csrf, map[string]string{"Authorization": "Bearer " + token, "Origin": "null"}, 403},
 	} {
 		if r := do(t, "POST", srv.URL+replay, c.form, c.hdr); r.code != c.want {
 			t.Errorf("%s: %d %s, want %d", name, r.code, r.body, c.want)

@@ -41,8 +41,19 @@ ensure_test_db() {
 		psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -c "CREATE DATABASE test"
 }
 
+ensure_chromium() { # the console's browser test drives Debian's Chromium
+	if ! command -v chromium >/dev/null; then
+		echo "Chromium: missing, installing (apt)"
+		DEBIAN_FRONTEND=noninteractive apt-get install -y chromium >/dev/null ||
+			{ apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium >/dev/null; }
+	fi
+	chromium --version >/dev/null 2>&1 || { echo "Chromium: NOT usable (apt-get install chromium)" >&2; return 1; }
+	echo "Chromium: installed"
+}
+
 case "${1:-up}" in
 up)
+	ensure_chromium
 	pg_up || start_pg
 	wait_for PostgreSQL pg_up 60
 	ensure_test_db
