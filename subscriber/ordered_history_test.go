@@ -306,8 +306,8 @@ func (h *history) operate(ctx context.Context) {
 		return
 	}
 	for _, k := range held {
-		if k.EventID == "" || k.Replay || k.SkipRequestedAt != nil {
-			continue
+		if k.EventID == "" || k.SkipRequestedAt != nil || (k.Replay && k.DeadAt == nil) {
+			continue // a pending replay is left to the relay; a dead one needs the operator like any dead row
 		}
 		id := uuid.MustParse(k.EventID)
 		switch {
