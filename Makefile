@@ -31,7 +31,7 @@ partition: ## The partition test alone (root): a relay leader cut off in its own
 	go test -count=1 -timeout 10m -tags fault -run TestFaultPartition -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -15; exit $${PIPESTATUS[0]}
 
 ordered_history: up ## The ordered-mode history checker at full size (30,000 events, relays joining, closing and killed, operator skips and replays); prints its counts and seed.
-	ORDERED_HISTORY_EVENTS=30000 go test -count=1 -timeout 30m -run 'TestOrderedHistory$$' -v ./subscriber/ 2>&1 | grep -v '^\[watermill\]' | grep -v '^=== ' | tail -25; exit $${PIPESTATUS[0]}
+	ORDERED_HISTORY_EVENTS=30000 go test -count=1 -timeout 30m -run 'TestOrderedHistory$$' -v ./subscriber/ 2>&1 | grep -v '^\[watermill\]' | grep -v '^=== ' | tail -150; exit $${PIPESTATUS[0]}
 
 test_short: ## Quick run (~1 min): every package with -short (Watermill's universal suites run with few messages); no Docker or fault test.
 	go test -count=1 -short -timeout 10m ./...
