@@ -12,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/chromedp/chromedp"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/console"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
@@ -22,54 +23,12 @@ import (
 // chromiumPath is Debian's Chromium, which `make up` installs.
 const chromiumPath = "/usr/bin/chromium"
 
-// TestBrowserReplayDeadRow drives the console in a real headless Chromium as
-// an operator would: the overview, the dead rows, one of them, log in with
-// the token, replay it; a running relay delivers it and the overview shows
-// no dead row; a row that dies then appears on the open page without a
-// reload. UPDATE_SCREENSHOT=1 writes docs/console.png.
-func TestBrowserReplayDeadRow(t *testing.T) {
+// browser starts a headless Chromium for one test; the context ends it.
+func browser(t *testing.T) context.Context {
+	t.Helper()
 	if _, err := os.Stat(chromiumPath); err != nil {
 		t.Fatalf("%s is missing: the browser test needs Debian's Chromium (`make up` installs it: apt-get install chromium): %v", chromiumPath, err)
 	}
-	pool := testdb.Pool(t)
-	tbl := testdb.Table(t, "outbox")
-	id := deadRow(t, pool, tbl)
-
-	// The relay: delivered events are recorded.
-	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 200 * time.Millisecond}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sub.Close()
-	sctx, scancel := context.WithCancel(context.Background())
-	defer scancel()
-	ch, err := sub.Subscribe(sctx, subscriber.AllTopics)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var (
-		mu        sync.Mutex
-		delivered = map[string]bool{}
-		relayDone = make(chan struct{})
-	)
-	go func() {
-		defer close(relayDone)
-		for msg := range ch {
-			mu.Lock()
-			delivered[msg.UUID] = true
-			mu.Unlock()
-			msg.Ack()
-		}
-	}()
-
-	const token = "browser-test-token"
-	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl}, Token: token})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := httptest.NewServer(h)
-	defer srv.Close()
-
 	opts := append(chromedp.DefaultExecAllocatorOptions[:],
 		chromedp.ExecPath(chromiumPath),
 		chromedp.Flag("headless", true),
@@ -84,11 +43,100 @@ func TestBrowserReplayDeadRow(t *testing.T) {
 		chromedp.Flag("window-size", "1200,800"),
 	)
 	actx, acancel := chromedp.NewExecAllocator(context.Background(), opts...)
-	defer acancel()
 	bctx, bcancel := chromedp.NewContext(actx)
-	defer bcancel()
 	ctx, cancel := context.WithTimeout(bctx, 30*time.Second)
-	defer cancel()
+	t.Cleanup(func() {
+		cancel()
+		bcancel()
+		acancel()
+	})
+	// The first action starts the browser and ties it to its context:
+	// run it on ctx, not on a step's shorter one.
+	if err := chromedp.Do(ctx, chromedp.Navigate("about:blank")); err != nil {
+		t.Fatalf("start Chromium: %v", err)
+	}
+	return ctx
+}
+
+// steps runs browser actions one by one; a failure reports the page.
+func steps(t *testing.T, ctx context.Context, what string, actions ...chromedp.Action[chromedp.Void]) {
+	t.Helper()
+	for i, step := range actions {
+		sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
+		err := chromedp.Do(sctx, step)
+		scancel()
+		if err != nil {
+			loc, _ := chromedp.Run(ctx, chromedp.Location())
+			html, _ := chromedp.Run(ctx, chromedp.InnerHTML(`body`))
+			t.Fatalf("browser, step %d of %s (at %s): %v\n%s", i, what, loc, err, html)
+		}
+	}
+}
+
+// relay runs a default-mode relay that acks everything and records what
+// it delivered.
+func relay(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) (delivered func(string) bool, stop func()) {
+	t.Helper()
+	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 200 * time.Millisecond}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sctx, scancel := context.WithCancel(context.Background())
+	ch, err := sub.Subscribe(sctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu   sync.Mutex
+		seen = map[string]bool{}
+		done = make(chan struct{})
+	)
+	go func() {
+		defer close(done)
+		for msg := range ch {
+			mu.Lock()
+			seen[msg.UUID] = true
+			mu.Unlock()
+			msg.Ack()
+		}
+	}()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			scancel()
+			<-done
+			_ = sub.Close()
+		})
+	}
+	t.Cleanup(stop)
+	return func(id string) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return seen[id]
+	}, stop
+}
+
+// TestBrowserReplayDeadRow drives the console in a real headless Chromium as
+// an operator would: the overview, the dead rows, one of them, log in with
+// the token, replay it; a running relay delivers it and the overview shows
+// no dead row; a row that dies then appears on the open page without a
+// reload. UPDATE_SCREENSHOT=1 writes docs/console.png.
+func TestBrowserReplayDeadRow(t *testing.T) {
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox")
+	id := deadRow(t, pool, tbl)
+
+	delivered, stopRelay := relay(t, pool, tbl)
+
+	const token = "browser-test-token"
+	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl}, Token: token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+
+	ctx := browser(t)
 
 	if err := chromedp.Do(ctx,
 		chromedp.Navigate(srv.URL+"/"),
@@ -100,7 +148,7 @@ func TestBrowserReplayDeadRow(t *testing.T) {
 	if err != nil {
 		t.Fatalf("browser, dead count: %v", err)
 	}
-	for i, step := range []chromedp.Action[chromedp.Void]{
+	steps(t, ctx, "the replay",
 		chromedp.Click(`a.dead-link`),
 		chromedp.WaitVisible(`a.event-link`),
 		chromedp.Click(`a.event-link`),
@@ -110,16 +158,7 @@ func TestBrowserReplayDeadRow(t *testing.T) {
 		chromedp.WaitVisible(`#replay`),
 		chromedp.Click(`#replay`),
 		chromedp.WaitVisible(`#flash`),
-	} {
-		sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
-		err := chromedp.Do(sctx, step)
-		scancel()
-		if err != nil {
-			loc, _ := chromedp.Run(ctx, chromedp.Location())
-			html, _ := chromedp.Run(ctx, chromedp.InnerHTML(`body`))
-			t.Fatalf("browser, step %d of the replay (at %s): %v\n%s", i, loc, err, html)
-		}
-	}
+	)
 	flash, err := chromedp.Run(ctx, chromedp.Text(`#flash`))
 	if err != nil {
 		t.Fatalf("browser, flash: %v", err)
@@ -128,13 +167,7 @@ func TestBrowserReplayDeadRow(t *testing.T) {
 		t.Fatalf("dead count before %q, flash %q", deadBefore, flash)
 	}
 	waitDelivered := time.Now().Add(10 * time.Second)
-	for {
-		mu.Lock()
-		ok := delivered[id.String()]
-		mu.Unlock()
-		if ok {
-			break
-		}
+	for !delivered(id.String()) {
 		if time.Now().After(waitDelivered) {
 			t.Fatal("the replayed event was not delivered by the relay")
 		}
@@ -156,8 +189,7 @@ func TestBrowserReplayDeadRow(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Live: a row that dies now shows up on the open page without a reload.
-	scancel()
-	<-relayDone
+	stopRelay()
 	deadRow(t, pool, tbl)
 	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`document.querySelector('td[data-count="dead"]').textContent.trim() === "1"`,
 		chromedp.WithPollingTimeout(10*time.Second))); err != nil {
@@ -174,5 +206,56 @@ func TestBrowserReplayDeadRow(t *testing.T) {
 		if err := os.WriteFile(filepath.Join("..", "docs", "console.png"), shot, 0o644); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// TestBrowserBulkReplay: from the dead rows grouped by cause, an operator
+// previews the replay of one cause, types the count, confirms, and watches
+// the progress page count the rows a running relay delivers, without a
+// reload.
+func TestBrowserBulkReplay(t *testing.T) {
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox")
+	ids := deadWith(t, pool, tbl, "org.bulk.v1", "publish: broker down", 3)
+	deadWith(t, pool, tbl, "org.bulk.v1", "permanent: bad payload", 1)
+	delivered, _ := relay(t, pool, tbl)
+	const token = "bulk-browser-token"
+	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl}, Token: token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	ctx := browser(t)
+	steps(t, ctx, "the bulk replay",
+		chromedp.Navigate(srv.URL+"/t/"+tbl.String()+"/dead"),
+		chromedp.WaitVisible(`a.replay-cause`),
+		chromedp.SendKeys(`input[name="token"]`, token),
+		chromedp.Click(`#login`),
+		chromedp.WaitVisible(`.badge.ok`),
+		chromedp.Click(`a.replay-cause`),
+		chromedp.WaitVisible(`#confirm`),
+	)
+	rows, err := chromedp.Run(ctx, chromedp.Text(`#preview-rows`))
+	if err != nil || strings.TrimSpace(rows) != "3" {
+		t.Fatalf("preview counts %q (%v), want 3", rows, err)
+	}
+	steps(t, ctx, "the confirmation",
+		chromedp.SendKeys(`#confirm`, "3"),
+		chromedp.Click(`#confirm-replay`),
+		chromedp.WaitVisible(`#progress`),
+	)
+	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`document.querySelector('[data-progress="published"]').textContent.trim() === "3"`,
+		chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+		html, _ := chromedp.Run(ctx, chromedp.InnerHTML(`body`))
+		t.Fatalf("browser: the progress page did not reach 3 delivered: %v\n%s", err, html)
+	}
+	for _, id := range ids {
+		if !delivered(id.String()) {
+			t.Fatalf("row %s was not delivered", id)
+		}
+	}
+	if deadCount(t, pool, tbl) != 1 {
+		t.Fatal("the row of the other cause was replayed too")
 	}
 }

@@ -1,6 +1,9 @@
 // Package console is a web page over the outbox tables: an overview of every
-// table, the dead rows grouped by cause, one event, and a replay button. It
-// sits on package runbook, so its rules are the CLI's.
+// table (counts, delivery rate, active relay, held keys), the dead rows
+// grouped by cause, the held keys of ordered mode, the backlog by topic and
+// one event; and the actions replay one event, skip a held key's row and
+// replay dead rows in bulk (preview, confirm the exact count, follow the
+// progress). It sits on package runbook, so its rules are the CLI's.
 //
 // Mount the handler on your own mux, behind your own authentication:
 //
@@ -28,7 +31,9 @@ import (
 	"net/http"
 	"net/url"
 	"sort"
+	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -72,7 +77,14 @@ type handler struct {
 	tmpl   *template.Template
 	logger watermill.LoggerAdapter
 	mux    *http.ServeMux
+
+	jobsMu sync.Mutex
+	jobs   map[string]*job // bulk replays, by id
+	order  []string        // job ids, oldest first
 }
+
+// maxJobs bounds the bulk replays whose progress the console remembers.
+const maxJobs = 50
 
 // New returns the console's handler over pool.
 func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
@@ -82,7 +94,7 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	if len(cfg.Tables) == 0 {
 		return nil, errors.New("console: invalid config: no tables; set Config.Tables (OUTBOX_CONSOLE_TABLES)")
 	}
-	h := &handler{pool: pool, cfg: cfg, tables: map[string]schema.Table{}, logger: cfg.Logger}
+	h := &handler{pool: pool, cfg: cfg, tables: map[string]schema.Table{}, logger: cfg.Logger, jobs: map[string]*job{}}
 	if h.logger == nil {
 		h.logger = watermill.NopLogger{}
 	}
@@ -107,6 +119,7 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 			}
 			return t.UTC().Format(time.RFC3339)
 		},
+		"perSecond": func(perMinute int64) string { return strconv.FormatFloat(float64(perMinute)/60, 'f', 1, 64) },
 	}).ParseFS(templateFS, "templates/*.html")
 	if err != nil {
 		return nil, fmt.Errorf("console: templates: %w", err)
@@ -120,10 +133,17 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	mux.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
 	mux.HandleFunc("GET /{$}", h.overview)
 	mux.HandleFunc("GET /t/{table}/dead", h.dead)
+	mux.HandleFunc("GET /t/{table}/held", h.held)
+	mux.HandleFunc("GET /t/{table}/topics", h.topics)
 	mux.HandleFunc("GET /t/{table}/event/{id}", h.event)
+	mux.HandleFunc("GET /t/{table}/replay", h.preview)
+	mux.HandleFunc("GET /t/{table}/replay/{job}", h.jobPage)
 	mux.HandleFunc("GET /api/counts", h.counts)
+	mux.HandleFunc("GET /api/replay/{job}", h.jobProgress)
 	mux.HandleFunc("POST /login", h.login)
 	mux.HandleFunc("POST /t/{table}/event/{id}/replay", h.replay)
+	mux.HandleFunc("POST /t/{table}/event/{id}/skip", h.skip)
+	mux.HandleFunc("POST /t/{table}/replay", h.bulkReplay)
 	h.mux = mux
 	return h, nil
 }
@@ -167,17 +187,40 @@ func (h *handler) render(w http.ResponseWriter, r *http.Request, name, title str
 	}
 }
 
+// tableView is one table's line of the overview and of /api/counts.
 type tableView struct {
-	Name  string
-	Stats runbook.TableStats
-	Err   string
+	Name  string             `json:"-"`
+	Stats runbook.TableStats `json:"stats"`
+	// Held counts the held keys (ordered mode), up to maxHeldShown.
+	Held int `json:"held_keys"`
+	// Leader is the active relay's session, nil when no relay holds the
+	// single-active lock.
+	Leader *runbook.Session `json:"leader"`
+	// OrderedRelays counts the ordered relays owning partitions.
+	OrderedRelays int    `json:"ordered_relays"`
+	Err           string `json:"-"`
 }
+
+// maxHeldShown bounds the held keys the console lists and counts.
+const maxHeldShown = 1000
 
 func (h *handler) stats(ctx context.Context) []tableView {
 	out := make([]tableView, 0, len(h.names))
 	for _, n := range h.names {
-		st, err := runbook.Stats(ctx, h.pool, h.tables[n])
+		t := h.tables[n]
+		st, err := runbook.Stats(ctx, h.pool, t)
 		v := tableView{Name: n, Stats: st}
+		var held []runbook.HeldKey
+		if err == nil {
+			held, err = runbook.HeldKeys(ctx, h.pool, t, maxHeldShown)
+			v.Held = len(held)
+		}
+		if err == nil {
+			v.Leader, err = runbook.Leader(ctx, h.pool, t)
+		}
+		if err == nil {
+			v.OrderedRelays, err = runbook.OrderedRelays(ctx, h.pool, t)
+		}
 		if err != nil {
 			v.Err = "cannot read the table's counts (see the console's log)"
 			h.logger.Error("Console could not read stats", err, watermill.LogFields{"table": n})
@@ -193,13 +236,16 @@ func (h *handler) overview(w http.ResponseWriter, r *http.Request) {
 
 // counts is the live refresh: every table's counts as JSON.
 func (h *handler) counts(w http.ResponseWriter, r *http.Request) {
-	out := map[string]runbook.TableStats{}
+	out := map[string]tableView{}
 	for _, v := range h.stats(r.Context()) {
-		out[v.Name] = v.Stats
+		out[v.Name] = v
 	}
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(out)
 }
+
+// maxDeadShown bounds the dead rows one page lists.
+const maxDeadShown = 1000
 
 // cause is one group of dead rows: those whose last_error starts alike.
 type cause struct {
@@ -229,7 +275,8 @@ func (h *handler) dead(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	rows, err := runbook.Dead(r.Context(), h.pool, t, runbook.DeadFilter{Topic: r.URL.Query().Get("topic"), Limit: 1000})
+	q := r.URL.Query()
+	rows, err := runbook.Dead(r.Context(), h.pool, t, runbook.DeadFilter{Topic: q.Get("topic"), ErrorContains: q.Get("error"), Limit: maxDeadShown})
 	if err != nil {
 		h.logger.Error("Console could not list dead rows", err, watermill.LogFields{"table": t.String()})
 		http.Error(w, "cannot list the dead rows (see the console's log)", http.StatusInternalServerError)
@@ -262,10 +309,12 @@ func (h *handler) dead(w http.ResponseWriter, r *http.Request) {
 		return list[i].Count > list[j].Count || (list[i].Count == list[j].Count && list[i].Head < list[j].Head)
 	})
 	h.render(w, r, "dead.html", "Dead rows of "+t.String(), struct {
-		Table  string
-		Total  int
-		Causes []*cause
-	}{t.String(), len(rows), list})
+		Table        string
+		Total        int
+		Capped       bool
+		Topic, Error string
+		Causes       []*cause
+	}{t.String(), len(rows), len(rows) == maxDeadShown, q.Get("topic"), q.Get("error"), list})
 }
 
 func (h *handler) event(w http.ResponseWriter, r *http.Request) {

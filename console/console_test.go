@@ -107,7 +107,8 @@ func TestPagesEscapeHostileStrings(t *testing.T) {
 	tbl := testdb.Table(t, "outbox")
 	id := deadRow(t, pool, tbl)
 	srv := server(t, pool, tbl, "")
-	for _, path := range []string{"/", "/t/" + tbl.String() + "/dead", "/t/" + tbl.String() + "/event/" + id.String() + "?payload=1"} {
+	for _, path := range []string{"/", "/t/" + tbl.String() + "/dead", "/t/" + tbl.String() + "/event/" + id.String() + "?payload=1",
+		"/t/" + tbl.String() + "/topics", "/t/" + tbl.String() + "/held", "/t/" + tbl.String() + "/replay?error=" + url.QueryEscape("<script>")} {
 		r := do(t, "GET", srv.URL+path, nil, nil)
 		if r.code != 200 {
 			t.Fatalf("%s: %d %s", path, r.code, r.body)
@@ -141,8 +142,10 @@ func TestPagesEscapeHostileStrings(t *testing.T) {
 	if r := do(t, "GET", srv.URL+"/t/"+tbl.String()+"/event/not-a-uuid", nil, nil); r.code != 400 {
 		t.Errorf("bad event id: %d", r.code)
 	}
-	var counts map[string]map[string]any
-	if err := json.Unmarshal([]byte(do(t, "GET", srv.URL+"/api/counts", nil, nil).body), &counts); err != nil || counts[tbl.String()]["dead"] != float64(1) {
+	var counts map[string]struct {
+		Stats map[string]any `json:"stats"`
+	}
+	if err := json.Unmarshal([]byte(do(t, "GET", srv.URL+"/api/counts", nil, nil).body), &counts); err != nil || counts[tbl.String()].Stats["dead"] != float64(1) {
 		t.Errorf("counts %v %v", counts, err)
 	}
 }

@@ -250,3 +250,21 @@ func SkipEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dr
 	wake(ctx, db, schema.NewRunbookQueries(t))
 	return res, nil
 }
+
+// OrderedRelays counts the ordered relays at work on t: those owning a
+// partition whose lease has not expired. A table without ordered mode has
+// none.
+func OrderedRelays(ctx context.Context, db DB, t schema.Table) (int, error) {
+	if err := checkTable(t); err != nil {
+		return 0, err
+	}
+	oq, err := orderedQueries(ctx, db, t)
+	if err != nil || oq == nil {
+		return 0, err
+	}
+	var n int
+	if err := db.QueryRow(ctx, oq.LiveOwners).Scan(&n); err != nil {
+		return 0, dbError(t, "count the ordered relays of", err)
+	}
+	return n, nil
+}

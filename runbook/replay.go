@@ -224,6 +224,9 @@ type BulkReplay struct {
 	Snapshot ReplaySnapshot `json:"snapshot"`
 	// DryRun is true when nothing was changed on purpose.
 	DryRun bool `json:"dry_run"`
+	// EventIDs are the event_ids of the rows a replay with Expect changed,
+	// for ReplayProgress; nil otherwise.
+	EventIDs []uuid.UUID `json:"-"`
 }
 
 // ReplayDeadStatement returns the statement ReplayDead runs for f, after
@@ -284,10 +287,20 @@ func ReplayDead(ctx context.Context, db DB, t schema.Table, f DeadFilter, dryRun
 	}
 	if e := f.Expect; e != nil {
 		res.Statement = q.ReplayDeadExpecting(sf, e.MaxSequence, e.Rows, e.Digest)
-		var changed int64
+		var (
+			changed int64
+			ids     []string
+		)
 		s := &res.Snapshot
-		if err := db.QueryRow(ctx, res.Statement.SQL, res.Statement.Args...).Scan(&s.Rows, &s.Digest, &changed); err != nil {
+		if err := db.QueryRow(ctx, res.Statement.SQL, res.Statement.Args...).Scan(&s.Rows, &s.Digest, &changed, &ids); err != nil {
 			return BulkReplay{}, dbError(t, "replay dead rows of", err)
+		}
+		for _, id := range ids {
+			u, err := uuid.Parse(id)
+			if err != nil {
+				return res, fmt.Errorf("runbook: replay dead rows of %s: the server returned %q as an event_id: %w", t, id, err)
+			}
+			res.EventIDs = append(res.EventIDs, u)
 		}
 		s.MaxSequence = e.MaxSequence
 		if s.Rows != e.Rows || s.Digest != e.Digest {
@@ -309,4 +322,35 @@ func ReplayDead(ctx context.Context, db DB, t schema.Table, f DeadFilter, dryRun
 		wake(ctx, db, q)
 	}
 	return res, nil
+}
+
+// Progress is how far the relay got with the rows of a bulk replay.
+type Progress struct {
+	// Rows counts the replayed rows still in the table (the cleaner may
+	// have deleted published ones).
+	Rows int64 `json:"rows"`
+	// Published counts those delivered since.
+	Published int64 `json:"published"`
+	// Dead counts those dead again.
+	Dead int64 `json:"dead"`
+	// Pending counts those not delivered yet.
+	Pending int64 `json:"pending"`
+}
+
+// ReplayProgress counts how many of the rows with eventIDs (a replay's
+// BulkReplay.EventIDs) are published, dead again, or still pending.
+func ReplayProgress(ctx context.Context, db DB, t schema.Table, eventIDs []uuid.UUID) (Progress, error) {
+	if err := checkTable(t); err != nil {
+		return Progress{}, err
+	}
+	ids := make([]string, len(eventIDs))
+	for i, id := range eventIDs {
+		ids[i] = id.String()
+	}
+	st := schema.NewRunbookQueries(t).ReplayProgress(ids)
+	var p Progress
+	if err := db.QueryRow(ctx, st.SQL, st.Args...).Scan(&p.Rows, &p.Published, &p.Dead, &p.Pending); err != nil {
+		return Progress{}, dbError(t, "read the replay progress of", err)
+	}
+	return p, nil
 }

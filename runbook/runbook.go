@@ -261,6 +261,9 @@ type TableStats struct {
 	OldestPendingAgeSeconds float64 `json:"oldest_pending_age_seconds"`
 	// PublishedLastHour counts the rows published in the last hour.
 	PublishedLastHour int64 `json:"published_last_hour"`
+	// PublishedLastMinute counts the rows published in the last minute:
+	// the delivery rate.
+	PublishedLastMinute int64 `json:"published_last_minute"`
 }
 
 // OldestPendingAge is OldestPendingAgeSeconds as a time.Duration.
@@ -276,9 +279,94 @@ func Stats(ctx context.Context, db DB, t schema.Table) (TableStats, error) {
 	st := schema.NewRunbookQueries(t).Stats()
 	s := TableStats{Table: t.String()}
 	err := db.QueryRow(ctx, st.SQL, st.Args...).Scan(&s.Pending, &s.Retrying, &s.Locked, &s.Dead,
-		&s.OldestPendingCreatedAt, &s.OldestPendingAgeSeconds, &s.PublishedLastHour)
+		&s.OldestPendingCreatedAt, &s.OldestPendingAgeSeconds, &s.PublishedLastHour, &s.PublishedLastMinute)
 	if err != nil {
 		return TableStats{}, dbError(t, "stats of", err)
 	}
 	return s, nil
+}
+
+// TopicBacklog is the backlog of one topic.
+type TopicBacklog struct {
+	// Topic is the topic column.
+	Topic string `json:"topic"`
+	// Pending counts the unpublished rows that are not dead.
+	Pending int64 `json:"pending"`
+	// Retrying counts the pending rows whose last attempt failed.
+	Retrying int64 `json:"retrying"`
+	// Dead counts the dead rows.
+	Dead int64 `json:"dead"`
+	// OldestPendingAgeSeconds is the age of the topic's oldest pending row,
+	// 0 when none.
+	OldestPendingAgeSeconds float64 `json:"oldest_pending_age_seconds"`
+}
+
+// Topics lists the backlog of t by topic, the largest first, at most limit
+// topics (DefaultLimit when 0). Published rows are not counted.
+func Topics(ctx context.Context, db DB, t schema.Table, limit int) ([]TopicBacklog, error) {
+	if err := checkTable(t); err != nil {
+		return nil, err
+	}
+	limit, err := checkLimit(limit)
+	if err != nil {
+		return nil, err
+	}
+	st := schema.NewRunbookQueries(t).TopicBacklog(limit)
+	rows, err := db.Query(ctx, st.SQL, st.Args...)
+	if err != nil {
+		return nil, dbError(t, "count the backlog by topic of", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (TopicBacklog, error) {
+		var b TopicBacklog
+		return b, r.Scan(&b.Topic, &b.Pending, &b.Retrying, &b.Dead, &b.OldestPendingAgeSeconds)
+	})
+	if err != nil {
+		return nil, dbError(t, "count the backlog by topic of", err)
+	}
+	return out, nil
+}
+
+// Session is a database session, as pg_stat_activity shows it.
+type Session struct {
+	// PID is the server process id.
+	PID int32 `json:"pid"`
+	// ApplicationName is the session's application_name.
+	ApplicationName string `json:"application_name"`
+	// ClientAddr is the client's address, empty for a Unix socket.
+	ClientAddr string `json:"client_addr,omitempty"`
+	// BackendStart is when the session started.
+	BackendStart time.Time `json:"backend_start"`
+}
+
+// Leader returns the session of the relay that holds t's single-active
+// lock, or nil when none does (no relay runs, or they all run with
+// DisableSingleActive). Reading other sessions' client address needs the
+// pg_read_all_stats role or superuser; otherwise it is empty.
+func Leader(ctx context.Context, db DB, t schema.Table) (*Session, error) {
+	if err := checkTable(t); err != nil {
+		return nil, err
+	}
+	st := schema.NewRunbookQueries(t).Leader()
+	var (
+		s         Session
+		app, addr *string
+		start     *time.Time
+	)
+	err := db.QueryRow(ctx, st.SQL, st.Args...).Scan(&s.PID, &app, &addr, &start)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, dbError(t, "find the active relay of", err)
+	}
+	if app != nil {
+		s.ApplicationName = *app
+	}
+	if addr != nil {
+		s.ClientAddr = *addr
+	}
+	if start != nil {
+		s.BackendStart = *start
+	}
+	return &s, nil
 }

@@ -154,6 +154,9 @@ type OrderedQueries struct {
 	Heartbeat string
 	// Leave removes relay $1 from the membership.
 	Leave string
+	// LiveOwners counts the relays that own a partition with a lease not
+	// expired: the ordered relays at work (the console's overview).
+	LiveOwners string
 	// Acquire takes the partitions $2 (int array) that are free, expired or
 	// already owned by relay $1, for $3 seconds. Returns: partition,
 	// floor_sequence.
@@ -290,6 +293,7 @@ func NewOrderedQueries(t Table, c Columns) *OrderedQueries {
 )
 SELECT ARRAY(SELECT relay_id FROM ` + relays + ` WHERE heartbeat_at > now() - ` + ttl("$2") + ` UNION SELECT relay_id FROM hb)`
 	q.Leave = `DELETE FROM ` + relays + ` WHERE relay_id = $1`
+	q.LiveOwners = `SELECT count(DISTINCT owner) FROM ` + parts + ` WHERE owner IS NOT NULL AND lease_until > now()`
 	q.Acquire = `UPDATE ` + parts + ` SET owner = $1, lease_until = now() + ` + ttl("$3") + `
 WHERE partition = ANY($2::int[]) AND (owner IS NULL OR owner = $1 OR lease_until IS NULL OR lease_until < now())
 RETURNING partition::int, floor_sequence`

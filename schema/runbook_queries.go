@@ -197,7 +197,9 @@ const sequenceDigest = `COALESCE(md5(string_agg(target.sequence::text, ',' ORDER
 // (CountReplayDead): it takes the rows matching f up to maxSequence, locks
 // them, and resets them only when they are exactly the rows the preview
 // counted (same count and digest); otherwise it changes nothing. Returns:
-// the rows matched now, their digest, and the rows changed (0 or all).
+// the rows matched now, their digest, the rows changed (0 or all), and the
+// event_ids (text) of the rows changed, so that a caller can follow their
+// delivery (ReplayProgress).
 func (q RunbookQueries) ReplayDeadExpecting(f RunbookFilter, maxSequence, rows int64, digest string) Statement {
 	tbl := q.Table.Sanitize()
 	f.MaxSequence, f.capped = maxSequence, true
@@ -212,9 +214,9 @@ func (q RunbookQueries) ReplayDeadExpecting(f RunbookFilter, maxSequence, rows i
 ), upd AS (
   UPDATE ` + tbl + ` AS o SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
   FROM target, snap WHERE o.id = target.id AND snap.n = $` + m + `::bigint AND snap.digest = $` + n + `::text
-  RETURNING 1
+  RETURNING o.event_id
 )
-SELECT snap.n, snap.digest, (SELECT count(*) FROM upd) FROM snap`, Args: args}
+SELECT snap.n, snap.digest, (SELECT count(*) FROM upd), ARRAY(SELECT event_id::text FROM upd) FROM snap`, Args: args}
 }
 
 // ReplayDead resets the dead rows matching f, except those leased by a
@@ -262,7 +264,8 @@ RETURNING sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
 // (unpublished, not dead), retrying (pending whose last attempt failed),
 // locked (unpublished with locked_at set), dead (dead_at set), the
 // created_at of the oldest pending row (NULL when none), its age in seconds
-// (0 when none), and the rows published in the last hour.
+// (0 when none), the rows published in the last hour and in the last
+// minute.
 func (q RunbookQueries) Stats() Statement {
 	tbl := q.Table.Sanitize()
 	return Statement{SQL: `SELECT
@@ -272,9 +275,52 @@ func (q RunbookQueries) Stats() Statement {
   count(*) FILTER (WHERE dead_at IS NOT NULL),
   min(created_at) FILTER (WHERE dead_at IS NULL),
   COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE dead_at IS NULL))::float8, 0),
-  (SELECT count(*) FROM ` + tbl + ` WHERE published_at IS NOT NULL AND published_at >= now() - interval '1 hour')
+  (SELECT count(*) FROM ` + tbl + ` WHERE published_at IS NOT NULL AND published_at >= now() - interval '1 hour'),
+  (SELECT count(*) FROM ` + tbl + ` WHERE published_at IS NOT NULL AND published_at >= now() - interval '1 minute')
 FROM ` + tbl + `
 WHERE published_at IS NULL`}
+}
+
+// ReplayProgress counts, among the rows with the given event_ids (a text
+// array of canonical UUIDs), those published, those dead again and those
+// still pending. Args: the ids. Returns: rows found, published, dead,
+// pending.
+func (q RunbookQueries) ReplayProgress(eventIDs []string) Statement {
+	return Statement{SQL: `SELECT count(*),
+  count(*) FILTER (WHERE published_at IS NOT NULL),
+  count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NOT NULL),
+  count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NULL)
+FROM ` + q.Table.Sanitize() + `
+WHERE event_id = ANY($1::uuid[])`, Args: []any{eventIDs}}
+}
+
+// TopicBacklog counts the unpublished rows of every topic: pending (not
+// dead), retrying (pending with a last_error), dead, and the age in seconds
+// of the oldest pending row (0 when none), the largest backlog first. Args:
+// the most topics to return. Returns one row per topic.
+func (q RunbookQueries) TopicBacklog(limit int) Statement {
+	return Statement{SQL: `SELECT topic,
+  count(*) FILTER (WHERE dead_at IS NULL),
+  count(*) FILTER (WHERE dead_at IS NULL AND last_error IS NOT NULL),
+  count(*) FILTER (WHERE dead_at IS NOT NULL),
+  COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE dead_at IS NULL))::float8, 0)
+FROM ` + q.Table.Sanitize() + `
+WHERE published_at IS NULL
+GROUP BY topic
+ORDER BY count(*) DESC, topic
+LIMIT $1::int`, Args: []any{limit}}
+}
+
+// Leader finds the session that holds the table's single-active lock
+// (Table.LockKey): the active relay. Args: the lock key. Returns one row
+// when a relay holds it: pid, application_name, client address (text,
+// NULL for a Unix socket), backend start; none otherwise.
+func (q RunbookQueries) Leader() Statement {
+	return Statement{SQL: `SELECT a.pid, a.application_name, host(a.client_addr), a.backend_start
+FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ExclusiveLock'
+  AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint
+LIMIT 1`, Args: []any{q.Table.LockKey()}}
 }
 
 // Wake notifies the table's relays (NotifyChannel) that rows are due, so a

@@ -101,3 +101,14 @@ func (e Env) Tables(name string, def []schema.Table) ([]schema.Table, error) {
 	}
 	return out, nil
 }
+
+// with returns an Env where name reads value and every other variable
+// reads as in e.
+func (e Env) with(name, value string) Env {
+	return Env{getenv: func(k string) string {
+		if k == name {
+			return value
+		}
+		return e.getenv(k)
+	}}
+}

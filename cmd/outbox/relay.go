@@ -60,6 +60,7 @@ type relayConfig struct {
 	metricsEnabled  bool
 	metricsPath     string
 	metricsAddr     string
+	console         consoleConfig // addr "": no console in the daemon
 
 	// Set by runRelay, not read from the environment.
 	tracerProvider trace.TracerProvider // nil: the global provider
@@ -122,6 +123,8 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	must(err)
 	c.metricsPath = env.String("PROMETHEUS_METRICS_PATH", "/debug/prometheus")
 	c.metricsAddr = env.String("PROMETHEUS_METRICS_ADDR", ":9464")
+	c.console, err = loadConsoleConfig(env, c.tables, false)
+	must(err)
 	if c.relayEnabled {
 		if len(c.tables) == 0 && tablesErr == nil {
 			errs = append(errs, errors.New("OUTBOX_RELAY_TABLES is not set; list the tables to relay, for example OUTBOX_RELAY_TABLES=public.org_outbox"))
@@ -223,6 +226,17 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 			return err
 		}
 		defer srv.Close()
+	}
+	if cfg.console.addr != "" {
+		srv, err := serveConsole(pool, cfg.console, logger, io.Discard)
+		if err != nil {
+			return err
+		}
+		defer func() {
+			sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_ = srv.Shutdown(sctx)
+		}()
 	}
 	if cfg.cleanerEnabled {
 		// A missing table is reported once, as itself, before any cleaner

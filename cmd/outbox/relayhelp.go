@@ -36,6 +36,10 @@ var relayVars = [][3]string{
 	{"PROMETHEUS_METRICS_PATH", "/debug/prometheus", "metrics path"},
 	{"PROMETHEUS_METRICS_ADDR", ":9464", "metrics listen address"},
 	{"OUTBOX_HEALTH_ADDR", "(off)", "serve GET /healthz and GET /readyz on this address, such as :8081"},
+	{"OUTBOX_CONSOLE_ADDR", "(off)", "serve the web console on this address, such as 127.0.0.1:8080"},
+	{"OUTBOX_CONSOLE_TOKEN", "(read-only)", "the token that allows the console's actions"},
+	{"OUTBOX_CONSOLE_TABLES", "the relay tables", "tables the console shows"},
+	{"OUTBOX_CONSOLE_READ_ONLY", "false", "serve the console read-only, even on a non-loopback address without a token"},
 	{"OTEL_EXPORTER_OTLP_ENDPOINT", "(off)", "export relay spans over OTLP/HTTP; the standard OTEL_* variables apply"},
 }
 

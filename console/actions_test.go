@@ -1,0 +1,329 @@
+package console_test
+
+import (
+	"context"
+	"encoding/json"
+	"net/url"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// deadWith enqueues n events of topic and makes them dead with lastError.
+func deadWith(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, topic, lastError string, n int) []uuid.UUID {
+	t.Helper()
+	ctx := context.Background()
+	ids := make([]uuid.UUID, n)
+	msgs := make([]publisher.Message, n)
+	for i := range ids {
+		ids[i] = uuid.New()
+		msgs[i] = publisher.Message{TenantID: uuid.New(), Topic: topic, EventID: ids[i], Payload: json.RawMessage(`{}`)}
+	}
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := publisher.EnqueueBatch(ctx, tx, tbl, msgs)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE `+tbl.Sanitize()+` SET dead_at = now(), available_at = 'infinity', attempts = 3, last_error = $2
+WHERE event_id = ANY($1)`, ids, lastError); err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+func deadCount(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE dead_at IS NOT NULL`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+var hidden = regexp.MustCompile(`name="(rows|max_sequence|digest|csrf|topic|error)" value="([^"]*)"`)
+
+// previewForm opens the preview of a bulk replay and returns its form.
+func previewForm(t *testing.T, base, tbl string, query url.Values, hdr map[string]string) url.Values {
+	t.Helper()
+	r := do(t, "GET", base+"/t/"+tbl+"/replay?"+query.Encode(), nil, hdr)
+	if r.code != 200 {
+		t.Fatalf("preview: %d %s", r.code, r.body)
+	}
+	form := url.Values{}
+	for _, m := range hidden.FindAllStringSubmatch(r.body, -1) {
+		form.Set(m[1], m[2])
+	}
+	if form.Get("rows") == "" || form.Get("csrf") == "" {
+		t.Fatalf("preview without a replay form:\n%s", r.body)
+	}
+	return form
+}
+
+// TestBulkReplayPreviewConfirmProgress: the preview counts the rows; the
+// replay needs that exact count typed, changes nothing when the rows
+// changed since the preview, and then replays exactly them; its page
+// follows their delivery.
+func TestBulkReplayPreviewConfirmProgress(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox")
+	broker := deadWith(t, pool, tbl, "org.a.v1", "publish: broker down: connection refused", 3)
+	other := deadWith(t, pool, tbl, "org.a.v1", "permanent: bad payload", 1)
+	const token = "bulk-token"
+	srv := server(t, pool, tbl, token)
+	bearer := map[string]string{"Authorization": "Bearer " + token}
+	name := tbl.String()
+
+	form := previewForm(t, srv.URL, name, url.Values{"error": {"broker down"}}, bearer)
+	if form.Get("rows") != "3" || form.Get("error") != "broker down" {
+		t.Fatalf("preview form %v, want 3 rows", form)
+	}
+	// A wrong count, no count, no CSRF: refused, nothing changed.
+	for what, f := range map[string]url.Values{"wrong count": with(form, "confirm", "2"), "no count": form, "no CSRF": with(with(form, "confirm", "3"), "csrf", "")} {
+		if r := do(t, "POST", srv.URL+"/t/"+name+"/replay", f, bearer); r.code < 400 {
+			t.Errorf("%s: %d %s", what, r.code, r.body)
+		}
+	}
+	if n := deadCount(t, pool, tbl); n != 4 {
+		t.Fatalf("refused replays changed rows: %d dead, want 4", n)
+	}
+	// One of the previewed rows was replayed by someone else since the
+	// preview: the replay is refused as a whole.
+	if _, err := runbook.ReplayEvent(context.Background(), pool, tbl, broker[1], runbook.ReplayOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if r := do(t, "POST", srv.URL+"/t/"+name+"/replay", with(form, "confirm", "3"), bearer); r.code != 409 || !strings.Contains(r.body, "preview again") {
+		t.Fatalf("replay after the set changed: %d %s", r.code, r.body)
+	}
+	if n := deadCount(t, pool, tbl); n != 3 {
+		t.Fatalf("a refused replay changed rows: %d dead, want 3", n)
+	}
+	// It dies again, and a new row matches: a new preview counts 4.
+	if _, err := pool.Exec(context.Background(), `UPDATE `+tbl.Sanitize()+` SET dead_at = now(), available_at = 'infinity', last_error = 'broker down'
+WHERE event_id = $1`, broker[1]); err != nil {
+		t.Fatal(err)
+	}
+	late := deadWith(t, pool, tbl, "org.a.v1", "publish: broker down again", 1)
+	form = previewForm(t, srv.URL, name, url.Values{"error": {"broker down"}}, bearer)
+	r := do(t, "POST", srv.URL+"/t/"+name+"/replay", with(form, "confirm", "4"), bearer)
+	if r.code != 303 {
+		t.Fatalf("confirmed replay: %d %s", r.code, r.body)
+	}
+	for _, id := range append(broker, late...) {
+		if isDead(t, pool, tbl, id) {
+			t.Fatalf("row %s not replayed", id)
+		}
+	}
+	if !isDead(t, pool, tbl, other[0]) {
+		t.Fatal("a row outside the filter was replayed")
+	}
+	job := r.hdr.Get("Location")
+	page := do(t, "GET", srv.URL+job, nil, nil)
+	if page.code != 200 || !strings.Contains(page.body, "Replayed 4 dead rows") {
+		t.Fatalf("progress page: %d %s", page.code, page.body)
+	}
+	progress := func() runbook.Progress {
+		var p runbook.Progress
+		res := do(t, "GET", srv.URL+"/api/replay/"+job[strings.LastIndex(job, "/")+1:], nil, nil)
+		if err := json.Unmarshal([]byte(res.body), &p); err != nil {
+			t.Fatalf("progress %d %s: %v", res.code, res.body, err)
+		}
+		return p
+	}
+	if p := progress(); p != (runbook.Progress{Rows: 4, Pending: 4}) {
+		t.Fatalf("progress before a relay: %+v", p)
+	}
+	// A relay delivers them: the progress shows it.
+	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ch, err := sub.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		for msg := range ch {
+			msg.Ack()
+		}
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for p := progress(); p.Published != 4; p = progress() {
+		if time.Now().After(deadline) {
+			t.Fatalf("progress after the relay ran: %+v", p)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	// The overview names the relay that holds the single-active lock.
+	var counts map[string]struct {
+		Leader *runbook.Session `json:"leader"`
+	}
+	if err := json.Unmarshal([]byte(do(t, "GET", srv.URL+"/api/counts", nil, nil).body), &counts); err != nil {
+		t.Fatal(err)
+	}
+	var pid int32
+	if err := pool.QueryRow(ctx, `SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted
+  AND ((classid::bigint << 32) | objid::bigint) = $1`, tbl.LockKey()).Scan(&pid); err != nil {
+		t.Fatalf("the relay holds no single-active lock: %v", err)
+	}
+	if l := counts[name].Leader; l == nil || l.PID != pid {
+		t.Fatalf("overview leader %+v, want pid %d", l, pid)
+	}
+	if r := do(t, "GET", srv.URL+"/api/replay/0000", nil, nil); r.code != 404 {
+		t.Errorf("unknown job: %d", r.code)
+	}
+}
+
+func with(v url.Values, k, val string) url.Values {
+	out := url.Values{}
+	for key, vs := range v {
+		out[key] = append([]string(nil), vs...)
+	}
+	out.Set(k, val)
+	return out
+}
+
+// TestHeldKeySkip: an ordered relay holds a key on a dead row; the held
+// keys page lists it, a skip from the page lets the key go on, and the
+// overview counts the held key and shows the active relay.
+func TestHeldKeySkip(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	ctx := context.Background()
+	ids := make([]uuid.UUID, 2)
+	msgs := make([]publisher.Message, 2)
+	for i := range ids {
+		ids[i] = uuid.New()
+		msgs[i] = publisher.Message{TenantID: uuid.New(), Topic: "org.held.v1", EventID: ids[i], Payload: json.RawMessage(`{}`), OrderingKey: "<b>k1</b>"}
+	}
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := publisher.EnqueueBatch(ctx, tx, tbl, msgs)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, Ordered: true, MaxAttempts: 1, LockTTL: time.Second,
+		ElectionInterval: 100 * time.Millisecond, PollInterval: 100 * time.Millisecond, CloseTimeout: 2 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	ch, err := sub.Subscribe(sctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu    sync.Mutex
+		acked = map[string]bool{}
+	)
+	go func() {
+		for msg := range ch {
+			if msg.UUID == ids[0].String() {
+				msg.Nack()
+				continue
+			}
+			mu.Lock()
+			acked[msg.UUID] = true
+			mu.Unlock()
+			msg.Ack()
+		}
+	}()
+	const token = "held-token"
+	srv := server(t, pool, tbl, token)
+	bearer := map[string]string{"Authorization": "Bearer " + token}
+	name := tbl.String()
+	var page resp
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		page = do(t, "GET", srv.URL+"/t/"+name+"/held", nil, bearer)
+		if strings.Contains(page.body, `class="skip"`) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the dead hold never showed with a skip button: %d\n%s", page.code, page.body)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if !strings.Contains(page.body, "&lt;b&gt;k1&lt;/b&gt;") || !strings.Contains(page.body, ids[0].String()) {
+		t.Fatalf("held keys page does not show the key escaped and its row:\n%s", page.body)
+	}
+	var counts map[string]struct {
+		Held    int `json:"held_keys"`
+		Ordered int `json:"ordered_relays"`
+	}
+	if err := json.Unmarshal([]byte(do(t, "GET", srv.URL+"/api/counts", nil, nil).body), &counts); err != nil {
+		t.Fatal(err)
+	}
+	if c := counts[name]; c.Held != 1 || c.Ordered != 1 {
+		t.Fatalf("overview counts: %+v", c)
+	}
+	if r := do(t, "POST", srv.URL+"/t/"+name+"/event/"+ids[0].String()+"/skip", url.Values{}, bearer); r.code != 403 {
+		t.Fatalf("skip without CSRF: %d %s", r.code, r.body)
+	}
+	m := csrfField.FindStringSubmatch(page.body)
+	if r := do(t, "POST", srv.URL+"/t/"+name+"/event/"+ids[0].String()+"/skip", url.Values{"csrf": {m[1]}}, bearer); r.code != 303 {
+		t.Fatalf("skip: %d %s", r.code, r.body)
+	}
+	if r := do(t, "POST", srv.URL+"/t/"+name+"/event/"+ids[1].String()+"/skip", url.Values{"csrf": {m[1]}}, bearer); r.code != 409 {
+		t.Errorf("skip of a row that holds nothing: %d %s", r.code, r.body)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		mu.Lock()
+		ok := acked[ids[1].String()]
+		mu.Unlock()
+		if ok {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the key's next row was not delivered after the skip")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if strings.Contains(do(t, "GET", srv.URL+"/t/"+name+"/held", nil, bearer).body, ids[1].String()) {
+		t.Error("the delivered row shows as held")
+	}
+}
+
+// TestTopicsBacklog: the backlog page counts pending, retrying and dead
+// rows per topic.
+func TestTopicsBacklog(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox")
+	deadWith(t, pool, tbl, "org.dead.v1", "boom", 2)
+	ids := deadWith(t, pool, tbl, "org.pending.v1", "", 3)
+	if _, err := pool.Exec(context.Background(), `UPDATE `+tbl.Sanitize()+` SET dead_at = NULL, available_at = now(), last_error = NULLIF(last_error, '') WHERE event_id = ANY($1)`, ids); err != nil {
+		t.Fatal(err)
+	}
+	list, err := runbook.Topics(context.Background(), pool, tbl, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list) != 2 || list[0].Topic != "org.pending.v1" || list[0].Pending != 3 || list[1].Dead != 2 || list[1].Pending != 0 {
+		t.Fatalf("topics %+v", list)
+	}
+	srv := server(t, pool, tbl, "")
+	body := do(t, "GET", srv.URL+"/t/"+tbl.String()+"/topics", nil, nil).body
+	if !strings.Contains(body, "org.pending.v1") || !strings.Contains(body, `href="/t/`+tbl.String()+`/dead?topic=org.dead.v1"`) {
+		t.Fatalf("topics page:\n%s", body)
+	}
+}
