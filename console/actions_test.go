@@ -3,6 +3,8 @@ package console_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
+	"net/http/httptest"
 	"net/url"
 	"regexp"
 	"strings"
@@ -15,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/console"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
@@ -249,7 +252,13 @@ func TestHeldKeySkip(t *testing.T) {
 		}
 	}()
 	const token = "held-token"
-	srv := server(t, pool, tbl, token)
+	logs := watermill.NewCaptureLogger()
+	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl}, Token: token, Logger: logs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	defer srv.Close()
 	bearer := map[string]string{"Authorization": "Bearer " + token}
 	name := tbl.String()
 	var page resp
@@ -300,6 +309,24 @@ func TestHeldKeySkip(t *testing.T) {
 	}
 	if strings.Contains(do(t, "GET", srv.URL+"/t/"+name+"/held", nil, bearer).body, ids[1].String()) {
 		t.Error("the delivered row shows as held")
+	}
+	// The actions are logged: who, what, on which row; never the token.
+	var skips, refused int
+	for _, m := range logs.Captured()[watermill.InfoLogLevel] {
+		if m.Fields["action"] == "skip" && m.Fields["who"] == "token holder" && m.Fields["table"] == name {
+			switch {
+			case m.Msg == "Console skip" && m.Fields["event_id"] == ids[0].String():
+				skips++
+			case m.Msg == "Console skip refused" && m.Fields["event_id"] == ids[1].String():
+				refused++
+			}
+		}
+		if strings.Contains(fmt.Sprint(m.Fields), token) {
+			t.Errorf("the token is in a log line: %v", m)
+		}
+	}
+	if skips != 1 || refused != 1 {
+		t.Errorf("logged %d skips and %d refusals, want 1 and 1: %v", skips, refused, logs.Captured())
 	}
 }
 
