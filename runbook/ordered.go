@@ -44,12 +44,23 @@ type HeldKey struct {
 	Replay bool `json:"replay,omitempty"`
 }
 
+// orderedQueries returns the ordered-mode statements of t, or nil when t
+// is not relayed in ordered mode: it has no ordered-mode tables, or it is
+// streamed by the WAL relay (named in a publication), whose keyed rows
+// live in the outbox table alone.
 func orderedQueries(ctx context.Context, db DB, t schema.Table) (*schema.OrderedQueries, error) {
 	ok, err := schema.OrderedTablesExist(ctx, db, t)
 	if err != nil {
 		return nil, dbError(t, "look up the ordered-mode tables of", err)
 	}
 	if !ok {
+		return nil, nil
+	}
+	var wal bool
+	if err := db.QueryRow(ctx, schema.WALPublished, t.Sanitize()).Scan(&wal); err != nil {
+		return nil, dbError(t, "look up the publications of", err)
+	}
+	if wal {
 		return nil, nil
 	}
 	cols, err := schema.DetectColumns(ctx, db, t)

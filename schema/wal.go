@@ -1,0 +1,131 @@
+package schema
+
+import (
+	"strconv"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Statements of the WAL relay (package walrelay): its publication, its
+// logical replication slot and the few row writes it makes (a dead row, a
+// progress record). Rows are still written by package publisher.
+
+// WALSlotName is the default name of the logical replication slot (and of
+// the publication) of table t: "outbox_" followed by the schema and table
+// names, lower-cased, every other character than a-z, 0-9 and _ replaced by
+// _, cut to 54 bytes and followed by 8 hex digits of the table's key, so
+// that two tables never share a slot. Slot names allow at most 63 bytes of
+// [a-z0-9_].
+func WALSlotName(t Table) string {
+	var b strings.Builder
+	for _, r := range strings.ToLower(t.Qualified()) {
+		if (r >= 'a' && r <= 'z') || (r >= '0' && r <= '9') || r == '_' {
+			b.WriteRune(r)
+		} else {
+			b.WriteByte('_')
+		}
+	}
+	base := "outbox_" + b.String()
+	if len(base) > 54 {
+		base = base[:54]
+	}
+	return base + "_" + strconv.FormatUint(fnvSum("outbox-wal:"+t.Qualified())&0xffffffff, 16)
+}
+
+// ValidSlotName reports whether name is a valid replication slot name.
+func ValidSlotName(name string) bool {
+	if name == "" || len(name) > 63 {
+		return false
+	}
+	for _, r := range name {
+		if (r < 'a' || r > 'z') && (r < '0' || r > '9') && r != '_' {
+			return false
+		}
+	}
+	return true
+}
+
+const (
+	// WALLevel reads the server's wal_level.
+	WALLevel = `SELECT current_setting('wal_level')`
+
+	// WALPublicationExists tells whether publication $1 exists and
+	// publishes table ($2, a regclass text) with inserts and updates.
+	// Returns: exists, publishes the table, publishes inserts, publishes
+	// updates.
+	WALPublicationExists = `SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
+  EXISTS (SELECT 1 FROM pg_publication_rel AS r JOIN pg_publication AS p ON p.oid = r.prpubid WHERE p.pubname = $1 AND r.prrelid = $2::regclass),
+  COALESCE((SELECT pubinsert FROM pg_publication WHERE pubname = $1), false),
+  COALESCE((SELECT pubupdate FROM pg_publication WHERE pubname = $1), false)`
+
+	// WALPublished tells whether table $1 (regclass text) is named in a
+	// publication: a table the WAL relay streams. The runbook then treats
+	// keyed rows as the WAL relay does (no partitions, no holds table).
+	WALPublished = `SELECT EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = to_regclass($1))`
+
+	// WALSlotState reads slot $1: exists, its plugin, whether a walsender
+	// uses it, its confirmed_flush_lsn (text), and whether the server
+	// invalidated it (wal_status = 'lost'). Returns no row when the slot
+	// does not exist.
+	WALSlotState = `SELECT plugin, active, COALESCE(confirmed_flush_lsn::text, ''), COALESCE(wal_status = 'lost', false)
+FROM pg_replication_slots WHERE slot_name = $1`
+
+	// WALCreateSlot creates logical replication slot $1 with pgoutput. It
+	// must run outside a transaction that wrote anything.
+	WALCreateSlot = `SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')`
+
+	// WALDropSlot drops slot $1 when it exists.
+	WALDropSlot = `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`
+
+	// WALSlotLag reads how far slot $1 is behind: the retained WAL in
+	// bytes (current WAL position minus restart_lsn) and the bytes not yet
+	// confirmed (current position minus confirmed_flush_lsn). Returns no row
+	// when the slot does not exist.
+	WALSlotLag = `SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::float8,
+  COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), 0)::float8
+FROM pg_replication_slots WHERE slot_name = $1`
+)
+
+// WALCreatePublication creates publication name for table t, publishing
+// inserts (new events) and updates (a replay resets a row with an UPDATE).
+func WALCreatePublication(name string, t Table) string {
+	return `CREATE PUBLICATION ` + pgx.Identifier{name}.Sanitize() + ` FOR TABLE ` + t.Sanitize() + ` WITH (publish = 'insert, update')`
+}
+
+// WALDropPublication drops publication name when it exists.
+func WALDropPublication(name string) string {
+	return `DROP PUBLICATION IF EXISTS ` + pgx.Identifier{name}.Sanitize()
+}
+
+// WALQueries are the row statements of the WAL relay for one table.
+type WALQueries struct {
+	// MarkDead parks row $1 (id) dead: attempts $2, last_error $3,
+	// dead_at = now(), available_at = 'infinity', unless it was published or
+	// already reset by a replay in the meantime (attempts changed). Its
+	// UPDATE reaches the relay's stream and is ignored there (dead_at set).
+	MarkDead string
+	// Row reads row $1 (id) as a claim does (the columns of
+	// ClaimedRow.Scan), for a replay whose UPDATE did not carry every
+	// column (an unchanged TOASTed payload); no row when it is gone,
+	// published or dead again.
+	Row string
+}
+
+// NewWALQueries renders the WAL relay's row statements for table t with
+// columns c.
+func NewWALQueries(t Table, c Columns) WALQueries {
+	tbl := t.Sanitize()
+	cols := `id::text, event_id::text, tenant_id::text, topic, payload::text, sequence, attempts, COALESCE(locked_at, now()), created_at`
+	if c.TraceContext {
+		cols += `, traceparent, tracestate`
+	}
+	if c.Headers {
+		cols += `, headers::text`
+	}
+	return WALQueries{
+		MarkDead: `UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, dead_at = now(), available_at = 'infinity', locked_at = NULL
+WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
+		Row: `SELECT ` + cols + ` FROM ` + tbl + ` WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
+	}
+}

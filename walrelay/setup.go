@@ -1,0 +1,163 @@
+package walrelay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// ErrWALLevel is returned (wrapped) by Setup and New when the server's
+// wal_level is not logical.
+var ErrWALLevel = errors.New("walrelay: the server's wal_level is not logical")
+
+// ErrNotSetUp is returned (wrapped) by New when the table's publication or
+// slot is missing: run Setup (or `outbox migrate --wal`) first.
+var ErrNotSetUp = errors.New("walrelay: publication or replication slot missing")
+
+// Names are the publication and slot of one table.
+type Names struct {
+	// Publication publishes the table's inserts and updates.
+	Publication string
+	// Slot is the logical replication slot (pgoutput) the relay reads.
+	Slot string
+}
+
+// DefaultNames returns the names Setup and New use when the config leaves
+// them empty: both schema.WALSlotName(t).
+func DefaultNames(t schema.Table) Names {
+	n := schema.WALSlotName(t)
+	return Names{Publication: n, Slot: n}
+}
+
+func (n Names) withDefaults(t schema.Table) (Names, error) {
+	d := DefaultNames(t)
+	if n.Publication == "" {
+		n.Publication = d.Publication
+	}
+	if n.Slot == "" {
+		n.Slot = d.Slot
+	}
+	if !schema.ValidSlotName(n.Slot) {
+		return n, fmt.Errorf("walrelay: invalid config: slot name %q: use at most 63 characters of a-z, 0-9 and _", n.Slot)
+	}
+	return n, nil
+}
+
+func checkWALLevel(ctx context.Context, pool *pgxpool.Pool) error {
+	var level string
+	if err := pool.QueryRow(ctx, schema.WALLevel).Scan(&level); err != nil {
+		return fmt.Errorf("walrelay: read wal_level: %w", err)
+	}
+	if level != "logical" {
+		return fmt.Errorf("%w: it is %q; set wal_level = logical in postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart the server, "+
+			"and give the relay's role the REPLICATION attribute", ErrWALLevel, level)
+	}
+	return nil
+}
+
+// privilegeHint explains a permission error of the set-up.
+func privilegeHint(err error, what string) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+		return fmt.Errorf("walrelay: %s: %w; the role needs the REPLICATION attribute (ALTER ROLE ... REPLICATION) for the slot, "+
+			"and ownership of the table (or CREATE on the database) for the publication", what, err)
+	}
+	return fmt.Errorf("walrelay: %s: %w", what, err)
+}
+
+// Setup creates the publication and the logical replication slot of table
+// t (names n, defaults when empty), unless they exist. The slot starts at
+// the current WAL position: rows committed before Setup are not streamed;
+// relay them with the table relay (package subscriber) first, or enqueue
+// after Setup. It needs wal_level = logical and a role with the REPLICATION
+// attribute.
+func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Names, error) {
+	n, err := n.withDefaults(t)
+	if err != nil {
+		return n, err
+	}
+	if err := checkWALLevel(ctx, pool); err != nil {
+		return n, err
+	}
+	if _, err := schema.DetectColumns(ctx, pool, t); err != nil {
+		return n, fmt.Errorf("walrelay: %w", err)
+	}
+	var exists, hasTable, ins, upd bool
+	if err := pool.QueryRow(ctx, schema.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd); err != nil {
+		return n, fmt.Errorf("walrelay: look up publication %s: %w", n.Publication, err)
+	}
+	switch {
+	case !exists:
+		if _, err := pool.Exec(ctx, schema.WALCreatePublication(n.Publication, t)); err != nil {
+			return n, privilegeHint(err, "create publication "+n.Publication)
+		}
+	case !hasTable || !ins || !upd:
+		return n, fmt.Errorf("walrelay: publication %s exists but does not publish the inserts and updates of %s; drop it or name another publication", n.Publication, t)
+	}
+	var plugin, confirmed string
+	var active, lost bool
+	err = pool.QueryRow(ctx, schema.WALSlotState, n.Slot).Scan(&plugin, &active, &confirmed, &lost)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		var lsn string
+		if err := pool.QueryRow(ctx, schema.WALCreateSlot, n.Slot).Scan(&lsn); err != nil {
+			return n, privilegeHint(err, "create replication slot "+n.Slot)
+		}
+	case err != nil:
+		return n, fmt.Errorf("walrelay: look up replication slot %s: %w", n.Slot, err)
+	case plugin != "pgoutput":
+		return n, fmt.Errorf("walrelay: replication slot %s exists with plugin %q, not pgoutput; drop it or name another slot", n.Slot, plugin)
+	}
+	return n, nil
+}
+
+// Teardown drops the slot and the publication of t (names n, defaults when
+// empty). A dropped slot retains no WAL; events committed after it are no
+// longer streamed.
+func Teardown(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) error {
+	n, err := n.withDefaults(t)
+	if err != nil {
+		return err
+	}
+	if _, err := pool.Exec(ctx, schema.WALDropSlot, n.Slot); err != nil {
+		return fmt.Errorf("walrelay: drop replication slot %s: %w", n.Slot, err)
+	}
+	if _, err := pool.Exec(ctx, schema.WALDropPublication(n.Publication)); err != nil {
+		return fmt.Errorf("walrelay: drop publication %s: %w", n.Publication, err)
+	}
+	return nil
+}
+
+// checkSetUp verifies what New needs: wal_level, the publication and the
+// slot.
+func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) error {
+	if err := checkWALLevel(ctx, pool); err != nil {
+		return err
+	}
+	var exists, hasTable, ins, upd bool
+	if err := pool.QueryRow(ctx, schema.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd); err != nil {
+		return fmt.Errorf("walrelay: look up publication %s: %w", n.Publication, err)
+	}
+	if !exists || !hasTable || !ins || !upd {
+		return fmt.Errorf("%w: publication %s does not publish the inserts and updates of %s; run walrelay.Setup (outbox migrate --wal)", ErrNotSetUp, n.Publication, t)
+	}
+	var plugin, confirmed string
+	var active, lost bool
+	err := pool.QueryRow(ctx, schema.WALSlotState, n.Slot).Scan(&plugin, &active, &confirmed, &lost)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("%w: replication slot %s does not exist; run walrelay.Setup (outbox migrate --wal)", ErrNotSetUp, n.Slot)
+	}
+	if err != nil {
+		return fmt.Errorf("walrelay: look up replication slot %s: %w", n.Slot, err)
+	}
+	if plugin != "pgoutput" {
+		return fmt.Errorf("walrelay: replication slot %s uses plugin %q, not pgoutput", n.Slot, plugin)
+	}
+	return nil
+}

@@ -1,0 +1,738 @@
+// Package walrelay is the WAL relay: a Watermill subscriber that streams
+// the rows of an outbox table from PostgreSQL's logical replication
+// (pgoutput, through github.com/jackc/pglogrepl) instead of polling the
+// table. Rows are written as always, by package publisher; the relay reads
+// each committed transaction once, in commit order, and never updates a row
+// on the happy path.
+//
+// Delivery: one message in flight per ordering key (the ordering_key
+// column; rows without a key are ordered by topic), keys concurrent, in
+// commit order within a key. Progress is the log position (LSN) up to which
+// every message was settled (acked, or dead); the relay confirms it to the
+// server, which then frees the WAL before it. A relay that stops or dies
+// leaves the rest to the next one, from that position: delivery is at least
+// once, consumers dedup on the event_id (the message UUID).
+//
+// A nacked message holds its key: it is retried after Backoff, the key's
+// later messages wait, other keys flow. After MaxAttempts (or at once for a
+// permanent error, subscriber.Permanent) the row is parked dead in the table
+// (dead_at, last_error) and the key goes on. A replay (runbook.ReplayEvent,
+// `outbox dead replay`) resets the row with an UPDATE, which the relay
+// streams and delivers again.
+//
+// One relay reads a slot at a time: the server refuses a second reader of
+// an active slot, and a standby retries every ElectionInterval, taking over
+// when the active relay stops or its session ends. See docs/WAL.md.
+package walrelay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/internal/redact"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// Defaults of Config.
+const (
+	MaxInFlightDefault      = 4096
+	StatusIntervalDefault   = time.Second
+	ElectionIntervalDefault = time.Second
+	CloseTimeoutDefault     = 30 * time.Second
+)
+
+// Config configures a Subscriber.
+type Config struct {
+	// Table is the outbox table; required.
+	Table schema.Table
+	// Names are the publication and slot; empty fields take DefaultNames.
+	Names Names
+	// ConnString is the connection of the replication session. Empty: the
+	// pool's connection string with replication=database.
+	ConnString string
+	// MaxAttempts is the number of deliveries of a row before it is parked
+	// dead. Defaults to subscriber.MaxAttemptsDefault.
+	MaxAttempts int
+	// Backoff is the delay before the next attempt after attempt n failed.
+	// Defaults to subscriber.DefaultBackoff.
+	Backoff func(n int) time.Duration
+	// MaxInFlight bounds the rows read and not settled; the relay stops
+	// reading the stream beyond it. Defaults to MaxInFlightDefault.
+	MaxInFlight int
+	// StatusInterval is how often the relay confirms its position to the
+	// server. Defaults to StatusIntervalDefault.
+	StatusInterval time.Duration
+	// ElectionInterval is how often a standby tries to take the slot.
+	// Defaults to ElectionIntervalDefault.
+	ElectionInterval time.Duration
+	// CloseTimeout bounds how long Close waits for messages in flight.
+	// Defaults to CloseTimeoutDefault.
+	CloseTimeout time.Duration
+	// LastErrorMaxBytes bounds last_error. Defaults to
+	// subscriber.LastErrorMaxBytesDefault.
+	LastErrorMaxBytes int
+}
+
+func (c *Config) setDefaults() {
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = subscriber.MaxAttemptsDefault
+	}
+	if c.Backoff == nil {
+		c.Backoff = subscriber.DefaultBackoff
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = MaxInFlightDefault
+	}
+	if c.StatusInterval == 0 {
+		c.StatusInterval = StatusIntervalDefault
+	}
+	if c.ElectionInterval == 0 {
+		c.ElectionInterval = ElectionIntervalDefault
+	}
+	if c.CloseTimeout == 0 {
+		c.CloseTimeout = CloseTimeoutDefault
+	}
+	if c.LastErrorMaxBytes == 0 {
+		c.LastErrorMaxBytes = subscriber.LastErrorMaxBytesDefault
+	}
+}
+
+func (c Config) validate() error {
+	switch {
+	case c.Table.IsZero():
+		return errors.New("walrelay: invalid config: no table; build one with schema.ParseTable")
+	case c.MaxAttempts < 1:
+		return fmt.Errorf("walrelay: invalid config: MaxAttempts %d; use at least 1", c.MaxAttempts)
+	case c.MaxInFlight < 1, c.StatusInterval < 0, c.ElectionInterval < 0, c.CloseTimeout < 0, c.LastErrorMaxBytes < 0:
+		return errors.New("walrelay: invalid config: MaxInFlight must be positive and the intervals not negative")
+	}
+	return nil
+}
+
+// Subscriber streams one outbox table's rows from its replication slot. It
+// implements message.Subscriber.
+type Subscriber struct {
+	pool   *pgxpool.Pool
+	cfg    Config
+	cols   schema.Columns
+	q      schema.WALQueries
+	logger watermill.LoggerAdapter
+	conn   string
+
+	mu         sync.Mutex
+	subscribed bool
+	closed     bool
+	cancel     context.CancelFunc
+	done       chan struct{}
+
+	active    atomic.Bool
+	confirmed atomic.Uint64
+}
+
+// New checks the table, its publication and its slot (Setup), and returns
+// a Subscriber. It does not connect for replication until Subscribe.
+func New(ctx context.Context, pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subscriber, error) {
+	if pool == nil {
+		return nil, errors.New("walrelay: nil pool")
+	}
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	var err error
+	if cfg.Names, err = cfg.Names.withDefaults(cfg.Table); err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	cols, err := schema.DetectColumns(ctx, pool, cfg.Table)
+	if err != nil {
+		return nil, fmt.Errorf("walrelay: %w", err)
+	}
+	if err := checkSetUp(ctx, pool, cfg.Table, cfg.Names); err != nil {
+		return nil, err
+	}
+	conn := cfg.ConnString
+	if conn == "" {
+		conn = replicationConnString(pool)
+	}
+	return &Subscriber{pool: pool, cfg: cfg, cols: cols, q: schema.NewWALQueries(cfg.Table, cols), conn: conn,
+		logger: logger.With(watermill.LogFields{"table": cfg.Table.String(), "slot": cfg.Names.Slot})}, nil
+}
+
+// replicationConnString is the pool's connection with replication=database,
+// as a keyword/value string. A pool that uses TLS gets sslmode=require;
+// set Config.ConnString to keep its verification settings.
+func replicationConnString(pool *pgxpool.Pool) string {
+	cc := pool.Config().ConnConfig
+	kv := [][2]string{{"host", cc.Host}, {"port", strconv.Itoa(int(cc.Port))}, {"dbname", cc.Database}, {"user", cc.User},
+		{"replication", "database"}, {"application_name", "outbox-walrelay"}, {"sslmode", "disable"}}
+	if cc.TLSConfig != nil {
+		kv[6][1] = "require"
+	}
+	if cc.Password != "" {
+		kv = append(kv, [2]string{"password", cc.Password})
+	}
+	var b strings.Builder
+	for _, p := range kv {
+		v := strings.ReplaceAll(strings.ReplaceAll(p[1], `\`, `\\`), `'`, `\'`)
+		fmt.Fprintf(&b, "%s='%s' ", p[0], v)
+	}
+	return strings.TrimSpace(b.String())
+}
+
+// Active reports whether this relay reads the slot now (the others are
+// standbys).
+func (s *Subscriber) Active() bool { return s.active.Load() }
+
+// Confirmed is the log position the relay last confirmed to the server.
+func (s *Subscriber) Confirmed() pglogrepl.LSN { return pglogrepl.LSN(s.confirmed.Load()) }
+
+// Subscribe starts the relay. The WAL relay streams every topic of its
+// table: topic must be subscriber.AllTopics, and there is one subscription
+// per Subscriber. The channel is closed by Close.
+func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	if topic != subscriber.AllTopics {
+		return nil, fmt.Errorf("walrelay: subscribe to topic %q: the WAL relay streams every topic of its table; subscribe with subscriber.AllTopics (\"\")", topic)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.closed:
+		return nil, subscriber.ErrSubscriberClosed
+	case s.subscribed:
+		return nil, errors.New("walrelay: already subscribed: one subscription per Subscriber")
+	}
+	s.subscribed = true
+	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	s.cancel = cancel
+	s.done = make(chan struct{})
+	out := make(chan *message.Message)
+	go func() {
+		<-ctx.Done()
+		cancel()
+	}()
+	go s.run(rctx, out)
+	return out, nil
+}
+
+// Close stops the relay: no new message is delivered, those in flight get
+// up to CloseTimeout to settle, the position is confirmed, and the
+// subscription's channel is closed. It is idempotent.
+func (s *Subscriber) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	cancel, done := s.cancel, s.done
+	s.mu.Unlock()
+	if cancel != nil {
+		cancel()
+		<-done
+	}
+	return nil
+}
+
+// run streams while it holds the slot, and waits as a standby otherwise.
+func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
+	defer close(s.done)
+	defer close(out)
+	for ctx.Err() == nil {
+		err := s.stream(ctx, out)
+		if ctx.Err() != nil {
+			return
+		}
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "55006" { // object_in_use: another relay reads the slot
+			s.logger.Debug("Slot in use: standing by", nil)
+		} else if err != nil {
+			s.logger.Error("WAL stream ended; retrying", err, watermill.LogFields{"retry_in": s.cfg.ElectionInterval.String()})
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(s.cfg.ElectionInterval):
+		}
+	}
+}
+
+// item is one row to deliver.
+type item struct {
+	row      schema.ClaimedRow
+	key      string
+	tx       *txn
+	attempts int
+}
+
+// txn is one committed transaction: its end position and its rows not
+// settled yet.
+type txn struct {
+	end     pglogrepl.LSN
+	pending int
+	items   []*item
+}
+
+type keyQueue struct {
+	items    []*item
+	inFlight bool
+	retryAt  time.Time
+}
+
+// settle is the verdict on a delivered message.
+type settle struct {
+	it      *item
+	ack     bool
+	err     error
+	stopped bool // the relay stopped before a verdict: the row stays unsettled
+}
+
+// stream is one session on the slot.
+type stream struct {
+	s         *Subscriber
+	conn      *pgconn.PgConn
+	sendMu    sync.Mutex
+	out       chan *message.Message
+	rels      map[uint32]*pglogrepl.RelationMessage
+	cur       *txn
+	txns      []*txn
+	keys      map[string]*keyQueue
+	unsettled int
+	confirmed pglogrepl.LSN
+	idleEnd   pglogrepl.LSN // the server's position, when nothing was pending
+	settles   chan settle
+	gone      chan struct{} // closed when the loop ends: verdicts are dropped
+	draining  bool          // no new deliveries
+	retry     *time.Timer
+	inFlight  sync.WaitGroup
+}
+
+// send hands a verdict to the loop, or drops it once the loop ended (the
+// row stays unsettled; the next relay delivers it again).
+func (st *stream) send(v settle) {
+	select {
+	case st.settles <- v:
+	case <-st.gone:
+	}
+}
+
+type received struct {
+	msg pgproto3.BackendMessage
+	err error
+}
+
+func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) error {
+	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	conn, err := pgconn.Connect(cctx, s.conn)
+	cancel()
+	if err != nil {
+		return fmt.Errorf("connect for replication: %w", err)
+	}
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = conn.Close(cctx)
+	}()
+	err = pglogrepl.StartReplication(ctx, conn, s.cfg.Names.Slot, 0, pglogrepl.StartReplicationOptions{
+		PluginArgs: []string{"proto_version '1'", "publication_names '" + s.cfg.Names.Publication + "'"},
+	})
+	if err != nil {
+		return fmt.Errorf("start replication on slot %s: %w", s.cfg.Names.Slot, err)
+	}
+	s.active.Store(true)
+	defer s.active.Store(false)
+	s.logger.Info("WAL relay active", nil)
+	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*pglogrepl.RelationMessage{}, keys: map[string]*keyQueue{},
+		settles: make(chan settle, 64), gone: make(chan struct{})}
+	defer close(st.gone)
+	return st.loop(ctx)
+}
+
+func (st *stream) loop(ctx context.Context) error {
+	s := st.s
+	rctx, stopReading := context.WithCancel(ctx)
+	defer stopReading()
+	recv := make(chan received)
+	go func() {
+		for {
+			m, err := st.conn.ReceiveMessage(rctx)
+			// A message is valid only until the next receive: copy it.
+			switch v := m.(type) {
+			case *pgproto3.CopyData:
+				m = &pgproto3.CopyData{Data: append([]byte(nil), v.Data...)}
+			case *pgproto3.ErrorResponse:
+				c := *v
+				m = &c
+			}
+			select {
+			case recv <- received{m, err}:
+			case <-rctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	dctx, stopDelivering := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopDelivering()
+	tick := time.NewTicker(s.cfg.StatusInterval)
+	defer tick.Stop()
+	st.retry = time.NewTimer(time.Hour)
+	defer st.retry.Stop()
+	for {
+		var in chan received
+		if st.unsettled < s.cfg.MaxInFlight {
+			in = recv
+		}
+		select {
+		case <-ctx.Done():
+			return st.drain(stopDelivering)
+		case r := <-in:
+			if r.err != nil {
+				return fmt.Errorf("read the replication stream: %w", r.err)
+			}
+			if err := st.handle(dctx, r.msg); err != nil {
+				return err
+			}
+		case v := <-st.settles:
+			st.onSettle(dctx, v)
+		case <-st.retry.C:
+			st.dispatchAll(dctx)
+		case <-tick.C:
+			if err := st.status(false); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// drain waits up to CloseTimeout for the messages in flight, confirms the
+// position and returns.
+func (st *stream) drain(stopDelivering context.CancelFunc) error {
+	st.draining = true
+	deadline := time.After(st.s.cfg.CloseTimeout)
+	for st.unsettledInFlight() > 0 {
+		select {
+		case v := <-st.settles:
+			st.onSettle(context.Background(), v)
+		case <-deadline:
+			st.s.logger.Info("Close timeout: messages in flight are left to the next relay", watermill.LogFields{"in_flight": st.unsettledInFlight()})
+			stopDelivering()
+			st.inFlight.Wait()
+			return st.status(true)
+		}
+	}
+	stopDelivering()
+	st.inFlight.Wait()
+	return st.status(true)
+}
+
+func (st *stream) unsettledInFlight() int {
+	n := 0
+	for _, q := range st.keys {
+		if q.inFlight {
+			n++
+		}
+	}
+	return n
+}
+
+// status confirms the settled position to the server.
+func (st *stream) status(final bool) error {
+	pos := st.confirmed
+	if st.cur == nil && len(st.txns) == 0 && st.idleEnd > pos {
+		pos = st.idleEnd
+	}
+	st.s.confirmed.Store(uint64(pos))
+	st.sendMu.Lock()
+	defer st.sendMu.Unlock()
+	err := pglogrepl.SendStandbyStatusUpdate(context.Background(), st.conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: pos})
+	if err != nil && !final {
+		return fmt.Errorf("confirm position %s: %w", pos, err)
+	}
+	return nil
+}
+
+func (st *stream) handle(ctx context.Context, raw pgproto3.BackendMessage) error {
+	switch m := raw.(type) {
+	case *pgproto3.ErrorResponse:
+		return pgconn.ErrorResponseToPgError(m)
+	case *pgproto3.CopyData:
+		if len(m.Data) == 0 {
+			return nil
+		}
+		switch m.Data[0] {
+		case pglogrepl.PrimaryKeepaliveMessageByteID:
+			ka, err := pglogrepl.ParsePrimaryKeepaliveMessage(m.Data[1:])
+			if err != nil {
+				return fmt.Errorf("parse keepalive: %w", err)
+			}
+			if st.cur == nil && len(st.txns) == 0 {
+				st.idleEnd = max(st.idleEnd, ka.ServerWALEnd)
+			}
+			if ka.ReplyRequested {
+				return st.status(false)
+			}
+		case pglogrepl.XLogDataByteID:
+			xld, err := pglogrepl.ParseXLogData(m.Data[1:])
+			if err != nil {
+				return fmt.Errorf("parse XLogData: %w", err)
+			}
+			return st.decode(ctx, xld.WALData)
+		}
+	}
+	return nil
+}
+
+func (st *stream) decode(ctx context.Context, data []byte) error {
+	lm, err := pglogrepl.Parse(data)
+	if err != nil {
+		return fmt.Errorf("parse logical message: %w", err)
+	}
+	switch m := lm.(type) {
+	case *pglogrepl.RelationMessage:
+		st.rels[m.RelationID] = m
+	case *pglogrepl.BeginMessage:
+		st.cur = &txn{}
+	case *pglogrepl.InsertMessage:
+		return st.row(ctx, m.RelationID, m.Tuple, false)
+	case *pglogrepl.UpdateMessage:
+		return st.row(ctx, m.RelationID, m.NewTuple, true)
+	case *pglogrepl.CommitMessage:
+		tx := st.cur
+		st.cur = nil
+		if tx == nil {
+			return nil
+		}
+		tx.end = m.TransactionEndLSN
+		tx.pending = len(tx.items)
+		if tx.pending == 0 {
+			if len(st.txns) == 0 {
+				st.confirmed = max(st.confirmed, tx.end)
+			} else {
+				st.txns = append(st.txns, tx)
+			}
+			return nil
+		}
+		st.txns = append(st.txns, tx)
+		st.unsettled += tx.pending
+		for _, it := range tx.items {
+			q := st.keys[it.key]
+			if q == nil {
+				q = &keyQueue{}
+				st.keys[it.key] = q
+			}
+			q.items = append(q.items, it)
+		}
+		tx.items = nil
+		st.dispatchAll(ctx)
+	}
+	return nil
+}
+
+// row turns an INSERT (or the UPDATE of a replay) into an item of the
+// current transaction.
+func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleData, update bool) error {
+	r := st.rels[rel]
+	if r == nil || tuple == nil || st.cur == nil {
+		return fmt.Errorf("walrelay: row of an unknown relation %d", rel)
+	}
+	vals := map[string]*string{}
+	unchanged := false
+	for i, c := range tuple.Columns {
+		if i >= len(r.Columns) {
+			break
+		}
+		switch c.DataType {
+		case 't':
+			v := string(c.Data)
+			vals[r.Columns[i].Name] = &v
+		case 'u':
+			unchanged = true
+		}
+	}
+	str := func(k string) string {
+		if v := vals[k]; v != nil {
+			return *v
+		}
+		return ""
+	}
+	if update {
+		// Only a replay's reset is delivered: not published, not dead,
+		// attempts 0, no lease. The relay's own UPDATE (a dead row) is not.
+		if vals["published_at"] != nil || vals["dead_at"] != nil || vals["locked_at"] != nil || str("attempts") != "0" {
+			return nil
+		}
+	}
+	var row schema.ClaimedRow
+	if update && unchanged {
+		// The payload was not in the UPDATE: read the row.
+		err := row.Scan(st.s.pool.QueryRow(ctx, st.s.q.Row, str("id")), st.s.cols)
+		if err != nil {
+			st.s.logger.Info("Replayed row not found; skipped", watermill.LogFields{"sequence": str("sequence")})
+			return nil //nolint:nilerr // the row was deleted, published or dead again since
+		}
+	} else {
+		seq, err := strconv.ParseInt(str("sequence"), 10, 64)
+		if err != nil {
+			return fmt.Errorf("walrelay: row without a sequence in relation %s: %w", r.RelationName, err)
+		}
+		row = schema.ClaimedRow{ID: str("id"), EventID: str("event_id"), TenantID: str("tenant_id"), Topic: str("topic"), Payload: str("payload"),
+			Sequence: seq, TraceParent: vals["traceparent"], TraceState: vals["tracestate"], Headers: vals["headers"]}
+	}
+	row.OrderingKey = vals["ordering_key"]
+	key := "t:" + row.Topic
+	if row.OrderingKey != nil && *row.OrderingKey != "" {
+		key = "k:" + *row.OrderingKey
+	}
+	st.cur.items = append(st.cur.items, &item{row: row, key: key, tx: st.cur})
+	return nil
+}
+
+// dispatchAll delivers the head of every key that is free and due.
+func (st *stream) dispatchAll(ctx context.Context) {
+	if st.draining {
+		return
+	}
+	now := time.Now()
+	var next time.Time
+	for _, q := range st.keys {
+		if q.inFlight || len(q.items) == 0 {
+			continue
+		}
+		if q.retryAt.After(now) {
+			if next.IsZero() || q.retryAt.Before(next) {
+				next = q.retryAt
+			}
+			continue
+		}
+		st.deliver(ctx, q, q.items[0])
+	}
+	if !next.IsZero() {
+		st.retry.Reset(time.Until(next))
+	}
+}
+
+func (st *stream) dispatch(ctx context.Context, key string) {
+	q := st.keys[key]
+	if q == nil {
+		return
+	}
+	if len(q.items) == 0 {
+		delete(st.keys, key)
+		return
+	}
+	if q.inFlight || st.draining {
+		return
+	}
+	if d := time.Until(q.retryAt); d > 0 {
+		st.retry.Reset(d)
+		return
+	}
+	st.deliver(ctx, q, q.items[0])
+}
+
+func (st *stream) deliver(ctx context.Context, q *keyQueue, it *item) {
+	q.inFlight = true
+	it.attempts++
+	it.row.Attempts = int32(it.attempts) //nolint:gosec // bounded by MaxAttempts
+	msg, err := it.row.Message(st.s.cfg.Table)
+	if err != nil {
+		// A row that cannot become a message (bad headers) is dead at once.
+		st.inFlight.Add(1)
+		go func() {
+			defer st.inFlight.Done()
+			st.send(settle{it: it, err: subscriber.Permanent(err)})
+		}()
+		return
+	}
+	mctx, recorded := subscriber.ContextWithErrorRecorder(ctx)
+	msg.SetContext(mctx)
+	st.inFlight.Add(1)
+	go func() {
+		defer st.inFlight.Done()
+		select {
+		case st.out <- msg:
+		case <-ctx.Done():
+			st.send(settle{it: it, stopped: true})
+			return
+		}
+		select {
+		case <-msg.Acked():
+			st.send(settle{it: it, ack: true})
+		case <-msg.Nacked():
+			err := recorded()
+			if err == nil {
+				err = errors.New("nacked")
+			}
+			st.send(settle{it: it, err: err})
+		case <-ctx.Done():
+			st.send(settle{it: it, stopped: true})
+		}
+	}()
+}
+
+func (st *stream) onSettle(ctx context.Context, v settle) {
+	it := v.it
+	q := st.keys[it.key]
+	if q == nil {
+		return
+	}
+	q.inFlight = false
+	if v.stopped {
+		return // stopping: the row stays unsettled, the next relay delivers it
+	}
+	if !v.ack && !subscriber.IsPermanent(v.err) && it.attempts < st.s.cfg.MaxAttempts {
+		q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
+		st.s.logger.Debug("Nacked: key held until the retry", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
+		st.dispatch(ctx, it.key)
+		return
+	}
+	if !v.ack {
+		last := redact.Summary(v.err.Error(), []byte(it.row.Payload), st.s.cfg.LastErrorMaxBytes)
+		if _, err := st.s.pool.Exec(ctx, st.s.q.MarkDead, it.row.ID, it.attempts, last); err != nil {
+			// Not recorded: keep the key held and try again later.
+			st.s.logger.Error("Could not park a row dead; retrying", err, watermill.LogFields{"sequence": it.row.Sequence})
+			q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
+			it.attempts--
+			st.dispatch(ctx, it.key)
+			return
+		}
+		st.s.logger.Info("Row dead", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
+	}
+	q.items = q.items[1:]
+	q.retryAt = time.Time{}
+	st.unsettled--
+	it.tx.pending--
+	st.advance()
+	st.dispatch(ctx, it.key)
+}
+
+// advance moves the confirmed position over the settled prefix of
+// transactions.
+func (st *stream) advance() {
+	n := 0
+	for n < len(st.txns) && st.txns[n].pending == 0 {
+		st.confirmed = max(st.confirmed, st.txns[n].end)
+		n++
+	}
+	if n > 0 {
+		st.txns = append(st.txns[:0], st.txns[n:]...)
+	}
+}

@@ -1,0 +1,424 @@
+package walrelay_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/internal/pgtest"
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+	"github.com/outboxkit/watermill-outbox/walrelay"
+)
+
+// cluster starts a private PostgreSQL with wal_level = logical and
+// returns a pool on it and an outbox table (with every optional column)
+// set up for the WAL relay.
+func cluster(t *testing.T) (*pgxpool.Pool, schema.Table) {
+	t.Helper()
+	pg := pgtest.Start(t, pgtest.Options{Settings: map[string]string{
+		"wal_level": "logical", "max_replication_slots": "10", "max_wal_senders": "10", "wal_sender_timeout": "10s",
+	}})
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, pg.URL("", ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	tbl := schema.MustParseTable("public.wal_outbox")
+	if err := schema.Migrate(ctx, pool, tbl, schema.WithAllColumns()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := walrelay.Setup(ctx, pool, tbl, walrelay.Names{}); err != nil {
+		t.Fatal(err)
+	}
+	return pool, tbl
+}
+
+func relay(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, mutate func(*walrelay.Config)) *walrelay.Subscriber {
+	t.Helper()
+	cfg := walrelay.Config{Table: tbl, StatusInterval: 100 * time.Millisecond, ElectionInterval: 100 * time.Millisecond,
+		CloseTimeout: 2 * time.Second, Backoff: func(int) time.Duration { return 20 * time.Millisecond }}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	s, err := walrelay.New(context.Background(), pool, cfg, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return s
+}
+
+// recorder keeps every delivery per key, in order.
+type recorder struct {
+	mu     sync.Mutex
+	byKey  map[string][]int64 // key -> sequences in delivery order
+	acked  map[string]int     // event_id -> acks
+	change chan struct{}
+}
+
+func newRecorder() *recorder {
+	return &recorder{byKey: map[string][]int64{}, acked: map[string]int{}, change: make(chan struct{}, 1)}
+}
+
+// consume acks what handle accepts (nil handle: everything), one goroutine
+// per message so that keys run concurrently.
+func (r *recorder) consume(t *testing.T, s message.Subscriber, handle func(*message.Message) error) {
+	t.Helper()
+	ch, err := s.Subscribe(context.Background(), subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		for msg := range ch {
+			go func(msg *message.Message) {
+				if handle != nil {
+					if err := handle(msg); err != nil {
+						subscriber.RecordError(msg, err)
+						msg.Nack()
+						return
+					}
+				}
+				seq, _ := strconv.ParseInt(msg.Metadata.Get(schema.MetadataSequence), 10, 64)
+				key := msg.Metadata.Get(schema.MetadataOrderingKey)
+				r.mu.Lock()
+				r.byKey[key] = append(r.byKey[key], seq)
+				r.acked[msg.UUID]++
+				r.mu.Unlock()
+				msg.Ack()
+				select {
+				case r.change <- struct{}{}:
+				default:
+				}
+			}(msg)
+		}
+	}()
+}
+
+func (r *recorder) waitAcked(t *testing.T, ids []uuid.UUID, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		r.mu.Lock()
+		missing := 0
+		for _, id := range ids {
+			if r.acked[id.String()] == 0 {
+				missing++
+			}
+		}
+		r.mu.Unlock()
+		if missing == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d events not acked within %s", missing, len(ids), within)
+		}
+		select {
+		case <-r.change:
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func (r *recorder) has(id uuid.UUID) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.acked[id.String()] > 0
+}
+
+// enqueue writes one transaction of keyed events (key "" for none).
+func enqueue(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, keys ...string) []uuid.UUID {
+	t.Helper()
+	ids, err := enqueueErr(pool, tbl, false, keys...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+func enqueueErr(pool *pgxpool.Pool, tbl schema.Table, rollback bool, keys ...string) ([]uuid.UUID, error) {
+	ctx := context.Background()
+	ids := make([]uuid.UUID, len(keys))
+	msgs := make([]publisher.Message, len(keys))
+	for i, k := range keys {
+		ids[i] = uuid.New()
+		msgs[i] = publisher.Message{TenantID: uuid.New(), Topic: "org.wal.changed.v1", EventID: ids[i], Payload: json.RawMessage(`{"n":1}`), OrderingKey: k}
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := publisher.EnqueueBatch(ctx, tx, tbl, msgs); err != nil {
+		_ = tx.Rollback(ctx)
+		return nil, err
+	}
+	if rollback {
+		return ids, tx.Rollback(ctx)
+	}
+	return ids, tx.Commit(ctx)
+}
+
+// TestWALOrderAndRollback: writers commit and roll back keyed events
+// concurrently; every committed event is delivered, none rolled back is,
+// and each key's events arrive in commit order.
+func TestWALOrderAndRollback(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	rec := newRecorder()
+	rec.consume(t, relay(t, pool, tbl, nil), nil)
+	var (
+		mu                  sync.Mutex
+		committed, rollback []uuid.UUID
+		wg                  sync.WaitGroup
+	)
+	for w := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 100 {
+				// Each key belongs to one writer, so its commit order is
+				// its sequence order.
+				k1, k2 := fmt.Sprintf("w%d-k%d", w, i%5), fmt.Sprintf("w%d-k%d", w, (i+1)%5)
+				ids, err := enqueueErr(pool, tbl, i%7 == 3, k1, k2, "")
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				mu.Lock()
+				if i%7 == 3 {
+					rollback = append(rollback, ids...)
+				} else {
+					committed = append(committed, ids...)
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	rec.waitAcked(t, committed, 30*time.Second)
+	time.Sleep(200 * time.Millisecond)
+	for _, id := range rollback {
+		if rec.has(id) {
+			t.Fatalf("rolled-back event %s was delivered", id)
+		}
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	for k, seqs := range rec.byKey {
+		if k == "" {
+			continue
+		}
+		for i := 1; i < len(seqs); i++ {
+			if seqs[i] <= seqs[i-1] {
+				t.Fatalf("key %s delivered out of commit order: %v", k, seqs)
+			}
+		}
+	}
+	// Nothing was written to the rows on the happy path.
+	var touched int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE attempts <> 0 OR locked_at IS NOT NULL OR published_at IS NOT NULL`).Scan(&touched); err != nil {
+		t.Fatal(err)
+	}
+	if touched != 0 {
+		t.Fatalf("the WAL relay updated %d rows on the happy path", touched)
+	}
+}
+
+// TestWALFailureIsolation: a nacked event holds only its key; it is
+// retried and delivered before the key's next event; an event that fails
+// for good goes dead with its last_error, the key goes on, and a replay
+// delivers it again.
+func TestWALFailureIsolation(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	held := enqueue(t, pool, tbl, "held", "held")
+	doomed := enqueue(t, pool, tbl, "doomed", "doomed")
+	var (
+		mu       sync.Mutex
+		failures = map[string]int{held[0].String(): 3}
+		fixed    bool
+	)
+	rec := newRecorder()
+	rec.consume(t, relay(t, pool, tbl, func(c *walrelay.Config) {
+		c.MaxAttempts = 5
+		c.Backoff = func(int) time.Duration { return 100 * time.Millisecond }
+	}), func(msg *message.Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if msg.UUID == doomed[0].String() && !fixed {
+			return subscriber.Permanent(errors.New("consumer rejects it: password=s3cret"))
+		}
+		if failures[msg.UUID] > 0 {
+			failures[msg.UUID]--
+			return errors.New("broker down")
+		}
+		return nil
+	})
+	free := enqueue(t, pool, tbl, "free", "free", "free")
+	rec.waitAcked(t, free, 10*time.Second)
+	if rec.has(held[1]) {
+		t.Fatal("the held key's second event was delivered while its first was retrying")
+	}
+	rec.waitAcked(t, append(held, doomed[1]), 10*time.Second)
+	rec.mu.Lock()
+	order := append([]int64(nil), rec.byKey["held"]...)
+	rec.mu.Unlock()
+	if len(order) != 2 || order[0] > order[1] {
+		t.Fatalf("held key delivered %v", order)
+	}
+	var (
+		attempts int
+		lastErr  *string
+		dead     bool
+	)
+	if err := pool.QueryRow(ctx, `SELECT attempts, last_error, dead_at IS NOT NULL FROM `+tbl.Sanitize()+` WHERE event_id = $1`, doomed[0]).Scan(&attempts, &lastErr, &dead); err != nil {
+		t.Fatal(err)
+	}
+	if !dead || attempts != 1 || lastErr == nil || !strings.Contains(*lastErr, "consumer rejects it") || strings.Contains(*lastErr, "s3cret") {
+		t.Fatalf("permanent failure: dead %v attempts %d last_error %v", dead, attempts, lastErr)
+	}
+	mu.Lock()
+	fixed = true
+	mu.Unlock()
+	if _, err := runbook.ReplayEvent(ctx, pool, tbl, doomed[0], runbook.ReplayOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	rec.waitAcked(t, doomed[:1], 10*time.Second)
+}
+
+// TestWALHandover: a standby takes over when the active relay closes;
+// nothing is lost, and the standby starts where the active one confirmed.
+func TestWALHandover(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	a := relay(t, pool, tbl, nil)
+	b := relay(t, pool, tbl, nil)
+	rec := newRecorder()
+	rec.consume(t, a, nil)
+	deadline := time.Now().Add(5 * time.Second)
+	for !a.Active() {
+		if time.Now().After(deadline) {
+			t.Fatal("the first relay never became active")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	rec.consume(t, b, nil)
+	var all []uuid.UUID
+	for i := range 50 {
+		all = append(all, enqueue(t, pool, tbl, fmt.Sprintf("k%d", i%7))...)
+	}
+	rec.waitAcked(t, all, 10*time.Second)
+	if b.Active() {
+		t.Fatal("two relays active on one slot")
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	var after []uuid.UUID
+	for i := range 50 {
+		after = append(after, enqueue(t, pool, tbl, fmt.Sprintf("k%d", i%7))...)
+	}
+	rec.waitAcked(t, after, 10*time.Second)
+	if !b.Active() {
+		t.Fatal("the standby did not take over")
+	}
+	rec.mu.Lock()
+	dups := 0
+	for _, n := range rec.acked {
+		dups += n - 1
+	}
+	rec.mu.Unlock()
+	if dups != 0 {
+		t.Fatalf("%d duplicates after a clean handover (the closing relay confirms what it settled)", dups)
+	}
+}
+
+// TestWALLongTransactionHoldsNothingBack: an open transaction that wrote
+// an event does not delay events committed after it; its own event is
+// delivered when it commits.
+func TestWALLongTransactionHoldsNothingBack(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	rec := newRecorder()
+	rec.consume(t, relay(t, pool, tbl, nil), nil)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	long := uuid.New()
+	if _, err := publisher.Enqueue(ctx, tx, tbl, publisher.Message{TenantID: uuid.New(), Topic: "org.wal.changed.v1", EventID: long, Payload: json.RawMessage(`{}`), OrderingKey: "k"}); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	later := enqueue(t, pool, tbl, "k2", "other", "")
+	rec.waitAcked(t, later, 5*time.Second)
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rec.waitAcked(t, []uuid.UUID{long}, 5*time.Second)
+}
+
+// TestWALBadSetup: a server without wal_level = logical, a table without a
+// slot and a topic subscription are refused with what to do.
+func TestWALBadSetup(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	shared := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox")
+	var level string
+	if err := shared.QueryRow(ctx, `SHOW wal_level`).Scan(&level); err != nil {
+		t.Fatal(err)
+	}
+	if level != "logical" {
+		_, err := walrelay.Setup(ctx, shared, tbl, walrelay.Names{})
+		if !errors.Is(err, walrelay.ErrWALLevel) || !strings.Contains(err.Error(), "wal_level = logical") {
+			t.Fatalf("setup on wal_level %s: %v", level, err)
+		}
+	}
+	pool, _ := cluster(t)
+	other := schema.MustParseTable("public.other_outbox")
+	if err := schema.Migrate(ctx, pool, other); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := walrelay.New(ctx, pool, walrelay.Config{Table: other}, nil); !errors.Is(err, walrelay.ErrNotSetUp) || !strings.Contains(err.Error(), "walrelay.Setup") {
+		t.Fatalf("new without setup: %v", err)
+	}
+	if _, err := walrelay.New(ctx, pool, walrelay.Config{Table: other, Names: walrelay.Names{Slot: "Bad-Name"}}, nil); err == nil || !strings.Contains(err.Error(), "a-z, 0-9") {
+		t.Fatalf("bad slot name: %v", err)
+	}
+	if _, err := walrelay.Setup(ctx, pool, other, walrelay.Names{}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := walrelay.New(ctx, pool, walrelay.Config{Table: other}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if _, err := s.Subscribe(ctx, "org.one.topic.v1"); err == nil || !strings.Contains(err.Error(), "AllTopics") {
+		t.Fatalf("topic subscription: %v", err)
+	}
+	if err := walrelay.Teardown(ctx, pool, other, walrelay.Names{}); err != nil {
+		t.Fatal(err)
+	}
+	var slots int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1`, schema.WALSlotName(other)).Scan(&slots); err != nil || slots != 0 {
+		t.Fatalf("teardown left %d slots (%v)", slots, err)
+	}
+}
