@@ -365,7 +365,9 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 
 func (st *stream) loop(ctx context.Context) error {
 	s := st.s
-	rctx, stopReading := context.WithCancel(ctx)
+	// The reader outlives ctx until the loop returns: canceling a read
+	// closes the connection, and the final status must still go out.
+	rctx, stopReading := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopReading()
 	recv := make(chan received)
 	go func() {
