@@ -142,7 +142,7 @@ func run(ctx context.Context, o options, suites []string) error {
 	fmt.Printf("outbox-bench: PostgreSQL %s, %d workers, %s per measurement, best of %d\n\n", serverVersion(ctx, pool), o.workers, o.duration, o.rounds)
 	known := map[string]func(context.Context, *pgxpool.Pool, string, options) error{
 		"enqueue": enqueueSuite, "writer": writerSuite, "relay": relaySuite, "latency": latencySuite, "brokers": brokerSuite,
-		"scaling": scalingSuite, "sustained": sustainedSuite, "poison": poisonSuite, "inbox": inboxSuite, "ordered": orderedSuite,
+		"scaling": scalingSuite, "sustained": sustainedSuite, "poison": poisonSuite, "inbox": inboxSuite, "ordered": orderedSuite, "wal": walSuite,
 	}
 	order := []string{"enqueue", "writer", "relay", "latency", "poison", "inbox", "brokers", "scaling", "sustained", "ordered"}
 	var run []string
