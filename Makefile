@@ -5,7 +5,7 @@ GOBIN ?= $(shell go env GOPATH)/bin
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 export TEST_DATABASE_URL
 
-.PHONY: help up wait test fault partition ordered_history test_short test_race test_stress lint fmt vet bench demo
+.PHONY: help up wait test fault partition ordered_history test_short test_race test_stress lint fmt vet bench bench-wal demo
 
 help: ## List the targets.
 	@grep -E '^[a-z_]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -57,6 +57,9 @@ lint: ## gofmt check, go vet and golangci-lint (installed from the module proxy 
 
 demo: up ## Run the relay end to end: local PostgreSQL to an in-process Kafka cluster, printing what it forwarded.
 	go run ./examples/demo
+
+bench-wal: ## The WAL relay's benchmarks on a private wal_level=logical PostgreSQL (docs/BENCHMARKS.md section 9).
+	./scripts/bench-wal.sh -rounds 2
 
 bench: ## Print the benchmark tables (outbox vs baselines measured in the same run).
 	go run ./cmd/outbox-bench -suite all -rounds 2 -chart docs/latency.png
