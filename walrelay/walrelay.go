@@ -139,8 +139,9 @@ type Subscriber struct {
 	cancel     context.CancelFunc
 	done       chan struct{}
 
-	active    atomic.Bool
-	confirmed atomic.Uint64
+	active          atomic.Bool
+	confirmed       atomic.Uint64
+	oldestUnsettled atomic.Int64 // commit time (Unix ns) of the oldest unsettled transaction, 0 when none
 }
 
 // New checks the table, its publication and its slot (Setup), and returns
@@ -284,6 +285,7 @@ type item struct {
 // settled yet.
 type txn struct {
 	end     pglogrepl.LSN
+	commit  time.Time
 	pending int
 	items   []*item
 }
@@ -356,6 +358,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	}
 	s.active.Store(true)
 	defer s.active.Store(false)
+	defer s.oldestUnsettled.Store(0)
 	s.logger.Info("WAL relay active", nil)
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*pglogrepl.RelationMessage{}, keys: map[string]*keyQueue{},
 		settles: make(chan settle, 64), gone: make(chan struct{})}
@@ -522,7 +525,7 @@ func (st *stream) decode(ctx context.Context, data []byte) error {
 		if tx == nil {
 			return nil
 		}
-		tx.end = m.TransactionEndLSN
+		tx.end, tx.commit = m.TransactionEndLSN, m.CommitTime
 		tx.pending = len(tx.items)
 		if tx.pending == 0 {
 			if len(st.txns) == 0 {
@@ -543,6 +546,7 @@ func (st *stream) decode(ctx context.Context, data []byte) error {
 			q.items = append(q.items, it)
 		}
 		tx.items = nil
+		st.markOldest()
 		st.dispatchAll(ctx)
 	}
 	return nil
@@ -737,4 +741,15 @@ func (st *stream) advance() {
 	if n > 0 {
 		st.txns = append(st.txns[:0], st.txns[n:]...)
 	}
+	st.markOldest()
+}
+
+// markOldest publishes the commit time of the oldest unsettled
+// transaction for SlotLag.
+func (st *stream) markOldest() {
+	if len(st.txns) == 0 {
+		st.s.oldestUnsettled.Store(0)
+		return
+	}
+	st.s.oldestUnsettled.Store(st.txns[0].commit.UnixNano())
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/outboxkit/watermill-outbox/internal/pgtest"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
@@ -499,4 +500,68 @@ func TestWALChaos(t *testing.T) {
 		t.Fatalf("only %d replication sessions terminated", kills)
 	}
 	t.Logf("%d events, %d sessions terminated, %d duplicates", len(committed), kills, dups)
+}
+
+// TestWALSlotLag: while a row waits for its verdict the collector shows the
+// relay active, unconfirmed WAL and the age of the oldest unsettled
+// commit; once it is acked and confirmed, the age is 0 and the unconfirmed
+// WAL shrinks; a dropped slot is an error that names Setup.
+func TestWALSlotLag(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	s := relay(t, pool, tbl, nil)
+	release := make(chan struct{})
+	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		for msg := range ch {
+			<-release
+			msg.Ack()
+		}
+	}()
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(s.Collector())
+	gauge := func(name string) float64 {
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() == name {
+				return mf.GetMetric()[0].GetGauge().GetValue()
+			}
+		}
+		t.Fatalf("no metric %s", name)
+		return 0
+	}
+	enqueue(t, pool, tbl, "k")
+	// Make WAL the relay cannot confirm while the row is in flight.
+	if _, err := pool.Exec(ctx, `CREATE TABLE filler AS SELECT g, repeat('x', 100) AS s FROM generate_series(1, 20000) AS g`); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1200 * time.Millisecond)
+	if gauge("outbox_wal_relay_active") != 1 || gauge("outbox_wal_oldest_unsettled_age_seconds") < 1 || gauge("outbox_wal_slot_unconfirmed_bytes") < 1e6 {
+		t.Fatalf("while a row is in flight: active %v, oldest unsettled %vs, unconfirmed %v bytes",
+			gauge("outbox_wal_relay_active"), gauge("outbox_wal_oldest_unsettled_age_seconds"), gauge("outbox_wal_slot_unconfirmed_bytes"))
+	}
+	held := gauge("outbox_wal_slot_unconfirmed_bytes")
+	close(release)
+	deadline := time.Now().Add(10 * time.Second)
+	for gauge("outbox_wal_oldest_unsettled_age_seconds") != 0 || gauge("outbox_wal_slot_unconfirmed_bytes") >= held {
+		if time.Now().After(deadline) {
+			t.Fatalf("after the ack: oldest unsettled %vs, unconfirmed %v bytes (was %v)",
+				gauge("outbox_wal_oldest_unsettled_age_seconds"), gauge("outbox_wal_slot_unconfirmed_bytes"), held)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	_ = s.Close()
+	if err := walrelay.Teardown(ctx, pool, tbl, walrelay.Names{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.SlotLag(ctx); err == nil || !strings.Contains(err.Error(), "walrelay.Setup") {
+		t.Fatalf("lag of a dropped slot: %v", err)
+	}
 }
