@@ -27,6 +27,7 @@ package walrelay
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"strconv"
@@ -37,6 +38,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
@@ -333,9 +335,46 @@ func (st *stream) send(v settle) {
 	}
 }
 
+// received is one message of the stream, parsed by the reader goroutine:
+// a keepalive, a logical replication message, or the error that ended the
+// stream.
 type received struct {
-	msg pgproto3.BackendMessage
+	ka  *pglogrepl.PrimaryKeepaliveMessage
+	lm  pglogrepl.Message
 	err error
+}
+
+// parse turns one backend message into a received.
+func parse(raw pgproto3.BackendMessage) received {
+	switch m := raw.(type) {
+	case *pgproto3.ErrorResponse:
+		return received{err: pgconn.ErrorResponseToPgError(m)}
+	case *pgproto3.CopyData:
+		if len(m.Data) == 0 {
+			return received{}
+		}
+		switch m.Data[0] {
+		case pglogrepl.PrimaryKeepaliveMessageByteID:
+			ka, err := pglogrepl.ParsePrimaryKeepaliveMessage(m.Data[1:])
+			if err != nil {
+				return received{err: fmt.Errorf("parse keepalive: %w", err)}
+			}
+			return received{ka: &ka}
+		case pglogrepl.XLogDataByteID:
+			// A message is valid only until the next receive: the parsed
+			// message keeps slices of a copy.
+			xld, err := pglogrepl.ParseXLogData(append([]byte(nil), m.Data[1:]...))
+			if err != nil {
+				return received{err: fmt.Errorf("parse XLogData: %w", err)}
+			}
+			lm, err := pglogrepl.Parse(xld.WALData)
+			if err != nil {
+				return received{err: fmt.Errorf("parse logical message: %w", err)}
+			}
+			return received{lm: lm}
+		}
+	}
+	return received{}
 }
 
 func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) error {
@@ -351,7 +390,9 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 		_ = conn.Close(cctx)
 	}()
 	err = pglogrepl.StartReplication(ctx, conn, s.cfg.Names.Slot, 0, pglogrepl.StartReplicationOptions{
-		PluginArgs: []string{"proto_version '1'", "publication_names '" + s.cfg.Names.Publication + "'"},
+		// Binary values: the server skips the text output functions of
+		// uuid, int8, jsonb and timestamptz.
+		PluginArgs: []string{"proto_version '1'", "publication_names '" + s.cfg.Names.Publication + "'", "binary 'true'"},
 	})
 	if err != nil {
 		return fmt.Errorf("start replication on slot %s: %w", s.cfg.Names.Slot, err)
@@ -361,7 +402,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	defer s.oldestUnsettled.Store(0)
 	s.logger.Info("WAL relay active", nil)
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*pglogrepl.RelationMessage{}, keys: map[string]*keyQueue{},
-		settles: make(chan settle, 64), gone: make(chan struct{})}
+		settles: make(chan settle, 1024), gone: make(chan struct{})}
 	defer close(st.gone)
 	return st.loop(ctx)
 }
@@ -372,24 +413,20 @@ func (st *stream) loop(ctx context.Context) error {
 	// closes the connection, and the final status must still go out.
 	rctx, stopReading := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopReading()
-	recv := make(chan received)
+	recv := make(chan received, 256)
 	go func() {
 		for {
 			m, err := st.conn.ReceiveMessage(rctx)
-			// A message is valid only until the next receive: copy it.
-			switch v := m.(type) {
-			case *pgproto3.CopyData:
-				m = &pgproto3.CopyData{Data: append([]byte(nil), v.Data...)}
-			case *pgproto3.ErrorResponse:
-				c := *v
-				m = &c
+			r := received{err: err}
+			if err == nil {
+				r = parse(m)
 			}
 			select {
-			case recv <- received{m, err}:
+			case recv <- r:
 			case <-rctx.Done():
 				return
 			}
-			if err != nil {
+			if r.err != nil {
 				return
 			}
 		}
@@ -412,7 +449,7 @@ func (st *stream) loop(ctx context.Context) error {
 			if r.err != nil {
 				return fmt.Errorf("read the replication stream: %w", r.err)
 			}
-			if err := st.handle(dctx, r.msg); err != nil {
+			if err := st.handle(dctx, r); err != nil {
 				return err
 			}
 		case v := <-st.settles:
@@ -474,42 +511,23 @@ func (st *stream) status(final bool) error {
 	return nil
 }
 
-func (st *stream) handle(ctx context.Context, raw pgproto3.BackendMessage) error {
-	switch m := raw.(type) {
-	case *pgproto3.ErrorResponse:
-		return pgconn.ErrorResponseToPgError(m)
-	case *pgproto3.CopyData:
-		if len(m.Data) == 0 {
-			return nil
+func (st *stream) handle(ctx context.Context, r received) error {
+	if ka := r.ka; ka != nil {
+		if st.cur == nil && len(st.txns) == 0 {
+			st.idleEnd = max(st.idleEnd, ka.ServerWALEnd)
 		}
-		switch m.Data[0] {
-		case pglogrepl.PrimaryKeepaliveMessageByteID:
-			ka, err := pglogrepl.ParsePrimaryKeepaliveMessage(m.Data[1:])
-			if err != nil {
-				return fmt.Errorf("parse keepalive: %w", err)
-			}
-			if st.cur == nil && len(st.txns) == 0 {
-				st.idleEnd = max(st.idleEnd, ka.ServerWALEnd)
-			}
-			if ka.ReplyRequested {
-				return st.status(false)
-			}
-		case pglogrepl.XLogDataByteID:
-			xld, err := pglogrepl.ParseXLogData(m.Data[1:])
-			if err != nil {
-				return fmt.Errorf("parse XLogData: %w", err)
-			}
-			return st.decode(ctx, xld.WALData)
+		if ka.ReplyRequested {
+			return st.status(false)
 		}
+		return nil
 	}
-	return nil
+	if r.lm == nil {
+		return nil
+	}
+	return st.decode(ctx, r.lm)
 }
 
-func (st *stream) decode(ctx context.Context, data []byte) error {
-	lm, err := pglogrepl.Parse(data)
-	if err != nil {
-		return fmt.Errorf("parse logical message: %w", err)
-	}
+func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 	switch m := lm.(type) {
 	case *pglogrepl.RelationMessage:
 		st.rels[m.RelationID] = m
@@ -568,6 +586,12 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 		switch c.DataType {
 		case 't':
 			v := string(c.Data)
+			vals[r.Columns[i].Name] = &v
+		case 'b':
+			v, err := binaryText(r.Columns[i].DataType, c.Data)
+			if err != nil {
+				return fmt.Errorf("walrelay: column %s: %w", r.Columns[i].Name, err)
+			}
 			vals[r.Columns[i].Name] = &v
 		case 'u':
 			unchanged = true
@@ -752,4 +776,37 @@ func (st *stream) markOldest() {
 		return
 	}
 	st.s.oldestUnsettled.Store(st.txns[0].commit.UnixNano())
+}
+
+// binaryText renders a binary-format value of type oid as the text the
+// row needs. Timestamps are not used by the message and render as "".
+func binaryText(oid uint32, b []byte) (string, error) {
+	switch oid {
+	case 25, 1043, 19: // text, varchar, name
+		return string(b), nil
+	case 2950: // uuid
+		if len(b) != 16 {
+			return "", fmt.Errorf("uuid of %d bytes", len(b))
+		}
+		u, _ := uuid.FromBytes(b)
+		return u.String(), nil
+	case 20: // int8
+		if len(b) != 8 {
+			return "", fmt.Errorf("int8 of %d bytes", len(b))
+		}
+		return strconv.FormatInt(int64(binary.BigEndian.Uint64(b)), 10), nil //nolint:gosec // a bit pattern
+	case 23: // int4
+		if len(b) != 4 {
+			return "", fmt.Errorf("int4 of %d bytes", len(b))
+		}
+		return strconv.FormatInt(int64(int32(binary.BigEndian.Uint32(b))), 10), nil //nolint:gosec // a bit pattern
+	case 3802: // jsonb: version byte 1, then the text
+		if len(b) == 0 || b[0] != 1 {
+			return "", errors.New("jsonb of an unknown binary version")
+		}
+		return string(b[1:]), nil
+	case 1184, 1114: // timestamptz, timestamp: set or not is all the relay reads
+		return "", nil
+	}
+	return "", fmt.Errorf("type oid %d in binary form is not read by the WAL relay", oid)
 }

@@ -70,17 +70,13 @@ func walSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o opti
 	}
 
 	// 1. Writer cost while the relay streams: Enqueue (no NOTIFY: no relay
-	// listens) into the published table against a bare INSERT into an
-	// unpublished one.
+	// listens) against a bare INSERT of the same row into the same
+	// published table; the relay streams and delivers both.
 	wt, drop, err := newWAL("wal_writer")
 	if err != nil {
 		return err
 	}
 	defer drop()
-	bareT := schema.MustParseTable(schemaName + ".wal_bare")
-	if err := schema.Migrate(ctx, pool, bareT); err != nil {
-		return err
-	}
 	var streamed atomic.Int64
 	ws, err := startWAL(wt, func(string) { streamed.Add(1) })
 	if err != nil {
@@ -91,7 +87,7 @@ func walSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o opti
 		return err
 	}
 	tenant := uuid.New()
-	bareInsert := `INSERT INTO ` + bareT.Sanitize() + ` (tenant_id, topic, payload, event_id) VALUES ($1, $2, $3, $4)`
+	bareInsert := `INSERT INTO ` + wt.Sanitize() + ` (tenant_id, topic, payload, event_id) VALUES ($1, $2, $3, $4)`
 	cases := []struct {
 		name, baseline string
 		op             func() (int, error)
@@ -127,12 +123,9 @@ func walSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o opti
 	printTable(fmt.Sprintf("WAL relay: writer cost (%d producers; goal >= 0.97x of bare INSERT)", o.workers), ratioRows(names, baselines, best, "events/s"))
 
 	// 2. Drain of a backlog: the WAL relay against the ordered mode, the
-	// same rows and keys, on this server.
-	dt, drop2, err := newWAL("wal_drain", schema.WithOrderingKeyColumn())
-	if err != nil {
-		return err
-	}
-	defer drop2()
+	// same rows and keys, on this server. The ordered mode goes first, and
+	// the slot is created after it, so that the WAL relay reads only its
+	// own table's WAL, as it would in production.
 	ot := schema.MustParseTable(schemaName + ".wal_vs_ordered")
 	if err := schema.Migrate(ctx, pool, ot, schema.WithOrderingKeyColumn()); err != nil {
 		return err
@@ -156,15 +149,20 @@ func walSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o opti
 		return nil
 	}
 	n := oo.backlog
-	if err := fill(dt, n); err != nil {
-		return err
-	}
 	if err := fill(ot, n); err != nil {
 		return err
 	}
 	orderedRate, err := drainOrdered(ctx, pool, []schema.Table{ot}, n, true, 1)
 	if err != nil {
 		return fmt.Errorf("ordered drain: %w", err)
+	}
+	dt, drop2, err := newWAL("wal_drain", schema.WithOrderingKeyColumn())
+	if err != nil {
+		return err
+	}
+	defer drop2()
+	if err := fill(dt, n); err != nil {
+		return err
 	}
 	counter.reset()
 	var (
