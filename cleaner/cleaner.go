@@ -117,6 +117,11 @@ func (c *Cleaner) CleanOnce(ctx context.Context) (published, dead int64, err err
 	if err != nil {
 		return published, 0, err
 	}
+	streamed, err := c.cleanWAL(ctx)
+	published += streamed
+	if err != nil {
+		return published, 0, err
+	}
 	if c.cfg.DeadRetention <= 0 {
 		if c.cfg.Vacuum && published > 0 {
 			err = c.vacuum(ctx)
@@ -166,4 +171,17 @@ func (c *Cleaner) cleanKeyed(ctx context.Context) (int64, error) {
 	}
 	oq := schema.NewOrderedQueries(c.cfg.Table, schema.Columns{OrderingKey: true})
 	return c.deleteAll(ctx, "published", oq.DeleteDone, c.cfg.Retention.Seconds(), c.cfg.BatchSize)
+}
+
+// cleanWAL deletes, in a table the WAL relay streams (it has a progress
+// table), the rows the relay settled (it never marks them published) that
+// are older than Retention: those written by transactions older than the
+// horizon every slot has recorded in the last schema.WALStaleAfter
+// (docs/WAL.md, "Retention").
+func (c *Cleaner) cleanWAL(ctx context.Context) (int64, error) {
+	var ok bool
+	if err := c.pool.QueryRow(ctx, schema.WALProgressTableExists(c.cfg.Table)).Scan(&ok); err != nil || !ok {
+		return 0, err
+	}
+	return c.deleteAll(ctx, "published", schema.WALDeleteSettled(c.cfg.Table), c.cfg.Retention.Seconds(), c.cfg.BatchSize)
 }

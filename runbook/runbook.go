@@ -264,6 +264,10 @@ type TableStats struct {
 	// PublishedLastMinute counts the rows published in the last minute:
 	// the delivery rate.
 	PublishedLastMinute int64 `json:"published_last_minute"`
+	// StreamedUnpublished counts, in a table the WAL relay streams, the
+	// rows it delivered: they keep published_at NULL and are not counted
+	// in Pending.
+	StreamedUnpublished int64 `json:"streamed,omitempty"`
 }
 
 // OldestPendingAge is OldestPendingAgeSeconds as a time.Duration.
@@ -282,6 +286,19 @@ func Stats(ctx context.Context, db DB, t schema.Table) (TableStats, error) {
 		&s.OldestPendingCreatedAt, &s.OldestPendingAgeSeconds, &s.PublishedLastHour, &s.PublishedLastMinute)
 	if err != nil {
 		return TableStats{}, dbError(t, "stats of", err)
+	}
+	// A table the WAL relay streams: rows it settled are not pending.
+	var wal bool
+	if err := db.QueryRow(ctx, schema.WALProgressTableExists(t)).Scan(&wal); err != nil {
+		return TableStats{}, dbError(t, "stats of", err)
+	}
+	if wal {
+		var settled int64
+		if err := db.QueryRow(ctx, schema.WALSettledCount(t)).Scan(&settled, &s.OldestPendingCreatedAt, &s.OldestPendingAgeSeconds); err != nil {
+			return TableStats{}, dbError(t, "stats of", err)
+		}
+		s.Pending -= settled
+		s.StreamedUnpublished = settled
 	}
 	return s, nil
 }

@@ -87,6 +87,27 @@ FROM pg_replication_slots WHERE slot_name = $1`
 FROM pg_replication_slots WHERE slot_name = $1`
 )
 
+// WALProgressTable names the WAL relay's progress table of t (same schema,
+// name plus "_wal"): per slot, the confirmed position and the transaction
+// horizon below which every row was settled (docs/WAL.md, "Retention").
+func (t Table) WALProgressTable() string { return t.companion("_wal") }
+
+// WALCreateProgressTable creates the progress table of t.
+func WALCreateProgressTable(t Table) string {
+	return `CREATE TABLE IF NOT EXISTS ` + t.WALProgressTable() + ` (
+  slot          TEXT        NOT NULL PRIMARY KEY,
+  confirmed_lsn PG_LSN      NOT NULL,
+  horizon       XID8        NULL,
+  updated_at    TIMESTAMPTZ NOT NULL DEFAULT now()
+)`
+}
+
+// WALProgressTableExists tells whether t has a progress table: t is
+// relayed by the WAL relay. Args: none. Returns: exists.
+func WALProgressTableExists(t Table) string {
+	return `SELECT to_regclass(` + quoteLiteral(t.WALProgressTable()) + `) IS NOT NULL`
+}
+
 // WALCreatePublication creates publication name for table t, publishing
 // inserts (new events) and updates (a replay resets a row with an UPDATE).
 func WALCreatePublication(name string, t Table) string {
@@ -105,6 +126,15 @@ type WALQueries struct {
 	// already reset by a replay in the meantime (attempts changed). Its
 	// UPDATE reaches the relay's stream and is ignored there (dead_at set).
 	MarkDead string
+	// Progress records the relay's position and, when $3 is not NULL, a
+	// new horizon for slot $1: confirmed_lsn $2 (text), horizon $3 (xid8
+	// text; it never moves back). In the same statement it reads the next
+	// horizon candidate: the oldest transaction still running now
+	// (pg_snapshot_xmin) and the WAL insert position after it. Once the
+	// relay has confirmed that position, every transaction older than that
+	// xid has been streamed and settled. Returns: the candidate xid8 (text)
+	// and WAL position (text).
+	Progress string
 	// Row reads row $1 (id) as a claim does (the columns of
 	// ClaimedRow.Scan), for a replay whose UPDATE did not carry every
 	// column (an unchanged TOASTed payload); no row when it is gone,
@@ -123,9 +153,59 @@ func NewWALQueries(t Table, c Columns) WALQueries {
 	if c.Headers {
 		cols += `, headers::text`
 	}
+	prog := t.WALProgressTable()
 	return WALQueries{
+		Progress: `WITH up AS (
+  INSERT INTO ` + prog + ` AS p (slot, confirmed_lsn, horizon, updated_at) VALUES ($1, $2::pg_lsn, $3::xid8, now())
+  ON CONFLICT (slot) DO UPDATE SET confirmed_lsn = EXCLUDED.confirmed_lsn, updated_at = now(),
+    horizon = CASE WHEN EXCLUDED.horizon IS NULL THEN p.horizon WHEN p.horizon IS NULL THEN EXCLUDED.horizon ELSE GREATEST(p.horizon, EXCLUDED.horizon) END
+)
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text, pg_current_wal_insert_lsn()::text`,
 		MarkDead: `UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, dead_at = now(), available_at = 'infinity', locked_at = NULL
 WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
 		Row: `SELECT ` + cols + ` FROM ` + tbl + ` WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
 	}
+}
+
+// WALStaleAfter is how old the newest progress record of a WAL table may
+// be for the cleaner to trust its horizon: past it (no relay is active) the
+// cleaner deletes no WAL-relayed row.
+const WALStaleAfter = "10 minutes"
+
+// walSettled is the condition, on a row o of table t, that the WAL relay
+// settled it: o was written by a transaction older than the horizon every
+// slot of t has passed, with progress recorded in the last WALStaleAfter.
+// Rows are compared by age (distance from the current transaction id), so
+// it holds for rows younger than 2^31 transactions; a frozen row counts as
+// settled (freezing takes vacuum_freeze_min_age transactions; the relay
+// settles in seconds).
+func walSettled(t Table) string {
+	return `o.published_at IS NULL AND o.dead_at IS NULL AND age(o.xmin) > (
+    SELECT age((min(horizon)::text::numeric % 4294967296)::text::xid) FROM ` + t.WALProgressTable() + `
+    HAVING count(*) > 0 AND bool_and(horizon IS NOT NULL AND updated_at > now() - interval '` + WALStaleAfter + `'))`
+}
+
+// WALDeleteSettled deletes up to a batch ($2) of the rows of t that the WAL
+// relay settled and that were written more than $1 seconds ago (by
+// available_at, the insert time of a row the WAL relay never updates, so
+// the pending index serves it).
+func WALDeleteSettled(t Table) string {
+	tbl := t.Sanitize()
+	return `WITH victims AS (
+  SELECT o.id FROM ` + tbl + ` AS o
+  WHERE o.published_at IS NULL AND o.available_at < now() - make_interval(secs => $1::float8) AND ` + walSettled(t) + `
+  LIMIT $2 FOR UPDATE SKIP LOCKED
+)
+DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
+}
+
+// WALSettledCount counts the unpublished, not dead rows of t that the WAL
+// relay settled (the runbook subtracts them from its pending count), and
+// reads the created_at and age in seconds of the oldest one it has not
+// (NULL and 0 when none).
+func WALSettledCount(t Table) string {
+	return `SELECT count(*) FILTER (WHERE s), min(created_at) FILTER (WHERE NOT s),
+  COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE NOT s))::float8, 0)
+FROM (SELECT o.created_at, COALESCE(` + walSettled(t) + `, false) AS s
+  FROM ` + t.Sanitize() + ` AS o WHERE o.published_at IS NULL AND o.dead_at IS NULL) AS x`
 }

@@ -72,7 +72,8 @@ func privilegeHint(err error, what string) error {
 }
 
 // Setup creates the publication and the logical replication slot of table
-// t (names n, defaults when empty), unless they exist. The slot starts at
+// t (names n, defaults when empty), unless they exist, and the progress
+// table (schema.Table.WALProgressTable) the cleaner and the runbook read. The slot starts at
 // the current WAL position: rows committed before Setup are not streamed;
 // relay them with the table relay (package subscriber) first, or enqueue
 // after Setup. It needs wal_level = logical and a role with the REPLICATION
@@ -87,6 +88,9 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	}
 	if _, err := schema.DetectColumns(ctx, pool, t); err != nil {
 		return n, fmt.Errorf("walrelay: %w", err)
+	}
+	if _, err := pool.Exec(ctx, schema.WALCreateProgressTable(t)); err != nil {
+		return n, fmt.Errorf("walrelay: create the progress table of %s: %w", t, err)
 	}
 	var exists, hasTable, ins, upd bool
 	if err := pool.QueryRow(ctx, schema.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd); err != nil {
@@ -117,7 +121,7 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	return n, nil
 }
 
-// Teardown drops the slot and the publication of t (names n, defaults when
+// Teardown drops the slot, the publication and the progress table of t (names n, defaults when
 // empty). A dropped slot retains no WAL; events committed after it are no
 // longer streamed.
 func Teardown(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) error {
@@ -130,6 +134,9 @@ func Teardown(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) 
 	}
 	if _, err := pool.Exec(ctx, schema.WALDropPublication(n.Publication)); err != nil {
 		return fmt.Errorf("walrelay: drop publication %s: %w", n.Publication, err)
+	}
+	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS `+t.WALProgressTable()); err != nil {
+		return fmt.Errorf("walrelay: drop the progress table of %s: %w", t, err)
 	}
 	return nil
 }

@@ -324,6 +324,14 @@ type stream struct {
 	draining  bool          // no new deliveries
 	retry     *time.Timer
 	inFlight  sync.WaitGroup
+	// horizon candidates (xid8 text, the WAL position after it), oldest
+	// first; one becomes the horizon once the confirmed position passes it.
+	candidates []candidate
+}
+
+type candidate struct {
+	xid string
+	lsn pglogrepl.LSN
 }
 
 // send hands a verdict to the loop, or drops it once the loop ended (the
@@ -503,13 +511,47 @@ func (st *stream) status(final bool) error {
 	}
 	st.s.confirmed.Store(uint64(pos))
 	st.sendMu.Lock()
-	defer st.sendMu.Unlock()
 	err := pglogrepl.SendStandbyStatusUpdate(context.Background(), st.conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: pos})
+	st.sendMu.Unlock()
 	if err != nil && !final {
 		return fmt.Errorf("confirm position %s: %w", pos, err)
 	}
+	st.progress(pos)
 	return nil
 }
+
+// progress records the confirmed position and the newest horizon it
+// covers, and takes the next horizon candidate: one statement per status
+// tick. A failure is logged; the horizon then waits for the next tick.
+func (st *stream) progress(pos pglogrepl.LSN) {
+	var horizon *string
+	n := 0
+	for n < len(st.candidates) && st.candidates[n].lsn <= pos {
+		horizon = &st.candidates[n].xid
+		n++
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var c candidate
+	var lsn string
+	err := st.s.pool.QueryRow(ctx, st.s.q.Progress, st.s.cfg.Names.Slot, pos.String(), horizon).Scan(&c.xid, &lsn)
+	if err == nil {
+		c.lsn, err = pglogrepl.ParseLSN(lsn)
+	}
+	if err != nil {
+		st.s.logger.Error("Could not record the WAL relay's progress; the cleaner waits", err, nil)
+		return
+	}
+	st.candidates = st.candidates[n:]
+	if len(st.candidates) < maxCandidates {
+		st.candidates = append(st.candidates, c)
+	}
+}
+
+// maxCandidates bounds the horizon candidates kept while the confirmed
+// position does not move (a row retrying): the oldest are kept, they pass
+// first.
+const maxCandidates = 120
 
 func (st *stream) handle(ctx context.Context, r received) error {
 	if ka := r.ka; ka != nil {

@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/outboxkit/watermill-outbox/cleaner"
 	"github.com/outboxkit/watermill-outbox/internal/pgtest"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
@@ -563,5 +564,93 @@ func TestWALSlotLag(t *testing.T) {
 	}
 	if _, err := s.SlotLag(ctx); err == nil || !strings.Contains(err.Error(), "walrelay.Setup") {
 		t.Fatalf("lag of a dropped slot: %v", err)
+	}
+}
+
+// TestWALRetention: the relay records a horizon; the runbook counts the
+// rows it settled as streamed, not pending; the cleaner deletes them after
+// the retention, and never a row not streamed yet (one of a transaction
+// open while the horizons were taken, one committed while no relay runs),
+// nor a dead one.
+func TestWALRetention(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	s := relay(t, pool, tbl, nil)
+	rec := newRecorder()
+	rec.consume(t, s, func(msg *message.Message) error {
+		if msg.Metadata.Get(schema.MetadataOrderingKey) == "bad" {
+			return subscriber.Permanent(errors.New("rejected"))
+		}
+		return nil
+	})
+	var streamed []uuid.UUID
+	for i := range 20 {
+		streamed = append(streamed, enqueue(t, pool, tbl, fmt.Sprintf("k%d", i%3))...)
+	}
+	enqueue(t, pool, tbl, "bad")
+	rec.waitAcked(t, streamed, 10*time.Second)
+	stats := func() runbook.TableStats {
+		st, err := runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for st := stats(); st.StreamedUnpublished != 20 || st.Pending != 0 || st.Dead != 1; st = stats() {
+		if time.Now().After(deadline) {
+			t.Fatalf("stats after the relay streamed 20 rows: %+v", st)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	// A transaction open while the next horizons are taken.
+	open, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = open.Rollback(ctx) }()
+	late := uuid.New()
+	if _, err := publisher.Enqueue(ctx, open, tbl, publisher.Message{TenantID: uuid.New(), Topic: "org.wal.changed.v1", EventID: late, Payload: json.RawMessage(`{}`), OrderingKey: "late"}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(500 * time.Millisecond) // several status ticks
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := open.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Committed while no relay runs: not streamed.
+	waiting := enqueue(t, pool, tbl, "k0")
+	if st := stats(); st.Pending != 2 || st.StreamedUnpublished != 20 {
+		t.Fatalf("stats with two rows not streamed: %+v", st)
+	}
+	c, err := cleaner.New(pool, cleaner.Config{Table: tbl, Retention: time.Millisecond}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(10 * time.Millisecond)
+	deleted, _, err := c.CleanOnce(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var left []string
+	rows, err := pool.Query(ctx, `SELECT event_id::text FROM `+tbl.Sanitize()+` WHERE dead_at IS NULL ORDER BY sequence`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		left = append(left, id)
+	}
+	if rows.Err() != nil {
+		t.Fatal(rows.Err())
+	}
+	if deleted != 20 || len(left) != 2 || left[0] != late.String() || left[1] != waiting[0].String() || stats().Dead != 1 {
+		t.Fatalf("cleaner deleted %d; rows left (not dead) %v, want %s and %s", deleted, left, late, waiting[0])
 	}
 }
