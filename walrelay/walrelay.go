@@ -203,6 +203,13 @@ func replicationConnString(pool *pgxpool.Pool) string {
 // standbys).
 func (s *Subscriber) Active() bool { return s.active.Load() }
 
+// IsLeader is Active, under the name the table relay uses (readiness
+// probes report leaders and standbys).
+func (s *Subscriber) IsLeader() bool { return s.active.Load() }
+
+// Table is the outbox table the relay streams.
+func (s *Subscriber) Table() schema.Table { return s.cfg.Table }
+
 // Confirmed is the log position the relay last confirmed to the server.
 func (s *Subscriber) Confirmed() pglogrepl.LSN { return pglogrepl.LSN(s.confirmed.Load()) }
 

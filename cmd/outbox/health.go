@@ -16,7 +16,6 @@ import (
 
 	"github.com/outboxkit/watermill-outbox/internal/redact"
 	"github.com/outboxkit/watermill-outbox/schema"
-	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
 // Health probe paths, served on OUTBOX_HEALTH_ADDR.
@@ -47,9 +46,13 @@ type health struct {
 // tableRelay is one table's relay as readiness sees it.
 type tableRelay struct {
 	table   schema.Table
-	sub     *subscriber.Subscriber
+	sub     leaderer
 	handler *message.Handler
 }
+
+// leaderer is a table's relay as readiness sees it: the table relay
+// (*subscriber.Subscriber) or the WAL relay (*walrelay.Subscriber).
+type leaderer interface{ IsLeader() bool }
 
 // startHealth serves GET /healthz and GET /readyz on OUTBOX_HEALTH_ADDR, or
 // returns nil when it is empty (the default: no probe server).
@@ -95,7 +98,7 @@ func (h *health) setPool(pool *pgxpool.Pool) {
 }
 
 // addRelay registers a table's subscriber and router handler.
-func (h *health) addRelay(t schema.Table, sub *subscriber.Subscriber, handler *message.Handler) {
+func (h *health) addRelay(t schema.Table, sub leaderer, handler *message.Handler) {
 	if h == nil {
 		return
 	}

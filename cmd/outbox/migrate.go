@@ -10,10 +10,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/walrelay"
 )
 
 func init() {
-	registerCommand("migrate", "create outbox tables (--table or OUTBOX_RELAY_TABLES); --print shows the SQL only; --create-schema for a new schema", runMigrate)
+	registerCommand("migrate", "create outbox tables (--table or OUTBOX_RELAY_TABLES); --print shows the SQL only; --create-schema for a new schema; --wal sets up the WAL relay", runMigrate)
 }
 
 func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
@@ -23,6 +24,7 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	trace := fs.Bool("trace", false, "add the optional traceparent and tracestate columns")
 	headers := fs.Bool("headers", false, "add the optional headers column")
 	ordered := fs.Bool("ordered", false, "add the ordering_key column and the companion tables of ordered mode (default: OUTBOX_RELAY_ORDERED)")
+	wal := fs.Bool("wal", false, "also create the WAL relay's publication, replication slot and progress table (needs wal_level = logical and a REPLICATION role; default: OUTBOX_RELAY_SOURCE=wal)")
 	createSchema := fs.Bool("create-schema", false, "create the table's schema if it does not exist (otherwise a missing schema is an error)")
 	printSQL := fs.Bool("print", false, "print the SQL instead of running it")
 	if err := fs.Parse(args); err != nil {
@@ -61,6 +63,9 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	if *ordered || envOrdered {
 		opts = append(opts, schema.WithOrderingKeyColumn())
 	}
+	if env.String("OUTBOX_RELAY_SOURCE", "") == "wal" {
+		*wal = true
+	}
 	if *printSQL {
 		for _, t := range tables {
 			fmt.Fprintf(stdout, "-- up: %s\n%s\n-- down (DESTRUCTIVE: drops the table and every event in it): %s\n-- %s\n", t, schema.UpSQL(t, opts...), t, schema.DownSQL(t))
@@ -83,6 +88,13 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 			return err
 		}
 		fmt.Fprintf(stdout, "migrated %s\n", t)
+		if *wal {
+			n, err := walrelay.Setup(mctx, pool, t, walrelay.Names{})
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(stdout, "set up the WAL relay of %s: publication %s, slot %s, progress table %s\n", t, n.Publication, n.Slot, t.WALProgressTable())
+		}
 	}
 	return nil
 }

@@ -30,6 +30,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
+	"github.com/outboxkit/watermill-outbox/walrelay"
 )
 
 func init() {
@@ -43,6 +44,7 @@ type relayConfig struct {
 	tables          []schema.Table
 	singleActive    bool
 	ordered         bool
+	source          string // "table" or "wal"
 	pollInterval    time.Duration
 	batchSize       int
 	lockTTL         time.Duration
@@ -90,6 +92,13 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	must(err)
 	c.ordered, err = env.Bool("OUTBOX_RELAY_ORDERED", false)
 	must(err)
+	c.source = env.String("OUTBOX_RELAY_SOURCE", sourceTable)
+	switch {
+	case c.source != sourceTable && c.source != sourceWAL:
+		errs = append(errs, fmt.Errorf("OUTBOX_RELAY_SOURCE=%q is not a source; use table (claim rows) or wal (stream them from a logical replication slot, docs/WAL.md)", c.source))
+	case c.source == sourceWAL && c.ordered:
+		errs = append(errs, errors.New("OUTBOX_RELAY_SOURCE=wal and OUTBOX_RELAY_ORDERED=true: the WAL relay keeps per-key order by itself; unset OUTBOX_RELAY_ORDERED"))
+	}
 	c.pollInterval, err = env.Duration("OUTBOX_RELAY_POLL_INTERVAL", subscriber.PollIntervalDefault, false)
 	must(err)
 	c.batchSize, err = env.Int("OUTBOX_RELAY_BATCH_SIZE", subscriber.BatchSizeDefault)
@@ -269,11 +278,17 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 		wg.Wait()
 		return nil
 	}
-	err = relayTables(runCtx, pool, cfg, r, m, logger, stdout)
+	err = relayTables(runCtx, pool, cfg, r, m, reg, logger, stdout)
 	stop()
 	wg.Wait()
 	return err
 }
+
+// The sources of OUTBOX_RELAY_SOURCE.
+const (
+	sourceTable = "table"
+	sourceWAL   = "wal"
+)
 
 // backendConfig selects the broker the relay publishes to.
 type backendConfig struct {
@@ -295,7 +310,8 @@ func (b backendConfig) newPublisher(logger watermill.LoggerAdapter) (message.Pub
 // relayTables runs one router with a forwarder per table until ctx is done,
 // then drains: the router stops taking messages, waits for those in flight,
 // and every subscriber gives its remaining leases back.
-func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *message.Router, m *metrics.Metrics, logger watermill.LoggerAdapter, stdout io.Writer) error {
+func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *message.Router, m *metrics.Metrics, reg prometheus.Registerer,
+	logger watermill.LoggerAdapter, stdout io.Writer) error {
 	backendPub, err := cfg.backend.newPublisher(logger)
 	if err != nil {
 		return fmt.Errorf("OUTBOX_BACKEND=%s: %w; check %s", cfg.backend.Kind, err, backendAddressVar(cfg.backend.Kind))
@@ -306,22 +322,42 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 		// Keep the forwarder's batching (Kafka).
 		pub = relayIDBatchPublisher{relayIDPublisher: pub.(relayIDPublisher), batch: bp}
 	}
-	var subs []*subscriber.Subscriber
+	var subs []message.Subscriber
 	defer func() {
 		for _, s := range subs {
 			_ = s.Close()
 		}
 	}()
 	for _, t := range cfg.tables {
-		var s *subscriber.Subscriber
+		var s interface {
+			message.Subscriber
+			leaderer
+		}
 		err := retryStartup(ctx, logger, func() error {
-			var err error
-			s, err = subscriber.New(pool, subscriber.Config{
+			if cfg.source == sourceWAL {
+				w, err := walrelay.New(ctx, pool, walrelay.Config{Table: t, MaxAttempts: cfg.maxAttempts, LastErrorMaxBytes: cfg.lastErrorMax,
+					CloseTimeout: cfg.dispatchTimeout}, logger)
+				if err != nil {
+					return err
+				}
+				if reg != nil {
+					if err := reg.Register(w.Collector()); err != nil {
+						return err
+					}
+				}
+				s = w
+				return nil
+			}
+			ts, err := subscriber.New(pool, subscriber.Config{
 				Table: t, BatchSize: cfg.batchSize, PollInterval: cfg.pollInterval, LockTTL: cfg.lockTTL, LeaderTimeout: cfg.leaderTimeout,
 				MaxAttempts: cfg.maxAttempts, DisableSingleActive: !cfg.singleActive, Ordered: cfg.ordered, LastErrorMaxBytes: cfg.lastErrorMax,
 				CloseTimeout: cfg.dispatchTimeout, DispatchTimeout: cfg.dispatchTimeout, Metrics: m,
 			}, logger)
-			return err
+			if err != nil {
+				return err
+			}
+			s = ts
+			return nil
 		})
 		if err != nil {
 			if ctx.Err() != nil {
