@@ -13,6 +13,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/outboxkit/watermill-outbox/metrics"
+	"github.com/outboxkit/watermill-outbox/walrelay"
 )
 
 const (
@@ -58,8 +59,8 @@ func checkMetricNames(t *testing.T, file, text string, want []string) {
 		t.Fatalf("%s mentions no outbox_* metric", file)
 	}
 	for name := range found {
-		if !slices.Contains(metrics.Names, name) {
-			t.Errorf("%s mentions %s, which is not in metrics.Names %v", file, name, metrics.Names)
+		if !slices.Contains(metrics.Names, name) && !slices.Contains(walrelay.MetricNames, name) {
+			t.Errorf("%s mentions %s, which is not in metrics.Names %v nor walrelay.MetricNames", file, name, metrics.Names)
 		}
 	}
 	for _, name := range want {
@@ -161,7 +162,8 @@ func TestAlertRules(t *testing.T) {
 	}
 	checkMetricNames(t, alertsFile, string(raw), nil)
 	checkMetricNames(t, alertsFile+" (expressions)", exprs.String(), []string{
-		"outbox_oldest_pending_age_seconds", "outbox_dead_total", "outbox_relay_leader", "outbox_dispatch_total"})
+		"outbox_oldest_pending_age_seconds", "outbox_dead_total", "outbox_relay_leader", "outbox_dispatch_total",
+		"outbox_wal_slot_retained_bytes", "outbox_wal_oldest_unsettled_age_seconds"})
 }
 
 type grafanaDashboard struct {

@@ -45,6 +45,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/redact"
+	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -87,6 +88,12 @@ type Config struct {
 	// LastErrorMaxBytes bounds last_error. Defaults to
 	// subscriber.LastErrorMaxBytesDefault.
 	LastErrorMaxBytes int
+	// Metrics records outbox_relay_leader (1 while this relay reads the
+	// slot), outbox_dispatch_total, outbox_dead_total and
+	// outbox_delivery_lag_seconds (from the commit), as the table relay
+	// does. Defaults to nil (no metrics); the slot's own gauges are
+	// Subscriber.Collector.
+	Metrics *metrics.Metrics
 }
 
 func (c *Config) setDefaults() {
@@ -202,6 +209,17 @@ func replicationConnString(pool *pgxpool.Pool) string {
 // Active reports whether this relay reads the slot now (the others are
 // standbys).
 func (s *Subscriber) Active() bool { return s.active.Load() }
+
+func (s *Subscriber) setActive(v bool) {
+	s.active.Store(v)
+	if m := s.cfg.Metrics; m != nil {
+		g := 0.0
+		if v {
+			g = 1
+		}
+		m.RelayLeader.WithLabelValues(s.cfg.Table.Qualified()).Set(g)
+	}
+}
 
 // IsLeader is Active, under the name the table relay uses (readiness
 // probes report leaders and standbys).
@@ -412,8 +430,8 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	if err != nil {
 		return fmt.Errorf("start replication on slot %s: %w", s.cfg.Names.Slot, err)
 	}
-	s.active.Store(true)
-	defer s.active.Store(false)
+	s.setActive(true)
+	defer s.setActive(false)
 	defer s.oldestUnsettled.Store(0)
 	s.logger.Info("WAL relay active", nil)
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*pglogrepl.RelationMessage{}, keys: map[string]*keyQueue{},
@@ -777,6 +795,15 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	if v.stopped {
 		return // stopping: the row stays unsettled, the next relay delivers it
 	}
+	if m := st.s.cfg.Metrics; m != nil {
+		label := st.s.cfg.Table.Qualified()
+		result := metrics.ResultFailure
+		if v.ack {
+			result = metrics.ResultSuccess
+			m.DeliveryLag.WithLabelValues(label).Observe(time.Since(it.tx.commit).Seconds())
+		}
+		m.DispatchTotal.WithLabelValues(label, it.row.Topic, result).Inc()
+	}
 	if !v.ack && !subscriber.IsPermanent(v.err) && it.attempts < st.s.cfg.MaxAttempts {
 		q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
 		st.s.logger.Debug("Nacked: key held until the retry", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
@@ -794,6 +821,9 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			return
 		}
 		st.s.logger.Info("Row dead", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
+		if m := st.s.cfg.Metrics; m != nil {
+			m.DeadTotal.WithLabelValues(st.s.cfg.Table.Qualified(), it.row.Topic).Inc()
+		}
 	}
 	q.items = q.items[1:]
 	q.retryAt = time.Time{}

@@ -16,10 +16,12 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/outboxkit/watermill-outbox/cleaner"
 	"github.com/outboxkit/watermill-outbox/internal/pgtest"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -257,9 +259,14 @@ func TestWALFailureIsolation(t *testing.T) {
 		fixed    bool
 	)
 	rec := newRecorder()
+	m, err := metrics.New(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	rec.consume(t, relay(t, pool, tbl, func(c *walrelay.Config) {
 		c.MaxAttempts = 5
 		c.Backoff = func(int) time.Duration { return 100 * time.Millisecond }
+		c.Metrics = m
 	}), func(msg *message.Message) error {
 		mu.Lock()
 		defer mu.Unlock()
@@ -302,6 +309,25 @@ func TestWALFailureIsolation(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec.waitAcked(t, doomed[:1], 10*time.Second)
+	// The table relay's metrics: leader, dispatches by result, dead rows.
+	// The last ack is counted when the relay takes it, just after the
+	// handler returned.
+	label := tbl.Qualified()
+	for deadline := time.Now().Add(5 * time.Second); testutil.ToFloat64(m.DispatchTotal.WithLabelValues(label, "org.wal.changed.v1", "success")) < 7 && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if v := testutil.ToFloat64(m.RelayLeader.WithLabelValues(label)); v != 1 {
+		t.Errorf("outbox_relay_leader %v, want 1", v)
+	}
+	if v := testutil.ToFloat64(m.DispatchTotal.WithLabelValues(label, "org.wal.changed.v1", "failure")); v != 4 {
+		t.Errorf("failed dispatches %v, want 4 (3 retries, 1 permanent)", v)
+	}
+	if v := testutil.ToFloat64(m.DispatchTotal.WithLabelValues(label, "org.wal.changed.v1", "success")); v != 7 {
+		t.Errorf("successful dispatches %v, want 7 (2 held, 1 doomed, 3 free, 1 replay)", v)
+	}
+	if v := testutil.ToFloat64(m.DeadTotal.WithLabelValues(label, "org.wal.changed.v1")); v != 1 {
+		t.Errorf("outbox_dead_total %v, want 1", v)
+	}
 }
 
 // TestWALHandover: a standby takes over when the active relay closes;

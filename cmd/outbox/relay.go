@@ -336,7 +336,7 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 		err := retryStartup(ctx, logger, func() error {
 			if cfg.source == sourceWAL {
 				w, err := walrelay.New(ctx, pool, walrelay.Config{Table: t, MaxAttempts: cfg.maxAttempts, LastErrorMaxBytes: cfg.lastErrorMax,
-					CloseTimeout: cfg.dispatchTimeout}, logger)
+					CloseTimeout: cfg.dispatchTimeout, Metrics: m}, logger)
 				if err != nil {
 					return err
 				}
