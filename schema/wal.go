@@ -108,6 +108,12 @@ func WALProgressTableExists(t Table) string {
 	return `SELECT to_regclass(` + quoteLiteral(t.WALProgressTable()) + `) IS NOT NULL`
 }
 
+// WALProgressRecorded tells whether slot $1 has a progress record in t's
+// progress table (it streamed before).
+func WALProgressRecorded(t Table) string {
+	return `SELECT EXISTS (SELECT 1 FROM ` + t.WALProgressTable() + ` WHERE slot = $1)`
+}
+
 // WALCreatePublication creates publication name for table t, publishing
 // inserts (new events) and updates (a replay resets a row with an UPDATE).
 func WALCreatePublication(name string, t Table) string {
@@ -135,6 +141,17 @@ type WALQueries struct {
 	// xid has been streamed and settled. Returns: the candidate xid8 (text)
 	// and WAL position (text).
 	Progress string
+	// Start reads, for slot $1, its confirmed_flush_lsn (text, '' when the
+	// slot is gone) and the confirmed position the relay last recorded in
+	// the progress table (text, '' when none). A slot ahead of the record
+	// was recreated: the rows between were never streamed.
+	Start string
+	// Unsettled reads, in sequence order, the rows not published, not dead
+	// and not below the slot's recorded horizon (every such row when no
+	// horizon was recorded): what a recreated slot did not stream. The
+	// columns of ClaimedRow.Scan, then ordering_key (NULL without the
+	// column).
+	Unsettled string
 	// Row reads row $1 (id) as a claim does (the columns of
 	// ClaimedRow.Scan), for a replay whose UPDATE did not carry every
 	// column (an unchanged TOASTed payload); no row when it is gone,
@@ -154,10 +171,20 @@ func NewWALQueries(t Table, c Columns) WALQueries {
 		cols += `, headers::text`
 	}
 	prog := t.WALProgressTable()
+	key := `NULL::text`
+	if c.OrderingKey {
+		key = `ordering_key`
+	}
 	return WALQueries{
+		Start: `SELECT COALESCE((SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1), ''),
+  COALESCE((SELECT confirmed_lsn::text FROM ` + prog + ` WHERE slot = $1), '')`,
+		Unsettled: `SELECT ` + cols + `, ` + key + ` FROM ` + tbl + ` AS o
+WHERE published_at IS NULL AND dead_at IS NULL
+  AND NOT COALESCE(age(o.xmin) > (SELECT age((horizon::text::numeric % 4294967296)::text::xid) FROM ` + prog + ` WHERE slot = $1), false)
+ORDER BY sequence`,
 		Progress: `WITH up AS (
   INSERT INTO ` + prog + ` AS p (slot, confirmed_lsn, horizon, updated_at) VALUES ($1, $2::pg_lsn, $3::xid8, now())
-  ON CONFLICT (slot) DO UPDATE SET confirmed_lsn = EXCLUDED.confirmed_lsn, updated_at = now(),
+  ON CONFLICT (slot) DO UPDATE SET confirmed_lsn = GREATEST(p.confirmed_lsn, EXCLUDED.confirmed_lsn), updated_at = now(),
     horizon = CASE WHEN EXCLUDED.horizon IS NULL THEN p.horizon WHEN p.horizon IS NULL THEN EXCLUDED.horizon ELSE GREATEST(p.horizon, EXCLUDED.horizon) END
 )
 SELECT pg_snapshot_xmin(pg_current_snapshot())::text, pg_current_wal_insert_lsn()::text`,

@@ -158,6 +158,22 @@ func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names
 	var active, lost bool
 	err := pool.QueryRow(ctx, schema.WALSlotState, n.Slot).Scan(&plugin, &active, &confirmed, &lost)
 	if errors.Is(err, pgx.ErrNoRows) {
+		// A slot that streamed before (it has a progress record) and is
+		// gone is recreated by the relay, which reads what it missed from
+		// the table; one that never streamed needs Setup.
+		var recorded bool
+		if err := pool.QueryRow(ctx, schema.WALProgressTableExists(t)).Scan(&recorded); err != nil {
+			return fmt.Errorf("walrelay: look up the progress table of %s: %w", t, err)
+		}
+		if recorded {
+			err = pool.QueryRow(ctx, schema.WALProgressRecorded(t), n.Slot).Scan(&recorded)
+			if err != nil {
+				return fmt.Errorf("walrelay: look up the progress of slot %s: %w", n.Slot, err)
+			}
+		}
+		if recorded {
+			return nil
+		}
 		return fmt.Errorf("%w: replication slot %s does not exist; run walrelay.Setup (outbox migrate --wal)", ErrNotSetUp, n.Slot)
 	}
 	if err != nil {

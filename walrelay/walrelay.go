@@ -40,6 +40,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -150,6 +151,8 @@ type Subscriber struct {
 
 	active          atomic.Bool
 	confirmed       atomic.Uint64
+	slotLost        atomic.Int64 // times the slot was found gone or invalidated and recreated
+	backfilled      atomic.Int64 // rows read from the table after a lost slot
 	oldestUnsettled atomic.Int64 // commit time (Unix ns) of the oldest unsettled transaction, 0 when none
 }
 
@@ -422,6 +425,9 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 		defer cancel()
 		_ = conn.Close(cctx)
 	}()
+	if err := s.ensureSlot(ctx); err != nil {
+		return err
+	}
 	err = pglogrepl.StartReplication(ctx, conn, s.cfg.Names.Slot, 0, pglogrepl.StartReplicationOptions{
 		// Binary values: the server skips the text output functions of
 		// uuid, int8, jsonb and timestamptz.
@@ -437,7 +443,104 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*pglogrepl.RelationMessage{}, keys: map[string]*keyQueue{},
 		settles: make(chan settle, 1024), gone: make(chan struct{})}
 	defer close(st.gone)
+	backfill, err := st.start(ctx)
+	if err != nil {
+		return err
+	}
+	st.retry = time.NewTimer(time.Hour)
+	if backfill != nil {
+		st.commit(ctx, backfill)
+	}
 	return st.loop(ctx)
+}
+
+// ensureSlot recreates the slot when it is gone or the server invalidated
+// it (max_slot_wal_keep_size); the stream then starts with a backfill
+// from the table (start).
+func (s *Subscriber) ensureSlot(ctx context.Context) error {
+	var plugin, confirmed string
+	var active, lost bool
+	err := s.pool.QueryRow(ctx, schema.WALSlotState, s.cfg.Names.Slot).Scan(&plugin, &active, &confirmed, &lost)
+	gone := errors.Is(err, pgx.ErrNoRows)
+	if err != nil && !gone {
+		return fmt.Errorf("look up replication slot %s: %w", s.cfg.Names.Slot, err)
+	}
+	if !gone && !lost {
+		return nil
+	}
+	s.logger.Error("Replication slot lost: recreating it and reading the rows it missed from the table", nil,
+		watermill.LogFields{"invalidated": lost, "dropped": gone})
+	s.slotLost.Add(1)
+	if lost {
+		if _, err := s.pool.Exec(ctx, schema.WALDropSlot, s.cfg.Names.Slot); err != nil {
+			return fmt.Errorf("drop the invalidated replication slot %s: %w", s.cfg.Names.Slot, err)
+		}
+	}
+	var lsn string
+	if err := s.pool.QueryRow(ctx, schema.WALCreateSlot, s.cfg.Names.Slot).Scan(&lsn); err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "42710" { // duplicate_object: another relay recreated it
+			return nil
+		}
+		return privilegeHint(err, "recreate replication slot "+s.cfg.Names.Slot)
+	}
+	return nil
+}
+
+// start reads where the slot and the progress record stand. A slot ahead
+// of the recorded position was recreated (by this relay or another one
+// that stopped before it finished): the rows it never streamed are read
+// from the table, from the recorded horizon on, and delivered first, as
+// one transaction ending where the slot begins.
+func (st *stream) start(ctx context.Context) (*txn, error) {
+	s := st.s
+	var slotText, recorded string
+	if err := s.pool.QueryRow(ctx, s.q.Start, s.cfg.Names.Slot).Scan(&slotText, &recorded); err != nil {
+		return nil, fmt.Errorf("read the position of slot %s: %w", s.cfg.Names.Slot, err)
+	}
+	slot, err := pglogrepl.ParseLSN(slotText)
+	if err != nil {
+		return nil, fmt.Errorf("slot %s position %q: %w", s.cfg.Names.Slot, slotText, err)
+	}
+	st.confirmed = slot
+	if recorded == "" {
+		return nil, nil // first start after Setup
+	}
+	rec, err := pglogrepl.ParseLSN(recorded)
+	if err != nil {
+		return nil, fmt.Errorf("recorded position %q: %w", recorded, err)
+	}
+	if slot <= rec {
+		return nil, nil
+	}
+	st.confirmed = rec
+	rows, err := s.pool.Query(ctx, s.q.Unsettled, s.cfg.Names.Slot)
+	if err != nil {
+		return nil, fmt.Errorf("read the rows the recreated slot missed: %w", err)
+	}
+	defer rows.Close()
+	tx := &txn{end: slot, commit: time.Now()}
+	for rows.Next() {
+		var r schema.ClaimedRow
+		cols := []any{&r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.Attempts, &r.LockedAt, &r.CreatedAt}
+		if s.cols.TraceContext {
+			cols = append(cols, &r.TraceParent, &r.TraceState)
+		}
+		if s.cols.Headers {
+			cols = append(cols, &r.Headers)
+		}
+		cols = append(cols, &r.OrderingKey)
+		if err := rows.Scan(cols...); err != nil {
+			return nil, fmt.Errorf("read the rows the recreated slot missed: %w", err)
+		}
+		tx.items = append(tx.items, &item{row: r, key: keyOf(r), tx: tx})
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read the rows the recreated slot missed: %w", err)
+	}
+	s.backfilled.Add(int64(len(tx.items)))
+	s.logger.Info("Backfill from the table after a lost slot", watermill.LogFields{"rows": len(tx.items), "from": rec.String(), "slot_starts": slot.String()})
+	return tx, nil
 }
 
 func (st *stream) loop(ctx context.Context) error {
@@ -468,7 +571,6 @@ func (st *stream) loop(ctx context.Context) error {
 	defer stopDelivering()
 	tick := time.NewTicker(s.cfg.StatusInterval)
 	defer tick.Stop()
-	st.retry = time.NewTimer(time.Hour)
 	defer st.retry.Stop()
 	for {
 		var in chan received
@@ -535,20 +637,24 @@ func (st *stream) status(final bool) error {
 		pos = st.idleEnd
 	}
 	st.s.confirmed.Store(uint64(pos))
+	// The record goes first: the slot is never ahead of it unless it was
+	// recreated (start relies on it).
+	if !st.progress(pos) && !final {
+		return nil // not recorded: the slot waits for the next tick
+	}
 	st.sendMu.Lock()
 	err := pglogrepl.SendStandbyStatusUpdate(context.Background(), st.conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: pos})
 	st.sendMu.Unlock()
 	if err != nil && !final {
 		return fmt.Errorf("confirm position %s: %w", pos, err)
 	}
-	st.progress(pos)
 	return nil
 }
 
 // progress records the confirmed position and the newest horizon it
 // covers, and takes the next horizon candidate: one statement per status
 // tick. A failure is logged; the horizon then waits for the next tick.
-func (st *stream) progress(pos pglogrepl.LSN) {
+func (st *stream) progress(pos pglogrepl.LSN) bool {
 	var horizon *string
 	n := 0
 	for n < len(st.candidates) && st.candidates[n].lsn <= pos {
@@ -565,12 +671,13 @@ func (st *stream) progress(pos pglogrepl.LSN) {
 	}
 	if err != nil {
 		st.s.logger.Error("Could not record the WAL relay's progress; the cleaner waits", err, nil)
-		return
+		return false
 	}
 	st.candidates = st.candidates[n:]
 	if len(st.candidates) < maxCandidates {
 		st.candidates = append(st.candidates, c)
 	}
+	return true
 }
 
 // maxCandidates bounds the horizon candidates kept while the confirmed
@@ -611,30 +718,43 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 			return nil
 		}
 		tx.end, tx.commit = m.TransactionEndLSN, m.CommitTime
-		tx.pending = len(tx.items)
-		if tx.pending == 0 {
-			if len(st.txns) == 0 {
-				st.confirmed = max(st.confirmed, tx.end)
-			} else {
-				st.txns = append(st.txns, tx)
-			}
-			return nil
-		}
-		st.txns = append(st.txns, tx)
-		st.unsettled += tx.pending
-		for _, it := range tx.items {
-			q := st.keys[it.key]
-			if q == nil {
-				q = &keyQueue{}
-				st.keys[it.key] = q
-			}
-			q.items = append(q.items, it)
-		}
-		tx.items = nil
-		st.markOldest()
-		st.dispatchAll(ctx)
+		st.commit(ctx, tx)
 	}
 	return nil
+}
+
+// commit queues the rows of a committed transaction behind their keys.
+func (st *stream) commit(ctx context.Context, tx *txn) {
+	tx.pending = len(tx.items)
+	if tx.pending == 0 {
+		if len(st.txns) == 0 {
+			st.confirmed = max(st.confirmed, tx.end)
+		} else {
+			st.txns = append(st.txns, tx)
+		}
+		return
+	}
+	st.txns = append(st.txns, tx)
+	st.unsettled += tx.pending
+	for _, it := range tx.items {
+		q := st.keys[it.key]
+		if q == nil {
+			q = &keyQueue{}
+			st.keys[it.key] = q
+		}
+		q.items = append(q.items, it)
+	}
+	tx.items = nil
+	st.markOldest()
+	st.dispatchAll(ctx)
+}
+
+// keyOf is the ordering of a row: its ordering key, else its topic.
+func keyOf(r schema.ClaimedRow) string {
+	if r.OrderingKey != nil && *r.OrderingKey != "" {
+		return "k:" + *r.OrderingKey
+	}
+	return "t:" + r.Topic
 }
 
 // row turns an INSERT (or the UPDATE of a replay) into an item of the
@@ -694,11 +814,7 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 			Sequence: seq, TraceParent: vals["traceparent"], TraceState: vals["tracestate"], Headers: vals["headers"]}
 	}
 	row.OrderingKey = vals["ordering_key"]
-	key := "t:" + row.Topic
-	if row.OrderingKey != nil && *row.OrderingKey != "" {
-		key = "k:" + *row.OrderingKey
-	}
-	st.cur.items = append(st.cur.items, &item{row: row, key: key, tx: st.cur})
+	st.cur.items = append(st.cur.items, &item{row: row, key: keyOf(row), tx: st.cur})
 	return nil
 }
 
