@@ -81,10 +81,18 @@ func HeldKeys(ctx context.Context, db DB, t schema.Table, limit int) ([]HeldKey,
 		return nil, err
 	}
 	oq, err := orderedQueries(ctx, db, t)
-	if err != nil || oq == nil {
+	if err != nil {
 		return nil, err
 	}
-	rows, err := db.Query(ctx, oq.ListHolds, limit)
+	list := ""
+	if oq != nil {
+		list = oq.ListHolds
+	} else if wal, err := walHolds(ctx, db, t); err != nil || !wal {
+		return nil, err
+	} else {
+		list = schema.WALListHolds(t)
+	}
+	rows, err := db.Query(ctx, list, limit)
 	if err != nil {
 		return nil, dbError(t, "list held keys of", err)
 	}
@@ -237,6 +245,11 @@ func SkipEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dr
 	if err := checkTable(t); err != nil {
 		return EventSkip{}, err
 	}
+	if wal, err := walHolds(ctx, db, t); err != nil {
+		return EventSkip{}, err
+	} else if wal {
+		return skipWAL(ctx, db, t, eventID, dryRun)
+	}
 	oq, key, seq, _, ok, err := holdOf(ctx, db, t, eventID)
 	if err != nil {
 		return EventSkip{}, err
@@ -278,4 +291,34 @@ func OrderedRelays(ctx context.Context, db DB, t schema.Table) (int, error) {
 		return 0, dbError(t, "count the ordered relays of", err)
 	}
 	return n, nil
+}
+
+// walHolds tells whether t is streamed by the WAL relay (it has a WAL
+// holds table).
+func walHolds(ctx context.Context, db DB, t schema.Table) (bool, error) {
+	var ok bool
+	if err := db.QueryRow(ctx, schema.WALHoldsTableExists(t)).Scan(&ok); err != nil {
+		return false, dbError(t, "look up the WAL holds table of", err)
+	}
+	return ok, nil
+}
+
+// skipWAL is SkipEvent for a table the WAL relay streams: it records the
+// skip request on the hold; the active relay applies it at its next tick.
+func skipWAL(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryRun bool) (EventSkip, error) {
+	st := schema.Statement{SQL: schema.WALSkipHold(t), Args: []any{eventID.String()}}
+	res := EventSkip{Table: t.String(), Statement: st, DryRun: dryRun}
+	if dryRun {
+		return res, nil
+	}
+	err := db.QueryRow(ctx, st.SQL, st.Args...).Scan(&res.Key, &res.Sequence)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return EventSkip{}, fmt.Errorf("runbook: cannot skip event %s of %s: %w (skip applies to the dead row a held key waits for; list them with `outbox keys held`); nothing changed",
+			eventID, t, ErrNotHeld)
+	}
+	if err != nil {
+		return EventSkip{}, dbError(t, "skip event "+eventID.String()+" of", err)
+	}
+	res.Changed = 1
+	return res, nil
 }

@@ -102,6 +102,22 @@ func WALCreateProgressTable(t Table) string {
 )`
 }
 
+// WALHoldsTable names the WAL relay's holds table of t (name plus
+// "_wal_holds"): one row per ordering key held back by a dead row.
+func (t Table) WALHoldsTable() string { return t.companion("_wal_holds") }
+
+// WALCreateHoldsTable creates the holds table of t.
+func WALCreateHoldsTable(t Table) string {
+	return `CREATE TABLE IF NOT EXISTS ` + t.WALHoldsTable() + ` (
+  ordering_key      TEXT        NOT NULL PRIMARY KEY,
+  sequence          BIGINT      NOT NULL,
+  event_id          UUID        NOT NULL,
+  draining          BOOLEAN     NOT NULL DEFAULT false,
+  skip_requested_at TIMESTAMPTZ NULL,
+  held_at           TIMESTAMPTZ NOT NULL DEFAULT now()
+)`
+}
+
 // WALProgressTableExists tells whether t has a progress table: t is
 // relayed by the WAL relay. Args: none. Returns: exists.
 func WALProgressTableExists(t Table) string {
@@ -141,6 +157,22 @@ type WALQueries struct {
 	// xid has been streamed and settled. Returns: the candidate xid8 (text)
 	// and WAL position (text).
 	Progress string
+	// MarkDeadHold is MarkDead ($1 id, $2 attempts, $3 last_error) that,
+	// for a keyed row ($4 its ordering key), also holds the key: a hold
+	// (the key, the row's sequence and event_id) replaces any hold of the
+	// key. Returns: rows changed.
+	MarkDeadHold string
+	// Holds lists the holds: key, sequence, draining, skip requested.
+	Holds string
+	// Drain marks the hold of key $1 at sequence $2 as draining (its dead
+	// row was delivered again or skipped). Returns: whether it did.
+	Drain string
+	// Parked reads the rows of key $1 after sequence $2 that are not
+	// published and not dead, in sequence order: what a hold kept back.
+	// The columns of ClaimedRow.Scan, then ordering_key.
+	Parked string
+	// Release deletes the hold of key $1 at sequence $2.
+	Release string
 	// Start reads, for slot $1, its confirmed_flush_lsn (text, '' when the
 	// slot is gone) and the confirmed position the relay last recorded in
 	// the progress table (text, '' when none). A slot ahead of the record
@@ -175,7 +207,22 @@ func NewWALQueries(t Table, c Columns) WALQueries {
 	if c.OrderingKey {
 		key = `ordering_key`
 	}
+	holds := t.WALHoldsTable()
 	return WALQueries{
+		MarkDeadHold: `WITH d AS (
+  UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, dead_at = now(), available_at = 'infinity', locked_at = NULL
+  WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL
+  RETURNING sequence, event_id
+), h AS (
+  INSERT INTO ` + holds + ` (ordering_key, sequence, event_id) SELECT $4::text, sequence, event_id FROM d WHERE $4::text IS NOT NULL
+  ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id, draining = false,
+    skip_requested_at = NULL, held_at = now()
+)
+SELECT count(*) FROM d`,
+		Holds:   `SELECT ordering_key, sequence, draining, skip_requested_at IS NOT NULL FROM ` + holds,
+		Drain:   `UPDATE ` + holds + ` SET draining = true WHERE ordering_key = $1 AND sequence = $2`,
+		Parked:  `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence`,
+		Release: `DELETE FROM ` + holds + ` WHERE ordering_key = $1 AND sequence = $2`,
 		Start: `SELECT COALESCE((SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1), ''),
   COALESCE((SELECT confirmed_lsn::text FROM ` + prog + ` WHERE slot = $1), '')`,
 		Unsettled: `SELECT ` + cols + `, ` + key + ` FROM ` + tbl + ` AS o
@@ -235,4 +282,30 @@ func WALSettledCount(t Table) string {
   COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE NOT s))::float8, 0)
 FROM (SELECT o.created_at, COALESCE(` + walSettled(t) + `, false) AS s
   FROM ` + t.Sanitize() + ` AS o WHERE o.published_at IS NULL AND o.dead_at IS NULL) AS x`
+}
+
+// WALHoldsTableExists tells whether t has a WAL holds table. Returns:
+// exists.
+func WALHoldsTableExists(t Table) string {
+	return `SELECT to_regclass(` + quoteLiteral(t.WALHoldsTable()) + `) IS NOT NULL`
+}
+
+// WALListHolds lists up to $1 holds of t, oldest first, with the columns
+// of OrderedQueries.ListHolds: key, partition (0), sequence, attempts,
+// available_at, last_error, dead_at, skip_requested_at, event_id, topic,
+// replay (false).
+func WALListHolds(t Table) string {
+	return `SELECT h.ordering_key, 0, h.sequence, COALESCE(o.attempts, 0), NULLIF(o.available_at, 'infinity'), o.last_error, o.dead_at,
+  h.skip_requested_at, h.event_id::text, o.topic, false
+FROM ` + t.WALHoldsTable() + ` AS h LEFT JOIN ` + t.Sanitize() + ` AS o ON o.event_id = h.event_id
+ORDER BY h.held_at, h.ordering_key LIMIT $1`
+}
+
+// WALSkipHold asks the WAL relay to skip the dead row $1 (event_id text)
+// that holds its key: the relay then delivers the key's later rows; the
+// row stays dead. Returns: the key and the sequence, no row when the event
+// holds no key (or its hold drains already).
+func WALSkipHold(t Table) string {
+	return `UPDATE ` + t.WALHoldsTable() + ` SET skip_requested_at = now()
+WHERE event_id = $1::uuid AND NOT draining RETURNING ordering_key, sequence`
 }

@@ -92,6 +92,9 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	if _, err := pool.Exec(ctx, schema.WALCreateProgressTable(t)); err != nil {
 		return n, fmt.Errorf("walrelay: create the progress table of %s: %w", t, err)
 	}
+	if _, err := pool.Exec(ctx, schema.WALCreateHoldsTable(t)); err != nil {
+		return n, fmt.Errorf("walrelay: create the holds table of %s: %w", t, err)
+	}
 	var exists, hasTable, ins, upd bool
 	if err := pool.QueryRow(ctx, schema.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd); err != nil {
 		return n, fmt.Errorf("walrelay: look up publication %s: %w", n.Publication, err)
@@ -135,7 +138,7 @@ func Teardown(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) 
 	if _, err := pool.Exec(ctx, schema.WALDropPublication(n.Publication)); err != nil {
 		return fmt.Errorf("walrelay: drop publication %s: %w", n.Publication, err)
 	}
-	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS `+t.WALProgressTable()); err != nil {
+	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS `+t.WALProgressTable()+`, `+t.WALHoldsTable()); err != nil {
 		return fmt.Errorf("walrelay: drop the progress table of %s: %w", t, err)
 	}
 	return nil

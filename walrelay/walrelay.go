@@ -307,8 +307,22 @@ func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 type item struct {
 	row      schema.ClaimedRow
 	key      string
-	tx       *txn
+	tx       *txn // nil for a row read from the table when a hold drains
 	attempts int
+	replay   bool // streamed as the UPDATE of a replay
+}
+
+// hold is an ordering key held back by a dead row (persisted in the holds
+// table): the key's later rows are parked, not delivered, until the dead
+// row is delivered again (a replay) or skipped; then the parked rows are
+// read from the table and delivered in order (draining) and the hold is
+// released.
+type hold struct {
+	seq       int64 // the dead row's sequence
+	draining  bool
+	wantDrain bool  // a drain was asked for and its statements failed
+	maxRead   int64 // draining: the last sequence read from the table
+	left      int   // draining: rows read and not settled yet
 }
 
 // txn is one committed transaction: its end position and its rows not
@@ -355,6 +369,7 @@ type stream struct {
 	// horizon candidates (xid8 text, the WAL position after it), oldest
 	// first; one becomes the horizon once the confirmed position passes it.
 	candidates []candidate
+	holds      map[string]*hold // by ordering key
 }
 
 type candidate struct {
@@ -502,6 +517,9 @@ func (st *stream) start(ctx context.Context) (*txn, error) {
 	if err != nil {
 		return nil, fmt.Errorf("slot %s position %q: %w", s.cfg.Names.Slot, slotText, err)
 	}
+	if err := st.loadHolds(ctx); err != nil {
+		return nil, err
+	}
 	st.confirmed = slot
 	if recorded == "" {
 		return nil, nil // first start after Setup
@@ -522,15 +540,7 @@ func (st *stream) start(ctx context.Context) (*txn, error) {
 	tx := &txn{end: slot, commit: time.Now()}
 	for rows.Next() {
 		var r schema.ClaimedRow
-		cols := []any{&r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.Attempts, &r.LockedAt, &r.CreatedAt}
-		if s.cols.TraceContext {
-			cols = append(cols, &r.TraceParent, &r.TraceState)
-		}
-		if s.cols.Headers {
-			cols = append(cols, &r.Headers)
-		}
-		cols = append(cols, &r.OrderingKey)
-		if err := rows.Scan(cols...); err != nil {
+		if err := rows.Scan(st.scanArgs(&r)...); err != nil {
 			return nil, fmt.Errorf("read the rows the recreated slot missed: %w", err)
 		}
 		tx.items = append(tx.items, &item{row: r, key: keyOf(r), tx: tx})
@@ -595,6 +605,7 @@ func (st *stream) loop(ctx context.Context) error {
 			if err := st.status(false); err != nil {
 				return err
 			}
+			st.tickHolds(dctx)
 		}
 	}
 }
@@ -723,8 +734,16 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 	return nil
 }
 
-// commit queues the rows of a committed transaction behind their keys.
+// commit queues the rows of a committed transaction behind their keys;
+// the rows of a held key are parked (settled without delivery).
 func (st *stream) commit(ctx context.Context, tx *txn) {
+	kept := tx.items[:0]
+	for _, it := range tx.items {
+		if !st.parks(it) {
+			kept = append(kept, it)
+		}
+	}
+	tx.items = kept
 	tx.pending = len(tx.items)
 	if tx.pending == 0 {
 		if len(st.txns) == 0 {
@@ -790,7 +809,9 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 		}
 		return ""
 	}
+	replay := false
 	if update {
+		replay = true
 		// Only a replay's reset is delivered: not published, not dead,
 		// attempts 0, no lease. The relay's own UPDATE (a dead row) is not.
 		if vals["published_at"] != nil || vals["dead_at"] != nil || vals["locked_at"] != nil || str("attempts") != "0" {
@@ -814,7 +835,7 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 			Sequence: seq, TraceParent: vals["traceparent"], TraceState: vals["tracestate"], Headers: vals["headers"]}
 	}
 	row.OrderingKey = vals["ordering_key"]
-	st.cur.items = append(st.cur.items, &item{row: row, key: keyOf(row), tx: st.cur})
+	st.cur.items = append(st.cur.items, &item{row: row, key: keyOf(row), tx: st.cur, replay: replay})
 	return nil
 }
 
@@ -916,7 +937,9 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		result := metrics.ResultFailure
 		if v.ack {
 			result = metrics.ResultSuccess
-			m.DeliveryLag.WithLabelValues(label).Observe(time.Since(it.tx.commit).Seconds())
+			if it.tx != nil {
+				m.DeliveryLag.WithLabelValues(label).Observe(time.Since(it.tx.commit).Seconds())
+			}
 		}
 		m.DispatchTotal.WithLabelValues(label, it.row.Topic, result).Inc()
 	}
@@ -928,7 +951,11 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	}
 	if !v.ack {
 		last := redact.Summary(v.err.Error(), []byte(it.row.Payload), st.s.cfg.LastErrorMaxBytes)
-		if _, err := st.s.pool.Exec(ctx, st.s.q.MarkDead, it.row.ID, it.attempts, last); err != nil {
+		var key *string
+		if k := it.row.OrderingKey; k != nil && *k != "" && st.s.cols.OrderingKey {
+			key = k
+		}
+		if _, err := st.s.pool.Exec(ctx, st.s.q.MarkDeadHold, it.row.ID, it.attempts, last, key); err != nil {
 			// Not recorded: keep the key held and try again later.
 			st.s.logger.Error("Could not park a row dead; retrying", err, watermill.LogFields{"sequence": it.row.Sequence})
 			q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
@@ -943,10 +970,215 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	}
 	q.items = q.items[1:]
 	q.retryAt = time.Time{}
-	st.unsettled--
-	it.tx.pending--
+	st.settled(it)
+	if !v.ack && it.row.OrderingKey != nil && *it.row.OrderingKey != "" && st.s.cols.OrderingKey {
+		st.holdKey(*it.row.OrderingKey, it.row.Sequence, q)
+	} else if v.ack {
+		st.afterAck(ctx, it)
+	}
 	st.advance()
 	st.dispatch(ctx, it.key)
+}
+
+// settled accounts for a row that needs nothing more.
+func (st *stream) settled(it *item) {
+	if it.tx != nil {
+		st.unsettled--
+		it.tx.pending--
+		return
+	}
+	if h := st.holdOf(it); h != nil && h.draining {
+		h.left--
+	}
+}
+
+// holdOf is the hold of the item's key, or nil.
+func (st *stream) holdOf(it *item) *hold {
+	if it.row.OrderingKey == nil || *it.row.OrderingKey == "" {
+		return nil
+	}
+	return st.holds[*it.row.OrderingKey]
+}
+
+// parks reports whether a streamed row of a held key is parked instead of
+// delivered: every row of the key from the dead row on, but the dead row's
+// own replay; while the hold drains, the rows it read from the table.
+func (st *stream) parks(it *item) bool {
+	h := st.holdOf(it)
+	switch {
+	case h == nil:
+		return false
+	case h.draining:
+		return it.row.Sequence <= h.maxRead
+	case it.replay && it.row.Sequence == h.seq:
+		return false
+	}
+	return it.row.Sequence >= h.seq
+}
+
+// holdKey holds the key of a row that went dead: its queued rows are
+// parked (the holds table keeps them back).
+func (st *stream) holdKey(key string, seq int64, q *keyQueue) {
+	st.holds[key] = &hold{seq: seq}
+	for _, it := range q.items {
+		st.settled(it)
+	}
+	q.items = nil
+	st.s.logger.Info("Key held by a dead row: its later rows wait for a replay or a skip", watermill.LogFields{"sequence": seq})
+}
+
+// afterAck drains a hold whose dead row was delivered again, and releases
+// a draining hold once its rows are delivered.
+func (st *stream) afterAck(ctx context.Context, it *item) {
+	h := st.holdOf(it)
+	if h == nil {
+		return
+	}
+	key := *it.row.OrderingKey
+	switch {
+	case !h.draining && it.row.Sequence == h.seq:
+		st.startDrain(ctx, key, h)
+	case h.draining && h.left == 0:
+		st.release(ctx, key, h)
+	}
+}
+
+// startDrain reads the rows the hold kept back and queues them first.
+func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
+	s := st.s
+	h.wantDrain = true
+	if _, err := s.pool.Exec(ctx, s.q.Drain, key, h.seq); err != nil {
+		s.logger.Error("Could not mark a hold draining; retrying at the next tick", err, nil)
+		return
+	}
+	rows, err := s.pool.Query(ctx, s.q.Parked, key, h.seq)
+	if err != nil {
+		s.logger.Error("Could not read the rows of a held key; retrying at the next tick", err, nil)
+		return
+	}
+	var items []*item
+	for rows.Next() {
+		var r schema.ClaimedRow
+		if err := rows.Scan(st.scanArgs(&r)...); err != nil {
+			rows.Close()
+			s.logger.Error("Could not read the rows of a held key; retrying at the next tick", err, nil)
+			return
+		}
+		items = append(items, &item{row: r, key: keyOf(r)})
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		s.logger.Error("Could not read the rows of a held key; retrying at the next tick", err, nil)
+		return
+	}
+	h.draining, h.wantDrain, h.maxRead, h.left = true, false, h.seq, len(items)
+	if len(items) > 0 {
+		h.maxRead = items[len(items)-1].row.Sequence
+	}
+	s.logger.Info("Hold drains: the key's parked rows are delivered", watermill.LogFields{"rows": len(items)})
+	if len(items) == 0 {
+		st.release(ctx, key, h)
+		return
+	}
+	k := keyOf(items[0].row)
+	q := st.keys[k]
+	if q == nil {
+		q = &keyQueue{}
+		st.keys[k] = q
+	}
+	q.items = append(items, q.items...)
+	st.dispatch(ctx, k)
+}
+
+// release deletes a drained hold.
+func (st *stream) release(ctx context.Context, key string, h *hold) {
+	if _, err := st.s.pool.Exec(ctx, st.s.q.Release, key, h.seq); err != nil {
+		st.s.logger.Error("Could not release a hold; retrying at the next tick", err, nil)
+		return
+	}
+	delete(st.holds, key)
+}
+
+// loadHolds reads the holds table at the start of a session.
+func (st *stream) loadHolds(ctx context.Context) error {
+	st.holds = map[string]*hold{}
+	if !st.s.cols.OrderingKey {
+		return nil
+	}
+	rows, err := st.s.pool.Query(ctx, st.s.q.Holds)
+	if err != nil {
+		return fmt.Errorf("read the holds: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var (
+			key             string
+			seq             int64
+			draining, skipd bool
+		)
+		if err := rows.Scan(&key, &seq, &draining, &skipd); err != nil {
+			return fmt.Errorf("read the holds: %w", err)
+		}
+		// A hold that was draining drains again from the start (at the
+		// first tick): until then its key's rows are parked.
+		st.holds[key] = &hold{seq: seq, wantDrain: draining}
+	}
+	return rows.Err()
+}
+
+// tickHolds, at each status tick while keys are held, applies skips and
+// restarts drains (a session that began with a draining hold, or a drain
+// whose statements failed).
+func (st *stream) tickHolds(ctx context.Context) {
+	if len(st.holds) == 0 {
+		return
+	}
+	rows, err := st.s.pool.Query(ctx, st.s.q.Holds)
+	if err != nil {
+		st.s.logger.Error("Could not read the holds", err, nil)
+		return
+	}
+	type row struct {
+		key             string
+		seq             int64
+		draining, skipd bool
+	}
+	var list []row
+	for rows.Next() {
+		var r row
+		if err := rows.Scan(&r.key, &r.seq, &r.draining, &r.skipd); err != nil {
+			rows.Close()
+			st.s.logger.Error("Could not read the holds", err, nil)
+			return
+		}
+		list = append(list, r)
+	}
+	rows.Close()
+	for _, r := range list {
+		h := st.holds[r.key]
+		if h == nil || h.seq != r.seq {
+			continue
+		}
+		switch {
+		case !h.draining && (r.skipd || r.draining || h.wantDrain):
+			st.startDrain(ctx, r.key, h)
+		case h.draining && h.left == 0:
+			st.release(ctx, r.key, h) // a release that failed before
+		}
+	}
+}
+
+// scanArgs are the destinations of a row read from the table: the columns
+// of ClaimedRow.Scan, then ordering_key.
+func (st *stream) scanArgs(r *schema.ClaimedRow) []any {
+	cols := []any{&r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.Attempts, &r.LockedAt, &r.CreatedAt}
+	if st.s.cols.TraceContext {
+		cols = append(cols, &r.TraceParent, &r.TraceState)
+	}
+	if st.s.cols.Headers {
+		cols = append(cols, &r.Headers)
+	}
+	return append(cols, &r.OrderingKey)
 }
 
 // advance moves the confirmed position over the settled prefix of

@@ -245,8 +245,8 @@ func TestWALOrderAndRollback(t *testing.T) {
 
 // TestWALFailureIsolation: a nacked event holds only its key; it is
 // retried and delivered before the key's next event; an event that fails
-// for good goes dead with its last_error, the key goes on, and a replay
-// delivers it again.
+// for good goes dead with its last_error and holds its key (listed by the
+// runbook), and a replay delivers it, then the key's next event.
 func TestWALFailureIsolation(t *testing.T) {
 	t.Parallel()
 	pool, tbl := cluster(t)
@@ -284,7 +284,7 @@ func TestWALFailureIsolation(t *testing.T) {
 	if rec.has(held[1]) {
 		t.Fatal("the held key's second event was delivered while its first was retrying")
 	}
-	rec.waitAcked(t, append(held, doomed[1]), 10*time.Second)
+	rec.waitAcked(t, held, 10*time.Second)
 	rec.mu.Lock()
 	order := append([]int64(nil), rec.byKey["held"]...)
 	rec.mu.Unlock()
@@ -302,13 +302,38 @@ func TestWALFailureIsolation(t *testing.T) {
 	if !dead || attempts != 1 || lastErr == nil || !strings.Contains(*lastErr, "consumer rejects it") || strings.Contains(*lastErr, "s3cret") {
 		t.Fatalf("permanent failure: dead %v attempts %d last_error %v", dead, attempts, lastErr)
 	}
+	// The dead row holds its key: the key's next row waits, listed as held.
+	time.Sleep(300 * time.Millisecond)
+	if rec.has(doomed[1]) {
+		t.Fatal("the row after a dead row of its key was delivered")
+	}
+	keys, err := runbook.HeldKeys(ctx, pool, tbl, 0)
+	if err != nil || len(keys) != 1 || keys[0].Key != "doomed" || keys[0].EventID != doomed[0].String() || keys[0].DeadAt == nil {
+		t.Fatalf("held keys %+v (%v), want doomed held by %s", keys, err, doomed[0])
+	}
 	mu.Lock()
 	fixed = true
 	mu.Unlock()
 	if _, err := runbook.ReplayEvent(ctx, pool, tbl, doomed[0], runbook.ReplayOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	rec.waitAcked(t, doomed[:1], 10*time.Second)
+	rec.waitAcked(t, doomed, 10*time.Second)
+	rec.mu.Lock()
+	order = append([]int64(nil), rec.byKey["doomed"]...)
+	rec.mu.Unlock()
+	if len(order) != 2 || order[0] > order[1] {
+		t.Fatalf("doomed key delivered %v after the replay, want its dead row first", order)
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		keys, err = runbook.HeldKeys(ctx, pool, tbl, 0)
+		if err == nil && len(keys) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("hold not released after the replay: %+v %v", keys, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 	// The table relay's metrics: leader, dispatches by result, dead rows.
 	// The last ack is counted when the relay takes it, just after the
 	// handler returned.
@@ -768,5 +793,70 @@ func TestWALSlotLossFallback(t *testing.T) {
 	rec.mu.Unlock()
 	if dups != dupsBefore {
 		t.Fatalf("the relay after the backfill delivered %d rows again", dups-dupsBefore)
+	}
+}
+
+// TestWALSkipSurvivesRestart: a dead row holds its key across a relay
+// restart; a skip (runbook.SkipEvent) lets the key's later rows through in
+// order, the skipped row stays dead and is never delivered.
+func TestWALSkipSurvivesRestart(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	ids := enqueue(t, pool, tbl, "s", "s", "s")
+	rec := newRecorder()
+	reject := func(msg *message.Message) error {
+		if msg.UUID == ids[0].String() {
+			return subscriber.Permanent(errors.New("never"))
+		}
+		return nil
+	}
+	a := relay(t, pool, tbl, nil)
+	rec.consume(t, a, reject)
+	other := enqueue(t, pool, tbl, "o")
+	rec.waitAcked(t, other, 10*time.Second)
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		keys, err := runbook.HeldKeys(ctx, pool, tbl, 0)
+		if err == nil && len(keys) == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no hold: %+v %v", keys, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	more := enqueue(t, pool, tbl, "s")
+	b := relay(t, pool, tbl, nil)
+	rec.consume(t, b, reject)
+	later := enqueue(t, pool, tbl, "o")
+	rec.waitAcked(t, later, 10*time.Second)
+	time.Sleep(300 * time.Millisecond)
+	for _, id := range append(ids[1:], more...) {
+		if rec.has(id) {
+			t.Fatal("a row behind the dead row was delivered after the restart")
+		}
+	}
+	if _, err := runbook.SkipEvent(ctx, pool, tbl, ids[1], false); !errors.Is(err, runbook.ErrNotHeld) {
+		t.Fatalf("skip of a row that holds nothing: %v", err)
+	}
+	if _, err := runbook.SkipEvent(ctx, pool, tbl, ids[0], false); err != nil {
+		t.Fatal(err)
+	}
+	rec.waitAcked(t, append(ids[1:], more...), 10*time.Second)
+	rec.mu.Lock()
+	order := append([]int64(nil), rec.byKey["s"]...)
+	rec.mu.Unlock()
+	if len(order) != 3 || order[0] > order[1] || order[1] > order[2] {
+		t.Fatalf("key s delivered %v after the skip", order)
+	}
+	if rec.has(ids[0]) {
+		t.Fatal("the skipped row was delivered")
+	}
+	var dead bool
+	if err := pool.QueryRow(ctx, `SELECT dead_at IS NOT NULL FROM `+tbl.Sanitize()+` WHERE event_id = $1`, ids[0]).Scan(&dead); err != nil || !dead {
+		t.Fatalf("the skipped row is not dead (%v)", err)
 	}
 }
