@@ -129,6 +129,7 @@ type Enqueuer struct {
 	cfg    Config
 	v      validator
 	tables sync.Map // schema.Table -> *schema.Queries
+	wal    sync.Map // schema.Table -> bool: the WAL relay streams it (no wake-up)
 }
 
 // NewEnqueuer returns an Enqueuer for cfg.
@@ -176,8 +177,26 @@ func (e *Enqueuer) queries(ctx context.Context, tx Tx, table schema.Table) (*sch
 			return nil, err
 		}
 	}
+	// A table the WAL relay streams needs no wake-up: Enqueue takes the
+	// quiet statement there (detected once, like the columns).
+	var wal bool
+	if err := tx.QueryRow(ctx, schema.WALHoldsTableExists(table)).Scan(&wal); err != nil {
+		return nil, fmt.Errorf("publisher: enqueue into %s: look up the WAL relay's tables: %w", table, err)
+	}
+	e.wal.Store(table, wal)
 	q, _ := e.tables.LoadOrStore(table, schema.NewQueries(table, cols))
 	return q.(*schema.Queries), nil
+}
+
+// quiet reports whether enqueues into t wake no relay: DisableNotify, or a
+// table the WAL relay streams.
+func (e *Enqueuer) quiet(t schema.Table) bool {
+	if e.cfg.DisableNotify {
+		return true
+	}
+	wal, _ := e.wal.Load(t)
+	b, _ := wal.(bool)
+	return b
 }
 
 func (e *Enqueuer) check(table schema.Table, tx Tx) error {
@@ -201,6 +220,9 @@ func (e *Enqueuer) Enqueue(ctx context.Context, tx Tx, table schema.Table, msg M
 	}
 	if err := e.v.message(0, &msg, q.Columns); err != nil {
 		return 0, err
+	}
+	if e.quiet(table) && msg.OrderingKey == "" {
+		return e.enqueueQuiet(ctx, tx, q, msg)
 	}
 	args := []any{msg.TenantID.String(), msg.Topic, string(msg.Payload), msg.EventID.String(), e.channel(table)}
 	args, err = appendOptional(ctx, args, q.Columns, msg.Headers)
@@ -237,6 +259,34 @@ func (e *Enqueuer) Enqueue(ctx context.Context, tx Tx, table schema.Table, msg M
 		return seq, nil
 	}
 	e.cfg.Metrics.Enqueued(table.Qualified(), msg.Topic, 1)
+	return seq, nil
+}
+
+// enqueueQuiet writes an unkeyed row with no wake-up: one INSERT ... ON
+// CONFLICT DO NOTHING RETURNING sequence; an existing event_id is then read
+// and compared as Enqueue does.
+func (e *Enqueuer) enqueueQuiet(ctx context.Context, tx Tx, q *schema.Queries, msg Message) (int64, error) {
+	args, err := appendOptional(ctx, []any{msg.TenantID.String(), msg.Topic, string(msg.Payload), msg.EventID.String()}, q.Columns, msg.Headers)
+	if err != nil {
+		return 0, err
+	}
+	if q.Columns.OrderingKey {
+		args = append(args, nil)
+	}
+	var seq int64
+	err = tx.QueryRow(ctx, q.EnqueueQuiet, args...).Scan(&seq)
+	if isNoRows(err) {
+		found := map[string]int64{}
+		err = e.existing(ctx, tx, q, []string{msg.EventID.String()}, []string{string(msg.Payload)}, []Message{msg}, map[uuid.UUID]int{msg.EventID: 0}, found)
+		if err != nil {
+			return 0, err
+		}
+		return found[msg.EventID.String()], nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("publisher: enqueue into %s: %w", q.Table, err)
+	}
+	e.cfg.Metrics.Enqueued(q.Table.Qualified(), msg.Topic, 1)
 	return seq, nil
 }
 

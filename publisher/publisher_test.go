@@ -107,6 +107,28 @@ func TestAtomicity(t *testing.T) {
 
 func TestIdempotentEnqueue(t *testing.T) {
 	t.Parallel()
+	quiet, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The default statement, and the quiet one (no wake-up: DisableNotify
+	// or a WAL table), which reads an existing event_id after the fact.
+	for name, enqueue := range map[string]func(context.Context, pgx.Tx, schema.Table, publisher.Message) (int64, error){
+		"default": func(ctx context.Context, tx pgx.Tx, tbl schema.Table, m publisher.Message) (int64, error) {
+			return publisher.Enqueue(ctx, tx, tbl, m)
+		},
+		"quiet": func(ctx context.Context, tx pgx.Tx, tbl schema.Table, m publisher.Message) (int64, error) {
+			return quiet.Enqueue(ctx, tx, tbl, m)
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			testIdempotentEnqueue(t, enqueue)
+		})
+	}
+}
+
+func testIdempotentEnqueue(t *testing.T, enqueue func(context.Context, pgx.Tx, schema.Table, publisher.Message) (int64, error)) {
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "org_outbox")
 	ctx := context.Background()
@@ -114,30 +136,30 @@ func TestIdempotentEnqueue(t *testing.T) {
 	var first, second int64
 	inTx(t, pool, func(tx pgx.Tx) {
 		var err error
-		if first, err = publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+		if first, err = enqueue(ctx, tx, tbl, m); err != nil {
 			t.Fatal(err)
 		}
 	})
 	inTx(t, pool, func(tx pgx.Tx) {
 		var err error
-		if second, err = publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+		if second, err = enqueue(ctx, tx, tbl, m); err != nil {
 			t.Fatal(err)
 		}
 		// A different tenant or topic under the same event_id is a conflict,
 		// and the transaction stays usable afterwards.
 		other := m
 		other.Topic = "org.organization.deleted.v1"
-		_, err = publisher.Enqueue(ctx, tx, tbl, other)
+		_, err = enqueue(ctx, tx, tbl, other)
 		var ce *publisher.ConflictError
 		if !errors.As(err, &ce) || !errors.Is(err, publisher.ErrEventIDConflict) || ce.Sequence != first || ce.ExistingTopic != m.Topic {
 			t.Fatalf("conflicting re-enqueue: %v", err)
 		}
 		other = m
 		other.TenantID = uuid.New()
-		if _, err = publisher.Enqueue(ctx, tx, tbl, other); !errors.Is(err, publisher.ErrEventIDConflict) {
+		if _, err = enqueue(ctx, tx, tbl, other); !errors.Is(err, publisher.ErrEventIDConflict) {
 			t.Fatalf("conflicting tenant: %v", err)
 		}
-		if _, err := publisher.Enqueue(ctx, tx, tbl, newMsg("org.organization.created.v1")); err != nil {
+		if _, err := enqueue(ctx, tx, tbl, newMsg("org.organization.created.v1")); err != nil {
 			t.Fatalf("tx unusable after conflict: %v", err)
 		}
 	})
@@ -146,6 +168,80 @@ func TestIdempotentEnqueue(t *testing.T) {
 	}
 	if n := count(t, pool, tbl); n != 2 {
 		t.Fatalf("rows: %d, want 2", n)
+	}
+}
+
+// sqlRecorder records the statements a pool runs.
+type sqlRecorder struct {
+	mu  sync.Mutex
+	sql []string
+}
+
+func (r *sqlRecorder) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	r.mu.Lock()
+	r.sql = append(r.sql, d.SQL)
+	r.mu.Unlock()
+	return ctx
+}
+
+func (r *sqlRecorder) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (r *sqlRecorder) saw(sql string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, s := range r.sql {
+		if s == sql {
+			return true
+		}
+	}
+	return false
+}
+
+// TestEnqueueIntoWALTable: a table the WAL relay streams (it has the WAL
+// holds table) takes the quiet statement with the default config, for an
+// unkeyed row; a keyed row still takes the statement with the key lock.
+func TestEnqueueIntoWALTable(t *testing.T) {
+	t.Parallel()
+	rec := &sqlRecorder{}
+	pool := testdb.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = rec })
+	tbl := testdb.Table(t, "org_outbox", schema.WithOrderingKeyColumn())
+	ctx := context.Background()
+	q := schema.NewQueries(tbl, schema.Columns{OrderingKey: true})
+	enq, err := publisher.NewEnqueuer(publisher.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	inTx(t, pool, func(tx pgx.Tx) {
+		if _, err := enq.Enqueue(ctx, tx, tbl, newMsg("org.organization.created.v1")); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if rec.saw(q.EnqueueQuiet) || !rec.saw(q.Enqueue) {
+		t.Fatal("a table without the WAL relay took the quiet statement")
+	}
+	other := schema.MustParseTable(tbl.Schema() + ".wal_outbox")
+	if err := schema.Migrate(ctx, pool, other, schema.WithOrderingKeyColumn()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, schema.WALCreateHoldsTable(other)); err != nil {
+		t.Fatal(err)
+	}
+	oq := schema.NewQueries(other, schema.Columns{OrderingKey: true})
+	keyed := newMsg("org.organization.created.v1")
+	keyed.OrderingKey = "k"
+	inTx(t, pool, func(tx pgx.Tx) {
+		if _, err := enq.Enqueue(ctx, tx, other, newMsg("org.organization.created.v1")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := enq.Enqueue(ctx, tx, other, keyed); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if !rec.saw(oq.EnqueueQuiet) || !rec.saw(oq.Enqueue) {
+		t.Fatal("the WAL table did not take the quiet statement for the unkeyed row and the locking one for the keyed row")
+	}
+	if n := count(t, pool, other); n != 2 {
+		t.Fatalf("rows %d, want 2", n)
 	}
 }
 
@@ -361,6 +457,20 @@ func TestExecModes(t *testing.T) {
 				s2, err := publisher.Enqueue(ctx, tx, tbl, m)
 				if err != nil || s1 != s2 {
 					t.Fatalf("idempotent re-enqueue: %d %d %v", s1, s2, err)
+				}
+				// The quiet statement (no wake-up), in this mode too.
+				quiet, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: true})
+				if err != nil {
+					t.Fatal(err)
+				}
+				qm := newMsg("org.organization.created.v1")
+				qm.Headers = m.Headers
+				q1, err := quiet.Enqueue(ctx, tx, tbl, qm)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if q2, err := quiet.Enqueue(ctx, tx, tbl, qm); err != nil || q1 != q2 {
+					t.Fatalf("quiet idempotent re-enqueue: %d %d %v", q1, q2, err)
 				}
 				b := []publisher.Message{newMsg("org.a.b.v1"), newMsg("org.a.b.v1")}
 				b[1].Headers = map[string]string{"k": "v"}

@@ -29,6 +29,15 @@ type Queries struct {
 	// was committed by a concurrent transaction after the statement began:
 	// then read it with ExistingEvents.
 	Enqueue string
+	// EnqueueQuiet is Enqueue for a writer that wakes no relay
+	// (publisher.Config.DisableNotify, or a table the WAL relay streams)
+	// and a row without an ordering key: one INSERT ... ON CONFLICT
+	// (event_id) DO NOTHING RETURNING sequence, the cheapest statement that
+	// keeps Enqueue idempotent. Args: those of Enqueue without $5 (the
+	// channel), the optional columns renumbered from $5. Returns the
+	// sequence, or no row when the event_id exists: then read it with
+	// ExistingEvents.
+	EnqueueQuiet string
 
 	// EnqueueBatch is Enqueue for many rows, as text arrays in the same
 	// argument order, skipping event_ids that exist. It returns one row (so
@@ -223,6 +232,21 @@ res AS (
   WHERE event_id = $4::uuid AND NOT EXISTS (SELECT 1 FROM ins)
 )
 SELECT sequence, tenant_id::text, topic, inserted, same_payload, ` + notify + ` AND res.inserted) IS NULL FROM res`
+
+	quiet := make([]string, len(values))
+	for i, v := range values {
+		quiet[i] = v
+		if i >= 4 { // $6... become $5...: there is no channel argument
+			num, rest, _ := strings.Cut(v[1:], ":")
+			n, _ := strconv.Atoi(num)
+			quiet[i] = "$" + itoa(n-1)
+			if rest != "" {
+				quiet[i] += ":" + rest
+			}
+		}
+	}
+	q.EnqueueQuiet = `INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `) VALUES (` + strings.Join(quiet, ", ") + `)
+ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING sequence`
 
 	q.EnqueueBatch = `WITH u AS (SELECT * FROM unnest(` + strings.Join(unnestArgs, ", ") + `) AS u(` + strings.Join(aliases, ", ") + `)),` + batchLock + `
 ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `)
