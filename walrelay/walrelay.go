@@ -255,8 +255,11 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	s.done = make(chan struct{})
 	out := make(chan *message.Message)
 	go func() {
-		<-ctx.Done()
-		cancel()
+		select {
+		case <-ctx.Done():
+			cancel()
+		case <-rctx.Done(): // Close
+		}
 	}()
 	go s.run(rctx, out)
 	return out, nil

@@ -1,0 +1,24 @@
+package walrelay_test
+
+import (
+	"fmt"
+	"os"
+	"testing"
+
+	"go.uber.org/goleak"
+
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+)
+
+// TestMain fails the package when a goroutine outlives the tests.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	testdb.ClosePool()
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
