@@ -561,9 +561,14 @@ func (st *stream) loop(ctx context.Context) error {
 	// The reader outlives ctx until the loop returns: canceling a read
 	// closes the connection, and the final status must still go out.
 	rctx, stopReading := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopReading()
+	readerDone := make(chan struct{})
+	defer func() {
+		stopReading()
+		<-readerDone // before the connection is closed
+	}()
 	recv := make(chan received, 256)
 	go func() {
+		defer close(readerDone)
 		for {
 			m, err := st.conn.ReceiveMessage(rctx)
 			r := received{err: err}
