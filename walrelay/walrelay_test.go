@@ -5,9 +5,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -478,8 +480,8 @@ func TestWALBadSetup(t *testing.T) {
 
 // TestWALChaos: producers commit keyed events while the relay's
 // replication session is terminated again and again (as if the relay's
-// host died): nothing is lost, each key's first deliveries keep commit
-// order, and duplicates are counted.
+// host died) and one delivery in ten is nacked: nothing is lost, each
+// key's first deliveries keep commit order, and duplicates are counted.
 func TestWALChaos(t *testing.T) {
 	t.Parallel()
 	pool, tbl := cluster(t)
@@ -487,8 +489,18 @@ func TestWALChaos(t *testing.T) {
 	rec := newRecorder()
 	a := relay(t, pool, tbl, nil)
 	b := relay(t, pool, tbl, nil)
-	rec.consume(t, a, nil)
-	rec.consume(t, b, nil)
+	// One delivery in ten is nacked (a transient failure): the key waits
+	// for the retry, the others flow.
+	var nacks atomic.Int64
+	flaky := func(msg *message.Message) error {
+		if rand.IntN(10) == 0 {
+			nacks.Add(1)
+			return errors.New("transient")
+		}
+		return nil
+	}
+	rec.consume(t, a, flaky)
+	rec.consume(t, b, flaky)
 	var (
 		mu        sync.Mutex
 		committed []uuid.UUID
@@ -551,7 +563,10 @@ func TestWALChaos(t *testing.T) {
 	if kills < 4 {
 		t.Fatalf("only %d replication sessions terminated", kills)
 	}
-	t.Logf("%d events, %d sessions terminated, %d duplicates", len(committed), kills, dups)
+	if nacks.Load() == 0 {
+		t.Fatal("no delivery was nacked")
+	}
+	t.Logf("%d events, %d sessions terminated, %d nacks, %d duplicates", len(committed), kills, nacks.Load(), dups)
 }
 
 // TestWALSlotLag: while a row waits for its verdict the collector shows the
