@@ -114,7 +114,10 @@ func WALCreateHoldsTable(t Table) string {
   event_id          UUID        NOT NULL,
   draining          BOOLEAN     NOT NULL DEFAULT false,
   skip_requested_at TIMESTAMPTZ NULL,
-  held_at           TIMESTAMPTZ NOT NULL DEFAULT now()
+  held_at           TIMESTAMPTZ NOT NULL DEFAULT now(),
+  through           BIGINT      NOT NULL DEFAULT 0,
+  released          BOOLEAN     NOT NULL DEFAULT false,
+  until_lsn         PG_LSN      NULL
 )`
 }
 
@@ -162,17 +165,27 @@ type WALQueries struct {
 	// (the key, the row's sequence and event_id) replaces any hold of the
 	// key. Returns: rows changed.
 	MarkDeadHold string
-	// Holds lists the holds: key, sequence, draining, skip requested.
+	// Holds lists the holds: key, sequence, draining, skip requested,
+	// through, released, until_lsn (text, '' when NULL).
 	Holds string
 	// Drain marks the hold of key $1 at sequence $2 as draining (its dead
-	// row was delivered again or skipped). Returns: whether it did.
+	// row was delivered again or skipped), with $3 the last sequence its
+	// drain read (through never moves back) and $4 (text) the WAL position
+	// after that read.
 	Drain string
 	// Parked reads the rows of key $1 after sequence $2 that are not
 	// published and not dead, in sequence order: what a hold kept back.
 	// The columns of ClaimedRow.Scan, then ordering_key.
 	Parked string
-	// Release deletes the hold of key $1 at sequence $2.
+	// Release turns the drained hold of key $1 at sequence $2 into a
+	// tombstone: released, through $3 (the stream's copies of the rows up
+	// to it were delivered by the drain, or skipped, and are parked),
+	// kept until the relay confirms until_lsn.
 	Release string
+	// Forget deletes the tombstone of key $1 at sequence $2.
+	Forget string
+	// InsertPosition reads the WAL insert position (text).
+	InsertPosition string
 	// Start reads, for slot $1, its confirmed_flush_lsn (text, '' when the
 	// slot is gone) and the confirmed position the relay last recorded in
 	// the progress table (text, '' when none). A slot ahead of the record
@@ -216,13 +229,16 @@ func NewWALQueries(t Table, c Columns) WALQueries {
 ), h AS (
   INSERT INTO ` + holds + ` (ordering_key, sequence, event_id) SELECT $4::text, sequence, event_id FROM d WHERE $4::text IS NOT NULL
   ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id, draining = false,
-    skip_requested_at = NULL, held_at = now()
+    skip_requested_at = NULL, held_at = now(), released = false, until_lsn = NULL
 )
 SELECT count(*) FROM d`,
-		Holds:   `SELECT ordering_key, sequence, draining, skip_requested_at IS NOT NULL FROM ` + holds,
-		Drain:   `UPDATE ` + holds + ` SET draining = true WHERE ordering_key = $1 AND sequence = $2`,
-		Parked:  `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence`,
-		Release: `DELETE FROM ` + holds + ` WHERE ordering_key = $1 AND sequence = $2`,
+		Holds: `SELECT ordering_key, sequence, draining, skip_requested_at IS NOT NULL, through, released, COALESCE(until_lsn::text, '') FROM ` + holds,
+		Drain: `UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn
+WHERE ordering_key = $1 AND sequence = $2 AND NOT released`,
+		Parked:         `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence`,
+		Release:        `UPDATE ` + holds + ` SET released = true, draining = false, through = GREATEST(through, $3) WHERE ordering_key = $1 AND sequence = $2`,
+		Forget:         `DELETE FROM ` + holds + ` WHERE ordering_key = $1 AND sequence = $2 AND released`,
+		InsertPosition: `SELECT pg_current_wal_insert_lsn()::text`,
 		Start: `SELECT COALESCE((SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1), ''),
   COALESCE((SELECT confirmed_lsn::text FROM ` + prog + ` WHERE slot = $1), '')`,
 		Unsettled: `SELECT ` + cols + `, ` + key + ` FROM ` + tbl + ` AS o
@@ -298,6 +314,7 @@ func WALListHolds(t Table) string {
 	return `SELECT h.ordering_key, 0, h.sequence, COALESCE(o.attempts, 0), NULLIF(o.available_at, 'infinity'), o.last_error, o.dead_at,
   h.skip_requested_at, h.event_id::text, o.topic, false
 FROM ` + t.WALHoldsTable() + ` AS h LEFT JOIN ` + t.Sanitize() + ` AS o ON o.event_id = h.event_id
+WHERE NOT h.released
 ORDER BY h.held_at, h.ordering_key LIMIT $1`
 }
 
@@ -307,5 +324,5 @@ ORDER BY h.held_at, h.ordering_key LIMIT $1`
 // holds no key (or its hold drains already).
 func WALSkipHold(t Table) string {
 	return `UPDATE ` + t.WALHoldsTable() + ` SET skip_requested_at = now()
-WHERE event_id = $1::uuid AND NOT draining RETURNING ordering_key, sequence`
+WHERE event_id = $1::uuid AND NOT draining AND NOT released RETURNING ordering_key, sequence`
 }

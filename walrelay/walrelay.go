@@ -318,14 +318,19 @@ type item struct {
 // hold is an ordering key held back by a dead row (persisted in the holds
 // table): the key's later rows are parked, not delivered, until the dead
 // row is delivered again (a replay) or skipped; then the parked rows are
-// read from the table and delivered in order (draining) and the hold is
-// released.
+// read from the table and delivered in order (draining) and the hold
+// becomes a tombstone until the relay's confirmed position passes every
+// row the drain read: the stream's own copies of those rows (the relay may
+// be behind) are parked, not delivered again.
 type hold struct {
 	seq       int64 // the dead row's sequence
+	through   int64 // rows of the key up to it went through a drain (or were skipped): park their copies
 	draining  bool
-	wantDrain bool  // a drain was asked for and its statements failed
-	maxRead   int64 // draining: the last sequence read from the table
-	left      int   // draining: rows read and not settled yet
+	released  bool          // a tombstone
+	untilLSN  pglogrepl.LSN // the WAL position after the last drain's read
+	wantDrain bool          // a drain was asked for and its statements failed
+	maxRead   int64         // draining: the last sequence read from the table
+	left      int           // draining: rows read and not settled yet
 }
 
 // txn is one committed transaction: its end position and its rows not
@@ -957,13 +962,15 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		st.dispatch(ctx, it.key)
 		return
 	}
+	deadChanged := false
 	if !v.ack {
 		last := redact.Summary(v.err.Error(), []byte(it.row.Payload), st.s.cfg.LastErrorMaxBytes)
 		var key *string
 		if k := it.row.OrderingKey; k != nil && *k != "" && st.s.cols.OrderingKey {
 			key = k
 		}
-		if _, err := st.s.pool.Exec(ctx, st.s.q.MarkDeadHold, it.row.ID, it.attempts, last, key); err != nil {
+		var changed int
+		if err := st.s.pool.QueryRow(ctx, st.s.q.MarkDeadHold, it.row.ID, it.attempts, last, key).Scan(&changed); err != nil {
 			// Not recorded: keep the key held and try again later.
 			st.s.logger.Error("Could not park a row dead; retrying", err, watermill.LogFields{"sequence": it.row.Sequence})
 			q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
@@ -971,7 +978,13 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			st.dispatch(ctx, it.key)
 			return
 		}
+		// A row already dead (a copy of a skipped row) or published holds
+		// nothing: the statement changed no row.
+		deadChanged = changed > 0
 		st.s.logger.Info("Row dead", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
+		if k := it.row.OrderingKey; k != nil {
+			st.s.logger.Trace("Dead", watermill.LogFields{"key": *k, "sequence": it.row.Sequence, "drained": it.tx == nil, "replay": it.replay})
+		}
 		if m := st.s.cfg.Metrics; m != nil {
 			m.DeadTotal.WithLabelValues(st.s.cfg.Table.Qualified(), it.row.Topic).Inc()
 		}
@@ -979,7 +992,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	q.items = q.items[1:]
 	q.retryAt = time.Time{}
 	st.settled(it)
-	if !v.ack && it.row.OrderingKey != nil && *it.row.OrderingKey != "" && st.s.cols.OrderingKey {
+	if !v.ack && it.row.OrderingKey != nil && *it.row.OrderingKey != "" && st.s.cols.OrderingKey && deadChanged {
 		st.holdKey(*it.row.OrderingKey, it.row.Sequence, q)
 	} else if v.ack {
 		st.afterAck(ctx, it)
@@ -1009,30 +1022,44 @@ func (st *stream) holdOf(it *item) *hold {
 }
 
 // parks reports whether a streamed row of a held key is parked instead of
-// delivered: every row of the key from the dead row on, but the dead row's
-// own replay; while the hold drains, the rows it read from the table.
+// delivered: a copy of a row a drain delivered (or skipped), every row of
+// the key from the dead row on but the dead row's own replay, and while the
+// hold drains, the rows it read from the table.
 func (st *stream) parks(it *item) bool {
 	h := st.holdOf(it)
-	switch {
-	case h == nil:
-		return false
-	case h.draining:
-		return it.row.Sequence <= h.maxRead
-	case it.replay && it.row.Sequence == h.seq:
+	if h == nil {
 		return false
 	}
-	return it.row.Sequence >= h.seq
+	seq := it.row.Sequence
+	replayOfHeld := it.replay && seq == h.seq && !h.draining && !h.released
+	switch {
+	case replayOfHeld:
+		return false
+	case seq <= h.through:
+		return true
+	case h.released:
+		return false
+	case h.draining:
+		return seq <= h.maxRead
+	}
+	return seq >= h.seq
 }
 
 // holdKey holds the key of a row that went dead: its queued rows are
-// parked (the holds table keeps them back).
+// parked (the holds table keeps them back). A tombstone's or an earlier
+// drain's through is kept.
 func (st *stream) holdKey(key string, seq int64, q *keyQueue) {
-	st.holds[key] = &hold{seq: seq}
+	h := &hold{seq: seq}
+	if old := st.holds[key]; old != nil {
+		h.through = max(old.through, old.maxRead)
+	}
+	st.holds[key] = h
 	for _, it := range q.items {
 		st.settled(it)
 	}
 	q.items = nil
 	st.s.logger.Info("Key held by a dead row: its later rows wait for a replay or a skip", watermill.LogFields{"sequence": seq})
+	st.s.logger.Trace("Hold", watermill.LogFields{"key": key, "sequence": seq, "parked": len(q.items)})
 }
 
 // afterAck drains a hold whose dead row was delivered again, and releases
@@ -1044,7 +1071,7 @@ func (st *stream) afterAck(ctx context.Context, it *item) {
 	}
 	key := *it.row.OrderingKey
 	switch {
-	case !h.draining && it.row.Sequence == h.seq:
+	case !h.draining && !h.released && it.row.Sequence == h.seq:
 		st.startDrain(ctx, key, h)
 	case h.draining && h.left == 0:
 		st.release(ctx, key, h)
@@ -1055,10 +1082,6 @@ func (st *stream) afterAck(ctx context.Context, it *item) {
 func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
 	s := st.s
 	h.wantDrain = true
-	if _, err := s.pool.Exec(ctx, s.q.Drain, key, h.seq); err != nil {
-		s.logger.Error("Could not mark a hold draining; retrying at the next tick", err, nil)
-		return
-	}
 	rows, err := s.pool.Query(ctx, s.q.Parked, key, h.seq)
 	if err != nil {
 		s.logger.Error("Could not read the rows of a held key; retrying at the next tick", err, nil)
@@ -1079,11 +1102,29 @@ func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
 		s.logger.Error("Could not read the rows of a held key; retrying at the next tick", err, nil)
 		return
 	}
-	h.draining, h.wantDrain, h.maxRead, h.left = true, false, h.seq, len(items)
-	if len(items) > 0 {
-		h.maxRead = items[len(items)-1].row.Sequence
+	// Every row read was committed before this position: once the relay
+	// confirmed it, the stream holds no more copies of them.
+	var lsnText string
+	if err := s.pool.QueryRow(ctx, s.q.InsertPosition).Scan(&lsnText); err != nil {
+		s.logger.Error("Could not read the WAL position; retrying at the next tick", err, nil)
+		return
 	}
+	lsn, err := pglogrepl.ParseLSN(lsnText)
+	if err != nil {
+		s.logger.Error("Could not read the WAL position; retrying at the next tick", err, nil)
+		return
+	}
+	maxRead := h.seq
+	if len(items) > 0 {
+		maxRead = items[len(items)-1].row.Sequence
+	}
+	if _, err := s.pool.Exec(ctx, s.q.Drain, key, h.seq, maxRead, lsnText); err != nil {
+		s.logger.Error("Could not mark a hold draining; retrying at the next tick", err, nil)
+		return
+	}
+	h.draining, h.wantDrain, h.maxRead, h.left, h.untilLSN = true, false, maxRead, len(items), lsn
 	s.logger.Info("Hold drains: the key's parked rows are delivered", watermill.LogFields{"rows": len(items)})
+	s.logger.Trace("Drain", watermill.LogFields{"key": key, "sequence": h.seq, "rows": len(items), "max_read": h.maxRead})
 	if len(items) == 0 {
 		st.release(ctx, key, h)
 		return
@@ -1098,13 +1139,54 @@ func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
 	st.dispatch(ctx, k)
 }
 
-// release deletes a drained hold.
+// release turns a drained hold into a tombstone.
 func (st *stream) release(ctx context.Context, key string, h *hold) {
-	if _, err := st.s.pool.Exec(ctx, st.s.q.Release, key, h.seq); err != nil {
+	through := max(h.through, h.maxRead)
+	if _, err := st.s.pool.Exec(ctx, st.s.q.Release, key, h.seq, through); err != nil {
 		st.s.logger.Error("Could not release a hold; retrying at the next tick", err, nil)
 		return
 	}
+	h.released, h.draining, h.through = true, false, through
+	st.s.logger.Trace("Release", watermill.LogFields{"key": key, "sequence": h.seq, "through": through})
+	st.forget(ctx, key, h)
+}
+
+// forget deletes a tombstone once the confirmed position passed every copy
+// of the rows it parks.
+func (st *stream) forget(ctx context.Context, key string, h *hold) {
+	if !h.released || h.untilLSN > st.confirmed {
+		return
+	}
+	if _, err := st.s.pool.Exec(ctx, st.s.q.Forget, key, h.seq); err != nil {
+		st.s.logger.Error("Could not delete a hold's tombstone; retrying at the next tick", err, nil)
+		return
+	}
 	delete(st.holds, key)
+}
+
+// holdRow is one row of the holds table.
+type holdRow struct {
+	key                       string
+	seq, through              int64
+	draining, skipd, released bool
+	until                     string
+}
+
+func (st *stream) readHolds(ctx context.Context) ([]holdRow, error) {
+	rows, err := st.s.pool.Query(ctx, st.s.q.Holds)
+	if err != nil {
+		return nil, fmt.Errorf("read the holds: %w", err)
+	}
+	defer rows.Close()
+	var out []holdRow
+	for rows.Next() {
+		var r holdRow
+		if err := rows.Scan(&r.key, &r.seq, &r.draining, &r.skipd, &r.through, &r.released, &r.until); err != nil {
+			return nil, fmt.Errorf("read the holds: %w", err)
+		}
+		out = append(out, r)
+	}
+	return out, rows.Err()
 }
 
 // loadHolds reads the holds table at the start of a session.
@@ -1113,61 +1195,46 @@ func (st *stream) loadHolds(ctx context.Context) error {
 	if !st.s.cols.OrderingKey {
 		return nil
 	}
-	rows, err := st.s.pool.Query(ctx, st.s.q.Holds)
+	list, err := st.readHolds(ctx)
 	if err != nil {
-		return fmt.Errorf("read the holds: %w", err)
+		return err
 	}
-	defer rows.Close()
-	for rows.Next() {
-		var (
-			key             string
-			seq             int64
-			draining, skipd bool
-		)
-		if err := rows.Scan(&key, &seq, &draining, &skipd); err != nil {
-			return fmt.Errorf("read the holds: %w", err)
+	for _, r := range list {
+		h := &hold{seq: r.seq, through: r.through, released: r.released}
+		if r.until != "" {
+			if h.untilLSN, err = pglogrepl.ParseLSN(r.until); err != nil {
+				return fmt.Errorf("read the holds: %w", err)
+			}
 		}
 		// A hold that was draining drains again from the start (at the
 		// first tick): until then its key's rows are parked.
-		st.holds[key] = &hold{seq: seq, wantDrain: draining}
+		h.wantDrain = r.draining && !r.released
+		st.holds[r.key] = h
 	}
-	return rows.Err()
+	return nil
 }
 
-// tickHolds, at each status tick while keys are held, applies skips and
+// tickHolds, at each status tick while keys are held, applies skips,
 // restarts drains (a session that began with a draining hold, or a drain
-// whose statements failed).
+// whose statements failed), retries releases and forgets tombstones the
+// confirmed position passed.
 func (st *stream) tickHolds(ctx context.Context) {
 	if len(st.holds) == 0 {
 		return
 	}
-	rows, err := st.s.pool.Query(ctx, st.s.q.Holds)
+	list, err := st.readHolds(ctx)
 	if err != nil {
 		st.s.logger.Error("Could not read the holds", err, nil)
 		return
 	}
-	type row struct {
-		key             string
-		seq             int64
-		draining, skipd bool
-	}
-	var list []row
-	for rows.Next() {
-		var r row
-		if err := rows.Scan(&r.key, &r.seq, &r.draining, &r.skipd); err != nil {
-			rows.Close()
-			st.s.logger.Error("Could not read the holds", err, nil)
-			return
-		}
-		list = append(list, r)
-	}
-	rows.Close()
 	for _, r := range list {
 		h := st.holds[r.key]
 		if h == nil || h.seq != r.seq {
 			continue
 		}
 		switch {
+		case h.released:
+			st.forget(ctx, r.key, h)
 		case !h.draining && (r.skipd || r.draining || h.wantDrain):
 			st.startDrain(ctx, r.key, h)
 		case h.draining && h.left == 0:

@@ -57,12 +57,17 @@ func cluster(t *testing.T) (*pgxpool.Pool, schema.Table) {
 
 func relay(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, mutate func(*walrelay.Config)) *walrelay.Subscriber {
 	t.Helper()
+	return relayLogged(t, pool, tbl, mutate, watermill.NopLogger{})
+}
+
+func relayLogged(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, mutate func(*walrelay.Config), logger watermill.LoggerAdapter) *walrelay.Subscriber {
+	t.Helper()
 	cfg := walrelay.Config{Table: tbl, StatusInterval: 100 * time.Millisecond, ElectionInterval: 100 * time.Millisecond,
 		CloseTimeout: 2 * time.Second, Backoff: func(int) time.Duration { return 20 * time.Millisecond }}
 	if mutate != nil {
 		mutate(&cfg)
 	}
-	s, err := walrelay.New(context.Background(), pool, cfg, watermill.NopLogger{})
+	s, err := walrelay.New(context.Background(), pool, cfg, logger)
 	if err != nil {
 		t.Fatal(err)
 	}

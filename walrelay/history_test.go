@@ -1,0 +1,370 @@
+package walrelay_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+	"github.com/outboxkit/watermill-outbox/walrelay"
+)
+
+// TestWALHistory is a randomized history of the WAL relay: producers commit
+// keyed events; handlers fail some events for good (they go dead and hold
+// their key) and nack others now and then; an operator replays or skips
+// every held row; relays are closed, replaced and have their replication
+// session terminated. The history must keep these rules:
+//
+//  1. every committed event is acked, unless it was skipped;
+//  2. a skipped event is never acked;
+//  3. per key, first acks are in commit order (sequence order, as keyed
+//     writers serialise), skipped events left out;
+//  4. no event is acked before every earlier event of its key was acked or
+//     its skip requested.
+//
+// WAL_HISTORY_EVENTS sets the size (default 1,500).
+func TestWALHistory(t *testing.T) {
+	t.Parallel()
+	events := 1500
+	if v, err := strconv.Atoi(os.Getenv("WAL_HISTORY_EVENTS")); err == nil && v > 0 {
+		events = v
+	}
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	trace := &lockedLog{}
+	logger := watermill.NewStdLoggerWithOut(trace, true, true)
+	note := func(format string, args ...any) {
+		trace.line(time.Now().Format("15:04:05.000000") + " test " + fmt.Sprintf(format, args...))
+	}
+
+	type ev = histEvent
+	var (
+		mu     sync.Mutex
+		byID   = map[string]*ev{}
+		byKey  = map[string][]*ev{} // in sequence order
+		nacks  int
+		replay int
+		skips  int
+	)
+	handle := func(msg *message.Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		e := byID[msg.UUID]
+		if e == nil {
+			return errors.New("unknown event")
+		}
+		if e.doomed {
+			note("reject key %s seq %d", e.key, e.seq)
+			return subscriber.Permanent(errors.New("rejected for good"))
+		}
+		if rand.IntN(20) == 0 {
+			nacks++
+			note("nack key %s seq %d", e.key, e.seq)
+			return errors.New("transient")
+		}
+		if e.acks == 0 {
+			e.firstAck = time.Now()
+		}
+		e.acks++
+		note("ack key %s seq %d", e.key, e.seq)
+		return nil
+	}
+	var (
+		relaysMu sync.Mutex
+		relays   []*walrelay.Subscriber
+	)
+	start := func() {
+		s := relayLogged(t, pool, tbl, func(c *walrelay.Config) {
+			c.MaxAttempts = 3
+			c.Backoff = func(int) time.Duration { return 10 * time.Millisecond }
+		}, logger)
+		note("relay started %p", s)
+		ch, err := s.Subscribe(ctx, subscriber.AllTopics)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			for msg := range ch {
+				go func(msg *message.Message) {
+					if err := handle(msg); err != nil {
+						subscriber.RecordError(msg, err)
+						msg.Nack()
+						return
+					}
+					msg.Ack()
+				}(msg)
+			}
+		}()
+		relaysMu.Lock()
+		relays = append(relays, s)
+		relaysMu.Unlock()
+	}
+	start()
+	start()
+
+	// Producers: batches of keyed events; 4% are doomed.
+	var produced sync.WaitGroup
+	produced.Add(1)
+	go func() {
+		defer produced.Done()
+		for n := 0; n < events; {
+			keys := make([]string, 5)
+			for i := range keys {
+				keys[i] = fmt.Sprintf("k%d", rand.IntN(30))
+			}
+			mu.Lock()
+			ids, err := enqueueErr(pool, tbl, false, keys...)
+			if err != nil {
+				mu.Unlock()
+				t.Error(err)
+				return
+			}
+			for i, id := range ids {
+				var seq int64
+				if err := pool.QueryRow(ctx, `SELECT sequence FROM `+tbl.Sanitize()+` WHERE event_id = $1`, id).Scan(&seq); err != nil {
+					mu.Unlock()
+					t.Error(err)
+					return
+				}
+				e := &ev{key: keys[i], seq: seq, doomed: rand.IntN(25) == 0}
+				byID[id.String()] = e
+				byKey[keys[i]] = append(byKey[keys[i]], e)
+			}
+			mu.Unlock()
+			n += len(ids)
+			time.Sleep(2 * time.Millisecond)
+		}
+	}()
+
+	// The operator: replays or skips every held row.
+	stop := make(chan struct{})
+	opDone := make(chan struct{})
+	go func() {
+		defer close(opDone)
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+			held, err := runbook.HeldKeys(ctx, pool, tbl, 1000)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			for _, h := range held {
+				if h.DeadAt == nil || h.SkipRequestedAt != nil {
+					continue
+				}
+				id, err := uuid.Parse(h.EventID)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if rand.IntN(2) == 0 {
+					mu.Lock()
+					byID[h.EventID].doomed = false
+					mu.Unlock()
+					note("replay key %s seq %d", h.Key, h.Sequence)
+					if _, err := runbook.ReplayEvent(ctx, pool, tbl, id, runbook.ReplayOptions{}); err != nil {
+						t.Errorf("replay %s: %v", id, err)
+						return
+					}
+					mu.Lock()
+					replay++
+					mu.Unlock()
+				} else {
+					mu.Lock()
+					byID[h.EventID].skipAt = time.Now()
+					mu.Unlock()
+					note("skip key %s seq %d", h.Key, h.Sequence)
+					if _, err := runbook.SkipEvent(ctx, pool, tbl, id, false); err != nil {
+						t.Errorf("skip %s: %v", id, err)
+						return
+					}
+					mu.Lock()
+					skips++
+					mu.Unlock()
+				}
+			}
+		}
+	}()
+
+	// Chaos: terminate replication sessions, replace relays.
+	for i := 0; i < 12; i++ {
+		time.Sleep(150 * time.Millisecond)
+		if i%3 == 2 {
+			relaysMu.Lock()
+			old := relays[0]
+			relays = relays[1:]
+			relaysMu.Unlock()
+			_ = old.Close()
+			note("relay closed %p", old)
+			start()
+			continue
+		}
+		if _, err := pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_replication WHERE application_name = 'outbox-walrelay'`); err != nil {
+			t.Fatal(err)
+		}
+		note("sessions terminated")
+	}
+	produced.Wait()
+
+	// Settle: every event acked or skipped.
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		mu.Lock()
+		left := 0
+		for _, e := range byID {
+			if e.acks == 0 && e.skipAt.IsZero() {
+				left++
+			}
+		}
+		mu.Unlock()
+		if left == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			held, _ := runbook.HeldKeys(ctx, pool, tbl, 100)
+			mu.Lock()
+			shown := 0
+			for id, e := range byID {
+				if e.acks == 0 && e.skipAt.IsZero() && shown < 3 {
+					shown++
+					var dead, published bool
+					var attempts int
+					_ = pool.QueryRow(ctx, `SELECT dead_at IS NOT NULL, published_at IS NOT NULL, attempts FROM `+tbl.Sanitize()+` WHERE event_id = $1`, id).Scan(&dead, &published, &attempts)
+					t.Logf("stuck: key %s seq %d doomed %v; row dead %v attempts %d", e.key, e.seq, e.doomed, dead, attempts)
+				}
+			}
+			mu.Unlock()
+			trace.dump(t, stuckKey(byID))
+			t.Fatalf("rule 1: %d events neither acked nor skipped after 60 s; holds %+v", left, held)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	close(stop)
+	<-opDone
+	time.Sleep(200 * time.Millisecond) // late duplicates
+
+	mu.Lock()
+	defer mu.Unlock()
+	violations := 0
+	violatedKey := ""
+	for k, list := range byKey {
+		var lastAck time.Time
+		var lastSeq int64
+		for _, e := range list {
+			if !e.skipAt.IsZero() {
+				if e.acks > 0 {
+					t.Errorf("rule 2: key %s: skipped event seq %d was acked", k, e.seq)
+					violations++
+					violatedKey = k
+				}
+				lastAck = maxTime(lastAck, e.skipAt)
+				continue
+			}
+			if e.seq <= lastSeq {
+				t.Errorf("key %s: sequences not increasing in the record (%d after %d)", k, e.seq, lastSeq)
+			}
+			lastSeq = e.seq
+			if e.firstAck.Before(lastAck) {
+				t.Errorf("rules 3-4: key %s: seq %d first acked at %s, before an earlier event of its key was acked or skipped (%s)",
+					k, e.seq, e.firstAck.Format("15:04:05.000000"), lastAck.Format("15:04:05.000000"))
+				violations++
+				violatedKey = k
+			}
+			lastAck = maxTime(lastAck, e.firstAck)
+		}
+	}
+	dups := 0
+	for _, e := range byID {
+		if e.acks > 1 {
+			dups += e.acks - 1
+		}
+	}
+	if violations > 0 {
+		trace.dump(t, violatedKey)
+	}
+	t.Logf("%d events over %d keys; %d nacks, %d replays, %d skips, %d duplicates; %d violations",
+		len(byID), len(byKey), nacks, replay, skips, dups, violations)
+}
+
+// histEvent is one event of TestWALHistory.
+type histEvent struct {
+	key      string
+	seq      int64
+	doomed   bool // fails for good until replayed
+	skipAt   time.Time
+	firstAck time.Time
+	acks     int
+}
+
+func maxTime(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
+}
+
+// lockedLog collects the relays' log and the test's notes.
+type lockedLog struct {
+	mu    sync.Mutex
+	lines []string
+	part  []byte
+}
+
+func (l *lockedLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.part = append(l.part, p...)
+	for {
+		i := bytes.IndexByte(l.part, '\n')
+		if i < 0 {
+			break
+		}
+		l.lines = append(l.lines, string(l.part[:i]))
+		l.part = l.part[i+1:]
+	}
+	return len(p), nil
+}
+
+func (l *lockedLog) line(s string) {
+	l.mu.Lock()
+	l.lines = append(l.lines, s)
+	l.mu.Unlock()
+}
+
+// dump logs the lines about key k (and the relays' lifecycle).
+func (l *lockedLog) dump(t *testing.T, k string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, s := range l.lines {
+		if strings.Contains(s, "key "+k+" ") || strings.Contains(s, "key="+k+" ") || strings.Contains(s, "relay ") ||
+			strings.Contains(s, "terminated") || strings.Contains(s, "WAL relay active") || strings.Contains(s, "stream ended") {
+			t.Log(s)
+		}
+	}
+}
+
+func stuckKey(byID map[string]*histEvent) string {
+	for _, e := range byID {
+		if e.acks == 0 && e.skipAt.IsZero() {
+			return e.key
+		}
+	}
+	return ""
+}
