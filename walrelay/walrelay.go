@@ -373,6 +373,7 @@ type stream struct {
 	gone      chan struct{} // closed when the loop ends: verdicts are dropped
 	draining  bool          // no new deliveries
 	retry     *time.Timer
+	retryAt   time.Time // when retry fires; zero when it is not armed
 	inFlight  sync.WaitGroup
 	// horizon candidates (xid8 text, the WAL position after it), oldest
 	// first; one becomes the horizon once the confirmed position passes it.
@@ -613,6 +614,7 @@ func (st *stream) loop(ctx context.Context) error {
 		case v := <-st.settles:
 			st.onSettle(dctx, v)
 		case <-st.retry.C:
+			st.retryAt = time.Time{}
 			st.dispatchAll(dctx)
 		case <-tick.C:
 			if err := st.status(false); err != nil {
@@ -776,9 +778,12 @@ func (st *stream) commit(ctx context.Context, tx *txn) {
 		}
 		q.items = append(q.items, it)
 	}
-	tx.items = nil
 	st.markOldest()
-	st.dispatchAll(ctx)
+	// Only the keys of this transaction can have become deliverable.
+	for _, it := range tx.items {
+		st.dispatch(ctx, it.key)
+	}
+	tx.items = nil
 }
 
 // keyOf is the ordering of a row: its ordering key, else its topic.
@@ -872,8 +877,17 @@ func (st *stream) dispatchAll(ctx context.Context) {
 		st.deliver(ctx, q, q.items[0])
 	}
 	if !next.IsZero() {
-		st.retry.Reset(time.Until(next))
+		st.schedule(next)
 	}
+}
+
+// schedule arms the retry timer for t unless it fires earlier already.
+func (st *stream) schedule(t time.Time) {
+	if !st.retryAt.IsZero() && !t.Before(st.retryAt) {
+		return
+	}
+	st.retryAt = t
+	st.retry.Reset(time.Until(t))
 }
 
 func (st *stream) dispatch(ctx context.Context, key string) {
@@ -888,8 +902,8 @@ func (st *stream) dispatch(ctx context.Context, key string) {
 	if q.inFlight || st.draining {
 		return
 	}
-	if d := time.Until(q.retryAt); d > 0 {
-		st.retry.Reset(d)
+	if q.retryAt.After(time.Now()) {
+		st.schedule(q.retryAt)
 		return
 	}
 	st.deliver(ctx, q, q.items[0])
