@@ -34,8 +34,15 @@ import (
 // cluster starts a private PostgreSQL with wal_level = logical and
 // returns a pool on it and an outbox table (with every optional column)
 // set up for the WAL relay.
+// clusterSlots bounds the private clusters running at once: each test
+// starts its own, and `make test` runs this package beside the others on a
+// 2-core machine.
+var clusterSlots = make(chan struct{}, 3)
+
 func cluster(t *testing.T) (*pgxpool.Pool, schema.Table) {
 	t.Helper()
+	clusterSlots <- struct{}{}
+	t.Cleanup(func() { <-clusterSlots })
 	pg := pgtest.Start(t, pgtest.Options{Settings: map[string]string{
 		"wal_level": "logical", "max_replication_slots": "10", "max_wal_senders": "10", "wal_sender_timeout": "10s",
 	}})
