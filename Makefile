@@ -5,7 +5,7 @@ GOBIN ?= $(shell go env GOPATH)/bin
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 export TEST_DATABASE_URL
 
-.PHONY: help up wait test fault partition ordered_history test_short test_race test_stress lint fmt vet bench bench-wal demo
+.PHONY: help up wait test fault partition ordered_history wal_history test_short test_race test_stress lint fmt vet bench bench-wal demo
 
 help: ## List the targets.
 	@grep -E '^[a-z_]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -33,6 +33,9 @@ partition: ## The partition test alone (root): a relay leader cut off in its own
 
 ordered_history: up ## The ordered-mode history checker at full size (30,000 events, relays joining, closing and killed, operator skips and replays); prints its counts and seed.
 	ORDERED_HISTORY_EVENTS=30000 go test -count=1 -timeout 30m -run 'TestOrderedHistory$$' -v ./subscriber/ 2>&1 | grep -v '^\[watermill\]' | grep -v '^=== ' | tail -150; exit $${PIPESTATUS[0]}
+
+wal_history: up ## The WAL relay's history checker at a larger size (10,000 events; failures, replays, skips, relays replaced and sessions terminated); prints its counts.
+	WAL_HISTORY_EVENTS=10000 go test -count=1 -timeout 30m -run 'TestWALHistory$$' -v ./walrelay/ 2>&1 | grep -v '^=== ' | grep -E 'history_test|^(---|ok|FAIL)' | tail -60; exit $${PIPESTATUS[0]}
 
 test_short: ## Quick run (~1 min): every package with -short (Watermill's universal suites run with few messages); no Docker or fault test.
 	go test -count=1 -short -timeout 10m ./...

@@ -205,8 +205,19 @@ func TestWALHistory(t *testing.T) {
 		}
 	}()
 
-	// Chaos: terminate replication sessions, replace relays.
-	for i := 0; i < 12; i++ {
+	// Chaos while the producers run (at least 12 rounds): terminate
+	// replication sessions, replace relays.
+	producing := make(chan struct{})
+	go func() { produced.Wait(); close(producing) }()
+	finished := func() bool {
+		select {
+		case <-producing:
+			return true
+		default:
+			return false
+		}
+	}
+	for i := 0; i < 12 || !finished(); i++ {
 		time.Sleep(150 * time.Millisecond)
 		if i%3 == 2 {
 			relaysMu.Lock()
