@@ -14,6 +14,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // held lists the held keys of an ordered table, each with a skip button.
@@ -62,20 +63,31 @@ func actionFields(r *http.Request, action, table string) watermill.LogFields {
 	return watermill.LogFields{"who": "token holder", "remote": r.RemoteAddr, "action": action, "table": table}
 }
 
-// skip asks the relays to skip the row that holds its ordering key
-// (runbook.SkipEvent).
-func (h *handler) skip(w http.ResponseWriter, r *http.Request) {
+// eventAction checks a state-changing request on one event (the table, the
+// token, CSRF and origin, the event id) and returns its log fields; it
+// writes the refusal and returns false when the request may not go on.
+func (h *handler) eventAction(w http.ResponseWriter, r *http.Request, action string) (schema.Table, uuid.UUID, watermill.LogFields, bool) {
 	t, ok := h.table(w, r)
 	if !ok || !h.allow(w, r) {
-		return
+		return t, uuid.Nil, nil, false
 	}
 	id, err := uuid.Parse(r.PathValue("id"))
 	if err != nil {
 		http.Error(w, "the event id must be a UUID", http.StatusBadRequest)
+		return t, uuid.Nil, nil, false
+	}
+	fields := actionFields(r, action, t.String())
+	fields["event_id"] = id.String()
+	return t, id, fields, true
+}
+
+// skip asks the relays to skip the row that holds its ordering key
+// (runbook.SkipEvent).
+func (h *handler) skip(w http.ResponseWriter, r *http.Request) {
+	t, id, fields, ok := h.eventAction(w, r, "skip")
+	if !ok {
 		return
 	}
-	fields := actionFields(r, "skip", t.String())
-	fields["event_id"] = id.String()
 	res, err := runbook.SkipEvent(r.Context(), h.pool, t, id, false)
 	if err != nil {
 		h.logger.Info("Console skip refused", fields)

@@ -432,17 +432,11 @@ func (h *handler) login(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *handler) replay(w http.ResponseWriter, r *http.Request) {
-	t, ok := h.table(w, r)
-	if !ok || !h.allow(w, r) {
-		return
-	}
-	id, err := uuid.Parse(r.PathValue("id"))
-	if err != nil {
-		http.Error(w, "the event id must be a UUID", http.StatusBadRequest)
+	t, id, fields, ok := h.eventAction(w, r, "replay")
+	if !ok {
 		return
 	}
 	res, err := runbook.ReplayEvent(r.Context(), h.pool, t, id, runbook.ReplayOptions{})
-	fields := watermill.LogFields{"who": "token holder", "remote": r.RemoteAddr, "action": "replay", "table": t.String(), "event_id": id.String()}
 	if err != nil {
 		h.logger.Info("Console replay refused", fields)
 		http.Error(w, "not replayed: "+err.Error(), http.StatusConflict)

@@ -242,12 +242,7 @@ func (e *Enqueuer) Enqueue(ctx context.Context, tx Tx, table schema.Table, msg M
 	if isNoRows(err) {
 		// A concurrent transaction committed this event_id after the
 		// statement began: read it with a fresh snapshot.
-		found := map[string]int64{}
-		err = e.existing(ctx, tx, q, []string{msg.EventID.String()}, []string{string(msg.Payload)}, []Message{msg}, map[uuid.UUID]int{msg.EventID: 0}, found)
-		if err != nil {
-			return 0, err
-		}
-		return found[msg.EventID.String()], nil
+		return e.existingOne(ctx, tx, q, msg)
 	}
 	if err != nil {
 		return 0, fmt.Errorf("publisher: enqueue into %s: %w", table, err)
@@ -260,6 +255,18 @@ func (e *Enqueuer) Enqueue(ctx context.Context, tx Tx, table schema.Table, msg M
 	}
 	e.cfg.Metrics.Enqueued(table.Qualified(), msg.Topic, 1)
 	return seq, nil
+}
+
+// existingOne reads the row of msg's event_id, which a concurrent or
+// earlier transaction committed, and compares it as Enqueue does: its
+// sequence, or a *ConflictError.
+func (e *Enqueuer) existingOne(ctx context.Context, tx Tx, q *schema.Queries, msg Message) (int64, error) {
+	found := map[string]int64{}
+	err := e.existing(ctx, tx, q, []string{msg.EventID.String()}, []string{string(msg.Payload)}, []Message{msg}, map[uuid.UUID]int{msg.EventID: 0}, found)
+	if err != nil {
+		return 0, err
+	}
+	return found[msg.EventID.String()], nil
 }
 
 // enqueueQuiet writes an unkeyed row with no wake-up: one INSERT ... ON
@@ -276,12 +283,7 @@ func (e *Enqueuer) enqueueQuiet(ctx context.Context, tx Tx, q *schema.Queries, m
 	var seq int64
 	err = tx.QueryRow(ctx, q.EnqueueQuiet, args...).Scan(&seq)
 	if isNoRows(err) {
-		found := map[string]int64{}
-		err = e.existing(ctx, tx, q, []string{msg.EventID.String()}, []string{string(msg.Payload)}, []Message{msg}, map[uuid.UUID]int{msg.EventID: 0}, found)
-		if err != nil {
-			return 0, err
-		}
-		return found[msg.EventID.String()], nil
+		return e.existingOne(ctx, tx, q, msg)
 	}
 	if err != nil {
 		return 0, fmt.Errorf("publisher: enqueue into %s: %w", q.Table, err)

@@ -39,6 +39,23 @@ type Scanner interface {
 // Scan reads a row produced by Queries.AdapterClaimAll or
 // AdapterClaimTopic (Adapter.ClaimStatement) with columns c.
 func (r *ClaimedRow) Scan(s Scanner, c Columns) error {
+	if err := s.Scan(r.dest(c)...); err != nil {
+		return fmt.Errorf("scan claimed outbox row: %w", err)
+	}
+	return nil
+}
+
+// ScanKeyed reads the columns Scan reads, then ordering_key (the WAL
+// relay's reads of held and missed rows).
+func (r *ClaimedRow) ScanKeyed(s Scanner, c Columns) error {
+	if err := s.Scan(append(r.dest(c), &r.OrderingKey)...); err != nil {
+		return fmt.Errorf("scan outbox row: %w", err)
+	}
+	return nil
+}
+
+// dest are the destinations of the columns Scan reads.
+func (r *ClaimedRow) dest(c Columns) []any {
 	dest := []any{&r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.Attempts, &r.LockedAt, &r.CreatedAt}
 	if c.TraceContext {
 		dest = append(dest, &r.TraceParent, &r.TraceState)
@@ -46,10 +63,7 @@ func (r *ClaimedRow) Scan(s Scanner, c Columns) error {
 	if c.Headers {
 		dest = append(dest, &r.Headers)
 	}
-	if err := s.Scan(dest...); err != nil {
-		return fmt.Errorf("scan claimed outbox row: %w", err)
-	}
-	return nil
+	return dest
 }
 
 // ScanClaim reads a row produced by Queries.ClaimAll, ClaimTopic,

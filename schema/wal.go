@@ -175,7 +175,7 @@ type WALQueries struct {
 	Drain string
 	// Parked reads the rows of key $1 after sequence $2 that are not
 	// published and not dead, in sequence order: what a hold kept back.
-	// The columns of ClaimedRow.Scan, then ordering_key.
+	// The columns ClaimedRow.ScanKeyed reads.
 	Parked string
 	// Release turns the drained hold of key $1 at sequence $2 into a
 	// tombstone: released, through $3 (the stream's copies of the rows up
@@ -194,7 +194,7 @@ type WALQueries struct {
 	// Unsettled reads, in sequence order, the rows not published, not dead
 	// and not below the slot's recorded horizon (every such row when no
 	// horizon was recorded): what a recreated slot did not stream. The
-	// columns of ClaimedRow.Scan, then ordering_key (NULL without the
+	// columns ClaimedRow.ScanKeyed reads (ordering_key NULL without the
 	// column).
 	Unsettled string
 	// Row reads row $1 (id) as a claim does (the columns of

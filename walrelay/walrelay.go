@@ -541,21 +541,13 @@ func (st *stream) start(ctx context.Context) (*txn, error) {
 		return nil, nil
 	}
 	st.confirmed = rec
-	rows, err := s.pool.Query(ctx, s.q.Unsettled, s.cfg.Names.Slot)
+	items, err := st.readItems(ctx, s.q.Unsettled, s.cfg.Names.Slot)
 	if err != nil {
 		return nil, fmt.Errorf("read the rows the recreated slot missed: %w", err)
 	}
-	defer rows.Close()
-	tx := &txn{end: slot, commit: time.Now()}
-	for rows.Next() {
-		var r schema.ClaimedRow
-		if err := rows.Scan(st.scanArgs(&r)...); err != nil {
-			return nil, fmt.Errorf("read the rows the recreated slot missed: %w", err)
-		}
-		tx.items = append(tx.items, &item{row: r, key: keyOf(r), tx: tx})
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("read the rows the recreated slot missed: %w", err)
+	tx := &txn{end: slot, commit: time.Now(), items: items}
+	for _, it := range items {
+		it.tx = tx
 	}
 	s.backfilled.Add(int64(len(tx.items)))
 	s.logger.Info("Backfill from the table after a lost slot", watermill.LogFields{"rows": len(tx.items), "from": rec.String(), "slot_starts": slot.String()})
@@ -1096,23 +1088,8 @@ func (st *stream) afterAck(ctx context.Context, it *item) {
 func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
 	s := st.s
 	h.wantDrain = true
-	rows, err := s.pool.Query(ctx, s.q.Parked, key, h.seq)
+	items, err := st.readItems(ctx, s.q.Parked, key, h.seq)
 	if err != nil {
-		s.logger.Error("Could not read the rows of a held key; retrying at the next tick", err, nil)
-		return
-	}
-	var items []*item
-	for rows.Next() {
-		var r schema.ClaimedRow
-		if err := rows.Scan(st.scanArgs(&r)...); err != nil {
-			rows.Close()
-			s.logger.Error("Could not read the rows of a held key; retrying at the next tick", err, nil)
-			return
-		}
-		items = append(items, &item{row: r, key: keyOf(r)})
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
 		s.logger.Error("Could not read the rows of a held key; retrying at the next tick", err, nil)
 		return
 	}
@@ -1257,17 +1234,18 @@ func (st *stream) tickHolds(ctx context.Context) {
 	}
 }
 
-// scanArgs are the destinations of a row read from the table: the columns
-// of ClaimedRow.Scan, then ordering_key.
-func (st *stream) scanArgs(r *schema.ClaimedRow) []any {
-	cols := []any{&r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.Attempts, &r.LockedAt, &r.CreatedAt}
-	if st.s.cols.TraceContext {
-		cols = append(cols, &r.TraceParent, &r.TraceState)
+// readItems reads rows from the table (the columns of ClaimedRow.Scan,
+// then ordering_key) as items without a transaction.
+func (st *stream) readItems(ctx context.Context, sql string, args ...any) ([]*item, error) {
+	rows, err := st.s.pool.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, err
 	}
-	if st.s.cols.Headers {
-		cols = append(cols, &r.Headers)
-	}
-	return append(cols, &r.OrderingKey)
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (*item, error) {
+		var r schema.ClaimedRow
+		err := r.ScanKeyed(row, st.s.cols)
+		return &item{row: r, key: keyOf(r)}, err
+	})
 }
 
 // advance moves the confirmed position over the settled prefix of
