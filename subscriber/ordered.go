@@ -69,8 +69,12 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 //     late row can never be overtaken by a later row of its key.
 //   - Floor (per partition): floor = min(seen, every open row - 1, every
 //     watch's start). Open rows are loaded rows neither acked nor covered by
-//     a hold. Every keyed row at or below the floor is done: acked, or at or
-//     above its key's hold. Floors only rise and are written each tick.
+//     a hold: each is queued on its key, or is the key's row in flight
+//     (flying), and nothing else. A hold that comes to cover a key's rows
+//     (written here, or read from the table) removes them from the open set,
+//     the row in flight included. Every keyed row at or below the floor is
+//     done: acked, or at or above its key's hold. Floors only rise and are
+//     written each tick.
 //   - Holds: a hold (key, sequence) is written before the rows it covers
 //     leave the open set: every row of the key at or above its sequence.
 //     Rows of the key below an active hold are done; the relay delivers the
@@ -142,6 +146,7 @@ type keyState struct {
 	name     string
 	p        *partState // the partition state the key belongs to
 	queue    []*entry   // loaded, open rows in sequence order; none in flight
+	flying   int64      // the queued row a runner delivers now (0: none); open until its verdict or a hold covers it
 	busy     bool       // a runner works on the key
 	hold     *holdState
 	holdGen  int64 // gen of the last local change of hold
@@ -900,6 +905,12 @@ func (r *orderedRelay) setHoldLocked(k *keyState, h *holdState) {
 	}
 	clear(k.queue[len(kept):])
 	k.queue = kept
+	if k.flying != 0 && (!h.resolved || k.flying <= h.seq) {
+		// The row in flight is covered too: its verdict no longer decides
+		// the floor (an ack is a duplicate of done work, a nack finds the
+		// hold).
+		delete(k.p.open, k.flying)
+	}
 }
 
 func (r *orderedRelay) cycleError(ctx context.Context, err error) {
@@ -1046,9 +1057,11 @@ func (r *orderedRelay) runKey(k *keyState) {
 		case actQueue:
 			e := k.queue[0]
 			k.queue = k.queue[1:]
+			k.flying = e.row.Sequence
 			r.mu.Unlock()
 			v := r.deliverRow(k, e.row, 1, stop)
 			r.mu.Lock()
+			k.flying = 0
 			switch v {
 			case verdictAck:
 				delete(k.p.open, e.row.Sequence)
@@ -1057,8 +1070,9 @@ func (r *orderedRelay) runKey(k *keyState) {
 			case verdictNack:
 				// fail made the row the key's hold (or put it back).
 			default:
-				// Not delivered or no verdict: the row stays first of its key.
-				if r.keys[k.name] == k {
+				// Not delivered or no verdict: the row stays first of its
+				// key, unless a hold covered it meanwhile.
+				if _, open := k.p.open[e.row.Sequence]; open && r.keys[k.name] == k {
 					k.queue = append([]*entry{e}, k.queue...)
 				}
 				r.endRunLocked(k)
@@ -1264,6 +1278,9 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 	fields := watermill.LogFields{"event_id": row.EventID, "sequence": row.Sequence, "attempts": attempts, "error": summary}
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if k.flying == row.Sequence {
+		k.flying = 0 // from here on the row is covered by the hold, or queued again
+	}
 	if r.keys[k.name] != k {
 		return // the partition was dropped meanwhile; its next owner delivers the row again
 	}
@@ -1292,14 +1309,14 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 		}
 		return
 	}
+	// The hold is written: the row and the key's queued rows are covered
+	// (the hold reaches them), also when a holds read applied it first.
+	delete(k.p.open, row.Sequence)
 	if h == nil || h.seq != row.Sequence || h.resolved {
-		// The hold is written: the row and the key's queued rows are
-		// covered (the hold reaches them).
-		delete(k.p.open, row.Sequence)
 		r.setHoldLocked(k, &holdState{seq: row.Sequence})
-		r.freedLocked(k.p)
 		h = k.hold
 	}
+	r.freedLocked(k.p)
 	h.attempts, h.dead, h.skip = n, dead, skip
 	h.dueAt = time.Now().Add(backoff)
 	if dead {

@@ -117,6 +117,8 @@ type history struct {
 	acked      map[string]bool
 	healthy    atomic.Bool // end phase: handlers ack everything
 	counts     map[string]int
+
+	memoryBroken bool // checkMemory reported a broken invariant
 }
 
 func newHistory(t *testing.T, seed uint64, events int) *history {
@@ -400,6 +402,7 @@ func (h *history) run() {
 			finished++
 		case <-op.C:
 			h.operate(ctx)
+			h.checkMemory(relays)
 		case <-churn.C:
 			switch x := h.intn(10); {
 			case len(relays) < 3 && x < 4:
@@ -424,11 +427,15 @@ func (h *history) run() {
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		h.operate(ctx)
+		h.checkMemory(relays)
 		if h.settled(ctx) {
 			break
 		}
 		if time.Now().After(deadline) {
 			dumpOrdered(t, h.pool, h.tbl)
+			for _, r := range relays {
+				t.Logf("%s in memory:\n%s", r.name, subscriber.DumpOrderedMemory(r.sub))
+			}
 			t.Errorf("history did not settle within 60s after the producers finished (seed %d)", h.seed)
 			break
 		}
@@ -436,6 +443,21 @@ func (h *history) run() {
 	}
 	h.counts["relays alive at the end"] = len(relays)
 	t.Logf("history of %s (seed %d)", time.Since(start).Round(time.Millisecond), h.seed)
+}
+
+// checkMemory checks the in-memory invariants of every live relay
+// (subscriber.CheckOrderedMemory); the first broken one fails the test.
+func (h *history) checkMemory(relays []*hRelay) {
+	if h.memoryBroken {
+		return
+	}
+	for _, r := range relays {
+		if err := subscriber.CheckOrderedMemory(r.sub); err != nil {
+			h.memoryBroken = true
+			h.t.Errorf("%s: in-memory invariant broken: %v (seed %d)\n%s", r.name, err, h.seed, subscriber.DumpOrderedMemory(r.sub))
+			return
+		}
+	}
 }
 
 // settled reports whether every expected delivery happened, no hold is

@@ -49,10 +49,11 @@ type Subscriber struct {
 	closeErr  error
 	closeDone chan struct{} // closed when Close has finished
 
-	abandon         atomic.Bool   // tests: ordered relays stop like a killed process
-	beforeIdle      func()        // tests: runs before a subscription tries the idle lock
-	afterClaimQuery func()        // tests: runs between a claim's query and its rows
-	writeTimeout    time.Duration // bounds each ack, nack, renewal or release write
+	abandon         atomic.Bool     // tests: ordered relays stop like a killed process
+	ordered         []*orderedRelay // the ordered relays of its subscriptions (guarded by closeMu)
+	beforeIdle      func()          // tests: runs before a subscription tries the idle lock
+	afterClaimQuery func()          // tests: runs between a claim's query and its rows
+	writeTimeout    time.Duration   // bounds each ack, nack, renewal or release write
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -163,6 +164,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	if s.cfg.Ordered {
 		sub.ordered = newOrderedRelay(sub)
+		s.ordered = append(s.ordered, sub.ordered)
 	}
 	s.subsWg.Add(1)
 	go func() {
