@@ -11,8 +11,8 @@ import (
 
 // BatchPublisher is a publisher that publishes many messages of one topic
 // in one call, in as few broker round trips as its client allows, and
-// reports the outcome of each message. kafkabackend's publisher implements
-// it. A Forwarder publishing to a BatchPublisher batches by default (see
+// reports the outcome of each message. kafkabackend's and amqpbackend's
+// publishers implement it. A Forwarder publishing to a BatchPublisher batches by default (see
 // Config.BatchSize).
 type BatchPublisher interface {
 	message.Publisher

@@ -80,7 +80,7 @@ type Config struct {
 	// it (nothing is lost: they are retried). Per-key order holds in
 	// ordered mode because the subscriber never has two messages of one key
 	// in flight. Defaults to BatchSizeDefault (100) when the publisher
-	// implements BatchPublisher (kafkabackend's does), else to 1 (one
+	// implements BatchPublisher (kafkabackend's and amqpbackend's do), else to 1 (one
 	// Publish per message, calls running concurrently): watermill-amqp's and
 	// watermill-kafka's own publishers send a multi-message call one message
 	// at a time, each waiting for the broker, which is slower than

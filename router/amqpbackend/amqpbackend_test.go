@@ -4,11 +4,14 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
@@ -186,5 +189,73 @@ func TestConfigValidate(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), c.want) || !strings.HasPrefix(err.Error(), "amqpbackend: invalid config: ") {
 			t.Errorf("%+v: %v, want %q", c.cfg, err, c.want)
 		}
+	}
+}
+
+// TestPublishBatch: a batch goes out on one channel and is confirmed as a
+// whole: every message stored in the topic's queue, in order, with its
+// event_id as MessageId. A batch RabbitMQ refuses (the topic's exchange
+// exists with another type) fails every message with the reason, and the
+// next batch, on a fresh channel, goes through.
+func TestPublishBatch(t *testing.T) {
+	t.Parallel()
+	good, bad := unique("org.batch"), unique("org.batch.bad")
+	exchanges, queues := []string{good, bad}, []string{good}
+	ch := channel(t, &exchanges, &queues)
+	if err := ch.ExchangeDeclare(bad, "fanout", true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	p, err := amqpbackend.NewPublisher(amqpbackend.Config{URL: amqpURL()}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub := p.(*amqpbackend.Publisher)
+	defer func() {
+		if err := pub.Close(); err != nil {
+			t.Error(err)
+		}
+		if err := pub.Close(); err != nil {
+			t.Errorf("second Close: %v", err)
+		}
+	}()
+	batch := func(n int) []*message.Message {
+		msgs := make([]*message.Message, n)
+		for i := range msgs {
+			msgs[i] = message.NewMessage(watermill.NewUUID(), []byte(`{"n":`+strconv.Itoa(i)+`}`))
+			msgs[i].Metadata.Set("event_id", msgs[i].UUID)
+		}
+		return msgs
+	}
+
+	refused := batch(5)
+	errs := pub.PublishBatch(bad, refused)
+	if len(errs) != len(refused) {
+		t.Fatalf("a refused batch returned %d results for %d messages: %v", len(errs), len(refused), errs)
+	}
+	for i, err := range errs {
+		if err == nil || !strings.Contains(err.Error(), bad) || !strings.Contains(err.Error(), "PRECONDITION_FAILED") {
+			t.Fatalf("message %d of a refused batch: %v (want the topic and RabbitMQ's reason)", i, err)
+		}
+	}
+
+	const n = 300
+	msgs := batch(n)
+	if errs := pub.PublishBatch(good, msgs); errs != nil {
+		t.Fatalf("PublishBatch: %v", errors.Join(errs...))
+	}
+	for i := 0; i < n; i++ {
+		m, ok, err := ch.Get(good, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ok {
+			t.Fatalf("the queue holds %d of %d confirmed messages", i, n)
+		}
+		if m.MessageId != msgs[i].UUID || string(m.Body) != string(msgs[i].Payload) || m.DeliveryMode != amqp091.Persistent {
+			t.Fatalf("message %d: id %q body %q delivery mode %d, want id %q body %q, persistent", i, m.MessageId, m.Body, m.DeliveryMode, msgs[i].UUID, msgs[i].Payload)
+		}
+	}
+	if errs := pub.PublishBatch(good, nil); errs != nil {
+		t.Fatalf("an empty batch: %v", errs)
 	}
 }
