@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"sync"
@@ -13,6 +14,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/internal/kafkatest"
@@ -51,11 +53,12 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 	backends := []struct {
 		name  string
 		open  func() (message.Publisher, error)
+		reset func() error // empties what earlier cases left in the broker
 		cases []relayCase
 	}{
 		{"Kafka (kfake, acks=all, idempotent)", func() (message.Publisher, error) {
 			return kafkabackend.NewPublisher(cluster.Brokers(), watermill.NopLogger{})
-		}, []relayCase{
+		}, func() error { return nil }, []relayCase{
 			{"outbox -> Kafka, default mode, batching forwarder", false, subCfg, forwarder.Config{}},
 			{"outbox -> Kafka, default mode, one Publish per message", false, subCfg, forwarder.Config{BatchSize: 1}},
 			{fmt.Sprintf("outbox -> Kafka, ordered mode (%d keys), batching forwarder", keys), true, ordCfg, forwarder.Config{}},
@@ -63,8 +66,9 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 		}},
 		{fmt.Sprintf("RabbitMQ (confirms, pool %d)", o.amqpPool), func() (message.Publisher, error) {
 			return amqpbackend.NewPublisher(amqpbackend.Config{URL: o.amqpURL, ChannelPoolSize: o.amqpPool}, watermill.NopLogger{})
-		}, []relayCase{
-			{"outbox -> RabbitMQ, default mode", false, subCfg, forwarder.Config{}},
+		}, func() error { return purgeQueues(o.amqpURL, "bench.direct.v1", "org.organization.updated.v1") }, []relayCase{
+			{"outbox -> RabbitMQ, default mode, batching forwarder", false, subCfg, forwarder.Config{}},
+			{"outbox -> RabbitMQ, default mode, one Publish per message", false, subCfg, forwarder.Config{BatchSize: 1}},
 		}},
 	}
 	var (
@@ -79,6 +83,10 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 				return fmt.Errorf("%s: %w", b.name, err)
 			}
 			bare := "bare publisher, " + b.name
+			if err := b.reset(); err != nil {
+				_ = pub.Close()
+				return err
+			}
 			bareRate, err := publishDirect(ctx, pub, n, 200)
 			if err != nil {
 				_ = pub.Close()
@@ -98,6 +106,10 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 					_ = pub.Close()
 					return err
 				}
+				if err := b.reset(); err != nil {
+					_ = pub.Close()
+					return err
+				}
 				rate, err := drainForwarderWith(ctx, pool, t, n, pub, c.sub, c.fwd)
 				if err != nil {
 					_ = pub.Close()
@@ -113,6 +125,9 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 				values = append(values, rate)
 			}
 			_ = pub.Close()
+			if err := b.reset(); err != nil {
+				return err
+			}
 		}
 		// The default mode's ceiling on this machine: its claim and ack
 		// statements alone.
@@ -267,4 +282,30 @@ ON p.partition = o.ordering_partition WHERE p.floor_sequence IS NULL OR o.sequen
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
+}
+
+// purgeQueues empties the named queues that exist, so that every case
+// publishes into empty queues (RabbitMQ slows as unconsumed messages pile
+// up) and the suite leaves nothing behind.
+func purgeQueues(url string, queues ...string) error {
+	conn, err := amqp091.Dial(url)
+	if err != nil {
+		return fmt.Errorf("purge RabbitMQ queues: %w", err)
+	}
+	defer conn.Close()
+	for _, q := range queues {
+		ch, err := conn.Channel()
+		if err != nil {
+			return fmt.Errorf("purge RabbitMQ queues: %w", err)
+		}
+		if _, err := ch.QueuePurge(q, false); err != nil {
+			var aerr *amqp091.Error
+			if !errors.As(err, &aerr) || aerr.Code != amqp091.NotFound {
+				return fmt.Errorf("purge queue %s: %w", q, err)
+			}
+			continue // a closed channel: the queue does not exist yet
+		}
+		_ = ch.Close()
+	}
+	return nil
 }
