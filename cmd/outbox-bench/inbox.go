@@ -166,15 +166,7 @@ func inboxSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o op
 	}
 	printTable(fmt.Sprintf("Inbox handler throughput (%d handlers; goal: inbox >= 0.85x of the handler in its own transaction)", inboxWorkers),
 		ratioRows(names, baselines, best, "msgs/s"))
-	if len(paired) > 0 {
-		sorted := slices.Clone(paired)
-		slices.Sort(sorted)
-		parts := make([]string, len(paired))
-		for i, r := range paired {
-			parts[i] = fmt.Sprintf("%.2fx", r)
-		}
-		fmt.Printf("inbox Wait / own tx, round by round (measured back to back): %s; median %.2fx\n\n", strings.Join(parts, ", "), sorted[len(sorted)/2])
-	}
+	printPaired("inbox Wait / own tx", paired)
 
 	// The storm.
 	if err := reset(); err != nil {
@@ -272,4 +264,20 @@ func runStorm(ctx context.Context, h message.HandlerFunc, newMsg func() *message
 		return stormResult{}, failure
 	}
 	return stormResult{rate: float64(events*copies) / time.Since(start).Seconds(), redeliveries: redeliveries.Load()}, nil
+}
+
+// printPaired prints the ratios of a case to its baseline measured back to
+// back in each round, and their median: steadier than the ratio of the
+// best rates when the machine's speed drifts between rounds.
+func printPaired(label string, ratios []float64) {
+	if len(ratios) == 0 {
+		return
+	}
+	sorted := slices.Clone(ratios)
+	slices.Sort(sorted)
+	parts := make([]string, len(ratios))
+	for i, r := range ratios {
+		parts[i] = fmt.Sprintf("%.2fx", r)
+	}
+	fmt.Printf("%s, round by round (measured back to back): %s; median %.2fx\n\n", label, strings.Join(parts, ", "), sorted[len(sorted)/2])
 }

@@ -193,6 +193,16 @@ WHERE relid IN (to_regclass($1), to_regclass($2), to_regclass($3), to_regclass($
 // default mode) acking at once, and returns msgs/s until the progress is
 // durable (acks written, or floors past every row).
 func drainOrdered(ctx context.Context, pool *pgxpool.Pool, tables []schema.Table, n int, ordered bool, relays int) (float64, error) {
+	_, durable, err := drainTimes(ctx, pool, tables, n, ordered, relays)
+	if err != nil {
+		return 0, err
+	}
+	return float64(n) / durable.Seconds(), nil
+}
+
+// drainTimes is drainOrdered's measurement: how long until every row was
+// delivered, and until the progress was durable.
+func drainTimes(ctx context.Context, pool *pgxpool.Pool, tables []schema.Table, n int, ordered bool, relays int) (delivered, durable time.Duration, err error) {
 	t := tables[0]
 	// Count distinct events: a relay handover repeats some.
 	var (
@@ -217,12 +227,12 @@ func drainOrdered(ctx context.Context, pool *pgxpool.Pool, tables []schema.Table
 		}
 		s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
 		if err != nil {
-			return 0, err
+			return 0, 0, err
 		}
 		subs = append(subs, s)
 		ch, err := s.Subscribe(ctx, subscriber.AllTopics)
 		if err != nil {
-			return 0, err
+			return 0, 0, err
 		}
 		go func() {
 			for m := range ch {
@@ -240,22 +250,23 @@ func drainOrdered(ctx context.Context, pool *pgxpool.Pool, tables []schema.Table
 	select {
 	case <-all:
 	case <-ctx.Done():
-		return 0, ctx.Err()
+		return 0, 0, ctx.Err()
 	}
+	delivered = time.Since(start)
 	if !ordered {
 		if err := waitPublished(ctx, pool, t, n); err != nil {
-			return 0, err
+			return 0, 0, err
 		}
-		return float64(n) / time.Since(start).Seconds(), nil
+		return delivered, time.Since(start), nil
 	}
 	for {
 		var left int
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()+` AS o JOIN `+t.PartitionsTable()+` AS p
 ON p.partition = o.ordering_partition WHERE o.sequence > p.floor_sequence`).Scan(&left); err != nil {
-			return 0, err
+			return 0, 0, err
 		}
 		if left == 0 {
-			return float64(n) / time.Since(start).Seconds(), nil
+			return delivered, time.Since(start), nil
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
