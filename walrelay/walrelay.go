@@ -362,7 +362,7 @@ type stream struct {
 	conn      *pgconn.PgConn
 	sendMu    sync.Mutex
 	out       chan *message.Message
-	rels      map[uint32]*pglogrepl.RelationMessage
+	rels      map[uint32]*relation
 	cur       *txn
 	txns      []*txn
 	keys      map[string]*keyQueue
@@ -464,7 +464,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	defer s.setActive(false)
 	defer s.oldestUnsettled.Store(0)
 	s.logger.Info("WAL relay active", nil)
-	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*pglogrepl.RelationMessage{}, keys: map[string]*keyQueue{},
+	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*relation{}, keys: map[string]*keyQueue{},
 		settles: make(chan settle, 1024), gone: make(chan struct{})}
 	defer close(st.gone)
 	backfill, err := st.start(ctx)
@@ -722,7 +722,7 @@ func (st *stream) handle(ctx context.Context, r received) error {
 func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 	switch m := lm.(type) {
 	case *pglogrepl.RelationMessage:
-		st.rels[m.RelationID] = m
+		st.rels[m.RelationID] = newRelation(m)
 	case *pglogrepl.BeginMessage:
 		st.cur = &txn{}
 	case *pglogrepl.InsertMessage:
@@ -786,65 +786,117 @@ func keyOf(r schema.ClaimedRow) string {
 	return "t:" + r.Topic
 }
 
+// relation is a table's columns as the stream describes them, with the
+// position of each column the relay reads (-1: the table has none).
+type relation struct {
+	*pglogrepl.RelationMessage
+	id, eventID, tenantID, topic, payload, sequence, traceParent, traceState,
+	headers, orderingKey, publishedAt, deadAt, lockedAt, attempts int
+}
+
+func newRelation(m *pglogrepl.RelationMessage) *relation {
+	r := &relation{RelationMessage: m}
+	for _, f := range []struct {
+		name string
+		pos  *int
+	}{
+		{"id", &r.id}, {"event_id", &r.eventID}, {"tenant_id", &r.tenantID}, {"topic", &r.topic}, {"payload", &r.payload},
+		{"sequence", &r.sequence}, {"traceparent", &r.traceParent}, {"tracestate", &r.traceState}, {"headers", &r.headers},
+		{"ordering_key", &r.orderingKey}, {"published_at", &r.publishedAt}, {"dead_at", &r.deadAt}, {"locked_at", &r.lockedAt},
+		{"attempts", &r.attempts},
+	} {
+		*f.pos = -1
+		for i, c := range m.Columns {
+			if c.Name == f.name {
+				*f.pos = i
+				break
+			}
+		}
+	}
+	return r
+}
+
+// value is the text of column i of tuple: nil when the table has no such
+// column, the value is NULL or unchanged (an UPDATE that left it in TOAST).
+func (r *relation) value(tuple *pglogrepl.TupleData, i int) (*string, error) {
+	if i < 0 || i >= len(tuple.Columns) || i >= len(r.Columns) {
+		return nil, nil
+	}
+	c := tuple.Columns[i]
+	switch c.DataType {
+	case 't':
+		v := string(c.Data)
+		return &v, nil
+	case 'b':
+		v, err := binaryText(r.Columns[i].DataType, c.Data)
+		if err != nil {
+			return nil, fmt.Errorf("walrelay: column %s: %w", r.Columns[i].Name, err)
+		}
+		return &v, nil
+	}
+	return nil, nil
+}
+
 // row turns an INSERT (or the UPDATE of a replay) into an item of the
-// current transaction.
+// current transaction. It reads only the columns a message needs.
 func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleData, update bool) error {
 	r := st.rels[rel]
 	if r == nil || tuple == nil || st.cur == nil {
 		return fmt.Errorf("walrelay: row of an unknown relation %d", rel)
 	}
-	vals := map[string]*string{}
-	unchanged := false
-	for i, c := range tuple.Columns {
-		if i >= len(r.Columns) {
-			break
+	var err error
+	get := func(i int) *string {
+		v, verr := r.value(tuple, i)
+		if verr != nil && err == nil {
+			err = verr
 		}
-		switch c.DataType {
-		case 't':
-			v := string(c.Data)
-			vals[r.Columns[i].Name] = &v
-		case 'b':
-			v, err := binaryText(r.Columns[i].DataType, c.Data)
-			if err != nil {
-				return fmt.Errorf("walrelay: column %s: %w", r.Columns[i].Name, err)
-			}
-			vals[r.Columns[i].Name] = &v
-		case 'u':
-			unchanged = true
-		}
+		return v
 	}
-	str := func(k string) string {
-		if v := vals[k]; v != nil {
+	str := func(i int) string {
+		if v := get(i); v != nil {
 			return *v
 		}
 		return ""
 	}
 	replay := false
+	unchanged := false
 	if update {
 		replay = true
 		// Only a replay's reset is delivered: not published, not dead,
 		// attempts 0, no lease. The relay's own UPDATE (a dead row) is not.
-		if vals["published_at"] != nil || vals["dead_at"] != nil || vals["locked_at"] != nil || str("attempts") != "0" {
-			return nil
+		if get(r.publishedAt) != nil || get(r.deadAt) != nil || get(r.lockedAt) != nil || str(r.attempts) != "0" {
+			return err
+		}
+		for _, c := range tuple.Columns {
+			unchanged = unchanged || c.DataType == 'u'
 		}
 	}
 	var row schema.ClaimedRow
 	if update && unchanged {
 		// The payload was not in the UPDATE: read the row.
-		err := row.Scan(st.s.pool.QueryRow(ctx, st.s.q.Row, str("id")), st.s.cols)
+		id := str(r.id)
 		if err != nil {
-			st.s.logger.Info("Replayed row not found; skipped", watermill.LogFields{"sequence": str("sequence")})
+			return err
+		}
+		if serr := row.Scan(st.s.pool.QueryRow(ctx, st.s.q.Row, id), st.s.cols); serr != nil {
+			st.s.logger.Info("Replayed row not found; skipped", watermill.LogFields{"sequence": str(r.sequence)})
 			return nil //nolint:nilerr // the row was deleted, published or dead again since
 		}
 	} else {
-		seq, err := strconv.ParseInt(str("sequence"), 10, 64)
+		row = schema.ClaimedRow{ID: str(r.id), EventID: str(r.eventID), TenantID: str(r.tenantID), Topic: str(r.topic), Payload: str(r.payload),
+			TraceParent: get(r.traceParent), TraceState: get(r.traceState), Headers: get(r.headers)}
+		seq := str(r.sequence)
 		if err != nil {
+			return err
+		}
+		if row.Sequence, err = strconv.ParseInt(seq, 10, 64); err != nil {
 			return fmt.Errorf("walrelay: row without a sequence in relation %s: %w", r.RelationName, err)
 		}
-		row = schema.ClaimedRow{ID: str("id"), EventID: str("event_id"), TenantID: str("tenant_id"), Topic: str("topic"), Payload: str("payload"),
-			Sequence: seq, TraceParent: vals["traceparent"], TraceState: vals["tracestate"], Headers: vals["headers"]}
 	}
-	row.OrderingKey = vals["ordering_key"]
+	row.OrderingKey = get(r.orderingKey)
+	if err != nil {
+		return err
+	}
 	st.cur.items = append(st.cur.items, &item{row: row, key: keyOf(row), tx: st.cur, replay: replay})
 	return nil
 }
