@@ -63,7 +63,7 @@ demo: up ## Run the relay end to end: local PostgreSQL to an in-process Kafka cl
 	go run ./examples/demo
 
 bench-wal: ## The WAL relay's benchmarks on a private wal_level=logical PostgreSQL (docs/BENCHMARKS.md section 9).
-	./scripts/bench-wal.sh -rounds 2
+	./scripts/bench-wal.sh -rounds 3
 
 bench: ## Print the benchmark tables (outbox vs baselines measured in the same run).
 	go run ./cmd/outbox-bench -suite all -rounds 2 -chart docs/latency.png
