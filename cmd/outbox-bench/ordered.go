@@ -259,17 +259,10 @@ func drainTimes(ctx context.Context, pool *pgxpool.Pool, tables []schema.Table, 
 		}
 		return delivered, time.Since(start), nil
 	}
-	for {
-		var left int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()+` AS o JOIN `+t.PartitionsTable()+` AS p
-ON p.partition = o.ordering_partition WHERE o.sequence > p.floor_sequence`).Scan(&left); err != nil {
-			return 0, 0, err
-		}
-		if left == 0 {
-			return delivered, time.Since(start), nil
-		}
-		time.Sleep(5 * time.Millisecond)
+	if err := waitFloors(ctx, pool, t); err != nil {
+		return 0, 0, err
 	}
+	return delivered, time.Since(start), nil
 }
 
 // orderedLatency runs a paced producer (rate events/s, batches of 10 every
