@@ -379,7 +379,25 @@ type stream struct {
 	// first; one becomes the horizon once the confirmed position passes it.
 	candidates []candidate
 	holds      map[string]*hold // by ordering key
+	// Caught up: the progress is recorded at once, not at the next tick.
+	lastStatus time.Time     // when status last ran
+	recorded   pglogrepl.LSN // the position status last recorded
+	burst      burstState
+	burstLSN   pglogrepl.LSN // with burstRecorded: the candidate that closes the burst
+	prompt     *time.Timer   // a record put off by the rate limit
+	promptSet  bool
 }
+
+// burstState follows the records after a burst of transactions: the first
+// record after the burst takes a horizon candidate; the record that takes it
+// as the horizon goes at once when the position passes it.
+type burstState uint8
+
+const (
+	burstNone     burstState = iota
+	burstRead                // a transaction was read since the last record
+	burstRecorded            // recorded since; burstLSN closes the burst
+)
 
 type candidate struct {
 	xid string
@@ -588,6 +606,9 @@ func (st *stream) loop(ctx context.Context) error {
 	tick := time.NewTicker(s.cfg.StatusInterval)
 	defer tick.Stop()
 	defer st.retry.Stop()
+	st.prompt = time.NewTimer(time.Hour)
+	st.prompt.Stop()
+	defer st.prompt.Stop()
 	for {
 		var in chan received
 		if st.unsettled < s.cfg.MaxInFlight {
@@ -603,11 +624,24 @@ func (st *stream) loop(ctx context.Context) error {
 			if err := st.handle(dctx, r); err != nil {
 				return err
 			}
+			if r.ka != nil {
+				if err := st.caughtUp(); err != nil {
+					return err
+				}
+			}
 		case v := <-st.settles:
 			st.onSettle(dctx, v)
+			if err := st.caughtUp(); err != nil {
+				return err
+			}
 		case <-st.retry.C:
 			st.retryAt = time.Time{}
 			st.dispatchAll(dctx)
+		case <-st.prompt.C:
+			st.promptSet = false
+			if err := st.caughtUp(); err != nil {
+				return err
+			}
 		case <-tick.C:
 			if err := st.status(false); err != nil {
 				return err
@@ -648,18 +682,28 @@ func (st *stream) unsettledInFlight() int {
 	return n
 }
 
-// status confirms the settled position to the server.
-func (st *stream) status(final bool) error {
+// position is the position the relay can confirm: the end of the settled
+// prefix of transactions, or the server's position when nothing is pending.
+func (st *stream) position() pglogrepl.LSN {
 	pos := st.confirmed
 	if st.cur == nil && len(st.txns) == 0 && st.idleEnd > pos {
 		pos = st.idleEnd
 	}
+	return pos
+}
+
+// status records the progress and confirms the settled position to the
+// server.
+func (st *stream) status(final bool) error {
+	pos := st.position()
 	st.s.confirmed.Store(uint64(pos))
+	st.lastStatus = time.Now()
 	// The record goes first: the slot is never ahead of it unless it was
 	// recreated (start relies on it).
 	if !st.progress(pos) && !final {
 		return nil // not recorded: the slot waits for the next tick
 	}
+	st.recorded = pos
 	st.sendMu.Lock()
 	err := pglogrepl.SendStandbyStatusUpdate(context.Background(), st.conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: pos})
 	st.sendMu.Unlock()
@@ -695,7 +739,42 @@ func (st *stream) progress(pos pglogrepl.LSN) bool {
 	if len(st.candidates) < maxCandidates {
 		st.candidates = append(st.candidates, c)
 	}
+	switch {
+	case st.burst == burstRead:
+		st.burst, st.burstLSN = burstRecorded, c.lsn
+	case st.burst == burstRecorded && horizon != nil && pos >= st.burstLSN:
+		st.burst = burstNone
+	}
 	return true
+}
+
+// caughtUp records the progress soon after the relay has settled everything
+// it read, instead of at the next StatusInterval tick, so that the runbook
+// and the cleaner see a burst settled as soon as it is. Two records close a
+// burst: the first takes a horizon candidate; the second takes it as the
+// horizon once the position has passed it (the server's keepalive tells,
+// after it has sent the first record's own WAL) and goes at once. Other
+// records wait for StatusInterval/4 after the last one: a steady trickle of
+// small transactions costs one statement per StatusInterval/4, not one per
+// transaction, and an idle relay records only at its ticks.
+func (st *stream) caughtUp() error {
+	if st.burst == burstNone || st.draining || st.unsettled > 0 || st.cur != nil || len(st.txns) > 0 {
+		return nil
+	}
+	pos := st.position()
+	if pos <= st.recorded {
+		return nil
+	}
+	closes := st.burst == burstRecorded && pos >= st.burstLSN
+	if wait := st.s.cfg.StatusInterval/4 - time.Since(st.lastStatus); !closes && wait > 0 {
+		// Put off, not dropped: the last record of a burst must come.
+		if !st.promptSet {
+			st.promptSet = true
+			st.prompt.Reset(wait)
+		}
+		return nil
+	}
+	return st.status(false)
 }
 
 // maxCandidates bounds the horizon candidates kept while the confirmed
@@ -736,6 +815,7 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 			return nil
 		}
 		tx.end, tx.commit = m.TransactionEndLSN, m.CommitTime
+		st.burst = burstRead
 		st.commit(ctx, tx)
 	}
 	return nil

@@ -887,3 +887,38 @@ func TestWALSkipSurvivesRestart(t *testing.T) {
 		t.Fatalf("the skipped row is not dead (%v)", err)
 	}
 }
+
+// TestWALCaughtUpRecordsAtOnce: once the relay has settled everything it
+// read, it records its progress at once instead of at the next
+// StatusInterval tick (10 s here; the horizon takes two records, so 20 s),
+// so the runbook counts a delivered burst
+// as settled within a second or two.
+func TestWALCaughtUpRecordsAtOnce(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	s := relay(t, pool, tbl, func(c *walrelay.Config) { c.StatusInterval = 10 * time.Second })
+	rec := newRecorder()
+	rec.consume(t, s, nil)
+	time.Sleep(200 * time.Millisecond) // the stream has started
+	var ids []uuid.UUID
+	for i := range 30 {
+		ids = append(ids, enqueue(t, pool, tbl, fmt.Sprintf("k%d", i%4), "")...)
+	}
+	rec.waitAcked(t, ids, 10*time.Second)
+	acked := time.Now()
+	for {
+		st, err := runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Pending == 0 && st.StreamedUnpublished == int64(len(ids)) {
+			t.Logf("settled %s after the last ack", time.Since(acked).Round(time.Millisecond))
+			return
+		}
+		if time.Since(acked) > 5*time.Second {
+			t.Fatalf("5 s after the last ack, with a 10 s status interval: %+v (want 0 pending, %d streamed)", st, len(ids))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
