@@ -44,6 +44,7 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 	const keys = 1000
 	subCfg := subscriber.Config{BatchSize: o.brokerBatch, MaxInFlight: o.brokerInFlight}
 	ordCfg := subscriber.Config{BatchSize: o.brokerBatch, MaxInFlight: o.brokerInFlight, Ordered: true, ElectionInterval: 100 * time.Millisecond}
+	batching := forwarder.Config{MaxPublishes: o.brokerPublishes}
 	type relayCase struct {
 		name    string
 		ordered bool
@@ -59,15 +60,15 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 		{"Kafka (kfake, acks=all, idempotent)", func() (message.Publisher, error) {
 			return kafkabackend.NewPublisher(cluster.Brokers(), watermill.NopLogger{})
 		}, func() error { return nil }, []relayCase{
-			{"outbox -> Kafka, default mode, batching forwarder", false, subCfg, forwarder.Config{}},
+			{"outbox -> Kafka, default mode, batching forwarder", false, subCfg, batching},
 			{"outbox -> Kafka, default mode, one Publish per message", false, subCfg, forwarder.Config{BatchSize: 1}},
-			{fmt.Sprintf("outbox -> Kafka, ordered mode (%d keys), batching forwarder", keys), true, ordCfg, forwarder.Config{}},
+			{fmt.Sprintf("outbox -> Kafka, ordered mode (%d keys), batching forwarder", keys), true, ordCfg, batching},
 			{fmt.Sprintf("outbox -> Kafka, ordered mode (%d keys), one Publish per message", keys), true, ordCfg, forwarder.Config{BatchSize: 1}},
 		}},
 		{fmt.Sprintf("RabbitMQ (confirms, pool %d)", o.amqpPool), func() (message.Publisher, error) {
 			return amqpbackend.NewPublisher(amqpbackend.Config{URL: o.amqpURL, ChannelPoolSize: o.amqpPool}, watermill.NopLogger{})
 		}, func() error { return purgeQueues(o.amqpURL, "bench.direct.v1", "org.organization.updated.v1") }, []relayCase{
-			{"outbox -> RabbitMQ, default mode, batching forwarder", false, subCfg, forwarder.Config{}},
+			{"outbox -> RabbitMQ, default mode, batching forwarder", false, subCfg, batching},
 			{"outbox -> RabbitMQ, default mode, one Publish per message", false, subCfg, forwarder.Config{BatchSize: 1}},
 		}},
 	}

@@ -44,6 +44,7 @@ type options struct {
 	brokerBacklog     int
 	brokerBatch       int
 	brokerInFlight    int
+	brokerPublishes   int
 	amqpURL           string
 	amqpPool          int
 	scalingSample     int
@@ -70,6 +71,7 @@ func main() {
 	flag.IntVar(&o.brokerBacklog, "broker-backlog", 30000, "rows to relay in the brokers suite")
 	flag.IntVar(&o.brokerBatch, "broker-batch", 100, "brokers suite: the subscriber's BatchSize (rows per claim)")
 	flag.IntVar(&o.brokerInFlight, "broker-inflight", 1000, "brokers suite: the subscriber's MaxInFlight")
+	flag.IntVar(&o.brokerPublishes, "broker-publishes", 0, "brokers suite: the batching forwarder's MaxPublishes (0: its default)")
 	flag.StringVar(&o.amqpURL, "amqp", envOr("OUTBOX_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ URL for the brokers suite")
 	flag.IntVar(&o.amqpPool, "amqp-pool", amqpbackend.ChannelPoolSizeDefault, "AMQP publisher channel pool size")
 	flag.IntVar(&o.scalingSample, "scaling-sample", 10000, "rows drained per case in the scaling suite (at most 10,000, the smallest backlog)")
