@@ -758,6 +758,10 @@ func (st *stream) progress(pos pglogrepl.LSN) bool {
 	return true
 }
 
+// recordSpacing: records other than the one that closes a burst are at
+// least StatusInterval/recordSpacing apart.
+const recordSpacing = 4
+
 // caughtUp records the progress soon after the relay has settled everything
 // it read, instead of at the next StatusInterval tick, so that the runbook
 // and the cleaner see a burst settled as soon as it is. Two records close a
@@ -776,7 +780,7 @@ func (st *stream) caughtUp() error {
 		return nil
 	}
 	closes := st.burst == burstRecorded && pos >= st.burstLSN
-	if wait := st.s.cfg.StatusInterval/4 - time.Since(st.lastStatus); !closes && wait > 0 {
+	if wait := st.s.cfg.StatusInterval/recordSpacing - time.Since(st.lastStatus); !closes && wait > 0 {
 		// Put off, not dropped: the last record of a burst must come.
 		if !st.promptSet {
 			st.promptSet = true
