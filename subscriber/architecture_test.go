@@ -16,7 +16,7 @@ func TestArchitectureStatesTheConstants(t *testing.T) {
 	var steps []string
 	for n := 1; ; n++ {
 		r := idleRetry(n)
-		steps = append(steps, fmt.Sprint(int64(r.Milliseconds())))
+		steps = append(steps, fmt.Sprint(r.Milliseconds()))
 		if r == idleRetryMax {
 			break
 		}

@@ -593,7 +593,7 @@ func (st *stream) loop(ctx context.Context) error {
 		<-readerDone // before the connection is closed
 	}()
 	recv := make(chan received, 256)
-	go func() {
+	go func() { //nolint:gosec // G118: Background on purpose (above); the read deadline stops the reads
 		defer close(readerDone)
 		for {
 			m, err := st.conn.ReceiveMessage(context.Background())
