@@ -746,14 +746,19 @@ func (st *stream) progress(pos pglogrepl.LSN) bool {
 		return false
 	}
 	st.candidates = st.candidates[n:]
-	if len(st.candidates) < maxCandidates {
+	kept := len(st.candidates) < maxCandidates
+	if kept {
 		st.candidates = append(st.candidates, c)
 	}
 	switch {
-	case st.burst == burstRead:
+	case st.burst == burstRead && kept:
 		st.burst, st.burstLSN = burstRecorded, c.lsn
-	case st.burst == burstRecorded && horizon != nil && pos >= st.burstLSN:
+	case st.burst == burstRead:
+		// No candidate kept (a row retries and holds the horizon back):
+		// nothing for a prompt record to close; the ticks go on.
 		st.burst = burstNone
+	case st.burst == burstRecorded && pos >= st.burstLSN:
+		st.burst = burstNone // this record took the burst's candidate
 	}
 	return true
 }
