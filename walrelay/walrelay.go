@@ -834,7 +834,13 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 			return nil
 		}
 		tx.end, tx.commit = m.TransactionEndLSN, m.CommitTime
-		st.burst = burstRead
+		if len(tx.items) > 0 {
+			// Only a transaction with rows opens a burst: before
+			// PostgreSQL 15, pgoutput also sends the empty transactions,
+			// among them the relay's own progress records, which would
+			// otherwise keep prompting records.
+			st.burst = burstRead
+		}
 		st.commit(ctx, tx)
 	}
 	return nil
