@@ -628,19 +628,32 @@ func (st *stream) loop(ctx context.Context) error {
 		case <-ctx.Done():
 			return st.drain(stopDelivering)
 		case r := <-in:
-			if r.err != nil {
-				return fmt.Errorf("read the replication stream: %w", r.err)
-			}
-			if err := st.handle(dctx, r); err != nil {
-				return err
-			}
-			if r.ka != nil {
-				if err := st.caughtUp(); err != nil {
+			// What else is ready is taken without another full select
+			// (its timers make it the loop's dearest step), a bounded
+			// number at a time so that the timers are not starved.
+			for n := 0; ; n++ {
+				if err := st.onReceived(dctx, r); err != nil {
 					return err
+				}
+				if n == loopBatch || st.unsettled >= s.cfg.MaxInFlight {
+					break
+				}
+				var ok bool
+				if r, ok = tryReceive(recv); !ok {
+					break
 				}
 			}
 		case v := <-st.settles:
-			st.onSettle(dctx, v)
+			for n := 0; ; n++ {
+				st.onSettle(dctx, v)
+				if n == loopBatch {
+					break
+				}
+				var ok bool
+				if v, ok = tryReceive(st.settles); !ok {
+					break
+				}
+			}
 			if err := st.caughtUp(); err != nil {
 				return err
 			}
@@ -659,6 +672,34 @@ func (st *stream) loop(ctx context.Context) error {
 			st.tickHolds(dctx)
 		}
 	}
+}
+
+// loopBatch bounds the messages of one channel the loop handles per wake-up.
+const loopBatch = 64
+
+// tryReceive takes a value from c if one is ready.
+func tryReceive[T any](c chan T) (T, bool) {
+	select {
+	case v := <-c:
+		return v, true
+	default:
+		var zero T
+		return zero, false
+	}
+}
+
+// onReceived handles one message of the reader.
+func (st *stream) onReceived(ctx context.Context, r received) error {
+	if r.err != nil {
+		return fmt.Errorf("read the replication stream: %w", r.err)
+	}
+	if err := st.handle(ctx, r); err != nil {
+		return err
+	}
+	if r.ka != nil {
+		return st.caughtUp()
+	}
+	return nil
 }
 
 // drain waits up to CloseTimeout for the messages in flight, confirms the
