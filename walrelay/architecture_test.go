@@ -18,6 +18,7 @@ func TestArchitectureStatesTheConstants(t *testing.T) {
 		fmt.Sprintf("`MaxInFlight` unsettled rows (`MaxInFlightDefault`, %s)", doccheck.Count(MaxInFlightDefault)),
 		fmt.Sprintf("Every `StatusInterval` (`StatusIntervalDefault`, %s)", d(StatusIntervalDefault)),
 		fmt.Sprintf("(at most %d kept)", maxCandidates),
+		fmt.Sprintf("up to %d ready messages of the reader, or %d settled deliveries (`loopBatch`)", loopBatch, loopBatch),
 		fmt.Sprintf("`StatusInterval/%d` (`recordSpacing`)", recordSpacing),
 		fmt.Sprintf("`schema.WALStaleAfter` (%s)", schema.WALStaleAfter),
 	)
