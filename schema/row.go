@@ -11,11 +11,13 @@ import (
 
 // ClaimedRow is one row returned by a claim statement.
 type ClaimedRow struct {
-	ID          string
-	EventID     string
-	TenantID    string
-	Topic       string
-	Payload     string
+	ID       string
+	EventID  string
+	TenantID string
+	Topic    string
+	// Payload is the JSON payload; Message hands it to the message as is
+	// (not copied).
+	Payload     []byte
 	Sequence    int64
 	Attempts    int32
 	LockedAt    time.Time
@@ -94,7 +96,7 @@ func (r *ClaimedRow) ScanClaim(s Scanner, c Columns) error {
 // attempts and table, plus traceparent, tracestate and the stored headers
 // when present. Headers never override the outbox's own keys.
 func (r *ClaimedRow) Message(t Table) (*message.Message, error) {
-	msg := message.NewMessage(r.EventID, []byte(r.Payload))
+	msg := message.NewMessage(r.EventID, r.Payload)
 	if r.Headers != nil && *r.Headers != "" {
 		var h map[string]string
 		if err := json.Unmarshal([]byte(*r.Headers), &h); err != nil {

@@ -28,6 +28,7 @@ var ErrInvalidTable = errors.New("invalid outbox table name")
 type Table struct {
 	schema string // empty when the name was unqualified
 	name   string
+	full   string // String(), built once: messages carry it
 }
 
 // ParseTable validates s as an outbox table name: "table" or "schema.table",
@@ -51,9 +52,9 @@ func ParseTable(s string) (Table, error) {
 			ErrInvalidTable, s, len(name), MaxIdentifierBytes-len(longestSuffix), name+longestSuffix, MaxIdentifierBytes)
 	}
 	if len(parts) == 1 {
-		return Table{name: parts[0]}, nil
+		return Table{name: parts[0], full: parts[0]}, nil
 	}
-	return Table{schema: parts[0], name: parts[1]}, nil
+	return Table{schema: parts[0], name: parts[1], full: parts[0] + "." + parts[1]}, nil
 }
 
 // MustParseTable is ParseTable that panics on an invalid name. Use it for
@@ -107,10 +108,7 @@ func (t Table) Sanitize() string { return t.Identifier().Sanitize() }
 
 // String returns the name as it was given: "table" or "schema.table".
 func (t Table) String() string {
-	if t.schema == "" {
-		return t.name
-	}
-	return t.schema + "." + t.name
+	return t.full
 }
 
 // Qualified returns "schema.table", using DefaultSchemaName for an

@@ -1262,7 +1262,7 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 	if err != nil {
 		text = err.Error()
 	}
-	summary := redact.Summary(text, []byte(row.Payload), s.cfg.LastErrorMaxBytes)
+	summary := redact.Summary(text, row.Payload, s.cfg.LastErrorMaxBytes)
 	attempts := int(row.Attempts)
 	backoff := s.cfg.Backoff(attempts)
 	var (

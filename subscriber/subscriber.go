@@ -281,7 +281,7 @@ func (s *Subscriber) nack(c *claimed) {
 	if err != nil {
 		text = err.Error()
 	}
-	summary := redact.Summary(text, []byte(c.row.Payload), s.cfg.LastErrorMaxBytes)
+	summary := redact.Summary(text, c.row.Payload, s.cfg.LastErrorMaxBytes)
 	permanent := IsPermanent(err)
 	backoff := s.cfg.Backoff(int(c.row.Attempts))
 	id, attempts, lockedAt := c.fence()

@@ -20,6 +20,7 @@ func TestArchitectureStatesTheConstants(t *testing.T) {
 		fmt.Sprintf("(at most %d kept)", maxCandidates),
 		fmt.Sprintf("up to %d ready messages of the reader, or %d settled deliveries (`loopBatch`)", loopBatch, loopBatch),
 		fmt.Sprintf("`StatusInterval/%d` (`recordSpacing`)", recordSpacing),
+		fmt.Sprintf("ends after %s idle (`waiterIdle`)", d(waiterIdle)),
 		fmt.Sprintf("`schema.WALStaleAfter` (%s)", schema.WALStaleAfter),
 	)
 }

@@ -26,6 +26,7 @@
 package walrelay
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -373,8 +374,12 @@ type stream struct {
 	gone      chan struct{} // closed when the loop ends: verdicts are dropped
 	draining  bool          // no new deliveries
 	retry     *time.Timer
-	retryAt   time.Time // when retry fires; zero when it is not armed
-	inFlight  sync.WaitGroup
+	retryAt   time.Time      // when retry fires; zero when it is not armed
+	inFlight  sync.WaitGroup // deliveries under way
+	readyMu   sync.Mutex
+	ready     []delivery    // queued by the loop for the pump, oldest first
+	readyWake chan struct{} // capacity 1: the pump has deliveries
+	waits     chan waiting  // to an idle waiter
 	// horizon candidates (xid8 text, the WAL position after it), oldest
 	// first; one becomes the horizon once the confirmed position passes it.
 	candidates []candidate
@@ -490,8 +495,9 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	defer s.oldestUnsettled.Store(0)
 	s.logger.Info("WAL relay active", nil)
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*relation{}, keys: map[string]*keyQueue{},
-		settles: make(chan settle, 1024), gone: make(chan struct{})}
+		settles: make(chan settle, 1024), gone: make(chan struct{}), readyWake: make(chan struct{}, 1), waits: make(chan waiting)}
 	defer close(st.gone)
+	go st.pump()
 	backfill, err := st.start(ctx)
 	if err != nil {
 		return err
@@ -962,25 +968,73 @@ func newRelation(m *pglogrepl.RelationMessage) *relation {
 	return r
 }
 
-// value is the text of column i of tuple: nil when the table has no such
-// column, the value is NULL or unchanged (an UPDATE that left it in TOAST).
-func (r *relation) value(tuple *pglogrepl.TupleData, i int) (*string, error) {
+// text is the text of column i of tuple; ok is false when the table has no
+// such column, the value is NULL or unchanged (an UPDATE that left it in
+// TOAST).
+func (r *relation) text(tuple *pglogrepl.TupleData, i int) (v string, ok bool, err error) {
 	if i < 0 || i >= len(tuple.Columns) || i >= len(r.Columns) {
-		return nil, nil
+		return "", false, nil
 	}
 	c := tuple.Columns[i]
 	switch c.DataType {
 	case 't':
-		v := string(c.Data)
-		return &v, nil
+		return string(c.Data), true, nil
 	case 'b':
 		v, err := binaryText(r.Columns[i].DataType, c.Data)
 		if err != nil {
-			return nil, fmt.Errorf("walrelay: column %s: %w", r.Columns[i].Name, err)
+			return "", false, fmt.Errorf("walrelay: column %s: %w", r.Columns[i].Name, err)
 		}
-		return &v, nil
+		return v, true, nil
 	}
-	return nil, nil
+	return "", false, nil
+}
+
+// value is text as a pointer: nil when it is not ok.
+func (r *relation) value(tuple *pglogrepl.TupleData, i int) (*string, error) {
+	v, ok, err := r.text(tuple, i)
+	if !ok {
+		return nil, err
+	}
+	return &v, nil
+}
+
+// int is column i of tuple as an integer, read from the binary form of an
+// int8 or int4 without a detour through text.
+func (r *relation) int(tuple *pglogrepl.TupleData, i int) (int64, error) {
+	if i >= 0 && i < len(tuple.Columns) && i < len(r.Columns) {
+		if c := tuple.Columns[i]; c.DataType == 'b' {
+			switch {
+			case r.Columns[i].DataType == 20 && len(c.Data) == 8: // int8
+				return int64(binary.BigEndian.Uint64(c.Data)), nil //nolint:gosec // a bit pattern
+			case r.Columns[i].DataType == 23 && len(c.Data) == 4: // int4
+				return int64(int32(binary.BigEndian.Uint32(c.Data))), nil //nolint:gosec // a bit pattern
+			}
+		}
+	}
+	v, _, err := r.text(tuple, i)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(v, 10, 64)
+}
+
+// bytes is the text of column i of tuple as a new byte slice (nil as for
+// value): the payload goes to the message as it is read, in one copy.
+func (r *relation) bytes(tuple *pglogrepl.TupleData, i int) ([]byte, error) {
+	if i >= 0 && i < len(tuple.Columns) && i < len(r.Columns) {
+		c := tuple.Columns[i]
+		switch {
+		case c.DataType == 't':
+			return bytes.Clone(c.Data), nil
+		case c.DataType == 'b' && r.Columns[i].DataType == 3802 && len(c.Data) > 0 && c.Data[0] == 1: // jsonb, version 1
+			return bytes.Clone(c.Data[1:]), nil
+		}
+	}
+	v, err := r.value(tuple, i)
+	if v == nil {
+		return nil, err
+	}
+	return []byte(*v), err
 }
 
 // row turns an INSERT (or the UPDATE of a replay) into an item of the
@@ -999,10 +1053,11 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 		return v
 	}
 	str := func(i int) string {
-		if v := get(i); v != nil {
-			return *v
+		v, _, verr := r.text(tuple, i)
+		if verr != nil && err == nil {
+			err = verr
 		}
-		return ""
+		return v
 	}
 	replay := false
 	unchanged := false
@@ -1029,13 +1084,15 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 			return nil //nolint:nilerr // the row was deleted, published or dead again since
 		}
 	} else {
-		row = schema.ClaimedRow{ID: str(r.id), EventID: str(r.eventID), TenantID: str(r.tenantID), Topic: str(r.topic), Payload: str(r.payload),
+		row = schema.ClaimedRow{ID: str(r.id), EventID: str(r.eventID), TenantID: str(r.tenantID), Topic: str(r.topic),
 			TraceParent: get(r.traceParent), TraceState: get(r.traceState), Headers: get(r.headers)}
-		seq := str(r.sequence)
 		if err != nil {
 			return err
 		}
-		if row.Sequence, err = strconv.ParseInt(seq, 10, 64); err != nil {
+		if row.Payload, err = r.bytes(tuple, r.payload); err != nil {
+			return err
+		}
+		if row.Sequence, err = r.int(tuple, r.sequence); err != nil {
 			return fmt.Errorf("walrelay: row without a sequence in relation %s: %w", r.RelationName, err)
 		}
 	}
@@ -1104,37 +1161,114 @@ func (st *stream) deliver(ctx context.Context, q *keyQueue, it *item) {
 	it.attempts++
 	it.row.Attempts = int32(it.attempts) //nolint:gosec // bounded by MaxAttempts
 	st.inFlight.Add(1)
-	// The message is built in the delivery's goroutine, off the loop: the
-	// row is not written again until the delivery settles.
-	go func() {
-		defer st.inFlight.Done()
-		msg, err := it.row.Message(st.s.cfg.Table)
-		if err != nil {
-			// A row that cannot become a message (bad headers) is dead at once.
-			st.send(settle{it: it, err: subscriber.Permanent(err)})
+	// The message is built by the pump, off the loop: the row is not
+	// written again until the delivery settles.
+	st.readyMu.Lock()
+	st.ready = append(st.ready, delivery{ctx: ctx, it: it})
+	st.readyMu.Unlock()
+	select {
+	case st.readyWake <- struct{}{}:
+	default:
+	}
+}
+
+// delivery is one delivery of an item, queued for the pump.
+type delivery struct {
+	ctx context.Context //nolint:containedctx // the delivery's own context, queued with it
+	it  *item
+}
+
+// waiting is a message handed to the subscriber's channel, waiting for its
+// ack or nack.
+type waiting struct {
+	delivery
+	msg      *message.Message
+	recorded func() error
+}
+
+// waiterIdle is how long a waiter goroutine stays for the next message
+// before it ends.
+const waiterIdle = time.Second
+
+// pump hands the queued deliveries to the subscriber's channel one by one,
+// in the order the loop queued them, and each handed message to a waiter.
+// One goroutine blocks on the channel, where a goroutine per delivery had a
+// goroutine per key in flight parked on it (a fifth of the relay's CPU in a
+// drain went to waking them). It ends with the stream.
+func (st *stream) pump() {
+	var batch []delivery
+	for {
+		select {
+		case <-st.readyWake:
+		case <-st.gone:
 			return
 		}
-		mctx, recorded := subscriber.ContextWithErrorRecorder(ctx)
-		msg.SetContext(mctx)
-		select {
-		case st.out <- msg:
-		case <-ctx.Done():
-			st.send(settle{it: it, stopped: true})
-			return
+		st.readyMu.Lock()
+		batch, st.ready = st.ready, batch[:0]
+		st.readyMu.Unlock()
+		for i, d := range batch {
+			st.handOver(d)
+			batch[i] = delivery{}
 		}
+	}
+}
+
+// handOver builds d's message, hands it to the subscriber's channel and then
+// to a waiter, or settles d when it cannot.
+func (st *stream) handOver(d delivery) {
+	msg, err := d.it.row.Message(st.s.cfg.Table)
+	if err != nil {
+		// A row that cannot become a message (bad headers) is dead at once.
+		st.send(settle{it: d.it, err: subscriber.Permanent(err)})
+		st.inFlight.Done()
+		return
+	}
+	mctx, recorded := subscriber.ContextWithErrorRecorder(d.ctx)
+	msg.SetContext(mctx)
+	select {
+	case st.out <- msg:
+	case <-d.ctx.Done():
+		st.send(settle{it: d.it, stopped: true})
+		st.inFlight.Done()
+		return
+	}
+	w := waiting{delivery: d, msg: msg, recorded: recorded}
+	select {
+	case st.waits <- w: // an idle waiter took it
+	default:
+		go st.waiter(w)
+	}
+}
+
+// waiter waits for w's verdict, sends it to the loop, then waits for the
+// messages handed to it while it is idle, up to waiterIdle: a goroutine
+// grows its stack once, not once per message. It ends with the stream.
+func (st *stream) waiter(w waiting) {
+	idle := time.NewTimer(waiterIdle)
+	defer idle.Stop()
+	for {
 		select {
-		case <-msg.Acked():
-			st.send(settle{it: it, ack: true})
-		case <-msg.Nacked():
-			err := recorded()
+		case <-w.msg.Acked():
+			st.send(settle{it: w.it, ack: true})
+		case <-w.msg.Nacked():
+			err := w.recorded()
 			if err == nil {
 				err = errors.New("nacked")
 			}
-			st.send(settle{it: it, err: err})
-		case <-ctx.Done():
-			st.send(settle{it: it, stopped: true})
+			st.send(settle{it: w.it, err: err})
+		case <-w.ctx.Done():
+			st.send(settle{it: w.it, stopped: true})
 		}
-	}()
+		st.inFlight.Done()
+		idle.Reset(waiterIdle)
+		select {
+		case w = <-st.waits:
+		case <-idle.C:
+			return
+		case <-st.gone:
+			return
+		}
+	}
 }
 
 func (st *stream) onSettle(ctx context.Context, v settle) {
@@ -1166,7 +1300,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	}
 	deadChanged := false
 	if !v.ack {
-		last := redact.Summary(v.err.Error(), []byte(it.row.Payload), st.s.cfg.LastErrorMaxBytes)
+		last := redact.Summary(v.err.Error(), it.row.Payload, st.s.cfg.LastErrorMaxBytes)
 		var key *string
 		if k := it.row.OrderingKey; k != nil && *k != "" && st.s.cols.OrderingKey {
 			key = k

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -98,6 +99,9 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 			}
 			values = append(values, bareRate)
 			for ci, c := range b.cases {
+				if !strings.Contains(c.name, o.brokerCases) {
+					continue
+				}
 				t := schema.MustParseTable(fmt.Sprintf("%s.broker_%d_%d_%d", schemaName, round, bi, ci))
 				k := 0
 				if c.ordered {

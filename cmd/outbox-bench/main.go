@@ -45,6 +45,7 @@ type options struct {
 	brokerBatch       int
 	brokerInFlight    int
 	brokerPublishes   int
+	brokerCases       string
 	amqpURL           string
 	amqpPool          int
 	scalingSample     int
@@ -72,6 +73,7 @@ func main() {
 	flag.IntVar(&o.brokerBatch, "broker-batch", 100, "brokers suite: the subscriber's BatchSize (rows per claim)")
 	flag.IntVar(&o.brokerInFlight, "broker-inflight", 1000, "brokers suite: the subscriber's MaxInFlight")
 	flag.IntVar(&o.brokerPublishes, "broker-publishes", 0, "brokers suite: the batching forwarder's MaxPublishes (0: its default)")
+	flag.StringVar(&o.brokerCases, "broker-cases", "", "brokers suite: run only the cases whose name contains this text (for a profile of one case; the bare publishers always run)")
 	flag.StringVar(&o.amqpURL, "amqp", envOr("OUTBOX_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ URL for the brokers suite")
 	flag.IntVar(&o.amqpPool, "amqp-pool", amqpbackend.ChannelPoolSizeDefault, "AMQP publisher channel pool size")
 	flag.IntVar(&o.scalingSample, "scaling-sample", 10000, "rows drained per case in the scaling suite (at most 10,000, the smallest backlog)")
