@@ -48,10 +48,13 @@ func tracerOf(tp trace.TracerProvider) trace.Tracer {
 // span named by the row's traceparent and tracestate metadata (a new trace
 // when the row has none).
 func (f *Forwarder) startSpan(msg *message.Message) (context.Context, trace.Span) {
-	parent := traceContext.Extract(msg.Context(), propagation.MapCarrier{
-		schema.MetadataTraceParent: msg.Metadata.Get(schema.MetadataTraceParent),
-		schema.MetadataTraceState:  msg.Metadata.Get(schema.MetadataTraceState),
-	})
+	parent := msg.Context()
+	if tp := msg.Metadata.Get(schema.MetadataTraceParent); tp != "" {
+		parent = traceContext.Extract(parent, propagation.MapCarrier{
+			schema.MetadataTraceParent: tp,
+			schema.MetadataTraceState:  msg.Metadata.Get(schema.MetadataTraceState),
+		})
+	}
 	attrs := []attribute.KeyValue{
 		semconv.MessagingSystemKey.String(f.cfg.MessagingSystem),
 		semconv.MessagingOperationTypeSend,
@@ -77,11 +80,7 @@ func setDestination(span trace.Span, dest string) {
 func injectTrace(ctx context.Context, md message.Metadata) {
 	delete(md, schema.MetadataTraceParent)
 	delete(md, schema.MetadataTraceState)
-	carrier := propagation.MapCarrier{}
-	traceContext.Inject(ctx, carrier)
-	for k, v := range carrier {
-		md.Set(k, v)
-	}
+	traceContext.Inject(ctx, propagation.MapCarrier(md))
 }
 
 // endSpan ends the relay span, with error status and the error recorded (its
