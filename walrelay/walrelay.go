@@ -719,14 +719,32 @@ func (st *stream) drain(stopDelivering context.CancelFunc) error {
 			st.onSettle(context.Background(), v)
 		case <-deadline:
 			st.s.logger.Info("Close timeout: messages in flight are left to the next relay", watermill.LogFields{"in_flight": st.unsettledInFlight()})
-			stopDelivering()
-			st.inFlight.Wait()
+			st.stop(stopDelivering)
 			return st.status(true)
 		}
 	}
-	stopDelivering()
-	st.inFlight.Wait()
+	st.stop(stopDelivering)
 	return st.status(true)
+}
+
+// stop ends the deliveries and waits for them, dropping the verdicts they
+// still send: more of them than the settles buffer holds would block on it
+// while the loop waits. A dropped verdict leaves its row unsettled (the next
+// relay delivers it again); the position recorded does not pass it.
+func (st *stream) stop(stopDelivering context.CancelFunc) {
+	stopDelivering()
+	done := make(chan struct{})
+	go func() {
+		st.inFlight.Wait()
+		close(done)
+	}()
+	for {
+		select {
+		case <-done:
+			return
+		case <-st.settles:
+		}
+	}
 }
 
 func (st *stream) unsettledInFlight() int {

@@ -953,3 +953,44 @@ func TestWALDrainsABacklog(t *testing.T) {
 		}
 	}
 }
+
+// TestWALCloseTimeoutWithManyInFlight: more messages in flight than the
+// loop buffers verdicts for (1,024), none acked: Close gives up on them
+// after CloseTimeout and returns, and the next relay delivers them all.
+func TestWALCloseTimeoutWithManyInFlight(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	const n = 1500
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("k%d", i)
+	}
+	ids := enqueue(t, pool, tbl, keys...)
+	s := relay(t, pool, tbl, func(c *walrelay.Config) { c.CloseTimeout = 300 * time.Millisecond })
+	ch, err := s.Subscribe(context.Background(), subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := make([]*message.Message, 0, n)
+	for len(held) < n {
+		select {
+		case msg := <-ch:
+			held = append(held, msg) // never acked
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%d of %d messages in flight after 30 s", len(held), n)
+		}
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- s.Close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatalf("Close: %v", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatalf("Close did not return within 15 s with %d messages in flight (CloseTimeout 300 ms)", n)
+	}
+	rec := newRecorder()
+	rec.consume(t, relay(t, pool, tbl, nil), nil)
+	rec.waitAcked(t, ids, 60*time.Second)
+}
