@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"text/tabwriter"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -57,6 +59,9 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 		open  func() (message.Publisher, error)
 		reset func() error // empties what earlier cases left in the broker
 		cases []relayCase
+		// noBare: no bare-publisher baseline (the no-op sink has nothing to
+		// compare with).
+		noBare bool
 	}{
 		{"Kafka (kfake, acks=all, idempotent)", func() (message.Publisher, error) {
 			return kafkabackend.NewPublisher(cluster.Brokers(), watermill.NopLogger{})
@@ -65,17 +70,24 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 			{"outbox -> Kafka, default mode, one Publish per message", false, subCfg, forwarder.Config{BatchSize: 1}},
 			{fmt.Sprintf("outbox -> Kafka, ordered mode (%d keys), batching forwarder", keys), true, ordCfg, batching},
 			{fmt.Sprintf("outbox -> Kafka, ordered mode (%d keys), one Publish per message", keys), true, ordCfg, forwarder.Config{BatchSize: 1}},
-		}},
+		}, false},
+		{"no broker (a no-op BatchPublisher: the outbox side alone)", func() (message.Publisher, error) {
+			return nopPublisher{}, nil
+		}, func() error { return nil }, []relayCase{
+			{fmt.Sprintf("outbox -> no broker, ordered mode (%d keys), batching forwarder", keys), true, ordCfg, batching},
+		}, true},
 		{fmt.Sprintf("RabbitMQ (confirms, pool %d)", o.amqpPool), func() (message.Publisher, error) {
 			return amqpbackend.NewPublisher(amqpbackend.Config{URL: o.amqpURL, ChannelPoolSize: o.amqpPool}, watermill.NopLogger{})
 		}, func() error { return purgeQueues(o.amqpURL, "bench.direct.v1", "org.organization.updated.v1") }, []relayCase{
 			{"outbox -> RabbitMQ, default mode, batching forwarder", false, subCfg, batching},
 			{"outbox -> RabbitMQ, default mode, one Publish per message", false, subCfg, forwarder.Config{BatchSize: 1}},
-		}},
+		}, false},
 	}
+	const ceilingName = "default mode's SQL ceiling: claim+ack loop, no delivery"
 	var (
 		names, baselines []string
 		best             []float64
+		cpu              = map[string]cpuUse{} // of the last round
 	)
 	for round := 0; round < o.rounds; round++ {
 		var values []float64
@@ -89,15 +101,22 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 				_ = pub.Close()
 				return err
 			}
-			bareRate, err := publishDirect(ctx, pub, n, 200)
-			if err != nil {
-				_ = pub.Close()
-				return fmt.Errorf("%s: %w", bare, err)
+			if !b.noBare {
+				var bareRate float64
+				use, err := measureCPU(func() (err error) {
+					bareRate, err = publishDirect(ctx, pub, n, 200)
+					return err
+				})
+				cpu[bare] = use
+				if err != nil {
+					_ = pub.Close()
+					return fmt.Errorf("%s: %w", bare, err)
+				}
+				if round == 0 {
+					names, baselines = append(names, bare), append(baselines, "")
+				}
+				values = append(values, bareRate)
 			}
-			if round == 0 {
-				names, baselines = append(names, bare), append(baselines, "")
-			}
-			values = append(values, bareRate)
 			for ci, c := range b.cases {
 				if !strings.Contains(c.name, o.brokerCases) {
 					continue
@@ -115,7 +134,12 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 					_ = pub.Close()
 					return err
 				}
-				rate, err := drainForwarderWith(ctx, pool, t, n, pub, c.sub, c.fwd)
+				var rate float64
+				use, err := measureCPU(func() (err error) {
+					rate, err = drainForwarderWith(ctx, pool, t, n, pub, c.sub, c.fwd)
+					return err
+				})
+				cpu[c.name] = use
 				if err != nil {
 					_ = pub.Close()
 					return fmt.Errorf("%s: %w", c.name, err)
@@ -125,7 +149,11 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 					return err
 				}
 				if round == 0 {
-					names, baselines = append(names, c.name), append(baselines, bare)
+					base := bare
+					if b.noBare {
+						base = ""
+					}
+					names, baselines = append(names, c.name), append(baselines, base)
 				}
 				values = append(values, rate)
 			}
@@ -140,7 +168,12 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 		if err := fillBacklog(ctx, pool, t, n); err != nil {
 			return err
 		}
-		ceiling, err := drainBareSQL(ctx, pool, t, n, 2, o.brokerBatch)
+		var ceiling float64
+		use, err := measureCPU(func() (err error) {
+			ceiling, err = drainBareSQL(ctx, pool, t, n, 2, o.brokerBatch)
+			return err
+		})
+		cpu[ceilingName] = use
 		if err != nil {
 			return err
 		}
@@ -149,7 +182,7 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 		}
 		values = append(values, ceiling)
 		if round == 0 {
-			names, baselines = append(names, "default mode's SQL ceiling: claim+ack loop, no delivery"), append(baselines, "")
+			names, baselines = append(names, ceilingName), append(baselines, "")
 			best = make([]float64, len(values))
 		}
 		for i, v := range values {
@@ -158,8 +191,27 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 	}
 	printTable(fmt.Sprintf("Relay throughput to brokers: drain %d rows (subscriber BatchSize %d, MaxInFlight %d), best of %d, beside the same publisher fed directly by 200 goroutines (goals: Kafka >= 0.3x default mode, >= 0.5x ordered mode; RabbitMQ >= 0.8x)", n, o.brokerBatch, o.brokerInFlight, o.rounds),
 		ratioRows(names, baselines, best, "msgs/s"))
+	fmt.Println("CPU per 100,000 messages, last round: the bench process (relay, router, forwarder, broker client; for Kafka also the in-process kfake broker) and the local PostgreSQL's processes")
+	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(w, "case\tprocess\tpostgres\t")
+	for _, name := range names {
+		if use, ok := cpu[name]; ok {
+			per := func(d time.Duration) string { return fmt.Sprintf("%.2f s", d.Seconds()*100000/float64(n)) }
+			fmt.Fprintf(w, "%s\t%s\t%s\t\n", name, per(use.self), per(use.postgres))
+		}
+	}
+	_ = w.Flush()
+	fmt.Println()
 	return nil
 }
+
+// nopPublisher accepts every message and sends nothing: the outbox side of
+// a drain alone.
+type nopPublisher struct{}
+
+func (nopPublisher) Publish(string, ...*message.Message) error       { return nil }
+func (nopPublisher) PublishBatch(string, []*message.Message) []error { return nil }
+func (nopPublisher) Close() error                                    { return nil }
 
 // fillKeyed creates t with every column (ordered mode's too) and commits n
 // pending rows, spread round-robin over keys ordering keys (none when keys is
