@@ -84,6 +84,7 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 		}, false},
 	}
 	const ceilingName = "default mode's SQL ceiling: claim+ack loop, no delivery"
+	aloneName := fmt.Sprintf("ordered subscriber alone (%d keys), acking at once: no router, forwarder or broker", keys)
 	var (
 		names, baselines []string
 		best             []float64
@@ -161,6 +162,30 @@ func brokerSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o o
 			if err := b.reset(); err != nil {
 				return err
 			}
+		}
+		// The ordered subscriber alone, acking at once: no router, no
+		// forwarder, no broker.
+		if strings.Contains(aloneName, o.brokerCases) {
+			t := schema.MustParseTable(fmt.Sprintf("%s.broker_alone_%d", schemaName, round))
+			if err := fillKeyed(ctx, pool, t, n, keys); err != nil {
+				return err
+			}
+			var durable time.Duration
+			use, err := measureCPU(func() (err error) {
+				_, durable, err = drainTimes(ctx, pool, []schema.Table{t}, n, true, 1)
+				return err
+			})
+			cpu[aloneName] = use
+			if err != nil {
+				return fmt.Errorf("%s: %w", aloneName, err)
+			}
+			if _, err := pool.Exec(ctx, `DROP TABLE `+t.Sanitize()+` CASCADE`); err != nil {
+				return err
+			}
+			if round == 0 {
+				names, baselines = append(names, aloneName), append(baselines, "")
+			}
+			values = append(values, float64(n)/durable.Seconds())
 		}
 		// The default mode's ceiling on this machine: its claim and ack
 		// statements alone.
