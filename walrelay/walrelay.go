@@ -497,6 +497,13 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*relation{}, keys: map[string]*keyQueue{},
 		settles: make(chan settle, 1024), gone: make(chan struct{}), readyWake: make(chan struct{}, 1), waits: make(chan waiting)}
 	defer close(st.gone)
+	// The deliveries' context, the backfill's included. Every return of the
+	// stream stops the deliveries and waits for them first (deferred calls
+	// run in reverse): none outlives the stream, so none is handed to out
+	// once it may be closed, nor to the consumer beside the next stream's
+	// delivery of the same key.
+	dctx, stopDelivering := context.WithCancel(context.WithoutCancel(ctx))
+	defer st.stop(stopDelivering)
 	go st.pump()
 	backfill, err := st.start(ctx)
 	if err != nil {
@@ -504,9 +511,9 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	}
 	st.retry = time.NewTimer(time.Hour)
 	if backfill != nil {
-		st.commit(ctx, backfill)
+		st.commit(dctx, backfill)
 	}
-	return st.loop(ctx)
+	return st.loop(ctx, dctx, stopDelivering)
 }
 
 // ensureSlot recreates the slot when it is gone or the server invalidated
@@ -585,7 +592,7 @@ func (st *stream) start(ctx context.Context) (*txn, error) {
 	return tx, nil
 }
 
-func (st *stream) loop(ctx context.Context) error {
+func (st *stream) loop(ctx, dctx context.Context, stopDelivering context.CancelFunc) error {
 	s := st.s
 	// The reader outlives ctx until the loop returns (the final status must
 	// still go out), then a read deadline in the past stops it. Its reads
@@ -617,8 +624,6 @@ func (st *stream) loop(ctx context.Context) error {
 			}
 		}
 	}()
-	dctx, stopDelivering := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopDelivering()
 	tick := time.NewTicker(s.cfg.StatusInterval)
 	defer tick.Stop()
 	defer st.retry.Stop()
@@ -1234,6 +1239,13 @@ func (st *stream) pump() {
 // handOver builds d's message, hands it to the subscriber's channel and then
 // to a waiter, or settles d when it cannot.
 func (st *stream) handOver(d delivery) {
+	if d.ctx.Err() != nil {
+		// Stopped: not handed over (a select with out ready too would
+		// pick at random).
+		st.send(settle{it: d.it, stopped: true})
+		st.inFlight.Done()
+		return
+	}
 	msg, err := d.it.row.Message(st.s.cfg.Table)
 	if err != nil {
 		// A row that cannot become a message (bad headers) is dead at once.

@@ -994,3 +994,98 @@ func TestWALCloseTimeoutWithManyInFlight(t *testing.T) {
 	rec.consume(t, relay(t, pool, tbl, nil), nil)
 	rec.waitAcked(t, ids, 60*time.Second)
 }
+
+// TestWALStreamLossKeepsOneInFlightPerKey: the slot is lost, so the relay
+// backfills 300 keys from the table; its replication connection is cut while
+// those deliveries wait for a consumer that has not started reading. The
+// stream's deliveries end with the stream: the next stream backfills the
+// rows again, and no key ever has a stale copy in flight beside the new one
+// (the backfill's deliveries once had a context of their own that the
+// stream's end did not cancel).
+func TestWALStreamLossKeepsOneInFlightPerKey(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	rec := newRecorder()
+	a := relay(t, pool, tbl, nil)
+	rec.consume(t, a, nil)
+	rec.waitAcked(t, enqueue(t, pool, tbl, "k0", "k1"), 10*time.Second)
+	time.Sleep(400 * time.Millisecond) // a records its position
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	const n = 300
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("k%d", i)
+	}
+	ids := enqueue(t, pool, tbl, keys...)
+	if _, err := pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, schema.WALSlotName(tbl)); err != nil {
+		t.Fatal(err)
+	}
+	b := relay(t, pool, tbl, nil)
+	ch, err := b.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(500 * time.Millisecond) // b backfills; nobody reads yet
+	var cut int
+	if err := pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_replication WHERE application_name = 'outbox-walrelay'`).Scan(&cut); err != nil || cut != 1 {
+		t.Fatalf("terminate the walsender: %d terminated, %v", cut, err)
+	}
+	time.Sleep(500 * time.Millisecond) // the next stream starts and backfills again
+	var (
+		mu       sync.Mutex
+		inFlight = map[string]int{}
+		acked    = map[string]bool{}
+		overlap  []string
+	)
+	consumed := make(chan struct{})
+	go func() {
+		defer close(consumed)
+		for msg := range ch {
+			key := msg.Metadata.Get(schema.MetadataOrderingKey)
+			mu.Lock()
+			inFlight[key]++
+			if inFlight[key] > 1 {
+				overlap = append(overlap, key)
+			}
+			mu.Unlock()
+			go func(msg *message.Message) {
+				time.Sleep(10 * time.Millisecond)
+				mu.Lock()
+				inFlight[key]--
+				acked[msg.UUID] = true
+				mu.Unlock()
+				msg.Ack()
+			}(msg)
+		}
+	}()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		mu.Lock()
+		missing := 0
+		for _, id := range ids {
+			if !acked[id.String()] {
+				missing++
+			}
+		}
+		mu.Unlock()
+		if missing == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d events not acked within 60 s after the stream was cut", missing, n)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if err := b.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	<-consumed
+	mu.Lock()
+	defer mu.Unlock()
+	if len(overlap) > 0 {
+		t.Fatalf("%d times a key had two messages in flight after the stream was cut (first: %s)", len(overlap), overlap[0])
+	}
+}
