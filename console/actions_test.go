@@ -289,11 +289,14 @@ func TestHeldKeySkip(t *testing.T) {
 		t.Fatalf("skip without CSRF: %d %s", r.code, r.body)
 	}
 	m := csrfField.FindStringSubmatch(page.body)
-	if r := do(t, "POST", srv.URL+"/t/"+name+"/event/"+ids[0].String()+"/skip", url.Values{"csrf": {m[1]}}, bearer); r.code != 303 {
-		t.Fatalf("skip: %d %s", r.code, r.body)
-	}
+	// Before the skip: the key's second row waits behind the hold and holds
+	// nothing itself. (Right after the skip the relay moves the hold onto
+	// it while it delivers it, and a skip of it then is accepted.)
 	if r := do(t, "POST", srv.URL+"/t/"+name+"/event/"+ids[1].String()+"/skip", url.Values{"csrf": {m[1]}}, bearer); r.code != 409 {
 		t.Errorf("skip of a row that holds nothing: %d %s", r.code, r.body)
+	}
+	if r := do(t, "POST", srv.URL+"/t/"+name+"/event/"+ids[0].String()+"/skip", url.Values{"csrf": {m[1]}}, bearer); r.code != 303 {
+		t.Fatalf("skip: %d %s", r.code, r.body)
 	}
 	for deadline := time.Now().Add(10 * time.Second); ; {
 		mu.Lock()
