@@ -397,6 +397,10 @@ const deadAtNote = "-- Adds dead_at (no table rewrite) and marks dead the rows o
 const holdStatesNote = "-- Ordered tables only (skip it for a table without ordered mode): adds the hold states of\n" +
 	"-- this version to <table>_holds (resolved holds kept until the floor passes them, operator replays).\n"
 
+// termNote heads the partition-term migration.
+const termNote = "-- Ordered tables only (skip it for a table without ordered mode): adds the lease term (epoch) to\n" +
+	"-- <table>_partitions; relays of this version fence every write of progress and holds on it.\n"
+
 // migrationFiles renders the shipped migration files for table t, by path
 // under Migrations.
 func migrationFiles(t Table) map[string]string {
@@ -414,6 +418,8 @@ func migrationFiles(t Table) map[string]string {
 	down4 := DeadAtDownSQL(t)
 	up5 := HoldsStateUpSQL(t)
 	down5 := HoldsStateDownSQL(t)
+	up6 := TermUpSQL(t)
+	down6 := TermDownSQL(t)
 	return map[string]string{
 		"migrations/000001_create_" + name + ".up.sql":                 h("UpSQL") + "\n" + up1,
 		"migrations/000001_create_" + name + ".down.sql":               h("DownSQL") + destructive + "\n" + down1,
@@ -425,11 +431,15 @@ func migrationFiles(t Table) map[string]string {
 		"migrations/000004_add_" + name + "_dead_at.down.sql":          h("DeadAtDownSQL") + "\n" + down4,
 		"migrations/000005_add_" + name + "_hold_states.up.sql":        h("HoldsStateUpSQL") + holdStatesNote + "\n" + up5,
 		"migrations/000005_add_" + name + "_hold_states.down.sql":      h("HoldsStateDownSQL") + "\n" + down5,
+		"migrations/000006_add_" + name + "_partition_term.up.sql":     h("TermUpSQL") + termNote + "\n" + up6,
+		"migrations/000006_add_" + name + "_partition_term.down.sql":   h("TermDownSQL") + "\n" + down6,
 		"migrations/goose/00001_create_" + name + ".sql": h("UpSQL") + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
 		"migrations/goose/00002_add_" + name + "_dead_at.sql": h("DeadAtUpSQL") + deadAtNote + "\n-- +goose Up\n" + up4 +
 			"\n-- +goose Down\n" + down4,
 		"migrations/goose/00003_add_" + name + "_hold_states.sql": h("HoldsStateUpSQL") + holdStatesNote + "\n-- +goose Up\n" + up5 +
 			"\n-- +goose Down\n" + down5,
+		"migrations/goose/00004_add_" + name + "_partition_term.sql": h("TermUpSQL") + termNote + "\n-- +goose Up\n" + up6 +
+			"\n-- +goose Down\n" + down6,
 	}
 }

@@ -2,6 +2,7 @@ package schema
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 
@@ -104,7 +105,27 @@ func orderedCompanionStatements(t Table) []string {
 )`,
 		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixHoldsByPartition) + ` ON ` + t.HoldsTable() + ` (partition)`,
 		holdsStateStatement(t),
+		termStatement(t),
 	}
+}
+
+// termStatement adds the partition lease's term (epoch) to a partitions
+// table made by an older version, idempotently. Every acquisition of a
+// partition starts a new term; the writes of progress and holds are fenced
+// on it, so that nothing a relay did under an earlier lease of the same
+// partition (its own included) is written after the lease ended.
+func termStatement(t Table) string {
+	return `ALTER TABLE ` + t.PartitionsTable() + ` ADD COLUMN IF NOT EXISTS epoch BIGINT NOT NULL DEFAULT 0`
+}
+
+// TermUpSQL returns the DDL that adds the partition lease's term to the
+// partitions table of an ordered table t made by an older version
+// (idempotent; the shipped migration 000006).
+func TermUpSQL(t Table) string { return termStatement(t) + ";\n" }
+
+// TermDownSQL reverts TermUpSQL.
+func TermDownSQL(t Table) string {
+	return `ALTER TABLE ` + t.PartitionsTable() + ` DROP COLUMN IF EXISTS epoch;` + "\n"
 }
 
 // holdsStateStatement adds the hold states of this version to a holds table
@@ -158,14 +179,17 @@ type OrderedQueries struct {
 	// expired: the ordered relays at work (the console's overview).
 	LiveOwners string
 	// Acquire takes the partitions $2 (int array) that are free, expired or
-	// already owned by relay $1, for $3 seconds. Returns: partition,
-	// floor_sequence.
+	// already owned by relay $1, for $3 seconds, each in a new term (its
+	// epoch incremented, also when relay $1 owned it already). Returns:
+	// partition, floor_sequence, epoch.
 	Acquire string
 	// Renew extends the leases of relay $1 on partitions $2 for $4 seconds
 	// and raises their floors to $3 (bigint array, same order), fenced on
-	// a live lease of $1. Returns: partition.
+	// a live lease of $1 in the terms $5 (bigint array, same order).
+	// Returns: partition.
 	Renew string
-	// Release gives partitions $2 back with floors $3, fenced like Renew.
+	// Release gives partitions $2 back with floors $3, fenced like Renew on
+	// the terms $4.
 	Release string
 	// Cut returns the sequence's last value, then the virtual transactions
 	// that hold a key lock of the table (lock class $1) and the lock's key
@@ -182,24 +206,26 @@ type OrderedQueries struct {
 	// OrderedRow columns.
 	Scan string
 	// Rescan reads the keyed rows of partition $1[i] whose key hash is
-	// $2[i] with sequences in ($3[i], $4[i]], for each i, in sequence order.
-	// Returns OrderedRow columns.
+	// $2[i] with sequences in ($3[i], $4[i]], at most $5 for each i, in
+	// sequence order. Returns OrderedRow columns.
 	Rescan string
 	// RowAt reads the row of key $1 at sequence $2 while its key's hold is
 	// at that sequence, not resolved and no skip is requested (OrderedRow
 	// columns; no row otherwise).
 	RowAt string
 	// Fail records a failed attempt of row (key $3, sequence $4) of
-	// partition $2 as its key's hold, fenced on relay $1's lease. Args then:
-	// last_error $5, max_attempts $6, permanent $7, backoff seconds $8. A
+	// partition $2 as its key's hold, fenced on relay $1's lease in term
+	// $9. Args then: last_error $5, max_attempts $6, permanent $7, backoff
+	// seconds $8. A
 	// resolved hold below the row is replaced; a hold at the row counts one
 	// more attempt and keeps a requested skip. Returns: dead, attempts,
 	// skip requested (no row when not owned or the key has another hold).
 	Fail string
 	// Advance moves the hold of key $3 at sequence $4 (partition $2,
 	// relay $1), whose row succeeded or was skipped, to the key's next row
-	// at or below sequence $5; without one the hold is resolved (kept as a
-	// tombstone); a replay hold is deleted. Returns: owned, next sequence
+	// at or below sequence $5, fenced on relay $1's lease in term $6;
+	// without a next row the hold is resolved (kept as a tombstone); a
+	// replay hold is deleted. Returns: owned, next sequence
 	// (NULL when none), resolved, deleted.
 	Advance string
 	// CleanResolved deletes the resolved holds at or below the written
@@ -294,16 +320,16 @@ func NewOrderedQueries(t Table, c Columns) *OrderedQueries {
 SELECT ARRAY(SELECT relay_id FROM ` + relays + ` WHERE heartbeat_at > now() - ` + ttl("$2") + ` UNION SELECT relay_id FROM hb)`
 	q.Leave = `DELETE FROM ` + relays + ` WHERE relay_id = $1`
 	q.LiveOwners = `SELECT count(DISTINCT owner) FROM ` + parts + ` WHERE owner IS NOT NULL AND lease_until > now()`
-	q.Acquire = `UPDATE ` + parts + ` SET owner = $1, lease_until = now() + ` + ttl("$3") + `
+	q.Acquire = `UPDATE ` + parts + ` SET owner = $1, lease_until = now() + ` + ttl("$3") + `, epoch = epoch + 1
 WHERE partition = ANY($2::int[]) AND (owner IS NULL OR owner = $1 OR lease_until IS NULL OR lease_until < now())
-RETURNING partition::int, floor_sequence`
+RETURNING partition::int, floor_sequence, epoch`
 	q.Renew = `UPDATE ` + parts + ` AS p SET lease_until = now() + ` + ttl("$4") + `, floor_sequence = GREATEST(p.floor_sequence, u.floor)
-FROM unnest($2::int[], $3::bigint[]) AS u(part, floor)
-WHERE p.partition = u.part AND p.owner = $1 AND p.lease_until > now()
+FROM unnest($2::int[], $3::bigint[], $5::bigint[]) AS u(part, floor, epoch)
+WHERE p.partition = u.part AND p.owner = $1 AND p.epoch = u.epoch AND p.lease_until > now()
 RETURNING p.partition::int`
 	q.Release = `UPDATE ` + parts + ` AS p SET owner = NULL, lease_until = NULL, floor_sequence = GREATEST(p.floor_sequence, u.floor)
-FROM unnest($2::int[], $3::bigint[]) AS u(part, floor)
-WHERE p.partition = u.part AND p.owner = $1 AND p.lease_until > now()`
+FROM unnest($2::int[], $3::bigint[], $4::bigint[]) AS u(part, floor, epoch)
+WHERE p.partition = u.part AND p.owner = $1 AND p.epoch = u.epoch AND p.lease_until > now()`
 	// The last value is read in a subquery that runs before the lock list
 	// (OFFSET 0 keeps it from being flattened into it).
 	q.Cut = `SELECT s.last_value, COALESCE(l.vx, '{}'), COALESCE(l.h, '{}')
@@ -331,10 +357,13 @@ CROSS JOIN LATERAL (
   SELECT * FROM ` + tbl + ` AS k
   WHERE k.ordering_partition = w.part AND k.ordering_key IS NOT NULL AND k.sequence > w.lo AND k.sequence <= w.hi
     AND hashtext(k.ordering_key) = w.h AND k.published_at IS NULL
+  ORDER BY k.sequence LIMIT $5
 ) AS o ORDER BY o.sequence`
 	q.RowAt = `SELECT ` + ret + ` FROM ` + tbl + ` AS o JOIN ` + holds + ` AS h ON h.ordering_key = o.ordering_key AND h.sequence = o.sequence
 WHERE o.ordering_key = $1 AND o.sequence = $2 AND h.resolved_at IS NULL AND h.skip_requested_at IS NULL`
-	own := `SELECT 1 FROM ` + parts + ` WHERE partition = $2 AND owner = $1 AND lease_until > now()`
+	own := func(epoch string) string {
+		return `SELECT 1 FROM ` + parts + ` WHERE partition = $2 AND owner = $1 AND epoch = ` + epoch + `::bigint AND lease_until > now()`
+	}
 	deadFirst := `$7::bool OR $6::int <= 1`
 	same := `(h.resolved_at IS NULL AND h.sequence = EXCLUDED.sequence)`
 	deadNow := `($7::bool OR (CASE WHEN ` + same + ` THEN h.attempts ELSE 0 END) + 1 >= $6::int)`
@@ -342,7 +371,7 @@ WHERE o.ordering_key = $1 AND o.sequence = $2 AND h.resolved_at IS NULL AND h.sk
 SELECT $3, $2, $4, 1,
   CASE WHEN ` + deadFirst + ` THEN 'infinity'::timestamptz ELSE now() + ` + ttl("$8") + ` END, $5,
   CASE WHEN ` + deadFirst + ` THEN now() END
-WHERE EXISTS (` + own + `)
+WHERE EXISTS (` + own("$9") + `)
 ON CONFLICT (ordering_key) DO UPDATE SET
   sequence = EXCLUDED.sequence,
   attempts = CASE WHEN ` + same + ` THEN h.attempts + 1 ELSE 1 END,
@@ -354,7 +383,7 @@ ON CONFLICT (ordering_key) DO UPDATE SET
   resolved_at = NULL, created_at = CASE WHEN ` + same + ` THEN h.created_at ELSE now() END
 WHERE ` + same + ` OR (h.resolved_at IS NOT NULL AND h.sequence < EXCLUDED.sequence)
 RETURNING h.dead_at IS NOT NULL, h.attempts, h.skip_requested_at IS NOT NULL`
-	q.Advance = `WITH own AS (` + own + `),
+	q.Advance = `WITH own AS (` + own("$6") + `),
 h0 AS (SELECT replay FROM ` + holds + ` WHERE ordering_key = $3 AND sequence = $4 AND resolved_at IS NULL AND EXISTS (SELECT 1 FROM own) FOR UPDATE),
 nxt AS (SELECT min(sequence) AS s FROM ` + tbl + ` WHERE ordering_key = $3 AND sequence > $4 AND sequence <= $5),
 del AS (
@@ -447,7 +476,8 @@ SELECT EXISTS (SELECT 1 FROM ins), NOT COALESCE((SELECT done FROM r), false),
 func OrderedTablesExist(ctx context.Context, q Querier, t Table) (bool, error) {
 	var ok bool
 	err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND to_regclass($3) IS NOT NULL
-  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($3) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2`,
+  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($3) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2
+  AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'epoch' AND NOT attisdropped)`,
 		t.PartitionsTable(), t.RelaysTable(), t.HoldsTable()).Scan(&ok)
 	if err != nil {
 		return false, fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)
@@ -461,4 +491,34 @@ func (q *OrderedQueries) HoldOfEventStatement(eventID string) Statement {
 	return Statement{SQL: `SELECT h.ordering_key, h.sequence, h.dead_at IS NOT NULL, h.attempts
 FROM ` + q.Table.Sanitize() + ` AS o JOIN ` + q.Table.HoldsTable() + ` AS h ON h.ordering_key = o.ordering_key AND h.sequence = o.sequence
 WHERE o.event_id = $1::uuid AND h.resolved_at IS NULL`, Args: []any{eventID}}
+}
+
+// ErrSequenceCached is matched (errors.Is) by the error of
+// CheckOrderedSequence when the table's sequence hands out values from a
+// per-session cache (CACHE > 1): a session can then take a lower value
+// after a higher one was committed, which breaks the cut of ordered mode
+// and the WAL relay's order.
+var ErrSequenceCached = errors.New("the outbox sequence has CACHE > 1")
+
+// CheckOrderedSequence fails with ErrSequenceCached when the sequence of
+// t's sequence column caches more than one value per session. Ordered mode
+// reads the sequence's last value as the bound of what a writer holding a
+// key lock may still commit; with a cache a session hands out lower values
+// later, so a committed row could fall below the relay's scan position.
+func CheckOrderedSequence(ctx context.Context, q Querier, t Table) error {
+	var seq string
+	var cache int64
+	err := q.QueryRow(ctx, `SELECT s.seqrelid::regclass::text, s.seqcache FROM pg_sequence AS s
+WHERE s.seqrelid = pg_get_serial_sequence($1, 'sequence')::regclass`, t.Sanitize()).Scan(&seq, &cache)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("the sequence column of %s has no owned sequence (BIGSERIAL); recreate it with outbox migrate", t)
+	}
+	if err != nil {
+		return fmt.Errorf("look up the sequence of %s: %w", t, err)
+	}
+	if cache > 1 {
+		return fmt.Errorf("%s has CACHE %d: run `ALTER SEQUENCE %s CACHE 1` (ordered mode and the WAL relay need sequence values handed out in commit-lock order): %w",
+			seq, cache, seq, ErrSequenceCached)
+	}
+	return nil
 }

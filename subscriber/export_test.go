@@ -170,3 +170,20 @@ func (r *orderedRelay) check() error {
 	}
 	return nil
 }
+
+// OrderedOpenRows is how many rows the ordered relays of s hold open (loaded,
+// neither acked nor covered by a hold), over every partition.
+func OrderedOpenRows(s *Subscriber) int {
+	s.closeMu.Lock()
+	relays := append([]*orderedRelay(nil), s.ordered...)
+	s.closeMu.Unlock()
+	n := 0
+	for _, r := range relays {
+		r.mu.Lock()
+		for _, p := range r.parts {
+			n += len(p.open)
+		}
+		r.mu.Unlock()
+	}
+	return n
+}

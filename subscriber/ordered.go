@@ -48,6 +48,9 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the tables %s, %s and %s, with the hold states of migration 000005 (resolved_at, replay); %s: %w",
 			t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), run, ErrOrderedNotMigrated)
 	}
+	if err := schema.CheckOrderedSequence(ctx, pool, t); err != nil {
+		return nil, fmt.Errorf("subscriber: invalid config: Ordered: %w", err)
+	}
 	return schema.NewOrderedQueries(t, cols), nil
 }
 
@@ -98,6 +101,10 @@ type orderedRelay struct {
 	mu      sync.Mutex
 	parts   map[int]*partState
 	keys    map[string]*keyState
+	// stale counts, per partition, the ended terms whose runners still wait
+	// for a verdict of a message handed out under them; the partition is
+	// not taken again (a new term) until they have ended.
+	stale   map[int]int
 	runners int  // key runners alive (each has at most one message in flight)
 	starved bool // the last startRunnersLocked stopped at MaxInFlight: keys may wait for a runner
 	runWg   sync.WaitGroup
@@ -126,6 +133,15 @@ type partState struct {
 	renewed   time.Time
 	releasing bool
 	fresh     bool // taken over: its holds are not read yet
+
+	// The term: one lease of the partition, from Acquire to its end in
+	// memory (lost, not renewed in time, released, or the relay stopping).
+	epoch   int64              // the lease's epoch; every write of progress or holds is fenced on it
+	term    context.Context    // cancelled when the term ends: the contexts of its messages with it
+	endTerm context.CancelFunc //
+	expiry  *time.Timer        // ends the term at deadline, between ticks
+	runners int                // runners working on keys of this term
+	ended   bool               // the term ended; counted in stale while runners is not 0
 }
 
 // watch is a writer that held the lock of key hash hash when a scan passed
@@ -180,6 +196,7 @@ func newOrderedRelay(sub *subscription) *orderedRelay {
 		class:  sub.s.cfg.Table.OrderingLockClass(),
 		parts:  map[int]*partState{},
 		keys:   map[string]*keyState{},
+		stale:  map[int]int{},
 	}
 }
 
@@ -337,15 +354,15 @@ func (r *orderedRelay) shutdown() {
 	defer cancel()
 	r.mu.Lock()
 	var ids []int32
-	var floors []int64
-	for _, p := range r.parts {
+	var floors, epochs []int64
+	for id, p := range r.parts {
 		r.advanceFloorLocked(p)
-		ids, floors = append(ids, int32(p.id)), append(floors, p.floor) //nolint:gosec // partition < 64
+		ids, floors, epochs = append(ids, int32(p.id)), append(floors, p.floor), append(epochs, p.epoch) //nolint:gosec // partition < 64
+		r.dropPartLocked(id)
 	}
-	r.parts = map[int]*partState{}
 	r.mu.Unlock()
 	if len(ids) > 0 {
-		if _, err := r.s.pool.Exec(ctx, r.oq.Release, r.id, ids, floors); err != nil {
+		if _, err := r.s.pool.Exec(ctx, r.oq.Release, r.id, ids, floors, epochs); err != nil {
 			r.logger.Error("Could not give partitions back; they pass to other relays after the lock TTL", err, nil)
 		}
 	}
@@ -409,9 +426,9 @@ func (r *orderedRelay) tick(ctx context.Context) {
 
 	r.mu.Lock()
 	var relIDs []int32
-	var relFloors []int64
+	var relFloors, relEpochs []int64
 	var renIDs []int32
-	var renFloors []int64
+	var renFloors, renEpochs []int64
 	for id, p := range r.parts {
 		if !mine[id] && !p.releasing {
 			p.releasing = true
@@ -419,30 +436,33 @@ func (r *orderedRelay) tick(ctx context.Context) {
 		}
 		r.advanceFloorLocked(p)
 		if p.releasing && !r.partBusyLocked(p) {
-			relIDs, relFloors = append(relIDs, int32(id)), append(relFloors, p.floor) //nolint:gosec // partition < 64
+			relIDs, relFloors, relEpochs = append(relIDs, int32(id)), append(relFloors, p.floor), append(relEpochs, p.epoch) //nolint:gosec // partition < 64
 			r.dropPartLocked(id)
 			continue
 		}
 		if p.floor != p.persisted || now.Sub(p.renewed) >= cfg.LockTTL/3 {
-			renIDs, renFloors = append(renIDs, int32(id)), append(renFloors, p.floor) //nolint:gosec // partition < 64
+			renIDs, renFloors, renEpochs = append(renIDs, int32(id)), append(renFloors, p.floor), append(renEpochs, p.epoch) //nolint:gosec // partition < 64
 		}
 	}
 	var want []int32
 	for id := range mine {
-		if r.parts[id] == nil {
+		// A partition whose earlier term still has a message in a
+		// handler is not taken again before that message's verdict (or
+		// its overrun): one copy of a key in a handler at a time.
+		if r.parts[id] == nil && r.stale[id] == 0 {
 			want = append(want, int32(id)) //nolint:gosec // partition < 64
 		}
 	}
 	r.mu.Unlock()
 
 	if len(relIDs) > 0 {
-		if _, err := r.s.pool.Exec(qctx, r.oq.Release, r.id, relIDs, relFloors); err != nil && ctx.Err() == nil {
+		if _, err := r.s.pool.Exec(qctx, r.oq.Release, r.id, relIDs, relFloors, relEpochs); err != nil && ctx.Err() == nil {
 			r.logger.Error("Could not give partitions back; they pass to other relays after the lock TTL", err, nil)
 		}
 	}
 	if len(renIDs) > 0 {
 		t0 := time.Now()
-		rows, err := r.s.pool.Query(qctx, r.oq.Renew, r.id, renIDs, renFloors, ttl)
+		rows, err := r.s.pool.Query(qctx, r.oq.Renew, r.id, renIDs, renFloors, ttl, renEpochs)
 		var ok []int
 		if err == nil {
 			ok, err = pgx.CollectRows(rows, pgx.RowTo[int])
@@ -460,7 +480,7 @@ func (r *orderedRelay) tick(ctx context.Context) {
 			for i, id32 := range renIDs {
 				id := int(id32)
 				p := r.parts[id]
-				if p == nil {
+				if p == nil || p.epoch != renEpochs[i] {
 					continue
 				}
 				if !got[id] {
@@ -493,12 +513,12 @@ func (r *orderedRelay) tick(ctx context.Context) {
 			return
 		}
 		type taken struct {
-			id    int
-			floor int64
+			id           int
+			floor, epoch int64
 		}
 		got, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (taken, error) {
 			var t taken
-			err := row.Scan(&t.id, &t.floor)
+			err := row.Scan(&t.id, &t.floor, &t.epoch)
 			return t, err
 		})
 		if err != nil {
@@ -509,8 +529,15 @@ func (r *orderedRelay) tick(ctx context.Context) {
 		}
 		r.mu.Lock()
 		for _, t := range got {
-			r.parts[t.id] = &partState{id: t.id, floor: t.floor, persisted: t.floor, seen: t.floor, fresh: true,
+			p := &partState{id: t.id, floor: t.floor, persisted: t.floor, seen: t.floor, fresh: true, epoch: t.epoch,
 				open: map[int64]struct{}{}, renewed: t0, deadline: t0.Add(cfg.LockTTL - r.margin())}
+			p.term, p.endTerm = context.WithCancel(context.Background())
+			p.expiry = time.AfterFunc(time.Until(p.deadline), func() { r.expire(p) })
+			if old := r.parts[t.id]; old != nil {
+				r.dropPartLocked(t.id) // not expected: want has no owned partition
+			}
+			r.parts[t.id] = p
+			r.logger.Info("Partition taken", watermill.LogFields{"partition": t.id, "term": t.epoch, "floor": t.floor})
 		}
 		r.mu.Unlock()
 		if len(got) > 0 {
@@ -530,6 +557,23 @@ func (r *orderedRelay) resolvedBelowPersistedLocked() bool {
 		}
 	}
 	return false
+}
+
+// expire ends p's term when its deadline passed without a renewal, between
+// ticks: its messages' contexts are cancelled at the deadline, a margin
+// before the lease ends in the database and another relay may take it.
+func (r *orderedRelay) expire(p *partState) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.parts[p.id] != p {
+		return
+	}
+	if wait := time.Until(p.deadline); wait > 0 {
+		p.expiry.Reset(wait) // renewed meanwhile
+		return
+	}
+	r.logger.Info("Partition lease not renewed in time; stopping its deliveries", watermill.LogFields{"partition": p.id, "term": p.epoch})
+	r.dropPartLocked(p.id)
 }
 
 // fence drops the partitions whose lease may have ended by the local clock.
@@ -565,11 +609,22 @@ func (r *orderedRelay) dropQueuesLocked(p *partState) {
 	}
 }
 
-// dropPartLocked forgets a partition and its keys; runners of its keys stop
-// after their message in flight.
+// dropPartLocked ends a partition's term and forgets it and its keys: the
+// contexts of its messages in handlers are cancelled, runners of its keys
+// stop after their message's verdict (written nowhere: the term fences
+// it), and the partition is not taken again until they have.
 func (r *orderedRelay) dropPartLocked(id int) {
 	p := r.parts[id]
 	delete(r.parts, id)
+	if p == nil {
+		return
+	}
+	p.endTerm()
+	p.expiry.Stop()
+	p.ended = true
+	if p.runners > 0 {
+		r.stale[id]++
+	}
 	for name, k := range r.keys {
 		if k.p == p {
 			k.queue = nil
@@ -648,8 +703,11 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 	for id, p := range r.parts {
 		all = append(all, int32(id)) //nolint:gosec // partition < 64
 		readHolds = readHolds || p.fresh
+		p.full = len(p.open) >= r.readAhead()
 		for _, w := range p.watches {
-			if !locks[cutLock{w.vxid, w.hash}] {
+			// A full partition rescans nothing either: what an ended
+			// writer committed stays parked until there is room.
+			if !p.full && !locks[cutLock{w.vxid, w.hash}] {
 				w.ended = true
 				ended = append(ended, w)
 				endedParts = append(endedParts, p)
@@ -657,7 +715,6 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 				wFroms, wTos = append(wFroms, w.from), append(wTos, w.to)
 			}
 		}
-		p.full = len(p.open) >= r.readAhead()
 		if p.releasing || !time.Now().Before(p.deadline) || p.full || p.seen >= s0 {
 			continue
 		}
@@ -684,7 +741,7 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		batch.Queue(r.oq.Holds, all)
 	}
 	if len(ended) > 0 {
-		batch.Queue(r.oq.Rescan, wParts, wHashes, wFroms, wTos)
+		batch.Queue(r.oq.Rescan, wParts, wHashes, wFroms, wTos, limit)
 	}
 	if len(ids) > 0 {
 		batch.Queue(r.oq.Scan, ids, froms, s0, limit)
@@ -754,13 +811,21 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		r.holdsRead = time.Now()
 	}
 	loaded := 0
-	// Rescans: what the ended writers committed in their ranges.
+	// Rescans: what the ended writers committed in their ranges, at most
+	// limit rows per watch and cycle (a transaction of thousands of rows
+	// is read like a backlog, not at once); a watch that returned limit
+	// rows is rescanned from its last row in the next cycle, and the rows
+	// above it stay parked.
+	got := make([]int, len(ended))
+	last := make([]int64, len(ended))
 	for _, row := range rescan {
 		for i, w := range ended {
 			p := endedParts[i]
 			if r.parts[p.id] != p || row.Partition != p.id || row.KeyHash != w.hash || row.Sequence <= w.from || row.Sequence > w.to {
 				continue
 			}
+			got[i]++
+			last[i] = max(last[i], row.Sequence)
 			if _, ok := w.loaded[row.Sequence]; ok {
 				continue
 			}
@@ -770,9 +835,15 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 			}
 		}
 	}
+	more := false
 	for i, w := range ended {
 		p := endedParts[i]
 		if !w.ended {
+			continue
+		}
+		if got[i] >= limit {
+			w.from, w.ended = last[i], false
+			more = true
 			continue
 		}
 		kept := p.watches[:0]
@@ -785,18 +856,17 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 	}
 	// Scans: load, and watch the writers of the partition's keys that held
 	// their lock at the cut, over the range the scan passed.
-	got := map[int][]*schema.OrderedRow{}
+	byScan := map[int][]*schema.OrderedRow{}
 	for _, row := range scanned {
-		got[row.Partition] = append(got[row.Partition], row)
+		byScan[row.Partition] = append(byScan[row.Partition], row)
 	}
-	more := false
 	for i, id32 := range ids {
 		id := int(id32)
 		p := r.parts[id]
 		if p == nil || p.seen != froms[i] || (p.fresh && !readHolds) {
 			continue
 		}
-		rows := got[id]
+		rows := byScan[id]
 		to := s0
 		if len(rows) == limit {
 			to = rows[len(rows)-1].Sequence
@@ -1008,6 +1078,7 @@ func (r *orderedRelay) startRunnersLocked() {
 		}
 		k.busy = true
 		r.runners++
+		k.p.runners++
 		r.runWg.Add(1)
 		go r.runKey(k)
 	}
@@ -1157,6 +1228,14 @@ func (r *orderedRelay) freedLocked(p *partState) {
 func (r *orderedRelay) endRunLocked(k *keyState) {
 	k.busy = false
 	r.runners--
+	p := k.p
+	if p.runners--; p.runners == 0 && p.ended {
+		// The last runner of an ended term: the partition may be taken
+		// again.
+		if r.stale[p.id]--; r.stale[p.id] <= 0 {
+			delete(r.stale, p.id)
+		}
+	}
 	if r.keys[k.name] == k {
 		r.pruneKeyLocked(k.name, k)
 	}
@@ -1202,12 +1281,18 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 	c.slot = &errorSlot{}
 	// As in the default mode, the message outlives the Subscribe context
 	// until CloseTimeout after the relay stopped.
+	// The term's end cancels it too: the handler is told that its
+	// message's partition lease ended.
 	msgCtx, cancel := context.WithCancel(withErrorSlot(context.WithoutCancel(r.sub.ctx), c.slot))
 	defer cancel()
+	term := k.p.term
+	defer context.AfterFunc(term, cancel)()
 	msg.SetContext(msgCtx)
 	c.msg = msg
 	select {
 	case <-stop:
+		return verdictNone
+	case <-term.Done():
 		return verdictNone
 	default:
 	}
@@ -1215,6 +1300,8 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 	case r.sub.out <- msg:
 		c.delivered = time.Now()
 	case <-stop:
+		return verdictNone
+	case <-term.Done():
 		return verdictNone
 	}
 	var grace <-chan time.Time
@@ -1270,7 +1357,7 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 		n          int
 	)
 	qerr := s.pool.QueryRow(ctx, r.oq.Fail, r.id, row.Partition, k.name, row.Sequence, summary, s.cfg.MaxAttempts,
-		IsPermanent(err), backoff.Seconds()).Scan(&dead, &n, &skip)
+		IsPermanent(err), backoff.Seconds(), k.p.epoch).Scan(&dead, &n, &skip)
 	s.observeDispatch(c, metrics.ResultFailure)
 	if qerr != nil && !errors.Is(qerr, pgx.ErrNoRows) {
 		time.Sleep(100 * time.Millisecond) // the database is failing; do not spin
@@ -1352,7 +1439,7 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 		owned, resolved, deleted bool
 		next                     *int64
 	)
-	err := r.s.pool.QueryRow(ctx, r.oq.Advance, r.id, k.p.id, k.name, seq, bound).Scan(&owned, &next, &resolved, &deleted)
+	err := r.s.pool.QueryRow(ctx, r.oq.Advance, r.id, k.p.id, k.name, seq, bound, k.p.epoch).Scan(&owned, &next, &resolved, &deleted)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	h.advancing = false

@@ -75,6 +75,8 @@ CREATE INDEX IF NOT EXISTS "app_outbox_holds_by_part" ON "public"."app_outbox_ho
 ALTER TABLE "public"."app_outbox_holds" ADD COLUMN IF NOT EXISTS resolved_at TIMESTAMPTZ NULL,
   ADD COLUMN IF NOT EXISTS replay BOOLEAN NOT NULL DEFAULT false;
 
+ALTER TABLE "public"."app_outbox_partitions" ADD COLUMN IF NOT EXISTS epoch BIGINT NOT NULL DEFAULT 0;
+
 -- +goose Down
 -- DESTRUCTIVE: this down migration deletes data, published or not.
 DROP TABLE IF EXISTS "public"."app_outbox_holds";
