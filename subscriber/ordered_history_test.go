@@ -19,6 +19,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/cleaner"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
@@ -43,7 +44,17 @@ import (
 //  5. a replayed row is delivered once more after its replay;
 //  6. no key stays held without a dead or retrying row (at the end, once
 //     the operator has dealt with the dead rows, no hold is left);
-//  7. every partition's floor reaches its last row.
+//  7. every partition's floor reaches its last row;
+//  8. at no instant does a handler hold two messages of one key (checked
+//     when each message is handed to a handler).
+//
+// Faults beside the churn of relays: database outages longer than the
+// lease (the membership table locked for 2 x LockTTL, so every heartbeat
+// hangs and the same relays take their partitions again), during which
+// handlers hang too until their message's context is cancelled (the
+// contract: a handler returns when its message's context ends); the
+// cleaner with a retention of one millisecond; and transactions of
+// hundreds of rows of one key.
 //
 // Size: ORDERED_HISTORY_EVENTS (default 2,000; `make ordered_history` runs
 // 30,000). ORDERED_HISTORY_SEED replays a run's random choices (the
@@ -119,6 +130,10 @@ type history struct {
 	counts     map[string]int
 
 	memoryBroken bool // checkMemory reported a broken invariant
+
+	inHand   map[string]int // key -> messages in a handler now
+	overlaps []string
+	outage   atomic.Bool // the database "is down": handlers hang until their context ends
 }
 
 func newHistory(t *testing.T, seed uint64, events int) *history {
@@ -133,7 +148,7 @@ func newHistory(t *testing.T, seed uint64, events int) *history {
 		oq:   schema.NewOrderedQueries(tbl, schema.Columns{TraceContext: true, Headers: true, OrderingKey: true}),
 		rnd:  rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)),
 		rows: map[string]*hRow{}, poison: map[string]bool{}, permanent: map[string]bool{}, acked: map[string]bool{},
-		counts: map[string]int{}}
+		counts: map[string]int{}, inHand: map[string]int{}}
 }
 
 func (h *history) intn(n int) int {
@@ -153,6 +168,11 @@ func (h *history) handle(relay string, msg *message.Message) {
 	seq, _ := strconv.ParseInt(msg.Metadata.Get(schema.MetadataSequence), 10, 64)
 	d := hDelivery{n: h.clock.Add(1), at: time.Now(), id: msg.UUID, key: msg.Metadata.Get(schema.MetadataOrderingKey), seq: seq, relay: relay}
 	h.mu.Lock()
+	if h.inHand[d.key] > 0 && len(h.overlaps) < 30 {
+		h.overlaps = append(h.overlaps, fmt.Sprintf("key %s: sequence %d handed to %s while %d other message(s) of the key are in a handler (log %d)",
+			d.key, seq, relay, h.inHand[d.key], d.n))
+	}
+	h.inHand[d.key]++
 	fail, perm := false, false
 	if !h.healthy.Load() {
 		switch {
@@ -167,11 +187,31 @@ func (h *history) handle(relay string, msg *message.Message) {
 	}
 	slow := h.rnd.IntN(100) < 2
 	h.mu.Unlock()
-	if slow {
+	switch {
+	case h.outage.Load():
+		// The handler's own calls hang like the relay's: it returns when
+		// its message's context ends, or a while after the outage.
+		h.count("handlers hung in an outage")
+		for h.outage.Load() && msg.Context().Err() == nil {
+			time.Sleep(5 * time.Millisecond)
+		}
+		// Its calls time out and retry a while after the database is back.
+		after := time.Now().Add(time.Duration(300+h.intn(1200)) * time.Millisecond)
+		for time.Now().Before(after) && msg.Context().Err() == nil {
+			time.Sleep(5 * time.Millisecond)
+		}
+		if msg.Context().Err() != nil {
+			h.count("handlers released by their context")
+			fail = true
+		}
+	case slow:
 		time.Sleep(150 * time.Millisecond)
-	} else {
+	default:
 		time.Sleep(time.Duration(h.intn(3)) * time.Millisecond)
 	}
+	h.mu.Lock()
+	h.inHand[d.key]--
+	h.mu.Unlock()
 	if fail {
 		d.nack = true
 		if perm {
@@ -241,10 +281,19 @@ func (r *hRelay) stop(kill bool) {
 func (h *history) produce(ctx context.Context, keys []string, share int) error {
 	for written := 0; written < share; {
 		n := 1 + h.intn(3)
+		big := h.intn(200) == 0 // a transaction of hundreds of rows of one key
+		if big {
+			n = 200 + h.intn(200)
+			h.count("large transactions")
+		}
+		bigKey := keys[h.intn(len(keys))]
 		msgs := make([]publisher.Message, n)
 		rows := make([]*hRow, n)
 		for i := range msgs {
 			k := keys[h.intn(len(keys))]
+			if big {
+				k = bigKey
+			}
 			id := uuid.New()
 			msgs[i] = publisher.Message{TenantID: tenant, Topic: "org.thing.changed.v1", EventID: id, Payload: json.RawMessage(`{}`), OrderingKey: k}
 			rows[i] = &hRow{id: id, key: k}
@@ -356,6 +405,8 @@ func (h *history) operate(ctx context.Context) {
 		h.replays = append(h.replays, hReplay{id: id, n: n, held: rep.Statement.SQL != h.oq.ReplayDone})
 		h.counts["replays of relayed rows"]++
 		h.mu.Unlock()
+	case errors.Is(err, runbook.ErrEventNotFound):
+		h.count("replays refused (deleted by the cleaner)")
 	case err != nil && !errors.Is(err, runbook.ErrNotRelayedYet) && !strings.Contains(err.Error(), "held"):
 		h.t.Errorf("replay of %s: %v", id, err)
 	default:
@@ -393,8 +444,33 @@ func (h *history) run() {
 	defer churn.Stop()
 	op := time.NewTicker(150 * time.Millisecond)
 	defer op.Stop()
+	faults := time.NewTicker(1500 * time.Millisecond)
+	defer faults.Stop()
+	clean, err := cleaner.New(h.pool, cleaner.Config{Table: h.tbl, Retention: time.Millisecond, BatchSize: 500}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	outages := 0
+	outageDone := make(chan struct{})
+	close(outageDone)
+	defer func() { <-outageDone }()
 	for finished < producers {
 		select {
+		case <-faults.C:
+			if _, _, err := clean.CleanOnce(ctx); err != nil && ctx.Err() == nil {
+				t.Errorf("cleaner: %v", err)
+			}
+			h.count("cleaner passes")
+			select {
+			case <-outageDone:
+			default:
+				continue // an outage is under way
+			}
+			if outages == 0 || h.intn(3) == 0 { // at least one outage in every run
+				outages++
+				outageDone = make(chan struct{})
+				go h.outageFor(ctx, 2*h.cfg.LockTTL, outageDone)
+			}
 		case err := <-prodErr:
 			if err != nil {
 				t.Fatalf("producer: %v (seed %d)", err, h.seed)
@@ -443,6 +519,29 @@ func (h *history) run() {
 	}
 	h.counts["relays alive at the end"] = len(relays)
 	t.Logf("history of %s (seed %d)", time.Since(start).Round(time.Millisecond), h.seed)
+}
+
+// outageFor makes the database "unreachable" for the ordered relays for d:
+// the membership table is locked, so every heartbeat hangs and the leases
+// run out; handlers hang meanwhile (handle).
+func (h *history) outageFor(ctx context.Context, d time.Duration, done chan struct{}) {
+	defer close(done)
+	tx, err := h.pool.Begin(ctx)
+	if err != nil {
+		return
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	if _, err := tx.Exec(ctx, `LOCK TABLE `+h.tbl.RelaysTable()+` IN ACCESS EXCLUSIVE MODE`); err != nil {
+		return
+	}
+	h.outage.Store(true)
+	h.count("database outages")
+	select {
+	case <-ctx.Done():
+	case <-time.After(d):
+	}
+	_ = tx.Rollback(context.Background())
+	h.outage.Store(false)
 }
 
 // checkMemory checks the in-memory invariants of every live relay
@@ -498,6 +597,9 @@ func (h *history) check() {
 			violations = append(violations, fmt.Sprintf(format, args...))
 		}
 		h.counts["violations"]++
+	}
+	for _, o := range h.overlaps {
+		violate("rule 8: %s", o)
 	}
 	dels := h.deliveries
 	sort.Slice(dels, func(i, j int) bool { return dels[i].n < dels[j].n })
