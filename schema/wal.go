@@ -53,11 +53,18 @@ const (
 	// WALPublicationExists tells whether publication $1 exists and
 	// publishes table ($2, a regclass text) with inserts and updates.
 	// Returns: exists, publishes the table, publishes inserts, publishes
-	// updates.
+	// updates, and the other tables it publishes (text array, at most 5:
+	// the WAL relay refuses a publication of other tables).
 	WALPublicationExists = `SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
   EXISTS (SELECT 1 FROM pg_publication_rel AS r JOIN pg_publication AS p ON p.oid = r.prpubid WHERE p.pubname = $1 AND r.prrelid = $2::regclass),
   COALESCE((SELECT pubinsert FROM pg_publication WHERE pubname = $1), false),
-  COALESCE((SELECT pubupdate FROM pg_publication WHERE pubname = $1), false)`
+  COALESCE((SELECT pubupdate FROM pg_publication WHERE pubname = $1), false),
+  ARRAY(SELECT format('%I.%I', pt.schemaname, pt.tablename) FROM pg_publication_tables AS pt
+    WHERE pt.pubname = $1 AND format('%I.%I', pt.schemaname, pt.tablename)::regclass <> $2::regclass ORDER BY 1 LIMIT 5)`
+
+	// WALTableOID is the OID of table $1 (regclass text), the relation id
+	// the replication stream names its rows by.
+	WALTableOID = `SELECT $1::regclass::oid`
 
 	// WALPublished tells whether table $1 (regclass text) is named in a
 	// publication: a table the WAL relay streams. The runbook then treats
@@ -162,8 +169,10 @@ type WALQueries struct {
 	Progress string
 	// MarkDeadHold is MarkDead ($1 id, $2 attempts, $3 last_error) that,
 	// for a keyed row ($4 its ordering key), also holds the key: a hold
-	// (the key, the row's sequence and event_id) replaces any hold of the
-	// key. Returns: rows changed.
+	// (the key, the row's sequence and event_id) replaces a resolved hold
+	// of the key or one at or below the row, never an active hold of a
+	// later row (that row stays the one that holds the key). Returns: rows
+	// changed, holds written.
 	MarkDeadHold string
 	// Holds lists the holds: key, sequence, draining, skip requested,
 	// through, released, until_lsn (text, '' when NULL).
@@ -227,11 +236,13 @@ func NewWALQueries(t Table, c Columns) WALQueries {
   WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL
   RETURNING sequence, event_id
 ), h AS (
-  INSERT INTO ` + holds + ` (ordering_key, sequence, event_id) SELECT $4::text, sequence, event_id FROM d WHERE $4::text IS NOT NULL
+  INSERT INTO ` + holds + ` AS h (ordering_key, sequence, event_id) SELECT $4::text, sequence, event_id FROM d WHERE $4::text IS NOT NULL
   ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id, draining = false,
     skip_requested_at = NULL, held_at = now(), released = false, until_lsn = NULL
+  WHERE h.released OR h.sequence <= EXCLUDED.sequence
+  RETURNING 1
 )
-SELECT count(*) FROM d`,
+SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM h)`,
 		Holds: `SELECT ordering_key, sequence, draining, skip_requested_at IS NOT NULL, through, released, COALESCE(until_lsn::text, '') FROM ` + holds,
 		Drain: `UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn
 WHERE ordering_key = $1 AND sequence = $2 AND NOT released`,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -96,10 +97,13 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 		return n, fmt.Errorf("walrelay: create the holds table of %s: %w", t, err)
 	}
 	var exists, hasTable, ins, upd bool
-	if err := pool.QueryRow(ctx, schema.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd); err != nil {
+	var others []string
+	if err := pool.QueryRow(ctx, schema.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd, &others); err != nil {
 		return n, fmt.Errorf("walrelay: look up publication %s: %w", n.Publication, err)
 	}
 	switch {
+	case len(others) > 0:
+		return n, otherTablesError(n.Publication, t, others)
 	case !exists:
 		if _, err := pool.Exec(ctx, schema.WALCreatePublication(n.Publication, t)); err != nil {
 			return n, privilegeHint(err, "create publication "+n.Publication)
@@ -151,8 +155,12 @@ func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names
 		return err
 	}
 	var exists, hasTable, ins, upd bool
-	if err := pool.QueryRow(ctx, schema.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd); err != nil {
+	var others []string
+	if err := pool.QueryRow(ctx, schema.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd, &others); err != nil {
 		return fmt.Errorf("walrelay: look up publication %s: %w", n.Publication, err)
+	}
+	if len(others) > 0 {
+		return otherTablesError(n.Publication, t, others)
 	}
 	if !exists || !hasTable || !ins || !upd {
 		return fmt.Errorf("%w: publication %s does not publish the inserts and updates of %s; run walrelay.Setup (outbox migrate --wal)", ErrNotSetUp, n.Publication, t)
@@ -186,4 +194,14 @@ func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names
 		return fmt.Errorf("walrelay: replication slot %s uses plugin %q, not pgoutput", n.Slot, plugin)
 	}
 	return nil
+}
+
+// ErrPublicationHasOtherTables is matched (errors.Is) by the error of Setup
+// and New when the relay's publication also publishes other tables: their
+// rows would be streamed to the relay, which reads only its table's.
+var ErrPublicationHasOtherTables = errors.New("walrelay: the publication publishes other tables")
+
+func otherTablesError(pub string, t schema.Table, others []string) error {
+	return fmt.Errorf("%w: publication %s publishes %s besides %s; give the outbox table a publication of its own (walrelay.Names.Publication), or ALTER PUBLICATION %s DROP TABLE the others",
+		ErrPublicationHasOtherTables, pub, strings.Join(others, ", "), t, pub)
 }

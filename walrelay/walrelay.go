@@ -155,6 +155,17 @@ type Subscriber struct {
 	slotLost        atomic.Int64 // times the slot was found gone or invalidated and recreated
 	backfilled      atomic.Int64 // rows read from the table after a lost slot
 	oldestUnsettled atomic.Int64 // commit time (Unix ns) of the oldest unsettled transaction, 0 when none
+
+	// Copies handed out by an ended session and still in a handler, by
+	// key: a later session delivers none of those keys until the copy's
+	// verdict, or CloseTimeout after the session ended (the term rule of
+	// docs/WAL.md).
+	staleMu    sync.Mutex
+	stale      map[string]int
+	staleN     atomic.Int64  // copies in stale, read without the lock
+	staleFreed chan struct{} // capacity 1: a key's stale copy ended
+	staleWg    sync.WaitGroup
+	runCtx     context.Context //nolint:containedctx // the relay's own run context: stale copies stop following at Close
 }
 
 // New checks the table, its publication and its slot (Setup), and returns
@@ -186,7 +197,53 @@ func New(ctx context.Context, pool *pgxpool.Pool, cfg Config, logger watermill.L
 		conn = replicationConnString(pool)
 	}
 	return &Subscriber{pool: pool, cfg: cfg, cols: cols, q: schema.NewWALQueries(cfg.Table, cols), conn: conn,
-		logger: logger.With(watermill.LogFields{"table": cfg.Table.String(), "slot": cfg.Names.Slot})}, nil
+		logger: logger.With(watermill.LogFields{"table": cfg.Table.String(), "slot": cfg.Names.Slot}),
+		stale:  map[string]int{}, staleFreed: make(chan struct{}, 1)}, nil
+}
+
+// isStale reports whether an ended session's copy of key is still in a
+// handler.
+func (s *Subscriber) isStale(key string) bool {
+	if s.staleN.Load() == 0 {
+		return false
+	}
+	s.staleMu.Lock()
+	defer s.staleMu.Unlock()
+	return s.stale[key] > 0
+}
+
+// keepStale follows a message that its session's end left in a handler:
+// its context is cancelled (the handler is told); until its verdict, or
+// CloseTimeout, or Close, no later session delivers its key. Its verdict
+// is not recorded: the row stays unsettled and is delivered again.
+func (s *Subscriber) keepStale(ctx context.Context, key string, msg *message.Message) {
+	s.staleMu.Lock()
+	s.stale[key]++
+	s.staleN.Add(1)
+	s.staleMu.Unlock()
+	s.staleWg.Add(1)
+	go func() {
+		defer s.staleWg.Done()
+		t := time.NewTimer(s.cfg.CloseTimeout)
+		defer t.Stop()
+		select {
+		case <-msg.Acked():
+		case <-msg.Nacked():
+		case <-t.C:
+			s.logger.Info("A handler kept a message of an ended session past CloseTimeout; its key is delivered again", nil)
+		case <-ctx.Done():
+		}
+		s.staleMu.Lock()
+		s.staleN.Add(-1)
+		if s.stale[key]--; s.stale[key] <= 0 {
+			delete(s.stale, key)
+		}
+		s.staleMu.Unlock()
+		select {
+		case s.staleFreed <- struct{}{}:
+		default:
+		}
+	}()
 }
 
 // replicationConnString is the pool's connection with replication=database,
@@ -240,7 +297,7 @@ func (s *Subscriber) Confirmed() pglogrepl.LSN { return pglogrepl.LSN(s.confirme
 // per Subscriber. The channel is closed by Close.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	if topic != subscriber.AllTopics {
-		return nil, fmt.Errorf("walrelay: subscribe to topic %q: the WAL relay streams every topic of its table; subscribe with subscriber.AllTopics (\"\")", topic)
+		return nil, fmt.Errorf("walrelay: subscribe to topic %q: the WAL relay streams every topic of its table; subscribe with subscriber.AllTopics (%q)", topic, subscriber.AllTopics)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -254,6 +311,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	s.cancel = cancel
 	s.done = make(chan struct{})
+	s.runCtx = rctx
 	out := make(chan *message.Message)
 	go func() {
 		select {
@@ -289,6 +347,7 @@ func (s *Subscriber) Close() error {
 func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 	defer close(s.done)
 	defer close(out)
+	defer s.staleWg.Wait() // they end with ctx
 	for ctx.Err() == nil {
 		err := s.stream(ctx, out)
 		if ctx.Err() != nil {
@@ -384,6 +443,11 @@ type stream struct {
 	// first; one becomes the horizon once the confirmed position passes it.
 	candidates []candidate
 	holds      map[string]*hold // by ordering key
+	// settledThrough: transactions ending at or before it were settled by
+	// an earlier session (the slot moved back after a server restart).
+	settledThrough pglogrepl.LSN
+	oid            uint32 // the outbox table's relation id
+	warnedOther    bool   // rows of another table were ignored
 	// Caught up: the progress is recorded at once, not at the next tick.
 	lastStatus time.Time     // when status last ran
 	recorded   pglogrepl.LSN // the position status last recorded
@@ -496,6 +560,9 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	s.logger.Info("WAL relay active", nil)
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*relation{}, keys: map[string]*keyQueue{},
 		settles: make(chan settle, 1024), gone: make(chan struct{}), readyWake: make(chan struct{}, 1), waits: make(chan waiting)}
+	if err := s.pool.QueryRow(ctx, schema.WALTableOID, s.cfg.Table.Sanitize()).Scan(&st.oid); err != nil {
+		return fmt.Errorf("look up the relation id of %s: %w", s.cfg.Table, err)
+	}
 	defer close(st.gone)
 	// The deliveries' context, the backfill's included. Every return of the
 	// stream stops the deliveries and waits for them first (deferred calls
@@ -575,7 +642,17 @@ func (st *stream) start(ctx context.Context) (*txn, error) {
 	if err != nil {
 		return nil, fmt.Errorf("recorded position %q: %w", recorded, err)
 	}
-	if slot <= rec {
+	if slot < rec {
+		// The slot is behind the record: the server restarted before it
+		// saved the slot's confirmed position (PostgreSQL saves it only
+		// when the slot is dirty otherwise). Transactions that end at or
+		// before rec were settled; their copies are not delivered again (a
+		// skipped row among them would be, its tombstone forgotten).
+		st.settledThrough = rec
+		s.logger.Info("Slot behind the recorded position: the transactions up to it are settled already", watermill.LogFields{"slot": slot.String(), "recorded": rec.String()})
+		return nil, nil
+	}
+	if slot == rec {
 		return nil, nil
 	}
 	st.confirmed = rec
@@ -670,6 +747,8 @@ func (st *stream) loop(ctx, dctx context.Context, stopDelivering context.CancelF
 			}
 		case <-st.retry.C:
 			st.retryAt = time.Time{}
+			st.dispatchAll(dctx)
+		case <-s.staleFreed:
 			st.dispatchAll(dctx)
 		case <-st.prompt.C:
 			st.promptSet = false
@@ -904,6 +983,9 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 			return nil
 		}
 		tx.end, tx.commit = m.TransactionEndLSN, m.CommitTime
+		if tx.end <= st.settledThrough {
+			tx.items = nil // settled before the restart
+		}
 		if len(tx.items) > 0 {
 			// Only a transaction with rows opens a burst: before
 			// PostgreSQL 15, pgoutput also sends the empty transactions,
@@ -1063,6 +1145,16 @@ func (r *relation) bytes(tuple *pglogrepl.TupleData, i int) ([]byte, error) {
 // row turns an INSERT (or the UPDATE of a replay) into an item of the
 // current transaction. It reads only the columns a message needs.
 func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleData, update bool) error {
+	if rel != st.oid {
+		// Another table of the publication (New refuses such a
+		// publication; a table added later is ignored, with a warning).
+		if !st.warnedOther {
+			st.warnedOther = true
+			st.s.logger.Error("The publication streams rows of another table; ignoring them (give the outbox table a publication of its own)", nil,
+				watermill.LogFields{"relation": rel})
+		}
+		return nil
+	}
 	r := st.rels[rel]
 	if r == nil || tuple == nil || st.cur == nil {
 		return fmt.Errorf("walrelay: row of an unknown relation %d", rel)
@@ -1134,8 +1226,8 @@ func (st *stream) dispatchAll(ctx context.Context) {
 	}
 	now := time.Now()
 	var next time.Time
-	for _, q := range st.keys {
-		if q.inFlight || len(q.items) == 0 {
+	for key, q := range st.keys {
+		if q.inFlight || len(q.items) == 0 || st.s.isStale(key) {
 			continue
 		}
 		if q.retryAt.After(now) {
@@ -1169,8 +1261,8 @@ func (st *stream) dispatch(ctx context.Context, key string) {
 		delete(st.keys, key)
 		return
 	}
-	if q.inFlight || st.draining {
-		return
+	if q.inFlight || st.draining || st.s.isStale(key) {
+		return // a stale copy's end dispatches again (staleFreed)
 	}
 	if q.retryAt.After(time.Now()) {
 		st.schedule(q.retryAt)
@@ -1287,6 +1379,11 @@ func (st *stream) waiter(w waiting) {
 			}
 			st.send(settle{it: w.it, err: err})
 		case <-w.ctx.Done():
+			// The session ended with the message in a handler: the
+			// message's context is cancelled with it (mctx derives from
+			// w.ctx), and the next session waits for its verdict before
+			// it delivers the key.
+			st.s.keepStale(st.s.runCtx, w.it.key, w.msg)
 			st.send(settle{it: w.it, stopped: true})
 		}
 		st.inFlight.Done()
@@ -1335,8 +1432,8 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		if k := it.row.OrderingKey; k != nil && *k != "" && st.s.cols.OrderingKey {
 			key = k
 		}
-		var changed int
-		if err := st.s.pool.QueryRow(ctx, st.s.q.MarkDeadHold, it.row.ID, it.attempts, last, key).Scan(&changed); err != nil {
+		var changed, held int
+		if err := st.s.pool.QueryRow(ctx, st.s.q.MarkDeadHold, it.row.ID, it.attempts, last, key).Scan(&changed, &held); err != nil {
 			// Not recorded: keep the key held and try again later.
 			st.s.logger.Error("Could not park a row dead; retrying", err, watermill.LogFields{"sequence": it.row.Sequence})
 			q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
@@ -1346,7 +1443,9 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		}
 		// A row already dead (a copy of a skipped row) or published holds
 		// nothing: the statement changed no row.
-		deadChanged = changed > 0
+		// An earlier row of a key that a later dead row holds goes dead
+		// without moving the hold (MarkDeadHold keeps it).
+		deadChanged = changed > 0 && held > 0
 		st.s.logger.Info("Row dead", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
 		if k := it.row.OrderingKey; k != nil {
 			st.s.logger.Trace("Dead", watermill.LogFields{"key": *k, "sequence": it.row.Sequence, "drained": it.tx == nil, "replay": it.replay})
@@ -1400,6 +1499,10 @@ func (st *stream) parks(it *item) bool {
 	replayOfHeld := it.replay && seq == h.seq && !h.draining && !h.released
 	switch {
 	case replayOfHeld:
+		return false
+	case it.replay && h.released:
+		// An operator's replay after the hold was resolved (of the skipped
+		// row, say) is new work, not a copy of a drained row.
 		return false
 	case seq <= h.through:
 		return true
@@ -1486,8 +1589,33 @@ func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
 		q = &keyQueue{}
 		st.keys[k] = q
 	}
-	q.items = append(items, q.items...)
+	q.items = mergeDrained(q, items)
 	st.dispatch(ctx, k)
+}
+
+// mergeDrained puts the rows a drain read into q in sequence order. The
+// head of q stays first while it is in flight: its verdict settles q's
+// first item (a skip while the held row's replay is in flight, or a drain
+// restarted behind a streamed row of the key).
+func mergeDrained(q *keyQueue, drained []*item) []*item {
+	head := 0
+	if q.inFlight && len(q.items) > 0 {
+		head = 1
+	}
+	rest := q.items[head:]
+	out := make([]*item, 0, len(q.items)+len(drained))
+	out = append(out, q.items[:head]...)
+	i, j := 0, 0
+	for i < len(rest) || j < len(drained) {
+		if j == len(drained) || (i < len(rest) && rest[i].row.Sequence <= drained[j].row.Sequence) {
+			out = append(out, rest[i])
+			i++
+			continue
+		}
+		out = append(out, drained[j])
+		j++
+	}
+	return out
 }
 
 // release turns a drained hold into a tombstone.
