@@ -196,6 +196,9 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 			return t.UTC().Format(time.RFC3339)
 		},
 		"perSecond": func(perMinute int64) string { return strconv.FormatFloat(float64(perMinute)/60, 'f', 1, 64) },
+		"plural":    plural,
+		"at":        func(t time.Time) string { return t.UTC().Format(time.RFC3339) },
+		"short":     func(s string) string { return shorten(s, 160) },
 	}).ParseFS(templateFS, "templates/*.html")
 	if err != nil {
 		return nil, fmt.Errorf("console: templates: %w", err)
@@ -426,77 +429,6 @@ func (h *handler) counts(w http.ResponseWriter, r *http.Request) {
 	_ = json.NewEncoder(w).Encode(out)
 }
 
-// maxDeadShown bounds the dead rows one page lists.
-const maxDeadShown = 1000
-
-// cause is one group of dead rows: those whose last_error starts alike.
-type cause struct {
-	Head        string
-	Count       int
-	First, Last *time.Time
-	Rows        []runbook.Row
-}
-
-// causeHead is the head of a last_error that groups dead rows.
-func causeHead(s *string) string {
-	if s == nil || *s == "" {
-		return "(no error recorded)"
-	}
-	head := *s
-	if i := strings.IndexAny(head, "\n:"); i > 0 {
-		head = head[:i]
-	}
-	head = truncate(head, 80)
-	return head
-}
-
-func (h *handler) dead(w http.ResponseWriter, r *http.Request) {
-	t, ok := h.table(w, r)
-	if !ok {
-		return
-	}
-	q := r.URL.Query()
-	rows, err := runbook.Dead(r.Context(), h.pool, t, runbook.DeadFilter{Topic: q.Get("topic"), ErrorContains: q.Get("error"), Limit: maxDeadShown})
-	if err != nil {
-		h.logger.Error("Console could not list dead rows", err, watermill.LogFields{"table": t.String()})
-		http.Error(w, "cannot list the dead rows (see the console's log)", http.StatusInternalServerError)
-		return
-	}
-	groups := map[string]*cause{}
-	for _, row := range rows {
-		head := causeHead(row.LastError)
-		g := groups[head]
-		if g == nil {
-			g = &cause{Head: head}
-			groups[head] = g
-		}
-		g.Count++
-		if d := row.DeadAt; d != nil {
-			if g.First == nil || d.Before(*g.First) {
-				g.First = d
-			}
-			if g.Last == nil || d.After(*g.Last) {
-				g.Last = d
-			}
-		}
-		g.Rows = append(g.Rows, row)
-	}
-	list := make([]*cause, 0, len(groups))
-	for _, g := range groups {
-		list = append(list, g)
-	}
-	sort.Slice(list, func(i, j int) bool {
-		return list[i].Count > list[j].Count || (list[i].Count == list[j].Count && list[i].Head < list[j].Head)
-	})
-	h.render(w, r, "dead.html", "Dead rows of "+t.String(), struct {
-		Table        string
-		Total        int
-		Capped       bool
-		Topic, Error string
-		Causes       []*cause
-	}{t.String(), len(rows), len(rows) == maxDeadShown, q.Get("topic"), q.Get("error"), list})
-}
-
 func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 	t, ok := h.table(w, r)
 	if !ok {
@@ -718,4 +650,22 @@ func truncate(s string, n int) string {
 		n--
 	}
 	return s[:n]
+}
+
+// plural writes n and the noun, in the plural unless n is 1: "1 row",
+// "2 rows".
+func plural(n any, one, many string) string {
+	s := fmt.Sprint(n)
+	if s == "1" {
+		return s + " " + one
+	}
+	return s + " " + many
+}
+
+// shorten cuts s to at most n bytes on a rune boundary, marking the cut.
+func shorten(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return truncate(s, n) + "…"
 }

@@ -129,7 +129,7 @@ func TestPagesEscapeHostileStrings(t *testing.T) {
 		}
 	}
 	dead := do(t, "GET", srv.URL+"/t/"+tbl.String()+"/dead", nil, nil).body
-	if !strings.Contains(dead, "&lt;script&gt;alert(&#34;e&#34;)&lt;/script&gt;") || !strings.Contains(dead, "1 rows") {
+	if !strings.Contains(dead, "&lt;script&gt;alert(&#34;e&#34;)&lt;/script&gt;") || !strings.Contains(dead, "1 dead row,") || !strings.Contains(dead, "1 cause.") {
 		t.Errorf("dead page does not group the row under its escaped cause:\n%s", dead)
 	}
 	ev := do(t, "GET", srv.URL+"/t/"+tbl.String()+"/event/"+id.String(), nil, nil).body
