@@ -152,6 +152,8 @@ type handler struct {
 	mux    *http.ServeMux
 	now    func() time.Time
 
+	causesTimeout time.Duration
+
 	sessions *sessions
 	limiter  *limiter
 
@@ -172,7 +174,7 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, fmt.Errorf("console: invalid config: %w", err)
 	}
-	h := &handler{pool: pool, cfg: cfg, tables: map[string]schema.Table{}, logger: cfg.Logger, jobs: map[string]*job{}, now: time.Now,
+	h := &handler{pool: pool, cfg: cfg, tables: map[string]schema.Table{}, logger: cfg.Logger, jobs: map[string]*job{}, now: time.Now, causesTimeout: causesTimeoutDefault,
 		sessions: &sessions{ttl: cfg.SessionTTL, m: map[[32]byte]*session{}}, limiter: &limiter{m: map[string]*failures{}}}
 	if h.logger == nil {
 		h.logger = watermill.NopLogger{}

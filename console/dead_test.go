@@ -4,14 +4,19 @@ import (
 	"context"
 	"fmt"
 	"html"
+	"net/http/httptest"
 	"net/url"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
 
+	"github.com/outboxkit/watermill-outbox/console"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 var (
@@ -131,5 +136,33 @@ FROM generate_series(1, $1) AS i`, n, lastError); err != nil {
 		if r := do(t, "GET", dead+bad, nil, nil); r.code >= 500 {
 			t.Errorf("%s: %d", bad, r.code)
 		}
+	}
+}
+
+// TestDeadCausesTimeout: when grouping by cause takes longer than allowed,
+// the page says so and still lists the rows, with their total; no error.
+func TestDeadCausesTimeout(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox")
+	if _, err := pool.Exec(context.Background(), `INSERT INTO `+tbl.Sanitize()+` (tenant_id, topic, payload, event_id, attempts, available_at, dead_at, last_error)
+SELECT gen_random_uuid(), 'org.a.v1', '{}', gen_random_uuid(), 3, 'infinity', now(), 'publish event ' || gen_random_uuid() || ' to "org.a.v1": boom ' || i
+FROM generate_series(1, 20000) AS i`); err != nil {
+		t.Fatal(err)
+	}
+	logs := watermill.NewCaptureLogger()
+	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl}, Logger: logs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	console.SetCausesTimeout(h, time.Millisecond)
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	r := do(t, "GET", srv.URL+"/t/"+tbl.String()+"/dead", nil, nil)
+	if m := position.FindStringSubmatch(r.body); r.code != 200 || !strings.Contains(r.body, `id="too-many"`) || m == nil || m[3] != "20000" {
+		t.Fatalf("dead page past the timeout: %d %v\n%s", r.code, m, r.body)
+	}
+	if errs := logs.Captured()[watermill.ErrorLogLevel]; len(errs) > 0 {
+		t.Errorf("logged errors: %v", errs)
 	}
 }
