@@ -1,19 +1,27 @@
 // Package console is a web page over the outbox tables: an overview of every
 // table (counts, delivery rate, active relay, held keys), the dead rows
-// grouped by cause, the held keys of ordered mode, the backlog by topic and
-// one event; and the actions replay one event, skip a held key's row and
-// replay dead rows in bulk (preview, confirm the exact count, follow the
-// progress). It sits on package runbook, so its rules are the CLI's.
+// grouped by a normalised cause and listed a page at a time, the held keys
+// of ordered mode, the backlog by topic and one event; and the actions
+// replay one event, skip a held key's row and replay dead rows in bulk
+// (preview, confirm the exact count, follow the progress). It sits on
+// package runbook, so its rules are the CLI's.
 //
-// Mount the handler on your own mux, behind your own authentication:
+// Mount the handler on your own mux:
 //
-//	h, err := console.New(pool, console.Config{Tables: tables, Token: token})
+//	h, err := console.New(pool, console.Config{Tables: tables, Token: token, Addr: "127.0.0.1:8080"})
 //	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
 //
-// Without Config.Token the console is read-only. With it, a state-changing
-// request (POST only) needs the token (an Authorization: Bearer header, or
-// the session cookie that POST /login sets), a CSRF token and the same
-// origin; anything else is refused and changes nothing.
+// Without Config.Token and Config.ReadToken the console is read-only and
+// anyone who reaches it reads it. With a token, nothing but GET /healthz
+// (and the login form's static files) answers without it, unless
+// Config.PublicRead opens the reads; the read-only token reads and changes
+// nothing. The token is given as an Authorization: Bearer header or to
+// POST /login, which starts a random, expiring session (kept in memory)
+// with its own CSRF token; POST /logout ends it. A state-changing request
+// (POST only) needs the console token, the same origin and, in a session,
+// its CSRF token. Failed logins are slowed down per client address, and a
+// Host header that names neither Config.Addr nor Config.AllowedHosts is
+// refused.
 package console
 
 import (
