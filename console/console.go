@@ -604,6 +604,7 @@ func (h *handler) login(w http.ResponseWriter, r *http.Request) {
 		h.sessions.end(c.Value) // a login never reuses a session id
 	}
 	sid, _ := h.sessions.create(ro, h.now())
+	//nolint:gosec // Secure follows the connection (TLS, or a trusted proxy's X-Forwarded-Proto): the console listens on plain HTTP on loopback by default
 	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Value: sid, Path: "/", HttpOnly: true,
 		SameSite: http.SameSiteStrictMode, Secure: h.secure(r), MaxAge: int(h.cfg.SessionTTL / time.Second)})
 	who := "token holder"
@@ -611,7 +612,8 @@ func (h *handler) login(w http.ResponseWriter, r *http.Request) {
 		who = "read-only token holder"
 	}
 	h.logger.Info("Console login", watermill.LogFields{"remote": r.RemoteAddr, "who": who})
-	http.Redirect(w, r, localPath(r.PostFormValue("back")), http.StatusSeeOther)
+	http.Redirect(w, r, localPath(r.PostFormValue("back")), http.StatusSeeOther) //nolint:gosec // localPath keeps only a path of this console
+
 }
 
 // logout ends the session of the cookie and clears the cookie.
@@ -630,6 +632,7 @@ func (h *handler) logout(w http.ResponseWriter, r *http.Request) {
 			h.logger.Info("Console logout", watermill.LogFields{"remote": r.RemoteAddr})
 		}
 	}
+	//nolint:gosec // clears the cookie; Secure follows the connection as at login
 	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Value: "", Path: "/", HttpOnly: true,
 		SameSite: http.SameSiteStrictMode, Secure: h.secure(r), MaxAge: -1})
 	http.Redirect(w, r, "/", http.StatusSeeOther)
