@@ -34,7 +34,7 @@ func (h *handler) held(w http.ResponseWriter, r *http.Request) {
 		Keys   []runbook.HeldKey
 		Capped bool
 		Flash  string
-	}{t.String(), keys, len(keys) == maxHeldShown, r.URL.Query().Get("done")})
+	}{t.String(), keys, len(keys) == maxHeldShown, flash(r)})
 }
 
 // topics shows the backlog by topic.
@@ -96,7 +96,7 @@ func (h *handler) skip(w http.ResponseWriter, r *http.Request) {
 	}
 	fields["ordering_key"] = res.Key
 	h.logger.Info("Console skip", fields)
-	http.Redirect(w, r, "/t/"+url.PathEscape(t.String())+"/held?done=skip+requested", http.StatusSeeOther)
+	http.Redirect(w, r, "/t/"+url.PathEscape(t.String())+"/held?done=skip-requested", http.StatusSeeOther)
 }
 
 // bulkFilter reads the filter of a bulk replay from a form or a query.

@@ -70,7 +70,7 @@ func previewForm(t *testing.T, base, tbl string, query url.Values, hdr map[strin
 	for _, m := range hidden.FindAllStringSubmatch(r.body, -1) {
 		form.Set(m[1], m[2])
 	}
-	if form.Get("rows") == "" || form.Get("csrf") == "" {
+	if form.Get("rows") == "" || (hdr["Cookie"] != "" && form.Get("csrf") == "") {
 		t.Fatalf("preview without a replay form:\n%s", r.body)
 	}
 	return form
@@ -86,18 +86,18 @@ func TestBulkReplayPreviewConfirmProgress(t *testing.T) {
 	tbl := testdb.Table(t, "outbox")
 	broker := deadWith(t, pool, tbl, "org.a.v1", "publish: broker down: connection refused", 3)
 	other := deadWith(t, pool, tbl, "org.a.v1", "permanent: bad payload", 1)
-	const token = "bulk-token"
+	const token = "bulk-token-of-the-console"
 	srv := server(t, pool, tbl, token)
-	bearer := map[string]string{"Authorization": "Bearer " + token}
+	auth := login(t, srv.URL, token) // a session: its actions need its CSRF token
 	name := tbl.String()
 
-	form := previewForm(t, srv.URL, name, url.Values{"error": {"broker down"}}, bearer)
+	form := previewForm(t, srv.URL, name, url.Values{"error": {"broker down"}}, auth)
 	if form.Get("rows") != "3" || form.Get("error") != "broker down" {
 		t.Fatalf("preview form %v, want 3 rows", form)
 	}
 	// A wrong count, no count, no CSRF: refused, nothing changed.
 	for what, f := range map[string]url.Values{"wrong count": with(form, "confirm", "2"), "no count": form, "no CSRF": with(with(form, "confirm", "3"), "csrf", "")} {
-		if r := do(t, "POST", srv.URL+"/t/"+name+"/replay", f, bearer); r.code < 400 {
+		if r := do(t, "POST", srv.URL+"/t/"+name+"/replay", f, auth); r.code < 400 {
 			t.Errorf("%s: %d %s", what, r.code, r.body)
 		}
 	}
@@ -109,7 +109,7 @@ func TestBulkReplayPreviewConfirmProgress(t *testing.T) {
 	if _, err := runbook.ReplayEvent(context.Background(), pool, tbl, broker[1], runbook.ReplayOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if r := do(t, "POST", srv.URL+"/t/"+name+"/replay", with(form, "confirm", "3"), bearer); r.code != 409 || !strings.Contains(r.body, "preview again") {
+	if r := do(t, "POST", srv.URL+"/t/"+name+"/replay", with(form, "confirm", "3"), auth); r.code != 409 || !strings.Contains(r.body, "preview again") {
 		t.Fatalf("replay after the set changed: %d %s", r.code, r.body)
 	}
 	if n := deadCount(t, pool, tbl); n != 3 {
@@ -121,8 +121,8 @@ WHERE event_id = $1`, broker[1]); err != nil {
 		t.Fatal(err)
 	}
 	late := deadWith(t, pool, tbl, "org.a.v1", "publish: broker down again", 1)
-	form = previewForm(t, srv.URL, name, url.Values{"error": {"broker down"}}, bearer)
-	r := do(t, "POST", srv.URL+"/t/"+name+"/replay", with(form, "confirm", "4"), bearer)
+	form = previewForm(t, srv.URL, name, url.Values{"error": {"broker down"}}, auth)
+	r := do(t, "POST", srv.URL+"/t/"+name+"/replay", with(form, "confirm", "4"), auth)
 	if r.code != 303 {
 		t.Fatalf("confirmed replay: %d %s", r.code, r.body)
 	}
@@ -135,13 +135,13 @@ WHERE event_id = $1`, broker[1]); err != nil {
 		t.Fatal("a row outside the filter was replayed")
 	}
 	job := r.hdr.Get("Location")
-	page := do(t, "GET", srv.URL+job, nil, nil)
+	page := do(t, "GET", srv.URL+job, nil, auth)
 	if page.code != 200 || !strings.Contains(page.body, "Replayed 4 dead rows") {
 		t.Fatalf("progress page: %d %s", page.code, page.body)
 	}
 	progress := func() runbook.Progress {
 		var p runbook.Progress
-		res := do(t, "GET", srv.URL+"/api/replay/"+job[strings.LastIndex(job, "/")+1:], nil, nil)
+		res := do(t, "GET", srv.URL+"/api/replay/"+job[strings.LastIndex(job, "/")+1:], nil, auth)
 		if err := json.Unmarshal([]byte(res.body), &p); err != nil {
 			t.Fatalf("progress %d %s: %v", res.code, res.body, err)
 		}
@@ -178,7 +178,7 @@ WHERE event_id = $1`, broker[1]); err != nil {
 	var counts map[string]struct {
 		Leader *runbook.Session `json:"leader"`
 	}
-	if err := json.Unmarshal([]byte(do(t, "GET", srv.URL+"/api/counts", nil, nil).body), &counts); err != nil {
+	if err := json.Unmarshal([]byte(do(t, "GET", srv.URL+"/api/counts", nil, auth).body), &counts); err != nil {
 		t.Fatal(err)
 	}
 	var pid int32
@@ -189,7 +189,7 @@ WHERE event_id = $1`, broker[1]); err != nil {
 	if l := counts[name].Leader; l == nil || l.PID != pid {
 		t.Fatalf("overview leader %+v, want pid %d", l, pid)
 	}
-	if r := do(t, "GET", srv.URL+"/api/replay/0000", nil, nil); r.code != 404 {
+	if r := do(t, "GET", srv.URL+"/api/replay/0000", nil, auth); r.code != 404 {
 		t.Errorf("unknown job: %d", r.code)
 	}
 }
@@ -251,7 +251,7 @@ func TestHeldKeySkip(t *testing.T) {
 			msg.Ack()
 		}
 	}()
-	const token = "held-token"
+	const token = "held-token-of-the-console"
 	logs := watermill.NewCaptureLogger()
 	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl}, Token: token, Logger: logs})
 	if err != nil {
@@ -259,11 +259,11 @@ func TestHeldKeySkip(t *testing.T) {
 	}
 	srv := httptest.NewServer(h)
 	defer srv.Close()
-	bearer := map[string]string{"Authorization": "Bearer " + token}
+	auth := login(t, srv.URL, token) // a session: its actions need its CSRF token
 	name := tbl.String()
 	var page resp
 	for deadline := time.Now().Add(10 * time.Second); ; {
-		page = do(t, "GET", srv.URL+"/t/"+name+"/held", nil, bearer)
+		page = do(t, "GET", srv.URL+"/t/"+name+"/held", nil, auth)
 		if strings.Contains(page.body, `class="skip"`) {
 			break
 		}
@@ -279,23 +279,23 @@ func TestHeldKeySkip(t *testing.T) {
 		Held    int `json:"held_keys"`
 		Ordered int `json:"ordered_relays"`
 	}
-	if err := json.Unmarshal([]byte(do(t, "GET", srv.URL+"/api/counts", nil, nil).body), &counts); err != nil {
+	if err := json.Unmarshal([]byte(do(t, "GET", srv.URL+"/api/counts", nil, auth).body), &counts); err != nil {
 		t.Fatal(err)
 	}
 	if c := counts[name]; c.Held != 1 || c.Ordered != 1 {
 		t.Fatalf("overview counts: %+v", c)
 	}
-	if r := do(t, "POST", srv.URL+"/t/"+name+"/event/"+ids[0].String()+"/skip", url.Values{}, bearer); r.code != 403 {
+	if r := do(t, "POST", srv.URL+"/t/"+name+"/event/"+ids[0].String()+"/skip", url.Values{}, auth); r.code != 403 {
 		t.Fatalf("skip without CSRF: %d %s", r.code, r.body)
 	}
 	m := csrfField.FindStringSubmatch(page.body)
 	// Before the skip: the key's second row waits behind the hold and holds
 	// nothing itself. (Right after the skip the relay moves the hold onto
 	// it while it delivers it, and a skip of it then is accepted.)
-	if r := do(t, "POST", srv.URL+"/t/"+name+"/event/"+ids[1].String()+"/skip", url.Values{"csrf": {m[1]}}, bearer); r.code != 409 {
+	if r := do(t, "POST", srv.URL+"/t/"+name+"/event/"+ids[1].String()+"/skip", url.Values{"csrf": {m[1]}}, auth); r.code != 409 {
 		t.Errorf("skip of a row that holds nothing: %d %s", r.code, r.body)
 	}
-	if r := do(t, "POST", srv.URL+"/t/"+name+"/event/"+ids[0].String()+"/skip", url.Values{"csrf": {m[1]}}, bearer); r.code != 303 {
+	if r := do(t, "POST", srv.URL+"/t/"+name+"/event/"+ids[0].String()+"/skip", url.Values{"csrf": {m[1]}}, auth); r.code != 303 {
 		t.Fatalf("skip: %d %s", r.code, r.body)
 	}
 	for deadline := time.Now().Add(10 * time.Second); ; {
@@ -310,7 +310,7 @@ func TestHeldKeySkip(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	if strings.Contains(do(t, "GET", srv.URL+"/t/"+name+"/held", nil, bearer).body, ids[1].String()) {
+	if strings.Contains(do(t, "GET", srv.URL+"/t/"+name+"/held", nil, auth).body, ids[1].String()) {
 		t.Error("the delivered row shows as held")
 	}
 	// The actions are logged: who, what, on which row; never the token.

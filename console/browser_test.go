@@ -138,12 +138,14 @@ func TestBrowserReplayDeadRow(t *testing.T) {
 
 	ctx := browser(t)
 
-	if err := chromedp.Do(ctx,
+	// With a token, the console shows nothing but its login form.
+	steps(t, ctx, "the login",
 		chromedp.Navigate(srv.URL+"/"),
+		chromedp.WaitVisible(`#need-login`),
+		chromedp.SendKeys(`input[name="token"]`, token),
+		chromedp.Click(`#login`),
 		chromedp.WaitVisible(`#overview`),
-	); err != nil {
-		t.Fatalf("browser, overview: %v", err)
-	}
+	)
 	deadBefore, err := chromedp.Run(ctx, chromedp.Text(`td[data-count="dead"]`))
 	if err != nil {
 		t.Fatalf("browser, dead count: %v", err)
@@ -153,8 +155,6 @@ func TestBrowserReplayDeadRow(t *testing.T) {
 		chromedp.WaitVisible(`a.event-link`),
 		chromedp.Click(`a.event-link`),
 		chromedp.WaitVisible(`#event`),
-		chromedp.SendKeys(`input[name="token"]`, token),
-		chromedp.Click(`#login`),
 		chromedp.WaitVisible(`#replay`),
 		chromedp.Click(`#replay`),
 		chromedp.WaitVisible(`#flash`),
@@ -229,10 +229,11 @@ func TestBrowserBulkReplay(t *testing.T) {
 	ctx := browser(t)
 	steps(t, ctx, "the bulk replay",
 		chromedp.Navigate(srv.URL+"/t/"+tbl.String()+"/dead"),
-		chromedp.WaitVisible(`a.replay-cause`),
+		chromedp.WaitVisible(`#need-login`),
 		chromedp.SendKeys(`input[name="token"]`, token),
 		chromedp.Click(`#login`),
 		chromedp.WaitVisible(`.badge.ok`),
+		chromedp.WaitVisible(`a.replay-cause`),
 		chromedp.Click(`a.replay-cause`),
 		chromedp.WaitVisible(`#confirm`),
 	)

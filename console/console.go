@@ -1,32 +1,37 @@
 // Package console is a web page over the outbox tables: an overview of every
 // table (counts, delivery rate, active relay, held keys), the dead rows
-// grouped by cause, the held keys of ordered mode, the backlog by topic and
-// one event; and the actions replay one event, skip a held key's row and
-// replay dead rows in bulk (preview, confirm the exact count, follow the
-// progress). It sits on package runbook, so its rules are the CLI's.
+// grouped by a normalised cause and listed a page at a time, the held keys
+// of ordered mode, the backlog by topic and one event; and the actions
+// replay one event, skip a held key's row and replay dead rows in bulk
+// (preview, confirm the exact count, follow the progress). It sits on
+// package runbook, so its rules are the CLI's.
 //
-// Mount the handler on your own mux, behind your own authentication:
+// Mount the handler on your own mux:
 //
-//	h, err := console.New(pool, console.Config{Tables: tables, Token: token})
+//	h, err := console.New(pool, console.Config{Tables: tables, Token: token, Addr: "127.0.0.1:8080"})
 //	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
 //
-// Without Config.Token the console is read-only. With it, a state-changing
-// request (POST only) needs the token (an Authorization: Bearer header, or
-// the session cookie that POST /login sets), a CSRF token and the same
-// origin; anything else is refused and changes nothing.
+// Without Config.Token and Config.ReadToken the console is read-only and
+// anyone who reaches it reads it. With a token, nothing but GET /healthz
+// (and the login form's static files) answers without it, unless
+// Config.PublicRead opens the reads; the read-only token reads and changes
+// nothing. The token is given as an Authorization: Bearer header or to
+// POST /login, which starts a random, expiring session (kept in memory)
+// with its own CSRF token; POST /logout ends it. A state-changing request
+// (POST only) needs the console token, the same origin and, in a session,
+// its CSRF token. Failed logins are slowed down per client address, and a
+// Host header that names neither Config.Addr nor Config.AllowedHosts is
+// refused.
 package console
 
 import (
 	"context"
-	"crypto/hmac"
-	"crypto/sha256"
-	"crypto/subtle"
 	"embed"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"html/template"
+	"io"
 	"io/fs"
 	"net/http"
 	"net/url"
@@ -35,6 +40,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
@@ -54,15 +60,90 @@ var staticFS embed.FS
 type Config struct {
 	// Tables are the outbox tables shown; at least one.
 	Tables []schema.Table
-	// Token, when set, lets its holder change state (replay); without it
-	// the console is read-only.
+	// Token, when set, lets its holder read every page and change state
+	// (replay, skip), and then nothing but GET /healthz answers without a
+	// token, unless PublicRead is set. At least MinTokenBytes bytes. Without
+	// Token and ReadToken the console is read-only and anyone who reaches
+	// it reads it. Defaults to "" (OUTBOX_CONSOLE_TOKEN).
 	Token string
+	// ReadToken, when set, lets its holder read every page (payloads
+	// included) but change nothing; without PublicRead every read then
+	// needs it or Token. At least MinTokenBytes bytes, not Token. Defaults
+	// to "" (OUTBOX_CONSOLE_READ_TOKEN).
+	ReadToken string
+	// PublicRead lets anyone who reaches the console read every page,
+	// payloads included, while Token guards the actions. Cannot be combined
+	// with ReadToken. Defaults to false (OUTBOX_CONSOLE_PUBLIC_READ).
+	PublicRead bool
+	// Addr is the host:port the console is served on. A request whose Host
+	// header names neither it nor one of AllowedHosts is refused (421), so
+	// that a DNS-rebinding page cannot read the console; a loopback or
+	// unspecified Addr also accepts the loopback names. With neither Addr
+	// nor AllowedHosts the Host header is not checked. Defaults to ""
+	// (OUTBOX_CONSOLE_ADDR).
+	Addr string
+	// AllowedHosts are more host names a request may name in its Host
+	// header (without port), such as the console's DNS name behind a proxy.
+	// Defaults to none (OUTBOX_CONSOLE_ALLOWED_HOSTS, comma-separated).
+	AllowedHosts []string
+	// TrustProxy says a reverse proxy in front of the console sets
+	// X-Forwarded-Proto and X-Forwarded-For: the session cookie is Secure
+	// when it says https, and failed logins are counted against the last
+	// address of X-Forwarded-For. Set it only when clients cannot reach the
+	// console but through that proxy. Defaults to false
+	// (OUTBOX_CONSOLE_TRUST_PROXY).
+	TrustProxy bool
+	// SessionTTL is how long a login lasts. Sessions are kept in the
+	// console's memory: a restart logs everyone out. Defaults to
+	// SessionTTLDefault.
+	SessionTTL time.Duration
 	// Logger records every action (who, what); defaults to a no-op logger.
 	Logger watermill.LoggerAdapter
 }
 
-// sessionCookie is the cookie POST /login sets: an HMAC of the token, never
-// the token itself.
+// MinTokenBytes is the shortest Token or ReadToken New accepts.
+const MinTokenBytes = 16
+
+// SessionTTLDefault is the default of Config.SessionTTL.
+const SessionTTLDefault = 8 * time.Hour
+
+func (c *Config) setDefaults() {
+	if c.SessionTTL == 0 {
+		c.SessionTTL = SessionTTLDefault
+	}
+}
+
+func (c *Config) validate() error {
+	if len(c.Tables) == 0 {
+		return errors.New("no tables; set Config.Tables (OUTBOX_CONSOLE_TABLES)")
+	}
+	for _, t := range c.Tables {
+		if t.IsZero() {
+			return errors.New("a zero table; build tables with schema.ParseTable")
+		}
+	}
+	for _, tok := range []struct{ field, env, value string }{
+		{"Token", "OUTBOX_CONSOLE_TOKEN", c.Token}, {"ReadToken", "OUTBOX_CONSOLE_READ_TOKEN", c.ReadToken},
+	} {
+		if tok.value != "" && len(tok.value) < MinTokenBytes {
+			return fmt.Errorf("%s (%s) is %d bytes, fewer than %d: use a random token of at least %d bytes, such as the output of `openssl rand -hex 32`",
+				tok.field, tok.env, len(tok.value), MinTokenBytes, MinTokenBytes)
+		}
+	}
+	if c.ReadToken != "" && c.ReadToken == c.Token {
+		return errors.New("ReadToken (OUTBOX_CONSOLE_READ_TOKEN) equals Token (OUTBOX_CONSOLE_TOKEN): give the read-only token its own value")
+	}
+	if c.PublicRead && c.ReadToken != "" {
+		return errors.New("PublicRead (OUTBOX_CONSOLE_PUBLIC_READ) and ReadToken (OUTBOX_CONSOLE_READ_TOKEN) conflict: with public reads the read-only token guards nothing; set one of them")
+	}
+	if c.SessionTTL < 0 {
+		return fmt.Errorf("SessionTTL %s is negative; leave it 0 for %s", c.SessionTTL, SessionTTLDefault)
+	}
+	return nil
+}
+
+// sessionCookie is the cookie POST /login sets: a random session id, never
+// the token.
 const sessionCookie = "outbox_console"
 
 // contentSecurityPolicy allows only the console's own script and style.
@@ -77,6 +158,12 @@ type handler struct {
 	tmpl   *template.Template
 	logger watermill.LoggerAdapter
 	mux    *http.ServeMux
+	now    func() time.Time
+
+	causesTimeout time.Duration
+
+	sessions *sessions
+	limiter  *limiter
 
 	jobsMu sync.Mutex
 	jobs   map[string]*job // bulk replays, by id
@@ -91,17 +178,16 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	if pool == nil {
 		return nil, errors.New("console: nil pool")
 	}
-	if len(cfg.Tables) == 0 {
-		return nil, errors.New("console: invalid config: no tables; set Config.Tables (OUTBOX_CONSOLE_TABLES)")
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("console: invalid config: %w", err)
 	}
-	h := &handler{pool: pool, cfg: cfg, tables: map[string]schema.Table{}, logger: cfg.Logger, jobs: map[string]*job{}}
+	h := &handler{pool: pool, cfg: cfg, tables: map[string]schema.Table{}, logger: cfg.Logger, jobs: map[string]*job{}, now: time.Now, causesTimeout: causesTimeoutDefault,
+		sessions: &sessions{ttl: cfg.SessionTTL, m: map[[32]byte]*session{}}, limiter: &limiter{m: map[string]*failures{}}}
 	if h.logger == nil {
 		h.logger = watermill.NopLogger{}
 	}
 	for _, t := range cfg.Tables {
-		if t.IsZero() {
-			return nil, errors.New("console: invalid config: a zero table; build tables with schema.ParseTable")
-		}
 		h.tables[t.String()] = t
 		h.names = append(h.names, t.String())
 	}
@@ -120,6 +206,9 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 			return t.UTC().Format(time.RFC3339)
 		},
 		"perSecond": func(perMinute int64) string { return strconv.FormatFloat(float64(perMinute)/60, 'f', 1, 64) },
+		"plural":    plural,
+		"at":        func(t time.Time) string { return t.UTC().Format(time.RFC3339) },
+		"short":     func(s string) string { return shorten(s, 160) },
 	}).ParseFS(templateFS, "templates/*.html")
 	if err != nil {
 		return nil, fmt.Errorf("console: templates: %w", err)
@@ -141,6 +230,7 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	mux.HandleFunc("GET /api/counts", h.counts)
 	mux.HandleFunc("GET /api/replay/{job}", h.jobProgress)
 	mux.HandleFunc("POST /login", h.login)
+	mux.HandleFunc("POST /logout", h.logout)
 	mux.HandleFunc("POST /t/{table}/event/{id}/replay", h.replay)
 	mux.HandleFunc("POST /t/{table}/event/{id}/skip", h.skip)
 	mux.HandleFunc("POST /t/{table}/replay", h.bulkReplay)
@@ -148,7 +238,13 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	return h, nil
 }
 
-// ServeHTTP sets the security headers and routes.
+// maxBody bounds the body of a request (forms are small).
+const maxBody = 64 << 10
+
+// ServeHTTP sets the security headers, checks the Host, the input and who
+// asks, and routes. GET /healthz always answers; the static files and the
+// login and logout forms answer anyone with the right Host; every other
+// page needs a token when the console has one (unless PublicRead).
 func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	hd := w.Header()
 	hd.Set("Content-Security-Policy", contentSecurityPolicy)
@@ -156,7 +252,87 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	hd.Set("Referrer-Policy", "no-referrer")
 	hd.Set("X-Frame-Options", "DENY")
 	hd.Set("Cache-Control", "no-store")
+	if r.URL.Path == "/healthz" {
+		if r.Method != http.MethodGet && r.Method != http.MethodHead {
+			http.Error(w, "method not allowed", http.StatusMethodNotAllowed)
+			return
+		}
+		hd.Set("Content-Type", "text/plain; charset=utf-8")
+		_, _ = io.WriteString(w, "ok\n")
+		return
+	}
+	if !h.hostAllowed(r) {
+		http.Error(w, "the Host header does not name this console: add the name you use to OUTBOX_CONSOLE_ALLOWED_HOSTS (console.Config.AllowedHosts)", http.StatusMisdirectedRequest)
+		return
+	}
+	r.Body = http.MaxBytesReader(w, r.Body, maxBody)
+	if msg := checkInput(r); msg != "" {
+		http.Error(w, msg, http.StatusBadRequest)
+		return
+	}
+	id, ok := h.authenticate(w, r)
+	if !ok {
+		return
+	}
+	r = r.WithContext(context.WithValue(r.Context(), identityKey{}, id))
+	public := strings.HasPrefix(r.URL.Path, "/static/") || r.URL.Path == "/login" || r.URL.Path == "/logout"
+	if !public && id.role == roleNone && !h.readsOpen() {
+		if strings.HasPrefix(r.URL.Path, "/api/") || r.Method != http.MethodGet {
+			http.Error(w, "this console needs its token: an Authorization: Bearer header, or log in", http.StatusUnauthorized)
+			return
+		}
+		h.renderStatus(w, r, http.StatusUnauthorized, "login.html", "Log in", nil)
+		return
+	}
 	h.mux.ServeHTTP(w, r)
+}
+
+// checkInput refuses a query or form that is not text: bad escapes,
+// invalid UTF-8, NUL or other control characters (tab and newline aside).
+// It returns the refusal, "" when the input is fine.
+func checkInput(r *http.Request) string {
+	q, err := url.ParseQuery(r.URL.RawQuery)
+	if err != nil {
+		return "the query string is malformed"
+	}
+	if !textValues(q) {
+		return "the query string must be UTF-8 text without control characters"
+	}
+	if r.Method == http.MethodPost {
+		if err := r.ParseForm(); err != nil {
+			return "the form is malformed or too large"
+		}
+		if !textValues(r.PostForm) {
+			return "the form must be UTF-8 text without control characters"
+		}
+	}
+	return ""
+}
+
+func textValues(v url.Values) bool {
+	for k, vs := range v {
+		if !isText(k) {
+			return false
+		}
+		for _, s := range vs {
+			if !isText(s) {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+func isText(s string) bool {
+	if !utf8.ValidString(s) {
+		return false
+	}
+	for _, c := range s {
+		if c < 0x20 && c != '\t' && c != '\n' && c != '\r' || c == 0x7f {
+			return false
+		}
+	}
+	return true
 }
 
 func (h *handler) table(w http.ResponseWriter, r *http.Request) (schema.Table, bool) {
@@ -169,19 +345,38 @@ func (h *handler) table(w http.ResponseWriter, r *http.Request) (schema.Table, b
 
 // page is what every template gets.
 type page struct {
-	Title    string
-	ReadOnly bool
+	Title string
+	// LoggedIn: the viewer may act (the console token); the action
+	// buttons show.
 	LoggedIn bool
-	CSRF     string
-	Data     any
+	// Reader: the viewer holds the read-only token.
+	Reader bool
+	// Session: the viewer came with a session cookie (the logout button
+	// shows).
+	Session bool
+	// CanLogIn: the console has a token the viewer has not given.
+	CanLogIn bool
+	// ReadOnly: the viewer cannot act and cannot log in to.
+	ReadOnly bool
+	// CSRF is the session's CSRF token, "" without a session.
+	CSRF string
+	Data any
 }
 
 func (h *handler) render(w http.ResponseWriter, r *http.Request, name, title string, data any) {
-	p := page{Title: title, ReadOnly: h.cfg.Token == "", LoggedIn: h.authorized(r), Data: data}
-	if p.LoggedIn {
-		p.CSRF = h.csrf()
+	h.renderStatus(w, r, http.StatusOK, name, title, data)
+}
+
+func (h *handler) renderStatus(w http.ResponseWriter, r *http.Request, status int, name, title string, data any) {
+	id := identityOf(r)
+	p := page{Title: title, LoggedIn: id.role == roleAdmin, Reader: id.role == roleReader, Session: id.sess != nil, Data: data}
+	p.CanLogIn = id.role == roleNone && h.authEnabled()
+	p.ReadOnly = !p.LoggedIn && !p.CanLogIn
+	if id.sess != nil {
+		p.CSRF = id.sess.csrf
 	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.WriteHeader(status)
 	if err := h.tmpl.ExecuteTemplate(w, name, p); err != nil {
 		h.logger.Error("Console page failed", err, watermill.LogFields{"page": name})
 	}
@@ -244,79 +439,6 @@ func (h *handler) counts(w http.ResponseWriter, r *http.Request) {
 	_ = json.NewEncoder(w).Encode(out)
 }
 
-// maxDeadShown bounds the dead rows one page lists.
-const maxDeadShown = 1000
-
-// cause is one group of dead rows: those whose last_error starts alike.
-type cause struct {
-	Head        string
-	Count       int
-	First, Last *time.Time
-	Rows        []runbook.Row
-}
-
-// causeHead is the head of a last_error that groups dead rows.
-func causeHead(s *string) string {
-	if s == nil || *s == "" {
-		return "(no error recorded)"
-	}
-	head := *s
-	if i := strings.IndexAny(head, "\n:"); i > 0 {
-		head = head[:i]
-	}
-	if len(head) > 80 {
-		head = head[:80]
-	}
-	return head
-}
-
-func (h *handler) dead(w http.ResponseWriter, r *http.Request) {
-	t, ok := h.table(w, r)
-	if !ok {
-		return
-	}
-	q := r.URL.Query()
-	rows, err := runbook.Dead(r.Context(), h.pool, t, runbook.DeadFilter{Topic: q.Get("topic"), ErrorContains: q.Get("error"), Limit: maxDeadShown})
-	if err != nil {
-		h.logger.Error("Console could not list dead rows", err, watermill.LogFields{"table": t.String()})
-		http.Error(w, "cannot list the dead rows (see the console's log)", http.StatusInternalServerError)
-		return
-	}
-	groups := map[string]*cause{}
-	for _, row := range rows {
-		head := causeHead(row.LastError)
-		g := groups[head]
-		if g == nil {
-			g = &cause{Head: head}
-			groups[head] = g
-		}
-		g.Count++
-		if d := row.DeadAt; d != nil {
-			if g.First == nil || d.Before(*g.First) {
-				g.First = d
-			}
-			if g.Last == nil || d.After(*g.Last) {
-				g.Last = d
-			}
-		}
-		g.Rows = append(g.Rows, row)
-	}
-	list := make([]*cause, 0, len(groups))
-	for _, g := range groups {
-		list = append(list, g)
-	}
-	sort.Slice(list, func(i, j int) bool {
-		return list[i].Count > list[j].Count || (list[i].Count == list[j].Count && list[i].Head < list[j].Head)
-	})
-	h.render(w, r, "dead.html", "Dead rows of "+t.String(), struct {
-		Table        string
-		Total        int
-		Capped       bool
-		Topic, Error string
-		Causes       []*cause
-	}{t.String(), len(rows), len(rows) == maxDeadShown, q.Get("topic"), q.Get("error"), list})
-}
-
 func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 	t, ok := h.table(w, r)
 	if !ok {
@@ -348,30 +470,74 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 		Row     runbook.Row
 		Payload string
 		Flash   string
-	}{t.String(), row, payload, r.URL.Query().Get("done")})
+	}{t.String(), row, payload, flash(r)})
 }
 
-// mac is an HMAC of what with the token as key.
-func (h *handler) mac(what string) string {
-	m := hmac.New(sha256.New, []byte(h.cfg.Token))
-	m.Write([]byte(what))
-	return hex.EncodeToString(m.Sum(nil))
+// identity is who a request is: its role, and its session when it came with
+// the session cookie rather than the bearer token.
+type identity struct {
+	role role
+	sess *session // nil for the bearer token and for anonymous requests
+	sid  string
 }
 
-func (h *handler) csrf() string { return h.mac("csrf") }
+type identityKey struct{}
 
-// authorized reports whether r carries the token (header) or the session
-// cookie.
-func (h *handler) authorized(r *http.Request) bool {
-	if h.cfg.Token == "" {
-		return false
+func identityOf(r *http.Request) identity {
+	id, _ := r.Context().Value(identityKey{}).(identity)
+	return id
+}
+
+// roleOf matches a presented secret against the tokens.
+func (h *handler) roleOf(secret string) role {
+	switch {
+	case secret == "":
+		return roleNone
+	case h.cfg.Token != "" && equalSecret(secret, h.cfg.Token):
+		return roleAdmin
+	case h.cfg.ReadToken != "" && equalSecret(secret, h.cfg.ReadToken):
+		return roleReader
 	}
-	if a := r.Header.Get("Authorization"); strings.HasPrefix(a, "Bearer ") {
-		return subtle.ConstantTimeCompare([]byte(strings.TrimPrefix(a, "Bearer ")), []byte(h.cfg.Token)) == 1
-	}
-	c, err := r.Cookie(sessionCookie)
-	return err == nil && subtle.ConstantTimeCompare([]byte(c.Value), []byte(h.mac("session"))) == 1
+	return roleNone
 }
+
+// authenticate finds who r is. A bearer header is checked (and a wrong one
+// counted as a failed login); otherwise the session cookie. It writes the
+// refusal and returns false when r presented a wrong or rate-limited token.
+func (h *handler) authenticate(w http.ResponseWriter, r *http.Request) (identity, bool) {
+	if !h.authEnabled() {
+		return identity{}, true
+	}
+	if tok, present := bearer(r); present {
+		ip := h.clientIP(r)
+		if d := h.limiter.wait(ip, h.now()); d > 0 {
+			w.Header().Set("Retry-After", retryAfter(d))
+			http.Error(w, "too many failed logins from your address: wait "+retryAfter(d)+" s", http.StatusTooManyRequests)
+			return identity{}, false
+		}
+		ro := h.roleOf(tok)
+		if ro == roleNone {
+			h.limiter.fail(ip, h.now())
+			h.logger.Info("Console bearer token refused", watermill.LogFields{"remote": r.RemoteAddr})
+			http.Error(w, "wrong token in the Authorization header", http.StatusUnauthorized)
+			return identity{}, false
+		}
+		h.limiter.ok(ip)
+		return identity{role: ro}, true
+	}
+	if c, err := r.Cookie(sessionCookie); err == nil {
+		if s := h.sessions.get(c.Value, h.now()); s != nil {
+			return identity{role: s.role, sess: s, sid: c.Value}, true
+		}
+	}
+	return identity{}, true
+}
+
+// authEnabled reports whether the console has a token at all.
+func (h *handler) authEnabled() bool { return h.cfg.Token != "" || h.cfg.ReadToken != "" }
+
+// readsOpen reports whether anyone may read without a token.
+func (h *handler) readsOpen() bool { return !h.authEnabled() || h.cfg.PublicRead }
 
 // sameOrigin refuses cross-site requests. Browsers send Sec-Fetch-Site:
 // only same-origin (or none: typed by the user) passes. Without it (an older
@@ -389,16 +555,21 @@ func sameOrigin(r *http.Request) bool {
 }
 
 // allow checks a state-changing request; it writes the refusal and returns
-// false when the request may not change anything.
+// false when the request may not change anything. The bearer token needs
+// no CSRF token (a browser never sends it by itself); a session needs its
+// own CSRF token.
 func (h *handler) allow(w http.ResponseWriter, r *http.Request) bool {
+	id := identityOf(r)
 	switch {
 	case h.cfg.Token == "":
 		http.Error(w, "read-only console: set OUTBOX_CONSOLE_TOKEN (console.Config.Token) to allow actions", http.StatusForbidden)
 	case !sameOrigin(r):
 		http.Error(w, "cross-origin request refused", http.StatusForbidden)
-	case !h.authorized(r):
+	case id.role == roleReader:
+		http.Error(w, "the read-only token cannot change anything: log in with the console token", http.StatusForbidden)
+	case id.role != roleAdmin:
 		http.Error(w, "log in with the console token first", http.StatusUnauthorized)
-	case subtle.ConstantTimeCompare([]byte(r.PostFormValue("csrf")), []byte(h.csrf())) != 1:
+	case id.sess != nil && !equalSecret(r.PostFormValue("csrf"), id.sess.csrf):
 		http.Error(w, "missing or wrong CSRF token: reload the page and try again", http.StatusForbidden)
 	default:
 		return true
@@ -407,7 +578,7 @@ func (h *handler) allow(w http.ResponseWriter, r *http.Request) bool {
 }
 
 func (h *handler) login(w http.ResponseWriter, r *http.Request) {
-	if h.cfg.Token == "" {
+	if !h.authEnabled() {
 		http.Error(w, "read-only console: there is nothing to log in to", http.StatusForbidden)
 		return
 	}
@@ -415,20 +586,56 @@ func (h *handler) login(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "cross-origin request refused", http.StatusForbidden)
 		return
 	}
-	if subtle.ConstantTimeCompare([]byte(r.PostFormValue("token")), []byte(h.cfg.Token)) != 1 {
+	ip := h.clientIP(r)
+	if d := h.limiter.wait(ip, h.now()); d > 0 {
+		w.Header().Set("Retry-After", retryAfter(d))
+		http.Error(w, "too many failed logins from your address: wait "+retryAfter(d)+" s and try again", http.StatusTooManyRequests)
+		return
+	}
+	ro := h.roleOf(r.PostFormValue("token"))
+	if ro == roleNone {
+		h.limiter.fail(ip, h.now())
 		h.logger.Info("Console login refused", watermill.LogFields{"remote": r.RemoteAddr})
 		http.Error(w, "wrong token", http.StatusUnauthorized)
 		return
 	}
-	//nolint:gosec // Secure follows the connection: the console listens on plain HTTP on localhost by default
-	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Value: h.mac("session"), Path: "/", HttpOnly: true,
-		SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil})
-	h.logger.Info("Console login", watermill.LogFields{"remote": r.RemoteAddr})
-	back := r.PostFormValue("back")
-	if !strings.HasPrefix(back, "/") || strings.HasPrefix(back, "//") || strings.HasPrefix(back, "/\\") {
-		back = "/" // only a path of this console, never another host
+	h.limiter.ok(ip)
+	if c, err := r.Cookie(sessionCookie); err == nil {
+		h.sessions.end(c.Value) // a login never reuses a session id
 	}
-	http.Redirect(w, r, back, http.StatusSeeOther) //nolint:gosec // back is a local path, checked above
+	sid, _ := h.sessions.create(ro, h.now())
+	//nolint:gosec // Secure follows the connection (TLS, or a trusted proxy's X-Forwarded-Proto): the console listens on plain HTTP on loopback by default
+	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Value: sid, Path: "/", HttpOnly: true,
+		SameSite: http.SameSiteStrictMode, Secure: h.secure(r), MaxAge: int(h.cfg.SessionTTL / time.Second)})
+	who := "token holder"
+	if ro == roleReader {
+		who = "read-only token holder"
+	}
+	h.logger.Info("Console login", watermill.LogFields{"remote": r.RemoteAddr, "who": who})
+	http.Redirect(w, r, localPath(r.PostFormValue("back")), http.StatusSeeOther) //nolint:gosec // localPath keeps only a path of this console
+
+}
+
+// logout ends the session of the cookie and clears the cookie.
+func (h *handler) logout(w http.ResponseWriter, r *http.Request) {
+	if !sameOrigin(r) {
+		http.Error(w, "cross-origin request refused", http.StatusForbidden)
+		return
+	}
+	if c, err := r.Cookie(sessionCookie); err == nil {
+		if s := h.sessions.get(c.Value, h.now()); s != nil {
+			if !equalSecret(r.PostFormValue("csrf"), s.csrf) {
+				http.Error(w, "missing or wrong CSRF token: reload the page and try again", http.StatusForbidden)
+				return
+			}
+			h.sessions.end(c.Value)
+			h.logger.Info("Console logout", watermill.LogFields{"remote": r.RemoteAddr})
+		}
+	}
+	//nolint:gosec // clears the cookie; Secure follows the connection as at login
+	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Value: "", Path: "/", HttpOnly: true,
+		SameSite: http.SameSiteStrictMode, Secure: h.secure(r), MaxAge: -1})
+	http.Redirect(w, r, "/", http.StatusSeeOther)
 }
 
 func (h *handler) replay(w http.ResponseWriter, r *http.Request) {
@@ -445,4 +652,33 @@ func (h *handler) replay(w http.ResponseWriter, r *http.Request) {
 	fields["changed"] = res.Changed
 	h.logger.Info("Console replay", fields)
 	http.Redirect(w, r, "/t/"+url.PathEscape(t.String())+"/event/"+id.String()+"?done=replayed", http.StatusSeeOther) //nolint:gosec // a configured table and a parsed UUID
+}
+
+// truncate cuts s to at most n bytes, on a rune boundary.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
+}
+
+// plural writes n and the noun, in the plural unless n is 1: "1 row",
+// "2 rows".
+func plural(n any, one, many string) string {
+	s := fmt.Sprint(n)
+	if s == "1" {
+		return s + " " + one
+	}
+	return s + " " + many
+}
+
+// shorten cuts s to at most n bytes on a rune boundary, marking the cut.
+func shorten(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return truncate(s, n) + "…"
 }

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -18,7 +19,7 @@ import (
 )
 
 func init() {
-	registerCommand("console", "serve the web console on OUTBOX_CONSOLE_ADDR (127.0.0.1:8080); actions need OUTBOX_CONSOLE_TOKEN", runConsole)
+	registerCommand("console", "serve the web console on OUTBOX_CONSOLE_ADDR (127.0.0.1:8080); with OUTBOX_CONSOLE_TOKEN reads and actions need it", runConsole)
 }
 
 // consoleAddrDefault is where the console listens unless OUTBOX_CONSOLE_ADDR
@@ -26,16 +27,24 @@ func init() {
 const consoleAddrDefault = "127.0.0.1:8080"
 
 // checkConsoleAddr refuses a non-loopback address without a token, unless
-// the console is read-only on purpose.
-func checkConsoleAddr(addr, token string, readOnly bool) error {
+// the console is read-only on purpose. standalone tells `outbox console`
+// (which has --read-only) from the relay daemon (which reads only the
+// environment), so that the message names what exists.
+func checkConsoleAddr(addr string, protected, readOnly, standalone bool) error {
 	host, _, err := net.SplitHostPort(addr)
 	if err != nil {
 		return fmt.Errorf("%w: OUTBOX_CONSOLE_ADDR=%q is not host:port", errUsage, addr)
 	}
 	ip := net.ParseIP(host)
 	loopback := host == "localhost" || (ip != nil && ip.IsLoopback())
-	if !loopback && token == "" && !readOnly {
-		return fmt.Errorf("%w: the console would listen on %s, not a loopback address, without OUTBOX_CONSOLE_TOKEN; set a token, or pass --read-only to serve it read-only", errUsage, addr)
+	if !loopback && !protected && !readOnly {
+		how := "set OUTBOX_CONSOLE_READ_ONLY=true"
+		if standalone {
+			how = "pass --read-only (or set OUTBOX_CONSOLE_READ_ONLY=true)"
+		}
+		return fmt.Errorf("%w: the console would listen on %s, not a loopback address, without OUTBOX_CONSOLE_TOKEN; "+
+			"set a token (OUTBOX_CONSOLE_TOKEN for actions, OUTBOX_CONSOLE_READ_TOKEN for reads only), or %s to let anyone who reaches it read it",
+			errUsage, addr, how)
 	}
 	return nil
 }
@@ -43,14 +52,20 @@ func checkConsoleAddr(addr, token string, readOnly bool) error {
 // consoleConfig is the console's part of the environment, for `outbox
 // console` and for the relay daemon when OUTBOX_CONSOLE_ADDR is set.
 type consoleConfig struct {
-	addr   string
-	token  string
-	tables []schema.Table
+	addr         string
+	token        string
+	readToken    string
+	publicRead   bool
+	allowedHosts []string
+	trustProxy   bool
+	tables       []schema.Table
 }
 
 // loadConsoleConfig reads OUTBOX_CONSOLE_*. In the daemon (standalone
-// false) an unset OUTBOX_CONSOLE_ADDR means no console; OUTBOX_CONSOLE_READ_ONLY
-// is the daemon's --read-only.
+// false) an unset OUTBOX_CONSOLE_ADDR means no console. OUTBOX_CONSOLE_READ_ONLY
+// (`outbox console --read-only`) turns the actions off: OUTBOX_CONSOLE_TOKEN
+// then only lets its holder read, unless OUTBOX_CONSOLE_READ_TOKEN or
+// OUTBOX_CONSOLE_PUBLIC_READ says who reads.
 func loadConsoleConfig(env Env, relayTables []schema.Table, standalone bool) (consoleConfig, error) {
 	var c consoleConfig
 	c.addr = env.String("OUTBOX_CONSOLE_ADDR", "")
@@ -64,11 +79,35 @@ func loadConsoleConfig(env Env, relayTables []schema.Table, standalone bool) (co
 	if err != nil {
 		return c, err
 	}
+	if c.publicRead, err = env.Bool("OUTBOX_CONSOLE_PUBLIC_READ", false); err != nil {
+		return c, err
+	}
+	if c.trustProxy, err = env.Bool("OUTBOX_CONSOLE_TRUST_PROXY", false); err != nil {
+		return c, err
+	}
+	for _, h := range strings.Split(env.String("OUTBOX_CONSOLE_ALLOWED_HOSTS", ""), ",") {
+		if h = strings.TrimSpace(h); h != "" {
+			if strings.ContainsAny(h, "/:@ ") {
+				return c, fmt.Errorf("%w: OUTBOX_CONSOLE_ALLOWED_HOSTS: %q is not a host name; list names without scheme or port, e.g. console.example.com", errUsage, h)
+			}
+			c.allowedHosts = append(c.allowedHosts, h)
+		}
+	}
 	c.token = env.String("OUTBOX_CONSOLE_TOKEN", "")
+	c.readToken = env.String("OUTBOX_CONSOLE_READ_TOKEN", "")
+	for _, tok := range []struct{ name, value string }{{"OUTBOX_CONSOLE_TOKEN", c.token}, {"OUTBOX_CONSOLE_READ_TOKEN", c.readToken}} {
+		if tok.value != "" && len(tok.value) < console.MinTokenBytes {
+			return c, fmt.Errorf("%w: %s is %d bytes, fewer than %d; use a random token of at least %d bytes, such as the output of `openssl rand -hex 32`",
+				errUsage, tok.name, len(tok.value), console.MinTokenBytes, console.MinTokenBytes)
+		}
+	}
 	if readOnly {
+		if c.readToken == "" && !c.publicRead {
+			c.readToken = c.token // the token still guards the reads
+		}
 		c.token = ""
 	}
-	if err := checkConsoleAddr(c.addr, c.token, readOnly); err != nil {
+	if err := checkConsoleAddr(c.addr, c.token != "" || c.readToken != "", readOnly, standalone); err != nil {
 		return c, err
 	}
 	if c.tables, err = env.Tables("OUTBOX_CONSOLE_TABLES", relayTables); err != nil {
@@ -80,9 +119,25 @@ func loadConsoleConfig(env Env, relayTables []schema.Table, standalone bool) (co
 	return c, nil
 }
 
+// mode says who may do what in the console, for its start-up line.
+func (c consoleConfig) mode() string {
+	switch {
+	case c.token != "" && c.publicRead:
+		return "anyone reads, actions need OUTBOX_CONSOLE_TOKEN"
+	case c.token != "" && c.readToken != "":
+		return "reads need OUTBOX_CONSOLE_READ_TOKEN or OUTBOX_CONSOLE_TOKEN, actions need OUTBOX_CONSOLE_TOKEN"
+	case c.token != "":
+		return "reads and actions need OUTBOX_CONSOLE_TOKEN"
+	case c.readToken != "":
+		return "read-only, reads need the token"
+	}
+	return "read-only, anyone who reaches it reads it"
+}
+
 // serveConsole starts the console's HTTP server on c.addr.
 func serveConsole(pool *pgxpool.Pool, c consoleConfig, logger watermill.LoggerAdapter, stdout io.Writer) (*http.Server, error) {
-	h, err := console.New(pool, console.Config{Tables: c.tables, Token: c.token, Logger: logger})
+	h, err := console.New(pool, console.Config{Tables: c.tables, Token: c.token, ReadToken: c.readToken, PublicRead: c.publicRead,
+		Addr: c.addr, AllowedHosts: c.allowedHosts, TrustProxy: c.trustProxy, Logger: logger})
 	if err != nil {
 		return nil, err
 	}
@@ -91,10 +146,7 @@ func serveConsole(pool *pgxpool.Pool, c consoleConfig, logger watermill.LoggerAd
 		return nil, fmt.Errorf("console: listen on OUTBOX_CONSOLE_ADDR=%s: %w", c.addr, err)
 	}
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
-	mode := "read-only"
-	if c.token != "" {
-		mode = "actions need the token"
-	}
+	mode := c.mode()
 	fmt.Fprintf(stdout, "outbox console on http://%s (%s)\n", ln.Addr(), mode)
 	logger.Info("Serving the console", watermill.LogFields{"addr": ln.Addr().String(), "mode": mode})
 	go func() {
@@ -108,7 +160,7 @@ func serveConsole(pool *pgxpool.Pool, c consoleConfig, logger watermill.LoggerAd
 func runConsole(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("console", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	readOnly := fs.Bool("read-only", false, "serve read-only even when OUTBOX_CONSOLE_TOKEN is set; required to listen on a non-loopback address without a token")
+	readOnly := fs.Bool("read-only", false, "no actions (OUTBOX_CONSOLE_READ_ONLY); a set OUTBOX_CONSOLE_TOKEN still guards the reads; without a token, required to listen on a non-loopback address")
 	if err := fs.Parse(args); err != nil {
 		return fmt.Errorf("%w: %w", errUsage, err)
 	}

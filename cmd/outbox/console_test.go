@@ -94,8 +94,15 @@ func TestRelayDaemonServesConsole(t *testing.T) {
 	env := relayEnv(testdb.URL(), tbl)
 	env["OUTBOX_CONSOLE_ADDR"] = "0.0.0.0:0"
 	r := rbRun(t, env, "relay")
-	if r.code != 2 || !strings.Contains(r.stderr, "not a loopback address") {
+	// The daemon takes no flags: its refusal names the variable, not
+	// `--read-only`.
+	if r.code != 2 || !strings.Contains(r.stderr, "not a loopback address") || !strings.Contains(r.stderr, "OUTBOX_CONSOLE_READ_ONLY=true") ||
+		strings.Contains(r.stderr, "--read-only") {
 		t.Fatalf("open address without a token: exit %d, stderr %s", r.code, r.stderr)
+	}
+	env["OUTBOX_CONSOLE_TOKEN"] = "short"
+	if r := rbRun(t, env, "relay"); r.code != 2 || !strings.Contains(r.stderr, "OUTBOX_CONSOLE_TOKEN is 5 bytes") || strings.Contains(r.stderr, "short") {
+		t.Fatalf("short token: exit %d, stderr %s", r.code, r.stderr)
 	}
 	env["OUTBOX_CONSOLE_ADDR"] = "127.0.0.1:0"
 	env["OUTBOX_CONSOLE_TOKEN"] = "daemon-console-token"
@@ -107,16 +114,91 @@ func TestRelayDaemonServesConsole(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	res, err := http.Get("http://" + m[1] + "/")
-	if err != nil {
-		t.Fatal(err)
+	// With the token set, nothing but the console's health answers
+	// without it.
+	if code, body := get(t, "http://"+m[1]+"/", nil); code != 401 || strings.Contains(body, tbl.String()) || !strings.Contains(body, `name="token"`) {
+		t.Fatalf("anonymous overview: %d %s", code, body)
 	}
-	body, _ := io.ReadAll(res.Body)
-	res.Body.Close()
-	if res.StatusCode != 200 || !strings.Contains(string(body), tbl.String()) || !strings.Contains(string(body), `name="token"`) {
-		t.Fatalf("overview: %d %s", res.StatusCode, body)
+	if code, _ := get(t, "http://"+m[1]+"/healthz", nil); code != 200 {
+		t.Fatalf("console health: %d", code)
+	}
+	if code, body := get(t, "http://"+m[1]+"/", map[string]string{"Authorization": "Bearer daemon-console-token"}); code != 200 || !strings.Contains(body, tbl.String()) {
+		t.Fatalf("overview with the token: %d %s", code, body)
+	}
+	// The Host is checked against OUTBOX_CONSOLE_ADDR.
+	if code, _ := get(t, "http://"+m[1]+"/", map[string]string{"Authorization": "Bearer daemon-console-token", "Host": "rebound.example"}); code != 421 {
+		t.Fatalf("foreign Host: %d", code)
 	}
 	if strings.Contains(d.stderr.String(), "daemon-console-token") {
 		t.Fatal("the daemon logged the console token")
+	}
+}
+
+// get fetches u with the headers hdr ("Host" sets the Host header).
+func get(t *testing.T, u string, hdr map[string]string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest("GET", u, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, v := range hdr {
+		if k == "Host" {
+			req.Host = v
+			continue
+		}
+		req.Header.Set(k, v)
+	}
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	body, _ := io.ReadAll(res.Body)
+	return res.StatusCode, string(body)
+}
+
+// TestConsoleEnvironment: OUTBOX_CONSOLE_* become the console's settings;
+// --read-only keeps a set token guarding the reads; short tokens and bad
+// host names are refused with the fix.
+func TestConsoleEnvironment(t *testing.T) {
+	t.Parallel()
+	tbl := testdb.Table(t, "outbox")
+	env := func(kv ...string) Env {
+		m := map[string]string{"OUTBOX_CONSOLE_TABLES": tbl.String()}
+		for i := 0; i+1 < len(kv); i += 2 {
+			m[kv[i]] = kv[i+1]
+		}
+		return Env{getenv: func(k string) string { return m[k] }}
+	}
+	const tok = "0123456789abcdef0123"
+	c, err := loadConsoleConfig(env("OUTBOX_CONSOLE_ADDR", "0.0.0.0:8080", "OUTBOX_CONSOLE_TOKEN", tok, "OUTBOX_CONSOLE_PUBLIC_READ", "true",
+		"OUTBOX_CONSOLE_ALLOWED_HOSTS", " console.example.com, ops.example.com ", "OUTBOX_CONSOLE_TRUST_PROXY", "1"), nil, true)
+	if err != nil || c.token != tok || !c.publicRead || !c.trustProxy || len(c.allowedHosts) != 2 || c.allowedHosts[1] != "ops.example.com" {
+		t.Fatalf("config %+v, %v", c, err)
+	}
+	c, err = loadConsoleConfig(env("OUTBOX_CONSOLE_ADDR", "0.0.0.0:8080", "OUTBOX_CONSOLE_TOKEN", tok, "OUTBOX_CONSOLE_READ_ONLY", "true"), nil, false)
+	if err != nil || c.token != "" || c.readToken != tok {
+		t.Fatalf("read-only with a token: %+v, %v", c, err)
+	}
+	if c, err = loadConsoleConfig(env("OUTBOX_CONSOLE_ADDR", "10.0.0.1:8080", "OUTBOX_CONSOLE_READ_TOKEN", tok), nil, false); err != nil || c.readToken != tok {
+		t.Fatalf("a read token on an open address: %+v, %v", c, err)
+	}
+	for name, e := range map[string]Env{
+		"short token":      env("OUTBOX_CONSOLE_TOKEN", "x"),
+		"short read token": env("OUTBOX_CONSOLE_READ_TOKEN", "abc"),
+		"host with scheme": env("OUTBOX_CONSOLE_ALLOWED_HOSTS", "https://console.example.com"),
+		"bad bool":         env("OUTBOX_CONSOLE_PUBLIC_READ", "yes please"),
+	} {
+		if _, err := loadConsoleConfig(e, nil, true); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+	_, err = loadConsoleConfig(env("OUTBOX_CONSOLE_TOKEN", "x"), nil, true)
+	if err == nil || !strings.Contains(err.Error(), "at least 16 bytes") || !strings.Contains(err.Error(), "openssl rand") {
+		t.Errorf("short token: %v", err)
+	}
+	_, err = loadConsoleConfig(env("OUTBOX_CONSOLE_ADDR", "0.0.0.0:8080"), nil, true)
+	if err == nil || !strings.Contains(err.Error(), "--read-only") {
+		t.Errorf("console without a token on an open address: %v", err)
 	}
 }

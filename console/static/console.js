@@ -14,7 +14,7 @@ function poll(url, every, apply) {
 }
 
 function leader(v) {
-  if (v.ordered_relays) { return v.ordered_relays + " ordered relays"; }
+  if (v.ordered_relays) { return v.ordered_relays + (v.ordered_relays === 1 ? " ordered relay" : " ordered relays"); }
   var l = v.leader;
   if (!l) { return "none"; }
   var s = "pid " + l.pid;
