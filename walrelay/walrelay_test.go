@@ -41,6 +41,14 @@ var clusterSlots = make(chan struct{}, 3)
 
 func cluster(t *testing.T) (*pgxpool.Pool, schema.Table) {
 	t.Helper()
+	pool, tbl, _ := clusterPG(t)
+	return pool, tbl
+}
+
+// clusterPG is cluster with the private server itself, for tests that
+// restart it.
+func clusterPG(t *testing.T) (*pgxpool.Pool, schema.Table, *pgtest.Cluster) {
+	t.Helper()
 	clusterSlots <- struct{}{}
 	t.Cleanup(func() { <-clusterSlots })
 	pg := pgtest.Start(t, pgtest.Options{Settings: map[string]string{
@@ -59,7 +67,7 @@ func cluster(t *testing.T) (*pgxpool.Pool, schema.Table) {
 	if _, err := walrelay.Setup(ctx, pool, tbl, walrelay.Names{}); err != nil {
 		t.Fatal(err)
 	}
-	return pool, tbl
+	return pool, tbl, pg
 }
 
 func relay(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, mutate func(*walrelay.Config)) *walrelay.Subscriber {

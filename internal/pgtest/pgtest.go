@@ -263,3 +263,13 @@ func FreePort(tb testing.TB, host string) int {
 	defer ln.Close()
 	return ln.Addr().(*net.TCPAddr).Port
 }
+
+// Crash stops the server without a checkpoint (immediate shutdown, as a
+// power cut or a killed postmaster would) and starts it again: what the
+// server keeps only in memory, such as a replication slot's confirmed
+// position when the slot was not saved, is lost.
+func (c *Cluster) Crash() {
+	c.tb.Helper()
+	c.stop("immediate")
+	c.start()
+}

@@ -1,0 +1,425 @@
+package walrelay_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+	"github.com/outboxkit/watermill-outbox/walrelay"
+)
+
+// The tests of this file reproduce the WAL relay's items of issue 31: a
+// delivery that outlived its replication session (13), a drain that put
+// rows in front of a row in flight (7), a hold replaced by an earlier dead
+// row (12), a replay lost to a tombstone (11), a skipped row delivered
+// after a fast server restart (10), and publications of other tables (9).
+
+// handLog records what a consumer holds per key and every delivery.
+type handLog struct {
+	mu      sync.Mutex
+	held    map[string]int
+	overlap []string
+	log     []string // event ids, in delivery order
+}
+
+func (h *handLog) take(msg *message.Message) {
+	k := msg.Metadata.Get(schema.MetadataOrderingKey)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.held == nil {
+		h.held = map[string]int{}
+	}
+	if h.held[k] > 0 {
+		h.overlap = append(h.overlap, k+" sequence "+msg.Metadata.Get(schema.MetadataSequence))
+	}
+	h.held[k]++
+	h.log = append(h.log, msg.UUID)
+}
+
+func (h *handLog) done(msg *message.Message) {
+	h.mu.Lock()
+	h.held[msg.Metadata.Get(schema.MetadataOrderingKey)]--
+	h.mu.Unlock()
+}
+
+func (h *handLog) deliveries() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]string(nil), h.log...)
+}
+
+func (h *handLog) count(id uuid.UUID) int {
+	n := 0
+	for _, d := range h.deliveries() {
+		if d == id.String() {
+			n++
+		}
+	}
+	return n
+}
+
+// waitFor polls cond until it holds or fails the test after within.
+func waitFor(t *testing.T, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(within); !cond(); {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %s", what, within)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func terminateWalsender(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	var cut int
+	if err := pool.QueryRow(context.Background(), `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_replication WHERE application_name = 'outbox-walrelay'`).Scan(&cut); err != nil || cut != 1 {
+		t.Fatalf("terminate the walsender: %d terminated, %v", cut, err)
+	}
+}
+
+// TestWALCutSessionKeepsOneCopyPerKey (item 13): the replication session is
+// cut while the consumer holds row X of a key. The held copy's context is
+// cancelled; the next session does not hand out X (or anything of its key)
+// while the first copy is in the handler; after its verdict X comes again
+// (its ack was not recorded) and then X+1.
+func TestWALCutSessionKeepsOneCopyPerKey(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	s := relay(t, pool, tbl, nil)
+	ch, err := s.Subscribe(context.Background(), subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hand := &handLog{}
+	first := make(chan *message.Message, 1)
+	release := make(chan struct{})
+	var once sync.Once
+	go func() {
+		for msg := range ch {
+			go func(msg *message.Message) {
+				hand.take(msg)
+				held := false
+				once.Do(func() { held = true })
+				if held {
+					first <- msg
+					<-release
+				}
+				hand.done(msg)
+				msg.Ack()
+			}(msg)
+		}
+	}()
+	ids := enqueue(t, pool, tbl, "cut-k", "cut-k")
+	var x *message.Message
+	select {
+	case x = <-first:
+	case <-time.After(10 * time.Second):
+		t.Fatal("row X not delivered")
+	}
+	terminateWalsender(t, pool)
+	select {
+	case <-x.Context().Done():
+	case <-time.After(5 * time.Second):
+		t.Error("the held message's context was not cancelled when its session ended")
+	}
+	// The next session starts (ElectionInterval 100 ms) and streams X again.
+	time.Sleep(1500 * time.Millisecond)
+	if got := hand.deliveries(); len(got) != 1 {
+		t.Errorf("deliveries while the first copy of X is in the handler: %v, want only the first", got)
+	}
+	close(release)
+	waitFor(t, 10*time.Second, "X+1 delivered", func() bool { return hand.count(ids[1]) > 0 })
+	hand.mu.Lock()
+	defer hand.mu.Unlock()
+	if len(hand.overlap) > 0 {
+		t.Errorf("two copies of a key in the consumer's hands: %v", hand.overlap)
+	}
+	if want := []string{ids[0].String(), ids[0].String(), ids[1].String()}; strings.Join(hand.log, ",") != strings.Join(want, ",") {
+		t.Errorf("deliveries %v, want X, X again, X+1", hand.log)
+	}
+}
+
+// heldBy waits until key is held by event id in the WAL holds table.
+func heldBy(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, id uuid.UUID) {
+	t.Helper()
+	waitFor(t, 10*time.Second, "the key held by "+id.String(), func() bool {
+		var n int
+		err := pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.WALHoldsTable()+` WHERE event_id = $1 AND NOT released`, id).Scan(&n)
+		return err == nil && n == 1
+	})
+}
+
+// TestWALSkipWhileReplayInFlight (item 7): a dead row holds its key; the
+// operator replays it and, while the replay is in a handler, skips it. The
+// key's parked rows are all delivered, in order, once each, and the hold
+// ends (it used to stay draining with a row lost).
+func TestWALSkipWhileReplayInFlight(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	ids := enqueue(t, pool, tbl, "sr", "sr", "sr")
+	var (
+		mu      sync.Mutex
+		dead    = true
+		inReply = make(chan struct{})
+		release = make(chan struct{})
+		once    sync.Once
+	)
+	rec := newRecorder()
+	s := relay(t, pool, tbl, nil)
+	rec.consume(t, s, func(msg *message.Message) error {
+		if msg.UUID != ids[0].String() {
+			return nil
+		}
+		mu.Lock()
+		d := dead
+		mu.Unlock()
+		if d {
+			return subscriber.Permanent(errors.New("poison"))
+		}
+		once.Do(func() { close(inReply) })
+		<-release
+		return nil
+	})
+	heldBy(t, pool, tbl, ids[0])
+	mu.Lock()
+	dead = false
+	mu.Unlock()
+	if _, err := runbook.ReplayEvent(ctx, pool, tbl, ids[0], runbook.ReplayOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-inReply:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the replay was not delivered")
+	}
+	if _, err := pool.Exec(ctx, schema.WALSkipHold(tbl), ids[0].String()); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(400 * time.Millisecond) // the relay's ticks see the skip and drain behind the replay
+	close(release)
+	rec.waitAcked(t, ids, 10*time.Second)
+	waitFor(t, 10*time.Second, "the hold resolved", func() bool {
+		var n int
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.WALHoldsTable()+` WHERE NOT released`).Scan(&n)
+		return err == nil && n == 0
+	})
+	time.Sleep(300 * time.Millisecond)
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	order := rec.byKey["sr"]
+	for i := 1; i < len(order); i++ {
+		if order[i] <= order[i-1] {
+			t.Errorf("key delivered out of order: %v", order)
+		}
+	}
+	for _, id := range ids {
+		if rec.acked[id.String()] != 1 {
+			t.Errorf("event %s acked %d times, want once", id, rec.acked[id.String()])
+		}
+	}
+}
+
+// TestWALEarlierDeadRowKeepsHold (item 12): a row of a key goes dead while
+// a later row of the key already holds it (a copy delivered again): the
+// later row keeps the hold.
+func TestWALEarlierDeadRowKeepsHold(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	ids := enqueue(t, pool, tbl, "eh", "eh")
+	cols, err := schema.DetectColumns(ctx, pool, tbl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := schema.NewWALQueries(tbl, cols)
+	rowID := func(ev uuid.UUID) string {
+		var id string
+		if err := pool.QueryRow(ctx, `SELECT id::text FROM `+tbl.Sanitize()+` WHERE event_id = $1`, ev).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	var changed, held int
+	if err := pool.QueryRow(ctx, q.MarkDeadHold, rowID(ids[1]), 3, "later", "eh").Scan(&changed, &held); err != nil || changed != 1 || held != 1 {
+		t.Fatalf("later row dead: changed %d held %d, %v", changed, held, err)
+	}
+	if err := pool.QueryRow(ctx, q.MarkDeadHold, rowID(ids[0]), 3, "earlier", "eh").Scan(&changed, &held); err != nil || changed != 1 || held != 0 {
+		t.Fatalf("earlier row dead: changed %d held %d, %v; want the row dead and the hold kept", changed, held, err)
+	}
+	var holder uuid.UUID
+	if err := pool.QueryRow(ctx, `SELECT event_id FROM `+tbl.WALHoldsTable()+` WHERE ordering_key = 'eh'`).Scan(&holder); err != nil {
+		t.Fatal(err)
+	}
+	if holder != ids[1] {
+		t.Fatalf("the key is held by %s, want the later dead row %s", holder, ids[1])
+	}
+}
+
+// TestWALReplayOfSkippedRowWhileTombstoned (item 11): a skipped row is
+// replayed while its hold's tombstone lasts; the replay is delivered.
+func TestWALReplayOfSkippedRowWhileTombstoned(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	ids := enqueue(t, pool, tbl, "rt", "rt")
+	// A row of another key stays in its handler: the confirmed position
+	// stays before it, so the tombstone (until the position passes the
+	// drain) lasts.
+	blocker := enqueue(t, pool, tbl, "blocker")
+	unblock := make(chan struct{})
+	defer close(unblock)
+	var mu sync.Mutex
+	poison := true
+	rec := newRecorder()
+	s := relay(t, pool, tbl, nil)
+	rec.consume(t, s, func(msg *message.Message) error {
+		if msg.UUID == blocker[0].String() {
+			<-unblock
+			return nil
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if msg.UUID == ids[0].String() && poison {
+			return subscriber.Permanent(errors.New("poison"))
+		}
+		return nil
+	})
+	heldBy(t, pool, tbl, ids[0])
+	if _, err := runbook.SkipEvent(ctx, pool, tbl, ids[0], false); err != nil {
+		t.Fatal(err)
+	}
+	rec.waitAcked(t, ids[1:], 15*time.Second)
+	waitFor(t, 10*time.Second, "the skipped row's tombstone", func() bool {
+		var n int
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.WALHoldsTable()+` WHERE released`).Scan(&n)
+		return err == nil && n == 1
+	})
+	mu.Lock()
+	poison = false
+	mu.Unlock()
+	rep, err := runbook.ReplayEvent(ctx, pool, tbl, ids[0], runbook.ReplayOptions{})
+	if err != nil || rep.Changed != 1 {
+		t.Fatalf("replay: %+v, %v", rep, err)
+	}
+	rec.waitAcked(t, ids[:1], 5*time.Second)
+}
+
+// TestWALCrashRestartKeepsSkip (item 10): a row is skipped and the relay
+// moves past it; the server then crashes (immediate stop) before it saved
+// the slot's confirmed position, so the slot streams those transactions
+// again. The skipped row is not delivered, nor is anything delivered twice.
+func TestWALCrashRestartKeepsSkip(t *testing.T) {
+	t.Parallel()
+	pool, tbl, pg := clusterPG(t)
+	ctx := context.Background()
+	ids := enqueue(t, pool, tbl, "cr", "cr")
+	var mu sync.Mutex
+	poison := true
+	rec := newRecorder()
+	s := relay(t, pool, tbl, nil)
+	rec.consume(t, s, func(msg *message.Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if msg.UUID == ids[0].String() && poison {
+			return subscriber.Permanent(errors.New("poison"))
+		}
+		return nil
+	})
+	heldBy(t, pool, tbl, ids[0])
+	if _, err := runbook.SkipEvent(ctx, pool, tbl, ids[0], false); err != nil {
+		t.Fatal(err)
+	}
+	rec.waitAcked(t, ids[1:], 15*time.Second)
+	more := enqueue(t, pool, tbl, "other")
+	rec.waitAcked(t, more, 10*time.Second)
+	waitFor(t, 15*time.Second, "the tombstone forgotten", func() bool {
+		var n int
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.WALHoldsTable()).Scan(&n)
+		return err == nil && n == 0
+	})
+	time.Sleep(500 * time.Millisecond) // progress recorded past everything
+	mu.Lock()
+	poison = false // a delivery of the skipped row would be acked, and seen
+	mu.Unlock()
+	pg.Crash()
+	var after []uuid.UUID
+	waitFor(t, 30*time.Second, "a write after the crash", func() bool {
+		var err error
+		after, err = enqueueErr(pool, tbl, false, "after") // the pool's old connections fail first
+		return err == nil
+	})
+	rec.waitAcked(t, after, 30*time.Second)
+	time.Sleep(500 * time.Millisecond)
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if n := rec.acked[ids[0].String()]; n != 0 {
+		t.Errorf("the skipped row was delivered %d times after the crash", n)
+	}
+	for _, id := range append(ids[1:], more...) {
+		if n := rec.acked[id.String()]; n != 1 {
+			t.Errorf("event %s delivered %d times, want once (settled before the crash)", id, n)
+		}
+	}
+}
+
+// TestWALRefusesSharedPublication (item 9): a publication that also
+// publishes another table is refused by New and Setup, naming the fix; a
+// table added to it while the relay runs is ignored (the relay used to
+// stall on its rows).
+func TestWALRefusesSharedPublication(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	rec := newRecorder()
+	s := relay(t, pool, tbl, nil)
+	rec.consume(t, s, nil)
+	rec.waitAcked(t, enqueue(t, pool, tbl, "p"), 10*time.Second)
+	names := walrelay.DefaultNames(tbl)
+	if _, err := pool.Exec(ctx, `CREATE TABLE public.other_things (id int PRIMARY KEY, note text);
+CREATE SCHEMA IF NOT EXISTS shadow;
+CREATE TABLE shadow.wal_outbox (LIKE public.wal_outbox INCLUDING ALL);
+ALTER PUBLICATION `+names.Publication+` ADD TABLE public.other_things, shadow.wal_outbox`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO public.other_things VALUES (1, 'x');
+INSERT INTO shadow.wal_outbox (id, tenant_id, topic, payload, event_id) SELECT gen_random_uuid(), tenant_id, topic, payload, gen_random_uuid() FROM public.wal_outbox LIMIT 1`); err != nil {
+		t.Fatal(err)
+	}
+	ids := enqueue(t, pool, tbl, "p", "q")
+	rec.waitAcked(t, ids, 10*time.Second)
+	if _, err := walrelay.New(ctx, pool, walrelay.Config{Table: tbl}, nil); !errors.Is(err, walrelay.ErrPublicationHasOtherTables) ||
+		!strings.Contains(err.Error(), "other_things") {
+		t.Errorf("New with a shared publication: %v, want ErrPublicationHasOtherTables naming the other table", err)
+	}
+	if _, err := walrelay.Setup(ctx, pool, tbl, walrelay.Names{}); !errors.Is(err, walrelay.ErrPublicationHasOtherTables) {
+		t.Errorf("Setup with a shared publication: %v, want ErrPublicationHasOtherTables", err)
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if n := len(rec.acked); n != 3 {
+		t.Errorf("%d events delivered, want the outbox's 3 (none of the other tables)", n)
+	}
+}
+
+// TestWALSubscribeNamesAllTopics (item 17): the error of a topic other than
+// subscriber.AllTopics names it as it is.
+func TestWALSubscribeNamesAllTopics(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	s := relay(t, pool, tbl, nil)
+	_, err := s.Subscribe(context.Background(), "orders")
+	if err == nil || !strings.Contains(err.Error(), `subscriber.AllTopics ("`+subscriber.AllTopics+`")`) {
+		t.Fatalf("Subscribe(orders): %v, want the error to name subscriber.AllTopics as %q", err, subscriber.AllTopics)
+	}
+}
