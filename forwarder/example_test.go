@@ -76,7 +76,9 @@ func ExampleForwarder_AddTo() {
 	go func() { done <- r.Run(ctx) }()
 	defer func() {
 		_ = r.Close() // closes the subscriber too
-		<-done
+		if err := <-done; err != nil {
+			panic(err)
+		}
 	}()
 
 	msg := <-received
