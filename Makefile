@@ -55,7 +55,7 @@ vet: ## go vet.
 lint: ## gofmt check, go vet and golangci-lint (installed from the module proxy if missing).
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || (echo "gofmt needed:"; gofmt -l $$(git ls-files '*.go'); exit 1)
 	go vet ./...
-	@test -x $(GOBIN)/golangci-lint && $(GOBIN)/golangci-lint version 2>/dev/null | grep -q $(GOLANGCI_LINT_VERSION:v%=%) || \
+	@test -x $(GOBIN)/golangci-lint && grep -qF $(GOLANGCI_LINT_VERSION:v%=%) <<<"$$($(GOBIN)/golangci-lint version 2>/dev/null)" || \
 		GOBIN=$(GOBIN) go install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
 	$(GOBIN)/golangci-lint run --build-tags fault,stress ./...
 

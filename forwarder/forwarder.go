@@ -21,6 +21,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -175,12 +176,15 @@ type Forwarder struct {
 	cfg    Config
 	logger watermill.LoggerAdapter
 
-	router    *message.Router
-	tracer    trace.Tracer
-	batcher   *batcher // nil: one Publish per message
-	started   atomic.Bool
-	closeOnce sync.Once
-	closeErr  error
+	router  *message.Router
+	tracer  trace.Tracer
+	batcher *batcher // nil: one Publish per message
+	started atomic.Bool
+	refused atomic.Int64 // acks refused without a confirmed publish
+	// maxAttempts is the subscriber's MaxAttempts (for PoisonFilter).
+	maxAttempts int
+	closeOnce   sync.Once
+	closeErr    error
 }
 
 // New returns a Forwarder from sub (usually a *subscriber.Subscriber) to pub.
@@ -233,7 +237,10 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: %w", err)
 	}
-	f := &Forwarder{sub: sub, pub: pub, cfg: cfg, logger: logger, router: r, tracer: tracerOf(cfg.TracerProvider)}
+	f := &Forwarder{sub: sub, pub: pub, cfg: cfg, logger: logger, router: r, tracer: tracerOf(cfg.TracerProvider), maxAttempts: schema.MaxAttemptsDefault}
+	if s, ok := sub.(interface{ MaxAttempts() int }); ok {
+		f.maxAttempts = s.MaxAttempts()
+	}
 	if cfg.BatchSize > 1 {
 		f.batcher = newBatcher(pub, cfg.BatchSize, cfg.MaxPublishes)
 	}
@@ -244,10 +251,21 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 // message to its destination, in a span of its own (see
 // Config.TracerProvider), alone or in a batch with the messages handled at
 // the same time (Config.BatchSize), and returns once the broker has it. A
-// publish error nacks the message.
+// publish error nacks the message. Add it with AddTo (or Run): a handler
+// registered by hand on the outbox subscriber lacks AddTo's guarantee that
+// an ack without a successful publish is refused.
 func (f *Forwarder) Handle(msg *message.Message) (err error) {
 	ctx, span := f.startSpan(msg)
-	defer func() { endSpan(span, err, msg.Payload) }()
+	defer func() {
+		endSpan(span, err, msg.Payload)
+		recordOutcome(msg, err)
+		if err != nil {
+			// Recorded here too, for last_error, when no CaptureError runs.
+			subscriber.RecordError(msg, err)
+			attempts, _ := strconv.Atoi(msg.Metadata.Get(schema.MetadataAttempts))
+			err = &handlerError{err: err, final: subscriber.IsPermanent(err) || attempts >= f.maxAttempts}
+		}
+	}()
 	dest, err := f.cfg.DestinationTopic(msg)
 	if err == nil && dest == "" {
 		err = errors.New("the destination topic is empty")
@@ -281,13 +299,26 @@ func (f *Forwarder) Handle(msg *message.Message) (err error) {
 
 // AddTo adds the forwarder's handler, with its middleware, to a router the
 // caller already runs, and returns the handler.
+//
+// Whatever middleware the router runs, a row is marked published only when
+// its publish succeeded: the router handles a copy of each outbox message,
+// and an ack of the copy acks the outbox message only if Handle published
+// it. An ack without a confirmed publish (a middleware such as Watermill's
+// PoisonQueue swallowed the publish error, or acked without calling the
+// handler) is logged, counted (RefusedAcks) and turned into a nack with
+// the handler's error, so the row is retried and in the end goes dead.
 func (f *Forwarder) AddTo(r *message.Router) *message.Handler {
-	h := r.AddConsumerHandler(f.cfg.HandlerName, f.cfg.SubscribeTopic, f.sub, f.Handle)
+	h := r.AddConsumerHandler(f.cfg.HandlerName, f.cfg.SubscribeTopic, newConfirmingSubscriber(f.sub, f.logger, &f.refused), f.Handle)
 	for _, m := range f.cfg.Middleware {
 		h.AddMiddleware(m)
 	}
 	return h
 }
+
+// RefusedAcks is how many outbox messages the router acked although their
+// publish had not succeeded, each nacked instead (see AddTo). Above zero, a
+// middleware of the router swallows the forwarder's errors.
+func (f *Forwarder) RefusedAcks() int64 { return f.refused.Load() }
 
 // Router is the router Run runs; add middleware or metrics to it before Run.
 func (f *Forwarder) Router() *message.Router { return f.router }

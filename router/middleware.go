@@ -88,7 +88,11 @@ func NewMiddlewares(cfg MiddlewareConfig) ([]message.HandlerMiddleware, error) {
 //  1. subscriber.CaptureError records the final error for last_error and
 //     Permanent, so it must see every error the others produce;
 //  2. the poison copy, when configured, publishes a copy of a message whose
-//     failure makes the row dead, and passes the error on;
+//     failure makes the row dead, and passes the error on, marked so that
+//     no other poison copy of this stack copies it again (with the stack
+//     router-wide, an in-process consumer's failure comes back as the
+//     forwarder's: the dead event is copied once, with the consumer's
+//     reason);
 //  3. middleware.Recoverer turns a panic into an error;
 //  4. the in-process Retry, when configured, retries transient errors;
 //  5. middleware.Timeout cancels the message context after DispatchTimeout,
@@ -143,6 +147,13 @@ func poisonCopy(cfg MiddlewareConfig) message.HandlerMiddleware {
 			if !subscriber.IsPermanent(err) && attempts < cfg.MaxAttempts {
 				return out, err
 			}
+			var copied *poisonCopiedError
+			if errors.As(err, &copied) {
+				// A handler further in already copied this failure: an
+				// in-process consumer's, whose error is the forwarder's
+				// publish error. One copy per dead event.
+				return out, err
+			}
 			poison := msg.Copy()
 			poison.Metadata.Set(MetadataPoisonReason, err.Error())
 			poison.Metadata.Set(MetadataPoisonTable, msg.Metadata.Get(schema.MetadataTable))
@@ -151,10 +162,18 @@ func poisonCopy(cfg MiddlewareConfig) message.HandlerMiddleware {
 					watermill.LogFields{"event_id": msg.UUID, "poison_topic": cfg.PoisonTopic})
 				return out, fmt.Errorf("%w (and publishing the poison copy failed: %w)", err, perr)
 			}
-			return out, err
+			return out, &poisonCopiedError{err: err}
 		}
 	}
 }
+
+// poisonCopiedError marks an error whose message was copied to the poison
+// topic, so that a poison copy further out (the forwarder's, when the
+// failure came back from an in-process consumer) does not copy it again.
+type poisonCopiedError struct{ err error }
+
+func (e *poisonCopiedError) Error() string { return e.err.Error() }
+func (e *poisonCopiedError) Unwrap() error { return e.err }
 
 // invalidField renders a configuration error: "router: invalid config:
 // <Field>: what is wrong; what to do".

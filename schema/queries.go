@@ -132,6 +132,18 @@ type Queries struct {
 	// Returns: id::text, topic, dead, for the rows released.
 	Release string
 
+	// TakeBack makes every lease of the table due again at once: the
+	// statement of a relay that has just taken the single-active lock.
+	// Getting the lock proves that the previous holder's session is gone,
+	// and a relay gives the lock back only after its leases are settled
+	// (Close), so every lease still in the table is orphaned: its holder
+	// crashed, was cut off or stepped down. Like a lease that expired, the
+	// attempt counts (last_error says so) and a row leased on its last
+	// allowed attempt is parked dead. locked_at is cleared, so the previous
+	// holder's late ack or nack is fenced out. Args: max_attempts.
+	// Returns: id::text, topic, dead, for the rows taken back.
+	TakeBack string
+
 	// Stats reads the gauges of one table. No args. Returns: pending
 	// (unpublished and not dead, leased and retrying rows included), locked,
 	// dead (dead_at set), oldest pending age in seconds.
@@ -338,6 +350,15 @@ WHERE ` + fence
     ELSE o.last_error END
 FROM unnest($1::uuid[], $2::int[], $3::timestamptz[]) AS a(id, attempts, locked_at)
 WHERE ` + fence + `
+RETURNING o.id::text, o.topic, o.dead_at IS NOT NULL`
+
+	lastAttempt := `o.attempts >= $1::int`
+	q.TakeBack = `UPDATE ` + tbl + ` AS o SET locked_at = NULL,
+  dead_at = CASE WHEN ` + lastAttempt + ` THEN now() END,
+  available_at = CASE WHEN ` + lastAttempt + ` THEN 'infinity'::timestamptz ELSE now() END,
+  last_error = 'lease of attempt ' || o.attempts || ' taken back: the relay holding it lost its database session (crashed, cut off or stepped down)'
+    || CASE WHEN ` + lastAttempt + ` THEN '; dead: it was the last allowed attempt (max ' || $1::int || ')' ELSE '' END
+WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.locked_at IS NOT NULL
 RETURNING o.id::text, o.topic, o.dead_at IS NOT NULL`
 
 	q.Stats = `SELECT count(*) FILTER (WHERE dead_at IS NULL), count(*) FILTER (WHERE locked_at IS NOT NULL), count(*) FILTER (WHERE dead_at IS NOT NULL),

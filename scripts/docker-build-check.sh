@@ -8,6 +8,9 @@
 # Go at least as new as go.mod's.
 # What it cannot check: the image build itself (base image pulls, COPY
 # context, layer contents).
+# Under pipefail, never pipe into a reader that stops early (grep -q, head):
+# the writer gets SIGPIPE (exit 141) and the pipeline fails at random. Capture
+# the output first and grep the string (grep -q ... <<<"$(cmd)").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,8 +37,10 @@ info=$(file -b "$bin")
 grep -q 'statically linked' <<<"$info" || fail "not a static binary: $info"
 grep -q ', stripped' <<<"$info" || fail "not stripped: $info"
 if command -v readelf >/dev/null; then
-	! readelf -S "$bin" | grep -qE '\.(z)?debug_' || fail "the binary has DWARF sections (-w missing)"
-	! readelf -l "$bin" | grep -q 'INTERP' || fail "the binary asks for a dynamic loader"
+	sections=$(readelf -S "$bin")
+	! grep -qE '\.(z)?debug_' <<<"$sections" || fail "the binary has DWARF sections (-w missing)"
+	headers=$(readelf -l "$bin")
+	! grep -q 'INTERP' <<<"$headers" || fail "the binary asks for a dynamic loader"
 fi
 meta=$(go version -m "$bin")
 # go version -m does not record -ldflags of a -trimpath build; "stripped"
@@ -44,7 +49,8 @@ for want in 'build	CGO_ENABLED=0' 'build	-trimpath=true'; do
 	grep -qF "$want" <<<"$meta" || fail "go version -m lacks '$want':
 $meta"
 done
-"$bin" help | grep -q '^  relay ' || fail "the binary does not list the relay command"
+usage=$("$bin" help)
+grep -q '^  relay ' <<<"$usage" || fail "the binary does not list the relay command"
 
 # The final stage.
 final=$(awk '/^FROM /{stage=""} {stage=stage $0 "\n"} END{printf "%s", stage}' "$dockerfile")
@@ -57,6 +63,6 @@ grep -qxF 'CMD ["relay"]' <<<"$final" || fail 'the final stage lacks CMD ["relay
 gomod=$(awk '$1=="go"{print $2}' go.mod)
 image=$(sed -nE 's/^ARG GO_VERSION=(.*)$/\1/p' "$dockerfile")
 [ -n "$image" ] || fail "no ARG GO_VERSION in $dockerfile"
-[ "$(printf '%s\n%s\n' "$gomod" "$image" | sort -V | head -1)" = "$gomod" ] || fail "GO_VERSION $image is older than go.mod's go $gomod"
+[ "$(printf '%s\n%s\n' "$gomod" "$image" | sort -V | sed -n 1p)" = "$gomod" ] || fail "GO_VERSION $image is older than go.mod's go $gomod"
 
-echo "docker-build-check: ok: $(go version -m "$bin" | head -1 | cut -f2-) static, stripped; $info" | cut -c1-200
+echo "docker-build-check: ok: $(sed -n 1p <<<"$meta" | cut -f2-) static, stripped; $info" | cut -c1-200

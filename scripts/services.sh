@@ -37,7 +37,8 @@ start_amqp() {
 }
 
 ensure_test_db() {
-	psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'" | grep -q 1 ||
+	# Not `psql | grep -q`: under pipefail an early-exiting grep can SIGPIPE psql.
+	[ "$(psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'")" = 1 ] ||
 		psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -c "CREATE DATABASE test"
 }
 

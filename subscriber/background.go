@@ -3,6 +3,7 @@ package subscriber
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -157,6 +158,9 @@ type elector struct {
 	// standbys try first (each tries within one ElectionInterval) and tries
 	// again itself only after two.
 	dropped time.Time
+	// standing is set while this relay stands by: it logs that once, and
+	// its next election is a takeover.
+	standing bool
 }
 
 func (e *elector) run(ctx context.Context) {
@@ -218,13 +222,65 @@ func (e *elector) tick(ctx context.Context) {
 	}
 	if !got {
 		conn.Release()
+		if !e.standing {
+			e.standing = true
+			s.logger.Info("Standing by: another relay is active for the table; taking over when its session ends", nil)
+		}
+		return
+	}
+	// Before any claim of this term: every lease in the table is the
+	// previous holder's, whose session is gone (see schema.Queries.TakeBack).
+	taken, err := e.takeBack(sctx, conn)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.logger.Error("Could not take the previous relay's leases back; its rows return after the lock TTL", err, nil)
+		}
+		// As above: a session-level lock survives a failed statement.
+		closeConn(conn)
 		return
 	}
 	e.conn = conn
 	s.setLeaderGauge(1) // the gauge first: whoever sees IsLeader sees the gauge agree
 	e.isLeader.Store(true)
-	s.logger.Info("Became the active relay for the table", nil)
+	fields := watermill.LogFields{"leases_taken_back": taken}
+	if e.standing {
+		s.logger.Info("Took over as the active relay for the table: the previous relay's session is gone; its leased rows are due again at once", fields)
+	} else {
+		s.logger.Info("Became the active relay for the table", fields)
+	}
+	e.standing = false
 	s.wake.broadcast()
+}
+
+// takeBack makes the leases left by the previous leader due at once, on the
+// connection that has just taken the lock, and returns how many.
+func (e *elector) takeBack(ctx context.Context, conn *pgxpool.Conn) (int, error) {
+	s := e.s
+	rows, err := conn.Query(ctx, s.q.TakeBack, s.cfg.MaxAttempts)
+	if err != nil {
+		return 0, fmt.Errorf("take leases back: %w", err)
+	}
+	defer rows.Close()
+	n := 0
+	for rows.Next() {
+		var (
+			id, topic string
+			dead      bool
+		)
+		if err := rows.Scan(&id, &topic, &dead); err != nil {
+			return n, fmt.Errorf("take leases back: %w", err)
+		}
+		n++
+		if dead {
+			s.wentDead(topic)
+			s.logger.Error("Outbox message is dead: the relay holding its last allowed attempt lost its session; replay it once the cause is fixed",
+				errors.New("lease taken back on the last attempt"), watermill.LogFields{"row_id": id})
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return n, fmt.Errorf("take leases back: %w", err)
+	}
+	return n, nil
 }
 
 // leaderKeepalive derives the leader session's TCP settings from the leader

@@ -46,7 +46,10 @@ type Config struct {
 	// coming due, missed notifications). Defaults to 1s.
 	PollInterval time.Duration
 	// LockTTL is how long a lease lasts before another claim may take the row.
-	// Leases of messages still in flight are renewed at LockTTL/2. Defaults to
+	// Leases of messages still in flight are renewed at LockTTL/2. With
+	// single-active, a relay that is elected takes every lease left in the
+	// table back at once (the lock proves the previous leader's session
+	// gone), so a crashed leader's rows do not wait LockTTL. Defaults to
 	// 60s.
 	LockTTL time.Duration
 	// MaxAttempts is after how many failed attempts a row is dead. Defaults
@@ -57,7 +60,10 @@ type Config struct {
 	Backoff func(attempt int) time.Duration
 	// DisableSingleActive lets several subscribers share the table through
 	// SKIP LOCKED alone. Defaults to false: one active subscriber per table,
-	// elected by advisory lock.
+	// elected by advisory lock. Do not mix the two on one table, nor a
+	// single-active relay with the watermill-sql adapters' subscribers: an
+	// elected leader takes back every lease in the table, theirs too (their
+	// rows are delivered again; their late acks are fenced off).
 	DisableSingleActive bool
 	// Ordered relays the rows that have an ordering key in per-key order
 	// (docs/ORDERING.md): a key's next row only after the previous one was

@@ -43,6 +43,8 @@ FROM `+tbl.Sanitize()+` WHERE event_id = $1`, eventID).Scan(&r.dead, &r.parked, 
 // last allowed attempt (the relay holding it crashed) is parked dead by the
 // next claim, counted in outbox_dead_total and the outbox_dead gauge, never
 // delivered again, listed by the runbook and removed by dead retention.
+// The claim's path: without single-active (a single-active relay takes the
+// leases back when it is elected, TestTakeBackOnLastAttemptGoesDead).
 func TestLeaseExpiredOnLastAttemptGoesDead(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -60,7 +62,7 @@ func TestLeaseExpiredOnLastAttemptGoesDead(t *testing.T) {
 	}
 	_, m := newMetrics(t)
 	s := newSub(t, pool, subscriber.Config{Table: tbl, MaxAttempts: 3, PollInterval: 20 * time.Millisecond, Metrics: m,
-		StatsInterval: 50 * time.Millisecond})
+		StatsInterval: 50 * time.Millisecond, DisableSingleActive: true})
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	ch, err := s.Subscribe(sctx, subscriber.AllTopics)

@@ -13,6 +13,9 @@ import (
 // TestMain fails the package when a goroutine outlives the tests: every
 // subscriber, notifier and pool must have been closed.
 func TestMain(m *testing.M) {
+	if table := os.Getenv(crashRelayEnv); table != "" {
+		os.Exit(crashRelay(table)) // a relay process for TestCrashedRelayRecovery, killed by it
+	}
 	code := m.Run()
 	testdb.ClosePool()
 	if code == 0 {

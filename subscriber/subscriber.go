@@ -437,3 +437,7 @@ func (b *broadcaster) broadcast() {
 
 // Table returns the subscriber's outbox table.
 func (s *Subscriber) Table() schema.Table { return s.cfg.Table }
+
+// MaxAttempts returns after how many failed attempts a row is dead
+// (Config.MaxAttempts after its default).
+func (s *Subscriber) MaxAttempts() int { return s.cfg.MaxAttempts }

@@ -1,0 +1,186 @@
+package forwarder
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// ErrNotPublished is the reason stored as last_error when the router acked
+// an outbox message that the forwarder did not publish: a middleware
+// swallowed the failure (Watermill's middleware.PoisonQueue does, for
+// example) or acked the message without calling the handler. The row is
+// nacked instead of marked published.
+var ErrNotPublished = errors.New("acked by the router but not published")
+
+// outcomeKey carries a *outcome in the context of the message the router
+// handles.
+type outcomeKey struct{}
+
+// outcome is what the forwarder's handler did with one outbox message: a
+// publish that succeeded, else the last error.
+type outcome struct {
+	published atomic.Bool
+	mu        sync.Mutex
+	err       error
+}
+
+func (o *outcome) failure() error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.err
+}
+
+// recordOutcome records on msg what its publish did: err nil confirms it.
+// It is a no-op for a message that did not come through AddTo's confirming
+// subscriber.
+func recordOutcome(msg *message.Message, err error) {
+	o, ok := msg.Context().Value(outcomeKey{}).(*outcome)
+	if !ok {
+		return
+	}
+	if err == nil {
+		o.published.Store(true)
+		return
+	}
+	o.mu.Lock()
+	o.err = err
+	o.mu.Unlock()
+}
+
+// confirmingSubscriber stands between the outbox subscriber and the router:
+// the router handles a copy of each outbox message, and the outbox message
+// is acked only when the router acked the copy and the forwarder's handler
+// published it; an ack without a confirmed publish becomes a nack. So what
+// the user's router middleware does with the handler's error cannot mark a
+// row published that was not.
+type confirmingSubscriber struct {
+	sub     message.Subscriber
+	logger  watermill.LoggerAdapter
+	refused *atomic.Int64
+
+	closing   chan struct{}
+	closeOnce sync.Once
+	closeErr  error
+	wg        sync.WaitGroup // pumps and watchers
+}
+
+func newConfirmingSubscriber(sub message.Subscriber, logger watermill.LoggerAdapter, refused *atomic.Int64) *confirmingSubscriber {
+	return &confirmingSubscriber{sub: sub, logger: logger, refused: refused, closing: make(chan struct{})}
+}
+
+// Subscribe subscribes to the outbox subscriber and returns the channel of
+// the copies the router handles.
+func (c *confirmingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	select {
+	case <-c.closing:
+		return nil, errors.New("forwarder: subscriber closed")
+	default:
+	}
+	in, err := c.sub.Subscribe(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	out := make(chan *message.Message)
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		defer close(out)
+		for orig := range in {
+			o := &outcome{}
+			cp := message.NewMessage(orig.UUID, orig.Payload)
+			for k, v := range orig.Metadata {
+				cp.Metadata[k] = v
+			}
+			cp.SetContext(context.WithValue(orig.Context(), outcomeKey{}, o))
+			c.wg.Add(1)
+			go c.watch(orig, cp, o)
+			select {
+			case out <- cp:
+			case <-ctx.Done():
+				// Not handed to the router: neither acked nor nacked, the
+				// outbox subscriber gives its lease back at its close.
+			case <-c.closing:
+			}
+		}
+	}()
+	return out, nil
+}
+
+// watch passes the router's verdict on cp to orig, refusing an ack without
+// a confirmed publish.
+func (c *confirmingSubscriber) watch(orig, cp *message.Message, o *outcome) {
+	defer c.wg.Done()
+	select {
+	case <-cp.Acked():
+		if o.published.Load() {
+			orig.Ack()
+			return
+		}
+		c.refused.Add(1)
+		reason := ErrNotPublished
+		if err := o.failure(); err != nil {
+			// Wrapped, so that a Permanent failure still sends the row dead.
+			reason = fmt.Errorf("%w: %w", ErrNotPublished, err)
+		}
+		c.logger.Error("Outbox message acked without a confirmed publish; nacking it instead of marking the row published. "+
+			"A router middleware swallowed the forwarder's error or skipped its handler (Watermill's PoisonQueue does); "+
+			"see the README's router section", reason, watermill.LogFields{"event_id": orig.UUID})
+		subscriber.RecordError(orig, reason)
+		orig.Nack()
+	case <-cp.Nacked():
+		orig.Nack()
+	case <-orig.Context().Done():
+		// The outbox subscriber gave up on orig (its close timeout).
+	case <-c.closing:
+		// The outbox subscriber is closed: a late verdict has nowhere to go.
+	}
+}
+
+// Close closes the outbox subscriber (which waits, up to its close timeout,
+// for the verdicts of the messages in flight), then ends the watchers. It
+// is idempotent.
+func (c *confirmingSubscriber) Close() error {
+	c.closeOnce.Do(func() {
+		if err := c.sub.Close(); err != nil {
+			c.closeErr = fmt.Errorf("forwarder: close the outbox subscriber: %w", err)
+		}
+		close(c.closing)
+		c.wg.Wait()
+	})
+	return c.closeErr
+}
+
+// handlerError is an error of the forwarder's handler, marked with whether
+// the outbox retries the row after it.
+type handlerError struct {
+	err   error
+	final bool // a Permanent error, or the row's last allowed attempt
+}
+
+func (e *handlerError) Error() string { return e.err.Error() }
+func (e *handlerError) Unwrap() error { return e.err }
+
+// PoisonFilter reports whether a handler's error should be copied to a
+// poison topic. For an error of the forwarder's handler it is true only
+// when the error sends the row dead (a Permanent error, or a failure on the
+// row's last allowed attempt): earlier failures are retried by the outbox
+// itself. Any other handler's error reports true. Give it to Watermill's
+// middleware.PoisonQueueWithFilter, so that a router-wide poison queue
+// receives one copy per dead event instead of one per failed attempt:
+//
+//	pq, err := middleware.PoisonQueueWithFilter(pub, "poison", forwarder.PoisonFilter)
+func PoisonFilter(err error) bool {
+	var he *handlerError
+	if errors.As(err, &he) {
+		return he.final
+	}
+	return true
+}

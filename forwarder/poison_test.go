@@ -1,0 +1,241 @@
+package forwarder_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	"github.com/outboxkit/watermill-outbox/forwarder"
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/router"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+const poisonMaxAttempts = 3
+
+// poisonRig is a user's router with router-wide middleware, the forwarder
+// added with AddTo, an in-process destination and a poison topic counted on
+// a GoChannel.
+type poisonRig struct {
+	tbl     schema.Table
+	fwd     *forwarder.Forwarder
+	dest    *router.InProcess
+	copies  atomic.Int64
+	reasons chan string
+}
+
+// downPublisher is a broker that is down: every publish fails, transiently.
+type downPublisher struct{ message.Publisher }
+
+func (downPublisher) Publish(string, ...*message.Message) error {
+	return errors.New("broker unavailable")
+}
+
+func newPoisonRig(t *testing.T, name string, routerWide func(poison message.Publisher) []message.HandlerMiddleware, consumer message.NoPublishHandlerFunc, down bool) *poisonRig {
+	t.Helper()
+	rig := &poisonRig{tbl: testdb.Table(t, name, schema.WithAllColumns()), dest: router.NewInProcess(), reasons: make(chan string, 100)}
+	t.Cleanup(func() { _ = rig.dest.Close() })
+	poison := newGoChannel(t)
+	copies, err := poison.Subscribe(context.Background(), "poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		for m := range copies {
+			rig.copies.Add(1)
+			reason := m.Metadata.Get(middleware.ReasonForPoisonedKey) + m.Metadata.Get(router.MetadataPoisonReason)
+			select {
+			case rig.reasons <- reason:
+			default:
+			}
+			m.Ack()
+		}
+	}()
+	sub, err := subscriber.New(testdb.Pool(t), subscriber.Config{Table: rig.tbl, PollInterval: 50 * time.Millisecond, MaxAttempts: poisonMaxAttempts,
+		Backoff: func(int) time.Duration { return 10 * time.Millisecond }}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddMiddleware(routerWide(poison)...)
+	if consumer != nil {
+		r.AddConsumerHandler("consumer", topic, rig.dest, consumer)
+	}
+	// The router-wide stack is the user's; the forwarder adds none of its own.
+	var dest message.Publisher = rig.dest
+	if down {
+		dest = downPublisher{rig.dest}
+	}
+	rig.fwd, err = forwarder.New(sub, dest, forwarder.Config{Middleware: []message.HandlerMiddleware{}}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rig.fwd.AddTo(r)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(context.Background()) }()
+	t.Cleanup(func() {
+		if err := r.Close(); err != nil {
+			t.Errorf("close router: %v", err)
+		}
+		if err := <-done; err != nil {
+			t.Errorf("router run: %v", err)
+		}
+	})
+	<-r.Running()
+	return rig
+}
+
+// settle waits until the row is dead or published and returns its state
+// and last_error, then lets late poison copies arrive.
+func (rig *poisonRig) settle(t *testing.T, eventID string) (published, dead bool, attempts int, lastError string) {
+	t.Helper()
+	waitRow(t, rig.tbl, eventID, func(published, dead bool, _ int) bool { return published || dead })
+	var le *string
+	if err := testdb.Pool(t).QueryRow(context.Background(), `SELECT published_at IS NOT NULL, dead_at IS NOT NULL, attempts, last_error FROM `+rig.tbl.Sanitize()+` WHERE event_id = $1`, eventID).
+		Scan(&published, &dead, &attempts, &le); err != nil {
+		t.Fatal(err)
+	}
+	if le != nil {
+		lastError = *le
+	}
+	time.Sleep(300 * time.Millisecond)
+	return published, dead, attempts, lastError
+}
+
+func poisonQueue(t *testing.T, filter func(error) bool) func(message.Publisher) []message.HandlerMiddleware {
+	return func(pub message.Publisher) []message.HandlerMiddleware {
+		pq, err := middleware.PoisonQueue(pub, "poison")
+		if filter != nil {
+			pq, err = middleware.PoisonQueueWithFilter(pub, "poison", filter)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return []message.HandlerMiddleware{pq}
+	}
+}
+
+// TestPoisonQueueRouterWideNeverMarksPublished: with Watermill's own
+// PoisonQueue router-wide, a failed publish swallows the forwarder's error
+// and the router acks; the row must not be marked published. Each such ack
+// is refused and counted, and the row goes dead with the publish error as
+// last_error: at once for an in-process topic with no subscriber (a
+// permanent error), after MaxAttempts for a broker that is down. Plain
+// PoisonQueue copies every failed attempt (its own rule); with
+// forwarder.PoisonFilter it copies the dead event once.
+func TestPoisonQueueRouterWideNeverMarksPublished(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name         string
+		down         bool // else: no subscriber on the destination topic
+		filter       func(error) bool
+		wantAttempts int
+		wantError    string
+		wantRefused  int64
+		wantCopies   int64
+	}{
+		{"NoSubscriber/PoisonQueue", false, nil, 1, router.ErrNoSubscribers.Error(), 1, 1},
+		{"NoSubscriber/PoisonQueueWithFilter", false, forwarder.PoisonFilter, 1, router.ErrNoSubscribers.Error(), 1, 1},
+		{"BrokerDown/PoisonQueue", true, nil, poisonMaxAttempts, "broker unavailable", poisonMaxAttempts, poisonMaxAttempts},
+		// The filtered queue passes the first errors on (plain nacks): only
+		// the last attempt's ack is refused.
+		{"BrokerDown/PoisonQueueWithFilter", true, forwarder.PoisonFilter, poisonMaxAttempts, "broker unavailable", 1, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			rig := newPoisonRig(t, "fwd_pq_outbox", poisonQueue(t, tc.filter), nil, tc.down)
+			id := enqueueIn(t, rig.tbl, producerSpan(t), `{"n":1}`)
+			published, dead, attempts, lastError := rig.settle(t, id.String())
+			if published || !dead || attempts != tc.wantAttempts {
+				t.Fatalf("published %v dead %v attempts %d, want dead after %d attempts and never published", published, dead, attempts, tc.wantAttempts)
+			}
+			if !strings.Contains(lastError, tc.wantError) || !strings.Contains(lastError, forwarder.ErrNotPublished.Error()) {
+				t.Errorf("last_error %q, want %q and %q", lastError, tc.wantError, forwarder.ErrNotPublished)
+			}
+			if got := rig.fwd.RefusedAcks(); got != tc.wantRefused {
+				t.Errorf("RefusedAcks %d, want %d", got, tc.wantRefused)
+			}
+			if got := rig.copies.Load(); got != tc.wantCopies {
+				t.Errorf("%d poison copies, want %d", got, tc.wantCopies)
+			}
+		})
+	}
+}
+
+// TestPoisonQueueRouterWideStillPublishes: the same router with a
+// subscriber on the destination topic relays and marks the row published,
+// refusing nothing and copying nothing.
+func TestPoisonQueueRouterWideStillPublishes(t *testing.T) {
+	t.Parallel()
+	var handled atomic.Int64
+	rig := newPoisonRig(t, "fwd_pq_ok_outbox", poisonQueue(t, nil), func(*message.Message) error {
+		handled.Add(1)
+		return nil
+	}, false)
+	id := enqueueIn(t, rig.tbl, producerSpan(t), `{"n":1}`)
+	published, dead, attempts, _ := rig.settle(t, id.String())
+	if !published || dead || attempts != 1 || handled.Load() != 1 {
+		t.Fatalf("published %v dead %v attempts %d handled %d, want published at the first attempt", published, dead, attempts, handled.Load())
+	}
+	if rig.fwd.RefusedAcks() != 0 || rig.copies.Load() != 0 {
+		t.Fatalf("refused %d acks, %d poison copies; want none", rig.fwd.RefusedAcks(), rig.copies.Load())
+	}
+}
+
+// TestMiddlewareSkippingTheHandler: a router-wide middleware that acks
+// without calling the handler publishes nothing, so the row is never marked
+// published; it goes dead with ErrNotPublished as last_error.
+func TestMiddlewareSkippingTheHandler(t *testing.T) {
+	t.Parallel()
+	skip := func(message.Publisher) []message.HandlerMiddleware {
+		return []message.HandlerMiddleware{func(message.HandlerFunc) message.HandlerFunc {
+			return func(*message.Message) ([]*message.Message, error) { return nil, nil }
+		}}
+	}
+	rig := newPoisonRig(t, "fwd_skip_outbox", skip, func(*message.Message) error { return nil }, false)
+	id := enqueueIn(t, rig.tbl, producerSpan(t), `{"n":1}`)
+	published, dead, attempts, lastError := rig.settle(t, id.String())
+	if published || !dead || attempts != poisonMaxAttempts || lastError != forwarder.ErrNotPublished.Error() {
+		t.Fatalf("published %v dead %v attempts %d last_error %q, want dead with %q", published, dead, attempts, lastError, forwarder.ErrNotPublished)
+	}
+	if got := rig.fwd.RefusedAcks(); got != poisonMaxAttempts {
+		t.Fatalf("RefusedAcks %d, want %d", got, poisonMaxAttempts)
+	}
+}
+
+// TestOutboxPoisonCopyOnceRouterWide: router.Middlewares with a poison
+// publisher router-wide (as examples/existing_router could configure it),
+// an in-process consumer that rejects an event as permanent: the consumer's
+// handler and the forwarder's both see the failure, and the dead event is
+// copied to the poison topic once, with the consumer's reason.
+func TestOutboxPoisonCopyOnceRouterWide(t *testing.T) {
+	t.Parallel()
+	stack := func(poison message.Publisher) []message.HandlerMiddleware {
+		return router.Middlewares(router.MiddlewareConfig{PoisonPublisher: poison, PoisonTopic: "poison", MaxAttempts: poisonMaxAttempts})
+	}
+	rig := newPoisonRig(t, "fwd_copy_once_outbox", stack, func(*message.Message) error {
+		return subscriber.Permanent(errors.New("malformed organization_id"))
+	}, false)
+	id := enqueueIn(t, rig.tbl, producerSpan(t), `{"n":1}`)
+	published, dead, attempts, _ := rig.settle(t, id.String())
+	if published || !dead || attempts != 1 {
+		t.Fatalf("published %v dead %v attempts %d, want dead at the first attempt", published, dead, attempts)
+	}
+	if got := rig.copies.Load(); got != 1 {
+		t.Fatalf("%d poison copies of one dead event, want 1", got)
+	}
+	if reason := <-rig.reasons; !strings.Contains(reason, "malformed organization_id") {
+		t.Fatalf("poison reason %q, want the consumer's", reason)
+	}
+}
