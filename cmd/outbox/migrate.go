@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -14,7 +15,7 @@ import (
 )
 
 func init() {
-	registerCommand("migrate", "create outbox tables (--table or OUTBOX_RELAY_TABLES); --print shows the SQL only; --create-schema for a new schema; --wal sets up the WAL relay", runMigrate)
+	registerCommand("migrate", "create outbox tables (--table or OUTBOX_RELAY_TABLES); --print shows the up SQL only (--down adds the down SQL, commented out); --create-schema for a new schema; --wal sets up the WAL relay", runMigrate)
 }
 
 func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
@@ -26,7 +27,8 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	ordered := fs.Bool("ordered", false, "add the ordering_key column and the companion tables of ordered mode (default: OUTBOX_RELAY_ORDERED)")
 	wal := fs.Bool("wal", false, "also create the WAL relay's publication, replication slot and progress table (needs wal_level = logical and a REPLICATION role; default: OUTBOX_RELAY_SOURCE=wal)")
 	createSchema := fs.Bool("create-schema", false, "create the table's schema if it does not exist (otherwise a missing schema is an error)")
-	printSQL := fs.Bool("print", false, "print the SQL instead of running it")
+	printSQL := fs.Bool("print", false, "print the up migration's SQL instead of running it (safe to pipe into psql)")
+	down := fs.Bool("down", false, "with --print: also print the down migration, every line commented out (it drops the table and every event in it); never run by outbox")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -66,9 +68,17 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	if env.String("OUTBOX_RELAY_SOURCE", "") == "wal" {
 		*wal = true
 	}
+	if *down && !*printSQL {
+		return fmt.Errorf("%w: --down only prints the down migration (with --print); outbox never runs it", errUsage)
+	}
 	if *printSQL {
 		for _, t := range tables {
-			fmt.Fprintf(stdout, "-- up: %s\n%s\n-- down (DESTRUCTIVE: drops the table and every event in it): %s\n-- %s\n", t, schema.UpSQL(t, opts...), t, schema.DownSQL(t))
+			fmt.Fprintf(stdout, "-- up: %s\n%s", t, schema.UpSQL(t, opts...))
+			if *down {
+				fmt.Fprintf(stdout, "\n%s", commentOut(fmt.Sprintf("down (DESTRUCTIVE: drops %s, its companion tables and every event in them).\n"+
+					"Every line is commented out so that piping this output into psql drops nothing;\n"+
+					"uncomment it on purpose, in a migration tool's down file.\n%s", t, schema.DownSQL(t))))
+			}
 		}
 		return nil
 	}
@@ -97,4 +107,16 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 		}
 	}
 	return nil
+}
+
+// commentOut prefixes every line of sql with "-- ", so that no statement of
+// it runs when the text is fed to psql.
+func commentOut(sql string) string {
+	var b strings.Builder
+	for _, line := range strings.Split(strings.TrimRight(sql, "\n"), "\n") {
+		b.WriteString("-- ")
+		b.WriteString(line)
+		b.WriteString("\n")
+	}
+	return b.String()
 }
