@@ -3,8 +3,11 @@ package runbook_test
 import (
 	"context"
 	"encoding/json"
+	"sync"
 	"testing"
+	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -13,6 +16,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
 // enqueueKeys commits one event per key (an empty key: unkeyed), in order,
@@ -26,8 +30,14 @@ func enqueueKeys(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, keys ...str
 		ids[i] = uuid.New()
 		msgs[i] = publisher.Message{TenantID: tenantA, Topic: topicA, EventID: ids[i], Payload: json.RawMessage(`{"n":1}`), OrderingKey: k}
 	}
+	// A new Enqueuer each time: an Enqueuer caches a table's columns on
+	// first use, and these tests add the ordering column in place.
+	enq, err := publisher.NewEnqueuer(publisher.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		_, err := publisher.EnqueueBatch(ctx, tx, tbl, msgs)
+		_, err := enq.EnqueueBatch(ctx, tx, tbl, msgs)
 		return err
 	}); err != nil {
 		t.Fatal(err)
@@ -180,6 +190,97 @@ func assertSet(t *testing.T, what string, got []uuid.UUID, want ...uuid.UUID) {
 	for id, n := range m {
 		if n != 0 {
 			t.Fatalf("%s: %d rows, want %d; %s off by %d", what, len(got), len(want), id, n)
+		}
+	}
+}
+
+// TestUpgradeDefaultTableToOrdered: a default-mode table with rows in every
+// state (published, pending, retrying, dead) is migrated to ordered mode
+// with schema.Migrate(..., WithOrderingKeyColumn()), gets keyed and unkeyed
+// rows, and is relayed by an ordered relay: every row not yet delivered is
+// delivered, nothing published before is delivered again, the dead row
+// stays dead, and Stats is true before and after.
+func TestUpgradeDefaultTableToOrdered(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "up_outbox")
+
+	old := enqueueKeys(t, pool, tbl, "", "", "", "", "")
+	exec(t, pool, tbl, `UPDATE %s SET published_at = now() - interval '5 minutes' WHERE event_id = $1`, old[0])
+	exec(t, pool, tbl, `UPDATE %s SET attempts = 3, last_error = 'flaky', available_at = now() WHERE event_id = $1`, old[2])
+	markDead(t, pool, tbl, "boom", old[3])
+	s, err := runbook.Stats(ctx, pool, tbl)
+	if err != nil || s.Mode != schema.ModeDefault || s.Pending != 3 || s.Retrying != 1 || s.Dead != 1 {
+		t.Fatalf("before the upgrade: %+v, %v", s, err)
+	}
+
+	if err := schema.Migrate(ctx, pool, tbl, schema.WithOrderingKeyColumn()); err != nil {
+		t.Fatalf("upgrade to ordered mode: %v", err)
+	}
+	s, err = runbook.Stats(ctx, pool, tbl)
+	if err != nil || s.Mode != schema.ModeOrdered || s.Pending != 3 || s.Retrying != 1 || s.Dead != 1 {
+		t.Fatalf("after the upgrade, before relaying: %+v, %v", s, err)
+	}
+	fresh := enqueueKeys(t, pool, tbl, "k1", "k2", "k1", "", "k2", "k1")
+
+	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, Ordered: true, LockTTL: time.Second, ElectionInterval: 100 * time.Millisecond,
+		PollInterval: 100 * time.Millisecond, CloseTimeout: 2 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Close() })
+	msgs, err := sub.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu  sync.Mutex
+		got = map[string]int{}
+	)
+	go func() {
+		for m := range msgs {
+			mu.Lock()
+			got[m.UUID]++
+			mu.Unlock()
+			m.Ack()
+		}
+	}()
+	want := append([]uuid.UUID{old[1], old[2], old[4]}, fresh...)
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		s, err = runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		n := 0
+		for _, id := range want {
+			if got[id.String()] > 0 {
+				n++
+			}
+		}
+		mu.Unlock()
+		if n == len(want) && s.Pending == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not drained: %d of %d delivered, stats %+v", n, len(want), s)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if got[old[0].String()] != 0 || got[old[3].String()] != 0 {
+		t.Fatalf("the published row delivered %d times, the dead row %d times; want 0", got[old[0].String()], got[old[3].String()])
+	}
+	if s.Dead != 1 || s.Retrying != 0 || s.HeldKeys != 0 || s.PublishedLastHour != 5 {
+		t.Fatalf("after relaying: %+v (want dead 1, published last hour 5: the old published row and 4 unkeyed acked)", s)
+	}
+	for _, id := range fresh {
+		r, err := runbook.Event(ctx, pool, tbl, id)
+		if err != nil || !r.Delivered {
+			t.Fatalf("event %s after relaying: %+v, %v", id, r, err)
 		}
 	}
 }
