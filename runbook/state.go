@@ -10,15 +10,19 @@ import (
 // stateOf returns the state statements of t in the mode it is relayed in
 // (schema.StateQueries, the one place that knows each mode's state).
 func stateOf(ctx context.Context, db DB, t schema.Table) (schema.StateQueries, error) {
-	var walProgress, published, ordered bool
-	if err := db.QueryRow(ctx, schema.ModeProbe(t)).Scan(&walProgress, &published, &ordered); err != nil {
+	var walProgress, published, ordered, walHolds bool
+	if err := db.QueryRow(ctx, schema.ModeProbe(t)).Scan(&walProgress, &published, &ordered, &walHolds); err != nil {
 		return schema.StateQueries{}, dbError(t, "find the relay mode of", err)
 	}
 	cols, err := schema.DetectColumns(ctx, db, t)
 	if err != nil {
 		return schema.StateQueries{}, dbError(t, "detect the columns of", err)
 	}
-	return schema.NewStateQueries(t, schema.DecideMode(walProgress, published, ordered, cols), cols), nil
+	mode := schema.DecideMode(walProgress, published, ordered, cols)
+	if mode == schema.ModeWAL && !walHolds {
+		cols.OrderingKey = false // a WAL set-up without a holds table: no key is held
+	}
+	return schema.NewStateQueries(t, mode, cols), nil
 }
 
 // Mode tells how t is relayed: schema.ModeWAL for a table the WAL relay

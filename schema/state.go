@@ -93,6 +93,39 @@ func (q StateQueries) walHorizonAge() string {
     HAVING count(*) > 0 AND bool_and(horizon IS NOT NULL AND updated_at > now() - interval '` + WALStaleAfter + `'))`
 }
 
+// walParked is the condition, on a row o and its key's WAL hold w (LEFT
+// JOIN, NULL when none), that o is parked behind the key's held row: the
+// hold is not released and o comes after the held row.
+const walParked = `COALESCE(NOT w.released AND o.sequence > w.sequence, false)`
+
+// walHoldJoin joins a row o to its key's WAL hold w, or to nothing when
+// the table has no ordering column.
+func (q StateQueries) walHoldJoin() string {
+	if q.Columns.OrderingKey {
+		return `LEFT JOIN ` + q.Table.WALHoldsTable() + ` AS w ON w.ordering_key = o.ordering_key`
+	}
+	return `LEFT JOIN (SELECT NULL::text AS ordering_key, NULL::bigint AS sequence, NULL::uuid AS event_id, NULL::boolean AS released,
+    NULL::timestamptz AS skip_requested_at WHERE false) AS w ON false`
+}
+
+// DeleteStreamed deletes, in a WAL table, up to a batch ($2) of the rows
+// the WAL relay delivered (Stats' streamed: not published, not dead,
+// written before the horizon every slot recorded within WALStaleAfter) and
+// written more than $1 seconds ago (by available_at, which the WAL relay
+// never updates), never a row parked behind a held key, however long the
+// key has been held. It replaces WALDeleteSettled, which ignores the holds.
+func (q StateQueries) DeleteStreamed() string {
+	tbl := q.Table.Sanitize()
+	return `WITH victims AS (
+  SELECT o.id FROM ` + tbl + ` AS o
+  ` + q.walHoldJoin() + `
+  WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.available_at < now() - make_interval(secs => $1::float8)
+    AND age(o.xmin) > ` + q.walHorizonAge() + ` AND NOT ` + walParked + `
+  LIMIT $2 FOR UPDATE OF o SKIP LOCKED
+)
+DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
+}
+
 // classified wraps src, a query returning rows of the table as "k.*,
 // k.xmin AS row_xmin", into the relation of StateColumns plus id,
 // row_xmin and dead (not done, and dead), with the mode's rules.
@@ -122,11 +155,7 @@ func (q StateQueries) classified(src string) string {
   CROSS JOIN LATERAL (SELECT o.published_at IS NOT NULL
     OR (f.keyed AND NOT (f.holds_it OR f.behind_it OR f.replay_it) AND (f.below_floor OR f.covered)) AS done) AS d`
 	case ModeWAL:
-		hold := `LEFT JOIN (SELECT NULL::text AS ordering_key, NULL::bigint AS sequence, NULL::uuid AS event_id, NULL::boolean AS released,
-    NULL::timestamptz AS skip_requested_at WHERE false) AS w ON false`
-		if q.Columns.OrderingKey {
-			hold = `LEFT JOIN ` + q.Table.WALHoldsTable() + ` AS w ON w.ordering_key = o.ordering_key`
-		}
+		hold := q.walHoldJoin()
 		return `SELECT o.id, o.row_xmin, o.sequence, o.event_id, o.topic, o.tenant_id, o.attempts, o.created_at,
     NULLIF(o.available_at, 'infinity') AS available_at, o.locked_at, o.published_at, o.last_error, o.dead_at,
     ` + key + ` AS ordering_key, d.done, false AS skipped, f.holds_it AS held, CASE WHEN f.parked THEN w.sequence END AS behind,
@@ -135,7 +164,7 @@ func (q StateQueries) classified(src string) string {
   FROM (` + src + `) AS o
   ` + hold + `
   CROSS JOIN LATERAL (SELECT COALESCE(NOT w.released AND w.event_id = o.event_id, false) AS holds_it,
-    COALESCE(NOT w.released AND o.sequence > w.sequence, false) AS parked,
+    ` + walParked + ` AS parked,
     COALESCE(o.dead_at IS NULL AND age(o.row_xmin) > ` + q.walHorizonAge() + `, false) AS settled) AS f
   CROSS JOIN LATERAL (SELECT o.published_at IS NOT NULL OR (f.settled AND NOT f.parked) AS done) AS d`
 	default:
@@ -317,12 +346,14 @@ SELECT ` + StateColumns + `, s.dead, ` + LeaseLiveWithin("$2::float8") + ` FROM 
 
 // ModeProbe reads what decides a table's mode. No args. Returns: the WAL
 // progress table exists, the table is named in a publication, the ordered
-// companion tables (with this version's hold states) exist.
+// companion tables (with this version's hold states) exist, the WAL holds
+// table exists.
 func ModeProbe(t Table) string {
 	return `SELECT to_regclass(` + quoteLiteral(t.WALProgressTable()) + `) IS NOT NULL,
   EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = to_regclass(` + quoteLiteral(t.Sanitize()) + `)),
   to_regclass(` + quoteLiteral(t.PartitionsTable()) + `) IS NOT NULL AND to_regclass(` + quoteLiteral(t.HoldsTable()) + `) IS NOT NULL
-  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.HoldsTable()) + `) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2`
+  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.HoldsTable()) + `) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2,
+  to_regclass(` + quoteLiteral(t.WALHoldsTable()) + `) IS NOT NULL`
 }
 
 // DecideMode turns the answers of ModeProbe and the table's columns into
