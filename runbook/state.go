@@ -2,6 +2,7 @@ package runbook
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -15,6 +16,10 @@ func stateOf(ctx context.Context, db DB, t schema.Table) (schema.StateQueries, e
 		return schema.StateQueries{}, dbError(t, "find the relay mode of", err)
 	}
 	cols, err := schema.DetectColumns(ctx, db, t)
+	if errors.Is(err, schema.ErrTableNotFound) {
+		return schema.StateQueries{}, fmt.Errorf("runbook: read %s: %w: check the table name, or create it with schema.Migrate or `outbox migrate --table=%s`",
+			t, schema.ErrTableNotFound, t)
+	}
 	if err != nil {
 		return schema.StateQueries{}, dbError(t, "detect the columns of", err)
 	}
