@@ -121,26 +121,6 @@ func scanRow(s schema.Scanner, extra ...any) (Row, error) {
 	return r, nil
 }
 
-func queryRows(ctx context.Context, db DB, t schema.Table, op string, st schema.Statement) ([]Row, error) {
-	rows, err := db.Query(ctx, st.SQL, st.Args...)
-	if err != nil {
-		return nil, dbError(t, op, err)
-	}
-	defer rows.Close()
-	out := []Row{}
-	for rows.Next() {
-		r, err := scanRow(rows)
-		if err != nil {
-			return nil, fmt.Errorf("runbook: %s %s: read row: %w", op, t, err)
-		}
-		out = append(out, r)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, dbError(t, op, err)
-	}
-	return out, nil
-}
-
 // dbError wraps a database error of operation op on t, turning a missing
 // table into schema.ErrTableNotFound with what to do about it.
 func dbError(t schema.Table, op string, err error) error {
