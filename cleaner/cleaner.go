@@ -174,14 +174,28 @@ func (c *Cleaner) cleanKeyed(ctx context.Context) (int64, error) {
 }
 
 // cleanWAL deletes, in a table the WAL relay streams (it has a progress
-// table), the rows the relay settled (it never marks them published) that
+// table), the rows the relay delivered (it never marks them published) that
 // are older than Retention: those written by transactions older than the
 // horizon every slot has recorded in the last schema.WALStaleAfter
-// (docs/WAL.md, "Retention").
+// (docs/WAL.md, "Retention"), except the rows parked behind a held key,
+// which the relay delivers once the key's dead row is replayed or skipped
+// (schema.StateQueries.DeleteStreamed).
 func (c *Cleaner) cleanWAL(ctx context.Context) (int64, error) {
 	var ok bool
 	if err := c.pool.QueryRow(ctx, schema.WALProgressTableExists(c.cfg.Table)).Scan(&ok); err != nil || !ok {
 		return 0, err
 	}
-	return c.deleteAll(ctx, "published", schema.WALDeleteSettled(c.cfg.Table), c.cfg.Retention.Seconds(), c.cfg.BatchSize)
+	cols, err := schema.DetectColumns(ctx, c.pool, c.cfg.Table)
+	if err != nil {
+		return 0, fmt.Errorf("clean %s: %w", c.cfg.Table, err)
+	}
+	if cols.OrderingKey {
+		// Holds exist only where walrelay.Setup created their table.
+		if err := c.pool.QueryRow(ctx, schema.WALHoldsTableExists(c.cfg.Table)).Scan(&ok); err != nil {
+			return 0, fmt.Errorf("clean %s: look up the WAL holds table: %w", c.cfg.Table, err)
+		}
+		cols.OrderingKey = ok
+	}
+	sq := schema.NewStateQueries(c.cfg.Table, schema.ModeWAL, cols)
+	return c.deleteAll(ctx, "published", sq.DeleteStreamed(), c.cfg.Retention.Seconds(), c.cfg.BatchSize)
 }

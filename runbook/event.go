@@ -11,15 +11,28 @@ import (
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// Event reads the row whose event_id is eventID; the error matches
-// ErrEventNotFound (errors.Is) when there is none.
+// Event reads the row whose event_id is eventID and its state in the
+// table's relay mode (delivered, held, waiting behind a held key, skipped,
+// replay due; for a held keyed row of an ordered table, the hold's
+// attempts, last_error and dead_at); the error matches ErrEventNotFound
+// (errors.Is) when there is none.
 func Event(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (Row, error) {
 	if err := checkTable(t); err != nil {
 		return Row{}, err
 	}
-	st := schema.NewRunbookQueries(t).Event(eventID.String(), schema.LockTTLDefault)
+	sq, err := stateOf(ctx, db, t)
+	if err != nil {
+		return Row{}, err
+	}
+	return eventState(ctx, db, sq, eventID)
+}
+
+// eventState reads one event's row through the state statements sq.
+func eventState(ctx context.Context, db DB, sq schema.StateQueries, eventID uuid.UUID) (Row, error) {
+	t := sq.Table
+	st := sq.Event(eventID.String(), schema.LockTTLDefault.Seconds())
 	var dead, leased bool
-	row, err := scanRow(db.QueryRow(ctx, st.SQL, st.Args...), &dead, &leased)
+	row, err := scanState(db.QueryRow(ctx, st.SQL, st.Args...), &dead, &leased)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Row{}, fmt.Errorf("runbook: event %s of %s: %w", eventID, t, ErrEventNotFound)
 	}

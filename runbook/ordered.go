@@ -143,11 +143,11 @@ func replayHeld(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, d
 		return EventReplay{}, false, err
 	}
 	q := schema.NewRunbookQueries(t)
-	st := q.Event(eventID.String(), schema.LockTTLDefault)
-	var d, leased bool
-	row, err := scanRow(db.QueryRow(ctx, st.SQL, st.Args...), &d, &leased)
+	// The row as the state layer reads it: a held row shows its hold's
+	// attempts, last_error and dead_at.
+	row, err := eventState(ctx, db, schema.NewStateQueries(t, schema.ModeOrdered, oq.Columns), eventID)
 	if err != nil {
-		return EventReplay{}, true, dbError(t, "look up event "+eventID.String()+" in", err)
+		return EventReplay{}, true, err
 	}
 	res := EventReplay{Table: t.String(), Row: row, Dead: dead,
 		Statement: schema.Statement{SQL: oq.RetryHold, Args: []any{key, seq}}}
@@ -186,11 +186,11 @@ func replayKeyed(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 		return EventReplay{}, true, dbError(t, "look up event "+eventID.String()+" in", err)
 	}
 	q := schema.NewRunbookQueries(t)
-	st := q.Event(eventID.String(), schema.LockTTLDefault)
-	var d, leased bool
-	row, err := scanRow(db.QueryRow(ctx, st.SQL, st.Args...), &d, &leased)
+	// The row as the state layer reads it: a held row shows its hold's
+	// attempts, last_error and dead_at.
+	row, err := eventState(ctx, db, schema.NewStateQueries(t, schema.ModeOrdered, oq.Columns), eventID)
 	if err != nil {
-		return EventReplay{}, true, dbError(t, "look up event "+eventID.String()+" in", err)
+		return EventReplay{}, true, err
 	}
 	res := EventReplay{Table: t.String(), Row: row, Statement: schema.Statement{SQL: oq.ReplayDone, Args: []any{eventID.String()}}}
 	if dryRun {

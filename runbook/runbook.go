@@ -72,6 +72,31 @@ type Row struct {
 	LastError *string `json:"last_error"`
 	// DeadAt is when the row went dead, or nil when it is not dead.
 	DeadAt *time.Time `json:"dead_at"`
+	// OrderingKey is the row's ordering key, nil for an unkeyed row.
+	OrderingKey *string `json:"ordering_key,omitempty"`
+	// Delivered is true when the relay of the table's mode has delivered
+	// the row: published_at set, or, for a keyed row of an ordered table, at
+	// or below its partition's floor and not held, or, in a WAL table,
+	// streamed (written before the recorded horizon and not parked behind
+	// a held key). Read by Event; rows of Backlog and Dead are never
+	// delivered.
+	Delivered bool `json:"delivered"`
+	// Skipped is true for a keyed row of an ordered table that an operator
+	// skipped (its last_error records it): done without delivery.
+	Skipped bool `json:"skipped,omitempty"`
+	// Held is true for the row its ordering key waits for (ordered: the
+	// key's hold is at the row; Attempts, AvailableAt, LastError and DeadAt
+	// are then the hold's; WAL: the dead row that holds its key).
+	Held bool `json:"held,omitempty"`
+	// WaitingBehind is the sequence of the held row of the same key that
+	// this row waits behind, or nil.
+	WaitingBehind *int64 `json:"waiting_behind,omitempty"`
+	// SkipRequested is true for a held row an operator asked to skip; the
+	// relay applies it at its next tick.
+	SkipRequested bool `json:"skip_requested,omitempty"`
+	// ReplayDue is true for a keyed row of an ordered table already
+	// relayed that an operator replayed: the relay delivers it once more.
+	ReplayDue bool `json:"replay_due,omitempty"`
 }
 
 func scanRow(s schema.Scanner, extra ...any) (Row, error) {
@@ -94,26 +119,6 @@ func scanRow(s schema.Scanner, extra ...any) (Row, error) {
 		return Row{}, fmt.Errorf("tenant_id %q of sequence %d: %w", tenantID, r.Sequence, err)
 	}
 	return r, nil
-}
-
-func queryRows(ctx context.Context, db DB, t schema.Table, op string, st schema.Statement) ([]Row, error) {
-	rows, err := db.Query(ctx, st.SQL, st.Args...)
-	if err != nil {
-		return nil, dbError(t, op, err)
-	}
-	defer rows.Close()
-	out := []Row{}
-	for rows.Next() {
-		r, err := scanRow(rows)
-		if err != nil {
-			return nil, fmt.Errorf("runbook: %s %s: read row: %w", op, t, err)
-		}
-		out = append(out, r)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, dbError(t, op, err)
-	}
-	return out, nil
 }
 
 // dbError wraps a database error of operation op on t, turning a missing
@@ -157,10 +162,11 @@ type BacklogOptions struct {
 	Topic string
 }
 
-// Backlog lists the pending rows of t (published_at IS NULL, not dead)
-// oldest first, in the order the relay claims them (available_at,
-// sequence). Rows waiting for a retry and rows leased by a relay are
-// included; their last_error and locked_at say so.
+// Backlog lists the pending rows of t (not delivered, not dead, in the
+// table's mode: schema.StateQueries) oldest first, in the order the relay
+// takes them (available_at, sequence). Rows waiting for a retry, rows
+// leased by a relay and rows waiting behind a held key are included; their
+// last_error, locked_at and WaitingBehind say so.
 func Backlog(ctx context.Context, db DB, t schema.Table, opts BacklogOptions) ([]Row, error) {
 	if err := checkTable(t); err != nil {
 		return nil, err
@@ -169,7 +175,11 @@ func Backlog(ctx context.Context, db DB, t schema.Table, opts BacklogOptions) ([
 	if err != nil {
 		return nil, err
 	}
-	return queryRows(ctx, db, t, "backlog of", schema.NewRunbookQueries(t).Backlog(opts.Topic, limit))
+	sq, err := stateOf(ctx, db, t)
+	if err != nil {
+		return nil, err
+	}
+	return queryStateRows(ctx, db, t, "backlog of", sq.Backlog(opts.Topic, limit))
 }
 
 // DeadFilter selects dead rows for Dead and ReplayDead. A zero field does
@@ -222,8 +232,9 @@ func (f DeadFilter) schemaFilter() (schema.RunbookFilter, error) {
 	return sf, nil
 }
 
-// Dead lists the dead rows of t matching f (published_at IS NULL AND
-// dead_at IS NOT NULL), in sequence order. Page through them by
+// Dead lists the dead rows of t matching f, in sequence order: rows with
+// dead_at set and, in an ordered table, the keyed rows a dead hold holds
+// (with the hold's attempts, last_error and dead_at). Page through them by
 // passing the last Sequence returned as the next AfterSequence.
 func Dead(ctx context.Context, db DB, t schema.Table, f DeadFilter) ([]Row, error) {
 	if err := checkTable(t); err != nil {
@@ -237,33 +248,68 @@ func Dead(ctx context.Context, db DB, t schema.Table, f DeadFilter) ([]Row, erro
 	if err != nil {
 		return nil, err
 	}
-	return queryRows(ctx, db, t, "list dead rows of", schema.NewRunbookQueries(t).Dead(sf))
+	sq, err := stateOf(ctx, db, t)
+	if err != nil {
+		return nil, err
+	}
+	return queryStateRows(ctx, db, t, "list dead rows of", sq.Dead(sf))
 }
 
-// TableStats are the counters of one outbox table.
+// TableStats are the counters of one outbox table, read in the table's
+// relay mode (schema.StateQueries; docs/OPERATIONS.md says what each means
+// in each mode).
 type TableStats struct {
 	// Table is the table, as given.
 	Table string `json:"table"`
-	// Pending counts the rows not published and not dead.
+	// Mode is the table's relay mode: default, ordered or wal.
+	Mode schema.Mode `json:"mode"`
+	// Pending counts the rows not delivered and not dead, rows waiting
+	// behind a held key included.
 	Pending int64 `json:"pending"`
-	// Retrying counts the pending rows whose last attempt failed.
+	// Retrying counts the pending rows whose last attempt failed (in an
+	// ordered table, keyed rows whose key's hold is at them and not dead).
 	Retrying int64 `json:"retrying"`
-	// Locked counts the unpublished rows with a lease (locked_at set).
+	// Locked counts the rows leased by a relay (locked_at set): in flight.
+	// Keyed rows of an ordered table and rows of a WAL table are never
+	// leased: their in-flight messages are not recorded in the database.
 	Locked int64 `json:"locked"`
-	// Dead counts the dead rows (not published, dead_at set).
+	// Dead counts the dead rows: dead_at set, or, in an ordered table, the
+	// keyed rows held by a dead hold.
 	Dead int64 `json:"dead"`
+	// WaitingBehindHeldKeys counts the pending rows that wait behind the
+	// held row of their key (included in Pending).
+	WaitingBehindHeldKeys int64 `json:"waiting_behind_held_keys"`
+	// HeldKeys counts the ordering keys held (ordered: holds not resolved,
+	// replays included; WAL: holds not released).
+	HeldKeys int64 `json:"held_keys"`
+	// DeadHeldKeys counts the held keys whose held row is dead.
+	DeadHeldKeys int64 `json:"dead_held_keys"`
+	// ReplaysDue counts the operator replays of keyed rows already relayed
+	// that the ordered relay has not delivered yet.
+	ReplaysDue int64 `json:"replays_due"`
+	// SkipsRequested counts the held rows an operator asked to skip that
+	// the relay has not applied yet.
+	SkipsRequested int64 `json:"skips_requested"`
 	// OldestPendingCreatedAt is the created_at of the oldest pending row, or
 	// nil when nothing is pending.
 	OldestPendingCreatedAt *time.Time `json:"oldest_pending_created_at"`
 	// OldestPendingAgeSeconds is the age of the oldest pending row, 0 when
-	// nothing is pending; the same value as the
-	// outbox_oldest_pending_age_seconds gauge.
+	// nothing is pending.
 	OldestPendingAgeSeconds float64 `json:"oldest_pending_age_seconds"`
-	// PublishedLastHour counts the rows published in the last hour.
+	// PublishedLastHour counts the rows published (published_at set) in
+	// the last hour. The ordered relay's keyed rows and the WAL relay's
+	// rows carry no delivery time and are not counted: see
+	// DeliveryTimesKnown.
 	PublishedLastHour int64 `json:"published_last_hour"`
 	// PublishedLastMinute counts the rows published in the last minute:
-	// the delivery rate.
+	// the delivery rate, with the same limit as PublishedLastHour.
 	PublishedLastMinute int64 `json:"published_last_minute"`
+	// DeliveryTimesKnown is false when the table's mode delivers rows
+	// without recording when (ordered: keyed rows; WAL: every streamed
+	// row): PublishedLastHour and PublishedLastMinute then count only the
+	// rows that have published_at, and a delivery rate must come from the
+	// relay's outbox_dispatch_total counter.
+	DeliveryTimesKnown bool `json:"delivery_times_known"`
 	// StreamedUnpublished counts, in a table the WAL relay streams, the
 	// rows it delivered: they keep published_at NULL and are not counted
 	// in Pending.
@@ -275,30 +321,21 @@ func (s TableStats) OldestPendingAge() time.Duration {
 	return time.Duration(s.OldestPendingAgeSeconds * float64(time.Second))
 }
 
-// Stats reads the counters of t.
+// Stats reads the counters of t in its relay mode.
 func Stats(ctx context.Context, db DB, t schema.Table) (TableStats, error) {
 	if err := checkTable(t); err != nil {
 		return TableStats{}, err
 	}
-	st := schema.NewRunbookQueries(t).Stats()
-	s := TableStats{Table: t.String()}
-	err := db.QueryRow(ctx, st.SQL, st.Args...).Scan(&s.Pending, &s.Retrying, &s.Locked, &s.Dead,
-		&s.OldestPendingCreatedAt, &s.OldestPendingAgeSeconds, &s.PublishedLastHour, &s.PublishedLastMinute)
+	sq, err := stateOf(ctx, db, t)
+	if err != nil {
+		return TableStats{}, err
+	}
+	s := TableStats{Table: t.String(), Mode: sq.Mode, DeliveryTimesKnown: sq.Mode == schema.ModeDefault}
+	err = db.QueryRow(ctx, sq.Stats()).Scan(&s.Pending, &s.Retrying, &s.Locked, &s.Dead,
+		&s.OldestPendingCreatedAt, &s.OldestPendingAgeSeconds, &s.WaitingBehindHeldKeys, &s.StreamedUnpublished,
+		&s.PublishedLastHour, &s.PublishedLastMinute, &s.HeldKeys, &s.DeadHeldKeys, &s.ReplaysDue, &s.SkipsRequested)
 	if err != nil {
 		return TableStats{}, dbError(t, "stats of", err)
-	}
-	// A table the WAL relay streams: rows it settled are not pending.
-	var wal bool
-	if err := db.QueryRow(ctx, schema.WALProgressTableExists(t)).Scan(&wal); err != nil {
-		return TableStats{}, dbError(t, "stats of", err)
-	}
-	if wal {
-		var settled int64
-		if err := db.QueryRow(ctx, schema.WALSettledCount(t)).Scan(&settled, &s.OldestPendingCreatedAt, &s.OldestPendingAgeSeconds); err != nil {
-			return TableStats{}, dbError(t, "stats of", err)
-		}
-		s.Pending -= settled
-		s.StreamedUnpublished = settled
 	}
 	return s, nil
 }
@@ -307,7 +344,7 @@ func Stats(ctx context.Context, db DB, t schema.Table) (TableStats, error) {
 type TopicBacklog struct {
 	// Topic is the topic column.
 	Topic string `json:"topic"`
-	// Pending counts the unpublished rows that are not dead.
+	// Pending counts the rows not delivered and not dead.
 	Pending int64 `json:"pending"`
 	// Retrying counts the pending rows whose last attempt failed.
 	Retrying int64 `json:"retrying"`
@@ -319,7 +356,8 @@ type TopicBacklog struct {
 }
 
 // Topics lists the backlog of t by topic, the largest first, at most limit
-// topics (DefaultLimit when 0). Published rows are not counted.
+// topics (DefaultLimit when 0), in the table's relay mode. Delivered rows
+// are not counted.
 func Topics(ctx context.Context, db DB, t schema.Table, limit int) ([]TopicBacklog, error) {
 	if err := checkTable(t); err != nil {
 		return nil, err
@@ -328,7 +366,11 @@ func Topics(ctx context.Context, db DB, t schema.Table, limit int) ([]TopicBackl
 	if err != nil {
 		return nil, err
 	}
-	st := schema.NewRunbookQueries(t).TopicBacklog(limit)
+	sq, err := stateOf(ctx, db, t)
+	if err != nil {
+		return nil, err
+	}
+	st := sq.TopicBacklog(limit)
 	rows, err := db.Query(ctx, st.SQL, st.Args...)
 	if err != nil {
 		return nil, dbError(t, "count the backlog by topic of", err)

@@ -150,7 +150,7 @@ func TestStats(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := (runbook.TableStats{Table: tbl.String()}); empty != want {
+	if want := (runbook.TableStats{Table: tbl.String(), Mode: schema.ModeDefault, DeliveryTimesKnown: true}); empty != want {
 		t.Fatalf("empty table: %+v, want %+v", empty, want)
 	}
 

@@ -43,6 +43,7 @@ type MigrateOption func(*migrateOptions)
 type migrateOptions struct {
 	columns      Columns
 	createSchema bool
+	rewrite      bool
 }
 
 // ErrSchemaNotFound is returned by Migrate and MigrateInbox when the table's
@@ -67,10 +68,41 @@ func WithHeadersColumn() MigrateOption { return func(o *migrateOptions) { o.colu
 // WithOrderingKeyColumn adds the ordering_key column of ordered mode, the
 // ordering_partition column derived from it, their indexes and the companion
 // tables <table>_partitions, <table>_relays and <table>_holds
-// (docs/ORDERING.md). Adding it to an existing table rewrites the table (a
-// stored generated column).
+// (docs/ORDERING.md). On an existing table that has the columns already it
+// adds what is missing (companion tables, hold states). Adding the columns
+// to an existing table rewrites it (ordering_partition is a stored generated
+// column) under an ACCESS EXCLUSIVE lock: Migrate does it for a table of at
+// most OrderedRewriteMaxRows rows, and for a larger one only with
+// WithTableRewrite; otherwise it returns ErrTableRewrite with the SQL to run.
 func WithOrderingKeyColumn() MigrateOption {
 	return func(o *migrateOptions) { o.columns.OrderingKey = true }
+}
+
+// WithTableRewrite lets Migrate add the ordering columns
+// (WithOrderingKeyColumn, WithAllColumns) to an existing table of any size,
+// which rewrites the table and blocks its readers and writers meanwhile
+// (`outbox migrate --ordered --rewrite`). Without it Migrate refuses a table
+// of more than OrderedRewriteMaxRows rows with ErrTableRewrite.
+func WithTableRewrite() MigrateOption { return func(o *migrateOptions) { o.rewrite = true } }
+
+// OrderedRewriteMaxRows is the largest existing table to which Migrate adds
+// the ordering columns without WithTableRewrite: rewriting it takes well
+// under a second.
+const OrderedRewriteMaxRows = 10000
+
+// ErrTableRewrite is returned (wrapped) by Migrate when adding the ordering
+// columns to an existing table of more than OrderedRewriteMaxRows rows
+// would rewrite it and WithTableRewrite was not given. The error carries the
+// SQL to run (OrderedUpgradeSQL); nothing was changed.
+var ErrTableRewrite = errors.New("adding the ordering columns rewrites the table")
+
+// OrderedUpgradeSQL returns the DDL that takes an existing default-mode
+// table t to ordered mode: the ordering columns (the ALTER TABLE rewrites
+// the table under an ACCESS EXCLUSIVE lock), their indexes and the
+// companion tables, idempotently. Existing rows keep ordering_key NULL and
+// are relayed as in the default mode (docs/ORDERING.md, "Switching modes").
+func OrderedUpgradeSQL(t Table) string {
+	return joinStatements(append(orderedColumnStatements(t), orderedCompanionStatements(t)...))
 }
 
 // WithAllColumns adds every optional column, and the companion tables of
@@ -348,9 +380,16 @@ func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err
 			TraceContext: want.TraceContext && !have.TraceContext,
 			Headers:      want.Headers && !have.Headers,
 		})...)
-		if want.OrderingKey && have.OrderingKey {
+		switch {
+		case want.OrderingKey && have.OrderingKey:
 			// The column exists; the companion tables are created with IF
 			// NOT EXISTS and do not lock the outbox table.
+			stmts = append(stmts, orderedCompanionStatements(t)...)
+		case want.OrderingKey:
+			if err := checkRewrite(ctx, tx, t, optionsOf(opts).rewrite); err != nil {
+				return err
+			}
+			stmts = append(stmts, orderedColumnStatements(t)...)
 			stmts = append(stmts, orderedCompanionStatements(t)...)
 		}
 	}
@@ -363,6 +402,25 @@ func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err
 		return fmt.Errorf("migrate %s: commit: %w", t, err)
 	}
 	return nil
+}
+
+// checkRewrite refuses, unless rewrite is set, to add the ordering columns
+// to an existing table t of more than OrderedRewriteMaxRows rows.
+func checkRewrite(ctx context.Context, tx pgx.Tx, t Table, rewrite bool) error {
+	if rewrite {
+		return nil
+	}
+	var n int64
+	if err := tx.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+t.Sanitize()+` LIMIT `+itoa(OrderedRewriteMaxRows+1)+`) AS s`).Scan(&n); err != nil {
+		return fmt.Errorf("migrate %s: count rows: %w", t, err)
+	}
+	if n <= OrderedRewriteMaxRows {
+		return nil
+	}
+	return fmt.Errorf("migrate %s: %w: it has more than %d rows, and adding ordering_key and the stored generated column ordering_partition "+
+		"rewrites it under an ACCESS EXCLUSIVE lock (no reads or writes until it is done); nothing was changed. "+
+		"Pass schema.WithTableRewrite() (outbox migrate --ordered --rewrite) in a quiet moment, or run this SQL yourself:\n%s",
+		t, ErrTableRewrite, OrderedRewriteMaxRows, OrderedUpgradeSQL(t))
 }
 
 // OptionalColumnsUpSQL returns the DDL that adds the optional columns opts

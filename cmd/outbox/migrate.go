@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -14,7 +15,7 @@ import (
 )
 
 func init() {
-	registerCommand("migrate", "create outbox tables (--table or OUTBOX_RELAY_TABLES); --print shows the SQL only; --create-schema for a new schema; --wal sets up the WAL relay", runMigrate)
+	registerCommand("migrate", "create outbox tables (--table or OUTBOX_RELAY_TABLES); --print shows the up SQL only (--down adds the down SQL, commented out); --create-schema for a new schema; --wal sets up the WAL relay", runMigrate)
 }
 
 func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
@@ -25,8 +26,10 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	headers := fs.Bool("headers", false, "add the optional headers column")
 	ordered := fs.Bool("ordered", false, "add the ordering_key column and the companion tables of ordered mode (default: OUTBOX_RELAY_ORDERED)")
 	wal := fs.Bool("wal", false, "also create the WAL relay's publication, replication slot and progress table (needs wal_level = logical and a REPLICATION role; default: OUTBOX_RELAY_SOURCE=wal)")
+	rewrite := fs.Bool("rewrite", false, "with --ordered on an existing table of more than 10,000 rows: allow the table rewrite that adding the ordering columns needs (it blocks the table meanwhile)")
 	createSchema := fs.Bool("create-schema", false, "create the table's schema if it does not exist (otherwise a missing schema is an error)")
-	printSQL := fs.Bool("print", false, "print the SQL instead of running it")
+	printSQL := fs.Bool("print", false, "print the up migration's SQL instead of running it (safe to pipe into psql)")
+	down := fs.Bool("down", false, "with --print: also print the down migration, every line commented out (it drops the table and every event in it); never run by outbox")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -60,15 +63,34 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	if err != nil {
 		return fmt.Errorf("%w: %w", errUsage, err)
 	}
-	if *ordered || envOrdered {
+	wantOrdered := *ordered || envOrdered
+	if wantOrdered {
 		opts = append(opts, schema.WithOrderingKeyColumn())
+	}
+	if *rewrite {
+		opts = append(opts, schema.WithTableRewrite())
 	}
 	if env.String("OUTBOX_RELAY_SOURCE", "") == "wal" {
 		*wal = true
 	}
+	if *down && !*printSQL {
+		return fmt.Errorf("%w: --down only prints the down migration (with --print); outbox never runs it", errUsage)
+	}
 	if *printSQL {
 		for _, t := range tables {
-			fmt.Fprintf(stdout, "-- up: %s\n%s\n-- down (DESTRUCTIVE: drops the table and every event in it): %s\n-- %s\n", t, schema.UpSQL(t, opts...), t, schema.DownSQL(t))
+			fmt.Fprintf(stdout, "-- up: %s\n%s", t, schema.UpSQL(t, opts...))
+			if *wal {
+				n := walrelay.DefaultNames(t)
+				fmt.Fprintf(stdout, "\n-- WAL relay of %s: progress and holds tables\n%s;\n\n%s;\n\n%s", t,
+					schema.WALCreateProgressTable(t), schema.WALCreateHoldsTable(t),
+					commentOut(fmt.Sprintf("Run once (outbox migrate --wal does it, checking first), by a role with REPLICATION, on wal_level = logical:\n%s;\n%s;",
+						schema.WALCreatePublication(n.Publication, t), strings.Replace(schema.WALCreateSlot, "$1", "'"+n.Slot+"'", 1))))
+			}
+			if *down {
+				fmt.Fprintf(stdout, "\n%s", commentOut(fmt.Sprintf("down (DESTRUCTIVE: drops %s, its companion tables and every event in them).\n"+
+					"Every line is commented out so that piping this output into psql drops nothing;\n"+
+					"uncomment it on purpose, in a migration tool's down file.\n%s", t, schema.DownSQL(t))))
+			}
 		}
 		return nil
 	}
@@ -81,13 +103,35 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 		return fmt.Errorf("%w: OUTBOX_DATABASE_URL is not a valid PostgreSQL URL or DSN: %s", errUsage, parseProblem(err))
 	}
 	defer pool.Close()
-	mctx, cancel := context.WithTimeout(ctx, time.Minute)
+	timeout := time.Minute
+	if *rewrite {
+		timeout = 24 * time.Hour // a rewrite takes as long as the table needs
+	}
+	mctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	for _, t := range tables {
 		if err := schema.Migrate(mctx, pool, t, opts...); err != nil {
 			return err
 		}
-		fmt.Fprintf(stdout, "migrated %s\n", t)
+		if wantOrdered {
+			// Never a silent success: check that ordered mode is in place.
+			cols, err := schema.DetectColumns(mctx, pool, t)
+			if err != nil {
+				return err
+			}
+			ok, err := schema.OrderedTablesExist(mctx, pool, t)
+			if err != nil {
+				return err
+			}
+			if !cols.OrderingKey || !ok {
+				return fmt.Errorf("migrate %s: ordered mode is still missing after the migration (ordering_key column %v, companion tables %v); run this SQL:\n%s",
+					t, cols.OrderingKey, ok, schema.OrderedUpgradeSQL(t))
+			}
+			fmt.Fprintf(stdout, "migrated %s (ordered mode: ordering_key column, its indexes and the companion tables %s, %s, %s in place)\n",
+				t, t.PartitionsTable(), t.RelaysTable(), t.HoldsTable())
+		} else {
+			fmt.Fprintf(stdout, "migrated %s\n", t)
+		}
 		if *wal {
 			n, err := walrelay.Setup(mctx, pool, t, walrelay.Names{})
 			if err != nil {
@@ -97,4 +141,16 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 		}
 	}
 	return nil
+}
+
+// commentOut prefixes every line of sql with "-- ", so that no statement of
+// it runs when the text is fed to psql.
+func commentOut(sql string) string {
+	var b strings.Builder
+	for _, line := range strings.Split(strings.TrimRight(sql, "\n"), "\n") {
+		b.WriteString("-- ")
+		b.WriteString(line)
+		b.WriteString("\n")
+	}
+	return b.String()
 }

@@ -38,3 +38,96 @@ func TestMigrateRefusesMissingSchema(t *testing.T) {
 	r = rbRun(t, rbEnv(), "migrate", "--table="+tbl) // now it exists: idempotent, no flag needed
 	r.expect(t, 0, []string{"migrated " + tbl}, nil)
 }
+
+// `outbox migrate --print` output, fed to the database as psql would run
+// it, drops nothing: without --down it is the idempotent up migration only;
+// with --down the down migration is there, every line commented out.
+func TestMigratePrintDropsNothing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t)
+	tbl := testdb.Schema(t) + ".org_outbox"
+	r := rbRun(t, rbEnv(), "migrate", "--ordered", "--table="+tbl)
+	r.expect(t, 0, []string{"migrated " + tbl}, nil)
+	if _, err := pool.Exec(ctx, `INSERT INTO `+tbl+` (tenant_id, topic, payload, event_id) SELECT gen_random_uuid(), 'org.a.v1', '{}', gen_random_uuid() FROM generate_series(1, 5)`); err != nil {
+		t.Fatal(err)
+	}
+	names := []string{tbl, tbl + "_partitions", tbl + "_relays", tbl + "_holds"}
+	for _, args := range [][]string{
+		{"--print"},
+		{"--print", "--down"},
+		{"--print", "--ordered", "--down"},
+		{"--print", "--trace", "--headers", "--ordered", "--down"},
+		{"--print", "--create-schema", "--down"},
+		{"--print", "--wal", "--ordered", "--down"},
+	} {
+		r := rbRun(t, rbEnv(), append([]string{"migrate", "--table=" + tbl}, args...)...)
+		r.expect(t, 0, []string{"CREATE TABLE IF NOT EXISTS"}, nil)
+		down := strings.Contains(strings.Join(args, " "), "--down")
+		if got := strings.Contains(r.stdout, "DROP TABLE"); got != down {
+			t.Fatalf("%v: output shows DROP TABLE = %v, want %v:\n%s", args, got, down, r.stdout)
+		}
+		for _, line := range strings.Split(r.stdout, "\n") {
+			if strings.Contains(strings.ToUpper(line), "DROP ") && !strings.HasPrefix(line, "-- ") {
+				t.Fatalf("%v: live destructive line %q", args, line)
+			}
+		}
+		// As psql runs a script: the simple protocol, statements one after
+		// another.
+		if _, err := pool.Exec(ctx, r.stdout); err != nil {
+			t.Fatalf("%v: run the printed SQL: %v\n%s", args, err, r.stdout)
+		}
+		for _, n := range names {
+			var ok bool
+			if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, n).Scan(&ok); err != nil || !ok {
+				t.Fatalf("%v: after running the printed SQL, %s exists = %v (%v)", args, n, ok, err)
+			}
+		}
+		var rows int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl).Scan(&rows); err != nil || rows != 5 {
+			t.Fatalf("%v: after running the printed SQL, %d rows (%v), want 5", args, rows, err)
+		}
+	}
+	r = rbRun(t, rbEnv(), "migrate", "--down", "--table="+tbl)
+	r.expect(t, 2, nil, []string{"--down only prints"})
+}
+
+// `outbox migrate --ordered` and OUTBOX_RELAY_ORDERED=true on an existing
+// default-mode table add ordered mode (never a silent success); a table
+// above schema.OrderedRewriteMaxRows is refused with the SQL to run unless
+// --rewrite is given.
+func TestMigrateOrderedOnExistingTable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t)
+	sch := testdb.Schema(t)
+	check := func(tbl string, want bool) {
+		t.Helper()
+		var ok bool
+		if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = $1 AND table_name = $2 AND column_name = 'ordering_key')
+  AND to_regclass($3) IS NOT NULL`, sch, strings.TrimPrefix(tbl, sch+"."), tbl+"_holds").Scan(&ok); err != nil || ok != want {
+			t.Fatalf("%s: ordered mode in place = %v (%v), want %v", tbl, ok, err, want)
+		}
+	}
+	for i, env := range []map[string]string{rbEnv(), rbEnv("OUTBOX_RELAY_ORDERED", "true")} {
+		tbl := sch + ".org_outbox" + string(rune('a'+i))
+		rbRun(t, rbEnv(), "migrate", "--table="+tbl).expect(t, 0, []string{"migrated " + tbl}, nil)
+		check(tbl, false)
+		args := []string{"migrate", "--table=" + tbl}
+		if i == 0 {
+			args = append(args, "--ordered")
+		}
+		rbRun(t, env, args...).expect(t, 0, []string{"migrated " + tbl + " (ordered mode", "_holds"}, nil)
+		check(tbl, true)
+	}
+
+	big := sch + ".big_outbox"
+	rbRun(t, rbEnv(), "migrate", "--table="+big).expect(t, 0, []string{"migrated " + big}, nil)
+	if _, err := pool.Exec(ctx, `INSERT INTO `+big+` (tenant_id, topic, payload, event_id) SELECT gen_random_uuid(), 'a.b.c.v1', '{}', gen_random_uuid() FROM generate_series(1, 10001)`); err != nil {
+		t.Fatal(err)
+	}
+	rbRun(t, rbEnv(), "migrate", "--ordered", "--table="+big).expect(t, 1, nil, []string{"rewrites the table", "--rewrite", "ADD COLUMN IF NOT EXISTS ordering_key"})
+	check(big, false)
+	rbRun(t, rbEnv(), "migrate", "--ordered", "--rewrite", "--table="+big).expect(t, 0, []string{"migrated " + big + " (ordered mode"}, nil)
+	check(big, true)
+}

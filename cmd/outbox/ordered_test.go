@@ -41,8 +41,15 @@ VALUES ('org-1', hashtext('org-1') & 63, $1, 3, 'infinity', 'boom', now())`, seq
 		t.Fatalf("keys held: %+v", held)
 	}
 	rbRun(t, rbEnv(), "keys", "held", "--table="+tbl.String()).expect(t, 0, []string{"org-1", "dead", "outbox dead skip"}, nil)
-	// dead list does not show the keyed dead row itself, but says it exists.
-	rbRun(t, rbEnv(), "dead", "list", "--table="+tbl.String()).expect(t, 0, []string{"No dead rows", "1 key held by a dead row", "outbox keys held --table=" + tbl.String()}, nil)
+	// dead list shows the keyed dead row, with its hold's attempts and error, and says it holds its key.
+	rbRun(t, rbEnv(), "dead", "list", "--table="+tbl.String()).expect(t, 0, []string{id.String(), "boom", "1 dead row", "1 key held by a dead row", "outbox keys held --table=" + tbl.String()}, nil)
+	r = rbRun(t, rbEnv(), "dead", "list", "--table="+tbl.String(), "--json")
+	r.expect(t, 0, []string{id.String(), `"attempts": 3`}, nil)
+	r = rbRun(t, rbEnv(), "stats", "--table="+tbl.String(), "--json")
+	st := rbDecode[runbook.TableStats](t, r.stdout)
+	if st.Mode != schema.ModeOrdered || st.Dead != 1 || st.Pending != 0 || st.DeadHeldKeys != 1 {
+		t.Fatalf("stats --json of an ordered table with one dead held row: %+v", st)
+	}
 
 	rbRun(t, rbEnv(), "dead", "skip", "--table="+tbl.String(), "--event-id="+id.String()).expect(t, 2, []string{"org-1"}, []string{"--confirm"})
 	rbRun(t, rbEnv(), "dead", "skip", "--table="+tbl.String(), "--event-id="+id.String(), "--confirm").expect(t, 0, []string{"Skipped event"}, nil)

@@ -176,12 +176,23 @@ func runStats(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(tw, "table\t%s\n", t)
-	fmt.Fprintf(tw, "pending\t%d\tnot published, not dead\n", s.Pending)
+	fmt.Fprintf(tw, "mode\t%s\tdocs/OPERATIONS.md says what each number means in each mode\n", s.Mode)
+	fmt.Fprintf(tw, "pending\t%d\tnot delivered, not dead (%d waiting behind a held key)\n", s.Pending, s.WaitingBehindHeldKeys)
 	fmt.Fprintf(tw, "retrying\t%d\tpending, last attempt failed\n", s.Retrying)
 	fmt.Fprintf(tw, "locked\t%d\tleased by a relay\n", s.Locked)
-	fmt.Fprintf(tw, "dead\t%d\tdead_at set; see `outbox dead list --table=%s`\n", s.Dead, t)
+	fmt.Fprintf(tw, "dead\t%d\tsee `outbox dead list --table=%s`\n", s.Dead, t)
+	if s.Mode != schema.ModeDefault {
+		fmt.Fprintf(tw, "held keys\t%d\t%d by a dead row; see `outbox keys held --table=%s`\n", s.HeldKeys, s.DeadHeldKeys, t)
+	}
+	if s.Mode == schema.ModeWAL {
+		fmt.Fprintf(tw, "streamed\t%d\tdelivered by the WAL relay (no published_at)\n", s.StreamedUnpublished)
+	}
 	fmt.Fprintf(tw, "oldest pending age\t%s\n", oldest)
-	fmt.Fprintf(tw, "published last hour\t%d\n", s.PublishedLastHour)
+	note := ""
+	if !s.DeliveryTimesKnown {
+		note = "\trows with published_at only: this mode records no delivery time for keyed (ordered) or streamed (WAL) rows"
+	}
+	fmt.Fprintf(tw, "published last hour\t%d%s\n", s.PublishedLastHour, note)
 	return tw.Flush()
 }
 
@@ -280,7 +291,7 @@ func runDeadList(ctx context.Context, env Env, args []string, stdout, stderr io.
 		}{t.String(), rows, next, heldDead})
 	}
 	if heldDead > 0 {
-		defer fmt.Fprintf(stdout, "Ordered mode: %s held by a dead row as well, not listed here: `outbox keys held --table=%s`.\n",
+		defer fmt.Fprintf(stdout, "Keyed rows: %s held by a dead row (listed with the dead rows they hold; replay or skip them, see `outbox keys held --table=%s`).\n",
 			plural(int64(heldDead), "key"), t)
 	}
 	if len(rows) == 0 {

@@ -200,7 +200,7 @@ func TestRunbookStatsCommand(t *testing.T) {
 
 	r := rbRun(t, rbEnv(), "stats", "--table="+tbl.String())
 	r.expect(t, 0, []string{"table                " + tbl.String(), "pending              2", "locked               1",
-		"dead                 2", "dead_at set", "oldest pending age   1m30s", "published last hour  1"}, nil)
+		"mode                 default", "dead                 2", "outbox dead list", "oldest pending age   1m30s", "published last hour  1"}, nil)
 
 	r = rbRun(t, rbEnv(), "stats", "--table="+tbl.String(), "--json")
 	r.expect(t, 0, nil, nil)

@@ -1,0 +1,286 @@
+package runbook_test
+
+import (
+	"context"
+	"encoding/json"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// enqueueKeys commits one event per key (an empty key: unkeyed), in order,
+// and returns their event_ids.
+func enqueueKeys(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, keys ...string) []uuid.UUID {
+	t.Helper()
+	ctx := context.Background()
+	msgs := make([]publisher.Message, len(keys))
+	ids := make([]uuid.UUID, len(keys))
+	for i, k := range keys {
+		ids[i] = uuid.New()
+		msgs[i] = publisher.Message{TenantID: tenantA, Topic: topicA, EventID: ids[i], Payload: json.RawMessage(`{"n":1}`), OrderingKey: k}
+	}
+	// A new Enqueuer each time: an Enqueuer caches a table's columns on
+	// first use, and these tests add the ordering column in place.
+	enq, err := publisher.NewEnqueuer(publisher.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := enq.EnqueueBatch(ctx, tx, tbl, msgs)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+// hold writes the hold of the key of event id at that event's row, as the
+// ordered relay writes it; state is "retrying", "dead", "resolved" or
+// "replay".
+func hold(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, id uuid.UUID, state string) {
+	t.Helper()
+	exec(t, pool, tbl, `INSERT INTO `+tbl.HoldsTable()+` (ordering_key, partition, sequence, attempts, available_at, last_error, dead_at, resolved_at, replay)
+SELECT ordering_key, ordering_partition, sequence,
+  CASE $2 WHEN 'dead' THEN 25 WHEN 'retrying' THEN 2 ELSE 0 END,
+  CASE $2 WHEN 'dead' THEN 'infinity'::timestamptz WHEN 'retrying' THEN now() + interval '1 minute' ELSE now() END,
+  CASE $2 WHEN 'dead' THEN 'broker said no' WHEN 'retrying' THEN 'flaky' END,
+  CASE $2 WHEN 'dead' THEN now() END, CASE $2 WHEN 'resolved' THEN now() END, $2 = 'replay'
+FROM %s WHERE event_id = $1`, id, state)
+}
+
+// TestOrderedTableStateIsTrue drives an ordered table to a known mix (rows
+// below the floors, a dead hold with a row waiting behind it, a retrying
+// hold, a skip, a resolved hold above the floor, a replay, fresh rows, and
+// unkeyed pending, dead and published rows) written as the ordered relay
+// writes its floors and holds, and checks that Stats, Backlog, Dead, Topics,
+// Event and the gauge statement all report exactly that mix.
+func TestOrderedTableStateIsTrue(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "ord_outbox", schema.WithOrderingKeyColumn())
+
+	// Relayed before the floors: done x3; the dead key's first row is
+	// acked, its second is dead, its third waits; the retrying key's first
+	// retries, its second waits; a skipped row; a row replayed later.
+	before := enqueueKeys(t, pool, tbl, "done", "done", "done", "dead", "dead", "dead", "retry", "retry", "skip", "replay")
+	exec(t, pool, tbl, `UPDATE `+tbl.PartitionsTable()+` SET floor_sequence = (SELECT max(sequence) FROM %s)`)
+	after := enqueueKeys(t, pool, tbl, "fresh", "fresh", "skip", "acked-above-floor", "", "", "")
+	hold(t, pool, tbl, before[4], "dead")
+	hold(t, pool, tbl, before[6], "retrying")
+	hold(t, pool, tbl, before[8], "resolved")
+	exec(t, pool, tbl, `UPDATE %s SET last_error = '`+schema.SkippedErrorPrefix+` at now' WHERE event_id = $1`, before[8])
+	hold(t, pool, tbl, before[9], "replay")
+	hold(t, pool, tbl, after[3], "resolved") // acked, the floor not written yet
+	markDead(t, pool, tbl, "unkeyed boom", after[5])
+	exec(t, pool, tbl, `UPDATE %s SET published_at = now() WHERE event_id = $1`, after[6])
+
+	s, err := runbook.Stats(ctx, pool, tbl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// pending: dead key's waiting row, the retrying row and the row behind
+	// it, the replay, 2 fresh, the skipped key's next row, 1 unkeyed.
+	want := runbook.TableStats{Table: tbl.String(), Mode: schema.ModeOrdered, Pending: 8, Retrying: 1, Dead: 2, WaitingBehindHeldKeys: 2,
+		HeldKeys: 3, DeadHeldKeys: 1, ReplaysDue: 1, PublishedLastHour: 1, PublishedLastMinute: 1}
+	got := s
+	got.OldestPendingCreatedAt, got.OldestPendingAgeSeconds = nil, 0
+	if got != want {
+		t.Fatalf("Stats:\n got %+v\nwant %+v", got, want)
+	}
+	if s.OldestPendingCreatedAt == nil || s.OldestPendingAgeSeconds > 60 {
+		t.Fatalf("oldest pending: %v, %v s", s.OldestPendingCreatedAt, s.OldestPendingAgeSeconds)
+	}
+
+	backlog, err := runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	assertSet(t, "backlog", eventIDs(backlog), before[5], before[6], before[7], before[9], after[0], after[1], after[2], after[4])
+
+	dead, err := runbook.Dead(ctx, pool, tbl, runbook.DeadFilter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	assertIDs(t, "dead", dead, before[4], after[5])
+	if d := dead[0]; d.Attempts != 25 || d.LastError == nil || *d.LastError != "broker said no" || d.DeadAt == nil || !d.Held ||
+		d.OrderingKey == nil || *d.OrderingKey != "dead" {
+		t.Fatalf("dead held row: %+v", d)
+	}
+	if dead, err = runbook.Dead(ctx, pool, tbl, runbook.DeadFilter{ErrorContains: "BROKER"}); err != nil || len(dead) != 1 {
+		t.Fatalf("dead rows with 'broker': %d, %v", len(dead), err)
+	}
+
+	topics, err := runbook.Topics(ctx, pool, tbl, 0)
+	if err != nil || len(topics) != 1 || topics[0].Pending != 8 || topics[0].Dead != 2 || topics[0].Retrying != 1 {
+		t.Fatalf("topics: %+v, %v", topics, err)
+	}
+
+	type ev struct {
+		delivered, skipped, held, dead, replay bool
+		behind                                 bool
+		attempts                               int
+	}
+	for i, c := range []struct {
+		id   uuid.UUID
+		want ev
+	}{
+		{before[0], ev{delivered: true}},
+		{before[3], ev{delivered: true}},
+		{before[4], ev{held: true, dead: true, attempts: 25}},
+		{before[5], ev{behind: true}},
+		{before[6], ev{held: true, attempts: 2}},
+		{before[8], ev{skipped: true}},
+		{before[9], ev{replay: true}},
+		{after[0], ev{}},
+		{after[3], ev{delivered: true}},
+		{after[5], ev{dead: true, attempts: 25}}, // markDead sets attempts
+		{after[6], ev{delivered: true}},
+	} {
+		r, err := runbook.Event(ctx, pool, tbl, c.id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		g := ev{r.Delivered, r.Skipped, r.Held, r.DeadAt != nil, r.ReplayDue, r.WaitingBehind != nil, r.Attempts}
+		if g != c.want {
+			t.Errorf("event %d: %+v, want %+v (row %+v)", i, g, c.want, r)
+		}
+	}
+
+	// The gauges' statement agrees with Stats.
+	var pending, locked, deadN int64
+	var oldest float64
+	gq := schema.NewStateQueries(tbl, schema.ModeOrdered, schema.Columns{OrderingKey: true})
+	if err := pool.QueryRow(ctx, gq.Gauges()).Scan(&pending, &locked, &deadN, &oldest); err != nil {
+		t.Fatal(err)
+	}
+	if pending != s.Pending || deadN != s.Dead || locked != s.Locked {
+		t.Fatalf("gauges: pending %d dead %d locked %d; stats %+v", pending, deadN, locked, s)
+	}
+	// What the relay's gauges compute today (schema.OrderedQueries.Stats),
+	// for the record: it counts the acked row above the floor as pending.
+	oq := schema.NewOrderedQueries(tbl, schema.Columns{OrderingKey: true})
+	if err := pool.QueryRow(ctx, oq.Stats).Scan(&pending, &locked, &deadN, &oldest); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("OrderedQueries.Stats (the outbox_pending/outbox_dead gauges today): pending %d, dead %d; state layer: pending %d, dead %d", pending, deadN, s.Pending, s.Dead)
+}
+
+// assertSet fails unless got holds exactly want, in any order.
+func assertSet(t *testing.T, what string, got []uuid.UUID, want ...uuid.UUID) {
+	t.Helper()
+	m := map[uuid.UUID]int{}
+	for _, id := range got {
+		m[id]++
+	}
+	for _, id := range want {
+		m[id]--
+	}
+	for id, n := range m {
+		if n != 0 {
+			t.Fatalf("%s: %d rows, want %d; %s off by %d", what, len(got), len(want), id, n)
+		}
+	}
+}
+
+// TestUpgradeDefaultTableToOrdered: a default-mode table with rows in every
+// state (published, pending, retrying, dead) is migrated to ordered mode
+// with schema.Migrate(..., WithOrderingKeyColumn()), gets keyed and unkeyed
+// rows, and is relayed by an ordered relay: every row not yet delivered is
+// delivered, nothing published before is delivered again, the dead row
+// stays dead, and Stats is true before and after.
+func TestUpgradeDefaultTableToOrdered(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "up_outbox")
+
+	old := enqueueKeys(t, pool, tbl, "", "", "", "", "")
+	exec(t, pool, tbl, `UPDATE %s SET published_at = now() - interval '5 minutes' WHERE event_id = $1`, old[0])
+	exec(t, pool, tbl, `UPDATE %s SET attempts = 3, last_error = 'flaky', available_at = now() WHERE event_id = $1`, old[2])
+	markDead(t, pool, tbl, "boom", old[3])
+	s, err := runbook.Stats(ctx, pool, tbl)
+	if err != nil || s.Mode != schema.ModeDefault || s.Pending != 3 || s.Retrying != 1 || s.Dead != 1 {
+		t.Fatalf("before the upgrade: %+v, %v", s, err)
+	}
+
+	if err := schema.Migrate(ctx, pool, tbl, schema.WithOrderingKeyColumn()); err != nil {
+		t.Fatalf("upgrade to ordered mode: %v", err)
+	}
+	s, err = runbook.Stats(ctx, pool, tbl)
+	if err != nil || s.Mode != schema.ModeOrdered || s.Pending != 3 || s.Retrying != 1 || s.Dead != 1 {
+		t.Fatalf("after the upgrade, before relaying: %+v, %v", s, err)
+	}
+	fresh := enqueueKeys(t, pool, tbl, "k1", "k2", "k1", "", "k2", "k1")
+
+	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, Ordered: true, LockTTL: time.Second, ElectionInterval: 100 * time.Millisecond,
+		PollInterval: 100 * time.Millisecond, CloseTimeout: 2 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Close() })
+	msgs, err := sub.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu  sync.Mutex
+		got = map[string]int{}
+	)
+	go func() {
+		for m := range msgs {
+			mu.Lock()
+			got[m.UUID]++
+			mu.Unlock()
+			m.Ack()
+		}
+	}()
+	want := append([]uuid.UUID{old[1], old[2], old[4]}, fresh...)
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		s, err = runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		n := 0
+		for _, id := range want {
+			if got[id.String()] > 0 {
+				n++
+			}
+		}
+		mu.Unlock()
+		if n == len(want) && s.Pending == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not drained: %d of %d delivered, stats %+v", n, len(want), s)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if got[old[0].String()] != 0 || got[old[3].String()] != 0 {
+		t.Fatalf("the published row delivered %d times, the dead row %d times; want 0", got[old[0].String()], got[old[3].String()])
+	}
+	if s.Dead != 1 || s.Retrying != 0 || s.HeldKeys != 0 || s.PublishedLastHour != 5 {
+		t.Fatalf("after relaying: %+v (want dead 1, published last hour 5: the old published row and 4 unkeyed acked)", s)
+	}
+	for _, id := range fresh {
+		r, err := runbook.Event(ctx, pool, tbl, id)
+		if err != nil || !r.Delivered {
+			t.Fatalf("event %s after relaying: %+v, %v", id, r, err)
+		}
+	}
+}

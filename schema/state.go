@@ -1,0 +1,371 @@
+package schema
+
+import (
+	"strconv"
+	"strings"
+)
+
+// Mode is how a table is relayed; it decides where a row's delivery state
+// lives (docs/OPERATIONS.md, "What the numbers mean in each mode").
+type Mode string
+
+// The relay modes.
+const (
+	// ModeDefault: the table relay claims and acks rows; a row's columns
+	// (published_at, attempts, last_error, available_at, locked_at,
+	// dead_at) hold its state.
+	ModeDefault Mode = "default"
+	// ModeOrdered: keyed rows are never updated on delivery; a keyed row is
+	// done when it is at or below its partition's floor (<table>_partitions)
+	// or covered by its key's hold (<table>_holds) as done, and its failures
+	// live in the hold. Unkeyed rows of an ordered table are default-mode
+	// rows.
+	ModeOrdered Mode = "ordered"
+	// ModeWAL: the WAL relay never marks rows published; a row is done when
+	// it was written before the recorded horizon (<table>_wal) and is not
+	// parked behind a held key (<table>_wal_holds); a dead row is parked
+	// with dead_at as in the default mode.
+	ModeWAL Mode = "wal"
+)
+
+// SkippedErrorPrefix starts the last_error that a skip writes on an ordered
+// table's keyed row (OrderedQueries.SkipHold): the state layer reads it as
+// "skipped".
+const SkippedErrorPrefix = "skipped by an operator"
+
+// StateQueries renders, for one table in one mode, the statements that say
+// which rows are delivered, pending, retrying, dead, held or waiting behind
+// a held key. It is the one place that knows each mode's state: the
+// runbook's Stats, Backlog, Dead, Topics and Event, the cleaner's rules for
+// keyed and streamed rows, and (proposed) the relay's gauges read through
+// it, so that they cannot disagree.
+//
+// Every statement classifies rows with the same expressions (classified);
+// the row columns it returns are StateColumns.
+type StateQueries struct {
+	// Table is the outbox table.
+	Table Table
+	// Mode is the table's relay mode.
+	Mode Mode
+	// Columns are the table's optional columns; OrderingKey decides whether
+	// keyed rows exist (an ordered table always has it; a WAL table may
+	// not).
+	Columns Columns
+}
+
+// NewStateQueries returns the state statements of t relayed in mode m, with
+// optional columns c.
+func NewStateQueries(t Table, m Mode, c Columns) StateQueries {
+	if m == ModeOrdered {
+		c.OrderingKey = true
+	}
+	return StateQueries{Table: t, Mode: m, Columns: c}
+}
+
+// StateColumns is the select list of the row statements of StateQueries
+// (Backlog, Dead, Event), over a classified relation s: sequence, event_id
+// (text), topic, tenant_id (text), attempts, created_at, available_at (NULL
+// when dead), locked_at, published_at, last_error, dead_at, ordering_key
+// (NULL when unkeyed), done (delivered or skipped), skipped, held (the row
+// its key waits for), behind (the sequence of the held row it waits behind,
+// NULL when none), skip requested, replay (an operator's replay of a row
+// already relayed is due).
+//
+// For a keyed row of an ordered table that holds its key, attempts,
+// available_at, last_error and dead_at are the hold's.
+const StateColumns = "s.sequence, s.event_id::text, s.topic, s.tenant_id::text, s.attempts, s.created_at, s.available_at, s.locked_at, s.published_at, s.last_error, s.dead_at, " +
+	"s.ordering_key, s.done, s.skipped, s.held, s.behind, s.skip_requested, s.replay"
+
+// keyExpr is the row's ordering key, or NULL without the column.
+func (q StateQueries) keyExpr() string {
+	if q.Columns.OrderingKey {
+		return "o.ordering_key"
+	}
+	return "NULL::text"
+}
+
+// walHorizonAge is the age of the oldest horizon every slot of the table
+// recorded within WALStaleAfter; NULL (nothing counts as streamed) when a
+// slot has none or recorded nothing lately. The same rule as the cleaner's
+// (docs/WAL.md, "Retention").
+func (q StateQueries) walHorizonAge() string {
+	return `(SELECT age((min(horizon)::text::numeric % 4294967296)::text::xid) FROM ` + q.Table.WALProgressTable() + `
+    HAVING count(*) > 0 AND bool_and(horizon IS NOT NULL AND updated_at > now() - interval '` + WALStaleAfter + `'))`
+}
+
+// walParked is the condition, on a row o and its key's WAL hold w (LEFT
+// JOIN, NULL when none), that o is parked behind the key's held row: the
+// hold is not released and o comes after the held row.
+const walParked = `COALESCE(NOT w.released AND o.sequence > w.sequence, false)`
+
+// walHoldJoin joins a row o to its key's WAL hold w, or to nothing when
+// the table has no ordering column.
+func (q StateQueries) walHoldJoin() string {
+	if q.Columns.OrderingKey {
+		return `LEFT JOIN ` + q.Table.WALHoldsTable() + ` AS w ON w.ordering_key = o.ordering_key`
+	}
+	return `LEFT JOIN (SELECT NULL::text AS ordering_key, NULL::bigint AS sequence, NULL::uuid AS event_id, NULL::boolean AS released,
+    NULL::timestamptz AS skip_requested_at WHERE false) AS w ON false`
+}
+
+// DeleteStreamed deletes, in a WAL table, up to a batch ($2) of the rows
+// the WAL relay delivered (Stats' streamed: not published, not dead,
+// written before the horizon every slot recorded within WALStaleAfter) and
+// written more than $1 seconds ago (by available_at, which the WAL relay
+// never updates), never a row parked behind a held key, however long the
+// key has been held. It replaces WALDeleteSettled, which ignores the holds.
+func (q StateQueries) DeleteStreamed() string {
+	tbl := q.Table.Sanitize()
+	return `WITH victims AS (
+  SELECT o.id FROM ` + tbl + ` AS o
+  ` + q.walHoldJoin() + `
+  WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.available_at < now() - make_interval(secs => $1::float8)
+    AND age(o.xmin) > ` + q.walHorizonAge() + ` AND NOT ` + walParked + `
+  LIMIT $2 FOR UPDATE OF o SKIP LOCKED
+)
+DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
+}
+
+// classified wraps src, a query returning rows of the table as "k.*,
+// k.xmin AS row_xmin", into the relation of StateColumns plus id,
+// row_xmin and dead (not done, and dead), with the mode's rules.
+func (q StateQueries) classified(src string) string {
+	key := q.keyExpr()
+	switch q.Mode {
+	case ModeOrdered:
+		return `SELECT o.id, o.row_xmin, o.sequence, o.event_id, o.topic, o.tenant_id,
+    CASE WHEN f.holds_it OR f.replay_it THEN h.attempts ELSE o.attempts END AS attempts, o.created_at,
+    CASE WHEN f.holds_it OR f.replay_it THEN NULLIF(h.available_at, 'infinity') ELSE NULLIF(o.available_at, 'infinity') END AS available_at,
+    o.locked_at, o.published_at,
+    CASE WHEN f.holds_it OR f.replay_it THEN h.last_error ELSE o.last_error END AS last_error,
+    CASE WHEN NOT f.keyed THEN o.dead_at WHEN f.holds_it THEN h.dead_at END AS dead_at,
+    o.ordering_key, d.done, d.done AND o.published_at IS NULL AND f.keyed AND COALESCE(o.last_error LIKE '` + SkippedErrorPrefix + `%', false) AS skipped,
+    f.holds_it AS held, CASE WHEN f.behind_it THEN h.sequence END AS behind,
+    f.holds_it AND h.skip_requested_at IS NOT NULL AS skip_requested, f.replay_it AS replay,
+    NOT d.done AND CASE WHEN f.keyed THEN f.holds_it AND h.dead_at IS NOT NULL ELSE o.dead_at IS NOT NULL END AS dead
+  FROM (` + src + `) AS o
+  LEFT JOIN ` + q.Table.PartitionsTable() + ` AS p ON p.partition = o.ordering_partition
+  LEFT JOIN ` + q.Table.HoldsTable() + ` AS h ON h.ordering_key = o.ordering_key
+  CROSS JOIN LATERAL (SELECT o.ordering_key IS NOT NULL AS keyed,
+    COALESCE(h.resolved_at IS NULL AND NOT h.replay AND o.sequence = h.sequence, false) AS holds_it,
+    COALESCE(h.resolved_at IS NULL AND NOT h.replay AND o.sequence > h.sequence, false) AS behind_it,
+    COALESCE(h.resolved_at IS NULL AND h.replay AND o.sequence = h.sequence, false) AS replay_it,
+    COALESCE((h.resolved_at IS NOT NULL AND o.sequence <= h.sequence) OR (h.resolved_at IS NULL AND NOT h.replay AND o.sequence < h.sequence), false) AS covered,
+    COALESCE(o.sequence <= p.floor_sequence, false) AS below_floor) AS f
+  CROSS JOIN LATERAL (SELECT o.published_at IS NOT NULL
+    OR (f.keyed AND NOT (f.holds_it OR f.behind_it OR f.replay_it) AND (f.below_floor OR f.covered)) AS done) AS d`
+	case ModeWAL:
+		hold := q.walHoldJoin()
+		return `SELECT o.id, o.row_xmin, o.sequence, o.event_id, o.topic, o.tenant_id, o.attempts, o.created_at,
+    NULLIF(o.available_at, 'infinity') AS available_at, o.locked_at, o.published_at, o.last_error, o.dead_at,
+    ` + key + ` AS ordering_key, d.done, false AS skipped, f.holds_it AS held, CASE WHEN f.parked THEN w.sequence END AS behind,
+    f.holds_it AND w.skip_requested_at IS NOT NULL AS skip_requested, false AS replay,
+    NOT d.done AND o.dead_at IS NOT NULL AS dead
+  FROM (` + src + `) AS o
+  ` + hold + `
+  CROSS JOIN LATERAL (SELECT COALESCE(NOT w.released AND w.event_id = o.event_id, false) AS holds_it,
+    ` + walParked + ` AS parked,
+    COALESCE(o.dead_at IS NULL AND age(o.row_xmin) > ` + q.walHorizonAge() + `, false) AS settled) AS f
+  CROSS JOIN LATERAL (SELECT o.published_at IS NOT NULL OR (f.settled AND NOT f.parked) AS done) AS d`
+	default:
+		return `SELECT o.id, o.row_xmin, o.sequence, o.event_id, o.topic, o.tenant_id, o.attempts, o.created_at,
+    NULLIF(o.available_at, 'infinity') AS available_at, o.locked_at, o.published_at, o.last_error, o.dead_at,
+    ` + key + ` AS ordering_key, o.published_at IS NOT NULL AS done, false AS skipped, false AS held, NULL::bigint AS behind,
+    false AS skip_requested, false AS replay, o.published_at IS NULL AND o.dead_at IS NOT NULL AS dead
+  FROM (` + src + `) AS o`
+	}
+}
+
+// open is the classified relation of the rows that may not be done: every
+// unpublished row in the default and WAL modes (the WAL relay's streamed
+// rows are told apart by done); in ordered mode the unkeyed unpublished
+// rows, the keyed rows above their partition's floor (less those a hold of
+// their key covers as done), and the keyed rows an active hold holds,
+// parks or replays, each read through an index.
+func (q StateQueries) open() string {
+	tbl := q.Table.Sanitize()
+	if q.Mode != ModeOrdered {
+		return q.classified(`SELECT k.*, k.xmin AS row_xmin FROM ` + tbl + ` AS k WHERE k.published_at IS NULL`)
+	}
+	holds := q.Table.HoldsTable()
+	src := `SELECT k.*, k.xmin AS row_xmin FROM ` + tbl + ` AS k WHERE k.published_at IS NULL AND k.ordering_key IS NULL
+  UNION ALL
+  SELECT a.* FROM ` + q.Table.PartitionsTable() + ` AS p CROSS JOIN LATERAL (
+    SELECT k.*, k.xmin AS row_xmin FROM ` + tbl + ` AS k
+    WHERE k.ordering_partition = p.partition AND k.ordering_key IS NOT NULL AND k.sequence > p.floor_sequence AND k.published_at IS NULL
+  ) AS a
+  WHERE NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = a.ordering_key
+    AND ((h.resolved_at IS NULL AND NOT h.replay) OR (h.resolved_at IS NOT NULL AND a.sequence <= h.sequence)))
+  UNION ALL
+  SELECT k.*, k.xmin AS row_xmin FROM ` + holds + ` AS h JOIN ` + tbl + ` AS k ON k.ordering_key = h.ordering_key
+    AND (k.sequence = h.sequence OR (k.sequence > h.sequence AND NOT h.replay)) AND (k.published_at IS NULL OR h.replay)
+  WHERE h.resolved_at IS NULL`
+	return q.classified(src)
+}
+
+// Stats reads the counters of the table in its mode. No args. Returns:
+// pending (not done, not dead; rows waiting behind a held key included),
+// retrying (pending whose last attempt failed), locked (leased unkeyed
+// rows), dead, the created_at of the oldest pending row (NULL when none),
+// its age in seconds (0 when none), waiting (pending rows waiting behind a
+// held key), streamed (WAL mode: unpublished rows the relay delivered),
+// published in the last hour and minute (rows with published_at; the keyed
+// rows of an ordered table and the streamed rows of a WAL table have
+// none), held keys, held keys whose row is dead, replays due, skips
+// requested.
+func (q StateQueries) Stats() string {
+	tbl := q.Table.Sanitize()
+	held := `0::bigint, 0::bigint, 0::bigint, 0::bigint`
+	switch {
+	case q.Mode == ModeOrdered:
+		held = `(SELECT count(*) FROM ` + q.Table.HoldsTable() + ` WHERE resolved_at IS NULL),
+  (SELECT count(*) FROM ` + q.Table.HoldsTable() + ` WHERE resolved_at IS NULL AND dead_at IS NOT NULL),
+  (SELECT count(*) FROM ` + q.Table.HoldsTable() + ` WHERE resolved_at IS NULL AND replay),
+  (SELECT count(*) FROM ` + q.Table.HoldsTable() + ` WHERE resolved_at IS NULL AND skip_requested_at IS NOT NULL)`
+	case q.Mode == ModeWAL && q.Columns.OrderingKey:
+		held = `(SELECT count(*) FROM ` + q.Table.WALHoldsTable() + ` WHERE NOT released),
+  (SELECT count(*) FROM ` + q.Table.WALHoldsTable() + ` AS w JOIN ` + tbl + ` AS o ON o.event_id = w.event_id WHERE NOT w.released AND o.dead_at IS NOT NULL),
+  0::bigint,
+  (SELECT count(*) FROM ` + q.Table.WALHoldsTable() + ` WHERE NOT released AND skip_requested_at IS NOT NULL)`
+	}
+	pending := `NOT s.done AND NOT s.dead`
+	return `WITH s AS (
+  ` + q.open() + `
+)
+SELECT count(*) FILTER (WHERE ` + pending + `),
+  count(*) FILTER (WHERE ` + pending + ` AND s.last_error IS NOT NULL),
+  count(*) FILTER (WHERE NOT s.done AND s.locked_at IS NOT NULL),
+  count(*) FILTER (WHERE s.dead),
+  min(s.created_at) FILTER (WHERE ` + pending + `),
+  COALESCE(extract(epoch FROM now() - min(s.created_at) FILTER (WHERE ` + pending + `))::float8, 0),
+  count(*) FILTER (WHERE ` + pending + ` AND s.behind IS NOT NULL),
+  count(*) FILTER (WHERE s.done AND s.published_at IS NULL),
+  (SELECT count(*) FROM ` + tbl + ` WHERE published_at IS NOT NULL AND published_at >= now() - interval '1 hour'),
+  (SELECT count(*) FROM ` + tbl + ` WHERE published_at IS NOT NULL AND published_at >= now() - interval '1 minute'),
+  ` + held + `
+FROM s`
+}
+
+// Gauges reads what the relay's table gauges show, with the same rules as
+// Stats: pending, locked, dead, oldest pending age in seconds (the columns
+// of Queries.Stats and OrderedQueries.Stats). No args.
+func (q StateQueries) Gauges() string {
+	pending := `NOT s.done AND NOT s.dead`
+	return `WITH s AS (
+  ` + q.open() + `
+)
+SELECT count(*) FILTER (WHERE ` + pending + `), count(*) FILTER (WHERE NOT s.done AND s.locked_at IS NOT NULL), count(*) FILTER (WHERE s.dead),
+  COALESCE(extract(epoch FROM now() - min(s.created_at) FILTER (WHERE ` + pending + `))::float8, 0)
+FROM s`
+}
+
+// Backlog lists up to limit pending rows (not done, not dead), every topic
+// or one, in the order the relays take them (available_at, sequence).
+// Returns StateColumns.
+func (q StateQueries) Backlog(topic string, limit int) Statement {
+	var args []any
+	where := "NOT s.done AND NOT s.dead"
+	if topic != "" {
+		args = append(args, topic)
+		where += " AND s.topic = $1::text"
+	}
+	args = append(args, limit)
+	return Statement{SQL: `WITH s AS (
+  ` + q.open() + `
+)
+SELECT ` + StateColumns + ` FROM s
+WHERE ` + where + `
+ORDER BY s.available_at NULLS LAST, s.sequence
+LIMIT $` + strconv.Itoa(len(args)) + `::int`, Args: args}
+}
+
+// Dead lists the dead rows matching f (its Topic, TenantID, ErrorContains,
+// AfterSequence and Limit; 0 lists them all) in sequence order: in ordered
+// mode the unkeyed dead rows and the keyed rows a dead hold holds, with the
+// hold's attempts, last_error and dead_at. Returns StateColumns.
+func (q StateQueries) Dead(f RunbookFilter) Statement {
+	var args []any
+	arg := func(v any, cast string) string {
+		args = append(args, v)
+		return "$" + strconv.Itoa(len(args)) + cast
+	}
+	conds := []string{"s.dead"}
+	if f.Topic != "" {
+		conds = append(conds, "s.topic = "+arg(f.Topic, "::text"))
+	}
+	if f.TenantID != "" {
+		conds = append(conds, "s.tenant_id = "+arg(f.TenantID, "::uuid"))
+	}
+	if f.ErrorContains != "" {
+		conds = append(conds, "strpos(lower(s.last_error), lower("+arg(f.ErrorContains, "::text")+")) > 0")
+	}
+	if f.AfterSequence > 0 {
+		conds = append(conds, "s.sequence > "+arg(f.AfterSequence, "::bigint"))
+	}
+	sql := `WITH s AS (
+  ` + q.open() + `
+)
+SELECT ` + StateColumns + ` FROM s
+WHERE ` + strings.Join(conds, " AND ") + `
+ORDER BY s.sequence`
+	if f.Limit > 0 {
+		sql += `
+LIMIT ` + arg(f.Limit, "::int")
+	}
+	return Statement{SQL: sql, Args: args}
+}
+
+// TopicBacklog counts, per topic, the pending rows, the retrying ones, the
+// dead ones and the age in seconds of the oldest pending row, the largest
+// backlog first, at most $1 topics.
+func (q StateQueries) TopicBacklog(limit int) Statement {
+	pending := `NOT s.done AND NOT s.dead`
+	return Statement{SQL: `WITH s AS (
+  ` + q.open() + `
+)
+SELECT s.topic, count(*) FILTER (WHERE ` + pending + `),
+  count(*) FILTER (WHERE ` + pending + ` AND s.last_error IS NOT NULL),
+  count(*) FILTER (WHERE s.dead),
+  COALESCE(extract(epoch FROM now() - min(s.created_at) FILTER (WHERE ` + pending + `))::float8, 0)
+FROM s WHERE NOT s.done
+GROUP BY s.topic
+ORDER BY count(*) DESC, s.topic
+LIMIT $1::int`, Args: []any{limit}}
+}
+
+// Event classifies the row whose event_id is $1 (canonical UUID text).
+// Returns StateColumns, then dead, then leased (a relay leased it less than
+// $2 seconds ago, LeaseLiveWithin). No row when there is no such event.
+func (q StateQueries) Event(eventID string, lockTTLSeconds float64) Statement {
+	return Statement{SQL: `WITH s AS (
+  ` + q.classified(`SELECT k.*, k.xmin AS row_xmin FROM `+q.Table.Sanitize()+` AS k WHERE k.event_id = $1::uuid`) + `
+)
+SELECT ` + StateColumns + `, s.dead, ` + LeaseLiveWithin("$2::float8") + ` FROM s`,
+		Args: []any{eventID, lockTTLSeconds}}
+}
+
+// ModeProbe reads what decides a table's mode. No args. Returns: the WAL
+// progress table exists, the table is named in a publication, the ordered
+// companion tables (with this version's hold states) exist, the WAL holds
+// table exists.
+func ModeProbe(t Table) string {
+	return `SELECT to_regclass(` + quoteLiteral(t.WALProgressTable()) + `) IS NOT NULL,
+  EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = to_regclass(` + quoteLiteral(t.Sanitize()) + `)),
+  to_regclass(` + quoteLiteral(t.PartitionsTable()) + `) IS NOT NULL AND to_regclass(` + quoteLiteral(t.HoldsTable()) + `) IS NOT NULL
+  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.HoldsTable()) + `) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2,
+  to_regclass(` + quoteLiteral(t.WALHoldsTable()) + `) IS NOT NULL`
+}
+
+// DecideMode turns the answers of ModeProbe and the table's columns into
+// its mode: a table the WAL relay streams (a progress table and a
+// publication) is a WAL table; one with the ordering column and the ordered
+// companion tables is an ordered table; any other is a default-mode table.
+func DecideMode(walProgress, published, orderedTables bool, c Columns) Mode {
+	switch {
+	case walProgress && published:
+		return ModeWAL
+	case orderedTables && c.OrderingKey && !published:
+		return ModeOrdered
+	}
+	return ModeDefault
+}
