@@ -522,3 +522,46 @@ WHERE s.seqrelid = pg_get_serial_sequence($1, 'sequence')::regclass`, t.Sanitize
 	}
 	return nil
 }
+
+// ErrRelayModeMix is matched (errors.Is) by the error of CheckRelayMode
+// when relays of the other mode work on the table: a default-mode relay
+// would claim keyed rows out of their order, beside the ordered relays.
+var ErrRelayModeMix = errors.New("relays of the other mode are active on the table")
+
+// CheckRelayMode fails with ErrRelayModeMix when a relay of the other mode
+// is at work on t: for an ordered relay (ordered true), a default-mode
+// relay holding the table's single-active lock (key leaderKey) or a lease
+// on a keyed row; for a default-mode relay, an ordered relay with a live
+// partition lease. A rolling deploy that switches modes then waits for the
+// old relays to stop instead of running both on one table.
+func CheckRelayMode(ctx context.Context, q Querier, t Table, ordered bool, leaderKey int64) error {
+	if ordered {
+		var leader, leased bool
+		err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted
+    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    AND ((classid::bigint << 32) | objid::bigint) = $1::bigint AND pid <> pg_backend_pid()),
+  EXISTS (SELECT 1 FROM `+t.Sanitize()+` WHERE ordering_key IS NOT NULL AND published_at IS NULL AND locked_at IS NOT NULL)`, leaderKey).Scan(&leader, &leased)
+		if err != nil {
+			return fmt.Errorf("look up the relays of %s: %w", t, err)
+		}
+		if leader || leased {
+			return fmt.Errorf("a default-mode relay works on %s (it holds the single-active lock or leases keyed rows); stop it, or start this relay without Ordered: %w", t, ErrRelayModeMix)
+		}
+		return nil
+	}
+	var exists bool
+	if err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, t.PartitionsTable()).Scan(&exists); err != nil {
+		return fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)
+	}
+	if !exists {
+		return nil
+	}
+	var live bool
+	if err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+t.PartitionsTable()+` WHERE owner IS NOT NULL AND lease_until > now())`).Scan(&live); err != nil {
+		return fmt.Errorf("look up the ordered relays of %s: %w", t, err)
+	}
+	if live {
+		return fmt.Errorf("ordered relays own partitions of %s; start this relay with Ordered (OUTBOX_RELAY_ORDERED=true), or stop them first: %w", t, ErrRelayModeMix)
+	}
+	return nil
+}

@@ -397,7 +397,9 @@ func (s *Subscriber) refreshStats(ctx context.Context) {
 	)
 	stats := s.q.Stats
 	if s.oq != nil {
-		stats = s.oq.Stats
+		// The runbook's reading of ordered mode (floors and holds), so
+		// that the gauges and `outbox stats` agree.
+		stats = schema.NewStateQueries(s.cfg.Table, schema.ModeOrdered, s.oq.Columns).Gauges()
 		s.refreshHeldKeys(qctx)
 	}
 	if err := s.pool.QueryRow(qctx, stats).Scan(&pending, &locked, &dead, &oldest); err != nil {

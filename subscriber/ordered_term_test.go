@@ -365,3 +365,55 @@ func enqueueKeyedTx(t *testing.T, tx pgx.Tx, tbl schema.Table, keys ...string) [
 	}
 	return out
 }
+
+// TestRelayModesDoNotMix (item 6): a default-mode relay on a table whose
+// partitions ordered relays lease is refused, and so is an ordered relay on
+// a table a default-mode relay works on (a rolling deploy that flips
+// OUTBOX_RELAY_ORDERED waits for the old relays instead).
+func TestRelayModesDoNotMix(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	def := subscriber.Config{Table: tbl, LockTTL: time.Second, ElectionInterval: 100 * time.Millisecond, PollInterval: 100 * time.Millisecond}
+	o := orderedSub(t, pool, orderedCfg(tbl))
+	consume(t, o, newRecorder(), nil)
+	waitUntil(t, 5*time.Second, func() bool { return liveLeases(t, pool, tbl) > 0 })
+	if _, err := subscriber.New(pool, def, nil); !errors.Is(err, schema.ErrRelayModeMix) || !strings.Contains(err.Error(), "OUTBOX_RELAY_ORDERED") {
+		t.Errorf("default relay beside ordered relays: %v, want ErrRelayModeMix naming OUTBOX_RELAY_ORDERED", err)
+	}
+	if err := o.Close(); err != nil {
+		t.Fatal(err)
+	}
+	d := orderedSub(t, pool, def) // a default-mode relay once the ordered ones stopped
+	ch, err := d.Subscribe(context.Background(), subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		for msg := range ch {
+			msg.Ack()
+		}
+	}()
+	waitUntil(t, 5*time.Second, d.IsLeader)
+	if _, err := subscriber.New(pool, orderedCfg(tbl), nil); !errors.Is(err, schema.ErrRelayModeMix) {
+		t.Errorf("ordered relay beside a default-mode relay: %v, want ErrRelayModeMix", err)
+	}
+}
+
+func liveLeases(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.PartitionsTable()+` WHERE lease_until > now()`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func waitUntil(t *testing.T, within time.Duration, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(within); !cond(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("condition not met within %s", within)
+		}
+	}
+}

@@ -83,6 +83,11 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 	if err := schema.CheckDeadAt(ctx, pool, cfg.Table); err != nil {
 		return nil, fmt.Errorf("subscriber: %w", err)
 	}
+	if cols.OrderingKey {
+		if err := schema.CheckRelayMode(ctx, pool, cfg.Table, cfg.Ordered, cfg.Table.LockKey()); err != nil {
+			return nil, fmt.Errorf("subscriber: %w", err)
+		}
+	}
 	var oq *schema.OrderedQueries
 	if cfg.Ordered {
 		if oq, err = checkOrdered(ctx, pool, cfg.Table, cols); err != nil {
