@@ -98,9 +98,9 @@ type orderedRelay struct {
 	kick   chan struct{}
 	class  int32
 
-	mu      sync.Mutex
-	parts   map[int]*partState
-	keys    map[string]*keyState
+	mu    sync.Mutex
+	parts map[int]*partState
+	keys  map[string]*keyState
 	// stale counts, per partition, the ended terms whose runners still wait
 	// for a verdict of a message handed out under them; the partition is
 	// not taken again (a new term) until they have ended.
