@@ -221,6 +221,7 @@ func (s *Subscriber) keepStale(ctx context.Context, key string, msg *message.Mes
 	s.stale[key]++
 	s.staleN.Add(1)
 	s.staleMu.Unlock()
+	s.logger.Trace("Stale copy", watermill.LogFields{"key": key, "relay": fmt.Sprintf("%p", s)})
 	s.staleWg.Add(1)
 	go func() {
 		defer s.staleWg.Done()
@@ -233,6 +234,7 @@ func (s *Subscriber) keepStale(ctx context.Context, key string, msg *message.Mes
 			s.logger.Info("A handler kept a message of an ended session past CloseTimeout; its key is delivered again", nil)
 		case <-ctx.Done():
 		}
+		s.logger.Trace("Stale copy ended", watermill.LogFields{"key": key, "relay": fmt.Sprintf("%p", s)})
 		s.staleMu.Lock()
 		s.staleN.Add(-1)
 		if s.stale[key]--; s.stale[key] <= 0 {

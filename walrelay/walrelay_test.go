@@ -53,6 +53,9 @@ func clusterPG(t *testing.T) (*pgxpool.Pool, schema.Table, *pgtest.Cluster) {
 	t.Cleanup(func() { <-clusterSlots })
 	pg := pgtest.Start(t, pgtest.Options{Settings: map[string]string{
 		"wal_level": "logical", "max_replication_slots": "10", "max_wal_senders": "10", "wal_sender_timeout": "10s",
+		// Commits are durable, as on a user's server: the tests that crash
+		// the server (Cluster.Crash) must not lose a committed row or hold.
+		"synchronous_commit": "on",
 	}})
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, pg.URL("", ""))

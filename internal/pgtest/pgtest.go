@@ -265,9 +265,10 @@ func FreePort(tb testing.TB, host string) int {
 }
 
 // Crash stops the server without a checkpoint (immediate shutdown, as a
-// power cut or a killed postmaster would) and starts it again: what the
-// server keeps only in memory, such as a replication slot's confirmed
-// position when the slot was not saved, is lost.
+// killed postmaster would) and starts it again: what the server keeps only
+// in memory, such as a replication slot's confirmed position when the slot
+// was not saved, is lost. Start the cluster with synchronous_commit = on
+// for a crash to lose no committed transaction (the default here is off).
 func (c *Cluster) Crash() {
 	c.tb.Helper()
 	c.stop("immediate")
