@@ -17,19 +17,28 @@ func TestBareCommandIsAUsageError(t *testing.T) {
 	r.expect(t, 0, []string{"usage: outbox <command>"}, nil)
 }
 
-// TestRelayHelpListsTheREADMEVariables: `outbox relay --help` lists every
-// variable of the README's configuration table with its default, and no
-// other.
-func TestRelayHelpListsTheREADMEVariables(t *testing.T) {
+// TestRelayHelpListsTheDocumentedVariables: `outbox relay --help` lists
+// every variable of the configuration table of docs/OPERATIONS.md ("The
+// daemon's configuration") with its default, and no other.
+func TestRelayHelpListsTheDocumentedVariables(t *testing.T) {
 	t.Parallel()
-	readme, err := os.ReadFile("../../README.md")
+	doc, err := os.ReadFile("../../docs/OPERATIONS.md")
 	if err != nil {
 		t.Fatal(err)
 	}
+	section := string(doc)
+	start := strings.Index(section, "\n## The daemon's configuration\n")
+	if start < 0 {
+		t.Fatal(`docs/OPERATIONS.md has no section "## The daemon's configuration"; did its layout change?`)
+	}
+	section = section[start+1:]
+	if end := strings.Index(section, "\n## "); end >= 0 {
+		section = section[:end]
+	}
 	row := regexp.MustCompile("(?m)^\\| `((?:OUTBOX|PROMETHEUS|OTEL)_[A-Z_]+)` \\| *([^|]*?) *\\|")
-	rows := row.FindAllStringSubmatch(string(readme), -1)
+	rows := row.FindAllStringSubmatch(section, -1)
 	if len(rows) < 20 {
-		t.Fatalf("found %d variables in the README's table; did its layout change?", len(rows))
+		t.Fatalf("found %d variables in the configuration table of docs/OPERATIONS.md; did its layout change?", len(rows))
 	}
 	r := rbRun(t, nil, "relay", "--help")
 	r.expect(t, 0, []string{"VARIABLE", "DEFAULT"}, nil)
@@ -40,19 +49,19 @@ func TestRelayHelpListsTheREADMEVariables(t *testing.T) {
 	for _, m := range rows {
 		name, def := m[1], strings.ReplaceAll(m[2], "`", "")
 		if !inHelp[name] {
-			t.Errorf("README variable %s is not in outbox relay --help", name)
+			t.Errorf("documented variable %s is not in outbox relay --help", name)
 			continue
 		}
 		if !regexp.MustCompile(`(?m)^  ` + name + ` +` + regexp.QuoteMeta(helpDefault(name)) + ` `).MatchString(r.stdout) {
 			t.Errorf("help line of %s is missing or malformed:\n%s", name, r.stdout)
 		}
 		if def != "" && !strings.HasPrefix(def, "(") && !strings.HasPrefix(def, "the ") && !strings.HasPrefix(helpDefault(name), strings.Fields(def)[0]) {
-			t.Errorf("%s: README default %q, help default %q", name, def, helpDefault(name))
+			t.Errorf("%s: documented default %q, help default %q", name, def, helpDefault(name))
 		}
 		delete(inHelp, name)
 	}
 	for name := range inHelp {
-		t.Errorf("outbox relay --help lists %s, which the README's table does not", name)
+		t.Errorf("outbox relay --help lists %s, which the table of docs/OPERATIONS.md does not", name)
 	}
 }
 

@@ -92,5 +92,5 @@ func usage(w io.Writer) {
 	for _, n := range names {
 		fmt.Fprintf(w, "  %-14s %s\n", n, commands[n].summary)
 	}
-	fmt.Fprintln(w, "\nConfiguration is read from OUTBOX_* environment variables; see the README.")
+	fmt.Fprintln(w, "\nConfiguration is read from OUTBOX_* environment variables; see `outbox relay --help` and docs/OPERATIONS.md.")
 }

@@ -7,7 +7,8 @@ import (
 )
 
 // relayVars lists the environment of `outbox relay` for its --help; the
-// README's configuration table lists the same names (TestRelayHelpListsTheREADMEVariables).
+// configuration table of docs/OPERATIONS.md lists the same names
+// (TestRelayHelpListsTheDocumentedVariables).
 var relayVars = [][3]string{
 	{"OUTBOX_DATABASE_URL", "(required)", "PostgreSQL URL or DSN"},
 	{"OUTBOX_RELAY_ENABLED", "true", "false runs the cleaner only"},
@@ -38,9 +39,13 @@ var relayVars = [][3]string{
 	{"PROMETHEUS_METRICS_ADDR", ":9464", "metrics listen address"},
 	{"OUTBOX_HEALTH_ADDR", "(off)", "serve GET /healthz and GET /readyz on this address, such as :8081"},
 	{"OUTBOX_CONSOLE_ADDR", "(off)", "serve the web console on this address, such as 127.0.0.1:8080"},
-	{"OUTBOX_CONSOLE_TOKEN", "(read-only)", "the token that allows the console's actions"},
+	{"OUTBOX_CONSOLE_TOKEN", "(read-only)", "the token (16+ bytes) that guards the console's pages and actions"},
 	{"OUTBOX_CONSOLE_TABLES", "the relay tables", "tables the console shows"},
-	{"OUTBOX_CONSOLE_READ_ONLY", "false", "serve the console read-only, even on a non-loopback address without a token"},
+	{"OUTBOX_CONSOLE_READ_ONLY", "false", "no actions; a set token still guards the reads; without a token, allows a non-loopback address"},
+	{"OUTBOX_CONSOLE_READ_TOKEN", "(none)", "a second token (16+ bytes) that reads every page and changes nothing"},
+	{"OUTBOX_CONSOLE_PUBLIC_READ", "false", "anyone who reaches the console reads it; OUTBOX_CONSOLE_TOKEN still guards the actions"},
+	{"OUTBOX_CONSOLE_ALLOWED_HOSTS", "(none)", "more Host header names the console answers to, comma-separated (e.g. the name your proxy serves)"},
+	{"OUTBOX_CONSOLE_TRUST_PROXY", "false", "trust X-Forwarded-Proto and X-Forwarded-For of a proxy in front (Secure cookie, login slow-down per client)"},
 	{"OTEL_EXPORTER_OTLP_ENDPOINT", "(off)", "export relay spans over OTLP/HTTP; the standard OTEL_* variables apply"},
 }
 

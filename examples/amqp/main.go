@@ -3,12 +3,16 @@
 //   - events for two tenants are committed with their business rows, with a
 //     custom header (correlation_id) stored in the outbox's headers column;
 //   - the relay (subscriber.New + forwarder.New) publishes them through
-//     amqpbackend.NewPublisher (the default queue layout): per topic a durable exchange and a
-//     durable queue of the same name, persistent messages, publisher
-//     confirms and a channel pool;
-//   - a Watermill router consumes the queues with a watermill-amqp
-//     subscriber on the same configuration (amqpbackend.WatermillConfig), dedups on
-//     event_id, and prints every message's headers: the outbox metadata
+//     amqpbackend.NewPublisher in the fanout layout: per topic a durable
+//     fanout exchange, persistent messages, publisher confirms and a
+//     channel pool; the relay declares no queue;
+//   - a Watermill router consumes them as the consumer group
+//     "header_printer": a watermill-amqp subscriber on the same exchanges
+//     (amqpbackend.WatermillConfig) declares and binds the group's own
+//     durable queue per topic, <topic>_header_printer, never a queue named
+//     after the topic, which on a shared broker may be another
+//     application's (docs/CONSUMERS.md, "RabbitMQ layout"); it dedups on
+//     event_id and prints every message's headers: the outbox metadata
 //     (event_id, tenant_id, topic, sequence, attempts, table, partition_key)
 //     and the custom ones.
 //
@@ -55,6 +59,10 @@ import (
 
 // defaultAMQPURL is used when OUTBOX_AMQP_URL is not set.
 const defaultAMQPURL = "amqp://guest:guest@127.0.0.1:5672/"
+
+// consumerGroup names the consuming service: its queues (<topic>_<group>)
+// and its rows in processed_events.
+const consumerGroup = "header_printer"
 
 // The example's tenants: fixed IDs make the output easy to read.
 var (
@@ -133,14 +141,24 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 		return err
 	}
 
-	// The consumer: a watermill-amqp subscriber on the relay's AMQP
-	// configuration, so both sides agree on exchanges and queues.
-	amqpSubscriber, err := amqp.NewSubscriber(amqpbackend.WatermillConfig(amqpbackend.Config{URL: brokerURL}), logger)
+	// The consumer group's subscriber: the relay's exchanges (the same
+	// configuration, so both sides agree on them), and a queue of the
+	// group's own per topic, <topic>_<group>, which it declares and binds
+	// when it subscribes: before the relay publishes, so that it misses
+	// nothing. Every group gets its own copy of each event; the consumers of
+	// one group (replicas of one service) share its queue and compete.
+	relayAMQP := amqpbackend.Config{URL: brokerURL, Layout: amqpbackend.LayoutFanout}
+	consumerAMQP := amqpbackend.WatermillConfig(relayAMQP)
+	consumerAMQP.Queue.GenerateName = amqp.GenerateQueueNameTopicNameWithSuffix(consumerGroup)
+	consumerAMQP.TopologyBuilder = &amqp.DefaultTopologyBuilder{} // declares the exchange, the group's queue and the binding
+	amqpSubscriber, err := amqp.NewSubscriber(consumerAMQP, logger)
 	if err != nil {
 		return fmt.Errorf("RabbitMQ at %s is unreachable (start it with `make up`, or set OUTBOX_AMQP_URL): %w", redactURL(brokerURL), err)
 	}
 	defer amqpSubscriber.Close()
-	defer func() { err = errors.Join(err, deleteTopology(brokerURL, tp.all(), logger)) }()
+	defer func() {
+		err = errors.Join(err, deleteTopology(brokerURL, tp.all(), consumerAMQP.Queue.GenerateName, logger))
+	}()
 	consumer, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
 	if err != nil {
 		return err
@@ -149,6 +167,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	printer := &headerPrinter{pool: pool, processed: processed, out: out, handled: make(chan struct{}, 16)}
 	for _, topic := range tp.all() {
 		consumer.AddConsumerHandler("print_"+topic, topic, amqpSubscriber, printer.Handle)
+		fmt.Fprintf(out, "consumer group %s reads %s from queue %s\n", consumerGroup, topic, consumerAMQP.Queue.GenerateName(topic))
 	}
 	stopConsumer, err := exampleutil.StartRouter(ctx, consumer)
 	if err != nil {
@@ -190,7 +209,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	}
 
 	// The relay: outbox -> RabbitMQ.
-	amqpPublisher, err := amqpbackend.NewPublisher(amqpbackend.Config{URL: brokerURL}, logger)
+	amqpPublisher, err := amqpbackend.NewPublisher(relayAMQP, logger)
 	if err != nil {
 		return fmt.Errorf("RabbitMQ at %s: %w", redactURL(brokerURL), err)
 	}
@@ -237,7 +256,7 @@ type headerPrinter struct {
 // delivers it again).
 func (p *headerPrinter) Handle(msg *message.Message) error {
 	ctx := msg.Context()
-	tag, err := p.pool.Exec(ctx, `INSERT INTO `+p.processed+` (consumer, event_id) VALUES ('header_printer', $1) ON CONFLICT DO NOTHING`, msg.UUID)
+	tag, err := p.pool.Exec(ctx, `INSERT INTO `+p.processed+` (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`, consumerGroup, msg.UUID)
 	if err != nil {
 		return fmt.Errorf("record event %s: %w", msg.UUID, err)
 	}
@@ -265,9 +284,10 @@ func (p *headerPrinter) Handle(msg *message.Message) error {
 	return nil
 }
 
-// deleteTopology deletes the queues and exchanges of this run's topics. A
-// real service keeps them: they are durable on purpose.
-func deleteTopology(brokerURL string, names []string, logger watermill.LoggerAdapter) error {
+// deleteTopology deletes the exchanges of this run's topics and the
+// consumer group's queues. A real service keeps them: they are durable on
+// purpose.
+func deleteTopology(brokerURL string, topics []string, queueName amqp.QueueNameGenerator, logger watermill.LoggerAdapter) error {
 	conn, err := amqp.NewConnection(amqp.ConnectionConfig{AmqpURI: brokerURL}, logger)
 	if err != nil {
 		return fmt.Errorf("delete queues: %w", err)
@@ -279,12 +299,12 @@ func deleteTopology(brokerURL string, names []string, logger watermill.LoggerAda
 	}
 	defer ch.Close()
 	var errs []error
-	for _, name := range names {
-		if _, err := ch.QueueDelete(name, false, false, false); err != nil {
-			errs = append(errs, fmt.Errorf("delete queue %s: %w", name, err))
+	for _, topic := range topics {
+		if _, err := ch.QueueDelete(queueName(topic), false, false, false); err != nil {
+			errs = append(errs, fmt.Errorf("delete queue %s: %w", queueName(topic), err))
 		}
-		if err := ch.ExchangeDelete(name, false, false); err != nil {
-			errs = append(errs, fmt.Errorf("delete exchange %s: %w", name, err))
+		if err := ch.ExchangeDelete(topic, false, false); err != nil {
+			errs = append(errs, fmt.Errorf("delete exchange %s: %w", topic, err))
 		}
 	}
 	return errors.Join(errs...)

@@ -57,6 +57,15 @@ func TestAMQPExample(t *testing.T) {
 		fail("enqueued %d events, want 4", len(want))
 	}
 	tenantIDs := map[string]string{"Acme": "a0000000-0000-4000-8000-000000000001", "Globex": "b0000000-0000-4000-8000-000000000002"}
+	// The consumer group reads a queue of its own per topic, never the
+	// queue named after the topic, which on a shared broker may be another
+	// application's.
+	for _, s := range want {
+		line := "consumer group header_printer reads " + s.topic + " from queue " + s.topic + "_header_printer\n"
+		if !strings.Contains(out, line) {
+			fail("missing %q: the consumer must read a queue named after its group", line)
+		}
+	}
 
 	received := receivedRE.FindAllStringSubmatch(out, -1)
 	if len(received) != 4 {

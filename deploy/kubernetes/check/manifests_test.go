@@ -1,7 +1,7 @@
 // Package check decodes the Kubernetes manifests of deploy/kubernetes
 // strictly into the typed API objects and checks them against the daemon:
-// probe paths and ports, metrics annotations, the environment variables the
-// README documents, the Dockerfile's user. It is a module of its own so that
+// probe paths and ports, metrics annotations, the environment variables
+// docs/OPERATIONS.md documents, the Dockerfile's user. It is a module of its own so that
 // the Kubernetes API types stay out of the main module's go.sum.
 package check
 
@@ -100,21 +100,32 @@ func stripComments(doc string) string {
 	return b.String()
 }
 
-// readmeVariables returns the daemon's variables from the README's
-// configuration table, with their documented defaults.
+// readmeVariables returns the daemon's variables from the configuration
+// table of docs/OPERATIONS.md ("The daemon's configuration"), with their
+// documented defaults.
 func readmeVariables(t *testing.T) map[string]string {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join(repoRoot, "README.md"))
+	data, err := os.ReadFile(filepath.Join(repoRoot, "docs", "OPERATIONS.md"))
 	if err != nil {
 		t.Fatal(err)
 	}
+	section := string(data)
+	start := strings.Index(section, "\n## The daemon's configuration\n")
+	if start < 0 {
+		t.Fatal(`docs/OPERATIONS.md has no section "## The daemon's configuration"; has its format changed?`)
+	}
+	section = section[start+1:]
+	if end := strings.Index(section, "\n## "); end >= 0 {
+		section = section[:end]
+	}
+	data = []byte(section)
 	row := regexp.MustCompile("(?m)^\\| `([A-Z][A-Z0-9_]+)` \\|([^|]*)\\|")
 	vars := map[string]string{}
 	for _, m := range row.FindAllStringSubmatch(string(data), -1) {
 		vars[m[1]] = strings.Trim(strings.TrimSpace(m[2]), "`")
 	}
 	if len(vars) < 10 {
-		t.Fatalf("found %d variables in the README's table; has its format changed?", len(vars))
+		t.Fatalf("found %d variables in the configuration table of docs/OPERATIONS.md; has its format changed?", len(vars))
 	}
 	return vars
 }
@@ -214,7 +225,7 @@ func secretKeys(s *corev1.Secret) map[string]bool {
 }
 
 // setting is the effective value of a daemon variable: the manifest's, else
-// the README's default.
+// the documented default.
 func setting(vars, env map[string]string, name string) string {
 	if v, ok := env[name]; ok {
 		return v
@@ -269,7 +280,7 @@ func TestProbesMatchTheDaemon(t *testing.T) {
 	vars := readmeVariables(t)
 	addr := setting(vars, e, "OUTBOX_HEALTH_ADDR")
 	if addr == "" || strings.HasPrefix(addr, "(") {
-		t.Fatalf("OUTBOX_HEALTH_ADDR is not set (README default %q): the probes would find nothing", vars["OUTBOX_HEALTH_ADDR"])
+		t.Fatalf("OUTBOX_HEALTH_ADDR is not set (documented default %q): the probes would find nothing", vars["OUTBOX_HEALTH_ADDR"])
 	}
 	port := portOf(t, "OUTBOX_HEALTH_ADDR", addr)
 	for _, p := range []struct {
@@ -317,7 +328,7 @@ func TestMetricsMatchTheDaemon(t *testing.T) {
 }
 
 // TestEnvironmentIsDocumented: every variable the manifests set is in the
-// README's table, and the backend's broker variable is set.
+// documented configuration table, and the backend's broker variable is set.
 func TestEnvironmentIsDocumented(t *testing.T) {
 	m := decode(t)
 	c := relayContainer(t, m.deployment)
@@ -325,13 +336,13 @@ func TestEnvironmentIsDocumented(t *testing.T) {
 	vars := readmeVariables(t)
 	for name := range e {
 		if _, ok := vars[name]; !ok {
-			t.Errorf("the manifests set %s, which the README's configuration table does not list", name)
+			t.Errorf("the manifests set %s, which the configuration table of docs/OPERATIONS.md does not list", name)
 		}
 	}
 	// Commented-out suggestions count too.
 	for _, name := range regexp.MustCompile(`(?m)^\s*#\s*([A-Z][A-Z0-9_]+):`).FindAllStringSubmatch(mustRead(t, filepath.Join(manifestDir, "configmap.yaml")), -1) {
 		if _, ok := vars[name[1]]; !ok {
-			t.Errorf("configmap.yaml suggests %s, which the README's configuration table does not list", name[1])
+			t.Errorf("configmap.yaml suggests %s, which the configuration table of docs/OPERATIONS.md does not list", name[1])
 		}
 	}
 	for _, req := range []string{"OUTBOX_DATABASE_URL", "OUTBOX_RELAY_TABLES", "OUTBOX_BACKEND"} {
