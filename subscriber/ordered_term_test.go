@@ -230,7 +230,7 @@ func TestOrderedTermFencesWrites(t *testing.T) {
 	acquire := func() int64 {
 		var p int
 		var floor, epoch int64
-		if err := pool.QueryRow(ctx, oq.Acquire, "relay-a", []int32{int32(part)}, 30.0).Scan(&p, &floor, &epoch); err != nil { //nolint:gosec // < 64
+		if err := pool.QueryRow(ctx, oq.Acquire, "relay-a", []int32{int32(part)}, 30.0).Scan(&p, &floor, &epoch); err != nil {
 			t.Fatal(err)
 		}
 		return epoch
@@ -261,7 +261,7 @@ func TestOrderedTermFencesWrites(t *testing.T) {
 		t.Errorf("advance under the ended term: owned %v next %v resolved %v, want refused", owned, next, resolved)
 	}
 	var renewed []int
-	rows, err := pool.Query(ctx, oq.Renew, "relay-a", []int32{int32(part)}, []int64{seq}, 30.0, []int64{old}) //nolint:gosec // < 64
+	rows, err := pool.Query(ctx, oq.Renew, "relay-a", []int32{int32(part)}, []int64{seq}, 30.0, []int64{old})
 	if err != nil {
 		t.Fatal(err)
 	}
