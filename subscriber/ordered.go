@@ -85,6 +85,15 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 //     key's next row at or below seen, or resolves it (a tombstone: rows at
 //     or below it are done) until the written floor passes it. A replay hold
 //     (an operator's replay of a row already relayed) covers nothing.
+//   - Terms: every lease of a partition is a term (the epoch Acquire
+//     increments). A delivery belongs to the term it was made under: the
+//     term's end (lease lost, deadline passed, released, relay stopping)
+//     cancels its messages' contexts, and the relay takes the partition
+//     again only once every runner of the ended term has its verdict (or
+//     overran), so one relay never has two copies of a key in handlers.
+//     Every write of progress or holds (Renew, Release, Fail, Advance) is
+//     fenced on owner and epoch: nothing done under an ended term is
+//     written, whoever owns the partition now.
 
 // orderedRelay delivers the keyed rows of one subscription; it is one relay
 // of the table's membership.
