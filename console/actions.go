@@ -26,7 +26,7 @@ func (h *handler) held(w http.ResponseWriter, r *http.Request) {
 	keys, err := runbook.HeldKeys(r.Context(), h.pool, t, maxHeldShown)
 	if err != nil {
 		h.logger.Error("Console could not list held keys", err, watermill.LogFields{"table": t.String()})
-		http.Error(w, "cannot list the held keys (see the console's log)", http.StatusInternalServerError)
+		h.fail(w, r, http.StatusInternalServerError, "Cannot list the held keys (see the console's log).", "", "")
 		return
 	}
 	h.render(w, r, "held.html", "Held keys of "+t.String(), struct {
@@ -46,7 +46,7 @@ func (h *handler) topics(w http.ResponseWriter, r *http.Request) {
 	list, err := runbook.Topics(r.Context(), h.pool, t, maxTopicsShown)
 	if err != nil {
 		h.logger.Error("Console could not count the backlog by topic", err, watermill.LogFields{"table": t.String()})
-		http.Error(w, "cannot count the backlog by topic (see the console's log)", http.StatusInternalServerError)
+		h.fail(w, r, http.StatusInternalServerError, "Cannot count the backlog by topic (see the console's log).", "", "")
 		return
 	}
 	h.render(w, r, "topics.html", "Backlog by topic of "+t.String(), struct {
@@ -73,7 +73,7 @@ func (h *handler) eventAction(w http.ResponseWriter, r *http.Request, action str
 	}
 	id, err := uuid.Parse(r.PathValue("id"))
 	if err != nil {
-		http.Error(w, "the event id must be a UUID", http.StatusBadRequest)
+		h.fail(w, r, http.StatusBadRequest, "The event id must be a UUID.", tablePath(t, "held"), "the held keys")
 		return t, uuid.Nil, nil, false
 	}
 	fields := actionFields(r, action, t.String())
@@ -91,7 +91,7 @@ func (h *handler) skip(w http.ResponseWriter, r *http.Request) {
 	res, err := runbook.SkipEvent(r.Context(), h.pool, t, id, false)
 	if err != nil {
 		h.logger.Info("Console skip refused", fields)
-		http.Error(w, "not skipped: "+err.Error(), http.StatusConflict)
+		h.fail(w, r, http.StatusConflict, "not skipped: "+err.Error(), tablePath(t, "held"), "the held keys")
 		return
 	}
 	fields["ordering_key"] = res.Key
@@ -115,7 +115,7 @@ func (h *handler) preview(w http.ResponseWriter, r *http.Request) {
 	p, err := runbook.ReplayDead(r.Context(), h.pool, t, f, true)
 	if err != nil {
 		h.logger.Error("Console could not preview a bulk replay", err, watermill.LogFields{"table": t.String()})
-		http.Error(w, "cannot preview the replay (see the console's log)", http.StatusInternalServerError)
+		h.fail(w, r, http.StatusInternalServerError, "Cannot preview the replay (see the console's log).", tablePath(t, "dead"), "the dead rows")
 		return
 	}
 	h.render(w, r, "preview.html", "Replay dead rows of "+t.String(), struct {
@@ -152,11 +152,11 @@ func (h *handler) bulkReplay(w http.ResponseWriter, r *http.Request) {
 	snap.Digest = r.PostFormValue("digest")
 	confirm, errs := parseInt(r.PostFormValue("confirm"), errs)
 	if len(errs) > 0 {
-		http.Error(w, "the replay form is incomplete: preview again", http.StatusBadRequest)
+		h.fail(w, r, http.StatusBadRequest, "The replay form is incomplete: preview again; nothing changed.", previewPath(t, f), "the preview")
 		return
 	}
 	if confirm != snap.Rows {
-		http.Error(w, "type the number of rows the preview counted ("+strconv.FormatInt(snap.Rows, 10)+") to confirm; nothing changed", http.StatusBadRequest)
+		h.fail(w, r, http.StatusBadRequest, "Type the number of rows the preview counted ("+strconv.FormatInt(snap.Rows, 10)+") to confirm; nothing changed.", previewPath(t, f), "the preview")
 		return
 	}
 	f.Expect = &snap
@@ -165,12 +165,12 @@ func (h *handler) bulkReplay(w http.ResponseWriter, r *http.Request) {
 	res, err := runbook.ReplayDead(r.Context(), h.pool, t, f, false)
 	if errors.Is(err, runbook.ErrReplaySetChanged) {
 		h.logger.Info("Console bulk replay refused: the rows changed since the preview", fields)
-		http.Error(w, "not replayed: "+err.Error(), http.StatusConflict)
+		h.fail(w, r, http.StatusConflict, "not replayed: "+err.Error(), previewPath(t, f), "a new preview")
 		return
 	}
 	if err != nil {
 		h.logger.Error("Console bulk replay failed", err, fields)
-		http.Error(w, "not replayed (see the console's log)", http.StatusInternalServerError)
+		h.fail(w, r, http.StatusInternalServerError, "Not replayed (see the console's log).", previewPath(t, f), "the preview")
 		return
 	}
 	fields["changed"] = res.Rows
@@ -202,45 +202,88 @@ func (h *handler) addJob(j *job) string {
 	return id
 }
 
-func (h *handler) job(w http.ResponseWriter, r *http.Request) (*job, runbook.Progress, bool) {
+// jobGone says why a bulk replay's progress cannot be shown: the console
+// keeps its jobs in memory only.
+func jobGone() string {
+	return "This console has no record of that bulk replay. It keeps the progress of its last " + strconv.Itoa(maxJobs) +
+		" bulk replays in memory only, so a restart of the console (or of the relay daemon it runs in) forgets them. " +
+		"The rows were replayed all the same: the dead rows page and the event pages show where each one is now."
+}
+
+func (h *handler) job(r *http.Request) (*job, runbook.Progress, error) {
 	h.jobsMu.Lock()
 	j := h.jobs[r.PathValue("job")]
 	h.jobsMu.Unlock()
 	if j == nil {
-		http.Error(w, "no such replay: the console remembers its last "+strconv.Itoa(maxJobs)+" bulk replays since it started", http.StatusNotFound)
-		return nil, runbook.Progress{}, false
+		return nil, runbook.Progress{}, errJobGone
 	}
 	p, err := runbook.ReplayProgress(r.Context(), h.pool, h.tables[j.Table], j.EventIDs)
 	if err != nil {
 		h.logger.Error("Console could not read a replay's progress", err, watermill.LogFields{"table": j.Table})
-		http.Error(w, "cannot read the replay's progress (see the console's log)", http.StatusInternalServerError)
-		return nil, runbook.Progress{}, false
+		return nil, runbook.Progress{}, err
 	}
-	return j, p, true
+	return j, p, nil
 }
 
-// jobPage shows a bulk replay's progress; the script refreshes it.
+// errJobGone: the console has no record of the bulk replay.
+var errJobGone = errors.New("no such bulk replay")
+
+// jobState is a bulk replay's progress as the page and /api/replay show
+// it.
+type jobState struct {
+	runbook.Progress
+	// Done is true when no replayed row is pending any more: every one is
+	// delivered, dead again or gone from the table.
+	Done bool `json:"done"`
+}
+
+// jobPage shows a bulk replay's progress; the script follows it until it
+// is done.
 func (h *handler) jobPage(w http.ResponseWriter, r *http.Request) {
-	if _, ok := h.table(w, r); !ok {
+	t, ok := h.table(w, r)
+	if !ok {
 		return
 	}
-	j, p, ok := h.job(w, r)
-	if !ok {
+	j, p, err := h.job(r)
+	if errors.Is(err, errJobGone) {
+		h.fail(w, r, http.StatusNotFound, jobGone(), "/t/"+url.PathEscape(t.String())+"/dead", "the dead rows")
+		return
+	}
+	if err != nil {
+		h.fail(w, r, http.StatusServiceUnavailable, "Cannot read the replay's progress now (see the console's log); reload the page to try again.", "", "")
 		return
 	}
 	h.render(w, r, "job.html", "Bulk replay of "+j.Table, struct {
 		ID       string
 		Job      *job
-		Progress runbook.Progress
-	}{r.PathValue("job"), j, p})
+		Progress jobState
+		Gone     string
+	}{r.PathValue("job"), j, jobState{p, p.Pending == 0}, jobGone()})
 }
 
-// jobProgress is the progress of a bulk replay as JSON.
+// jobProgress is the progress of a bulk replay as JSON; 404 with
+// {"gone": true, "error": ...} when the console has no record of it.
 func (h *handler) jobProgress(w http.ResponseWriter, r *http.Request) {
-	_, p, ok := h.job(w, r)
-	if !ok {
-		return
-	}
 	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(p)
+	_, p, err := h.job(r)
+	switch {
+	case errors.Is(err, errJobGone):
+		w.WriteHeader(http.StatusNotFound)
+		_ = json.NewEncoder(w).Encode(map[string]any{"gone": true, "error": jobGone()})
+	case err != nil:
+		w.WriteHeader(http.StatusServiceUnavailable)
+		_ = json.NewEncoder(w).Encode(map[string]any{"error": "cannot read the replay's progress now (see the console's log)"})
+	default:
+		_ = json.NewEncoder(w).Encode(jobState{p, p.Pending == 0})
+	}
+}
+
+// tablePath is the path of one of t's pages ("dead", "held", "event/<id>").
+func tablePath(t schema.Table, page string) string {
+	return "/t/" + url.PathEscape(t.String()) + "/" + page
+}
+
+// previewPath is the path of the preview of a bulk replay of f.
+func previewPath(t schema.Table, f runbook.DeadFilter) string {
+	return tablePath(t, "replay") + "?" + url.Values{"topic": {f.Topic}, "error": {f.ErrorContains}}.Encode()
 }

@@ -189,8 +189,24 @@ WHERE event_id = $1`, broker[1]); err != nil {
 	if l := counts[name].Leader; l == nil || l.PID != pid {
 		t.Fatalf("overview leader %+v, want pid %d", l, pid)
 	}
-	if r := do(t, "GET", srv.URL+"/api/replay/0000", nil, auth); r.code != 404 {
-		t.Errorf("unknown job: %d", r.code)
+	var state struct {
+		Done    bool  `json:"done"`
+		Pending int64 `json:"pending"`
+	}
+	if err := json.Unmarshal([]byte(do(t, "GET", srv.URL+"/api/replay/"+job[strings.LastIndex(job, "/")+1:], nil, auth).body), &state); err != nil || !state.Done || state.Pending != 0 {
+		t.Errorf("a finished job: %+v (%v), want done", state, err)
+	}
+	if page := do(t, "GET", srv.URL+job, nil, auth); !regexp.MustCompile(`<p id="job-done" class="flash">Finished`).MatchString(page.body) {
+		t.Errorf("the finished job's page does not say it is finished:\n%s", page.body)
+	}
+	// A job the console does not remember (a restart) is said so: a page
+	// with the layout and a link back, and JSON that the script reads.
+	if r := do(t, "GET", srv.URL+"/api/replay/0000", nil, auth); r.code != 404 || !strings.Contains(r.body, `"gone":true`) {
+		t.Errorf("unknown job: %d %s", r.code, r.body)
+	}
+	if r := do(t, "GET", srv.URL+"/t/"+name+"/replay/0000", nil, auth); r.code != 404 || !strings.Contains(r.body, "in memory only") ||
+		!strings.Contains(r.body, `id="back" href="/t/`+name+`/dead"`) && !strings.Contains(r.body, `href="/t/`+name+`/dead" id="back"`) {
+		t.Errorf("unknown job's page: %d %s", r.code, r.body)
 	}
 }
 
