@@ -291,6 +291,16 @@ func TestHeldKeySkip(t *testing.T) {
 	if !strings.Contains(page.body, "&lt;b&gt;k1&lt;/b&gt;") || !strings.Contains(page.body, ids[0].String()) {
 		t.Fatalf("held keys page does not show the key escaped and its row:\n%s", page.body)
 	}
+	// The rows pages read ordered mode's state: the held row is dead, the
+	// key's next row pending, waiting behind it.
+	if r := do(t, "GET", srv.URL+"/t/"+name+"/rows?state=dead", nil, auth); !strings.Contains(r.body, `<tr data-event="`+ids[0].String()+`">`) ||
+		strings.Contains(r.body, ids[1].String()) {
+		t.Errorf("ordered dead rows:\n%s", r.body)
+	}
+	if r := do(t, "GET", srv.URL+"/t/"+name+"/rows?state=pending", nil, auth); !strings.Contains(r.body, `<tr data-event="`+ids[1].String()+`">`) ||
+		!strings.Contains(r.body, "waits behind a held key") {
+		t.Errorf("ordered pending rows:\n%s", r.body)
+	}
 	var counts map[string]struct {
 		Held    int `json:"held_keys"`
 		Ordered int `json:"ordered_relays"`

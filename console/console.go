@@ -197,6 +197,7 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 		"perSecond": func(perMinute int64) string { return strconv.FormatFloat(float64(perMinute)/60, 'f', 1, 64) },
 		"plural":    plural,
 		"short":     func(s string) string { return shorten(s, 160) },
+		"rowState":  rowState,
 	}).ParseFS(templateFS, "templates/*.html")
 	if err != nil {
 		return nil, fmt.Errorf("console: templates: %w", err)
@@ -211,6 +212,7 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	mux.HandleFunc("GET /{$}", h.overview)
 	mux.HandleFunc("GET /t/{table}/dead", h.dead)
 	mux.HandleFunc("GET /t/{table}/held", h.held)
+	mux.HandleFunc("GET /t/{table}/rows", h.rows)
 	mux.HandleFunc("GET /t/{table}/topics", h.topics)
 	mux.HandleFunc("GET /t/{table}/event/{id}", h.event)
 	mux.HandleFunc("GET /t/{table}/replay", h.preview)
