@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/url"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -17,7 +18,9 @@ import (
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// held lists the held keys of an ordered table, each with a skip button.
+// held lists the held keys of an ordered table, each with a skip button
+// and a box for the bulk skip, filtered by a text the key, topic or last
+// error contains (?q=) and, with ?dead=1, to the dead holds.
 func (h *handler) held(w http.ResponseWriter, r *http.Request) {
 	t, ok := h.table(w, r)
 	if !ok {
@@ -29,12 +32,112 @@ func (h *handler) held(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, http.StatusInternalServerError, "Cannot list the held keys (see the console's log).", "", "")
 		return
 	}
+	q := strings.TrimSpace(r.URL.Query().Get("q"))
+	deadOnly := r.URL.Query().Get("dead") == "1"
+	shown := heldMatching(keys, q, deadOnly)
 	h.render(w, r, "held.html", "Held keys of "+t.String(), struct {
-		Table  string
-		Keys   []runbook.HeldKey
-		Capped bool
-		Flash  string
-	}{t.String(), keys, len(keys) == maxHeldShown, flash(r)})
+		Table    string
+		Keys     []runbook.HeldKey
+		All      int
+		Q        string
+		DeadOnly bool
+		Capped   bool
+		Flash    string
+	}{t.String(), shown, len(keys), q, deadOnly, len(keys) == maxHeldShown, flash(r)})
+}
+
+// heldMatching keeps the held keys whose key, topic or last error
+// contains q (ignoring case), and only the dead ones with deadOnly.
+func heldMatching(keys []runbook.HeldKey, q string, deadOnly bool) []runbook.HeldKey {
+	lq := strings.ToLower(q)
+	var out []runbook.HeldKey
+	for _, k := range keys {
+		if deadOnly && k.DeadAt == nil {
+			continue
+		}
+		if lq != "" {
+			text := k.Key + "\n" + k.Topic + "\n" + k.EventID
+			if k.LastError != nil {
+				text += "\n" + *k.LastError
+			}
+			if !strings.Contains(strings.ToLower(text), lq) {
+				continue
+			}
+		}
+		out = append(out, k)
+	}
+	return out
+}
+
+// skipResult is one row of a bulk skip's report.
+type skipResult struct {
+	EventID string
+	Key     string
+	// Refused says why the row was not skipped, "" when it was.
+	Refused string
+}
+
+// bulkSkip asks the relays to skip the held rows ticked on the held keys
+// page, only when the operator typed how many were ticked; each row goes
+// through runbook.SkipEvent, and the page reports each outcome.
+func (h *handler) bulkSkip(w http.ResponseWriter, r *http.Request) {
+	t, ok := h.table(w, r)
+	if !ok || !h.allow(w, r) {
+		return
+	}
+	back := tablePath(t, "held")
+	var ids []uuid.UUID
+	seen := map[uuid.UUID]bool{}
+	for _, s := range r.PostForm["event"] {
+		id, err := uuid.Parse(s)
+		if err != nil {
+			h.fail(w, r, http.StatusBadRequest, "The ticked rows must be event ids (UUIDs); nothing changed.", back, "the held keys")
+			return
+		}
+		if !seen[id] {
+			seen[id] = true
+			ids = append(ids, id)
+		}
+	}
+	if len(ids) == 0 {
+		h.fail(w, r, http.StatusBadRequest, "Tick the rows to skip first; nothing changed.", back, "the held keys")
+		return
+	}
+	if len(ids) > maxHeldShown {
+		h.fail(w, r, http.StatusBadRequest, "At most "+strconv.Itoa(maxHeldShown)+" rows at once; nothing changed.", back, "the held keys")
+		return
+	}
+	if confirm := strings.TrimSpace(r.PostFormValue("confirm")); confirm != strconv.Itoa(len(ids)) {
+		h.fail(w, r, http.StatusBadRequest, "Type the number of ticked rows ("+strconv.Itoa(len(ids))+") to confirm; nothing changed.", back, "the held keys")
+		return
+	}
+	fields := actionFields(r, "bulk skip", t.String())
+	fields["rows"] = len(ids)
+	var (
+		out     []skipResult
+		skipped int
+	)
+	for _, id := range ids {
+		res, err := runbook.SkipEvent(r.Context(), h.pool, t, id, false)
+		sr := skipResult{EventID: id.String(), Key: res.Key}
+		if err != nil {
+			sr.Refused = err.Error()
+		} else {
+			skipped++
+		}
+		out = append(out, sr)
+	}
+	fields["skipped"] = skipped
+	h.logger.Info("Console bulk skip", fields)
+	status := http.StatusOK
+	if skipped < len(ids) {
+		status = http.StatusConflict
+	}
+	h.renderStatus(w, r, status, "skipped.html", "Bulk skip on "+t.String(), struct {
+		Table            string
+		Results          []skipResult
+		Skipped, Refused int
+	}{t.String(), out, skipped, len(ids) - skipped})
 }
 
 // topics shows the backlog by topic.

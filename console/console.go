@@ -223,6 +223,7 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	mux.HandleFunc("POST /logout", h.logout)
 	mux.HandleFunc("POST /t/{table}/event/{id}/replay", h.replay)
 	mux.HandleFunc("POST /t/{table}/event/{id}/skip", h.skip)
+	mux.HandleFunc("POST /t/{table}/skip", h.bulkSkip)
 	mux.HandleFunc("POST /t/{table}/replay", h.bulkReplay)
 	h.mux = mux
 	return h, nil

@@ -121,6 +121,20 @@ if (main && toggle) {
   });
 }
 
+// The held keys page: "tick every row shown" and the count of ticked rows.
+document.addEventListener("change", function (e) {
+  var t = e.target;
+  if (!t || !t.closest) { return; }
+  var form = t.closest("#bulk-skip");
+  if (!form) { return; }
+  if (t.id === "select-all") {
+    form.querySelectorAll("input.pick").forEach(function (c) { c.checked = t.checked; });
+  }
+  var n = form.querySelectorAll("input.pick:checked").length;
+  var out = document.getElementById("ticked");
+  if (out) { out.textContent = n ? n + " ticked" : ""; }
+});
+
 var progress = document.getElementById("progress");
 if (progress) {
   var done = document.getElementById("job-done");
