@@ -390,3 +390,24 @@ func tablePath(t schema.Table, page string) string {
 func previewPath(t schema.Table, f runbook.DeadFilter) string {
 	return tablePath(t, "replay") + "?" + url.Values{"topic": {f.Topic}, "error": {f.ErrorContains}}.Encode()
 }
+
+// relays lists the relays alive on a table: their processes' sessions with
+// the leader, the ordered relays' partitions, the WAL slot's reader.
+func (h *handler) relays(w http.ResponseWriter, r *http.Request) {
+	t, ok := h.table(w, r)
+	if !ok {
+		return
+	}
+	list, err := runbook.Relays(r.Context(), h.pool, t)
+	if err != nil {
+		h.logger.Error("Console could not list the relays", err, watermill.LogFields{"table": t.String()})
+		h.fail(w, r, http.StatusInternalServerError, "Cannot list the relays (see the console's log).", "", "")
+		return
+	}
+	h.render(w, r, "relays.html", "Relays of "+t.String(), struct {
+		Table  string
+		List   runbook.RelayList
+		Prefix string
+		Slot   string
+	}{t.String(), list, schema.RelayApplicationPrefix, schema.WALSlotName(t)})
+}

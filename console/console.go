@@ -213,6 +213,7 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	mux.HandleFunc("GET /t/{table}/dead", h.dead)
 	mux.HandleFunc("GET /t/{table}/held", h.held)
 	mux.HandleFunc("GET /t/{table}/rows", h.rows)
+	mux.HandleFunc("GET /t/{table}/relays", h.relays)
 	mux.HandleFunc("GET /t/{table}/topics", h.topics)
 	mux.HandleFunc("GET /t/{table}/event/{id}", h.event)
 	mux.HandleFunc("GET /t/{table}/replay", h.preview)

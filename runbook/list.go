@@ -2,11 +2,13 @@ package runbook
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -112,4 +114,138 @@ func ListRows(ctx context.Context, db DB, t schema.Table, f ListFilter) (RowPage
 		return RowPage{}, dbError(t, "count the rows of", err)
 	}
 	return p, nil
+}
+
+// RelayProcess is one relay process as its database sessions show it,
+// grouped by application_name (the `outbox relay` daemon names its
+// sessions "outbox-relay <host> <pid> <version>").
+type RelayProcess struct {
+	// ApplicationName is the sessions' application_name; "" for a relay
+	// that does not name itself (one embedded in an application).
+	ApplicationName string `json:"application_name"`
+	// Sessions counts its database sessions.
+	Sessions int `json:"sessions"`
+	// Since is the start of its oldest session.
+	Since time.Time `json:"since"`
+	// ClientAddrs are its client addresses, comma-separated; empty for a
+	// Unix socket, or without the pg_read_all_stats role.
+	ClientAddrs string `json:"client_addrs,omitempty"`
+	// Leader is true when one of its sessions holds the table's
+	// single-active lock (default mode): it is the active relay, the
+	// others are standbys or relays of other tables.
+	Leader bool `json:"leader"`
+	// PID is the server process id of the session holding the lock, else
+	// of its oldest session: PostgreSQL's pid, not the relay's.
+	PID int32 `json:"pid"`
+}
+
+// PartitionOwner is an ordered relay and the partitions it owns.
+type PartitionOwner struct {
+	// Owner is the relay's id (host-pid-random).
+	Owner string `json:"owner"`
+	// Partitions are the partitions it owns.
+	Partitions []int32 `json:"partitions"`
+	// LeaseUntil is when its latest lease ends.
+	LeaseUntil time.Time `json:"lease_until"`
+	// Live is false when one of its leases expired: the relay stopped
+	// renewing, and another takes its partitions.
+	Live bool `json:"live"`
+}
+
+// WALSlot is the replication slot a WAL relay reads and who reads it.
+type WALSlot struct {
+	// Name is the slot's name.
+	Name string `json:"name"`
+	// Active is true when a relay reads it now.
+	Active bool `json:"active"`
+	// ActivePID is the server pid of the reading session, 0 when none.
+	ActivePID int32 `json:"active_pid,omitempty"`
+	// ApplicationName and ClientAddr are the reading session's.
+	ApplicationName string `json:"application_name,omitempty"`
+	ClientAddr      string `json:"client_addr,omitempty"`
+}
+
+// RelayList is every relay alive on a table as the database shows it.
+type RelayList struct {
+	// Mode is the table's relay mode.
+	Mode schema.Mode `json:"mode"`
+	// Processes are the relay processes connected to the database (every
+	// table's: a relay of another table shows too) and the holder of this
+	// table's single-active lock, the leader first.
+	Processes []RelayProcess `json:"processes"`
+	// Owners are the ordered relays owning partitions (ordered mode).
+	Owners []PartitionOwner `json:"owners,omitempty"`
+	// Slot is the table's replication slot under its default name
+	// (schema.WALSlotName), nil when there is none (WAL mode).
+	Slot *WALSlot `json:"slot,omitempty"`
+}
+
+// Relays lists the relays alive on t: the relay processes' sessions
+// (pg_stat_activity) with the holder of the single-active lock, the ordered
+// relays owning partitions, and the session reading the WAL slot. Reading
+// other sessions' client address needs the pg_read_all_stats role or
+// superuser.
+func Relays(ctx context.Context, db DB, t schema.Table) (RelayList, error) {
+	if err := checkTable(t); err != nil {
+		return RelayList{}, err
+	}
+	sq, err := stateOf(ctx, db, t)
+	if err != nil {
+		return RelayList{}, err
+	}
+	out := RelayList{Mode: sq.Mode}
+	st := schema.RelaySessions(t)
+	rows, err := db.Query(ctx, st.SQL, st.Args...)
+	if err != nil {
+		return RelayList{}, dbError(t, "list the relay sessions of", err)
+	}
+	out.Processes, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (RelayProcess, error) {
+		var p RelayProcess
+		var since *time.Time
+		err := r.Scan(&p.ApplicationName, &p.Sessions, &since, &p.ClientAddrs, &p.Leader, &p.PID)
+		if since != nil {
+			p.Since = *since
+		}
+		return p, err
+	})
+	if err != nil {
+		return RelayList{}, dbError(t, "list the relay sessions of", err)
+	}
+	switch sq.Mode {
+	case schema.ModeOrdered:
+		rows, err := db.Query(ctx, schema.PartitionOwners(t))
+		if err != nil {
+			return RelayList{}, dbError(t, "list the partition owners of", err)
+		}
+		out.Owners, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (PartitionOwner, error) {
+			var o PartitionOwner
+			var until *time.Time
+			var live *bool
+			err := r.Scan(&o.Owner, &o.Partitions, &until, &live)
+			if until != nil {
+				o.LeaseUntil = *until
+			}
+			o.Live = live != nil && *live
+			return o, err
+		})
+		if err != nil {
+			return RelayList{}, dbError(t, "list the partition owners of", err)
+		}
+	case schema.ModeWAL:
+		var (
+			s   WALSlot
+			pid *int32
+		)
+		err := db.QueryRow(ctx, schema.WALSlotReader, schema.WALSlotName(t)).Scan(&s.Name, &s.Active, &pid, &s.ApplicationName, &s.ClientAddr)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return RelayList{}, dbError(t, "read the replication slot of", err)
+		}
+		if err == nil {
+			if pid != nil {
+				s.ActivePID = *pid
+			}
+			out.Slot = &s
+		}
+	}
+	return out, nil
 }

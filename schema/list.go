@@ -191,3 +191,46 @@ func (q StateQueries) CountRows(f RowListFilter, first int64) Statement {
 SELECT count(*), count(*) FILTER (WHERE s.sequence ` + cmp + ` $` + strconv.Itoa(len(args)) + `::bigint) FROM s
 WHERE ` + where, Args: args}
 }
+
+// RelayApplicationPrefix starts the application_name of the sessions of
+// the `outbox relay` daemon: "outbox-relay <host> <pid> <version>".
+const RelayApplicationPrefix = "outbox-relay "
+
+// RelaySessions lists, by application_name, the database sessions of relay
+// processes: those whose application_name starts with
+// RelayApplicationPrefix, and the session holding t's single-active lock
+// whatever its name. Returns: application_name, sessions, the earliest
+// backend_start, the client addresses (comma-separated, "" when unknown or
+// hidden), whether one of them holds the lock, the pid of the session
+// holding it (else of the oldest one). The leader first.
+func RelaySessions(t Table) Statement {
+	return Statement{SQL: `SELECT COALESCE(a.application_name, ''), count(*), min(a.backend_start),
+  COALESCE(string_agg(DISTINCT host(a.client_addr), ', '), ''),
+  bool_or(l.pid IS NOT NULL),
+  (array_agg(a.pid ORDER BY l.pid IS NULL, a.backend_start))[1]
+FROM pg_stat_activity AS a
+LEFT JOIN pg_locks AS l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ExclusiveLock'
+  AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint
+WHERE a.application_name LIKE '` + RelayApplicationPrefix + `%' OR l.pid IS NOT NULL
+GROUP BY 1
+ORDER BY bool_or(l.pid IS NOT NULL) DESC, min(a.backend_start)`, Args: []any{t.LockKey()}}
+}
+
+// PartitionOwners lists the owners of t's ordered partitions
+// (<t>_partitions): owner, the partitions it owns (int array), its latest
+// lease end, whether every lease is live. The live owners first.
+func PartitionOwners(t Table) string {
+	return `SELECT owner, array_agg(partition ORDER BY partition), max(lease_until), bool_and(lease_until > now())
+FROM ` + t.PartitionsTable() + `
+WHERE owner IS NOT NULL
+GROUP BY owner
+ORDER BY bool_and(lease_until > now()) DESC, owner`
+}
+
+// WALSlotReader reads the replication slot $1 and the session reading it:
+// slot name, active, active_pid, that session's application_name and
+// client address ("" when none or hidden). No row when the slot does not
+// exist.
+const WALSlotReader = `SELECT s.slot_name::text, s.active, s.active_pid, COALESCE(a.application_name, ''), COALESCE(host(a.client_addr), '')
+FROM pg_replication_slots AS s LEFT JOIN pg_stat_activity AS a ON a.pid = s.active_pid
+WHERE s.slot_name = $1`
