@@ -198,6 +198,8 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 		"plural":    plural,
 		"short":     func(s string) string { return shorten(s, 160) },
 		"rowState":  rowState,
+		"dur":       duration,
+		"ranges":    ranges,
 	}).ParseFS(templateFS, "templates/*.html")
 	if err != nil {
 		return nil, fmt.Errorf("console: templates: %w", err)
@@ -746,6 +748,35 @@ func relative(d time.Duration) string {
 		return "in " + out
 	}
 	return out + " ago"
+}
+
+// duration writes an age in seconds readably: "2.5 s" under a minute,
+// else "3m", "2h 5m", "4d 1h".
+func duration(seconds float64) string {
+	if seconds < 60 {
+		return strconv.FormatFloat(seconds, 'f', 1, 64) + " s"
+	}
+	return strings.TrimSuffix(relative(time.Duration(seconds*float64(time.Second))), " ago")
+}
+
+// ranges writes sorted partition numbers as ranges: "0–5, 9, 12–13".
+func ranges(ps []int32) string {
+	var b strings.Builder
+	for i := 0; i < len(ps); {
+		j := i
+		for j+1 < len(ps) && ps[j+1] == ps[j]+1 {
+			j++
+		}
+		if b.Len() > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString(strconv.Itoa(int(ps[i])))
+		if j > i {
+			b.WriteString("–" + strconv.Itoa(int(ps[j])))
+		}
+		i = j + 1
+	}
+	return b.String()
 }
 
 // shorten cuts s to at most n bytes on a rune boundary, marking the cut.

@@ -155,3 +155,30 @@ func TestRowsListsAndSearch(t *testing.T) {
 		}
 	}
 }
+
+// TestEventPageTimesAndReplayButton: the token holder sees a Replay button
+// on a failed row and none on a published one; times are UTC ISO-8601
+// with how long ago.
+func TestEventPageTimesAndReplayButton(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox")
+	dead := deadRow(t, pool, tbl)
+	published := deadRow(t, pool, tbl)
+	if _, err := pool.Exec(context.Background(), `UPDATE `+tbl.Sanitize()+` SET dead_at = NULL, published_at = now() - interval '3 minutes' WHERE event_id = $1`, published); err != nil {
+		t.Fatal(err)
+	}
+	const token = "event-page-token-0123456789"
+	srv := server(t, pool, tbl, token)
+	auth := map[string]string{"Authorization": "Bearer " + token}
+	r := do(t, "GET", srv.URL+"/t/"+tbl.String()+"/event/"+published.String(), nil, auth)
+	if r.code != 200 || strings.Contains(r.body, `id="replay"`) || !strings.Contains(r.body, `id="no-replay"`) {
+		t.Errorf("published event page: %d\n%s", r.code, r.body)
+	}
+	if !regexp.MustCompile(`<dd id="published"><time datetime="\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ" data-rel>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ</time> <span class="rel">\(3m ago\)</span></dd>`).MatchString(r.body) {
+		t.Errorf("published time not in the console's format:\n%s", r.body)
+	}
+	if r := do(t, "GET", srv.URL+"/t/"+tbl.String()+"/event/"+dead.String(), nil, auth); !strings.Contains(r.body, `id="replay"`) {
+		t.Errorf("dead event page without a Replay button:\n%s", r.body)
+	}
+}
