@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/url"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -17,7 +18,9 @@ import (
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// held lists the held keys of an ordered table, each with a skip button.
+// held lists the held keys of an ordered table, each with a skip button
+// and a box for the bulk skip, filtered by a text the key, topic or last
+// error contains (?q=) and, with ?dead=1, to the dead holds.
 func (h *handler) held(w http.ResponseWriter, r *http.Request) {
 	t, ok := h.table(w, r)
 	if !ok {
@@ -26,15 +29,115 @@ func (h *handler) held(w http.ResponseWriter, r *http.Request) {
 	keys, err := runbook.HeldKeys(r.Context(), h.pool, t, maxHeldShown)
 	if err != nil {
 		h.logger.Error("Console could not list held keys", err, watermill.LogFields{"table": t.String()})
-		http.Error(w, "cannot list the held keys (see the console's log)", http.StatusInternalServerError)
+		h.fail(w, r, http.StatusInternalServerError, "Cannot list the held keys (see the console's log).", "", "")
 		return
 	}
+	q := strings.TrimSpace(r.URL.Query().Get("q"))
+	deadOnly := r.URL.Query().Get("dead") == "1"
+	shown := heldMatching(keys, q, deadOnly)
 	h.render(w, r, "held.html", "Held keys of "+t.String(), struct {
-		Table  string
-		Keys   []runbook.HeldKey
-		Capped bool
-		Flash  string
-	}{t.String(), keys, len(keys) == maxHeldShown, flash(r)})
+		Table    string
+		Keys     []runbook.HeldKey
+		All      int
+		Q        string
+		DeadOnly bool
+		Capped   bool
+		Flash    string
+	}{t.String(), shown, len(keys), q, deadOnly, len(keys) == maxHeldShown, flash(r)})
+}
+
+// heldMatching keeps the held keys whose key, topic or last error
+// contains q (ignoring case), and only the dead ones with deadOnly.
+func heldMatching(keys []runbook.HeldKey, q string, deadOnly bool) []runbook.HeldKey {
+	lq := strings.ToLower(q)
+	var out []runbook.HeldKey
+	for _, k := range keys {
+		if deadOnly && k.DeadAt == nil {
+			continue
+		}
+		if lq != "" {
+			text := k.Key + "\n" + k.Topic + "\n" + k.EventID
+			if k.LastError != nil {
+				text += "\n" + *k.LastError
+			}
+			if !strings.Contains(strings.ToLower(text), lq) {
+				continue
+			}
+		}
+		out = append(out, k)
+	}
+	return out
+}
+
+// skipResult is one row of a bulk skip's report.
+type skipResult struct {
+	EventID string
+	Key     string
+	// Refused says why the row was not skipped, "" when it was.
+	Refused string
+}
+
+// bulkSkip asks the relays to skip the held rows ticked on the held keys
+// page, only when the operator typed how many were ticked; each row goes
+// through runbook.SkipEvent, and the page reports each outcome.
+func (h *handler) bulkSkip(w http.ResponseWriter, r *http.Request) {
+	t, ok := h.table(w, r)
+	if !ok || !h.allow(w, r) {
+		return
+	}
+	back := tablePath(t, "held")
+	var ids []uuid.UUID
+	seen := map[uuid.UUID]bool{}
+	for _, s := range r.PostForm["event"] {
+		id, err := uuid.Parse(s)
+		if err != nil {
+			h.fail(w, r, http.StatusBadRequest, "The ticked rows must be event ids (UUIDs); nothing changed.", back, "the held keys")
+			return
+		}
+		if !seen[id] {
+			seen[id] = true
+			ids = append(ids, id)
+		}
+	}
+	if len(ids) == 0 {
+		h.fail(w, r, http.StatusBadRequest, "Tick the rows to skip first; nothing changed.", back, "the held keys")
+		return
+	}
+	if len(ids) > maxHeldShown {
+		h.fail(w, r, http.StatusBadRequest, "At most "+strconv.Itoa(maxHeldShown)+" rows at once; nothing changed.", back, "the held keys")
+		return
+	}
+	if confirm := strings.TrimSpace(r.PostFormValue("confirm")); confirm != strconv.Itoa(len(ids)) {
+		h.fail(w, r, http.StatusBadRequest, "Type the number of ticked rows ("+strconv.Itoa(len(ids))+") to confirm; nothing changed.", back, "the held keys")
+		return
+	}
+	fields := actionFields(r, "bulk skip", t.String())
+	fields["rows"] = len(ids)
+	var (
+		out     []skipResult
+		skipped int
+	)
+	for _, id := range ids {
+		res, err := runbook.SkipEvent(r.Context(), h.pool, t, id, false)
+		sr := skipResult{EventID: id.String(), Key: res.Key}
+		if err != nil {
+			sr.Refused = err.Error()
+		} else {
+			skipped++
+		}
+		out = append(out, sr)
+	}
+	fields["skipped"] = skipped
+	h.logger.Info("Console bulk skip", fields)
+	status := http.StatusOK
+	if skipped < len(ids) {
+		status = http.StatusConflict
+	}
+	h.renderStatus(w, r, status, "skipped.html", "Bulk skip on "+t.String(), struct {
+		Table            string
+		Results          []skipResult
+		Skipped, Refused int
+	}{t.String(), out, skipped, len(ids) - skipped})
 }
 
 // topics shows the backlog by topic.
@@ -46,7 +149,7 @@ func (h *handler) topics(w http.ResponseWriter, r *http.Request) {
 	list, err := runbook.Topics(r.Context(), h.pool, t, maxTopicsShown)
 	if err != nil {
 		h.logger.Error("Console could not count the backlog by topic", err, watermill.LogFields{"table": t.String()})
-		http.Error(w, "cannot count the backlog by topic (see the console's log)", http.StatusInternalServerError)
+		h.fail(w, r, http.StatusInternalServerError, "Cannot count the backlog by topic (see the console's log).", "", "")
 		return
 	}
 	h.render(w, r, "topics.html", "Backlog by topic of "+t.String(), struct {
@@ -73,7 +176,7 @@ func (h *handler) eventAction(w http.ResponseWriter, r *http.Request, action str
 	}
 	id, err := uuid.Parse(r.PathValue("id"))
 	if err != nil {
-		http.Error(w, "the event id must be a UUID", http.StatusBadRequest)
+		h.fail(w, r, http.StatusBadRequest, "The event id must be a UUID.", tablePath(t, "held"), "the held keys")
 		return t, uuid.Nil, nil, false
 	}
 	fields := actionFields(r, action, t.String())
@@ -91,7 +194,7 @@ func (h *handler) skip(w http.ResponseWriter, r *http.Request) {
 	res, err := runbook.SkipEvent(r.Context(), h.pool, t, id, false)
 	if err != nil {
 		h.logger.Info("Console skip refused", fields)
-		http.Error(w, "not skipped: "+err.Error(), http.StatusConflict)
+		h.fail(w, r, http.StatusConflict, "not skipped: "+err.Error(), tablePath(t, "held"), "the held keys")
 		return
 	}
 	fields["ordering_key"] = res.Key
@@ -115,7 +218,7 @@ func (h *handler) preview(w http.ResponseWriter, r *http.Request) {
 	p, err := runbook.ReplayDead(r.Context(), h.pool, t, f, true)
 	if err != nil {
 		h.logger.Error("Console could not preview a bulk replay", err, watermill.LogFields{"table": t.String()})
-		http.Error(w, "cannot preview the replay (see the console's log)", http.StatusInternalServerError)
+		h.fail(w, r, http.StatusInternalServerError, "Cannot preview the replay (see the console's log).", tablePath(t, "dead"), "the dead rows")
 		return
 	}
 	h.render(w, r, "preview.html", "Replay dead rows of "+t.String(), struct {
@@ -152,11 +255,11 @@ func (h *handler) bulkReplay(w http.ResponseWriter, r *http.Request) {
 	snap.Digest = r.PostFormValue("digest")
 	confirm, errs := parseInt(r.PostFormValue("confirm"), errs)
 	if len(errs) > 0 {
-		http.Error(w, "the replay form is incomplete: preview again", http.StatusBadRequest)
+		h.fail(w, r, http.StatusBadRequest, "The replay form is incomplete: preview again; nothing changed.", previewPath(t, f), "the preview")
 		return
 	}
 	if confirm != snap.Rows {
-		http.Error(w, "type the number of rows the preview counted ("+strconv.FormatInt(snap.Rows, 10)+") to confirm; nothing changed", http.StatusBadRequest)
+		h.fail(w, r, http.StatusBadRequest, "Type the number of rows the preview counted ("+strconv.FormatInt(snap.Rows, 10)+") to confirm; nothing changed.", previewPath(t, f), "the preview")
 		return
 	}
 	f.Expect = &snap
@@ -165,12 +268,12 @@ func (h *handler) bulkReplay(w http.ResponseWriter, r *http.Request) {
 	res, err := runbook.ReplayDead(r.Context(), h.pool, t, f, false)
 	if errors.Is(err, runbook.ErrReplaySetChanged) {
 		h.logger.Info("Console bulk replay refused: the rows changed since the preview", fields)
-		http.Error(w, "not replayed: "+err.Error(), http.StatusConflict)
+		h.fail(w, r, http.StatusConflict, "not replayed: "+err.Error(), previewPath(t, f), "a new preview")
 		return
 	}
 	if err != nil {
 		h.logger.Error("Console bulk replay failed", err, fields)
-		http.Error(w, "not replayed (see the console's log)", http.StatusInternalServerError)
+		h.fail(w, r, http.StatusInternalServerError, "Not replayed (see the console's log).", previewPath(t, f), "the preview")
 		return
 	}
 	fields["changed"] = res.Rows
@@ -202,45 +305,109 @@ func (h *handler) addJob(j *job) string {
 	return id
 }
 
-func (h *handler) job(w http.ResponseWriter, r *http.Request) (*job, runbook.Progress, bool) {
+// jobGone says why a bulk replay's progress cannot be shown: the console
+// keeps its jobs in memory only.
+func jobGone() string {
+	return "This console has no record of that bulk replay. It keeps the progress of its last " + strconv.Itoa(maxJobs) +
+		" bulk replays in memory only, so a restart of the console (or of the relay daemon it runs in) forgets them. " +
+		"The rows were replayed all the same: the dead rows page and the event pages show where each one is now."
+}
+
+func (h *handler) job(r *http.Request) (*job, runbook.Progress, error) {
 	h.jobsMu.Lock()
 	j := h.jobs[r.PathValue("job")]
 	h.jobsMu.Unlock()
 	if j == nil {
-		http.Error(w, "no such replay: the console remembers its last "+strconv.Itoa(maxJobs)+" bulk replays since it started", http.StatusNotFound)
-		return nil, runbook.Progress{}, false
+		return nil, runbook.Progress{}, errJobGone
 	}
 	p, err := runbook.ReplayProgress(r.Context(), h.pool, h.tables[j.Table], j.EventIDs)
 	if err != nil {
 		h.logger.Error("Console could not read a replay's progress", err, watermill.LogFields{"table": j.Table})
-		http.Error(w, "cannot read the replay's progress (see the console's log)", http.StatusInternalServerError)
-		return nil, runbook.Progress{}, false
+		return nil, runbook.Progress{}, err
 	}
-	return j, p, true
+	return j, p, nil
 }
 
-// jobPage shows a bulk replay's progress; the script refreshes it.
+// errJobGone: the console has no record of the bulk replay.
+var errJobGone = errors.New("no such bulk replay")
+
+// jobState is a bulk replay's progress as the page and /api/replay show
+// it.
+type jobState struct {
+	runbook.Progress
+	// Done is true when no replayed row is pending any more: every one is
+	// delivered, dead again or gone from the table.
+	Done bool `json:"done"`
+}
+
+// jobPage shows a bulk replay's progress; the script follows it until it
+// is done.
 func (h *handler) jobPage(w http.ResponseWriter, r *http.Request) {
-	if _, ok := h.table(w, r); !ok {
+	t, ok := h.table(w, r)
+	if !ok {
 		return
 	}
-	j, p, ok := h.job(w, r)
-	if !ok {
+	j, p, err := h.job(r)
+	if errors.Is(err, errJobGone) {
+		h.fail(w, r, http.StatusNotFound, jobGone(), "/t/"+url.PathEscape(t.String())+"/dead", "the dead rows")
+		return
+	}
+	if err != nil {
+		h.fail(w, r, http.StatusServiceUnavailable, "Cannot read the replay's progress now (see the console's log); reload the page to try again.", "", "")
 		return
 	}
 	h.render(w, r, "job.html", "Bulk replay of "+j.Table, struct {
 		ID       string
 		Job      *job
-		Progress runbook.Progress
-	}{r.PathValue("job"), j, p})
+		Progress jobState
+		Gone     string
+	}{r.PathValue("job"), j, jobState{p, p.Pending == 0}, jobGone()})
 }
 
-// jobProgress is the progress of a bulk replay as JSON.
+// jobProgress is the progress of a bulk replay as JSON; 404 with
+// {"gone": true, "error": ...} when the console has no record of it.
 func (h *handler) jobProgress(w http.ResponseWriter, r *http.Request) {
-	_, p, ok := h.job(w, r)
+	w.Header().Set("Content-Type", "application/json")
+	_, p, err := h.job(r)
+	switch {
+	case errors.Is(err, errJobGone):
+		w.WriteHeader(http.StatusNotFound)
+		_ = json.NewEncoder(w).Encode(map[string]any{"gone": true, "error": jobGone()})
+	case err != nil:
+		w.WriteHeader(http.StatusServiceUnavailable)
+		_ = json.NewEncoder(w).Encode(map[string]any{"error": "cannot read the replay's progress now (see the console's log)"})
+	default:
+		_ = json.NewEncoder(w).Encode(jobState{p, p.Pending == 0})
+	}
+}
+
+// tablePath is the path of one of t's pages ("dead", "held", "event/<id>").
+func tablePath(t schema.Table, page string) string {
+	return "/t/" + url.PathEscape(t.String()) + "/" + page
+}
+
+// previewPath is the path of the preview of a bulk replay of f.
+func previewPath(t schema.Table, f runbook.DeadFilter) string {
+	return tablePath(t, "replay") + "?" + url.Values{"topic": {f.Topic}, "error": {f.ErrorContains}}.Encode()
+}
+
+// relays lists the relays alive on a table: their processes' sessions with
+// the leader, the ordered relays' partitions, the WAL slot's reader.
+func (h *handler) relays(w http.ResponseWriter, r *http.Request) {
+	t, ok := h.table(w, r)
 	if !ok {
 		return
 	}
-	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(p)
+	list, err := runbook.Relays(r.Context(), h.pool, t)
+	if err != nil {
+		h.logger.Error("Console could not list the relays", err, watermill.LogFields{"table": t.String()})
+		h.fail(w, r, http.StatusInternalServerError, "Cannot list the relays (see the console's log).", "", "")
+		return
+	}
+	h.render(w, r, "relays.html", "Relays of "+t.String(), struct {
+		Table  string
+		List   runbook.RelayList
+		Prefix string
+		Slot   string
+	}{t.String(), list, schema.RelayApplicationPrefix, schema.WALSlotName(t)})
 }

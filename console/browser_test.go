@@ -2,6 +2,7 @@ package console_test
 
 import (
 	"context"
+	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
@@ -40,7 +41,7 @@ func browser(t *testing.T) context.Context {
 		chromedp.Flag("disable-component-update", true),
 		chromedp.Flag("disable-sync", true),
 		chromedp.Flag("user-data-dir", t.TempDir()),
-		chromedp.Flag("window-size", "1200,800"),
+		chromedp.Flag("window-size", "1366,900"),
 	)
 	actx, acancel := chromedp.NewExecAllocator(context.Background(), opts...)
 	bctx, bcancel := chromedp.NewContext(actx)
@@ -209,22 +210,74 @@ func TestBrowserReplayDeadRow(t *testing.T) {
 	}
 }
 
+// swappable serves the console it holds, so that a test can replace it
+// (a restart), and watches the progress calls of the bulk replay page:
+// each is held for slow, and the most at once is recorded.
+type swappable struct {
+	mu       sync.Mutex
+	h        http.Handler
+	slow     time.Duration
+	inFlight int
+	maxIn    int
+	calls    int
+}
+
+func (s *swappable) set(h http.Handler) {
+	s.mu.Lock()
+	s.h = h
+	s.mu.Unlock()
+}
+
+func (s *swappable) progressCalls() (calls, maxAtOnce int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.calls, s.maxIn
+}
+
+func (s *swappable) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	s.mu.Lock()
+	h := s.h
+	progress := strings.HasPrefix(r.URL.Path, "/api/replay/")
+	if progress {
+		s.calls++
+		s.inFlight++
+		s.maxIn = max(s.maxIn, s.inFlight)
+	}
+	s.mu.Unlock()
+	if progress {
+		time.Sleep(s.slow)
+		defer func() {
+			s.mu.Lock()
+			s.inFlight--
+			s.mu.Unlock()
+		}()
+	}
+	h.ServeHTTP(w, r)
+}
+
 // TestBrowserBulkReplay: from the dead rows grouped by cause, an operator
 // previews the replay of one cause, types the count, confirms, and watches
 // the progress page count the rows a running relay delivers, without a
-// reload.
+// reload. Each progress call answers in 1.5 s, longer than the page's
+// 1 s pace: the calls never overlap, and they stop when the replay is done,
+// which the page says. Then the console restarts: the page says the
+// session is gone, and after a new login that the console has no record of
+// the replay (jobs are kept in memory).
 func TestBrowserBulkReplay(t *testing.T) {
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "outbox")
 	ids := deadWith(t, pool, tbl, "org.bulk.v1", "publish: broker down", 3)
 	deadWith(t, pool, tbl, "org.bulk.v1", "permanent: bad payload", 1)
-	delivered, _ := relay(t, pool, tbl)
 	const token = "bulk-browser-token"
-	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl}, Token: token})
-	if err != nil {
-		t.Fatal(err)
+	newConsole := func() http.Handler {
+		h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl}, Token: token})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return h
 	}
-	srv := httptest.NewServer(h)
+	sw := &swappable{h: newConsole(), slow: 1500 * time.Millisecond}
+	srv := httptest.NewServer(sw)
 	defer srv.Close()
 	ctx := browser(t)
 	steps(t, ctx, "the bulk replay",
@@ -245,11 +298,22 @@ func TestBrowserBulkReplay(t *testing.T) {
 		chromedp.SendKeys(`#confirm`, "3"),
 		chromedp.Click(`#confirm-replay`),
 		chromedp.WaitVisible(`#progress`),
+		chromedp.WaitVisible(`#job-following`),
 	)
-	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`document.querySelector('[data-progress="published"]').textContent.trim() === "3"`,
-		chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+	jobURL, err := chromedp.Run(ctx, chromedp.Location())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Nothing is delivered before a relay runs: the page keeps following.
+	time.Sleep(2 * time.Second)
+	if pending, err := chromedp.Run(ctx, chromedp.Text(`[data-progress="pending"]`)); err != nil || strings.TrimSpace(pending) != "3" {
+		t.Fatalf("pending before the relay runs: %q (%v), want 3", pending, err)
+	}
+	delivered, _ := relay(t, pool, tbl)
+	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`document.querySelector('[data-progress="published"]').textContent.trim() === "3" && !document.getElementById("job-done").hidden`,
+		chromedp.WithPollingTimeout(15*time.Second))); err != nil {
 		html, _ := chromedp.Run(ctx, chromedp.InnerHTML(`body`))
-		t.Fatalf("browser: the progress page did not reach 3 delivered: %v\n%s", err, html)
+		t.Fatalf("browser: the progress page did not reach 3 delivered and say it is finished: %v\n%s", err, html)
 	}
 	for _, id := range ids {
 		if !delivered(id.String()) {
@@ -258,5 +322,84 @@ func TestBrowserBulkReplay(t *testing.T) {
 	}
 	if deadCount(t, pool, tbl) != 1 {
 		t.Fatal("the row of the other cause was replayed too")
+	}
+	doneText, err := chromedp.Run(ctx, chromedp.Text(`#job-done`))
+	if err != nil || !strings.Contains(doneText, "3 delivered") || !strings.Contains(doneText, "0 dead again") {
+		t.Fatalf("the finished line says %q (%v)", doneText, err)
+	}
+	calls, maxAtOnce := sw.progressCalls()
+	time.Sleep(3 * time.Second)
+	callsLater, _ := sw.progressCalls()
+	if maxAtOnce != 1 || callsLater != calls || calls < 1 {
+		t.Fatalf("progress calls: %d, at most %d at once, %d after the replay was done; want 1 at once and none after", calls, maxAtOnce, callsLater)
+	}
+	screenshot(t, ctx, "job")
+
+	// A restart: sessions and jobs are gone. Reloaded, the page needs a
+	// login; after it, it says that the console has no record of the job.
+	sw.set(newConsole())
+	steps(t, ctx, "the replay after a restart",
+		chromedp.Navigate(jobURL),
+		chromedp.WaitVisible(`#need-login`),
+		chromedp.SendKeys(`input[name="token"]`, token),
+		chromedp.Click(`#login`),
+		chromedp.WaitVisible(`#error-message`),
+	)
+	gone, err := chromedp.Run(ctx, chromedp.Text(`#error-message`))
+	if err != nil || !strings.Contains(gone, "no record of that bulk replay") || !strings.Contains(gone, "in memory only") {
+		t.Fatalf("after a restart the job page says %q (%v)", gone, err)
+	}
+}
+
+// TestBrowserReplayJobForgotten: a progress page left open while the
+// console restarts stops following and says why.
+func TestBrowserReplayJobForgotten(t *testing.T) {
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox")
+	deadWith(t, pool, tbl, "org.bulk.v1", "publish: broker down", 2)
+	const token = "bulk-browser-token"
+	newConsole := func() http.Handler {
+		h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl}, Token: token})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return h
+	}
+	sw := &swappable{h: newConsole()}
+	srv := httptest.NewServer(sw)
+	defer srv.Close()
+	ctx := browser(t)
+	steps(t, ctx, "the bulk replay",
+		chromedp.Navigate(srv.URL+"/t/"+tbl.String()+"/replay?topic=org.bulk.v1"),
+		chromedp.WaitVisible(`#need-login`),
+		chromedp.SendKeys(`input[name="token"]`, token),
+		chromedp.Click(`#login`),
+		chromedp.WaitVisible(`#confirm`),
+		chromedp.SendKeys(`#confirm`, "2"),
+		chromedp.Click(`#confirm-replay`),
+		chromedp.WaitVisible(`#job-following`),
+	)
+	sw.set(newConsole()) // no relay runs: the job is still pending
+	steps(t, ctx, "the restart", chromedp.WaitVisible(`#job-logged-out`))
+	calls, _ := sw.progressCalls()
+	time.Sleep(2500 * time.Millisecond)
+	if later, _ := sw.progressCalls(); later != calls {
+		t.Fatalf("the page kept polling after the console forgot its session: %d calls, then %d", calls, later)
+	}
+}
+
+// screenshot writes the page, at the browser's 1366x900 window, to
+// docs/console-<name>.png when UPDATE_SCREENSHOT=1.
+func screenshot(t *testing.T, ctx context.Context, name string) {
+	t.Helper()
+	if os.Getenv("UPDATE_SCREENSHOT") != "1" {
+		return
+	}
+	shot, err := chromedp.Run(ctx, chromedp.CaptureScreenshot())
+	if err != nil {
+		t.Fatalf("screenshot %s: %v", name, err)
+	}
+	if err := os.WriteFile(filepath.Join("..", "docs", "console-"+name+".png"), shot, 0o644); err != nil {
+		t.Fatal(err)
 	}
 }

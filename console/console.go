@@ -193,22 +193,13 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	}
 	sort.Strings(h.names)
 	tmpl, err := template.New("").Funcs(template.FuncMap{
-		"ago": func(t *time.Time) string {
-			if t == nil {
-				return "-"
-			}
-			return time.Since(*t).Round(time.Second).String() + " ago"
-		},
-		"ts": func(t *time.Time) string {
-			if t == nil {
-				return "-"
-			}
-			return t.UTC().Format(time.RFC3339)
-		},
+		"when":      func(v any) template.HTML { return when(v, time.Now()) },
 		"perSecond": func(perMinute int64) string { return strconv.FormatFloat(float64(perMinute)/60, 'f', 1, 64) },
 		"plural":    plural,
-		"at":        func(t time.Time) string { return t.UTC().Format(time.RFC3339) },
 		"short":     func(s string) string { return shorten(s, 160) },
+		"rowState":  rowState,
+		"dur":       duration,
+		"ranges":    ranges,
 	}).ParseFS(templateFS, "templates/*.html")
 	if err != nil {
 		return nil, fmt.Errorf("console: templates: %w", err)
@@ -223,6 +214,8 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	mux.HandleFunc("GET /{$}", h.overview)
 	mux.HandleFunc("GET /t/{table}/dead", h.dead)
 	mux.HandleFunc("GET /t/{table}/held", h.held)
+	mux.HandleFunc("GET /t/{table}/rows", h.rows)
+	mux.HandleFunc("GET /t/{table}/relays", h.relays)
 	mux.HandleFunc("GET /t/{table}/topics", h.topics)
 	mux.HandleFunc("GET /t/{table}/event/{id}", h.event)
 	mux.HandleFunc("GET /t/{table}/replay", h.preview)
@@ -233,6 +226,7 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	mux.HandleFunc("POST /logout", h.logout)
 	mux.HandleFunc("POST /t/{table}/event/{id}/replay", h.replay)
 	mux.HandleFunc("POST /t/{table}/event/{id}/skip", h.skip)
+	mux.HandleFunc("POST /t/{table}/skip", h.bulkSkip)
 	mux.HandleFunc("POST /t/{table}/replay", h.bulkReplay)
 	h.mux = mux
 	return h, nil
@@ -267,7 +261,7 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	r.Body = http.MaxBytesReader(w, r.Body, maxBody)
 	if msg := checkInput(r); msg != "" {
-		http.Error(w, msg, http.StatusBadRequest)
+		h.fail(w, r, http.StatusBadRequest, msg, "", "")
 		return
 	}
 	id, ok := h.authenticate(w, r)
@@ -338,7 +332,7 @@ func isText(s string) bool {
 func (h *handler) table(w http.ResponseWriter, r *http.Request) (schema.Table, bool) {
 	t, ok := h.tables[r.PathValue("table")]
 	if !ok {
-		http.Error(w, "unknown table: the console shows only its configured tables", http.StatusNotFound)
+		h.fail(w, r, http.StatusNotFound, "Unknown table: the console shows only its configured tables.", "", "")
 	}
 	return t, ok
 }
@@ -360,8 +354,14 @@ type page struct {
 	ReadOnly bool
 	// CSRF is the session's CSRF token, "" without a session.
 	CSRF string
-	Data any
+	// Refresh is the seconds between the page's refreshes in place, 0
+	// for a page that does not refresh (forms, progress, errors).
+	Refresh int
+	Data    any
 }
+
+// refreshSeconds are the pages that refresh in place, and how often.
+var refreshSeconds = map[string]int{"overview.html": 2, "dead.html": 10, "held.html": 5, "topics.html": 5, "event.html": 5, "rows.html": 5, "relays.html": 5}
 
 func (h *handler) render(w http.ResponseWriter, r *http.Request, name, title string, data any) {
 	h.renderStatus(w, r, http.StatusOK, name, title, data)
@@ -369,7 +369,7 @@ func (h *handler) render(w http.ResponseWriter, r *http.Request, name, title str
 
 func (h *handler) renderStatus(w http.ResponseWriter, r *http.Request, status int, name, title string, data any) {
 	id := identityOf(r)
-	p := page{Title: title, LoggedIn: id.role == roleAdmin, Reader: id.role == roleReader, Session: id.sess != nil, Data: data}
+	p := page{Title: title, LoggedIn: id.role == roleAdmin, Reader: id.role == roleReader, Session: id.sess != nil, Data: data, Refresh: refreshSeconds[name]}
 	p.CanLogIn = id.role == roleNone && h.authEnabled()
 	p.ReadOnly = !p.LoggedIn && !p.CanLogIn
 	if id.sess != nil {
@@ -380,6 +380,29 @@ func (h *handler) renderStatus(w http.ResponseWriter, r *http.Request, status in
 	if err := h.tmpl.ExecuteTemplate(w, name, p); err != nil {
 		h.logger.Error("Console page failed", err, watermill.LogFields{"page": name})
 	}
+}
+
+// failure is what the error page shows.
+type failure struct {
+	Status int
+	// Message says what went wrong and what to do.
+	Message string
+	// Back and BackLabel are the link back, "" for the overview.
+	Back, BackLabel string
+}
+
+// fail answers a refused or failed request: a page with the layout, the
+// message and a link back (back, or the overview when ""), or plain text
+// for /api/ paths. Never a payload or a secret in msg.
+func (h *handler) fail(w http.ResponseWriter, r *http.Request, status int, msg, back, backLabel string) {
+	if strings.HasPrefix(r.URL.Path, "/api/") {
+		http.Error(w, msg, status)
+		return
+	}
+	if back == "" {
+		back, backLabel = "/", "the overview"
+	}
+	h.renderStatus(w, r, status, "error.html", http.StatusText(status), failure{Status: status, Message: msg, Back: back, BackLabel: backLabel})
 }
 
 // tableView is one table's line of the overview and of /api/counts.
@@ -446,17 +469,17 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 	}
 	id, err := uuid.Parse(r.PathValue("id"))
 	if err != nil {
-		http.Error(w, "the event id must be a UUID", http.StatusBadRequest)
+		h.fail(w, r, http.StatusBadRequest, "The event id must be a UUID.", tablePath(t, "dead"), "the dead rows")
 		return
 	}
 	row, err := runbook.Event(r.Context(), h.pool, t, id)
 	if errors.Is(err, runbook.ErrEventNotFound) {
-		http.Error(w, "no such event in this table", http.StatusNotFound)
+		h.fail(w, r, http.StatusNotFound, "No such event in this table (the cleaner may have deleted it).", tablePath(t, "rows"), "the rows")
 		return
 	}
 	if err != nil {
 		h.logger.Error("Console could not read an event", err, watermill.LogFields{"table": t.String()})
-		http.Error(w, "cannot read the event (see the console's log)", http.StatusInternalServerError)
+		h.fail(w, r, http.StatusInternalServerError, "Cannot read the event (see the console's log).", tablePath(t, "dead"), "the dead rows")
 		return
 	}
 	var payload string
@@ -562,15 +585,15 @@ func (h *handler) allow(w http.ResponseWriter, r *http.Request) bool {
 	id := identityOf(r)
 	switch {
 	case h.cfg.Token == "":
-		http.Error(w, "read-only console: set OUTBOX_CONSOLE_TOKEN (console.Config.Token) to allow actions", http.StatusForbidden)
+		h.fail(w, r, http.StatusForbidden, "read-only console: set OUTBOX_CONSOLE_TOKEN (console.Config.Token) to allow actions", "", "")
 	case !sameOrigin(r):
-		http.Error(w, "cross-origin request refused", http.StatusForbidden)
+		h.fail(w, r, http.StatusForbidden, "cross-origin request refused", "", "")
 	case id.role == roleReader:
-		http.Error(w, "the read-only token cannot change anything: log in with the console token", http.StatusForbidden)
+		h.fail(w, r, http.StatusForbidden, "the read-only token cannot change anything: log in with the console token", "", "")
 	case id.role != roleAdmin:
-		http.Error(w, "log in with the console token first", http.StatusUnauthorized)
+		h.fail(w, r, http.StatusUnauthorized, "log in with the console token first", "", "")
 	case id.sess != nil && !equalSecret(r.PostFormValue("csrf"), id.sess.csrf):
-		http.Error(w, "missing or wrong CSRF token: reload the page and try again", http.StatusForbidden)
+		h.fail(w, r, http.StatusForbidden, "missing or wrong CSRF token: reload the page and try again", "", "")
 	default:
 		return true
 	}
@@ -579,24 +602,24 @@ func (h *handler) allow(w http.ResponseWriter, r *http.Request) bool {
 
 func (h *handler) login(w http.ResponseWriter, r *http.Request) {
 	if !h.authEnabled() {
-		http.Error(w, "read-only console: there is nothing to log in to", http.StatusForbidden)
+		h.fail(w, r, http.StatusForbidden, "read-only console: there is nothing to log in to", "", "")
 		return
 	}
 	if !sameOrigin(r) {
-		http.Error(w, "cross-origin request refused", http.StatusForbidden)
+		h.fail(w, r, http.StatusForbidden, "cross-origin request refused", "", "")
 		return
 	}
 	ip := h.clientIP(r)
 	if d := h.limiter.wait(ip, h.now()); d > 0 {
 		w.Header().Set("Retry-After", retryAfter(d))
-		http.Error(w, "too many failed logins from your address: wait "+retryAfter(d)+" s and try again", http.StatusTooManyRequests)
+		h.fail(w, r, http.StatusTooManyRequests, "too many failed logins from your address: wait "+retryAfter(d)+" s and try again", "", "")
 		return
 	}
 	ro := h.roleOf(r.PostFormValue("token"))
 	if ro == roleNone {
 		h.limiter.fail(ip, h.now())
 		h.logger.Info("Console login refused", watermill.LogFields{"remote": r.RemoteAddr})
-		http.Error(w, "wrong token", http.StatusUnauthorized)
+		h.fail(w, r, http.StatusUnauthorized, "wrong token", "", "")
 		return
 	}
 	h.limiter.ok(ip)
@@ -619,13 +642,13 @@ func (h *handler) login(w http.ResponseWriter, r *http.Request) {
 // logout ends the session of the cookie and clears the cookie.
 func (h *handler) logout(w http.ResponseWriter, r *http.Request) {
 	if !sameOrigin(r) {
-		http.Error(w, "cross-origin request refused", http.StatusForbidden)
+		h.fail(w, r, http.StatusForbidden, "cross-origin request refused", "", "")
 		return
 	}
 	if c, err := r.Cookie(sessionCookie); err == nil {
 		if s := h.sessions.get(c.Value, h.now()); s != nil {
 			if !equalSecret(r.PostFormValue("csrf"), s.csrf) {
-				http.Error(w, "missing or wrong CSRF token: reload the page and try again", http.StatusForbidden)
+				h.fail(w, r, http.StatusForbidden, "missing or wrong CSRF token: reload the page and try again", "", "")
 				return
 			}
 			h.sessions.end(c.Value)
@@ -646,7 +669,7 @@ func (h *handler) replay(w http.ResponseWriter, r *http.Request) {
 	res, err := runbook.ReplayEvent(r.Context(), h.pool, t, id, runbook.ReplayOptions{})
 	if err != nil {
 		h.logger.Info("Console replay refused", fields)
-		http.Error(w, "not replayed: "+err.Error(), http.StatusConflict)
+		h.fail(w, r, http.StatusConflict, "not replayed: "+err.Error(), tablePath(t, "event/"+id.String()), "the event")
 		return
 	}
 	fields["changed"] = res.Changed
@@ -673,6 +696,87 @@ func plural(n any, one, many string) string {
 		return s + " " + one
 	}
 	return s + " " + many
+}
+
+// when renders a time the one way the console shows times: UTC ISO-8601
+// to the second, then how long ago (or in how long) relative to now, which
+// the script keeps current. A nil or zero time is "-".
+func when(v any, now time.Time) template.HTML {
+	var t time.Time
+	switch x := v.(type) {
+	case time.Time:
+		t = x
+	case *time.Time:
+		if x != nil {
+			t = *x
+		}
+	}
+	if t.IsZero() {
+		return "-"
+	}
+	iso := t.UTC().Format(time.RFC3339)
+	//nolint:gosec // an RFC 3339 time and a duration: no user text
+	return template.HTML(`<time datetime="` + iso + `" data-rel>` + iso + `</time> <span class="rel">(` + relative(now.Sub(t)) + `)</span>`)
+}
+
+// relative writes an age d as "3m ago" ("in 3m" when negative), in the
+// largest unit or two: 45s, 3m, 2h 5m, 4d 1h.
+func relative(d time.Duration) string {
+	future := d < 0
+	if future {
+		d = -d
+	}
+	s := int64(d.Round(time.Second) / time.Second)
+	var out string
+	switch {
+	case s < 60:
+		out = strconv.FormatInt(s, 10) + "s"
+	case s < 3600:
+		out = strconv.FormatInt(s/60, 10) + "m"
+	case s < 86400:
+		out = strconv.FormatInt(s/3600, 10) + "h"
+		if m := s / 60 % 60; m > 0 {
+			out += " " + strconv.FormatInt(m, 10) + "m"
+		}
+	default:
+		out = strconv.FormatInt(s/86400, 10) + "d"
+		if hr := s / 3600 % 24; hr > 0 {
+			out += " " + strconv.FormatInt(hr, 10) + "h"
+		}
+	}
+	if future {
+		return "in " + out
+	}
+	return out + " ago"
+}
+
+// duration writes an age in seconds readably: "2.5 s" under a minute,
+// else "3m", "2h 5m", "4d 1h".
+func duration(seconds float64) string {
+	if seconds < 60 {
+		return strconv.FormatFloat(seconds, 'f', 1, 64) + " s"
+	}
+	return strings.TrimSuffix(relative(time.Duration(seconds*float64(time.Second))), " ago")
+}
+
+// ranges writes sorted partition numbers as ranges: "0–5, 9, 12–13".
+func ranges(ps []int32) string {
+	var b strings.Builder
+	for i := 0; i < len(ps); {
+		j := i
+		for j+1 < len(ps) && ps[j+1] == ps[j]+1 {
+			j++
+		}
+		if b.Len() > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString(strconv.Itoa(int(ps[i])))
+		if j > i {
+			b.WriteString("–" + strconv.Itoa(int(ps[j])))
+		}
+		i = j + 1
+	}
+	return b.String()
 }
 
 // shorten cuts s to at most n bytes on a rune boundary, marking the cut.

@@ -269,7 +269,7 @@ func (h *handler) dead(w http.ResponseWriter, r *http.Request) {
 	after, ok1 := cursor(v, "after")
 	before, ok2 := cursor(v, "before")
 	if !ok1 || !ok2 {
-		http.Error(w, "after and before must be sequences (whole numbers)", http.StatusBadRequest)
+		h.fail(w, r, http.StatusBadRequest, "after and before must be sequences (whole numbers).", tablePath(t, "dead"), "the dead rows")
 		return
 	}
 	list, groups, total, err := h.causes(r.Context(), t, q)
@@ -288,7 +288,7 @@ func (h *handler) dead(w http.ResponseWriter, r *http.Request) {
 	}
 	if err != nil {
 		h.logger.Error("Console could not list dead rows", err, watermill.LogFields{"table": t.String()})
-		http.Error(w, "cannot list the dead rows (see the console's log)", http.StatusInternalServerError)
+		h.fail(w, r, http.StatusInternalServerError, "Cannot list the dead rows (see the console's log).", "", "")
 		return
 	}
 	h.render(w, r, "dead.html", "Dead rows of "+t.String(), struct {

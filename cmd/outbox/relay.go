@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"runtime/debug"
 	"strconv"
 	"sync"
 	"time"
@@ -200,6 +201,7 @@ func runRelay(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 	}
 	poolCfg.MaxConns = max(poolCfg.MaxConns, int32(2*len(cfg.tables)+8)) //nolint:gosec // a handful of tables
 	tuneConnConfig(poolCfg, cfg.leaderTimeout)
+	nameSessions(poolCfg)
 	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
 	if err != nil {
 		return fmt.Errorf("connect to OUTBOX_DATABASE_URL: %w", err)
@@ -440,6 +442,31 @@ const MetadataRelayID = "outbox_relay_id"
 // MetadataRelayedAt is when the relay published the message (Unix
 // nanoseconds).
 const MetadataRelayedAt = "outbox_relayed_at"
+
+// nameSessions sets the application_name of the daemon's sessions to
+// relayApplicationName, unless OUTBOX_DATABASE_URL sets one: then
+// pg_stat_activity and the console's relays page tell which process a
+// session belongs to.
+func nameSessions(c *pgxpool.Config) {
+	if _, set := c.ConnConfig.RuntimeParams["application_name"]; !set {
+		c.ConnConfig.RuntimeParams["application_name"] = relayApplicationName()
+	}
+}
+
+// relayApplicationName is "outbox-relay <host> <pid> <version>"
+// (schema.RelayApplicationPrefix), cut to the 63 bytes PostgreSQL keeps.
+func relayApplicationName() string {
+	host, _ := os.Hostname()
+	version := "unknown"
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		version = bi.Main.Version
+	}
+	name := schema.RelayApplicationPrefix + host + " " + strconv.Itoa(os.Getpid()) + " " + version
+	if len(name) > 63 {
+		name = name[:63]
+	}
+	return name
+}
 
 func relayID() string {
 	host, _ := os.Hostname()

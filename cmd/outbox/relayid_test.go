@@ -2,11 +2,16 @@ package main
 
 import (
 	"errors"
+	"os"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/forwarder"
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // batchSink is a forwarder.BatchPublisher that fails the messages named in
@@ -57,5 +62,30 @@ func TestRelayIDKeepsBatching(t *testing.T) {
 	}
 	if len(sink.got) != 2 {
 		t.Fatalf("%d messages published, want 2", len(sink.got))
+	}
+}
+
+// TestRelaySessionsNamed: the daemon's sessions say who they are in
+// pg_stat_activity ("outbox-relay <host> <pid> <version>", at most 63
+// bytes), unless OUTBOX_DATABASE_URL names them itself.
+func TestRelaySessionsNamed(t *testing.T) {
+	cfg, err := pgxpool.ParseConfig("postgres://u@localhost/db")
+	if err != nil {
+		t.Fatal(err)
+	}
+	nameSessions(cfg)
+	host, _ := os.Hostname()
+	name := cfg.ConnConfig.RuntimeParams["application_name"]
+	want := schema.RelayApplicationPrefix + host + " " + strconv.Itoa(os.Getpid()) + " "
+	if len(name) > 63 || (!strings.HasPrefix(name, want) && !strings.HasPrefix(want, name)) {
+		t.Fatalf("application_name %q, want %q and a version", name, want)
+	}
+	cfg, err = pgxpool.ParseConfig("postgres://u@localhost/db?application_name=mine")
+	if err != nil {
+		t.Fatal(err)
+	}
+	nameSessions(cfg)
+	if got := cfg.ConnConfig.RuntimeParams["application_name"]; got != "mine" {
+		t.Fatalf("the URL's application_name was replaced by %q", got)
 	}
 }

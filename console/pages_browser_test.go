@@ -1,0 +1,157 @@
+package console_test
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxkit/watermill-outbox/console"
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// TestBrowserEveryPage walks every page of the console in headless
+// Chromium at 1366x900 during a small incident (dead rows of three causes,
+// a backlog, an ordered table with held keys), checks that the held keys'
+// Skip buttons are on screen, that the pause toggle stops the refresh and
+// that a banner says when the server stops answering, and with
+// UPDATE_SCREENSHOT=1 writes docs/console-<page>.png.
+func TestBrowserEveryPage(t *testing.T) {
+	pool := testdb.Pool(t)
+	ctx0 := context.Background()
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	deadWith(t, pool, tbl, "org.orders.v1", `publish event 6f1c2b1e-0d3a-4b8e-9d6f-1a2b3c4d5e6f to "orders": kafka: Message was too large, server rejected it to avoid allocation error (max 1048576)`, 4)
+	deadWith(t, pool, tbl, "org.orders.v1", `publish event 0a1b2c3d-0d3a-4b8e-9d6f-1a2b3c4d5e6f to "orders": kafka: Request exceeded the user-specified time limit in the request (30s)`, 2)
+	deadWith(t, pool, tbl, "org.invoices.v1", `permanent: payload does not match schema "invoice.v1": missing field 'amount'`, 1)
+	msgs := make([]publisher.Message, 12)
+	for i := range msgs {
+		msgs[i] = publisher.Message{TenantID: uuid.New(), Topic: "org.orders.v1", EventID: uuid.New(), Payload: json.RawMessage(`{"order":42}`)}
+	}
+	if err := pgx.BeginFunc(ctx0, pool, func(tx pgx.Tx) error {
+		_, err := publisher.EnqueueBatch(ctx0, tx, tbl, msgs)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx0, `UPDATE `+tbl.Sanitize()+` SET attempts = 2, last_error = 'publish: connection refused', available_at = now() + interval '30 seconds'
+WHERE event_id = $1`, msgs[0].EventID); err != nil {
+		t.Fatal(err)
+	}
+	otbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	heldKeys(t, pool, otbl, "customer-1842", "customer-2001", "customer-3017")
+
+	const token = "every-page-browser-token"
+	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl, otbl}, Token: token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sw := &swappable{h: h}
+	srv := httptest.NewServer(sw)
+	defer srv.Close()
+	ctx := browser(t)
+	name, oname := tbl.String(), otbl.String()
+	steps(t, ctx, "the login",
+		chromedp.Navigate(srv.URL+"/"),
+		chromedp.WaitVisible(`#need-login`),
+	)
+	screenshot(t, ctx, "login")
+	steps(t, ctx, "the overview",
+		chromedp.SendKeys(`input[name="token"]`, token),
+		chromedp.Click(`#login`),
+		chromedp.WaitVisible(`#overview`),
+	)
+	for deadline := time.Now().Add(15 * time.Second); ; {
+		steps(t, ctx, "the held keys", chromedp.Navigate(srv.URL+"/t/"+oname+"/held?dead=1"), chromedp.WaitVisible(`#held-filter`))
+		n, err := chromedp.Run(ctx, chromedp.Evaluate[int](`document.querySelectorAll("button.skip").length`))
+		if err == nil && n == 3 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("three held keys with Skip buttons never showed (%d, %v)", n, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	// Every Skip button is on screen at 1366 px.
+	offscreen, err := chromedp.Run(ctx, chromedp.Evaluate[int](`Array.from(document.querySelectorAll("button.skip")).filter(function (b) {
+  var r = b.getBoundingClientRect(); return r.right > window.innerWidth || r.left < 0 || r.width === 0; }).length`))
+	if err != nil || offscreen != 0 {
+		t.Fatalf("%d Skip buttons off screen (%v)", offscreen, err)
+	}
+	scroll, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`document.documentElement.scrollWidth > window.innerWidth`))
+	if err != nil || scroll {
+		t.Errorf("the held keys page scrolls sideways at 1366 px (%v)", err)
+	}
+	steps(t, ctx, "tick two", chromedp.Click(`#select-all`), chromedp.WaitVisible(`#ticked`))
+	ticked, _ := chromedp.Run(ctx, chromedp.Text(`#ticked`))
+	if !strings.Contains(ticked, "3 ticked") {
+		t.Errorf("ticking every row shows %q", ticked)
+	}
+	screenshot(t, ctx, "held")
+
+	pages := []struct{ shot, path, wait string }{
+		{"overview", "/", `#overview`},
+		{"rows", "/t/" + name + "/rows?state=pending", `#rows`},
+		{"search", "/t/" + name + "/rows?state=all&topic=org.orders.v1&from=2020-01-01", `#rows`},
+		{"dead", "/t/" + name + "/dead", `#causes`},
+		{"event", "/t/" + name + "/event/" + msgs[0].EventID.String() + "?payload=1", `#event`},
+		{"preview", "/t/" + name + "/replay?topic=org.orders.v1&error=Message+was+too+large", `#preview`},
+		{"topics", "/t/" + name + "/topics", `#topics`},
+		{"relays", "/t/" + oname + "/relays", `#owners`},
+		{"error", "/t/" + name + "/rows?state=all&event=not-a-uuid", `#error-message`},
+	}
+	for _, p := range pages {
+		steps(t, ctx, p.shot, chromedp.Navigate(srv.URL+p.path), chromedp.WaitVisible(p.wait))
+		if wide, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`document.documentElement.scrollWidth > window.innerWidth`)); err != nil || wide {
+			t.Errorf("%s scrolls sideways at 1366 px (%v)", p.path, err)
+		}
+		screenshot(t, ctx, p.shot)
+	}
+
+	// The overview refreshes in place; paused, it does not; a banner says
+	// when the server stops answering, and goes when it is back.
+	deadCell := `document.querySelector('tr[data-table="` + name + `"] td[data-count="dead"]').textContent.trim()`
+	steps(t, ctx, "the overview's refresh",
+		chromedp.Navigate(srv.URL+"/"),
+		chromedp.WaitVisible(`#refresh-toggle`),
+	)
+	if v, err := chromedp.Run(ctx, chromedp.Evaluate[string](deadCell)); err != nil || v != "7" {
+		t.Fatalf("dead count %q (%v), want 7", v, err)
+	}
+	steps(t, ctx, "pause", chromedp.Click(`#refresh-toggle`))
+	if label, _ := chromedp.Run(ctx, chromedp.Text(`#refresh-toggle`)); !strings.Contains(label, "Resume") {
+		t.Fatalf("after a click the toggle says %q", label)
+	}
+	deadWith(t, pool, tbl, "org.orders.v1", "permanent: bad", 1)
+	time.Sleep(4500 * time.Millisecond)
+	if v, _ := chromedp.Run(ctx, chromedp.Evaluate[string](deadCell)); v != "7" {
+		t.Fatalf("the paused overview changed to %q", v)
+	}
+	steps(t, ctx, "resume", chromedp.Click(`#refresh-toggle`))
+	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](deadCell+` === "8"`, chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+		t.Fatalf("the resumed overview did not refresh: %v", err)
+	}
+	sw.set(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		http.Error(w, "down", http.StatusServiceUnavailable)
+	}))
+	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`!document.getElementById("offline").hidden`, chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+		t.Fatalf("no banner when the server stopped answering: %v", err)
+	}
+	banner, _ := chromedp.Run(ctx, chromedp.Text(`#offline`))
+	if !strings.Contains(banner, "not answering") {
+		t.Errorf("banner %q", banner)
+	}
+	screenshot(t, ctx, "offline")
+	sw.set(h)
+	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`document.getElementById("offline").hidden`, chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+		t.Fatalf("the banner stayed after the server came back: %v", err)
+	}
+}
