@@ -97,7 +97,8 @@ type Queries struct {
 	// LockKeys takes the per-key transaction-level advisory locks that
 	// serialise the writers of one ordering key (docs/ORDERING.md), in hash
 	// order so that two writers never deadlock on one statement. Args: the
-	// table's lock class (int4, Table.OrderingLockClass), keys (text array).
+	// table's lock class (int4, Table.LookupOrderingLockClass), keys (text
+	// array).
 	// Empty unless Columns.OrderingKey.
 	LockKeys string
 
@@ -219,7 +220,7 @@ func NewQueries(t Table, c Columns) *Queries {
 	batchSource := `FROM u`
 	batchLock := ``
 	if c.OrderingKey {
-		class := strconv.FormatInt(int64(t.OrderingLockClass()), 10)
+		class := t.OrderingLockClassSQL()
 		enqueueHead = `WITH lk AS MATERIALIZED (SELECT count(pg_advisory_xact_lock(` + class + `, hashtext(` + keyArg + `::text))) AS n WHERE ` + keyArg + `::text IS NOT NULL)
 INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `) SELECT ` + strings.Join(values, ", ") + ` FROM lk`
 		batchLock = `
