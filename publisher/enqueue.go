@@ -234,24 +234,17 @@ func (e *Enqueuer) Enqueue(ctx context.Context, tx Tx, table schema.Table, msg M
 		args = append(args, nullIfEmptyString(msg.OrderingKey))
 	}
 	var (
-		seq                 int64
-		tenant, topic       string
-		inserted, same, nul bool
+		seq int64
+		nul bool
 	)
-	err = tx.QueryRow(ctx, q.Enqueue, args...).Scan(&seq, &tenant, &topic, &inserted, &same, &nul)
+	err = tx.QueryRow(ctx, q.Enqueue, args...).Scan(&seq, &nul)
 	if isNoRows(err) {
-		// A concurrent transaction committed this event_id after the
-		// statement began: read it with a fresh snapshot.
+		// The event_id exists (enqueued before, or committed by a
+		// concurrent transaction): read it and compare.
 		return e.existingOne(ctx, tx, q, msg)
 	}
 	if err != nil {
 		return 0, fmt.Errorf("publisher: enqueue into %s: %w", table, err)
-	}
-	if !inserted {
-		if err := conflict(&msg, seq, tenant, topic, same); err != nil {
-			return 0, err
-		}
-		return seq, nil
 	}
 	e.cfg.Metrics.Enqueued(table.Qualified(), msg.Topic, 1)
 	return seq, nil

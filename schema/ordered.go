@@ -53,11 +53,27 @@ func (t Table) RelaysTable() string { return t.companion(suffixRelays) }
 // that holds back its key).
 func (t Table) HoldsTable() string { return t.companion(suffixHolds) }
 
-// OrderingLockClass is the first key (an int4, non-negative) of the
-// transaction-level advisory locks that serialise the writers of one
-// ordering key: pg_advisory_xact_lock(OrderingLockClass, hashtext(key)).
-func (t Table) OrderingLockClass() int32 {
-	return int32(fnvSum("outbox-order:"+t.Qualified()) & 0x7fffffff)
+// OrderingLockClassSQL is the SQL expression of the first key (an int4) of
+// the transaction-level advisory locks that serialise the writers of one
+// ordering key, pg_advisory_xact_lock(class, hashtext(key)): the OID of
+// the table, as int4, resolved from its name as t spells it (through the
+// session's search_path when t has no schema). Every writer and relay of a
+// table agrees on it, however each names the table. The regclass literal is
+// resolved when the statement is parsed and recorded as a dependency of its
+// cached plan, so a prepared statement is re-planned, and the OID looked up
+// again, when the table is dropped and made again.
+func (t Table) OrderingLockClassSQL() string {
+	return quoteLiteral(t.Sanitize()) + `::regclass::oid::int4`
+}
+
+// LookupOrderingLockClass returns the value of OrderingLockClassSQL on q's
+// session: the table's OID as int4. Relays look it up once, at start.
+func (t Table) LookupOrderingLockClass(ctx context.Context, q Querier) (int32, error) {
+	var class int32
+	if err := q.QueryRow(ctx, `SELECT `+t.OrderingLockClassSQL()).Scan(&class); err != nil {
+		return 0, fmt.Errorf("schema: ordering lock class of %s: %w", t, err)
+	}
+	return class, nil
 }
 
 const lockKeysStatement = `SELECT count(pg_advisory_xact_lock($1::int4, h)) FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest($2::text[]) AS k ORDER BY 1) AS s`

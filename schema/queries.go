@@ -16,18 +16,22 @@ type Queries struct {
 	Columns Columns
 
 	// Enqueue inserts one row, idempotent on event_id, and wakes relays when
-	// it wrote the row. An existing event_id is left alone (ON CONFLICT DO
-	// NOTHING: no row lock, so a producer's open transaction never holds up
-	// the relay's ack of that row) and read in the same statement.
+	// it wrote the row: one INSERT ... ON CONFLICT (event_id) DO NOTHING
+	// RETURNING, with the wake-up (the shared try of the idle lock and, when
+	// it fails, NOTIFY) in the RETURNING list, so that it runs only for a row
+	// written. An existing event_id is left alone (no row lock, so a
+	// producer's open transaction never holds up the relay's ack of that
+	// row) and returns no row: then read and compare it with ExistingEvents
+	// (a second round trip, for a re-enqueue only). The existing row is not
+	// read in the statement: a CTE with the INSERT and a UNION with that
+	// read cost PostgreSQL about 20% more CPU per new row than this form
+	// (docs/BENCHMARKS.md, section 4b).
 	// Args: tenant_id, topic, payload, event_id (all text), notify channel (""
 	// for none),
 	// then traceparent, tracestate when Columns.TraceContext, then headers
 	// when Columns.Headers, then ordering_key when Columns.OrderingKey.
-	// Returns one row: sequence, tenant_id::text, topic, inserted, and
-	// whether the stored payload equals the given one as jsonb (true when
-	// inserted), then a NULL-tested NOTIFY column. No row when the event_id
-	// was committed by a concurrent transaction after the statement began:
-	// then read it with ExistingEvents.
+	// Returns, for a row written: sequence, then a NULL-tested NOTIFY
+	// column (ignore it).
 	Enqueue string
 	// EnqueueQuiet is Enqueue for a writer that wakes no relay
 	// (publisher.Config.DisableNotify, or a table the WAL relay streams)
@@ -93,7 +97,8 @@ type Queries struct {
 	// LockKeys takes the per-key transaction-level advisory locks that
 	// serialise the writers of one ordering key (docs/ORDERING.md), in hash
 	// order so that two writers never deadlock on one statement. Args: the
-	// table's lock class (int4, Table.OrderingLockClass), keys (text array).
+	// table's lock class (int4, Table.LookupOrderingLockClass), keys (text
+	// array).
 	// Empty unless Columns.OrderingKey.
 	LockKeys string
 
@@ -223,27 +228,21 @@ func NewQueries(t Table, c Columns) *Queries {
 	// aggregated before the row is formed, so before its sequence value):
 	// one round trip instead of two (docs/ORDERING.md, "Writers serialise
 	// per key").
-	enqueueHead := `WITH ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `) VALUES (` + strings.Join(values, ", ") + `)`
+	enqueueHead := `INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `) VALUES (` + strings.Join(values, ", ") + `)`
 	batchSource := `FROM u`
 	batchLock := ``
 	if c.OrderingKey {
-		class := strconv.FormatInt(int64(t.OrderingLockClass()), 10)
-		enqueueHead = `WITH lk AS MATERIALIZED (SELECT count(pg_advisory_xact_lock(` + class + `, hashtext(` + keyArg + `::text))) AS n WHERE ` + keyArg + `::text IS NOT NULL),
-ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `) SELECT ` + strings.Join(values, ", ") + ` FROM lk`
+		class := t.OrderingLockClassSQL()
+		enqueueHead = `WITH lk AS MATERIALIZED (SELECT count(pg_advisory_xact_lock(` + class + `, hashtext(` + keyArg + `::text))) AS n WHERE ` + keyArg + `::text IS NOT NULL)
+INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `) SELECT ` + strings.Join(values, ", ") + ` FROM lk`
 		batchLock = `
 lk AS MATERIALIZED (SELECT count(pg_advisory_xact_lock(` + class + `, h)) AS n
   FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest(` + keyArg + `::text[]) AS k WHERE k IS NOT NULL ORDER BY 1) AS s),`
 		batchSource = `FROM u, lk`
 	}
 	q.Enqueue = enqueueHead + `
-ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING sequence, tenant_id, topic),
-res AS (
-  SELECT sequence, tenant_id, topic, true AS inserted, true AS same_payload FROM ins
-  UNION ALL
-  SELECT sequence, tenant_id, topic, false, payload = $3::jsonb FROM ` + tbl + `
-  WHERE event_id = $4::uuid AND NOT EXISTS (SELECT 1 FROM ins)
-)
-SELECT sequence, tenant_id::text, topic, inserted, same_payload, ` + notify + ` AND res.inserted) IS NULL FROM res`
+ON CONFLICT (` + ColumnEventID + `) DO NOTHING
+RETURNING sequence, ` + notify + `) IS NULL`
 
 	quiet := make([]string, len(values))
 	for i, v := range values {

@@ -202,7 +202,6 @@ func newOrderedRelay(sub *subscription) *orderedRelay {
 		id:     host + "-" + strconv.Itoa(os.Getpid()) + "-" + hex.EncodeToString(b),
 		logger: sub.logger,
 		kick:   make(chan struct{}, 1),
-		class:  sub.s.cfg.Table.OrderingLockClass(),
 		parts:  map[int]*partState{},
 		keys:   map[string]*keyState{},
 		stale:  map[int]int{},
@@ -687,6 +686,10 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		vxids  []string
 		hashes []int64
 	)
+	if err := r.lockClass(qctx); err != nil {
+		r.cycleError(ctx, err)
+		return 0, false
+	}
 	if err := r.s.pool.QueryRow(qctx, r.oq.Cut, r.class).Scan(&s0, &vxids, &hashes); err != nil {
 		r.cycleError(ctx, err)
 		return 0, false
