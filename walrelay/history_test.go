@@ -454,6 +454,11 @@ func TestWALHistory(t *testing.T) {
 	}
 	if violations > 0 {
 		trace.dump(t, violatedKey)
+		if path := os.Getenv("WAL_HISTORY_TRACE"); path != "" {
+			trace.mu.Lock()
+			_ = os.WriteFile(path, []byte(strings.Join(trace.lines, "\n")), 0o600)
+			trace.mu.Unlock()
+		}
 	}
 	t.Logf("%d events over %d keys; %d nacks, %d replays, %d skips, %d duplicates, %d slow handlers, %d cleaner passes, 1 crash; %d violations",
 		len(byID), len(byKey), nacks, replay, skips, dups, slow, cleaned, violations)

@@ -183,7 +183,7 @@ func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names
 			}
 		}
 		if recorded {
-			return nil
+			return checkSequence(ctx, pool, t)
 		}
 		return fmt.Errorf("%w: replication slot %s does not exist; run walrelay.Setup (outbox migrate --wal)", ErrNotSetUp, n.Slot)
 	}
@@ -192,6 +192,17 @@ func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names
 	}
 	if plugin != "pgoutput" {
 		return fmt.Errorf("walrelay: replication slot %s uses plugin %q, not pgoutput", n.Slot, plugin)
+	}
+	return checkSequence(ctx, pool, t)
+}
+
+// checkSequence refuses a sequence that caches values per session: holds
+// park a key's rows from the dead row's sequence on, and drains and the
+// backfill read rows in sequence order, which must be commit order within
+// a key.
+func checkSequence(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
+	if err := schema.CheckOrderedSequence(ctx, pool, t); err != nil {
+		return fmt.Errorf("walrelay: %w", err)
 	}
 	return nil
 }

@@ -423,3 +423,18 @@ func TestWALSubscribeNamesAllTopics(t *testing.T) {
 		t.Fatalf("Subscribe(orders): %v, want the error to name subscriber.AllTopics as %q", err, subscriber.AllTopics)
 	}
 }
+
+// TestWALRefusesCachedSequence: a sequence with CACHE > 1 hands a key's
+// rows sequence values out of commit order; New refuses it, naming the fix.
+func TestWALRefusesCachedSequence(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `DO $$BEGIN EXECUTE format('ALTER SEQUENCE %s CACHE 10', pg_get_serial_sequence('`+tbl.Sanitize()+`', 'sequence')); END$$`); err != nil {
+		t.Fatal(err)
+	}
+	_, err := walrelay.New(ctx, pool, walrelay.Config{Table: tbl}, nil)
+	if !errors.Is(err, schema.ErrSequenceCached) || !strings.Contains(err.Error(), "CACHE 1") {
+		t.Fatalf("New with a cached sequence: %v, want ErrSequenceCached naming CACHE 1", err)
+	}
+}
