@@ -15,9 +15,13 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -416,4 +420,40 @@ func waitUntil(t *testing.T, within time.Duration, cond func() bool) {
 			t.Fatalf("condition not met within %s", within)
 		}
 	}
+}
+
+// TestOrderedGaugesAgreeWithRunbook (issue 33): the outbox_pending and
+// outbox_dead gauges of an ordered relay read the table as the runbook
+// does: rows the relay delivered (at or below a floor, or covered by a
+// resolved hold) are not pending, a dead row that holds its key is dead,
+// and the row waiting behind it is pending.
+func TestOrderedGaugesAgreeWithRunbook(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	ctx := context.Background()
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := orderedCfg(tbl)
+	cfg.Metrics = m
+	cfg.MaxAttempts = 1
+	cfg.StatsInterval = 100 * time.Millisecond
+	s := orderedSub(t, pool, cfg)
+	rec := newRecorder()
+	evs := enqueueKeyed(t, pool, tbl, "g-dead", "g-ok", "g-ok", "g-dead", "g-ok")
+	consume(t, s, rec, func(msg *message.Message) bool { return msg.UUID != evs[0].event.String() })
+	rec.waitAcked(t, []keyed{evs[1], evs[2], evs[4]}, 10*time.Second)
+	label := tbl.Qualified()
+	waitUntil(t, 10*time.Second, func() bool {
+		st, err := runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pending := testutil.ToFloat64(m.Pending.WithLabelValues(label))
+		dead := testutil.ToFloat64(m.Dead.WithLabelValues(label))
+		return st.Pending == 1 && st.Dead == 1 && pending == 1 && dead == 1
+	})
 }

@@ -165,7 +165,7 @@ type Subscriber struct {
 	staleN     atomic.Int64  // copies in stale, read without the lock
 	staleFreed chan struct{} // capacity 1: a key's stale copy ended
 	staleWg    sync.WaitGroup
-	runCtx     context.Context //nolint:containedctx // the relay's own run context: stale copies stop following at Close
+	staleStop  chan struct{} // closed when the relay's last session has ended
 }
 
 // New checks the table, its publication and its slot (Setup), and returns
@@ -216,7 +216,7 @@ func (s *Subscriber) isStale(key string) bool {
 // its context is cancelled (the handler is told); until its verdict, or
 // CloseTimeout, or Close, no later session delivers its key. Its verdict
 // is not recorded: the row stays unsettled and is delivered again.
-func (s *Subscriber) keepStale(ctx context.Context, key string, msg *message.Message) {
+func (s *Subscriber) keepStale(key string, msg *message.Message) {
 	s.staleMu.Lock()
 	s.stale[key]++
 	s.staleN.Add(1)
@@ -227,14 +227,18 @@ func (s *Subscriber) keepStale(ctx context.Context, key string, msg *message.Mes
 		defer s.staleWg.Done()
 		t := time.NewTimer(s.cfg.CloseTimeout)
 		defer t.Stop()
+		why := "ack"
 		select {
 		case <-msg.Acked():
 		case <-msg.Nacked():
+			why = "nack"
 		case <-t.C:
+			why = "timeout"
 			s.logger.Info("A handler kept a message of an ended session past CloseTimeout; its key is delivered again", nil)
-		case <-ctx.Done():
+		case <-s.staleStop: // the relay stopped: no session delivers any more
+			why = "closed"
 		}
-		s.logger.Trace("Stale copy ended", watermill.LogFields{"key": key, "relay": fmt.Sprintf("%p", s)})
+		s.logger.Trace("Stale copy ended", watermill.LogFields{"key": key, "why": why, "relay": fmt.Sprintf("%p", s)})
 		s.staleMu.Lock()
 		s.staleN.Add(-1)
 		if s.stale[key]--; s.stale[key] <= 0 {
@@ -313,7 +317,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	s.cancel = cancel
 	s.done = make(chan struct{})
-	s.runCtx = rctx
+	s.staleStop = make(chan struct{})
 	out := make(chan *message.Message)
 	go func() {
 		select {
@@ -349,7 +353,8 @@ func (s *Subscriber) Close() error {
 func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 	defer close(s.done)
 	defer close(out)
-	defer s.staleWg.Wait() // they end with ctx
+	defer s.staleWg.Wait()
+	defer close(s.staleStop) // after the last session: stale copies no longer hold anything back
 	for ctx.Err() == nil {
 		err := s.stream(ctx, out)
 		if ctx.Err() != nil {
@@ -749,9 +754,13 @@ func (st *stream) loop(ctx, dctx context.Context, stopDelivering context.CancelF
 			}
 		case <-st.retry.C:
 			st.retryAt = time.Time{}
-			st.dispatchAll(dctx)
+			if ctx.Err() == nil { // closing: the drain comes next, nothing new goes out
+				st.dispatchAll(dctx)
+			}
 		case <-s.staleFreed:
-			st.dispatchAll(dctx)
+			if ctx.Err() == nil {
+				st.dispatchAll(dctx)
+			}
 		case <-st.prompt.C:
 			st.promptSet = false
 			if err := st.caughtUp(); err != nil {
@@ -1385,7 +1394,7 @@ func (st *stream) waiter(w waiting) {
 			// message's context is cancelled with it (mctx derives from
 			// w.ctx), and the next session waits for its verdict before
 			// it delivers the key.
-			st.s.keepStale(st.s.runCtx, w.it.key, w.msg)
+			st.s.keepStale(w.it.key, w.msg)
 			st.send(settle{it: w.it, stopped: true})
 		}
 		st.inFlight.Done()
