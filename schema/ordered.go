@@ -76,6 +76,14 @@ func (t Table) LookupOrderingLockClass(ctx context.Context, q Querier) (int32, e
 	return class, nil
 }
 
+// LegacyOrderingLockClass is the class writers of versions before the OID
+// class took: a hash of the qualified name. Relays watch both classes, so
+// that writers not yet upgraded are still seen by the cut during a rolling
+// upgrade (relays first, then writers).
+func (t Table) LegacyOrderingLockClass() int32 {
+	return int32(fnvSum("outbox-order:"+t.Qualified()) & 0x7fffffff)
+}
+
 const lockKeysStatement = `SELECT count(pg_advisory_xact_lock($1::int4, h)) FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest($2::text[]) AS k ORDER BY 1) AS s`
 
 // orderedColumnStatements add the ordering columns and their indexes to t.
@@ -208,7 +216,8 @@ type OrderedQueries struct {
 	// the terms $4.
 	Release string
 	// Cut returns the sequence's last value, then the virtual transactions
-	// that hold a key lock of the table (lock class $1) and the lock's key
+	// that hold a key lock of the table (lock class $1, or the legacy class
+	// $2 of writers not yet upgraded) and the lock's key
 	// hash (objid as bigint; its low 6 bits are the key's partition), as two
 	// arrays of the same length. The last value is read before the locks.
 	Cut string
@@ -352,7 +361,7 @@ WHERE p.partition = u.part AND p.owner = $1 AND p.epoch = u.epoch AND p.lease_un
 FROM (SELECT COALESCE(pg_sequence_last_value(pg_get_serial_sequence(` + quoteLiteral(tbl) + `, 'sequence')::regclass), 0) AS last_value OFFSET 0) AS s
 CROSS JOIN LATERAL (
   SELECT array_agg(k.virtualtransaction) AS vx, array_agg(k.objid::int8) AS h FROM pg_locks AS k
-  WHERE k.locktype = 'advisory' AND k.classid = ($1::int4)::oid AND k.objsubid = 2 AND k.granted AND s.last_value IS NOT NULL
+  WHERE k.locktype = 'advisory' AND k.classid IN (($1::int4)::oid, ($2::int4)::oid) AND k.objsubid = 2 AND k.granted AND s.last_value IS NOT NULL
 ) AS l`
 	// Holds filters on an expression, so that reading the holds of many
 	// partitions is one scan of the (small) holds table, not one index probe

@@ -690,7 +690,7 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		r.cycleError(ctx, err)
 		return 0, false
 	}
-	if err := r.s.pool.QueryRow(qctx, r.oq.Cut, r.class).Scan(&s0, &vxids, &hashes); err != nil {
+	if err := r.s.pool.QueryRow(qctx, r.oq.Cut, r.class, r.s.cfg.Table.LegacyOrderingLockClass()).Scan(&s0, &vxids, &hashes); err != nil {
 		r.cycleError(ctx, err)
 		return 0, false
 	}
