@@ -3,6 +3,8 @@ package runbook_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -281,6 +283,102 @@ func TestUpgradeDefaultTableToOrdered(t *testing.T) {
 		r, err := runbook.Event(ctx, pool, tbl, id)
 		if err != nil || !r.Delivered {
 			t.Fatalf("event %s after relaying: %+v, %v", id, r, err)
+		}
+	}
+}
+
+// TestUpgradeWhileDefaultRelayRuns: the upgrade path of a rolling deploy.
+// A default-mode relay drains a table while it is migrated to ordered mode;
+// an ordered relay refuses to start beside it (schema.ErrRelayModeMix);
+// once the default relay stops, the ordered relay delivers every row the
+// default relay had not, keyed rows of each key in order; nothing is lost
+// and Stats reads 0 pending at the end.
+func TestUpgradeWhileDefaultRelayRuns(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "roll_outbox")
+	cfg := subscriber.Config{Table: tbl, LockTTL: time.Second, ElectionInterval: 100 * time.Millisecond,
+		PollInterval: 100 * time.Millisecond, CloseTimeout: 2 * time.Second}
+	var (
+		mu  sync.Mutex
+		got = map[string]int{}
+		seq = map[string][]int64{} // key -> sequences in delivery order
+	)
+	consume := func(s *subscriber.Subscriber) {
+		msgs, err := s.Subscribe(ctx, subscriber.AllTopics)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			for m := range msgs {
+				n, _ := strconv.ParseInt(m.Metadata.Get(schema.MetadataSequence), 10, 64)
+				mu.Lock()
+				got[m.UUID]++
+				if k := m.Metadata.Get(schema.MetadataOrderingKey); k != "" {
+					seq[k] = append(seq[k], n)
+				}
+				mu.Unlock()
+				m.Ack()
+			}
+		}()
+	}
+	def, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	consume(def)
+	before := enqueueKeys(t, pool, tbl, "", "", "", "")
+
+	if err := schema.Migrate(ctx, pool, tbl, schema.WithOrderingKeyColumn()); err != nil {
+		t.Fatalf("upgrade while the default relay runs: %v", err)
+	}
+	keyed := enqueueKeys(t, pool, tbl, "a", "b", "a", "", "b", "a")
+	ocfg := cfg
+	ocfg.Ordered = true
+	if _, err := subscriber.New(pool, ocfg, watermill.NopLogger{}); !errors.Is(err, schema.ErrRelayModeMix) {
+		t.Fatalf("ordered relay beside the default relay: %v, want ErrRelayModeMix", err)
+	}
+	if err := def.Close(); err != nil {
+		t.Fatal(err)
+	}
+	after := enqueueKeys(t, pool, tbl, "a", "c", "")
+	ord, err := subscriber.New(pool, ocfg, watermill.NopLogger{})
+	if err != nil {
+		t.Fatalf("ordered relay once the default relay stopped: %v", err)
+	}
+	t.Cleanup(func() { _ = ord.Close() })
+	consume(ord)
+	all := append(append(append([]uuid.UUID{}, before...), keyed...), after...)
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		s, err := runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		missing := 0
+		for _, id := range all {
+			if got[id.String()] == 0 {
+				missing++
+			}
+		}
+		mu.Unlock()
+		if missing == 0 && s.Pending == 0 && s.Dead == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d events not delivered; stats %+v", missing, len(all), s)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for k, s := range seq {
+		for i := 1; i < len(s); i++ {
+			if s[i] < s[i-1] {
+				t.Errorf("key %s delivered out of order: %v", k, s)
+			}
 		}
 	}
 }

@@ -438,3 +438,61 @@ func TestWALRefusesCachedSequence(t *testing.T) {
 		t.Fatalf("New with a cached sequence: %v, want ErrSequenceCached naming CACHE 1", err)
 	}
 }
+
+// TestWALTableStateIsTrue (issue 33, the WAL mode): a real WAL relay drives
+// the table to a known mix (rows delivered, a dead row that holds its key,
+// a row parked behind it, an unkeyed dead row); runbook.Stats, Dead and
+// Event report exactly that mix once the relay's horizon has passed the
+// delivered rows: none of them pending, the parked row pending and waiting.
+func TestWALTableStateIsTrue(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	ids := enqueue(t, pool, tbl, "held", "held", "ok", "ok", "")
+	poison := enqueue(t, pool, tbl, "")
+	rec := newRecorder()
+	s := relay(t, pool, tbl, nil)
+	rec.consume(t, s, func(msg *message.Message) error {
+		if msg.UUID == ids[0].String() || msg.UUID == poison[0].String() {
+			return subscriber.Permanent(errors.New("boom"))
+		}
+		return nil
+	})
+	rec.waitAcked(t, []uuid.UUID{ids[2], ids[3], ids[4]}, 10*time.Second)
+	heldBy(t, pool, tbl, ids[0])
+	var st runbook.TableStats
+	waitFor(t, 15*time.Second, "the stats of the mix", func() bool {
+		var err error
+		st, err = runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.Pending == 1 && st.Dead == 2
+	})
+	if st.Mode != schema.ModeWAL || st.WaitingBehindHeldKeys != 1 || st.HeldKeys != 1 || st.DeadHeldKeys != 1 || st.Retrying != 0 || st.Locked != 0 {
+		t.Errorf("stats %+v, want mode wal, 1 pending waiting behind 1 dead held key, 2 dead", st)
+	}
+	dead, err := runbook.Dead(ctx, pool, tbl, runbook.DeadFilter{})
+	if err != nil || len(dead) != 2 {
+		t.Fatalf("dead rows: %d, %v", len(dead), err)
+	}
+	for _, c := range []struct {
+		id                        uuid.UUID
+		delivered, dead, held, wb bool
+	}{
+		{ids[0], false, true, true, false},
+		{ids[1], false, false, false, true},
+		{ids[2], true, false, false, false},
+		{ids[4], true, false, false, false},
+		{poison[0], false, true, false, false},
+	} {
+		ev, err := runbook.Event(ctx, pool, tbl, c.id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ev.Delivered != c.delivered || (ev.DeadAt != nil) != c.dead || ev.Held != c.held || (ev.WaitingBehind != nil) != c.wb {
+			t.Errorf("event %s: delivered %v dead %v held %v waiting %v; want %v %v %v %v", c.id, ev.Delivered, ev.DeadAt != nil, ev.Held,
+				ev.WaitingBehind != nil, c.delivered, c.dead, c.held, c.wb)
+		}
+	}
+}
