@@ -3,6 +3,7 @@ package walrelay_test
 import (
 	"context"
 	"errors"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -494,5 +495,40 @@ func TestWALTableStateIsTrue(t *testing.T) {
 			t.Errorf("event %s: delivered %v dead %v held %v waiting %v; want %v %v %v %v", c.id, ev.Delivered, ev.DeadAt != nil, ev.Held,
 				ev.WaitingBehind != nil, c.delivered, c.dead, c.held, c.wb)
 		}
+	}
+}
+
+// TestWALMaxInFlightBoundsATransaction (item 15, the delivery half): one
+// transaction of 50 rows over 50 keys with MaxInFlight 4 puts at most 4
+// messages in the consumer's hands at once (it put all 50), and delivers
+// them all.
+func TestWALMaxInFlightBoundsATransaction(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	keys := make([]string, 50)
+	for i := range keys {
+		keys[i] = "m" + strconv.Itoa(i)
+	}
+	var mu sync.Mutex
+	now, most := 0, 0
+	rec := newRecorder()
+	s := relay(t, pool, tbl, func(c *walrelay.Config) { c.MaxInFlight = 4 })
+	rec.consume(t, s, func(*message.Message) error {
+		mu.Lock()
+		now++
+		most = max(most, now)
+		mu.Unlock()
+		time.Sleep(5 * time.Millisecond)
+		mu.Lock()
+		now--
+		mu.Unlock()
+		return nil
+	})
+	ids := enqueue(t, pool, tbl, keys...)
+	rec.waitAcked(t, ids, 15*time.Second)
+	mu.Lock()
+	defer mu.Unlock()
+	if most > 4 {
+		t.Fatalf("%d messages in the consumer's hands at once, want at most MaxInFlight 4", most)
 	}
 }

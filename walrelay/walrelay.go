@@ -413,6 +413,7 @@ type keyQueue struct {
 	items    []*item
 	inFlight bool
 	retryAt  time.Time
+	waiting  bool // in stream.waiting: ready, held back by MaxInFlight
 }
 
 // settle is the verdict on a delivered message.
@@ -450,6 +451,11 @@ type stream struct {
 	// first; one becomes the horizon once the confirmed position passes it.
 	candidates []candidate
 	holds      map[string]*hold // by ordering key
+	// delivering counts the keys with a message handed out and not
+	// settled: at most MaxInFlight, however many keys one transaction
+	// brings. Keys ready beyond it wait in waiting, in order.
+	delivering int
+	waiting    []string
 	// settledThrough: transactions ending at or before it were settled by
 	// an earlier session (the slot moved back after a server restart).
 	settledThrough pglogrepl.LSN
@@ -1247,6 +1253,9 @@ func (st *stream) dispatchAll(ctx context.Context) {
 			}
 			continue
 		}
+		if st.full(key, q) {
+			continue
+		}
 		st.deliver(ctx, q, q.items[0])
 	}
 	if !next.IsZero() {
@@ -1279,11 +1288,45 @@ func (st *stream) dispatch(ctx context.Context, key string) {
 		st.schedule(q.retryAt)
 		return
 	}
+	if st.full(key, q) {
+		return
+	}
 	st.deliver(ctx, q, q.items[0])
+}
+
+// full reports whether MaxInFlight messages are handed out already; the
+// key then waits for a settle (unwait).
+func (st *stream) full(key string, q *keyQueue) bool {
+	if st.delivering < st.s.cfg.MaxInFlight {
+		return false
+	}
+	if !q.waiting {
+		q.waiting = true
+		st.waiting = append(st.waiting, key)
+	}
+	return true
+}
+
+// unwait dispatches the keys that waited for room, oldest first, while
+// there is room.
+func (st *stream) unwait(ctx context.Context) {
+	n := 0
+	for n < len(st.waiting) && st.delivering < st.s.cfg.MaxInFlight {
+		key := st.waiting[n]
+		n++
+		if q := st.keys[key]; q != nil {
+			q.waiting = false
+			st.dispatch(ctx, key)
+		}
+	}
+	if n > 0 {
+		st.waiting = append(st.waiting[:0], st.waiting[n:]...)
+	}
 }
 
 func (st *stream) deliver(ctx context.Context, q *keyQueue, it *item) {
 	q.inFlight = true
+	st.delivering++
 	it.attempts++
 	it.row.Attempts = int32(it.attempts) //nolint:gosec // bounded by MaxAttempts
 	st.inFlight.Add(1)
@@ -1416,9 +1459,11 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		return
 	}
 	q.inFlight = false
+	st.delivering--
 	if v.stopped {
 		return // stopping: the row stays unsettled, the next relay delivers it
 	}
+	defer st.unwait(ctx)
 	if m := st.s.cfg.Metrics; m != nil {
 		label := st.s.cfg.Table.Qualified()
 		result := metrics.ResultFailure
