@@ -532,3 +532,53 @@ func TestWALMaxInFlightBoundsATransaction(t *testing.T) {
 		t.Fatalf("%d messages in the consumer's hands at once, want at most MaxInFlight 4", most)
 	}
 }
+
+// TestWALRetryingKeyDoesNotStopOthers (item 14): a key whose head waits
+// for a long backoff, with a backlog larger than MaxInFlight behind it,
+// does not stop the relay reading the stream: another key's row is
+// delivered long before the backoff ends (it waited for the backoff).
+func TestWALRetryingKeyDoesNotStopOthers(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	var mu sync.Mutex
+	failed := false
+	rec := newRecorder()
+	hot := make([]string, 21)
+	for i := range hot {
+		hot[i] = "hot"
+	}
+	ids := enqueue(t, pool, tbl, hot...)
+	s := relay(t, pool, tbl, func(c *walrelay.Config) {
+		c.MaxInFlight = 8
+		c.Backoff = func(int) time.Duration { return 4 * time.Second }
+	})
+	rec.consume(t, s, func(msg *message.Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if msg.UUID == ids[0].String() && !failed {
+			failed = true
+			return errors.New("transient")
+		}
+		return nil
+	})
+	waitFor(t, 10*time.Second, "the hot key's first failure", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return failed
+	})
+	start := time.Now()
+	cold := enqueue(t, pool, tbl, "cold")
+	rec.waitAcked(t, cold, 10*time.Second)
+	if d := time.Since(start); d > 2*time.Second {
+		t.Fatalf("another key's row delivered after %s, behind the hot key's 4 s backoff", d.Round(time.Millisecond))
+	}
+	rec.waitAcked(t, ids, 15*time.Second)
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	order := rec.byKey["hot"]
+	for i := 1; i < len(order); i++ {
+		if order[i] <= order[i-1] {
+			t.Fatalf("hot key out of order: %v", order)
+		}
+	}
+}

@@ -414,6 +414,7 @@ type keyQueue struct {
 	inFlight bool
 	retryAt  time.Time
 	waiting  bool // in stream.waiting: ready, held back by MaxInFlight
+	backoff  bool // the head failed and waits for its retry: the queue's streamed rows count in stream.behind
 }
 
 // settle is the verdict on a delivered message.
@@ -456,6 +457,11 @@ type stream struct {
 	// brings. Keys ready beyond it wait in waiting, in order.
 	delivering int
 	waiting    []string
+	// behind counts the streamed rows queued on keys whose head waits for
+	// its retry: the stream is read on while the other unsettled rows are
+	// under MaxInFlight (a retrying key does not stop the other keys), up
+	// to backoffReadAhead x MaxInFlight rows in all.
+	behind int
 	// settledThrough: transactions ending at or before it were settled by
 	// an earlier session (the slot moved back after a server restart).
 	settledThrough pglogrepl.LSN
@@ -722,7 +728,7 @@ func (st *stream) loop(ctx, dctx context.Context, stopDelivering context.CancelF
 	defer st.prompt.Stop()
 	for {
 		var in chan received
-		if st.unsettled < s.cfg.MaxInFlight {
+		if st.readable() {
 			in = recv
 		}
 		select {
@@ -736,7 +742,7 @@ func (st *stream) loop(ctx, dctx context.Context, stopDelivering context.CancelF
 				if err := st.onReceived(dctx, r); err != nil {
 					return err
 				}
-				if n == loopBatch || st.unsettled >= s.cfg.MaxInFlight {
+				if n == loopBatch || !st.readable() {
 					break
 				}
 				var ok bool
@@ -1043,6 +1049,9 @@ func (st *stream) commit(ctx context.Context, tx *txn) {
 			st.keys[it.key] = q
 		}
 		q.items = append(q.items, it)
+		if q.backoff {
+			st.behind++ // every item here is streamed (it.tx != nil)
+		}
 	}
 	st.markOldest()
 	// Only the keys of this transaction can have become deliverable.
@@ -1294,6 +1303,46 @@ func (st *stream) dispatch(ctx context.Context, key string) {
 	st.deliver(ctx, q, q.items[0])
 }
 
+// backoffReadAhead bounds the unsettled rows, those behind retrying heads
+// included, at this many times MaxInFlight.
+const backoffReadAhead = 4
+
+// backingOff counts q's streamed rows in behind: its head waits for a retry.
+func (st *stream) backingOff(q *keyQueue) {
+	if !q.backoff {
+		q.backoff = true
+		st.behind += streamed(q.items)
+	}
+}
+
+// backedOff takes q's rows out of behind: its head goes out again (or the
+// key is held and its rows parked).
+func (st *stream) backedOff(q *keyQueue) {
+	if q.backoff {
+		q.backoff = false
+		st.behind -= streamed(q.items)
+	}
+}
+
+// streamed counts the items read from the stream (not from the table).
+func streamed(items []*item) int {
+	n := 0
+	for _, it := range items {
+		if it.tx != nil {
+			n++
+		}
+	}
+	return n
+}
+
+// readable reports whether the loop reads the stream on: fewer than
+// MaxInFlight unsettled rows besides those behind retrying heads, and
+// fewer than backoffReadAhead x MaxInFlight in all.
+func (st *stream) readable() bool {
+	limit := st.s.cfg.MaxInFlight
+	return st.unsettled-st.behind < limit && st.unsettled < backoffReadAhead*limit
+}
+
 // full reports whether MaxInFlight messages are handed out already; the
 // key then waits for a settle (unwait).
 func (st *stream) full(key string, q *keyQueue) bool {
@@ -1327,6 +1376,7 @@ func (st *stream) unwait(ctx context.Context) {
 func (st *stream) deliver(ctx context.Context, q *keyQueue, it *item) {
 	q.inFlight = true
 	st.delivering++
+	st.backedOff(q)
 	it.attempts++
 	it.row.Attempts = int32(it.attempts) //nolint:gosec // bounded by MaxAttempts
 	st.inFlight.Add(1)
@@ -1477,6 +1527,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	}
 	if !v.ack && !subscriber.IsPermanent(v.err) && it.attempts < st.s.cfg.MaxAttempts {
 		q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
+		st.backingOff(q)
 		st.s.logger.Debug("Nacked: key held until the retry", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
 		st.dispatch(ctx, it.key)
 		return
@@ -1494,6 +1545,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			st.s.logger.Error("Could not park a row dead; retrying", err, watermill.LogFields{"sequence": it.row.Sequence})
 			q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
 			it.attempts--
+			st.backingOff(q)
 			st.dispatch(ctx, it.key)
 			return
 		}
@@ -1574,6 +1626,7 @@ func (st *stream) parks(it *item) bool {
 // parked (the holds table keeps them back). A tombstone's or an earlier
 // drain's through is kept.
 func (st *stream) holdKey(key string, seq int64, q *keyQueue) {
+	st.backedOff(q)
 	h := &hold{seq: seq}
 	if old := st.holds[key]; old != nil {
 		h.through = max(old.through, old.maxRead)
