@@ -20,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/experiment"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -44,7 +45,7 @@ func (o *xminOptions) register() {
 	flag.IntVar(&o.rate, "xmin-rate", 400, "xmin suite: offered events/s (one event per transaction); the load phase offers 1.5x")
 	flag.DurationVar(&o.phase, "xmin-phase", 30*time.Second, "xmin suite: length of the clean, readers, load and recovery phases")
 	flag.DurationVar(&o.hold, "xmin-hold", 45*time.Second, "xmin suite: how long a session holds an xid open (idle in transaction) in the pinned phase")
-	flag.StringVar(&o.modes, "xmin-modes", "default,ordered,wal", "xmin suite: modes to run, in order (default, ordered, wal; wal needs wal_level = logical, else it is skipped with a note)")
+	flag.StringVar(&o.modes, "xmin-modes", "default,ordered,wal", "xmin suite: modes to run, in order (default, ordered, wal; wal needs wal_level = logical, else it is skipped with a note; bounded: the default mode with the prototype bounded claim of docs/XMIN.md)")
 	flag.IntVar(&o.handlers, "xmin-handlers", 32, "xmin suite: concurrent handlers")
 	flag.DurationVar(&o.handlerTime, "xmin-handler-time", time.Millisecond, "xmin suite: how long each handler works on a message")
 	flag.IntVar(&o.readers, "xmin-readers", 4, "xmin suite: REPEATABLE READ readers scanning the table in the readers phase")
@@ -126,7 +127,7 @@ func xminSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o option
 	for _, m := range strings.Split(xo.modes, ",") {
 		m = strings.TrimSpace(m)
 		switch m {
-		case "default", "ordered":
+		case "default", "ordered", "bounded":
 		case "wal":
 			if level != "logical" {
 				fmt.Printf("xmin: WAL relay skipped: wal_level = %s; run it on a private logical server: BENCH_WAL_AUTOVACUUM=on scripts/bench-wal.sh -suite xmin\n\n", level)
@@ -135,7 +136,7 @@ func xminSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o option
 		case "":
 			continue
 		default:
-			return fmt.Errorf("-xmin-modes: unknown mode %q (default, ordered, wal)", m)
+			return fmt.Errorf("-xmin-modes: unknown mode %q (default, ordered, wal, bounded)", m)
 		}
 		modes = append(modes, m)
 	}
@@ -176,7 +177,7 @@ type xminRelay struct {
 // xminMode runs every phase against one mode and returns its results.
 func xminMode(ctx context.Context, pool *pgxpool.Pool, schemaName string, xo xminOptions, mode string, vacuumEvery time.Duration) ([]xminPhaseResult, error) {
 	t := schema.MustParseTable(schemaName + ".xmin_" + mode)
-	keyed := mode != "default"
+	keyed := mode == "ordered" || mode == "wal"
 	var opts []schema.MigrateOption
 	if keyed {
 		opts = append(opts, schema.WithOrderingKeyColumn())
@@ -209,7 +210,11 @@ func xminMode(ctx context.Context, pool *pgxpool.Pool, schemaName string, xo xmi
 		}
 		relay = xminRelay{ch, func() { _ = s.Close() }}
 	default:
+		// bounded: the default mode with the prototype claim path, switched
+		// on for this subscriber only.
+		experiment.BoundedClaim.Store(mode == "bounded")
 		s, err := subscriber.New(pool, subscriber.Config{Table: t, Ordered: mode == "ordered"}, watermill.NopLogger{})
+		experiment.BoundedClaim.Store(false)
 		if err != nil {
 			return nil, err
 		}
@@ -489,25 +494,34 @@ func printXminMode(mode string, rs []xminPhaseResult) {
 }
 
 func printXminSummary(modes []string, res map[string][]xminPhaseResult) {
-	fmt.Println("xmin: p95 / p99 by phase and mode, ms (ratio: the mode's p95 over the ordered mode's, measured in this run)")
+	fmt.Println("xmin: p95 / p99 by phase and mode, ms; ratios: a mode's p95 over the default mode's, measured in this run")
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprint(w, "phase\t")
 	for _, m := range modes {
 		fmt.Fprintf(w, "%s p95\t%s p99\t", m, m)
 	}
-	fmt.Fprintln(w, "default vs ordered\t")
+	for _, m := range modes {
+		if m != "default" && res["default"] != nil {
+			fmt.Fprintf(w, "%s vs default\t", m)
+		}
+	}
+	fmt.Fprintln(w)
 	first := res[modes[0]]
 	for i := range first {
 		fmt.Fprintf(w, "%s\t", first[i].name)
 		for _, m := range modes {
 			fmt.Fprintf(w, "%.2f\t%.2f\t", ms(res[m][i].p95), ms(res[m][i].p99))
 		}
-		d, o := res["default"], res["ordered"]
-		if len(d) > i && len(o) > i && o[i].p95 > 0 {
-			fmt.Fprintf(w, "%.1fx\t\n", float64(d[i].p95)/float64(o[i].p95))
-		} else {
-			fmt.Fprint(w, "-\t\n")
+		for _, m := range modes {
+			if d := res["default"]; m != "default" && d != nil {
+				if d[i].p95 > 0 {
+					fmt.Fprintf(w, "%.2fx\t", float64(res[m][i].p95)/float64(d[i].p95))
+				} else {
+					fmt.Fprint(w, "-\t")
+				}
+			}
 		}
+		fmt.Fprintln(w)
 	}
 	_ = w.Flush()
 	fmt.Println()
