@@ -88,7 +88,7 @@ func main() {
 	flag.StringVar(&o.chart, "chart", "", "write the latency chart (PNG) to this file")
 	flag.DurationVar(&o.latencyDuration, "latency-duration", 10*time.Second, "length of one latency case")
 	rates := flag.String("rates", "100,1000,5000", "comma-separated offered rates (events/s) for the latency suite")
-	flag.StringVar(&suite, "suite", "all", "comma-separated suites: enqueue, writer, relay, latency, all")
+	flag.StringVar(&suite, "suite", "all", "comma-separated suites: enqueue, writer, relay, latency, poison, inbox, brokers, scaling, sustained, ordered, wal, xmin, all (all: every suite but wal and xmin)")
 	o.ordered.register()
 	o.xmin.register()
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the run to this file")
