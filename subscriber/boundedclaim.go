@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxkit/watermill-outbox/internal/experiment"
 )
@@ -21,7 +22,7 @@ import (
 // lower bound, (available_at, sequence) >= bound, so that the scan starts
 // near the head:
 //
-//   - before each claim, a cut reads statement_timestamp() - margin and the
+//   - with each claim, in the same round trip and before it, a cut reads statement_timestamp() - margin and the
 //     xact_start of every other transaction holding RowExclusiveLock on the
 //     table (a writer holds it from before its row exists until it ends; a
 //     row's available_at defaults to now(), its transaction's start). The
@@ -78,25 +79,21 @@ func newBoundedClaims(s *Subscriber) *boundedClaims {
 
 // claim is Subscriber.claim for AllTopics with the bound.
 func (b *boundedClaims) claim(ctx context.Context, s *Subscriber, n int) ([]*claimed, error) {
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
+	// The cut and the claim go in one batch: one round trip, the cut's
+	// statement first, so the claim's snapshot is taken after it.
 	var cut time.Time
-	cutErr := s.pool.QueryRow(cctx, b.cutSQL, s.cfg.Table.Sanitize(), b.margin.Seconds()).Scan(&cut)
-	cancel()
+	pre := &claimPrelude{sql: b.cutSQL, args: []any{s.cfg.Table.Sanitize(), b.margin.Seconds()},
+		scan: func(r pgx.Row) error { return r.Scan(&cut) }}
 	args := []any{s.cfg.MaxAttempts, s.cfg.LockTTL.Seconds(), n}
 	query := s.q.ClaimAll
 	b.mu.Lock()
-	if cutErr == nil && b.set {
+	if b.set {
 		query, args = b.claimSQL, append(args, b.at, b.seq)
 	}
 	b.mu.Unlock()
-	out, parked, err := s.claimQuery(ctx, query, args, false)
+	out, parked, err := s.claimQuery(ctx, query, args, false, pre)
 	if err != nil {
 		return nil, err
-	}
-	if cutErr != nil {
-		// Unbounded this time; the bound stays as it was.
-		s.logger.Debug("Bounded claim: the cut could not be read; claimed without the bound", watermill.LogFields{"error": cutErr.Error()})
-		return out, nil
 	}
 	b.mu.Lock()
 	switch {
@@ -127,7 +124,7 @@ func (sub *subscription) sweep(stop <-chan struct{}) {
 				break
 			}
 			n := min(s.cfg.BatchSize, free)
-			batch, parked, err := s.claimQuery(sub.ctx, s.q.ClaimAll, []any{s.cfg.MaxAttempts, s.cfg.LockTTL.Seconds(), n}, true)
+			batch, parked, err := s.claimQuery(sub.ctx, s.q.ClaimAll, []any{s.cfg.MaxAttempts, s.cfg.LockTTL.Seconds(), n}, true, nil)
 			if err != nil {
 				if sub.ctx.Err() == nil {
 					sub.logger.Error("Bounded claim: sweep failed; retrying at the next sweep", err, nil)

@@ -222,16 +222,24 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	if s.bounded != nil && topic == AllTopics && s.oq == nil {
 		return s.bounded.claim(ctx, s, n) // prototype, off by default (boundedclaim.go)
 	}
-	out, _, err := s.claimQuery(ctx, query, args, false)
+	out, _, err := s.claimQuery(ctx, query, args, false, nil)
 	return out, err
+}
+
+// claimPrelude is a statement sent with a claim in one round trip, before
+// it (the bounded claim's cut): scan reads its one row.
+type claimPrelude struct {
+	sql  string
+	args []any
+	scan func(pgx.Row) error
 }
 
 // claimQuery runs one claim statement (query with args) and returns the rows
 // it leased, sorted by sequence, after counting and logging the rows it
 // parked dead, and how many it parked. onPool runs it on the pool even when
 // single-active (the bounded claim's sweep), else it runs on the leader's
-// connection.
-func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, onPool bool) ([]*claimed, int, error) {
+// connection. pre, when set, is sent in the same batch before the claim.
+func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, onPool bool, pre *claimPrelude) ([]*claimed, int, error) {
 	// The claim commits its leases as it runs: cancelled between its UPDATE
 	// and the reading of its rows, it would orphan the batch until LockTTL.
 	// So it runs on a context of its own, detached from ctx's cancellation
@@ -241,8 +249,26 @@ func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, o
 	var out, parked []*claimed
 	run := func(ctx context.Context, conn interface {
 		Query(context.Context, string, ...any) (pgx.Rows, error)
-	}) error {
-		rows, err := conn.Query(ctx, query, args...)
+		SendBatch(context.Context, *pgx.Batch) pgx.BatchResults
+	}) (err error) {
+		var rows pgx.Rows
+		if pre == nil {
+			rows, err = conn.Query(ctx, query, args...)
+		} else {
+			b := &pgx.Batch{}
+			b.Queue(pre.sql, pre.args...)
+			b.Queue(query, args...)
+			br := conn.SendBatch(ctx, b)
+			defer func() {
+				if cerr := br.Close(); err == nil {
+					err = cerr
+				}
+			}()
+			if err := pre.scan(br.QueryRow()); err != nil {
+				return err
+			}
+			rows, err = br.Query()
+		}
 		if err != nil {
 			return err
 		}
