@@ -54,6 +54,7 @@ type Subscriber struct {
 	beforeIdle      func()          // tests: runs before a subscription tries the idle lock
 	afterClaimQuery func()          // tests: runs between a claim's query and its rows
 	writeTimeout    time.Duration   // bounds each ack, nack, renewal or release write
+	bounded         *boundedClaims  // prototype claim path, nil by default (boundedclaim.go)
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -110,6 +111,7 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 	s.idle.s, s.idle.key = s, cfg.Table.IdleLockKey()
 	s.oidle.s, s.oidle.key = s, cfg.Table.OrderedIdleLockKey()
 	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
+	s.bounded = newBoundedClaims(s)
 	return s, nil
 }
 
@@ -217,6 +219,27 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	if s.oq != nil {
 		query = s.q.ClaimAllUnkeyed // keyed rows go through the ordered relay
 	}
+	if s.bounded != nil && topic == AllTopics && s.oq == nil {
+		return s.bounded.claim(ctx, s, n) // prototype, off by default (boundedclaim.go)
+	}
+	out, _, err := s.claimQuery(ctx, query, args, false, nil)
+	return out, err
+}
+
+// claimPrelude is a statement sent with a claim in one round trip, before
+// it (the bounded claim's cut): scan reads its one row.
+type claimPrelude struct {
+	sql  string
+	args []any
+	scan func(pgx.Row) error
+}
+
+// claimQuery runs one claim statement (query with args) and returns the rows
+// it leased, sorted by sequence, after counting and logging the rows it
+// parked dead, and how many it parked. onPool runs it on the pool even when
+// single-active (the bounded claim's sweep), else it runs on the leader's
+// connection. pre, when set, is sent in the same batch before the claim.
+func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, onPool bool, pre *claimPrelude) ([]*claimed, int, error) {
 	// The claim commits its leases as it runs: cancelled between its UPDATE
 	// and the reading of its rows, it would orphan the batch until LockTTL.
 	// So it runs on a context of its own, detached from ctx's cancellation
@@ -226,8 +249,26 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	var out, parked []*claimed
 	run := func(ctx context.Context, conn interface {
 		Query(context.Context, string, ...any) (pgx.Rows, error)
-	}) error {
-		rows, err := conn.Query(ctx, query, args...)
+		SendBatch(context.Context, *pgx.Batch) pgx.BatchResults
+	}) (err error) {
+		var rows pgx.Rows
+		if pre == nil {
+			rows, err = conn.Query(ctx, query, args...)
+		} else {
+			b := &pgx.Batch{}
+			b.Queue(pre.sql, pre.args...)
+			b.Queue(query, args...)
+			br := conn.SendBatch(ctx, b)
+			defer func() {
+				if cerr := br.Close(); err == nil {
+					err = cerr
+				}
+			}()
+			if err := pre.scan(br.QueryRow()); err != nil {
+				return err
+			}
+			rows, err = br.Query()
+		}
 		if err != nil {
 			return err
 		}
@@ -249,13 +290,13 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 		return rows.Err()
 	}
 	var err error
-	if s.leader != nil {
+	if s.leader != nil && !onPool {
 		err = s.leader.withConn(qctx, func(ctx context.Context, conn *pgx.Conn) error { return run(ctx, conn) })
 	} else {
 		err = run(qctx, s.pool)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("claim from %s: %w", s.cfg.Table, err)
+		return nil, 0, fmt.Errorf("claim from %s: %w", s.cfg.Table, err)
 	}
 	for _, c := range parked {
 		s.wentDead(c.row.Topic)
@@ -264,7 +305,7 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 			watermill.LogFields{"event_id": c.row.EventID, "tenant_id": c.row.TenantID, "sequence": c.row.Sequence, "attempts": c.row.Attempts})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].row.Sequence < out[j].row.Sequence })
-	return out, nil
+	return out, len(parked), nil
 }
 
 // claimed is one leased row and its delivery state.

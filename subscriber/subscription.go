@@ -57,6 +57,13 @@ func (sub *subscription) run() {
 			sub.ordered.run(stop)
 		}()
 	}
+	if sub.s.bounded != nil && sub.topic == AllTopics && s.oq == nil {
+		sub.watchers.Add(1)
+		go func() {
+			defer sub.watchers.Done()
+			sub.sweep(stop)
+		}()
+	}
 	defer func() {
 		sub.watchers.Wait()
 		s.wake.unregister(sub.wake)
