@@ -120,6 +120,26 @@ LIMIT $` + strconv.Itoa(len(args)) + `::int`,
 	}
 }
 
+// conds renders f's topic, tenant, error text and sequence conditions on
+// the columns of row alias prefix ("" or "s."), each value through arg
+// (which appends it to the statement's arguments and returns $n with cast).
+func (f RunbookFilter) conds(prefix string, arg func(v any, cast string) string) []string {
+	var out []string
+	if f.Topic != "" {
+		out = append(out, prefix+"topic = "+arg(f.Topic, "::text"))
+	}
+	if f.TenantID != "" {
+		out = append(out, prefix+"tenant_id = "+arg(f.TenantID, "::uuid"))
+	}
+	if f.ErrorContains != "" {
+		out = append(out, "strpos(lower("+prefix+"last_error), lower("+arg(f.ErrorContains, "::text")+")) > 0")
+	}
+	if f.AfterSequence > 0 {
+		out = append(out, prefix+"sequence > "+arg(f.AfterSequence, "::bigint"))
+	}
+	return out
+}
+
 // deadWhere renders the predicate of the dead rows matching f, appending
 // the values to args, one condition a line after indent. With replay it also
 // skips rows under a live lease.
@@ -132,18 +152,7 @@ func deadWhere(f RunbookFilter, args []any, replay bool, indent string) (string,
 	if replay {
 		conds = append(conds, "NOT "+LeaseLiveWithin(arg(lockTTLSeconds(f.LockTTL), "::float8")))
 	}
-	if f.Topic != "" {
-		conds = append(conds, "topic = "+arg(f.Topic, "::text"))
-	}
-	if f.TenantID != "" {
-		conds = append(conds, "tenant_id = "+arg(f.TenantID, "::uuid"))
-	}
-	if f.ErrorContains != "" {
-		conds = append(conds, "strpos(lower(last_error), lower("+arg(f.ErrorContains, "::text")+")) > 0")
-	}
-	if f.AfterSequence > 0 {
-		conds = append(conds, "sequence > "+arg(f.AfterSequence, "::bigint"))
-	}
+	conds = append(conds, f.conds("", arg)...)
 	if f.MaxSequence > 0 || f.capped {
 		conds = append(conds, "sequence <= "+arg(f.MaxSequence, "::bigint"))
 	}

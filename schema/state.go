@@ -289,19 +289,7 @@ func (q StateQueries) Dead(f RunbookFilter) Statement {
 		args = append(args, v)
 		return "$" + strconv.Itoa(len(args)) + cast
 	}
-	conds := []string{"s.dead"}
-	if f.Topic != "" {
-		conds = append(conds, "s.topic = "+arg(f.Topic, "::text"))
-	}
-	if f.TenantID != "" {
-		conds = append(conds, "s.tenant_id = "+arg(f.TenantID, "::uuid"))
-	}
-	if f.ErrorContains != "" {
-		conds = append(conds, "strpos(lower(s.last_error), lower("+arg(f.ErrorContains, "::text")+")) > 0")
-	}
-	if f.AfterSequence > 0 {
-		conds = append(conds, "s.sequence > "+arg(f.AfterSequence, "::bigint"))
-	}
+	conds := append([]string{"s.dead"}, f.conds("s.", arg)...)
 	sql := `WITH s AS (
   ` + q.open() + `
 )
