@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -176,7 +177,21 @@ func TestOrderedTableStateIsTrue(t *testing.T) {
 	if err := pool.QueryRow(ctx, oq.Stats).Scan(&pending, &locked, &deadN, &oldest); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("OrderedQueries.Stats (the outbox_pending/outbox_dead gauges today): pending %d, dead %d; state layer: pending %d, dead %d", pending, deadN, s.Pending, s.Dead)
+	t.Logf("OrderedQueries.Stats (before the gauges read the state queries): pending %d, dead %d; state layer: pending %d, dead %d", pending, deadN, s.Pending, s.Dead)
+
+	// The console shows the same: /api/counts is Stats, and the event page
+	// of the dead held row shows the hold's attempts and error.
+	cs := ConsoleCounts(t, pool, tbl)
+	cs.OldestPendingCreatedAt, cs.OldestPendingAgeSeconds = nil, 0
+	if cs != want {
+		t.Errorf("console /api/counts:\n got %+v\nwant %+v", cs, want)
+	}
+	page := ConsoleEventPage(t, pool, tbl, before[4])
+	for _, w := range []string{"broker said no", "25"} {
+		if !strings.Contains(page, w) {
+			t.Errorf("the console's page of the dead held row lacks %q", w)
+		}
+	}
 }
 
 // assertSet fails unless got holds exactly want, in any order.

@@ -2,7 +2,10 @@ package walrelay_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -13,6 +16,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/console"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -472,6 +476,25 @@ func TestWALTableStateIsTrue(t *testing.T) {
 	})
 	if st.Mode != schema.ModeWAL || st.WaitingBehindHeldKeys != 1 || st.HeldKeys != 1 || st.DeadHeldKeys != 1 || st.Retrying != 0 || st.Locked != 0 {
 		t.Errorf("stats %+v, want mode wal, 1 pending waiting behind 1 dead held key, 2 dead", st)
+	}
+	// The console's /api/counts is the same Stats.
+	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl}, Token: "0123456789abcdef0123456789abcdef"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := httptest.NewRequest(http.MethodGet, "/api/counts", nil)
+	req.Header.Set("Authorization", "Bearer 0123456789abcdef0123456789abcdef")
+	rec2 := httptest.NewRecorder()
+	h.ServeHTTP(rec2, req)
+	var counts map[string]struct {
+		Stats runbook.TableStats `json:"stats"`
+	}
+	if err := json.NewDecoder(rec2.Body).Decode(&counts); err != nil {
+		t.Fatal(err)
+	}
+	if cs := counts[tbl.String()].Stats; cs.Mode != st.Mode || cs.Pending != st.Pending || cs.Dead != st.Dead ||
+		cs.WaitingBehindHeldKeys != st.WaitingBehindHeldKeys || cs.HeldKeys != st.HeldKeys {
+		t.Errorf("console /api/counts %+v, runbook.Stats %+v", cs, st)
 	}
 	dead, err := runbook.Dead(ctx, pool, tbl, runbook.DeadFilter{})
 	if err != nil || len(dead) != 2 {
