@@ -5,7 +5,11 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/internal/pgtest"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // A typo in the schema name must not create a schema: outbox migrate
@@ -130,4 +134,41 @@ func TestMigrateOrderedOnExistingTable(t *testing.T) {
 	check(big, false)
 	rbRun(t, rbEnv(), "migrate", "--ordered", "--rewrite", "--table="+big).expect(t, 0, []string{"migrated " + big + " (ordered mode"}, nil)
 	check(big, true)
+}
+
+// TestMigrateWALOnExistingTable (issue 33): `outbox migrate --wal` on an
+// existing default-mode table with rows adds what the WAL relay needs (its
+// progress and holds tables, the publication and the slot) without
+// touching the rows, and a second run changes nothing; `outbox stats` then
+// reads the table as a WAL table.
+func TestMigrateWALOnExistingTable(t *testing.T) {
+	t.Parallel()
+	cluster := pgtest.Start(t, pgtest.Options{Settings: map[string]string{"wal_level": "logical", "max_replication_slots": "4", "max_wal_senders": "4"}})
+	url := cluster.URL("", "")
+	env := map[string]string{"OUTBOX_DATABASE_URL": url}
+	tbl := "public.wal_up_outbox"
+	rbRun(t, env, "migrate", "--table="+tbl).expect(t, 0, []string{"migrated " + tbl}, nil)
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	if _, err := pool.Exec(ctx, `INSERT INTO `+tbl+` (tenant_id, topic, payload, event_id) SELECT gen_random_uuid(), 'a.b.c.v1', '{}', gen_random_uuid() FROM generate_series(1, 50)`); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 2; i++ {
+		rbRun(t, env, "migrate", "--wal", "--table="+tbl).expect(t, 0, []string{tbl}, nil)
+	}
+	var rows, slots, pubs int
+	var progress, holds bool
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+tbl+`), (SELECT count(*) FROM pg_replication_slots), (SELECT count(*) FROM pg_publication_rel WHERE prrelid = $1::regclass),
+  to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL`, tbl, schema.MustParseTable(tbl).WALProgressTable(), schema.MustParseTable(tbl).WALHoldsTable()).Scan(&rows, &slots, &pubs, &progress, &holds); err != nil {
+		t.Fatal(err)
+	}
+	if rows != 50 || slots != 1 || pubs != 1 || !progress || !holds {
+		t.Fatalf("after migrate --wal twice: rows %d, slots %d, publications %d, progress table %v, holds table %v; want 50, 1, 1, true, true",
+			rows, slots, pubs, progress, holds)
+	}
+	rbRun(t, env, "stats", "--json", "--table="+tbl).expect(t, 0, []string{`"mode": "wal"`}, nil)
 }
