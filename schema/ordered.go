@@ -501,8 +501,7 @@ SELECT EXISTS (SELECT 1 FROM ins), NOT COALESCE((SELECT done FROM r), false),
 func OrderedTablesExist(ctx context.Context, q Querier, t Table) (bool, error) {
 	var ok bool
 	err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND to_regclass($3) IS NOT NULL
-  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($3) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2
-  AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'epoch' AND NOT attisdropped)`,
+  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($3) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2`,
 		t.PartitionsTable(), t.RelaysTable(), t.HoldsTable()).Scan(&ok)
 	if err != nil {
 		return false, fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)
@@ -589,4 +588,18 @@ func CheckRelayMode(ctx context.Context, q Querier, t Table, ordered bool, leade
 		return fmt.Errorf("ordered relays own partitions of %s; start this relay with Ordered (OUTBOX_RELAY_ORDERED=true), or stop them first: %w", t, ErrRelayModeMix)
 	}
 	return nil
+}
+
+// OrderedTermExists reports whether the partitions table of t has the
+// lease's term (epoch, migration 000006), which ordered relays of this
+// version fence their writes on. The runbook and the cleaner do not need
+// it: they work on tables an older relay still serves.
+func OrderedTermExists(ctx context.Context, q Querier, t Table) (bool, error) {
+	var ok bool
+	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'epoch' AND NOT attisdropped)`,
+		t.PartitionsTable()).Scan(&ok)
+	if err != nil {
+		return false, fmt.Errorf("look up the partitions' term of %s: %w", t, err)
+	}
+	return ok, nil
 }

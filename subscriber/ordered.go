@@ -44,8 +44,13 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 	if err != nil {
 		return nil, fmt.Errorf("subscriber: %w", err)
 	}
+	if ok {
+		if ok, err = schema.OrderedTermExists(ctx, pool, t); err != nil {
+			return nil, fmt.Errorf("subscriber: %w", err)
+		}
+	}
 	if !ok {
-		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the tables %s, %s and %s, with the hold states of migration 000005 (resolved_at, replay); %s: %w",
+		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the tables %s, %s and %s, with the hold states of migration 000005 (resolved_at, replay) and the partitions' term of migration 000006 (epoch); %s: %w",
 			t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), run, ErrOrderedNotMigrated)
 	}
 	if err := schema.CheckOrderedSequence(ctx, pool, t); err != nil {

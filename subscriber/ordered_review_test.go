@@ -538,7 +538,8 @@ func TestOrderedIdleFleet(t *testing.T) {
 }
 
 // TestOrderedNeedsHoldStates: a table migrated by an earlier version
-// (holds without the hold states) is refused with the migration to run.
+// (holds without the hold states, partitions without the term) is refused
+// with the migration to run.
 func TestOrderedNeedsHoldStates(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -557,6 +558,23 @@ func TestOrderedNeedsHoldStates(t *testing.T) {
 	s, err := subscriber.New(pool, orderedCfg(tbl), nil)
 	if err != nil {
 		t.Fatalf("after the migration: %v", err)
+	}
+	_ = s.Close()
+	// The partitions' term (migration 000006) likewise.
+	if _, err := pool.Exec(context.Background(), schema.TermDownSQL(tbl)); err != nil {
+		t.Fatal(err)
+	}
+	_, err = subscriber.New(pool, orderedCfg(tbl), nil)
+	if !errors.Is(err, subscriber.ErrOrderedNotMigrated) || !strings.Contains(err.Error(), "000006") {
+		t.Fatalf("ordered relay on partitions without the term: %v", err)
+	}
+	// What the error says to run (schema.Migrate, as `outbox migrate
+	// --ordered` does) adds it.
+	if err := schema.Migrate(context.Background(), pool, tbl, schema.WithOrderingKeyColumn()); err != nil {
+		t.Fatal(err)
+	}
+	if s, err = subscriber.New(pool, orderedCfg(tbl), nil); err != nil {
+		t.Fatalf("after schema.Migrate: %v", err)
 	}
 	_ = s.Close()
 }

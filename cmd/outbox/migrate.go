@@ -123,6 +123,11 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 			if err != nil {
 				return err
 			}
+			if ok {
+				if ok, err = schema.OrderedTermExists(mctx, pool, t); err != nil {
+					return err
+				}
+			}
 			if !cols.OrderingKey || !ok {
 				return fmt.Errorf("migrate %s: ordered mode is still missing after the migration (ordering_key column %v, companion tables %v); run this SQL:\n%s",
 					t, cols.OrderingKey, ok, schema.OrderedUpgradeSQL(t))
