@@ -22,5 +22,6 @@ func TestArchitectureStatesTheConstants(t *testing.T) {
 		fmt.Sprintf("`StatusInterval/%d` (`recordSpacing`)", recordSpacing),
 		fmt.Sprintf("ends after %s idle (`waiterIdle`)", d(waiterIdle)),
 		fmt.Sprintf("`schema.WALStaleAfter` (%s)", schema.WALStaleAfter),
+		fmt.Sprintf("`backoffReadAhead` (%d) x `MaxInFlight`", backoffReadAhead),
 	)
 }

@@ -75,8 +75,11 @@ type Config struct {
 	// Backoff is the delay before the next attempt after attempt n failed.
 	// Defaults to subscriber.DefaultBackoff.
 	Backoff func(n int) time.Duration
-	// MaxInFlight bounds the rows read and not settled; the relay stops
-	// reading the stream beyond it. Defaults to MaxInFlightDefault.
+	// MaxInFlight bounds the messages handed out and not settled, and the
+	// rows read and not settled: the relay stops reading the stream beyond
+	// it, not counting the rows queued behind a key whose head waits for
+	// its retry, up to 4 x MaxInFlight rows in all. Defaults to
+	// MaxInFlightDefault.
 	MaxInFlight int
 	// StatusInterval is how often the relay confirms its position to the
 	// server. Defaults to StatusIntervalDefault.
