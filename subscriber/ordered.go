@@ -111,6 +111,9 @@ type orderedRelay struct {
 	logger watermill.LoggerAdapter
 	kick   chan struct{}
 	class  int32
+	// legacy is the key-lock class of writers of earlier versions
+	// (schema.Table.LegacyOrderingLockClass), watched beside class.
+	legacy int32
 
 	mu    sync.Mutex
 	parts map[int]*partState
@@ -210,6 +213,7 @@ func newOrderedRelay(sub *subscription) *orderedRelay {
 		parts:  map[int]*partState{},
 		keys:   map[string]*keyState{},
 		stale:  map[int]int{},
+		legacy: sub.s.cfg.Table.LegacyOrderingLockClass(),
 	}
 }
 
@@ -581,25 +585,30 @@ func (r *orderedRelay) expire(p *partState) {
 	if r.parts[p.id] != p {
 		return
 	}
-	if wait := time.Until(p.deadline); wait > 0 {
-		p.expiry.Reset(wait) // renewed meanwhile
-		return
+	if !r.expireLocked(p) {
+		p.expiry.Reset(time.Until(p.deadline)) // renewed meanwhile
 	}
-	r.logger.Info("Partition lease not renewed in time; stopping its deliveries", watermill.LogFields{"partition": p.id, "term": p.epoch})
-	r.dropPartLocked(p.id)
 }
 
-// fence drops the partitions whose lease may have ended by the local clock.
+// fence drops the partitions whose lease may have ended by the local clock
+// (at a tick: the expiry timers do it between ticks).
 func (r *orderedRelay) fence() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	now := time.Now()
-	for id, p := range r.parts {
-		if now.After(p.deadline) {
-			r.logger.Info("Partition lease not renewed in time; stopping its deliveries", watermill.LogFields{"partition": id})
-			r.dropPartLocked(id)
-		}
+	for _, p := range r.parts {
+		r.expireLocked(p)
 	}
+}
+
+// expireLocked ends p's term if its deadline passed, and reports whether it
+// did.
+func (r *orderedRelay) expireLocked(p *partState) bool {
+	if time.Now().Before(p.deadline) {
+		return false
+	}
+	r.logger.Info("Partition lease not renewed in time; stopping its deliveries", watermill.LogFields{"partition": p.id, "term": p.epoch})
+	r.dropPartLocked(p.id)
+	return true
 }
 
 // partBusyLocked reports whether a runner works on a key of p.
@@ -695,7 +704,7 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		r.cycleError(ctx, err)
 		return 0, false
 	}
-	if err := r.s.pool.QueryRow(qctx, r.oq.Cut, r.class, r.s.cfg.Table.LegacyOrderingLockClass()).Scan(&s0, &vxids, &hashes); err != nil {
+	if err := r.s.pool.QueryRow(qctx, r.oq.Cut, r.class, r.legacy).Scan(&s0, &vxids, &hashes); err != nil {
 		r.cycleError(ctx, err)
 		return 0, false
 	}

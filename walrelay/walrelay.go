@@ -224,7 +224,7 @@ func (s *Subscriber) keepStale(key string, msg *message.Message) {
 	s.stale[key]++
 	s.staleN.Add(1)
 	s.staleMu.Unlock()
-	s.logger.Trace("Stale copy", watermill.LogFields{"key": key, "relay": fmt.Sprintf("%p", s)})
+	s.logger.Trace("Stale copy", watermill.LogFields{"key": key})
 	s.staleWg.Add(1)
 	go func() {
 		defer s.staleWg.Done()
@@ -241,7 +241,7 @@ func (s *Subscriber) keepStale(key string, msg *message.Message) {
 		case <-s.staleStop: // the relay stopped: no session delivers any more
 			why = "closed"
 		}
-		s.logger.Trace("Stale copy ended", watermill.LogFields{"key": key, "why": why, "relay": fmt.Sprintf("%p", s)})
+		s.logger.Trace("Stale copy ended", watermill.LogFields{"key": key, "why": why})
 		s.staleMu.Lock()
 		s.staleN.Add(-1)
 		if s.stale[key]--; s.stale[key] <= 0 {
@@ -1248,30 +1248,14 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 	return nil
 }
 
-// dispatchAll delivers the head of every key that is free and due.
+// dispatchAll delivers the head of every key that is free and due, with
+// dispatch's rules (the retry timer armed for the earliest retry).
 func (st *stream) dispatchAll(ctx context.Context) {
 	if st.draining {
 		return
 	}
-	now := time.Now()
-	var next time.Time
-	for key, q := range st.keys {
-		if q.inFlight || len(q.items) == 0 || st.s.isStale(key) {
-			continue
-		}
-		if q.retryAt.After(now) {
-			if next.IsZero() || q.retryAt.Before(next) {
-				next = q.retryAt
-			}
-			continue
-		}
-		if st.full(key, q) {
-			continue
-		}
-		st.deliver(ctx, q, q.items[0])
-	}
-	if !next.IsZero() {
-		st.schedule(next)
+	for key := range st.keys {
+		st.dispatch(ctx, key)
 	}
 }
 
