@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -130,14 +131,29 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 
 // Teardown drops the slot, the publication and the progress table of t (names n, defaults when
 // empty). A dropped slot retains no WAL; events committed after it are no
-// longer streamed.
+// longer streamed. A slot still active is waited for up to
+// teardownSlotWait: the walsender of a relay that has just closed ends a
+// moment after the relay's connection.
 func Teardown(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) error {
 	n, err := n.withDefaults(t)
 	if err != nil {
 		return err
 	}
-	if _, err := pool.Exec(ctx, schema.WALDropSlot, n.Slot); err != nil {
-		return fmt.Errorf("walrelay: drop replication slot %s: %w", n.Slot, err)
+	for deadline := time.Now().Add(teardownSlotWait); ; {
+		_, err := pool.Exec(ctx, schema.WALDropSlot, n.Slot)
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "55006" && time.Now().Before(deadline) { // object_in_use: still read
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("walrelay: drop replication slot %s: %w", n.Slot, ctx.Err())
+			case <-time.After(50 * time.Millisecond):
+			}
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("walrelay: drop replication slot %s: %w", n.Slot, err)
+		}
+		break
 	}
 	if _, err := pool.Exec(ctx, schema.WALDropPublication(n.Publication)); err != nil {
 		return fmt.Errorf("walrelay: drop publication %s: %w", n.Publication, err)
@@ -206,6 +222,10 @@ func checkSequence(ctx context.Context, pool *pgxpool.Pool, t schema.Table) erro
 	}
 	return nil
 }
+
+// teardownSlotWait bounds how long Teardown waits for an active slot to be
+// released; a slot a live relay reads stays active, and Teardown then fails.
+const teardownSlotWait = 5 * time.Second
 
 // ErrPublicationHasOtherTables is matched (errors.Is) by the error of Setup
 // and New when the relay's publication also publishes other tables: their
