@@ -67,7 +67,7 @@ func scaleCase(ctx context.Context, pool *pgxpool.Pool, t schema.Table, pending,
 	if err := fillBacklog(ctx, pool, t, pending); err != nil {
 		return 0, err
 	}
-	rate, err := drainSubscriber(ctx, pool, t, sample, subscriber.Config{})
+	rate, err := drainSubscriber(ctx, pool, t, sample, true, subscriber.Config{})
 	if err != nil {
 		return 0, err
 	}
