@@ -318,9 +318,9 @@ func WALHoldsTableExists(t Table) string {
 }
 
 // WALSkipHold asks the WAL relay to skip the dead row $1 (event_id text)
-// that holds its key, whatever the hold's rules say (the relay's tests use
-// it; the runbook uses WALSkipHoldIn): the relay then delivers the key's later rows; the
-// row stays dead. Returns: the key and the sequence, no row when the event
+// that holds its key (the relay's tests use it; the runbook uses
+// WALSkipHoldIn, which applies the hold's rules): the relay then delivers
+// the key's later rows; the row stays dead. Returns: the key and the sequence, no row when the event
 // holds no key (or its hold drains already).
 func WALSkipHold(t Table) string {
 	return `UPDATE ` + t.WALHoldsTable() + ` SET skip_requested_at = now()
