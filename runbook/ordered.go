@@ -233,11 +233,7 @@ func HoldOfEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) 
 
 // refusal is the error of a hold rule that refused op on eventID.
 func refusal(op HoldOp, eventID uuid.UUID, t schema.Table, err error) error {
-	verb := "skip"
-	if op == OpReplay {
-		verb = "replay"
-	}
-	return fmt.Errorf("runbook: cannot %s event %s of %s: %w; nothing changed", verb, eventID, t, err)
+	return fmt.Errorf("runbook: cannot %s event %s of %s: %w; nothing changed", op, eventID, t, err)
 }
 
 // replayHeld is ReplayEvent for a row that holds its ordering key in an

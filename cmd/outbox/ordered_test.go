@@ -81,8 +81,22 @@ VALUES ('org-1', hashtext('org-1') & 63, $1, 3, 'infinity', 'boom', now())`, seq
 	if after != before {
 		t.Fatalf("a refused skip or replay changed the hold:\n%s\n%s", before, after)
 	}
+	// A resolved hold (a tombstone) is listed only with --resolved.
+	var seq2 int64
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		var err error
+		seq2, err = publisher.Enqueue(ctx, tx, tbl, publisher.Message{TenantID: uuid.New(), Topic: "org.org.changed.v1", EventID: uuid.New(),
+			Payload: json.RawMessage(`{}`), OrderingKey: "org-2"})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	rbExec(t, pool, tbl, `INSERT INTO `+tbl.HoldsTable()+` (ordering_key, partition, sequence, resolved_at) VALUES ('org-2', hashtext('org-2') & 63, $1, now())`, seq2)
+	if r = rbRun(t, rbEnv(), "keys", "held", "--table="+tbl.String()); strings.Contains(r.stdout, "org-2") {
+		t.Fatalf("keys held lists a resolved hold:\n%s", r.stdout)
+	}
 	r = rbRun(t, rbEnv(), "keys", "held", "--table="+tbl.String(), "--resolved", "--json")
-	r.expect(t, 0, []string{`"state": "skip_requested"`}, nil)
+	r.expect(t, 0, []string{`"state": "skip_requested"`, `"ordering_key": "org-2"`, `"state": "resolved"`}, nil)
 	rbRun(t, rbEnv(), "dead", "skip", "--table="+tbl.String(), "--event-id="+uuid.NewString(), "--confirm").expect(t, 1, nil, []string{"does not hold its ordering key"})
 }
 
