@@ -346,6 +346,10 @@ func TestHoldLifecycleOrdered(t *testing.T) {
 	if err != nil || !dry.DryRun {
 		t.Fatalf("dry run of a skip of the replay: %+v, %v", dry, err)
 	}
+	dryReplay, err := runbook.ReplayEvent(ctx, pool, tbl, r1, runbook.ReplayOptions{DryRun: true})
+	if err != nil || !dryReplay.DryRun {
+		t.Fatalf("dry run of a replay of a retrying row: %+v, %v", dryReplay, err)
+	}
 	for _, a := range []struct {
 		id   uuid.UUID
 		op   runbook.HoldOp
@@ -386,9 +390,16 @@ func TestHoldLifecycleOrdered(t *testing.T) {
 			t.Errorf("replayed hold %s not due now with no attempts: %+v", h.Key, h)
 		}
 	}
+	before := holdSnapshot(t, pool, tbl, tbl.HoldsTable())
 	var skipped bool
 	if err := pool.QueryRow(ctx, dry.Statement.SQL, dry.Statement.Args...).Scan(&skipped); err != nil || skipped {
 		t.Fatalf("the skip's statement run on a hold that moved on: skipped %v, %v", skipped, err)
+	}
+	if tag, err := pool.Exec(ctx, dryReplay.Statement.SQL, dryReplay.Statement.Args...); err != nil || tag.RowsAffected() != 0 {
+		t.Fatalf("the replay's statement run on a hold that moved on (skip requested): %v, %v", tag, err)
+	}
+	if after := holdSnapshot(t, pool, tbl, tbl.HoldsTable()); after != before {
+		t.Fatalf("the guarded statements changed a hold that moved on:\n%s\n%s", before, after)
 	}
 }
 

@@ -184,6 +184,10 @@ func TestHoldLifecycleWAL(t *testing.T) {
 	if err != nil || !dry.DryRun || dry.Key != "d1" {
 		t.Fatalf("dry run of a skip of a dead row: %+v, %v", dry, err)
 	}
+	dryReplay, err := runbook.ReplayEvent(ctx, pool, tbl, d1, runbook.ReplayOptions{DryRun: true})
+	if err != nil || !dryReplay.DryRun {
+		t.Fatalf("dry run of a replay of a dead row: %+v, %v", dryReplay, err)
+	}
 	for _, a := range []struct {
 		id   uuid.UUID
 		op   runbook.HoldOp
@@ -222,7 +226,16 @@ func TestHoldLifecycleWAL(t *testing.T) {
 			t.Errorf("replayed row %s not reset: %+v", id, st)
 		}
 	}
+	before := holdSnapshot(t, pool, tbl, tbl.WALHoldsTable())
 	if err := pool.QueryRow(ctx, dry.Statement.SQL, dry.Statement.Args...).Scan(new(string), new(int64)); !errors.Is(err, pgx.ErrNoRows) {
 		t.Fatalf("the skip's statement run on a hold that moved on: %v, want no row", err)
+	}
+	// d1's row is still dead, but its hold is skip_requested: the replay's
+	// statement leaves it.
+	if err := pool.QueryRow(ctx, dryReplay.Statement.SQL, dryReplay.Statement.Args...).Scan(new(int64)); !errors.Is(err, pgx.ErrNoRows) {
+		t.Fatalf("the replay's statement run on a hold that moved on: %v, want no row", err)
+	}
+	if after := holdSnapshot(t, pool, tbl, tbl.WALHoldsTable()); after != before {
+		t.Fatalf("the guarded statements changed a hold that moved on:\n%s\n%s", before, after)
 	}
 }
