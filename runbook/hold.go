@@ -38,7 +38,8 @@ const (
 	// key's next row. Ordered mode: a replay hold, the replay of a row
 	// already relayed (it covers nothing). WAL: the dead row that holds
 	// the key was reset by a replay and is being delivered again (its
-	// retries are in memory until it is dead again).
+	// retries are in memory until it is dead again). A skip does not
+	// recall a copy already in a handler (or, WAL, already streamed).
 	HoldReplay
 	// HoldDraining (WAL only): the held row was delivered again or
 	// skipped, and the key's parked rows are being delivered from the

@@ -401,6 +401,27 @@ func TestHoldLifecycleOrdered(t *testing.T) {
 	if after := holdSnapshot(t, pool, tbl, tbl.HoldsTable()); after != before {
 		t.Fatalf("the guarded statements changed a hold that moved on:\n%s\n%s", before, after)
 	}
+
+	// A relay applies the accepted actions: the skipped rows are never
+	// delivered (p's skipped replay included) and their keys go on; the
+	// replayed rows are delivered; no key stays held.
+	sub2, err := subscriber.New(pool, subscriber.Config{Table: tbl, Ordered: true, LockTTL: time.Second,
+		ElectionInterval: 100 * time.Millisecond, PollInterval: 100 * time.Millisecond, CloseTimeout: time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub2.Close() })
+	c2 := consume(t, sub2, func(*message.Message, int) error { return nil })
+	r1Next, d1Next := ids[1], ids[4]
+	waitUntil(t, 15*time.Second, "the actions applied", func() bool {
+		return len(holdStates(t, pool, tbl, false)) == 0 && c2.count(c2.acked, r1Next) == 1 && c2.count(c2.acked, d1Next) == 1 &&
+			c2.count(c2.acked, r2) == 1 && c2.count(c2.acked, d2) == 1 && c2.count(c2.acked, x) == 1
+	})
+	for _, id := range []uuid.UUID{r1, d1, k, p} {
+		if n := c2.count(c2.delivers, id); n != 0 {
+			t.Errorf("skipped row %s delivered %d times", id, n)
+		}
+	}
 }
 
 func mustHeld(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) []runbook.HeldKey {
