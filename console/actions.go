@@ -18,9 +18,11 @@ import (
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// held lists the held keys of an ordered table, each with a skip button
-// and a box for the bulk skip, filtered by a text the key, topic or last
-// error contains (?q=) and, with ?dead=1, to the dead holds.
+// held lists the held keys of a keyed table (ordered mode or the WAL
+// relay), each with its hold's state and the buttons its state allows
+// (runbook.HeldKey.CanSkip, CanReplay: the runbook's own rules) and, when
+// it can be skipped, a box for the bulk skip; filtered by a text the key,
+// topic or last error contains (?q=) and, with ?dead=1, to the dead holds.
 func (h *handler) held(w http.ResponseWriter, r *http.Request) {
 	t, ok := h.table(w, r)
 	if !ok {
@@ -52,7 +54,7 @@ func heldMatching(keys []runbook.HeldKey, q string, deadOnly bool) []runbook.Hel
 	lq := strings.ToLower(q)
 	var out []runbook.HeldKey
 	for _, k := range keys {
-		if deadOnly && k.DeadAt == nil {
+		if deadOnly && k.State != runbook.HoldDead {
 			continue
 		}
 		if lq != "" {

@@ -488,12 +488,23 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 			payload = "(cannot read the payload)"
 		}
 	}
+	// A row that holds its key is replayable only when its hold's state
+	// allows it (the runbook's rule); the page says why not instead.
+	var noReplay string
+	if st, held, err := runbook.HoldOfEvent(r.Context(), h.pool, t, id); err != nil {
+		h.logger.Error("Console could not read an event's hold", err, watermill.LogFields{"table": t.String()})
+	} else if held {
+		if rerr := st.Allows(runbook.OpReplay); rerr != nil {
+			noReplay = rerr.Error()
+		}
+	}
 	h.render(w, r, "event.html", "Event "+id.String(), struct {
-		Table   string
-		Row     runbook.Row
-		Payload string
-		Flash   string
-	}{t.String(), row, payload, flash(r)})
+		Table    string
+		Row      runbook.Row
+		Payload  string
+		Flash    string
+		NoReplay string
+	}{t.String(), row, payload, flash(r), noReplay})
 }
 
 // identity is who a request is: its role, and its session when it came with

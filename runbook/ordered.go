@@ -16,18 +16,22 @@ import (
 // not hold its ordering key: only the row a key waits for can be skipped.
 var ErrNotHeld = errors.New("runbook: event does not hold its ordering key")
 
-// HeldKey is one ordering key held back by a failing, dead or skipped row
-// (ordered mode, docs/ORDERING.md).
+// HeldKey is one ordering key held back by its hold (ordered mode,
+// docs/ORDERING.md; the WAL relay, docs/WAL.md), or a resolved hold's
+// tombstone when ListHolds was asked for them.
 type HeldKey struct {
 	// Key is the ordering key.
 	Key string `json:"ordering_key"`
-	// Partition is the key's partition.
+	// Partition is the key's partition (0 in a WAL table).
 	Partition int `json:"partition"`
 	// Sequence is the sequence of the row the key waits for.
 	Sequence int64 `json:"sequence"`
 	// EventID and Topic are the held row's, empty when the row is gone.
 	EventID string `json:"event_id,omitempty"`
 	Topic   string `json:"topic,omitempty"`
+	// State is where the hold is in its lifecycle; State.Allows says
+	// whether the row can be skipped or replayed now.
+	State HoldState `json:"state"`
 	// Attempts counts the failed attempts of the held row.
 	Attempts int `json:"attempts"`
 	// AvailableAt is when the held row is tried again; nil when dead.
@@ -39,10 +43,22 @@ type HeldKey struct {
 	DeadAt *time.Time `json:"dead_at,omitempty"`
 	// SkipRequestedAt is set when an operator asked to skip the row.
 	SkipRequestedAt *time.Time `json:"skip_requested_at,omitempty"`
-	// Replay is true for an operator's replay of a row already relayed:
-	// the row is delivered once more before the key's next row.
+	// Replay is true for an ordered table's replay hold (an operator's
+	// replay of a row already relayed), also once it is dead.
 	Replay bool `json:"replay,omitempty"`
 }
+
+// Allows says whether the held row can be skipped or replayed now: the
+// rules of its State (HoldState.Allows).
+func (h HeldKey) Allows(op HoldOp) error { return h.State.Allows(op) }
+
+// CanSkip is true when the hold's state accepts a skip and the row is still
+// in the table (SkipEvent names it by its event_id).
+func (h HeldKey) CanSkip() bool { return h.EventID != "" && h.Allows(OpSkip) == nil }
+
+// CanReplay is true when the hold's state accepts a replay and the row is
+// still in the table.
+func (h HeldKey) CanReplay() bool { return h.EventID != "" && h.Allows(OpReplay) == nil }
 
 // orderedQueries returns the ordered-mode statements of t, or nil when t
 // is not relayed in ordered mode: it has no ordered-mode tables, or it is
@@ -70,13 +86,30 @@ func orderedQueries(ctx context.Context, db DB, t schema.Table) (*schema.Ordered
 	return schema.NewOrderedQueries(t, cols), nil
 }
 
-// HeldKeys lists up to limit (DefaultLimit when 0) held keys of the ordered
-// table t, oldest hold first. A table without ordered mode has none.
+// HeldKeys lists up to limit (DefaultLimit when 0) held keys of the keyed
+// table t (ordered mode or the WAL relay), oldest hold first, each with its
+// State. Resolved holds (tombstones, which hold nothing) are not listed:
+// use ListHolds with Resolved for them. A table without keyed holds has
+// none.
 func HeldKeys(ctx context.Context, db DB, t schema.Table, limit int) ([]HeldKey, error) {
+	return ListHolds(ctx, db, t, HoldsFilter{Limit: limit})
+}
+
+// HoldsFilter selects the holds ListHolds returns.
+type HoldsFilter struct {
+	// Limit bounds the holds returned (DefaultLimit when 0).
+	Limit int
+	// Resolved includes the resolved holds (tombstones kept until the
+	// relay's progress passes them), which HeldKeys leaves out.
+	Resolved bool
+}
+
+// ListHolds is HeldKeys with the resolved holds too when f.Resolved.
+func ListHolds(ctx context.Context, db DB, t schema.Table, f HoldsFilter) ([]HeldKey, error) {
 	if err := checkTable(t); err != nil {
 		return nil, err
 	}
-	limit, err := checkLimit(limit)
+	limit, err := checkLimit(f.Limit)
 	if err != nil {
 		return nil, err
 	}
@@ -86,27 +119,33 @@ func HeldKeys(ctx context.Context, db DB, t schema.Table, limit int) ([]HeldKey,
 	}
 	list := ""
 	if oq != nil {
-		list = oq.ListHolds
+		list = oq.HoldList()
 	} else if wal, err := walHolds(ctx, db, t); err != nil || !wal {
 		return nil, err
 	} else {
-		list = schema.WALListHolds(t)
+		list = schema.WALHoldList(t)
 	}
-	rows, err := db.Query(ctx, list, limit)
+	rows, err := db.Query(ctx, list, limit, f.Resolved)
 	if err != nil {
 		return nil, dbError(t, "list held keys of", err)
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (HeldKey, error) {
 		var (
-			h            HeldKey
-			event, topic *string
+			h                   HeldKey
+			event, topic, state *string
 		)
-		err := r.Scan(&h.Key, &h.Partition, &h.Sequence, &h.Attempts, &h.AvailableAt, &h.LastError, &h.DeadAt, &h.SkipRequestedAt, &event, &topic, &h.Replay)
+		err := r.Scan(&h.Key, &h.Partition, &h.Sequence, &h.Attempts, &h.AvailableAt, &h.LastError, &h.DeadAt, &h.SkipRequestedAt, &event, &topic, &h.Replay, &state)
+		if err != nil {
+			return h, err
+		}
 		if event != nil {
 			h.EventID = *event
 		}
 		if topic != nil {
 			h.Topic = *topic
+		}
+		if state != nil {
+			h.State, err = ParseHoldState(*state)
 		}
 		return h, err
 	})
@@ -116,31 +155,99 @@ func HeldKeys(ctx context.Context, db DB, t schema.Table, limit int) ([]HeldKey,
 	return out, nil
 }
 
-// holdOf returns the hold of the event's row, or ok = false when the table
-// is not ordered or the row holds no key.
-func holdOf(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (oq *schema.OrderedQueries, key string, seq int64, dead bool, ok bool, err error) {
-	if oq, err = orderedQueries(ctx, db, t); err != nil || oq == nil {
-		return nil, "", 0, false, false, err
-	}
-	st := oq.HoldOfEventStatement(eventID.String())
-	var attempts int
-	err = db.QueryRow(ctx, st.SQL, st.Args...).Scan(&key, &seq, &dead, &attempts)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return oq, "", 0, false, false, nil
-	}
-	if err != nil {
-		return nil, "", 0, false, false, dbError(t, "look up the hold of event "+eventID.String()+" in", err)
-	}
-	return oq, key, seq, dead, true, nil
+// eventHold is the hold at one event's row.
+type eventHold struct {
+	key   string
+	seq   int64
+	dead  bool
+	state HoldState
 }
 
-// replayHeld is ReplayEvent for a row that holds its ordering key: it
-// clears the hold's dead_at and attempts and makes it due, so that the relay
-// delivers the row first and the rest of its key after it.
+// holdOf returns the ordered-mode queries of t (nil when t is not ordered)
+// and the hold at the event's row (nil when the row holds no key),
+// resolved holds included.
+func holdOf(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (*schema.OrderedQueries, *eventHold, error) {
+	oq, err := orderedQueries(ctx, db, t)
+	if err != nil || oq == nil {
+		return nil, nil, err
+	}
+	var (
+		h    eventHold
+		word string
+	)
+	err = db.QueryRow(ctx, oq.HoldOfEvent(), eventID.String()).Scan(&h.key, &h.seq, &h.dead, &word)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return oq, nil, nil
+	}
+	if err != nil {
+		return nil, nil, dbError(t, "look up the hold of event "+eventID.String()+" in", err)
+	}
+	if h.state, err = ParseHoldState(word); err != nil {
+		return nil, nil, err
+	}
+	return oq, &h, nil
+}
+
+// walHoldOf returns the WAL relay's hold of the event's row (released
+// ones included), or nil when t has no WAL holds table or the row holds
+// no key.
+func walHoldOf(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (*eventHold, error) {
+	if wal, err := walHolds(ctx, db, t); err != nil || !wal {
+		return nil, err
+	}
+	var (
+		h    eventHold
+		word string
+	)
+	err := db.QueryRow(ctx, schema.WALHoldOfEvent(t), eventID.String()).Scan(&h.key, &h.seq, &word)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, dbError(t, "look up the hold of event "+eventID.String()+" in", err)
+	}
+	if h.state, err = ParseHoldState(word); err != nil {
+		return nil, err
+	}
+	h.dead = h.state == HoldDead
+	return &h, nil
+}
+
+// HoldOfEvent returns the state of the hold at the row of t whose event_id
+// is eventID, in either keyed mode, resolved holds included; held is false
+// when the row holds no key (or t has no keyed holds). The console's
+// event page offers Replay by its Allows.
+func HoldOfEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (state HoldState, held bool, err error) {
+	if err := checkTable(t); err != nil {
+		return 0, false, err
+	}
+	_, h, err := holdOf(ctx, db, t, eventID)
+	if err == nil && h == nil {
+		h, err = walHoldOf(ctx, db, t, eventID)
+	}
+	if err != nil || h == nil {
+		return 0, false, err
+	}
+	return h.state, true, nil
+}
+
+// refusal is the error of a hold rule that refused op on eventID.
+func refusal(op HoldOp, eventID uuid.UUID, t schema.Table, err error) error {
+	return fmt.Errorf("runbook: cannot %s event %s of %s: %w; nothing changed", op, eventID, t, err)
+}
+
+// replayHeld is ReplayEvent for a row that holds its ordering key in an
+// ordered table: when the hold's state allows a replay, it clears the
+// hold's dead_at and attempts and makes it due, so that the relay delivers
+// the row first and the rest of its key after it. ok is false when the row
+// holds no key or its hold is resolved (replayKeyed then decides).
 func replayHeld(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
-	oq, key, seq, dead, ok, err := holdOf(ctx, db, t, eventID)
-	if err != nil || !ok {
+	oq, h, err := holdOf(ctx, db, t, eventID)
+	if err != nil || h == nil || h.state == HoldResolved {
 		return EventReplay{}, false, err
+	}
+	if err := h.state.Allows(OpReplay); err != nil {
+		return EventReplay{}, true, refusal(OpReplay, eventID, t, err)
 	}
 	q := schema.NewRunbookQueries(t)
 	// The row as the state layer reads it: a held row shows its hold's
@@ -149,8 +256,8 @@ func replayHeld(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, d
 	if err != nil {
 		return EventReplay{}, true, err
 	}
-	res := EventReplay{Table: t.String(), Row: row, Dead: dead,
-		Statement: schema.Statement{SQL: oq.RetryHold, Args: []any{key, seq}}}
+	res := EventReplay{Table: t.String(), Row: row, Dead: h.dead,
+		Statement: schema.Statement{SQL: oq.RetryHoldIn(), Args: []any{h.key, h.seq, statesAllowing(OpReplay)}}}
 	if dryRun {
 		res.DryRun = true
 		return res, true, nil
@@ -159,9 +266,24 @@ func replayHeld(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, d
 	if err != nil {
 		return EventReplay{}, true, dbError(t, "replay event "+eventID.String()+" of", err)
 	}
+	if tag.RowsAffected() == 0 {
+		return EventReplay{}, true, movedOn(ctx, db, t, eventID, OpReplay)
+	}
 	res.Changed = tag.RowsAffected()
 	wake(ctx, db, q)
 	return res, true, nil
+}
+
+// movedOn is the error of an action whose guarded statement found the hold
+// changed since it was read: the new state's refusal when it refuses op,
+// else a plain "look again".
+func movedOn(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, op HoldOp) error {
+	if st, held, err := HoldOfEvent(ctx, db, t, eventID); err == nil && held {
+		if rerr := st.Allows(op); rerr != nil {
+			return refusal(op, eventID, t, rerr)
+		}
+	}
+	return fmt.Errorf("runbook: cannot %s event %s of %s: its hold changed meanwhile (%w); nothing changed, look again", op, eventID, t, ErrHoldRefused)
 }
 
 // ErrNotRelayedYet is returned (wrapped) by ReplayEvent for a keyed row of
@@ -237,10 +359,14 @@ type EventSkip struct {
 }
 
 // SkipEvent drops the row whose event_id is eventID from its ordering key's
-// order, in an ordered table: the row must hold its key (failing or dead);
-// the relay then continues the key with its next row and never delivers
-// the skipped row again. The row stays in the table, its last_error
-// recording the skip. Any other row is refused with ErrNotHeld.
+// order, in a keyed table (ordered mode or the WAL relay): the row must
+// hold its key, in a state whose rules allow a skip (HoldState.Allows:
+// retrying, dead or replay); the relay then continues the key with its next
+// row and never delivers the skipped row again. The row stays in the
+// table (ordered mode: its last_error records the skip; WAL: it stays
+// dead). A row that holds no key is refused with ErrNotHeld, a hold whose
+// state refuses the skip with a *HoldRuleError (ErrHoldRefused); nothing
+// is changed then.
 func SkipEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryRun bool) (EventSkip, error) {
 	if err := checkTable(t); err != nil {
 		return EventSkip{}, err
@@ -250,25 +376,29 @@ func SkipEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dr
 	} else if wal {
 		return skipWAL(ctx, db, t, eventID, dryRun)
 	}
-	oq, key, seq, _, ok, err := holdOf(ctx, db, t, eventID)
+	oq, h, err := holdOf(ctx, db, t, eventID)
 	if err != nil {
 		return EventSkip{}, err
 	}
-	if !ok {
+	if h == nil {
 		return EventSkip{}, fmt.Errorf("runbook: cannot skip event %s of %s: %w (skip applies to the row a held key waits for; list them with `outbox keys held`); nothing changed",
 			eventID, t, ErrNotHeld)
 	}
-	res := EventSkip{Table: t.String(), Key: key, Sequence: seq, Statement: schema.Statement{SQL: oq.SkipHold, Args: []any{key, seq}}}
+	if err := h.state.Allows(OpSkip); err != nil {
+		return EventSkip{}, refusal(OpSkip, eventID, t, err)
+	}
+	res := EventSkip{Table: t.String(), Key: h.key, Sequence: h.seq,
+		Statement: schema.Statement{SQL: oq.SkipHoldIn(), Args: []any{h.key, h.seq, statesAllowing(OpSkip)}}}
 	if dryRun {
 		res.DryRun = true
 		return res, nil
 	}
 	var done bool
-	if err := db.QueryRow(ctx, oq.SkipHold, key, seq).Scan(&done); err != nil {
+	if err := db.QueryRow(ctx, res.Statement.SQL, res.Statement.Args...).Scan(&done); err != nil {
 		return EventSkip{}, dbError(t, "skip event "+eventID.String()+" of", err)
 	}
 	if !done {
-		return EventSkip{}, fmt.Errorf("runbook: cannot skip event %s of %s: the hold moved on meanwhile; nothing changed, look again", eventID, t)
+		return EventSkip{}, movedOn(ctx, db, t, eventID, OpSkip)
 	}
 	res.Changed = 1
 	wake(ctx, db, schema.NewRunbookQueries(t))
@@ -304,17 +434,28 @@ func walHolds(ctx context.Context, db DB, t schema.Table) (bool, error) {
 }
 
 // skipWAL is SkipEvent for a table the WAL relay streams: it records the
-// skip request on the hold; the active relay applies it at its next tick.
+// skip request on the hold, when its state allows it; the active relay
+// applies it at its next tick.
 func skipWAL(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryRun bool) (EventSkip, error) {
-	st := schema.Statement{SQL: schema.WALSkipHold(t), Args: []any{eventID.String()}}
-	res := EventSkip{Table: t.String(), Statement: st, DryRun: dryRun}
+	h, err := walHoldOf(ctx, db, t, eventID)
+	if err != nil {
+		return EventSkip{}, err
+	}
+	if h == nil {
+		return EventSkip{}, fmt.Errorf("runbook: cannot skip event %s of %s: %w (skip applies to the dead row a held key waits for; list them with `outbox keys held`); nothing changed",
+			eventID, t, ErrNotHeld)
+	}
+	if err := h.state.Allows(OpSkip); err != nil {
+		return EventSkip{}, refusal(OpSkip, eventID, t, err)
+	}
+	st := schema.Statement{SQL: schema.WALSkipHoldIn(t), Args: []any{eventID.String(), statesAllowing(OpSkip)}}
+	res := EventSkip{Table: t.String(), Key: h.key, Sequence: h.seq, Statement: st, DryRun: dryRun}
 	if dryRun {
 		return res, nil
 	}
-	err := db.QueryRow(ctx, st.SQL, st.Args...).Scan(&res.Key, &res.Sequence)
+	err = db.QueryRow(ctx, st.SQL, st.Args...).Scan(&res.Key, &res.Sequence)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return EventSkip{}, fmt.Errorf("runbook: cannot skip event %s of %s: %w (skip applies to the dead row a held key waits for; list them with `outbox keys held`); nothing changed",
-			eventID, t, ErrNotHeld)
+		return EventSkip{}, movedOn(ctx, db, t, eventID, OpSkip)
 	}
 	if err != nil {
 		return EventSkip{}, dbError(t, "skip event "+eventID.String()+" of", err)

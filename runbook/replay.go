@@ -125,7 +125,11 @@ type EventReplay struct {
 // It acts only on a row that is dead or failed (published_at IS NULL AND
 // (dead_at IS NOT NULL OR last_error IS NOT NULL)) and not leased by a relay right
 // now; any other row is refused with a *NotReplayableError and left as it
-// is. With opts.DryRun it checks the row the same way and changes nothing.
+// is. A row that holds its ordering key (ordered mode or the WAL relay) is
+// replayed only when its hold's state allows it (HoldState.Allows: not while
+// a skip is requested, a replay is pending or the hold drains); otherwise
+// the error is a *HoldRuleError (ErrHoldRefused) and nothing changes. With
+// opts.DryRun it checks the row the same way and changes nothing.
 func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, opts ReplayOptions) (EventReplay, error) {
 	if err := checkTable(t); err != nil {
 		return EventReplay{}, err
@@ -151,11 +155,31 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 	if keyed, ok, err := replayKeyed(ctx, db, t, eventID, opts.DryRun); ok || err != nil {
 		return keyed, err
 	}
+	// In a WAL table, a dead keyed row may hold its key: its hold's state
+	// decides, and the statement keeps it while it resets the row.
+	wal, err := walHolds(ctx, db, t)
+	if err != nil {
+		return EventReplay{}, err
+	}
+	if wal {
+		h, err := walHoldOf(ctx, db, t, eventID)
+		if err != nil {
+			return EventReplay{}, err
+		}
+		if h != nil {
+			if err := h.state.Allows(OpReplay); err != nil {
+				return EventReplay{}, refusal(OpReplay, eventID, t, err)
+			}
+		}
+	}
 	res, err := inspectEvent(ctx, db, q, eventID, lockTTL)
 	if err != nil {
 		return EventReplay{}, err
 	}
 	res.Statement = q.ReplayEvent(id, lockTTL)
+	if wal {
+		res.Statement = schema.WALReplayEvent(t, id, lockTTL, statesAllowing(OpReplay))
+	}
 	if opts.DryRun {
 		res.DryRun = true
 		return res, nil
@@ -166,6 +190,9 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 		// The row changed between the look-up and the update: say how.
 		if _, again := inspectEvent(ctx, db, q, eventID, lockTTL); again != nil {
 			return EventReplay{}, again
+		}
+		if wal {
+			return EventReplay{}, movedOn(ctx, db, t, eventID, OpReplay)
 		}
 		return EventReplay{}, fmt.Errorf("runbook: replay event %s of %s: the row changed while it was being replayed; nothing changed, look at it again and retry", eventID, t)
 	}

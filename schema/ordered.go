@@ -267,18 +267,6 @@ type OrderedQueries struct {
 	// floor created more than $1 seconds ago, never a row at or after the
 	// sequence of its key's hold (a replay hold keeps only its own row).
 	DeleteDone string
-	// ListHolds lists up to $1 holds for the runbook: ordering_key,
-	// partition, sequence, attempts, available_at (NULL when dead), last_error, dead_at,
-	// skip_requested_at, event_id, topic (event_id and topic NULL when the
-	// row is gone), replay.
-	ListHolds string
-	// RetryHold makes the hold of key $1 at sequence $2 due now and clears
-	// dead_at and attempts. Command tag: rows.
-	RetryHold string
-	// SkipHold asks the relay to drop the hold of key $1 at sequence $2 and
-	// continue with the key's next row; it records the skip in the row's
-	// last_error. Returns: skipped (bool).
-	SkipHold string
 	// ReplayDone makes the keyed row whose event_id is $1 a replay hold when
 	// it is at or below its partition's written floor and its key has no
 	// hold (or only a resolved one at or below that floor): the relay
@@ -463,21 +451,6 @@ FROM unkeyed AS u`
   LIMIT $2
 )
 DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
-	q.ListHolds = `SELECT h.ordering_key, h.partition::int, h.sequence, h.attempts,
-  CASE WHEN h.available_at = 'infinity' THEN NULL ELSE h.available_at END, h.last_error, h.dead_at, h.skip_requested_at,
-  o.event_id::text, o.topic, h.replay
-FROM ` + holds + ` AS h LEFT JOIN ` + tbl + ` AS o ON o.ordering_key = h.ordering_key AND o.sequence = h.sequence
-WHERE ` + active + `
-ORDER BY h.created_at, h.ordering_key LIMIT $1`
-	q.RetryHold = `UPDATE ` + holds + ` SET dead_at = NULL, attempts = 0, available_at = now(), skip_requested_at = NULL
-WHERE ordering_key = $1 AND sequence = $2 AND resolved_at IS NULL`
-	q.SkipHold = `WITH h AS (
-  UPDATE ` + holds + ` SET skip_requested_at = now() WHERE ordering_key = $1 AND sequence = $2 AND resolved_at IS NULL RETURNING sequence
-), o AS (
-  UPDATE ` + tbl + ` SET last_error = 'skipped by an operator at ' || now()::text || COALESCE('; was: ' || last_error, '')
-  WHERE ordering_key = $1 AND sequence = $2 AND EXISTS (SELECT 1 FROM h) RETURNING 1
-)
-SELECT EXISTS (SELECT 1 FROM h)`
 	q.ReplayDone = `WITH r AS (
   SELECT o.ordering_key, o.ordering_partition, o.sequence, o.sequence <= p.floor_sequence AS done, p.floor_sequence AS floor
   FROM ` + tbl + ` AS o JOIN ` + parts + ` AS p ON p.partition = o.ordering_partition
@@ -507,14 +480,6 @@ func OrderedTablesExist(ctx context.Context, q Querier, t Table) (bool, error) {
 		return false, fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)
 	}
 	return ok, nil
-}
-
-// HoldOfEventStatement finds the hold of the row whose event_id is $1:
-// ordering_key, sequence, dead, attempts. No row when the row has no hold.
-func (q *OrderedQueries) HoldOfEventStatement(eventID string) Statement {
-	return Statement{SQL: `SELECT h.ordering_key, h.sequence, h.dead_at IS NOT NULL, h.attempts
-FROM ` + q.Table.Sanitize() + ` AS o JOIN ` + q.Table.HoldsTable() + ` AS h ON h.ordering_key = o.ordering_key AND h.sequence = o.sequence
-WHERE o.event_id = $1::uuid AND h.resolved_at IS NULL`, Args: []any{eventID}}
 }
 
 // ErrSequenceCached is matched (errors.Is) by the error of

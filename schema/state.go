@@ -29,7 +29,7 @@ const (
 )
 
 // SkippedErrorPrefix starts the last_error that a skip writes on an ordered
-// table's keyed row (OrderedQueries.SkipHold): the state layer reads it as
+// table's keyed row (OrderedQueries.SkipHoldIn): the state layer reads it as
 // "skipped".
 const SkippedErrorPrefix = "skipped by an operator"
 

@@ -317,21 +317,10 @@ func WALHoldsTableExists(t Table) string {
 	return `SELECT to_regclass(` + quoteLiteral(t.WALHoldsTable()) + `) IS NOT NULL`
 }
 
-// WALListHolds lists up to $1 holds of t, oldest first, with the columns
-// of OrderedQueries.ListHolds: key, partition (0), sequence, attempts,
-// available_at, last_error, dead_at, skip_requested_at, event_id, topic,
-// replay (false).
-func WALListHolds(t Table) string {
-	return `SELECT h.ordering_key, 0, h.sequence, COALESCE(o.attempts, 0), NULLIF(o.available_at, 'infinity'), o.last_error, o.dead_at,
-  h.skip_requested_at, h.event_id::text, o.topic, false
-FROM ` + t.WALHoldsTable() + ` AS h LEFT JOIN ` + t.Sanitize() + ` AS o ON o.event_id = h.event_id
-WHERE NOT h.released
-ORDER BY h.held_at, h.ordering_key LIMIT $1`
-}
-
 // WALSkipHold asks the WAL relay to skip the dead row $1 (event_id text)
-// that holds its key: the relay then delivers the key's later rows; the
-// row stays dead. Returns: the key and the sequence, no row when the event
+// that holds its key (the relay's tests use it; the runbook uses
+// WALSkipHoldIn, which applies the hold's rules): the relay then delivers
+// the key's later rows; the row stays dead. Returns: the key and the sequence, no row when the event
 // holds no key (or its hold drains already).
 func WALSkipHold(t Table) string {
 	return `UPDATE ` + t.WALHoldsTable() + ` SET skip_requested_at = now()

@@ -6,7 +6,7 @@
 //	outbox dead list --table=T   dead rows (filters: --topic, --tenant, --error, --after)
 //	outbox dead replay ...       replay one event (--event-id) or dead rows in bulk (--confirm)
 //	outbox dead skip ...         ordered mode: drop a held row from its key's order (--event-id, --confirm)
-//	outbox keys held --table=T   ordered mode: ordering keys held back by a failing or dead row
+//	outbox keys held --table=T   ordered and WAL modes: held ordering keys, each hold's state and allowed actions
 //	outbox stats --table=T       pending, locked, dead, oldest pending age
 //
 // Configuration comes from the environment (outbox relay --help lists it); a bad value stops

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"strings"
 	"text/tabwriter"
 
 	"github.com/google/uuid"
@@ -12,7 +13,7 @@ import (
 )
 
 func init() {
-	registerCommand("keys", "list the ordering keys held back by a failing or dead row (keys held, ordered mode)", runKeys)
+	registerCommand("keys", "list the ordering keys held back by a failing or dead row, with each hold's state and the actions it allows (keys held; ordered mode and the WAL relay)", runKeys)
 }
 
 func runKeys(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
@@ -24,6 +25,7 @@ func runKeys(ctx context.Context, env Env, args []string, stdout, stderr io.Writ
 		return err
 	}
 	limit := f.fs.Int("limit", runbook.DefaultLimit, "show at most this many held keys, oldest hold first")
+	resolved := f.fs.Bool("resolved", false, "also list resolved holds (tombstones kept until the relay's progress passes them; they hold nothing)")
 	t, err := f.parse(args[1:])
 	if err != nil {
 		return err
@@ -33,7 +35,7 @@ func runKeys(ctx context.Context, env Env, args []string, stdout, stderr io.Writ
 		return err
 	}
 	defer pool.Close()
-	held, err := runbook.HeldKeys(ctx, pool, t, *limit)
+	held, err := runbook.ListHolds(ctx, pool, t, runbook.HoldsFilter{Limit: *limit, Resolved: *resolved})
 	if err != nil {
 		return err
 	}
@@ -48,22 +50,31 @@ func runKeys(ctx context.Context, env Env, args []string, stdout, stderr io.Writ
 		return nil
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "ORDERING_KEY\tSEQUENCE\tEVENT_ID\tTOPIC\tSTATE\tATTEMPTS\tLAST_ERROR")
+	fmt.Fprintln(tw, "ORDERING_KEY\tSEQUENCE\tEVENT_ID\tTOPIC\tSTATE\tACTIONS\tATTEMPTS\tLAST_ERROR")
 	for _, h := range held {
-		state := "retrying"
-		switch {
-		case h.SkipRequestedAt != nil:
-			state = "skip requested"
-		case h.DeadAt != nil:
-			state = "dead"
-		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%d\t%s\n", cell(h.Key, 40), h.Sequence, h.EventID, cell(h.Topic, 0), state, h.Attempts, lastError(h.LastError, 80))
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%d\t%s\n", cell(h.Key, 40), h.Sequence, h.EventID, cell(h.Topic, 0), h.State, holdActions(h), h.Attempts, lastError(h.LastError, 80))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintln(stdout, "Replay a dead row with `outbox dead replay --event-id=E --confirm`, or drop it from its key's order with `outbox dead skip --event-id=E --confirm`.")
+	fmt.Fprintln(stdout, "ACTIONS are what the hold's state allows (docs/OPERATIONS.md, \"Hold states\"): replay the row with `outbox dead replay --event-id=E --confirm`, or drop it from its key's order with `outbox dead skip --event-id=E --confirm`.")
 	return nil
+}
+
+// holdActions lists the actions h's state allows, "-" when none (or the
+// row is gone from the table).
+func holdActions(h runbook.HeldKey) string {
+	var out []string
+	if h.CanReplay() {
+		out = append(out, runbook.OpReplay.String())
+	}
+	if h.CanSkip() {
+		out = append(out, runbook.OpSkip.String())
+	}
+	if len(out) == 0 {
+		return "-"
+	}
+	return strings.Join(out, ",")
 }
 
 // runDeadSkip is `outbox dead skip`: the held row of an ordered table is

@@ -1,4 +1,5 @@
-// Package doccheck helps tests hold docs/ARCHITECTURE.md to the code: a
+// Package doccheck helps tests hold docs/ARCHITECTURE.md (and the other
+// documents) to the code: a
 // package's test builds the sentences the document must contain from its
 // own constants, so that changing a constant without the document fails.
 package doccheck
@@ -20,19 +21,37 @@ var space = regexp.MustCompile(`\s+`)
 // path to the repository root, such as "..".
 func Architecture(t *testing.T, dir string) string {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(dir, "docs", "ARCHITECTURE.md")) //nolint:gosec // a path the calling test gives
+	return Doc(t, dir, "ARCHITECTURE.md")
+}
+
+// Doc is docs/<name> with every run of white space made one space.
+func Doc(t *testing.T, dir, name string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, "docs", name)) //nolint:gosec // a path the calling test gives
 	if err != nil {
 		t.Fatal(err)
 	}
-	return space.ReplaceAllString(string(b), " ")
+	return Normalize(string(b))
 }
 
-// Expect fails t for every fragment doc does not contain.
+// Normalize makes every run of white space in s one space, as Doc does,
+// for a fragment that spans lines (a table).
+func Normalize(s string) string { return space.ReplaceAllString(s, " ") }
+
+// Expect fails t for every fragment docs/ARCHITECTURE.md (doc) does not
+// contain.
 func Expect(t *testing.T, doc string, fragments ...string) {
+	t.Helper()
+	ExpectIn(t, "ARCHITECTURE.md", doc, fragments...)
+}
+
+// ExpectIn fails t for every fragment doc, the text of docs/<name>, does
+// not contain.
+func ExpectIn(t *testing.T, name, doc string, fragments ...string) {
 	t.Helper()
 	for _, f := range fragments {
 		if !strings.Contains(doc, f) {
-			t.Errorf("docs/ARCHITECTURE.md does not say %q: update the document (or the code) so that they agree", f)
+			t.Errorf("docs/%s does not say %q: update the document (or the code) so that they agree", name, f)
 		}
 	}
 }

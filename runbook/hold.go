@@ -1,0 +1,282 @@
+package runbook
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// HoldState is where the hold of an ordering key is in its lifecycle, in
+// either keyed mode: the ordered relay (<table>_holds) and the WAL relay
+// (<table>_wal_holds). HeldKeys reads it from the holds table; Allows says
+// which operator actions it accepts. The runbook (SkipEvent, ReplayEvent),
+// the CLI (`outbox keys held`, `outbox dead skip|replay`) and the console
+// (the held keys page, the event page) all decide with Allows, so they
+// cannot disagree. docs/ORDERING.md, docs/WAL.md and docs/OPERATIONS.md
+// carry the same table (HoldRulesTable), checked by a test.
+//
+// It encodes as a lowercase word in JSON and text.
+type HoldState int
+
+// The hold states. Each says what the relay does next and whether it waits
+// for an operator.
+const (
+	// HoldRetrying (ordered mode only): the held row failed and is tried
+	// again at AvailableAt; the key's later rows wait. The WAL relay keeps
+	// retries in memory and writes no hold before the row is dead.
+	HoldRetrying HoldState = iota + 1
+	// HoldDead: the held row failed for good (MaxAttempts, or a permanent
+	// error); the key waits for an operator: replay or skip.
+	HoldDead
+	// HoldSkipRequested: an operator asked to skip the held row; the
+	// relay that owns the key applies it at its next tick and the hold
+	// moves on (ordered) or drains (WAL).
+	HoldSkipRequested
+	// HoldReplay: an operator's replay is pending, delivered before the
+	// key's next row. Ordered mode: a replay hold, the replay of a row
+	// already relayed (it covers nothing). WAL: the dead row that holds
+	// the key was reset by a replay and is being delivered again (its
+	// retries are in memory until it is dead again). A skip does not
+	// recall a copy already in a handler (or, WAL, already streamed).
+	HoldReplay
+	// HoldDraining (WAL only): the held row was delivered again or
+	// skipped, and the key's parked rows are being delivered from the
+	// table; then the hold is resolved. The ordered relay moves a hold
+	// straight to the key's next row instead.
+	HoldDraining
+	// HoldResolved: a tombstone. The held row succeeded or was skipped
+	// and its key's rows up to the hold are done; it is kept until the
+	// relay's progress passes it (ordered: the partition's written floor;
+	// WAL: the confirmed position after the drain), then deleted. HeldKeys
+	// does not list it; ListHolds with Resolved does.
+	HoldResolved
+)
+
+// HoldStates are the hold states in lifecycle order.
+var HoldStates = []HoldState{HoldRetrying, HoldDead, HoldSkipRequested, HoldReplay, HoldDraining, HoldResolved}
+
+var holdStateWords = map[HoldState]string{
+	HoldRetrying:      schema.HoldWordRetrying,
+	HoldDead:          schema.HoldWordDead,
+	HoldSkipRequested: schema.HoldWordSkipRequested,
+	HoldReplay:        schema.HoldWordReplay,
+	HoldDraining:      schema.HoldWordDraining,
+	HoldResolved:      schema.HoldWordResolved,
+}
+
+// String returns the state's lowercase word ("retrying", "dead",
+// "skip_requested", "replay", "draining", "resolved"), or "unknown".
+func (s HoldState) String() string {
+	if w, ok := holdStateWords[s]; ok {
+		return w
+	}
+	return "unknown"
+}
+
+// Label is the state as the console and the CLI's table show it: the word
+// with spaces ("skip requested").
+func (s HoldState) Label() string { return strings.ReplaceAll(s.String(), "_", " ") }
+
+// MarshalText writes the state's word.
+func (s HoldState) MarshalText() ([]byte, error) {
+	if _, ok := holdStateWords[s]; !ok {
+		return nil, fmt.Errorf("runbook: hold state %d has no name", int(s))
+	}
+	return []byte(s.String()), nil
+}
+
+// UnmarshalText reads a state's word.
+func (s *HoldState) UnmarshalText(b []byte) error {
+	p, err := ParseHoldState(string(b))
+	if err != nil {
+		return err
+	}
+	*s = p
+	return nil
+}
+
+// ParseHoldState returns the state named by word (String's output).
+func ParseHoldState(word string) (HoldState, error) {
+	for s, w := range holdStateWords {
+		if w == word {
+			return s, nil
+		}
+	}
+	return 0, fmt.Errorf("runbook: unknown hold state %q", word)
+}
+
+// In reports whether mode m has the state: ordered mode has every state but
+// draining, the WAL relay every state but retrying; the default mode holds
+// no key.
+func (s HoldState) In(m schema.Mode) bool {
+	switch m {
+	case schema.ModeOrdered:
+		return s != HoldDraining && s.valid()
+	case schema.ModeWAL:
+		return s != HoldRetrying && s.valid()
+	}
+	return false
+}
+
+func (s HoldState) valid() bool { _, ok := holdStateWords[s]; return ok }
+
+// HoldOp is an operator's action on a held key's row.
+type HoldOp int
+
+// The operator actions on a hold.
+const (
+	// OpSkip drops the held row from its key's order (SkipEvent, `outbox
+	// dead skip`, the console's Skip button).
+	OpSkip HoldOp = iota + 1
+	// OpReplay delivers the held row again (ReplayEvent, `outbox dead
+	// replay`, the console's Replay button).
+	OpReplay
+)
+
+// HoldOps are the operator actions, in the order of the rules table.
+var HoldOps = []HoldOp{OpSkip, OpReplay}
+
+// String returns "skip" or "replay".
+func (o HoldOp) String() string {
+	switch o {
+	case OpSkip:
+		return "skip"
+	case OpReplay:
+		return "replay"
+	}
+	return "unknown"
+}
+
+// ErrHoldRefused is matched (errors.Is) by every *HoldRuleError: the
+// hold's state does not accept the action. Nothing was changed.
+var ErrHoldRefused = errors.New("runbook: the hold's state does not accept this action")
+
+// HoldRuleError is why a hold's state refuses an action, and what to do
+// instead. It matches ErrHoldRefused, and ErrNotHeld for a skip of a
+// resolved hold (the row holds its key no more).
+type HoldRuleError struct {
+	// State is the hold's state, Op the action refused.
+	State HoldState
+	Op    HoldOp
+	// Why says why, Do what to do instead.
+	Why, Do string
+}
+
+// Error says the state, why the action is refused and what to do.
+func (e *HoldRuleError) Error() string {
+	return fmt.Sprintf("its ordering key is held by a hold in state %s, which refuses %s: %s; %s", e.State, e.Op, e.Why, e.Do)
+}
+
+// Is matches ErrHoldRefused, and ErrNotHeld for a skip of a resolved hold.
+func (e *HoldRuleError) Is(target error) bool {
+	return target == ErrHoldRefused || (target == ErrNotHeld && e.Op == OpSkip && e.State == HoldResolved)
+}
+
+// holdRule is one refusal of the rules table.
+type holdRule struct {
+	why, do string
+}
+
+// holdRefusals is the rules table: every (state, action) pair not in it is
+// allowed. It is the only place that decides.
+var holdRefusals = map[HoldState]map[HoldOp]holdRule{
+	HoldSkipRequested: {
+		OpSkip: {"a skip was already requested", "the relay applies it at its next tick; list the held keys again"},
+		OpReplay: {"the relay is applying a skip",
+			"once the hold is resolved (the skip applied) replay the row: it is then delivered once more"},
+	},
+	HoldReplay: {
+		OpReplay: {"a replay is already pending", "the relay delivers the row before its key's next row; if it fails for good the hold is dead and can be replayed again"},
+	},
+	HoldDraining: {
+		OpSkip: {"the held row was already delivered again or skipped, and its key's parked rows are being delivered",
+			"wait until the hold is resolved; a later row that fails for good holds the key again and can be skipped then"},
+		OpReplay: {"the key's parked rows are being delivered",
+			"wait until the hold is resolved, then replay the row: a replay is then delivered as new work"},
+	},
+	HoldResolved: {
+		OpSkip: {"it holds nothing any more: the key's rows up to it are done", "nothing to skip"},
+	},
+}
+
+// Allows returns nil when a hold in state s accepts the action op, and
+// otherwise a *HoldRuleError that says why not and what to do. The rules
+// (docs/ORDERING.md, "Hold states"):
+//
+//	state           skip     replay
+//	retrying        yes      yes (due now, attempts reset)
+//	dead            yes      yes
+//	skip_requested  no       no
+//	replay          yes      no
+//	draining        no       no
+//	resolved        no       yes
+//
+// A state a mode does not have is never read there. An allowed action can
+// still be refused for a reason of the row's own (ReplayEvent: a row a
+// relay leases; ordered mode: a resolved hold above its partition's
+// written floor, ErrNotRelayedYet, for one relay tick).
+func (s HoldState) Allows(op HoldOp) error {
+	if !s.valid() {
+		return &HoldRuleError{State: s, Op: op, Why: "the state is unknown", Do: "upgrade the outbox command or library"}
+	}
+	if op != OpSkip && op != OpReplay {
+		return &HoldRuleError{State: s, Op: op, Why: "the action is unknown", Do: "use skip or replay"}
+	}
+	if r, ok := holdRefusals[s][op]; ok {
+		return &HoldRuleError{State: s, Op: op, Why: r.why, Do: r.do}
+	}
+	return nil
+}
+
+// Allowed lists the actions a hold in state s accepts.
+func (s HoldState) Allowed() []HoldOp {
+	var out []HoldOp
+	for _, op := range HoldOps {
+		if s.Allows(op) == nil {
+			out = append(out, op)
+		}
+	}
+	return out
+}
+
+// statesAllowing lists the words of the states that accept op, for the
+// guards of the statements that apply it.
+func statesAllowing(op HoldOp) []string {
+	var out []string
+	for _, s := range HoldStates {
+		if s.Allows(op) == nil {
+			out = append(out, s.String())
+		}
+	}
+	return out
+}
+
+// HoldRulesTable renders the rules as the Markdown table that
+// docs/ORDERING.md, docs/WAL.md and docs/OPERATIONS.md carry (a test
+// checks that each of them contains it).
+func HoldRulesTable() string {
+	var b strings.Builder
+	b.WriteString("| state | ordered | WAL | skip | replay |\n|---|---|---|---|---|\n")
+	yes := func(ok bool) string {
+		if ok {
+			return "yes"
+		}
+		return "no"
+	}
+	for _, s := range HoldStates {
+		fmt.Fprintf(&b, "| `%s` | %s | %s |", s, yes(s.In(schema.ModeOrdered)), yes(s.In(schema.ModeWAL)))
+		for _, op := range HoldOps {
+			if err := s.Allows(op); err != nil {
+				var re *HoldRuleError
+				_ = errors.As(err, &re)
+				fmt.Fprintf(&b, " refused: %s |", re.Why)
+			} else {
+				b.WriteString(" allowed |")
+			}
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}

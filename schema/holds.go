@@ -1,0 +1,131 @@
+package schema
+
+import "time"
+
+// The words of the hold states, as the state expressions below return them
+// (package runbook's HoldState names them; docs/ORDERING.md, "Hold
+// states").
+const (
+	HoldWordRetrying      = "retrying"
+	HoldWordDead          = "dead"
+	HoldWordSkipRequested = "skip_requested"
+	HoldWordReplay        = "replay"
+	HoldWordDraining      = "draining"
+	HoldWordResolved      = "resolved"
+)
+
+// OrderedHoldStateSQL is the state of the ordered-mode hold h (a row of
+// <table>_holds aliased as h), one of the words above: resolved (a
+// tombstone), skip_requested, dead, replay (a replay hold), else retrying.
+// Ordered mode has no draining state.
+const OrderedHoldStateSQL = `CASE WHEN h.resolved_at IS NOT NULL THEN '` + HoldWordResolved + `'
+  WHEN h.skip_requested_at IS NOT NULL THEN '` + HoldWordSkipRequested + `'
+  WHEN h.dead_at IS NOT NULL THEN '` + HoldWordDead + `'
+  WHEN h.replay THEN '` + HoldWordReplay + `' ELSE '` + HoldWordRetrying + `' END`
+
+// WALHoldStateSQL is the state of the WAL relay's hold h (a row of
+// <table>_wal_holds aliased as h) of table t: resolved (released, a
+// tombstone), draining, skip_requested, replay (the held row is no longer
+// dead: an operator's replay reset it and the relay delivers it again),
+// else dead. The WAL relay writes a hold only when its row is dead, so it
+// has no retrying state.
+func WALHoldStateSQL(t Table) string {
+	return `CASE WHEN h.released THEN '` + HoldWordResolved + `'
+  WHEN h.draining THEN '` + HoldWordDraining + `'
+  WHEN h.skip_requested_at IS NOT NULL THEN '` + HoldWordSkipRequested + `'
+  WHEN EXISTS (SELECT 1 FROM ` + t.Sanitize() + ` AS hr WHERE hr.event_id = h.event_id AND hr.published_at IS NULL AND hr.dead_at IS NULL) THEN '` + HoldWordReplay + `'
+  ELSE '` + HoldWordDead + `' END`
+}
+
+// HoldList lists up to $1 holds for the runbook, oldest first, the
+// resolved ones (tombstones) only when $2 is true: ordering_key, partition,
+// sequence, attempts, available_at (NULL when dead), last_error, dead_at,
+// skip_requested_at, event_id, topic (event_id and topic NULL when the row
+// is gone), replay, state (OrderedHoldStateSQL).
+func (q *OrderedQueries) HoldList() string {
+	return `SELECT h.ordering_key, h.partition::int, h.sequence, h.attempts,
+  CASE WHEN h.available_at = 'infinity' THEN NULL ELSE h.available_at END, h.last_error, h.dead_at, h.skip_requested_at,
+  o.event_id::text, o.topic, h.replay, ` + OrderedHoldStateSQL + `
+FROM ` + q.Table.HoldsTable() + ` AS h LEFT JOIN ` + q.Table.Sanitize() + ` AS o ON o.ordering_key = h.ordering_key AND o.sequence = h.sequence
+WHERE ($2::bool OR h.resolved_at IS NULL)
+ORDER BY h.created_at, h.ordering_key LIMIT $1`
+}
+
+// HoldOfEvent finds the hold at the row whose event_id is $1, resolved
+// ones included: ordering_key, sequence, dead, state. No row when the row
+// holds no key.
+func (q *OrderedQueries) HoldOfEvent() string {
+	return `SELECT h.ordering_key, h.sequence, h.dead_at IS NOT NULL, ` + OrderedHoldStateSQL + `
+FROM ` + q.Table.Sanitize() + ` AS o JOIN ` + q.Table.HoldsTable() + ` AS h ON h.ordering_key = o.ordering_key AND h.sequence = o.sequence
+WHERE o.event_id = $1::uuid`
+}
+
+// RetryHoldIn makes the hold of key $1 at sequence $2 due now and clears
+// dead_at and attempts, only while its state is one of $3 (text array):
+// the state the runbook checked cannot change under it. Command tag: rows.
+func (q *OrderedQueries) RetryHoldIn() string {
+	return `UPDATE ` + q.Table.HoldsTable() + ` AS h SET dead_at = NULL, attempts = 0, available_at = now()
+WHERE h.ordering_key = $1 AND h.sequence = $2 AND ` + OrderedHoldStateSQL + ` = ANY($3::text[])`
+}
+
+// SkipHoldIn asks the relay to drop the hold of key $1 at sequence $2 and
+// continue with the key's next row, only while its state is one of $3
+// (text array); it records the skip in the row's last_error. Returns:
+// skipped (bool).
+func (q *OrderedQueries) SkipHoldIn() string {
+	return `WITH h AS (
+  UPDATE ` + q.Table.HoldsTable() + ` AS h SET skip_requested_at = now()
+  WHERE h.ordering_key = $1 AND h.sequence = $2 AND ` + OrderedHoldStateSQL + ` = ANY($3::text[]) RETURNING sequence
+), o AS (
+  UPDATE ` + q.Table.Sanitize() + ` SET last_error = '` + SkippedErrorPrefix + ` at ' || now()::text || COALESCE('; was: ' || last_error, '')
+  WHERE ordering_key = $1 AND sequence = $2 AND EXISTS (SELECT 1 FROM h) RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM h)`
+}
+
+// WALHoldList lists up to $1 holds of the WAL table t, oldest first, the
+// released ones (tombstones) only when $2 is true, with the columns of
+// OrderedQueries.HoldList (partition 0, replay false).
+func WALHoldList(t Table) string {
+	return `SELECT h.ordering_key, 0, h.sequence, COALESCE(o.attempts, 0), NULLIF(o.available_at, 'infinity'), o.last_error, o.dead_at,
+  h.skip_requested_at, h.event_id::text, o.topic, false, ` + WALHoldStateSQL(t) + `
+FROM ` + t.WALHoldsTable() + ` AS h LEFT JOIN ` + t.Sanitize() + ` AS o ON o.event_id = h.event_id
+WHERE ($2::bool OR NOT h.released)
+ORDER BY h.held_at, h.ordering_key LIMIT $1`
+}
+
+// WALHoldOfEvent finds the hold of the WAL table t whose row's event_id is
+// $1, released ones included: ordering_key, sequence, state. No row when
+// the event holds no key.
+func WALHoldOfEvent(t Table) string {
+	return `SELECT h.ordering_key, h.sequence, ` + WALHoldStateSQL(t) + ` FROM ` + t.WALHoldsTable() + ` AS h WHERE h.event_id = $1::uuid`
+}
+
+// WALSkipHoldIn asks the WAL relay to skip the row $1 (event_id text) that
+// holds its key, only while the hold's state is one of $2 (text array):
+// the relay then delivers the key's later rows; the row stays dead.
+// Returns: the key and the sequence, no row otherwise.
+func WALSkipHoldIn(t Table) string {
+	return `UPDATE ` + t.WALHoldsTable() + ` AS h SET skip_requested_at = now()
+WHERE h.event_id = $1::uuid AND ` + WALHoldStateSQL(t) + ` = ANY($2::text[]) RETURNING h.ordering_key, h.sequence`
+}
+
+// WALReplayEvent is RunbookQueries.ReplayEvent for the WAL table t: it
+// resets row $1 (event_id) as that statement does, and when the row holds
+// its key, only while the hold's state is one of $3 (text array). The hold
+// row is locked in the same statement, so that a concurrent skip or drain
+// of the hold is ordered before or after the replay, never beside it.
+// Returns: sequence, no row when nothing was reset.
+func WALReplayEvent(t Table, eventID string, lockTTL time.Duration, states []string) Statement {
+	holds := t.WALHoldsTable()
+	return Statement{SQL: `WITH g AS (
+  UPDATE ` + holds + ` AS h SET held_at = h.held_at WHERE h.event_id = $1::uuid AND ` + WALHoldStateSQL(t) + ` = ANY($3::text[]) RETURNING 1
+)
+UPDATE ` + t.Sanitize() + ` SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
+WHERE event_id = $1::uuid
+  AND published_at IS NULL
+  AND (dead_at IS NOT NULL OR last_error IS NOT NULL)
+  AND NOT ` + LeaseLiveWithin("$2::float8") + `
+  AND (EXISTS (SELECT 1 FROM g) OR NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.event_id = $1::uuid))
+RETURNING sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL), states}}
+}
