@@ -7,4 +7,4 @@ import (
 
 // SetCausesTimeout sets the time the grouping by cause of the console h
 // may take.
-func SetCausesTimeout(h http.Handler, d time.Duration) { h.(*handler).causesTimeout = d }
+func SetCausesTimeout(h http.Handler, d time.Duration) { h.(*Console).causesTimeout = d }

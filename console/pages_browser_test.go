@@ -50,10 +50,13 @@ WHERE event_id = $1`, msgs[0].EventID); err != nil {
 	heldKeys(t, pool, otbl, "customer-1842", "customer-2001", "customer-3017")
 
 	const token = "every-page-browser-token"
-	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl, otbl}, Token: token})
+	// The charts sample every 250 ms over 20 s, so that the overview's
+	// screenshot shows them filled.
+	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl, otbl}, Token: token, ChartInterval: 250 * time.Millisecond, ChartWindow: 20 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer h.Close() //nolint:errcheck // Close of a console returns nil
 	sw := &swappable{h: h}
 	srv := httptest.NewServer(sw)
 	defer srv.Close()
@@ -110,6 +113,12 @@ WHERE event_id = $1`, msgs[0].EventID); err != nil {
 	}
 	for _, p := range pages {
 		steps(t, ctx, p.shot, chromedp.Navigate(srv.URL+p.path), chromedp.WaitVisible(p.wait))
+		if p.shot == "overview" {
+			// Both tables' charts, four lines each, drawn from at least
+			// ten samples.
+			poll(t, ctx, "the overview's charts", `document.querySelectorAll("section.charts svg.chart polyline").length === 8 &&
+  Array.from(document.querySelectorAll("section.charts svg.chart polyline")).every(function (l) { return l.getAttribute("points").split(" ").length >= 10; })`, 10*time.Second)
+		}
 		if wide, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`document.documentElement.scrollWidth > window.innerWidth`)); err != nil || wide {
 			t.Errorf("%s scrolls sideways at 1366 px (%v)", p.path, err)
 		}
