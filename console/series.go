@@ -193,12 +193,13 @@ func (h *handler) apiSeries(w http.ResponseWriter, _ *http.Request) {
 
 // chart is one table's charts on the overview.
 type chart struct {
-	Name                string
-	Throughput, States  template.HTML
-	Samples             int
-	Interval, Window    string
-	DeliveryTimesKnown  bool
-	LastPublishedMinute int64
+	Name               string
+	Throughput, States template.HTML
+	Samples            int
+	Interval, Window   string
+	DeliveryTimesKnown bool
+	// Last is the latest sample, nil before the first.
+	Last *sample
 }
 
 // charts renders the charts of the tables in views, nil without sampling.
@@ -212,6 +213,9 @@ func (h *handler) charts(views []tableView) []chart {
 		ss := h.samples(v.Name)
 		c := chart{Name: v.Name, Samples: len(ss), Interval: h.series.every.String(), Window: duration(h.series.window.Seconds()),
 			DeliveryTimesKnown: v.Err != "" || v.Stats.DeliveryTimesKnown}
+		if len(ss) > 0 {
+			c.Last = &ss[len(ss)-1]
+		}
 		from := now.Add(-h.series.window)
 		pick := func(f func(sample) int64) []point {
 			ps := make([]point, 0, len(ss))
@@ -248,10 +252,10 @@ type line struct {
 
 // The geometry of a chart, in SVG user units.
 const (
-	chartW, chartH             = 560, 150
-	plotLeft, plotRight        = 48, 548
-	plotTop, plotBottom        = 10, 124
-	chartLabelY, chartTickEdge = 142, 4
+	chartW, chartH             = 470, 118
+	plotLeft, plotRight        = 44, 462
+	plotTop, plotBottom        = 8, 96
+	chartLabelY, chartTickEdge = 112, 4
 )
 
 // svgChart draws lines over [from, to] as an inline SVG: a y axis from 0

@@ -119,6 +119,9 @@ func TestChartsFill(t *testing.T) {
 			t.Errorf("the %s line has %d points, the series had %d samples before the page: %v", l, lines[l], len(s.Tables[name]), lines)
 		}
 	}
+	if !strings.Contains(page.body, `<span class="key s-dead"></span>dead 5 `) {
+		t.Errorf("the legend does not give the latest dead count (5):\n%s", page.body)
+	}
 	if !strings.Contains(page.body, `<svg class="chart"`) || strings.Contains(page.body, "&lt;svg") {
 		t.Errorf("the chart is not inline SVG:\n%s", page.body)
 	}

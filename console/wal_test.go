@@ -77,11 +77,11 @@ var (
 	overviewCell = func(name string) *regexp.Regexp {
 		return regexp.MustCompile(`data-count="` + name + `">(?:<a [^>]*>)?([^<]*)<`)
 	}
-	rowEvent     = regexp.MustCompile(`<tr data-event="([0-9a-f-]{36})">`)
-	deadEvent    = regexp.MustCompile(`class="event-link" href="/t/[^/]+/event/([0-9a-f-]{36})"`)
-	heldKeyRow   = regexp.MustCompile(`<tr data-key="([^"]*)">`)
-	topicRow     = regexp.MustCompile(`<tr>\s*<td>([^<]*)</td><td class="n">(\d+)</td><td class="n">(\d+)</td><td class="n">(\d+)</td>`)
-	eventState   = regexp.MustCompile(`<dd id="state">([^<]*)</dd>`)
+	rowEvent   = regexp.MustCompile(`<tr data-event="([0-9a-f-]{36})">`)
+	deadEvent  = regexp.MustCompile(`class="event-link" href="/t/[^/]+/event/([0-9a-f-]{36})"`)
+	heldKeyRow = regexp.MustCompile(`<tr data-key="([^"]*)">`)
+	topicRow   = regexp.MustCompile(`<tr>\s*<td>([^<]*)</td><td class="n">(\d+)</td><td class="n">(\d+)</td><td class="n">(\d+)</td>`)
+	eventState = regexp.MustCompile(`<dd id="state">([^<]*)</dd>`)
 )
 
 // sortedIDs returns the event ids of rows, sorted.
@@ -279,8 +279,8 @@ func TestConsoleOnWALTable(t *testing.T) {
 	for _, m := range causeRow.FindAllStringSubmatch(body, -1) {
 		causes = append(causes, m[1]+" "+html.UnescapeString(m[2]))
 	}
-	if fmt.Sprint(causes) != "[2 kafka: Message was too large]" {
-		t.Errorf("causes %v, want [2 kafka: Message was too large]", causes)
+	if fmt.Sprint(causes) != "[2 permanent: kafka: Message was too large]" {
+		t.Errorf("causes %v, want [2 permanent: kafka: Message was too large]", causes)
 	}
 	i := strings.Index(body, `id="dead-rows"`)
 	if i < 0 {
@@ -294,7 +294,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 		t.Errorf("the dead rows page lists %v, runbook.Dead %v", listed, sortedIDs(dead))
 	}
 	// The replay preview of every dead row and of the cause count them.
-	for _, q := range []url.Values{{}, {"cause": {"kafka: Message was too large"}}} {
+	for _, q := range []url.Values{{}, {"cause": {"permanent: kafka: Message was too large"}}} {
 		form := previewForm(t, srv, name, q, auth)
 		if form.Get("rows") != strconv.FormatInt(st.Dead, 10) {
 			t.Errorf("the replay preview (%v) counts %s rows, %d are dead", q, form.Get("rows"), st.Dead)
