@@ -1,14 +1,17 @@
 // Package console is a web page over the outbox tables: an overview of every
-// table (counts, delivery rate, active relay, held keys), the dead rows
-// grouped by a normalised cause and listed a page at a time, the held keys
-// of ordered mode, the backlog by topic and one event; and the actions
-// replay one event, skip a held key's row and replay dead rows in bulk
+// table (counts, delivery rate, active relay, held keys, and with
+// Config.ChartInterval charts of the counts over time), the dead rows
+// grouped by a normalised cause and listed a page at a time, the held keys,
+// the backlog by topic and one event; and the actions replay one event,
+// skip a held key's row and replay dead rows in bulk, by filter or by cause
 // (preview, confirm the exact count, follow the progress). It sits on
 // package runbook, so its rules are the CLI's.
 //
 // Mount the handler on your own mux:
 //
-//	h, err := console.New(pool, console.Config{Tables: tables, Token: token, Addr: "127.0.0.1:8080"})
+//	h, err := console.New(pool, console.Config{Tables: tables, Token: token, Addr: "127.0.0.1:8080",
+//		ChartInterval: console.ChartIntervalDaemon})
+//	defer h.Close() // stops the charts' sampling
 //	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
 //
 // Without Config.Token and Config.ReadToken the console is read-only and

@@ -57,7 +57,7 @@ WHERE event_id = $1`, msgs[0].EventID); err != nil {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer h.Close() //nolint:errcheck // Close of a console returns nil
+	defer h.Close()
 	sw := &swappable{h: h}
 	srv := httptest.NewServer(sw)
 	defer srv.Close()

@@ -126,7 +126,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer s.Close() //nolint:errcheck // the relay's Close error is not what this test checks
+	defer s.Close()
 	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
 	if err != nil {
 		t.Fatal(err)
