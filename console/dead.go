@@ -190,8 +190,30 @@ type deadPage struct {
 }
 
 // deadRows reads the page after the sequence after (or, with before > 0,
-// the page before the sequence before).
+// the page before the sequence before). A filter on a cause computes the
+// cause of every dead row the other conditions keep, so it runs under
+// causesTimeout, as the grouping does.
 func (h *handler) deadRows(ctx context.Context, t schema.Table, q deadQuery, after, before int64) (deadPage, error) {
+	if q.Cause == "" {
+		return deadRowsOf(ctx, h.pool, t, q, after, before)
+	}
+	var p deadPage
+	err := pgx.BeginTxFunc(ctx, h.pool, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true)`, strconv.FormatInt(h.causesTimeout.Milliseconds(), 10)); err != nil {
+			return fmt.Errorf("list the dead rows of %s: %w", t, err)
+		}
+		var err error
+		p, err = deadRowsOf(ctx, tx, t, q, after, before)
+		return err
+	})
+	if isTimeout(ctx, err) {
+		return p, fmt.Errorf("list the dead rows of %s: %w", t, errCauseTimeout)
+	}
+	return p, err
+}
+
+// deadRowsOf is deadRows on db.
+func deadRowsOf(ctx context.Context, db runbook.DB, t schema.Table, q deadQuery, after, before int64) (deadPage, error) {
 	var p deadPage
 	where, args := q.where(nil)
 	tbl := t.Sanitize()
@@ -206,7 +228,7 @@ func (h *handler) deadRows(ctx context.Context, t schema.Table, q deadQuery, aft
 		where += " AND sequence > $" + strconv.Itoa(len(args)) + "::bigint"
 	}
 	args = append(args, deadPageSize+1)
-	res, err := h.pool.Query(ctx, `SELECT sequence, event_id::text, topic, attempts, dead_at, COALESCE(last_error, '')
+	res, err := db.Query(ctx, `SELECT sequence, event_id::text, topic, attempts, dead_at, COALESCE(last_error, '')
 FROM `+tbl+` WHERE `+where+` ORDER BY sequence `+order+` LIMIT $`+strconv.Itoa(len(args))+`::int`, args...)
 	if err != nil {
 		return p, fmt.Errorf("list the dead rows of %s: %w", t, err)
@@ -241,7 +263,7 @@ FROM `+tbl+` WHERE `+where+` ORDER BY sequence `+order+` LIMIT $`+strconv.Itoa(l
 		}
 		cwhere, cargs := q.where(nil)
 		cargs = append(cargs, first)
-		if err := h.pool.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE sequence < $`+strconv.Itoa(len(cargs))+`::bigint) FROM `+tbl+
+		if err := db.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE sequence < $`+strconv.Itoa(len(cargs))+`::bigint) FROM `+tbl+
 			` WHERE `+cwhere, cargs...).Scan(&p.Total, &p.Before); err != nil {
 			return p, fmt.Errorf("count the dead rows of %s: %w", t, err)
 		}
@@ -284,6 +306,11 @@ func (h *handler) dead(w http.ResponseWriter, r *http.Request) {
 	}
 	if tooMany {
 		total = page.Total
+	}
+	if errors.Is(err, errCauseTimeout) {
+		h.fail(w, r, http.StatusServiceUnavailable, "Listing the dead rows of this cause took longer than "+h.causesTimeout.String()+
+			": too many dead rows to read the cause of each. Filter by topic or by error text instead.", tablePath(t, "dead"), "the dead rows")
+		return
 	}
 	if err != nil {
 		h.logger.Error("Console could not list dead rows", err, watermill.LogFields{"table": t.String()})

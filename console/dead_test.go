@@ -232,7 +232,7 @@ func TestReplayExactCause(t *testing.T) {
 
 // TestReplayCauseTimeout: a replay of a cause whose rows take longer than
 // the grouping's bound to select answers 503 with what to do, and changes
-// nothing.
+// nothing; so does the list of the cause's rows.
 func TestReplayCauseTimeout(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -255,5 +255,10 @@ FROM generate_series(1, 20000) AS i`); err != nil {
 	}
 	if n := deadCount(t, pool, tbl); n != 20000 {
 		t.Fatalf("%d dead rows, want 20000", n)
+	}
+	// The list of the cause's rows is bounded the same way.
+	r = do(t, "GET", srv.URL+"/t/"+tbl.String()+"/dead?cause="+url.QueryEscape("boom <n>"), nil, nil)
+	if r.code != 503 || !strings.Contains(r.body, "took longer than 1ms") {
+		t.Fatalf("the rows of a cause past the bound: %d\n%s", r.code, r.body)
 	}
 }
