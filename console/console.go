@@ -99,7 +99,8 @@ type Config struct {
 	// ChartInterval is how often the console reads every table's counts
 	// for the overview's charts and /api/series (runbook.Stats, each
 	// bounded by a 5 s statement timeout), in a goroutine that Close
-	// stops. 0 reads nothing and draws no charts. Defaults to 0;
+	// stops; after a pass that took more than a quarter of it, the
+	// console waits four times the pass instead. 0 reads nothing and draws no charts. Defaults to 0;
 	// `outbox console` and the relay daemon use ChartIntervalDaemon.
 	ChartInterval time.Duration
 	// ChartWindow is how far back the charts go: the console keeps

@@ -96,17 +96,27 @@ func (h *handler) startSampler() {
 	h.series = s
 	go func() {
 		defer close(s.done)
-		t := time.NewTicker(s.every)
-		defer t.Stop()
 		for {
+			start := time.Now()
 			h.sampleAll(ctx)
+			t := time.NewTimer(nextSample(s.every, time.Since(start)))
 			select {
 			case <-ctx.Done():
+				t.Stop()
 				return
 			case <-t.C:
 			}
 		}
 	}()
+}
+
+// nextSample is the wait after a pass over the tables that took took: the
+// interval, or four times the pass when that is longer, so that on tables
+// whose counts are slow to read (a large backlog, a WAL table the cleaner
+// lags behind) the console samples less often and never spends more than a
+// fifth of its time reading them.
+func nextSample(every, took time.Duration) time.Duration {
+	return max(every, 4*took)
 }
 
 // close stops the sampling and waits for it; idempotent.

@@ -138,3 +138,23 @@ func TestChartsFill(t *testing.T) {
 		t.Error("a window shorter than the interval was accepted")
 	}
 }
+
+// TestChartsBackOffOnSlowReads: after a pass over the tables that took
+// longer than a quarter of the interval, the sampler waits four times the
+// pass, so it never spends more than a fifth of its time reading counts.
+func TestChartsBackOffOnSlowReads(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct{ every, took, want time.Duration }{
+		{10 * time.Second, 20 * time.Millisecond, 10 * time.Second},
+		{10 * time.Second, 2500 * time.Millisecond, 10 * time.Second},
+		{10 * time.Second, 4 * time.Second, 16 * time.Second},
+		{time.Second, 5 * time.Second, 20 * time.Second},
+	} {
+		if got := console.NextSample(c.every, c.took); got != c.want {
+			t.Errorf("interval %s, pass %s: wait %s, want %s", c.every, c.took, got, c.want)
+		}
+		if busy := float64(c.took) / float64(c.took+console.NextSample(c.every, c.took)); busy > 0.2 {
+			t.Errorf("interval %s, pass %s: busy %.0f%% of the time", c.every, c.took, busy*100)
+		}
+	}
+}
