@@ -206,7 +206,7 @@ func (h *handler) skip(w http.ResponseWriter, r *http.Request) {
 
 // bulkFilter reads the filter of a bulk replay from a form or a query.
 func bulkFilter(v url.Values) runbook.DeadFilter {
-	return runbook.DeadFilter{Topic: v.Get("topic"), ErrorContains: v.Get("error"), AllTopics: v.Get("topic") == ""}
+	return runbook.DeadFilter{Topic: v.Get("topic"), ErrorContains: v.Get("error"), Cause: v.Get("cause"), AllTopics: v.Get("topic") == ""}
 }
 
 // preview shows how many dead rows a bulk replay of the filter would
@@ -217,17 +217,21 @@ func (h *handler) preview(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	f := bulkFilter(r.URL.Query())
-	p, err := runbook.ReplayDead(r.Context(), h.pool, t, f, true)
+	p, err := h.replayDead(r.Context(), t, f, true)
+	if errors.Is(err, errCauseTimeout) {
+		h.fail(w, r, http.StatusServiceUnavailable, causeTimeoutText(h.causesTimeout), tablePath(t, "dead"), "the dead rows")
+		return
+	}
 	if err != nil {
 		h.logger.Error("Console could not preview a bulk replay", err, watermill.LogFields{"table": t.String()})
 		h.fail(w, r, http.StatusInternalServerError, "Cannot preview the replay (see the console's log).", tablePath(t, "dead"), "the dead rows")
 		return
 	}
 	h.render(w, r, "preview.html", "Replay dead rows of "+t.String(), struct {
-		Table        string
-		Topic, Error string
-		Snapshot     runbook.ReplaySnapshot
-	}{t.String(), f.Topic, f.ErrorContains, p.Snapshot})
+		Table               string
+		Topic, Error, Cause string
+		Snapshot            runbook.ReplaySnapshot
+	}{t.String(), f.Topic, f.ErrorContains, f.Cause, p.Snapshot})
 }
 
 // job is one bulk replay whose progress the console follows.
@@ -235,6 +239,7 @@ type job struct {
 	Table    string
 	Topic    string
 	Error    string
+	Cause    string
 	Rows     int64
 	At       time.Time
 	EventIDs []uuid.UUID
@@ -266,8 +271,12 @@ func (h *handler) bulkReplay(w http.ResponseWriter, r *http.Request) {
 	}
 	f.Expect = &snap
 	fields := actionFields(r, "bulk replay", t.String())
-	fields["topic"], fields["error_contains"], fields["expected_rows"] = f.Topic, f.ErrorContains, snap.Rows
-	res, err := runbook.ReplayDead(r.Context(), h.pool, t, f, false)
+	fields["topic"], fields["error_contains"], fields["cause"], fields["expected_rows"] = f.Topic, f.ErrorContains, f.Cause, snap.Rows
+	res, err := h.replayDead(r.Context(), t, f, false)
+	if errors.Is(err, errCauseTimeout) {
+		h.fail(w, r, http.StatusServiceUnavailable, causeTimeoutText(h.causesTimeout), tablePath(t, "dead"), "the dead rows")
+		return
+	}
 	if errors.Is(err, runbook.ErrReplaySetChanged) {
 		h.logger.Info("Console bulk replay refused: the rows changed since the preview", fields)
 		h.fail(w, r, http.StatusConflict, "not replayed: "+err.Error(), previewPath(t, f), "a new preview")
@@ -280,7 +289,7 @@ func (h *handler) bulkReplay(w http.ResponseWriter, r *http.Request) {
 	}
 	fields["changed"] = res.Rows
 	h.logger.Info("Console bulk replay", fields)
-	id := h.addJob(&job{Table: t.String(), Topic: f.Topic, Error: f.ErrorContains, Rows: res.Rows, At: time.Now(), EventIDs: res.EventIDs})
+	id := h.addJob(&job{Table: t.String(), Topic: f.Topic, Error: f.ErrorContains, Cause: f.Cause, Rows: res.Rows, At: time.Now(), EventIDs: res.EventIDs})
 	http.Redirect(w, r, "/t/"+url.PathEscape(t.String())+"/replay/"+id, http.StatusSeeOther)
 }
 
@@ -390,7 +399,7 @@ func tablePath(t schema.Table, page string) string {
 
 // previewPath is the path of the preview of a bulk replay of f.
 func previewPath(t schema.Table, f runbook.DeadFilter) string {
-	return tablePath(t, "replay") + "?" + url.Values{"topic": {f.Topic}, "error": {f.ErrorContains}}.Encode()
+	return tablePath(t, "replay") + "?" + url.Values{"topic": {f.Topic}, "error": {f.ErrorContains}, "cause": {f.Cause}}.Encode()
 }
 
 // relays lists the relays alive on a table: their processes' sessions with

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"html"
 	"net/http/httptest"
 	"net/url"
 	"regexp"
@@ -57,7 +58,7 @@ func deadCount(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) int {
 	return n
 }
 
-var hidden = regexp.MustCompile(`name="(rows|max_sequence|digest|csrf|topic|error)" value="([^"]*)"`)
+var hidden = regexp.MustCompile(`name="(rows|max_sequence|digest|csrf|topic|error|cause)" value="([^"]*)"`)
 
 // previewForm opens the preview of a bulk replay and returns its form.
 func previewForm(t *testing.T, base, tbl string, query url.Values, hdr map[string]string) url.Values {
@@ -68,7 +69,7 @@ func previewForm(t *testing.T, base, tbl string, query url.Values, hdr map[strin
 	}
 	form := url.Values{}
 	for _, m := range hidden.FindAllStringSubmatch(r.body, -1) {
-		form.Set(m[1], m[2])
+		form.Set(m[1], html.UnescapeString(m[2]))
 	}
 	if form.Get("rows") == "" || (hdr["Cookie"] != "" && form.Get("csrf") == "") {
 		t.Fatalf("preview without a replay form:\n%s", r.body)

@@ -1,14 +1,17 @@
 // Package console is a web page over the outbox tables: an overview of every
-// table (counts, delivery rate, active relay, held keys), the dead rows
-// grouped by a normalised cause and listed a page at a time, the held keys
-// of ordered mode, the backlog by topic and one event; and the actions
-// replay one event, skip a held key's row and replay dead rows in bulk
+// table (counts, delivery rate, active relay, held keys, and with
+// Config.ChartInterval charts of the counts over time), the dead rows
+// grouped by a normalised cause and listed a page at a time, the held keys,
+// the backlog by topic and one event; and the actions replay one event,
+// skip a held key's row and replay dead rows in bulk, by filter or by cause
 // (preview, confirm the exact count, follow the progress). It sits on
 // package runbook, so its rules are the CLI's.
 //
 // Mount the handler on your own mux:
 //
-//	h, err := console.New(pool, console.Config{Tables: tables, Token: token, Addr: "127.0.0.1:8080"})
+//	h, err := console.New(pool, console.Config{Tables: tables, Token: token, Addr: "127.0.0.1:8080",
+//		ChartInterval: console.ChartIntervalDaemon})
+//	defer h.Close() // stops the charts' sampling
 //	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
 //
 // Without Config.Token and Config.ReadToken the console is read-only and
@@ -93,6 +96,17 @@ type Config struct {
 	// console but through that proxy. Defaults to false
 	// (OUTBOX_CONSOLE_TRUST_PROXY).
 	TrustProxy bool
+	// ChartInterval is how often the console reads every table's counts
+	// for the overview's charts and /api/series (runbook.Stats, each
+	// bounded by a 5 s statement timeout), in a goroutine that Close
+	// stops; after a pass that took more than a quarter of it, the
+	// console waits four times the pass instead. 0 reads nothing and draws no charts. Defaults to 0;
+	// `outbox console` and the relay daemon use ChartIntervalDaemon.
+	ChartInterval time.Duration
+	// ChartWindow is how far back the charts go: the console keeps
+	// ChartWindow/ChartInterval samples per table in memory (at most
+	// 8,640). Defaults to ChartWindowDefault.
+	ChartWindow time.Duration
 	// SessionTTL is how long a login lasts. Sessions are kept in the
 	// console's memory: a restart logs everyone out. Defaults to
 	// SessionTTLDefault.
@@ -110,6 +124,9 @@ const SessionTTLDefault = 8 * time.Hour
 func (c *Config) setDefaults() {
 	if c.SessionTTL == 0 {
 		c.SessionTTL = SessionTTLDefault
+	}
+	if c.ChartWindow == 0 {
+		c.ChartWindow = ChartWindowDefault
 	}
 }
 
@@ -135,6 +152,12 @@ func (c *Config) validate() error {
 	}
 	if c.PublicRead && c.ReadToken != "" {
 		return errors.New("PublicRead (OUTBOX_CONSOLE_PUBLIC_READ) and ReadToken (OUTBOX_CONSOLE_READ_TOKEN) conflict: with public reads the read-only token guards nothing; set one of them")
+	}
+	if c.ChartInterval < 0 || c.ChartWindow < 0 {
+		return fmt.Errorf("ChartInterval %s or ChartWindow %s is negative; leave ChartInterval 0 for no charts", c.ChartInterval, c.ChartWindow)
+	}
+	if c.ChartInterval > 0 && c.ChartWindow < c.ChartInterval {
+		return fmt.Errorf("ChartWindow %s is shorter than ChartInterval %s: the charts would hold one sample; make the window longer", c.ChartWindow, c.ChartInterval)
 	}
 	if c.SessionTTL < 0 {
 		return fmt.Errorf("SessionTTL %s is negative; leave it 0 for %s", c.SessionTTL, SessionTTLDefault)
@@ -162,6 +185,8 @@ type handler struct {
 
 	causesTimeout time.Duration
 
+	series *sampler // nil without charts
+
 	sessions *sessions
 	limiter  *limiter
 
@@ -173,8 +198,24 @@ type handler struct {
 // maxJobs bounds the bulk replays whose progress the console remembers.
 const maxJobs = 50
 
-// New returns the console's handler over pool.
-func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
+// Console is the console's HTTP handler. Close it when Config.ChartInterval
+// is set: it stops the sampling.
+type Console struct {
+	*handler
+}
+
+// Close stops the sampling of the charts and waits for it. It is
+// idempotent, and does nothing without Config.ChartInterval.
+func (c *Console) Close() error {
+	if c.series != nil {
+		c.series.close()
+	}
+	return nil
+}
+
+// New returns the console's handler over pool. With Config.ChartInterval
+// set it starts sampling the counts at once: Close the console when done.
+func New(pool *pgxpool.Pool, cfg Config) (*Console, error) {
 	if pool == nil {
 		return nil, errors.New("console: nil pool")
 	}
@@ -221,6 +262,7 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	mux.HandleFunc("GET /t/{table}/replay", h.preview)
 	mux.HandleFunc("GET /t/{table}/replay/{job}", h.jobPage)
 	mux.HandleFunc("GET /api/counts", h.counts)
+	mux.HandleFunc("GET /api/series", h.apiSeries)
 	mux.HandleFunc("GET /api/replay/{job}", h.jobProgress)
 	mux.HandleFunc("POST /login", h.login)
 	mux.HandleFunc("POST /logout", h.logout)
@@ -229,7 +271,10 @@ func New(pool *pgxpool.Pool, cfg Config) (http.Handler, error) {
 	mux.HandleFunc("POST /t/{table}/skip", h.bulkSkip)
 	mux.HandleFunc("POST /t/{table}/replay", h.bulkReplay)
 	h.mux = mux
-	return h, nil
+	if cfg.ChartInterval > 0 {
+		h.startSampler()
+	}
+	return &Console{h}, nil
 }
 
 // maxBody bounds the body of a request (forms are small).
@@ -415,8 +460,11 @@ type tableView struct {
 	// single-active lock.
 	Leader *runbook.Session `json:"leader"`
 	// OrderedRelays counts the ordered relays owning partitions.
-	OrderedRelays int    `json:"ordered_relays"`
-	Err           string `json:"-"`
+	OrderedRelays int `json:"ordered_relays"`
+	// WALSlot is a WAL table's replication slot and who reads it (the
+	// WAL relay holds no single-active lock), nil in the other modes.
+	WALSlot *runbook.WALSlot `json:"wal_slot,omitempty"`
+	Err     string           `json:"-"`
 }
 
 // maxHeldShown bounds the held keys the console lists and counts.
@@ -439,6 +487,9 @@ func (h *handler) stats(ctx context.Context) []tableView {
 		if err == nil {
 			v.OrderedRelays, err = runbook.OrderedRelays(ctx, h.pool, t)
 		}
+		if err == nil && st.Mode == schema.ModeWAL {
+			v.WALSlot, err = runbook.WALSlotReader(ctx, h.pool, t)
+		}
 		if err != nil {
 			v.Err = "cannot read the table's counts (see the console's log)"
 			h.logger.Error("Console could not read stats", err, watermill.LogFields{"table": n})
@@ -449,7 +500,11 @@ func (h *handler) stats(ctx context.Context) []tableView {
 }
 
 func (h *handler) overview(w http.ResponseWriter, r *http.Request) {
-	h.render(w, r, "overview.html", "Outbox", h.stats(r.Context()))
+	views := h.stats(r.Context())
+	h.render(w, r, "overview.html", "Outbox", struct {
+		Tables []tableView
+		Charts []chart
+	}{views, h.charts(views)})
 }
 
 // counts is the live refresh: every table's counts as JSON.
@@ -488,14 +543,20 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 			payload = "(cannot read the payload)"
 		}
 	}
+	mode, err := runbook.Mode(r.Context(), h.pool, t)
+	if err != nil {
+		h.logger.Error("Console could not read a table's relay mode", err, watermill.LogFields{"table": t.String()})
+		h.fail(w, r, http.StatusInternalServerError, "Cannot read the event (see the console's log).", tablePath(t, "dead"), "the dead rows")
+		return
+	}
+	noReplay := whyNoReplay(mode, row)
 	// A row that holds its key is replayable only when its hold's state
 	// allows it (the runbook's rule); the page says why not instead.
-	var noReplay string
 	if st, held, err := runbook.HoldOfEvent(r.Context(), h.pool, t, id); err != nil {
 		h.logger.Error("Console could not read an event's hold", err, watermill.LogFields{"table": t.String()})
 	} else if held {
 		if rerr := st.Allows(runbook.OpReplay); rerr != nil {
-			noReplay = rerr.Error()
+			noReplay = "Not replayable now: " + rerr.Error() + "."
 		}
 	}
 	h.render(w, r, "event.html", "Event "+id.String(), struct {
@@ -505,6 +566,24 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 		Flash    string
 		NoReplay string
 	}{t.String(), row, payload, flash(r), noReplay})
+}
+
+// whyNoReplay says why runbook.ReplayEvent would refuse row in a table of
+// mode, so that its page shows no Replay button; "" when it may replay it:
+// a dead or failed row, or in ordered mode any keyed row not published (a
+// held row is retried, a relayed one delivered once more).
+func whyNoReplay(mode schema.Mode, row runbook.Row) string {
+	switch {
+	case row.PublishedAt != nil:
+		return "Published: replay only re-delivers dead or failed rows."
+	case mode == schema.ModeOrdered && row.OrderingKey != nil:
+		return ""
+	case row.DeadAt != nil || row.LastError != nil:
+		return ""
+	case row.Delivered:
+		return "Delivered (the " + string(mode) + " relay records no delivery time): replay only re-delivers dead or failed rows."
+	}
+	return "Pending, and no attempt failed yet (a relay that retries in memory, as the WAL relay does, records none): the relay delivers it when it is due; replay only re-delivers dead or failed rows."
 }
 
 // identity is who a request is: its role, and its session when it came with

@@ -14,32 +14,19 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// The dead rows page groups the dead rows by a normalised cause, counted
-// over every dead row in SQL, and lists them a page at a time.
-//
-// normalisedCause is the SQL expression of a row's cause: its last_error
-// without the relay's own wrapping prefix ("publish event <uuid> to
-// "<topic>": ", possibly repeated), with uuids and long hex strings masked
-// as <id>, numbers (with their unit: 30s, 10.0.0.1:9092) as <n>, quoted
-// values as "…" or '…', whitespace collapsed, cut at 300 characters.
-// It costs some 20 µs a row (8 regular expressions), so the grouping query
-// runs under causesTimeout.
-const normalisedCause = `left(btrim(regexp_replace(
-  regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace(
-    regexp_replace(COALESCE(last_error, ''), '^(?:publish event [^ ]+ to (?:"(?:[^"\\]|\\.)*"|[^ :]+): )+', ''),
-    '[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}', '<id>', 'g'),
-    '"(?:[^"\\]|\\.)*"', '"…"', 'g'),
-    '(?<![[:alnum:]])''[^'']*''', '''…''', 'g'),
-    '\m0x[0-9a-fA-F]+\M', '<id>', 'g'),
-    '\m[0-9a-fA-F]{16,}\M', '<id>', 'g'),
-    '\m[0-9]+(?:[.:,][0-9]+)*[a-zA-Zµ]{0,3}\M', '<n>', 'g'),
-  '\s{2,}|[\t\n\r]', ' ', 'g')), 300)`
+// The dead rows page groups the dead rows by a normalised cause
+// (schema.CauseOf their last_error), counted over every dead row in SQL,
+// and lists them a page at a time. The replay of a cause selects its rows
+// by the same expression (runbook.DeadFilter.Cause), so its preview counts
+// and replays exactly the group's rows. The expression costs some 20 µs a
+// row, so both run under causesTimeout.
 
-// causeMasks are the masks normalisedCause puts in place of values.
-var causeMasks = []string{"<id>", "<n>", `"…"`, `'…'`}
+// causeOfLastError is the normalised cause of a row.
+var causeOfLastError = schema.CauseOf("last_error")
 
 // causesTimeoutDefault bounds the time the grouping of the dead rows by
 // cause may take.
@@ -71,7 +58,7 @@ func (q deadQuery) where(args []any) (string, []any) {
 		conds = append(conds, "strpos(lower(last_error), lower("+arg(q.Error)+")) > 0")
 	}
 	if q.Cause != "" {
-		conds = append(conds, normalisedCause+" = "+arg(q.Cause))
+		conds = append(conds, causeOfLastError+" = "+arg(q.Cause))
 	}
 	return strings.Join(conds, " AND "), args
 }
@@ -84,10 +71,9 @@ type cause struct {
 	First, Last time.Time
 	// EventID, Topic and LastError are those of the group's latest row.
 	EventID, Topic, LastError string
-	// Fragment is the longest literal part of the cause, which the
-	// replay link filters on (the replay takes "last error contains");
-	// "" when there is none.
-	Fragment string
+	// Key is the normalised cause the dead page and the replay filter
+	// on; "" for the rows without an error, which have none.
+	Key string
 }
 
 // causes groups the dead rows matching q (the Cause of q aside) and returns
@@ -98,7 +84,7 @@ func (h *handler) causes(ctx context.Context, t schema.Table, q deadQuery) (list
 	args = append(args, maxCausesShown)
 	tbl := t.Sanitize()
 	sql := `WITH g AS (
-  SELECT ` + normalisedCause + ` AS cause, count(*) AS n, min(dead_at) AS first, max(dead_at) AS last,
+  SELECT ` + causeOfLastError + ` AS cause, count(*) AS n, min(dead_at) AS first, max(dead_at) AS last,
     (array_agg(event_id ORDER BY sequence DESC))[1] AS latest,
     count(*) OVER () AS groups, (sum(count(*)) OVER ())::bigint AS total
   FROM ` + tbl + `
@@ -128,10 +114,9 @@ ORDER BY g.n DESC, g.cause`
 		if err := res.Scan(&c.Cause, &c.Count, &c.First, &c.Last, &groups, &rows, &c.EventID, &c.Topic, &c.LastError); err != nil {
 			return nil, 0, 0, fmt.Errorf("group the dead rows of %s: %w", t, err)
 		}
+		c.Key = c.Cause
 		if c.Cause == "" {
 			c.Cause = "(no error recorded)"
-		} else {
-			c.Fragment = fragment(c.Cause, c.LastError)
 		}
 		list = append(list, c)
 	}
@@ -141,31 +126,46 @@ ORDER BY g.n DESC, g.cause`
 	return list, groups, rows, nil
 }
 
-// fragment returns the longest literal part of a normalised cause that the
-// full error contains (ignoring case), cut to 200 bytes on a rune
-// boundary: what a bulk replay of the cause filters on.
-func fragment(normalised, full string) string {
-	parts := []string{normalised}
-	for _, m := range causeMasks {
-		var next []string
-		for _, p := range parts {
-			next = append(next, strings.Split(p, m)...)
+// errCauseTimeout: selecting the rows of one cause took longer than the
+// console allows.
+var errCauseTimeout = errors.New("selecting the rows of this cause took too long")
+
+// causeTimeoutText says what to do when errCauseTimeout stopped a preview
+// or a replay.
+func causeTimeoutText(d time.Duration) string {
+	return "Selecting the dead rows of this cause took longer than " + d.String() +
+		": too many dead rows to read the cause of each. Nothing changed. Filter by topic or by error text first (the dead rows page), or replay with the CLI (outbox dead replay --topic=X --error=TEXT)."
+}
+
+// isTimeout reports whether err is PostgreSQL's statement_timeout (not the
+// request's end).
+func isTimeout(ctx context.Context, err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "57014" /* query_canceled */ && ctx.Err() == nil
+}
+
+// replayDead is runbook.ReplayDead (a preview with dryRun) for the bulk
+// replay pages. A filter on a cause computes the cause of every dead row
+// the other conditions keep, as the grouping does, so it runs under the
+// same bound (causesTimeout, in one transaction) and a timeout returns
+// errCauseTimeout, having changed nothing.
+func (h *handler) replayDead(ctx context.Context, t schema.Table, f runbook.DeadFilter, dryRun bool) (runbook.BulkReplay, error) {
+	if f.Cause == "" {
+		return runbook.ReplayDead(ctx, h.pool, t, f, dryRun)
+	}
+	var res runbook.BulkReplay
+	err := pgx.BeginFunc(ctx, h.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true)`, strconv.FormatInt(h.causesTimeout.Milliseconds(), 10)); err != nil {
+			return fmt.Errorf("bound the replay of a cause of %s: %w", t, err)
 		}
-		parts = next
+		var err error
+		res, err = runbook.ReplayDead(ctx, tx, t, f, dryRun)
+		return err
+	})
+	if isTimeout(ctx, err) {
+		return runbook.BulkReplay{}, fmt.Errorf("replay dead rows of %s: %w", t, errCauseTimeout)
 	}
-	best := ""
-	lowFull := strings.ToLower(full)
-	for _, p := range parts {
-		p = strings.Trim(p, " ()[]{}:,;.=<>")
-		p = strings.TrimSpace(truncate(p, 200))
-		if len(p) > len(best) && strings.Contains(lowFull, strings.ToLower(p)) {
-			best = p
-		}
-	}
-	if len(best) < 3 {
-		return ""
-	}
-	return best
+	return res, err
 }
 
 // deadRow is one line of the dead rows list.
@@ -190,8 +190,30 @@ type deadPage struct {
 }
 
 // deadRows reads the page after the sequence after (or, with before > 0,
-// the page before the sequence before).
+// the page before the sequence before). A filter on a cause computes the
+// cause of every dead row the other conditions keep, so it runs under
+// causesTimeout, as the grouping does.
 func (h *handler) deadRows(ctx context.Context, t schema.Table, q deadQuery, after, before int64) (deadPage, error) {
+	if q.Cause == "" {
+		return deadRowsOf(ctx, h.pool, t, q, after, before)
+	}
+	var p deadPage
+	err := pgx.BeginTxFunc(ctx, h.pool, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true)`, strconv.FormatInt(h.causesTimeout.Milliseconds(), 10)); err != nil {
+			return fmt.Errorf("list the dead rows of %s: %w", t, err)
+		}
+		var err error
+		p, err = deadRowsOf(ctx, tx, t, q, after, before)
+		return err
+	})
+	if isTimeout(ctx, err) {
+		return p, fmt.Errorf("list the dead rows of %s: %w", t, errCauseTimeout)
+	}
+	return p, err
+}
+
+// deadRowsOf is deadRows on db.
+func deadRowsOf(ctx context.Context, db runbook.DB, t schema.Table, q deadQuery, after, before int64) (deadPage, error) {
 	var p deadPage
 	where, args := q.where(nil)
 	tbl := t.Sanitize()
@@ -206,7 +228,7 @@ func (h *handler) deadRows(ctx context.Context, t schema.Table, q deadQuery, aft
 		where += " AND sequence > $" + strconv.Itoa(len(args)) + "::bigint"
 	}
 	args = append(args, deadPageSize+1)
-	res, err := h.pool.Query(ctx, `SELECT sequence, event_id::text, topic, attempts, dead_at, COALESCE(last_error, '')
+	res, err := db.Query(ctx, `SELECT sequence, event_id::text, topic, attempts, dead_at, COALESCE(last_error, '')
 FROM `+tbl+` WHERE `+where+` ORDER BY sequence `+order+` LIMIT $`+strconv.Itoa(len(args))+`::int`, args...)
 	if err != nil {
 		return p, fmt.Errorf("list the dead rows of %s: %w", t, err)
@@ -241,7 +263,7 @@ FROM `+tbl+` WHERE `+where+` ORDER BY sequence `+order+` LIMIT $`+strconv.Itoa(l
 		}
 		cwhere, cargs := q.where(nil)
 		cargs = append(cargs, first)
-		if err := h.pool.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE sequence < $`+strconv.Itoa(len(cargs))+`::bigint) FROM `+tbl+
+		if err := db.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE sequence < $`+strconv.Itoa(len(cargs))+`::bigint) FROM `+tbl+
 			` WHERE `+cwhere, cargs...).Scan(&p.Total, &p.Before); err != nil {
 			return p, fmt.Errorf("count the dead rows of %s: %w", t, err)
 		}
@@ -273,8 +295,7 @@ func (h *handler) dead(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	list, groups, total, err := h.causes(r.Context(), t, q)
-	var pgErr *pgconn.PgError
-	tooMany := errors.As(err, &pgErr) && pgErr.Code == "57014" /* query_canceled: the statement_timeout */ && r.Context().Err() == nil
+	tooMany := isTimeout(r.Context(), err)
 	if tooMany {
 		err = nil
 		h.logger.Info("Console gave up grouping the dead rows: too many for the time allowed", watermill.LogFields{"table": t.String(), "timeout": h.causesTimeout.String()})
@@ -285,6 +306,11 @@ func (h *handler) dead(w http.ResponseWriter, r *http.Request) {
 	}
 	if tooMany {
 		total = page.Total
+	}
+	if errors.Is(err, errCauseTimeout) {
+		h.fail(w, r, http.StatusServiceUnavailable, "Listing the dead rows of this cause took longer than "+h.causesTimeout.String()+
+			": too many dead rows to read the cause of each. Filter by topic or by error text instead.", tablePath(t, "dead"), "the dead rows")
+		return
 	}
 	if err != nil {
 		h.logger.Error("Console could not list dead rows", err, watermill.LogFields{"table": t.String()})

@@ -166,3 +166,99 @@ FROM generate_series(1, 20000) AS i`); err != nil {
 		t.Errorf("logged errors: %v", errs)
 	}
 }
+
+// TestReplayExactCause: the replay of a cause selects exactly the rows
+// whose normalised cause is the group's, even when its text is part of
+// another cause's ("broker down" in "broker down: retry later"): the
+// preview counts the group's rows, the replay changes them and no other,
+// and the job page reports the same count.
+func TestReplayExactCause(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox")
+	short := deadWith(t, pool, tbl, "org.a.v1", `publish event 6f1c2b1e-0d3a-4b8e-9d6f-1a2b3c4d5e6f to "org.a.v1": broker down`, 2)
+	long := deadWith(t, pool, tbl, "org.a.v1", `broker down: retry later`, 3)
+	longer := deadWith(t, pool, tbl, "org.b.v1", `publish event 0a1b2c3d-0d3a-4b8e-9d6f-1a2b3c4d5e6f to "org.b.v1": Broker Down: retry after 30s`, 4)
+	const token = "exact-cause-token-of-the-console"
+	srv := server(t, pool, tbl, token)
+	auth := login(t, srv.URL, token)
+	name := tbl.String()
+
+	page := do(t, "GET", srv.URL+"/t/"+name+"/dead", nil, auth)
+	counts := map[string]string{}
+	for _, m := range causeRow.FindAllStringSubmatch(page.body, -1) {
+		counts[html.UnescapeString(m[2])] = m[1]
+	}
+	want := map[string]string{"broker down": "2", "broker down: retry later": "3", "Broker Down: retry after <n>": "4"}
+	if fmt.Sprint(counts) != fmt.Sprint(want) {
+		t.Fatalf("causes %v, want %v", counts, want)
+	}
+	links := replayLink.FindAllStringSubmatch(page.body, -1)
+	if len(links) != 3 {
+		t.Fatalf("%d replay links, want 3", len(links))
+	}
+	// The links follow the causes' order: 4, 3, 2 rows.
+	for i, c := range []struct {
+		rows string
+		ids  []uuid.UUID
+	}{{"4", longer}, {"3", long}, {"2", short}} {
+		link, err := url.Parse(html.UnescapeString(links[i][1]))
+		if err != nil {
+			t.Fatal(err)
+		}
+		form := previewForm(t, srv.URL, name, link.Query(), auth)
+		if form.Get("rows") != c.rows || form.Get("cause") == "" {
+			t.Fatalf("the preview of the cause %q counts %s rows (form %v), want %s", link.Query().Get("cause"), form.Get("rows"), form, c.rows)
+		}
+		before := deadCount(t, pool, tbl)
+		r := do(t, "POST", srv.URL+"/t/"+name+"/replay", with(form, "confirm", c.rows), auth)
+		if r.code != 303 {
+			t.Fatalf("replay of %q: %d %s", form.Get("cause"), r.code, r.body)
+		}
+		job := do(t, "GET", srv.URL+r.hdr.Get("Location"), nil, auth)
+		if !strings.Contains(job.body, "Replayed "+c.rows+" dead rows") {
+			t.Fatalf("the job page of %q does not report %s rows:\n%s", form.Get("cause"), c.rows, job.body)
+		}
+		for _, id := range c.ids {
+			if isDead(t, pool, tbl, id) {
+				t.Errorf("row %s of the replayed cause %q is still dead", id, form.Get("cause"))
+			}
+		}
+		if n := deadCount(t, pool, tbl); fmt.Sprint(before-n) != c.rows {
+			t.Fatalf("the replay of %q changed %d dead rows, want %s", form.Get("cause"), before-n, c.rows)
+		}
+	}
+}
+
+// TestReplayCauseTimeout: a replay of a cause whose rows take longer than
+// the grouping's bound to select answers 503 with what to do, and changes
+// nothing; so does the list of the cause's rows.
+func TestReplayCauseTimeout(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox")
+	if _, err := pool.Exec(context.Background(), `INSERT INTO `+tbl.Sanitize()+` (tenant_id, topic, payload, event_id, attempts, available_at, dead_at, last_error)
+SELECT gen_random_uuid(), 'org.a.v1', '{}', gen_random_uuid(), 3, 'infinity', now(), 'publish event ' || gen_random_uuid() || ' to "org.a.v1": boom ' || i
+FROM generate_series(1, 20000) AS i`); err != nil {
+		t.Fatal(err)
+	}
+	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	console.SetCausesTimeout(h, time.Millisecond)
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	r := do(t, "GET", srv.URL+"/t/"+tbl.String()+"/replay?cause="+url.QueryEscape("boom <n>"), nil, nil)
+	if r.code != 503 || !strings.Contains(r.body, "took longer than 1ms") || !strings.Contains(r.body, "Nothing changed") {
+		t.Fatalf("preview past the bound: %d\n%s", r.code, r.body)
+	}
+	if n := deadCount(t, pool, tbl); n != 20000 {
+		t.Fatalf("%d dead rows, want 20000", n)
+	}
+	// The list of the cause's rows is bounded the same way.
+	r = do(t, "GET", srv.URL+"/t/"+tbl.String()+"/dead?cause="+url.QueryEscape("boom <n>"), nil, nil)
+	if r.code != 503 || !strings.Contains(r.body, "took longer than 1ms") {
+		t.Fatalf("the rows of a cause past the bound: %d\n%s", r.code, r.body)
+	}
+}

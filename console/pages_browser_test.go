@@ -22,7 +22,8 @@ import (
 // TestBrowserEveryPage walks every page of the console in headless
 // Chromium at 1366x900 during a small incident (dead rows of three causes,
 // a backlog, an ordered table with held keys), checks that the held keys'
-// Skip buttons are on screen, that the pause toggle stops the refresh and
+// Skip buttons are on screen, that the overview draws both tables' charts
+// from the samples of most of their window, that the pause toggle stops the refresh and
 // that a banner says when the server stops answering, and with
 // UPDATE_SCREENSHOT=1 writes docs/console-<page>.png.
 func TestBrowserEveryPage(t *testing.T) {
@@ -50,10 +51,13 @@ WHERE event_id = $1`, msgs[0].EventID); err != nil {
 	heldKeys(t, pool, otbl, "customer-1842", "customer-2001", "customer-3017")
 
 	const token = "every-page-browser-token"
-	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl, otbl}, Token: token})
+	// The charts sample every 125 ms over 10 s, so that the overview's
+	// screenshot shows them filled.
+	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl, otbl}, Token: token, ChartInterval: 125 * time.Millisecond, ChartWindow: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer h.Close()
 	sw := &swappable{h: h}
 	srv := httptest.NewServer(sw)
 	defer srv.Close()
@@ -110,6 +114,12 @@ WHERE event_id = $1`, msgs[0].EventID); err != nil {
 	}
 	for _, p := range pages {
 		steps(t, ctx, p.shot, chromedp.Navigate(srv.URL+p.path), chromedp.WaitVisible(p.wait))
+		if p.shot == "overview" {
+			// Both tables' charts, four lines each, drawn from samples
+			// over most of the window (70 of 80).
+			poll(t, ctx, "the overview's charts", `document.querySelectorAll("section.charts svg.chart polyline").length === 8 &&
+  Array.from(document.querySelectorAll("section.charts svg.chart polyline")).every(function (l) { return l.getAttribute("points").split(" ").length >= 70; })`, 15*time.Second)
+		}
 		if wide, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`document.documentElement.scrollWidth > window.innerWidth`)); err != nil || wide {
 			t.Errorf("%s scrolls sideways at 1366 px (%v)", p.path, err)
 		}

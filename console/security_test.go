@@ -59,7 +59,7 @@ func TestReadsNeedToken(t *testing.T) {
 	id := deadRow(t, pool, tbl)
 	name := tbl.String()
 	reads := []string{"/", "/t/" + name + "/dead", "/t/" + name + "/event/" + id.String() + "?payload=1", "/t/" + name + "/event/" + id.String(),
-		"/t/" + name + "/topics", "/t/" + name + "/held", "/t/" + name + "/replay", "/t/" + name + "/replay/0000", "/api/counts", "/api/replay/0000",
+		"/t/" + name + "/topics", "/t/" + name + "/held", "/t/" + name + "/replay", "/t/" + name + "/replay/0000", "/api/counts", "/api/series", "/api/replay/0000",
 		"/t/unknown.table/dead"}
 	replay := "/t/" + name + "/event/" + id.String() + "/replay"
 

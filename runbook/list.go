@@ -232,20 +232,33 @@ func Relays(ctx context.Context, db DB, t schema.Table) (RelayList, error) {
 			return RelayList{}, dbError(t, "list the partition owners of", err)
 		}
 	case schema.ModeWAL:
-		var (
-			s   WALSlot
-			pid *int32
-		)
-		err := db.QueryRow(ctx, schema.WALSlotReader, schema.WALSlotName(t)).Scan(&s.Name, &s.Active, &pid, &s.ApplicationName, &s.ClientAddr)
-		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
-			return RelayList{}, dbError(t, "read the replication slot of", err)
-		}
-		if err == nil {
-			if pid != nil {
-				s.ActivePID = *pid
-			}
-			out.Slot = &s
+		if out.Slot, err = WALSlotReader(ctx, db, t); err != nil {
+			return RelayList{}, err
 		}
 	}
 	return out, nil
+}
+
+// WALSlotReader returns t's replication slot under its default name
+// (schema.WALSlotName) and the session reading it, nil when there is no
+// such slot.
+func WALSlotReader(ctx context.Context, db DB, t schema.Table) (*WALSlot, error) {
+	if err := checkTable(t); err != nil {
+		return nil, err
+	}
+	var (
+		s   WALSlot
+		pid *int32
+	)
+	err := db.QueryRow(ctx, schema.WALSlotReader, schema.WALSlotName(t)).Scan(&s.Name, &s.Active, &pid, &s.ApplicationName, &s.ClientAddr)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, dbError(t, "read the replication slot of", err)
+	}
+	if pid != nil {
+		s.ActivePID = *pid
+	}
+	return &s, nil
 }

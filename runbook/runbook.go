@@ -192,6 +192,11 @@ type DeadFilter struct {
 	// ErrorContains keeps the rows whose last_error contains it, ignoring
 	// case.
 	ErrorContains string
+	// Cause keeps the rows whose normalised cause (schema.CauseOf their
+	// last_error) equals it, as the console groups them. The expression
+	// costs some 20 µs a row: on a large table, narrow by Topic too, or
+	// run under a statement timeout.
+	Cause string
 	// Limit bounds the rows, taken in sequence order. For Dead it defaults
 	// to DefaultLimit; for ReplayDead 0 means every matching row.
 	Limit int
@@ -222,6 +227,7 @@ func (f DeadFilter) schemaFilter() (schema.RunbookFilter, error) {
 	sf := schema.RunbookFilter{
 		Topic:         f.Topic,
 		ErrorContains: f.ErrorContains,
+		Cause:         f.Cause,
 		AfterSequence: f.AfterSequence,
 		Limit:         f.Limit,
 		LockTTL:       f.LockTTL,

@@ -279,7 +279,7 @@ ORDER BY s.available_at NULLS LAST, s.sequence
 LIMIT $` + strconv.Itoa(len(args)) + `::int`, Args: args}
 }
 
-// Dead lists the dead rows matching f (its Topic, TenantID, ErrorContains,
+// Dead lists the dead rows matching f (its Topic, TenantID, ErrorContains, Cause,
 // AfterSequence and Limit; 0 lists them all) in sequence order: in ordered
 // mode the unkeyed dead rows and the keyed rows a dead hold holds, with the
 // hold's attempts, last_error and dead_at. Returns StateColumns.

@@ -134,16 +134,31 @@ func (c consoleConfig) mode() string {
 	return "read-only, anyone who reaches it reads it"
 }
 
+// consoleServer is the console's HTTP server and the console, whose charts'
+// sampling Shutdown stops after the server.
+type consoleServer struct {
+	srv *http.Server
+	c   *console.Console
+}
+
+// Shutdown shuts the server down, then stops the console's sampling.
+func (s consoleServer) Shutdown(ctx context.Context) error {
+	err := s.srv.Shutdown(ctx)
+	_ = s.c.Close()
+	return err
+}
+
 // serveConsole starts the console's HTTP server on c.addr.
-func serveConsole(pool *pgxpool.Pool, c consoleConfig, logger watermill.LoggerAdapter, stdout io.Writer) (*http.Server, error) {
+func serveConsole(pool *pgxpool.Pool, c consoleConfig, logger watermill.LoggerAdapter, stdout io.Writer) (consoleServer, error) {
 	h, err := console.New(pool, console.Config{Tables: c.tables, Token: c.token, ReadToken: c.readToken, PublicRead: c.publicRead,
-		Addr: c.addr, AllowedHosts: c.allowedHosts, TrustProxy: c.trustProxy, Logger: logger})
+		Addr: c.addr, AllowedHosts: c.allowedHosts, TrustProxy: c.trustProxy, Logger: logger, ChartInterval: console.ChartIntervalDaemon})
 	if err != nil {
-		return nil, err
+		return consoleServer{}, err
 	}
 	ln, err := net.Listen("tcp", c.addr)
 	if err != nil {
-		return nil, fmt.Errorf("console: listen on OUTBOX_CONSOLE_ADDR=%s: %w", c.addr, err)
+		_ = h.Close()
+		return consoleServer{}, fmt.Errorf("console: listen on OUTBOX_CONSOLE_ADDR=%s: %w", c.addr, err)
 	}
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 	mode := c.mode()
@@ -154,7 +169,7 @@ func serveConsole(pool *pgxpool.Pool, c consoleConfig, logger watermill.LoggerAd
 			logger.Error("Console server stopped", err, nil)
 		}
 	}()
-	return srv, nil
+	return consoleServer{srv: srv, c: h}, nil
 }
 
 func runConsole(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {

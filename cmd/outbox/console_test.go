@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"io"
 	"net/http"
 	"regexp"
@@ -76,6 +77,7 @@ func TestConsoleServes(t *testing.T) {
 	if res.StatusCode != 200 || !strings.Contains(string(body), tbl.String()) || !strings.Contains(string(body), "read-only") {
 		t.Fatalf("overview: %d %s", res.StatusCode, body)
 	}
+	chartsEvery10s(t, "http://"+m[1], nil, tbl.String())
 	cancel()
 	if code := <-done; code != 0 {
 		t.Fatalf("exit %d, stderr %s", code, stderr.String())
@@ -125,12 +127,37 @@ func TestRelayDaemonServesConsole(t *testing.T) {
 	if code, body := get(t, "http://"+m[1]+"/", map[string]string{"Authorization": "Bearer daemon-console-token"}); code != 200 || !strings.Contains(body, tbl.String()) {
 		t.Fatalf("overview with the token: %d %s", code, body)
 	}
+	chartsEvery10s(t, "http://"+m[1], map[string]string{"Authorization": "Bearer daemon-console-token"}, tbl.String())
 	// The Host is checked against OUTBOX_CONSOLE_ADDR.
 	if code, _ := get(t, "http://"+m[1]+"/", map[string]string{"Authorization": "Bearer daemon-console-token", "Host": "rebound.example"}); code != 421 {
 		t.Fatalf("foreign Host: %d", code)
 	}
 	if strings.Contains(d.stderr.String(), "daemon-console-token") {
 		t.Fatal("the daemon logged the console token")
+	}
+}
+
+// chartsEvery10s checks that the console at base samples the counts of
+// table for its charts every 10 s over the last hour, the first at once.
+func chartsEvery10s(t *testing.T, base string, hdr map[string]string, table string) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		code, body := get(t, base+"/api/series", hdr)
+		var s struct {
+			IntervalSeconds float64                     `json:"interval_seconds"`
+			WindowSeconds   float64                     `json:"window_seconds"`
+			Tables          map[string][]map[string]any `json:"tables"`
+		}
+		if err := json.Unmarshal([]byte(body), &s); code != 200 || err != nil || s.IntervalSeconds != 10 || s.WindowSeconds != 3600 {
+			t.Fatalf("/api/series: %d %v %s", code, err, body)
+		}
+		if len(s.Tables[table]) > 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no sample of %s: %s", table, body)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
 
