@@ -40,17 +40,20 @@
 //   - I3, a verdict of an ended term is not progress: Copy.End reports true
 //     only for the call that ended the copy while its term was live; a relay
 //     records a verdict only then, and the write itself is fenced on the
-//     term (the ordered relay's statements on owner and epoch, the WAL
-//     relay's session loop, which applies verdicts only before it ends its
-//     term). The verdicts of stale copies reach the ledger only.
-//     TestVerdictOfAnEndedTermIsNotLive.
+//     term: inside Term.Enter, which fails once the term has ended and keeps
+//     the term from quiescing until the write is done, and, for the ordered
+//     relay, in statements fenced on owner and epoch (the WAL relay's
+//     session loop applies verdicts only before it ends its term). The
+//     verdicts of stale copies reach the ledger only.
+//     TestVerdictOfAnEndedTermIsNotLive, TestEnterHoldsQuiescence.
 //   - I4, nothing waits forever: a stale copy ends by its verdict, by
 //     Config.Overrun after its term ended, or by Close; each end signals
 //     Freed. Close ends every term and copy, releases every waiter and
 //     returns once the ledger's goroutines have ended; it is idempotent.
 //     TestStaleCopyEndsByVerdict, TestStaleCopyEndsByOverrun,
 //     TestCloseEndsEverything, TestWithdrawnCopyFreesItsKey.
-//   - I5, quiescence: a term has quiesced when it ended and every copy
-//     handed out under it ended (Term.Quiesced); a scope has quiesced when
-//     every ended term of it has (Ledger.Quiesced). TestQuiescence.
+//   - I5, quiescence: a term has quiesced when it ended, every copy handed
+//     out under it ended and every Enter under it left (Term.Quiesced); a
+//     scope has quiesced when every ended term of it has (Ledger.Quiesced).
+//     TestQuiescence, TestEnterHoldsQuiescence.
 package term

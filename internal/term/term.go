@@ -64,16 +64,20 @@ type Config struct {
 	OnStaleEnd func(key string, why Reason)
 }
 
+// Overrun is Config.Overrun: how long a copy may stay out after its term
+// ended.
+func (l *Ledger) Overrun() time.Duration { return l.cfg.Overrun }
+
 // Ledger is one relay's record of the copies it has out, by key and by
 // term. Its methods are safe for concurrent use.
 type Ledger struct {
 	cfg Config
 
-	mu      sync.Mutex
-	out     map[string]*Copy // by key: every copy not ended (I1: one per key)
-	live    map[int]*Term    // by scope: the live term
-	staleBy map[int]int      // by scope: stale copies out
-	closed  bool
+	mu     sync.Mutex
+	out    map[string]*Copy           // by key: every copy not ended (I1: one per key)
+	live   map[int]*Term              // by scope: the live term
+	ended  map[int]map[*Term]struct{} // by scope: the ended terms that have not quiesced
+	closed bool
 
 	stale   atomic.Int64  // stale copies out, read without the lock
 	freed   chan struct{} // capacity 1: a stale copy ended
@@ -83,7 +87,7 @@ type Ledger struct {
 
 // New returns an empty ledger.
 func New(cfg Config) *Ledger {
-	return &Ledger{cfg: cfg, out: map[string]*Copy{}, live: map[int]*Term{}, staleBy: map[int]int{},
+	return &Ledger{cfg: cfg, out: map[string]*Copy{}, live: map[int]*Term{}, ended: map[int]map[*Term]struct{}{},
 		freed: make(chan struct{}, 1), closing: make(chan struct{})}
 }
 
@@ -100,6 +104,7 @@ type Term struct {
 	// Under l.mu.
 	ended  bool
 	copies map[*Copy]struct{} // handed out under the term and not ended
+	work   int                // Enter calls not left yet
 }
 
 // Copy is one message handed out under a term, until its verdict, overrun,
@@ -160,11 +165,12 @@ func (l *Ledger) Stale(key string) bool {
 func (l *Ledger) StaleCount() int { return int(l.stale.Load()) }
 
 // Quiesced reports whether every ended term of scope has quiesced: no copy
-// handed out under one of them is out (I5).
+// handed out under one of them is out and no work entered under one of them
+// is under way (I5).
 func (l *Ledger) Quiesced(scope int) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.staleBy[scope] == 0
+	return len(l.ended[scope]) == 0
 }
 
 // Freed receives a value after a stale copy ended (capacity 1: ends in a
@@ -211,11 +217,30 @@ func (l *Ledger) endLocked(t *Term) []*Copy {
 		stale = append(stale, c)
 	}
 	if n := len(stale); n > 0 {
-		l.staleBy[t.scope] += n
 		l.stale.Add(int64(n))
 		l.wg.Add(n)
 	}
+	if !t.quiescedLocked() {
+		if l.ended[t.scope] == nil {
+			l.ended[t.scope] = map[*Term]struct{}{}
+		}
+		l.ended[t.scope][t] = struct{}{}
+	}
 	return stale
+}
+
+// settleLocked forgets t among the ended terms of its scope once it has
+// quiesced.
+func (l *Ledger) settleLocked(t *Term) {
+	if !t.quiescedLocked() {
+		return
+	}
+	if m := l.ended[t.scope]; m != nil {
+		delete(m, t)
+		if len(m) == 0 {
+			delete(l.ended, t.scope)
+		}
+	}
 }
 
 // afterEnd cancels the contexts of an ended term and of its stale copies,
@@ -286,12 +311,38 @@ func (t *Term) End() {
 	l.afterEnd(t, stale)
 }
 
-// Quiesced reports whether the term ended and every copy handed out under
-// it has ended (I5).
+// Quiesced reports whether the term ended, every copy handed out under it
+// has ended and every Enter has left (I5).
 func (t *Term) Quiesced() bool {
 	t.l.mu.Lock()
 	defer t.l.mu.Unlock()
-	return t.ended && len(t.copies) == 0
+	return t.quiescedLocked()
+}
+
+func (t *Term) quiescedLocked() bool { return t.ended && len(t.copies) == 0 && t.work == 0 }
+
+// Enter registers work under t, such as a write fenced on its epoch that
+// records a verdict: until leave is called the term does not quiesce, so a
+// relay that waits for quiescence before a new term of the scope never
+// runs that term beside the write. It fails (ok false, nothing to leave)
+// when t has ended: the work must not be done (I3). leave is idempotent.
+func (t *Term) Enter() (leave func(), ok bool) {
+	l := t.l
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if t.ended {
+		return func() {}, false
+	}
+	t.work++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			l.mu.Lock()
+			t.work--
+			l.settleLocked(t)
+			l.mu.Unlock()
+		})
+	}, true
 }
 
 // Hand registers msg as a copy of key handed out under t and sets its
@@ -343,10 +394,8 @@ func (c *Copy) End(why Reason) bool {
 	live := !c.t.ended
 	stale := c.stale
 	if stale {
-		if l.staleBy[c.t.scope]--; l.staleBy[c.t.scope] <= 0 {
-			delete(l.staleBy, c.t.scope)
-		}
 		l.stale.Add(-1)
+		l.settleLocked(c.t)
 	}
 	l.mu.Unlock()
 	c.cancel()

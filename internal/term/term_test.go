@@ -378,6 +378,52 @@ func TestQuiescence(t *testing.T) {
 	}
 }
 
+// TestEnterHoldsQuiescence (I3, I5): work entered under a live term keeps
+// the ended term and its scope from quiescing until it leaves; Enter under
+// an ended term fails; leave is idempotent.
+func TestEnterHoldsQuiescence(t *testing.T) {
+	t.Parallel()
+	l, _ := ledger(t, time.Hour)
+	tm := l.Begin(context.Background(), 2, 1)
+	leave, ok := tm.Enter()
+	if !ok {
+		t.Fatal("Enter under a live term failed")
+	}
+	tm.End()
+	if tm.Quiesced() || l.Quiesced(2) {
+		t.Error("quiesced while work entered under the term is under way")
+	}
+	if _, ok := tm.Enter(); ok {
+		t.Error("Enter under an ended term succeeded: the write would run after the term ended")
+	}
+	leave()
+	if !tm.Quiesced() || !l.Quiesced(2) {
+		t.Error("not quiesced after the work left")
+	}
+	leave() // idempotent
+	if !l.Quiesced(2) {
+		t.Error("a second leave changed the count")
+	}
+	// Work and a stale copy together: both must end.
+	t2 := l.Begin(context.Background(), 2, 2)
+	m := msg()
+	hand(t, t2, "k", m)
+	leave2, ok := t2.Enter()
+	if !ok {
+		t.Fatal("Enter failed")
+	}
+	t2.End()
+	m.Ack()
+	freed(t, l)
+	if l.Quiesced(2) {
+		t.Error("quiesced with work under way after the copy ended")
+	}
+	leave2()
+	if !l.Quiesced(2) {
+		t.Error("not quiesced after copy and work ended")
+	}
+}
+
 func waitFor(t *testing.T, cond func() bool) {
 	t.Helper()
 	for deadline := time.Now().Add(5 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
