@@ -64,10 +64,6 @@ type Config struct {
 	OnStaleEnd func(key string, why Reason)
 }
 
-// Overrun is Config.Overrun: how long a copy may stay out after its term
-// ended.
-func (l *Ledger) Overrun() time.Duration { return l.cfg.Overrun }
-
 // Ledger is one relay's record of the copies it has out, by key and by
 // term. Its methods are safe for concurrent use.
 type Ledger struct {
@@ -90,6 +86,10 @@ func New(cfg Config) *Ledger {
 	return &Ledger{cfg: cfg, out: map[string]*Copy{}, live: map[int]*Term{}, ended: map[int]map[*Term]struct{}{},
 		freed: make(chan struct{}, 1), closing: make(chan struct{})}
 }
+
+// Overrun is Config.Overrun: how long a copy may stay out after its term
+// ended.
+func (l *Ledger) Overrun() time.Duration { return l.cfg.Overrun }
 
 // Term is one ownership of a scope: a partition lease, a replication
 // session. It is live from Ledger.Begin until End (or the next Begin of its
@@ -114,11 +114,11 @@ type Copy struct {
 	key    string
 	msg    *message.Message
 	cancel context.CancelFunc
-	done   chan struct{} // closed when the copy ends
 
 	// Under t.l.mu.
 	ended bool
-	stale bool // out when its term ended
+	stale bool          // out when its term ended
+	done  chan struct{} // made when the copy becomes stale, closed when it ends: its follower stops
 }
 
 // Begin starts a term of scope with the given epoch (the caller's number
@@ -214,6 +214,7 @@ func (l *Ledger) endLocked(t *Term) []*Copy {
 	stale := make([]*Copy, 0, len(t.copies))
 	for c := range t.copies {
 		c.stale = true
+		c.done = make(chan struct{})
 		stale = append(stale, c)
 	}
 	if n := len(stale); n > 0 {
@@ -362,7 +363,7 @@ func (t *Term) Hand(parent context.Context, key string, msg *message.Message) (*
 	}
 	ctx, cancel := context.WithCancel(parent)
 	msg.SetContext(ctx)
-	c := &Copy{t: t, key: key, msg: msg, cancel: cancel, done: make(chan struct{})}
+	c := &Copy{t: t, key: key, msg: msg, cancel: cancel}
 	l.out[key] = c
 	t.copies[c] = struct{}{}
 	return c, nil
@@ -386,7 +387,9 @@ func (c *Copy) End(why Reason) bool {
 		return false
 	}
 	c.ended = true
-	close(c.done)
+	if c.done != nil {
+		close(c.done)
+	}
 	delete(c.t.copies, c)
 	if l.out[c.key] == c {
 		delete(l.out, c.key)
