@@ -99,11 +99,11 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 //     one copy of a key is out in the relay, and the relay takes a
 //     partition again only once its ended terms have quiesced (every copy
 //     ended, every write entered under them done: term.Ledger.Quiesced,
-//     I5); (I2) the term's end (lease lost, deadline
-//     passed, released, relay stopping) cancels its messages' contexts;
-//     (I3) a verdict counts only if its copy ended under the live term
-//     (term.Copy.End); a nack's or a hold's write (Fail, Advance) runs
-//     inside term.Term.Enter, so not after the term ended nor beside the
+//     I5); (I2) the term's end (lease lost, deadline passed, released,
+//     relay stopping) cancels its messages' contexts; (I3) a verdict
+//     counts only if its copy ended under the live term (term.Copy.End); a
+//     nack's or a hold's write (Fail, Advance) runs inside
+//     term.Term.Enter, so not after the term ended nor beside the
 //     partition's next term here; and every write of progress or holds
 //     (Renew, Release, Fail, Advance) is fenced on owner and epoch, so
 //     nothing done under an ended term is written, whoever owns the
