@@ -23,6 +23,19 @@
 // One relay reads a slot at a time: the server refuses a second reader of
 // an active slot, and a standby retries every ElectionInterval, taking over
 // when the active relay stops or its session ends. See docs/WAL.md.
+//
+// Sessions are terms of the relay's term ledger (package internal/term, the
+// core the ordered relay uses too; docs/WAL.md, "Sessions are terms"):
+// every message is handed out as a copy registered under the live session
+// (term.Term.Hand), so the core's invariants hold here: (I1) at most one
+// copy of a key is out in the relay, and a session hands out no key that a
+// copy of an ended session still holds (term.Ledger.Stale; its end wakes
+// the loop through term.Ledger.Freed); (I2) a session's end cancels the
+// contexts of its messages still in handlers; (I3) a verdict counts only
+// if its copy ended under the live session, and the session's loop, which
+// alone records verdicts, ends its term only after its last write; (I4) a
+// copy an ended session left in a handler ends at its verdict, CloseTimeout
+// after the session ended, or the relay's stop.
 package walrelay
 
 import (
