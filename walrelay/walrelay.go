@@ -32,8 +32,9 @@
 // copy of an ended session still holds (term.Ledger.Stale; its end wakes
 // the loop through term.Ledger.Freed); (I2) a session's end cancels the
 // contexts of its messages still in handlers; (I3) a verdict counts only
-// if its copy ended under the live session, and the session's loop, which
-// alone records verdicts, ends its term only after its last write; (I4) a
+// if its copy ended under the live session, and only the session's loop
+// applies verdicts, before it ends its term (the position it confirms at
+// its end covers only those); (I4) a
 // copy an ended session left in a handler ends at its verdict, CloseTimeout
 // after the session ended, or the relay's stop.
 package walrelay
