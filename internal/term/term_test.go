@@ -522,7 +522,7 @@ func TestConcurrentHandsKeepOneCopyPerKey(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			r := rand.New(rand.NewPCG(uint64(w), 1)) //nolint:gosec // test randomness
+			r := rand.New(rand.NewPCG(uint64(w), 1))
 			for range rounds {
 				time.Sleep(time.Duration(r.IntN(100)) * time.Microsecond)
 				key := fmt.Sprint("k", r.IntN(keys))
