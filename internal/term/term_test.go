@@ -574,3 +574,21 @@ func TestConcurrentHandsKeepOneCopyPerKey(t *testing.T) {
 		t.Error("stale copies after Close")
 	}
 }
+
+// BenchmarkHandEnd is the core's cost per delivery on a relay's hot path:
+// one Hand and one End of a live copy.
+func BenchmarkHandEnd(b *testing.B) {
+	l := term.New(term.Config{Overrun: time.Hour})
+	defer l.Close()
+	tm := l.Begin(context.Background(), 0, 1)
+	m := msg()
+	parent := context.WithoutCancel(context.Background())
+	b.ReportAllocs()
+	for b.Loop() {
+		c, err := tm.Hand(parent, "k", m)
+		if err != nil {
+			b.Fatal(err)
+		}
+		c.End(term.Acked)
+	}
+}
