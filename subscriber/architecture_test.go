@@ -4,8 +4,10 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/outboxkit/watermill-outbox/internal/doccheck"
+	"github.com/outboxkit/watermill-outbox/internal/termcheck"
 )
 
 // TestArchitectureStatesTheConstants: docs/ARCHITECTURE.md gives the
@@ -32,4 +34,25 @@ func TestArchitectureStatesTheConstants(t *testing.T) {
 		fmt.Sprintf("(`linger`: %s, plus %s per event/s of the recent rate, at most %s)", d(lingerMin), d(lingerPerRate), d(lingerMax)),
 		fmt.Sprintf("(`LastErrorMaxBytes`, %d)", LastErrorMaxBytesDefault),
 	)
+}
+
+// TestOrderedRelayUsesTheTermCore: the ordered relay imports the term core (internal/term),
+// begins its terms there, hands every message to the consumer through
+// term.Term.Hand, and keeps no stale-copy records of its own (no field or
+// variable named stale, no context.AfterFunc): it fails if the relay stops
+// using the core.
+func TestOrderedRelayUsesTheTermCore(t *testing.T) {
+	t.Parallel()
+	termcheck.Expect(t, ".", "ordered.go")
+}
+
+// TestOrderedTermOverrun: a message that an ended term left in a handler
+// holds its partition back for DispatchTimeout + LockTTL/2 after the term
+// ended at most (docs/ORDERING.md, "Terms"): the ledger's overrun.
+func TestOrderedTermOverrun(t *testing.T) {
+	t.Parallel()
+	s := &Subscriber{cfg: Config{DispatchTimeout: 3 * time.Second, LockTTL: 2 * time.Second}}
+	if got := newTermLedger(s).Overrun(); got != 4*time.Second {
+		t.Errorf("ordered relay's term overrun %s, want DispatchTimeout + LockTTL/2 = 4s", got)
+	}
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/redact"
+	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -90,15 +91,25 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 //     key's next row at or below seen, or resolves it (a tombstone: rows at
 //     or below it are done) until the written floor passes it. A replay hold
 //     (an operator's replay of a row already relayed) covers nothing.
-//   - Terms: every lease of a partition is a term (the epoch Acquire
-//     increments). A delivery belongs to the term it was made under: the
-//     term's end (lease lost, deadline passed, released, relay stopping)
-//     cancels its messages' contexts, and the relay takes the partition
-//     again only once every runner of the ended term has its verdict (or
-//     overran), so one relay never has two copies of a key in handlers.
-//     Every write of progress or holds (Renew, Release, Fail, Advance) is
-//     fenced on owner and epoch: nothing done under an ended term is
-//     written, whoever owns the partition now.
+//   - Terms: every lease of a partition is a term of the relay's ledger
+//     (package internal/term, the core the WAL relay uses too; scope: the
+//     partition, epoch: the one Acquire increments). A message is handed
+//     out only as a copy registered under its partition's live term
+//     (term.Term.Hand), so the core's invariants hold here: (I1) at most
+//     one copy of a key is out in the relay, and the relay takes a
+//     partition again only once its ended terms have quiesced (every copy
+//     ended, every write entered under them done: term.Ledger.Quiesced,
+//     I5); (I2) the term's end (lease lost, deadline passed, released,
+//     relay stopping) cancels its messages' contexts; (I3) a verdict
+//     counts only if its copy ended under the live term (term.Copy.End); a
+//     nack's or a hold's write (Fail, Advance) runs inside
+//     term.Term.Enter, so not after the term ended nor beside the
+//     partition's next term here; and every write of progress or holds
+//     (Renew, Release, Fail, Advance) is fenced on owner and epoch, so
+//     nothing done under an ended term is written, whoever owns the
+//     partition now; (I4) a copy left in a handler by an ended term ends
+//     at its verdict, DispatchTimeout + LockTTL/2 after the term ended, or
+//     the relay's stop.
 
 // orderedRelay delivers the keyed rows of one subscription; it is one relay
 // of the table's membership.
@@ -115,13 +126,14 @@ type orderedRelay struct {
 	// (schema.Table.LegacyOrderingLockClass), watched beside class.
 	legacy int32
 
-	mu    sync.Mutex
-	parts map[int]*partState
-	keys  map[string]*keyState
-	// stale counts, per partition, the ended terms whose runners still wait
-	// for a verdict of a message handed out under them; the partition is
-	// not taken again (a new term) until they have ended.
-	stale   map[int]int
+	// terms is the relay's term ledger: one term per partition lease, the
+	// copies handed out under them, and the copies left in handlers by
+	// ended terms (docs/ARCHITECTURE.md, "The term core").
+	terms *term.Ledger
+
+	mu      sync.Mutex
+	parts   map[int]*partState
+	keys    map[string]*keyState
 	runners int  // key runners alive (each has at most one message in flight)
 	starved bool // the last startRunnersLocked stopped at MaxInFlight: keys may wait for a runner
 	runWg   sync.WaitGroup
@@ -153,12 +165,9 @@ type partState struct {
 
 	// The term: one lease of the partition, from Acquire to its end in
 	// memory (lost, not renewed in time, released, or the relay stopping).
-	epoch   int64              // the lease's epoch; every write of progress or holds is fenced on it
-	term    context.Context    // cancelled when the term ends: the contexts of its messages with it
-	endTerm context.CancelFunc //
-	expiry  *time.Timer        // ends the term at deadline, between ticks
-	runners int                // runners working on keys of this term
-	ended   bool               // the term ended; counted in stale while runners is not 0
+	// Its epoch fences every write of progress or holds.
+	term   *term.Term
+	expiry *time.Timer // ends the term at deadline, between ticks
 }
 
 // watch is a writer that held the lock of key hash hash when a scan passed
@@ -212,9 +221,17 @@ func newOrderedRelay(sub *subscription) *orderedRelay {
 		kick:   make(chan struct{}, 1),
 		parts:  map[int]*partState{},
 		keys:   map[string]*keyState{},
-		stale:  map[int]int{},
 		legacy: sub.s.cfg.Table.LegacyOrderingLockClass(),
+		terms:  newTermLedger(sub.s),
 	}
+}
+
+// newTermLedger is an ordered relay's term ledger: a copy left in a handler
+// by an ended term holds its key (and its partition) back for as long as a
+// copy of a live term may stay out, its overrun (DispatchTimeout +
+// LockTTL/2), counted from the term's end.
+func newTermLedger(s *Subscriber) *term.Ledger {
+	return term.New(term.Config{Overrun: s.overrunAfter()})
 }
 
 func (r *orderedRelay) tickInterval() time.Duration {
@@ -329,6 +346,9 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 			r.tick(ctx)
 		case <-timer.C:
 		case <-r.kick:
+		case <-r.terms.Freed():
+			// A copy of an ended term ended: a runner it kept out of
+			// MaxInFlight may start.
 		case <-r.wake:
 			r.mu.Lock()
 			r.needHolds = true // an operator's change notifies too
@@ -363,6 +383,9 @@ func (r *orderedRelay) nextDue() time.Time {
 // shutdown waits for the runners and gives the partitions back.
 func (r *orderedRelay) shutdown() {
 	defer r.s.wake.unregister(r.wake)
+	// Last: the copies left in handlers by ended terms no longer hold
+	// anything back, and the goroutines that follow them end (term I4).
+	defer r.terms.Close()
 	r.runWg.Wait()
 	if r.abandon || r.s.abandon.Load() {
 		return
@@ -374,7 +397,7 @@ func (r *orderedRelay) shutdown() {
 	var floors, epochs []int64
 	for id, p := range r.parts {
 		r.advanceFloorLocked(p)
-		ids, floors, epochs = append(ids, int32(p.id)), append(floors, p.floor), append(epochs, p.epoch) //nolint:gosec // partition < 64
+		ids, floors, epochs = append(ids, int32(p.id)), append(floors, p.floor), append(epochs, p.term.Epoch()) //nolint:gosec // partition < 64
 		r.dropPartLocked(id)
 	}
 	r.mu.Unlock()
@@ -453,20 +476,21 @@ func (r *orderedRelay) tick(ctx context.Context) {
 		}
 		r.advanceFloorLocked(p)
 		if p.releasing && !r.partBusyLocked(p) {
-			relIDs, relFloors, relEpochs = append(relIDs, int32(id)), append(relFloors, p.floor), append(relEpochs, p.epoch) //nolint:gosec // partition < 64
+			relIDs, relFloors, relEpochs = append(relIDs, int32(id)), append(relFloors, p.floor), append(relEpochs, p.term.Epoch()) //nolint:gosec // partition < 64
 			r.dropPartLocked(id)
 			continue
 		}
 		if p.floor != p.persisted || now.Sub(p.renewed) >= cfg.LockTTL/3 {
-			renIDs, renFloors, renEpochs = append(renIDs, int32(id)), append(renFloors, p.floor), append(renEpochs, p.epoch) //nolint:gosec // partition < 64
+			renIDs, renFloors, renEpochs = append(renIDs, int32(id)), append(renFloors, p.floor), append(renEpochs, p.term.Epoch()) //nolint:gosec // partition < 64
 		}
 	}
 	var want []int32
 	for id := range mine {
 		// A partition whose earlier term still has a message in a
-		// handler is not taken again before that message's verdict (or
-		// its overrun): one copy of a key in a handler at a time.
-		if r.parts[id] == nil && r.stale[id] == 0 {
+		// handler is not taken again before that copy ends (its verdict,
+		// its overrun): one copy of a key in a handler at a time (term
+		// I1, I5).
+		if r.parts[id] == nil && r.terms.Quiesced(id) {
 			want = append(want, int32(id)) //nolint:gosec // partition < 64
 		}
 	}
@@ -497,7 +521,7 @@ func (r *orderedRelay) tick(ctx context.Context) {
 			for i, id32 := range renIDs {
 				id := int(id32)
 				p := r.parts[id]
-				if p == nil || p.epoch != renEpochs[i] {
+				if p == nil || p.term.Epoch() != renEpochs[i] {
 					continue
 				}
 				if !got[id] {
@@ -546,13 +570,13 @@ func (r *orderedRelay) tick(ctx context.Context) {
 		}
 		r.mu.Lock()
 		for _, t := range got {
-			p := &partState{id: t.id, floor: t.floor, persisted: t.floor, seen: t.floor, fresh: true, epoch: t.epoch,
-				open: map[int64]struct{}{}, renewed: t0, deadline: t0.Add(cfg.LockTTL - r.margin())}
-			p.term, p.endTerm = context.WithCancel(context.Background())
-			p.expiry = time.AfterFunc(time.Until(p.deadline), func() { r.expire(p) })
 			if old := r.parts[t.id]; old != nil {
 				r.dropPartLocked(t.id) // not expected: want has no owned partition
 			}
+			p := &partState{id: t.id, floor: t.floor, persisted: t.floor, seen: t.floor, fresh: true,
+				open: map[int64]struct{}{}, renewed: t0, deadline: t0.Add(cfg.LockTTL - r.margin()),
+				term: r.terms.Begin(context.Background(), t.id, t.epoch)}
+			p.expiry = time.AfterFunc(time.Until(p.deadline), func() { r.expire(p) })
 			r.parts[t.id] = p
 			r.logger.Info("Partition taken", watermill.LogFields{"partition": t.id, "term": t.epoch, "floor": t.floor})
 		}
@@ -606,7 +630,7 @@ func (r *orderedRelay) expireLocked(p *partState) bool {
 	if time.Now().Before(p.deadline) {
 		return false
 	}
-	r.logger.Info("Partition lease not renewed in time; stopping its deliveries", watermill.LogFields{"partition": p.id, "term": p.epoch})
+	r.logger.Info("Partition lease not renewed in time; stopping its deliveries", watermill.LogFields{"partition": p.id, "term": p.term.Epoch()})
 	r.dropPartLocked(p.id)
 	return true
 }
@@ -632,21 +656,18 @@ func (r *orderedRelay) dropQueuesLocked(p *partState) {
 }
 
 // dropPartLocked ends a partition's term and forgets it and its keys: the
-// contexts of its messages in handlers are cancelled, runners of its keys
-// stop after their message's verdict (written nowhere: the term fences
-// it), and the partition is not taken again until they have.
+// contexts of its messages in handlers are cancelled (term I2), runners of
+// its keys stop, the ledger follows the copies left in handlers (their
+// verdicts are written nowhere: I3), and the partition is not taken again
+// until those have ended (I1, I5).
 func (r *orderedRelay) dropPartLocked(id int) {
 	p := r.parts[id]
 	delete(r.parts, id)
 	if p == nil {
 		return
 	}
-	p.endTerm()
+	p.term.End()
 	p.expiry.Stop()
-	p.ended = true
-	if p.runners > 0 {
-		r.stale[id]++
-	}
 	for name, k := range r.keys {
 		if k.p == p {
 			k.queue = nil
@@ -1091,11 +1112,11 @@ func parkedLocked(p *partState, row *schema.OrderedRow) bool {
 }
 
 // startRunnersLocked starts a runner for every key with work, up to
-// MaxInFlight runners.
+// MaxInFlight runners and copies left in handlers by ended terms.
 func (r *orderedRelay) startRunnersLocked() {
 	r.starved = false
 	for _, k := range r.keys {
-		if r.runners >= r.s.cfg.MaxInFlight {
+		if r.runners+r.terms.StaleCount() >= r.s.cfg.MaxInFlight {
 			r.starved = true
 			return
 		}
@@ -1104,7 +1125,6 @@ func (r *orderedRelay) startRunnersLocked() {
 		}
 		k.busy = true
 		r.runners++
-		k.p.runners++
 		r.runWg.Add(1)
 		go r.runKey(k)
 	}
@@ -1254,14 +1274,6 @@ func (r *orderedRelay) freedLocked(p *partState) {
 func (r *orderedRelay) endRunLocked(k *keyState) {
 	k.busy = false
 	r.runners--
-	p := k.p
-	if p.runners--; p.runners == 0 && p.ended {
-		// The last runner of an ended term: the partition may be taken
-		// again.
-		if r.stale[p.id]--; r.stale[p.id] <= 0 {
-			delete(r.stale, p.id)
-		}
-	}
 	if r.keys[k.name] == k {
 		r.pruneKeyLocked(k.name, k)
 	}
@@ -1305,29 +1317,36 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 		return verdictNack
 	}
 	c.slot = &errorSlot{}
-	// As in the default mode, the message outlives the Subscribe context
-	// until CloseTimeout after the relay stopped.
-	// The term's end cancels it too: the handler is told that its
-	// message's partition lease ended.
-	msgCtx, cancel := context.WithCancel(withErrorSlot(context.WithoutCancel(r.sub.ctx), c.slot))
-	defer cancel()
-	term := k.p.term
-	defer context.AfterFunc(term, cancel)()
-	msg.SetContext(msgCtx)
-	c.msg = msg
+	t := k.p.term
 	select {
 	case <-stop:
 		return verdictNone
-	case <-term.Done():
+	case <-t.Done():
 		return verdictNone
 	default:
 	}
+	// As in the default mode, the message outlives the Subscribe context
+	// until CloseTimeout after the relay stopped. Its term's end cancels it
+	// (term I2): the handler is told that its partition lease ended.
+	cp, err := t.Hand(withErrorSlot(context.WithoutCancel(r.sub.ctx), c.slot), k.name, msg)
+	if err != nil {
+		if errors.Is(err, term.ErrKeyOut) {
+			// Not expected: the key's runner is the only one, and a
+			// partition is taken again only once its ended terms have
+			// quiesced.
+			r.logger.Error("A copy of the key is still in a handler; not delivering it again", err, watermill.LogFields{"sequence": row.Sequence})
+		}
+		return verdictNone
+	}
+	c.msg = msg
 	select {
 	case r.sub.out <- msg:
 		c.delivered = time.Now()
 	case <-stop:
+		cp.End(term.Withdrawn)
 		return verdictNone
-	case <-term.Done():
+	case <-t.Done():
+		cp.End(term.Withdrawn)
 		return verdictNone
 	}
 	var grace <-chan time.Time
@@ -1337,26 +1356,43 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 		select {
 		case <-overrun.C:
 			// As in the default mode: the attempt counts as failed and holds
-			// the key like any failure.
+			// the key like any failure; ending the copy cancels the
+			// message's context.
 			c.slot.set(s.overrunError())
-			cancel()
+			if !cp.End(term.Overran) {
+				return verdictNone // the term ended first: nothing is written (I3)
+			}
 			r.logger.Error("Handler overran its dispatch timeout; counting a failed attempt", s.overrunError(),
 				watermill.LogFields{"event_id": row.EventID})
 			r.fail(k, row, c)
 			return verdictNack
 		case <-msg.Acked():
+			if !cp.End(term.Acked) {
+				return verdictNone // a verdict of an ended term is not progress (I3)
+			}
 			s.observeDispatch(c, metrics.ResultSuccess)
 			if m := s.cfg.Metrics; m != nil {
 				m.DeliveryLag.WithLabelValues(s.label).Observe(time.Since(row.CreatedAt).Seconds())
 			}
 			return verdictAck
 		case <-msg.Nacked():
+			if !cp.End(term.Nacked) {
+				return verdictNone // I3
+			}
 			r.fail(k, row, c)
 			return verdictNack
+		case <-t.Done():
+			// The term ended with the message in the handler: its context
+			// is cancelled (I2), and the ledger follows the copy until its
+			// verdict (recorded nowhere, I3), its overrun or the relay's
+			// stop; the partition is not taken again before (I1).
+			return verdictNone
 		case <-stop:
 			stop = nil
 			grace = time.After(s.cfg.CloseTimeout)
 		case <-grace:
+			// The copy stays out (a handler has it) until its term ends
+			// with the relay's shutdown.
 			r.logger.Info("Message neither acked nor nacked before the close timeout; the next owner delivers it again",
 				watermill.LogFields{"event_id": row.EventID})
 			return verdictNone
@@ -1382,8 +1418,16 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 		dead, skip bool
 		n          int
 	)
-	qerr := s.pool.QueryRow(ctx, r.oq.Fail, r.id, row.Partition, k.name, row.Sequence, summary, s.cfg.MaxAttempts,
-		IsPermanent(err), backoff.Seconds(), k.p.epoch).Scan(&dead, &n, &skip)
+	// The write is work under the term (term I3): it is not made once the
+	// term has ended, and the partition is not taken again while it runs;
+	// the statement is fenced on owner and epoch besides.
+	leave, live := k.p.term.Enter()
+	defer leave()
+	qerr := pgx.ErrNoRows
+	if live {
+		qerr = s.pool.QueryRow(ctx, r.oq.Fail, r.id, row.Partition, k.name, row.Sequence, summary, s.cfg.MaxAttempts,
+			IsPermanent(err), backoff.Seconds(), k.p.term.Epoch()).Scan(&dead, &n, &skip)
+	}
 	s.observeDispatch(c, metrics.ResultFailure)
 	if qerr != nil && !errors.Is(qerr, pgx.ErrNoRows) {
 		time.Sleep(100 * time.Millisecond) // the database is failing; do not spin
@@ -1453,6 +1497,14 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 		r.mu.Unlock()
 		return
 	}
+	// Work under the term (term I3): the key is still owned, so the term
+	// is live (dropPartLocked ends it and forgets the key together).
+	leave, live := k.p.term.Enter()
+	defer leave()
+	if !live {
+		r.mu.Unlock()
+		return
+	}
 	h.advancing = true
 	bound := k.p.seen
 	seq := h.seq
@@ -1465,7 +1517,7 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 		owned, resolved, deleted bool
 		next                     *int64
 	)
-	err := r.s.pool.QueryRow(ctx, r.oq.Advance, r.id, k.p.id, k.name, seq, bound, k.p.epoch).Scan(&owned, &next, &resolved, &deleted)
+	err := r.s.pool.QueryRow(ctx, r.oq.Advance, r.id, k.p.id, k.name, seq, bound, k.p.term.Epoch()).Scan(&owned, &next, &resolved, &deleted)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	h.advancing = false

@@ -3,8 +3,10 @@ package walrelay
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/outboxkit/watermill-outbox/internal/doccheck"
+	"github.com/outboxkit/watermill-outbox/internal/termcheck"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -24,4 +26,25 @@ func TestArchitectureStatesTheConstants(t *testing.T) {
 		fmt.Sprintf("`schema.WALStaleAfter` (%s)", schema.WALStaleAfter),
 		fmt.Sprintf("`backoffReadAhead` (%d) x `MaxInFlight`", backoffReadAhead),
 	)
+}
+
+// TestWALRelayUsesTheTermCore: the WAL relay imports the term core (internal/term),
+// begins its terms there, hands every message to the consumer through
+// term.Term.Hand, and keeps no stale-copy records of its own (no field or
+// variable named stale, no context.AfterFunc): it fails if the relay stops
+// using the core.
+func TestWALRelayUsesTheTermCore(t *testing.T) {
+	t.Parallel()
+	termcheck.Expect(t, ".", "walrelay.go")
+}
+
+// TestWALTermOverrun: a message that a session's end left in a handler holds
+// its key back for CloseTimeout after the session ended at most
+// (docs/WAL.md, "Sessions are terms"): the ledger's overrun.
+func TestWALTermOverrun(t *testing.T) {
+	t.Parallel()
+	s := &Subscriber{cfg: Config{CloseTimeout: 7 * time.Second}}
+	if got := s.newTerms().Overrun(); got != 7*time.Second {
+		t.Errorf("WAL relay's term overrun %s, want CloseTimeout 7s", got)
+	}
 }

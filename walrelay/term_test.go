@@ -96,7 +96,8 @@ func terminateWalsender(t *testing.T, pool *pgxpool.Pool) {
 // cut while the consumer holds row X of a key. The held copy's context is
 // cancelled; the next session does not hand out X (or anything of its key)
 // while the first copy is in the handler; after its verdict X comes again
-// (its ack was not recorded) and then X+1.
+// (its ack was not recorded) and then X+1. The context of each message of
+// the live session ends with its ack (the copy ends: term core I2).
 func TestWALCutSessionKeepsOneCopyPerKey(t *testing.T) {
 	t.Parallel()
 	pool, tbl := cluster(t)
@@ -109,6 +110,7 @@ func TestWALCutSessionKeepsOneCopyPerKey(t *testing.T) {
 	first := make(chan *message.Message, 1)
 	release := make(chan struct{})
 	var once sync.Once
+	ctxEnded := make(chan bool, 16) // per message of the live session: its context ended after its ack
 	go func() {
 		for msg := range ch {
 			go func(msg *message.Message) {
@@ -121,6 +123,15 @@ func TestWALCutSessionKeepsOneCopyPerKey(t *testing.T) {
 				}
 				hand.done(msg)
 				msg.Ack()
+				if held {
+					return
+				}
+				select {
+				case <-msg.Context().Done():
+					ctxEnded <- true
+				case <-time.After(2 * time.Second):
+					ctxEnded <- false
+				}
 			}(msg)
 		}
 	}()
@@ -144,6 +155,16 @@ func TestWALCutSessionKeepsOneCopyPerKey(t *testing.T) {
 	}
 	close(release)
 	waitFor(t, 10*time.Second, "X+1 delivered", func() bool { return hand.count(ids[1]) > 0 })
+	for range 2 { // X again, X+1
+		select {
+		case ok := <-ctxEnded:
+			if !ok {
+				t.Error("a message's context still live 2 s after its ack")
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("the acked messages' contexts were not checked")
+		}
+	}
 	hand.mu.Lock()
 	defer hand.mu.Unlock()
 	if len(hand.overlap) > 0 {

@@ -23,6 +23,20 @@
 // One relay reads a slot at a time: the server refuses a second reader of
 // an active slot, and a standby retries every ElectionInterval, taking over
 // when the active relay stops or its session ends. See docs/WAL.md.
+//
+// Sessions are terms of the relay's term ledger (package internal/term, the
+// core the ordered relay uses too; docs/WAL.md, "Sessions are terms"):
+// every message is handed out as a copy registered under the live session
+// (term.Term.Hand), so the core's invariants hold here: (I1) at most one
+// copy of a key is out in the relay, and a session hands out no key that a
+// copy of an ended session still holds (term.Ledger.Stale; its end wakes
+// the loop through term.Ledger.Freed); (I2) a session's end cancels the
+// contexts of its messages still in handlers; (I3) a verdict counts only
+// if its copy ended under the live session, and only the session's loop
+// applies verdicts, before it ends its term (the position it confirms at
+// its end covers only those); (I4) a
+// copy an ended session left in a handler ends at its verdict, CloseTimeout
+// after the session ended, or the relay's stop.
 package walrelay
 
 import (
@@ -47,6 +61,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/redact"
+	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -159,16 +174,14 @@ type Subscriber struct {
 	backfilled      atomic.Int64 // rows read from the table after a lost slot
 	oldestUnsettled atomic.Int64 // commit time (Unix ns) of the oldest unsettled transaction, 0 when none
 
-	// Copies handed out by an ended session and still in a handler, by
-	// key: a later session delivers none of those keys until the copy's
-	// verdict, or CloseTimeout after the session ended (the term rule of
-	// docs/WAL.md).
-	staleMu    sync.Mutex
-	stale      map[string]int
-	staleN     atomic.Int64  // copies in stale, read without the lock
-	staleFreed chan struct{} // capacity 1: a key's stale copy ended
-	staleWg    sync.WaitGroup
-	staleStop  chan struct{} // closed when the relay's last session has ended
+	// terms is the relay's term ledger (package internal/term, the core
+	// the ordered relay uses too): each session is a term of scope 0, its
+	// deliveries are copies registered under it, and a copy that a
+	// session's end left in a handler holds its key back from the later
+	// sessions until its verdict, CloseTimeout after the session ended, or
+	// the relay's stop (docs/WAL.md, "Sessions are terms").
+	terms    *term.Ledger
+	sessions atomic.Int64 // sessions started: the epoch of each term
 }
 
 // New checks the table, its publication and its slot (Setup), and returns
@@ -199,60 +212,25 @@ func New(ctx context.Context, pool *pgxpool.Pool, cfg Config, logger watermill.L
 	if conn == "" {
 		conn = replicationConnString(pool)
 	}
-	return &Subscriber{pool: pool, cfg: cfg, cols: cols, q: schema.NewWALQueries(cfg.Table, cols), conn: conn,
-		logger: logger.With(watermill.LogFields{"table": cfg.Table.String(), "slot": cfg.Names.Slot}),
-		stale:  map[string]int{}, staleFreed: make(chan struct{}, 1)}, nil
+	s := &Subscriber{pool: pool, cfg: cfg, cols: cols, q: schema.NewWALQueries(cfg.Table, cols), conn: conn,
+		logger: logger.With(watermill.LogFields{"table": cfg.Table.String(), "slot": cfg.Names.Slot})}
+	s.terms = s.newTerms()
+	return s, nil
 }
 
-// isStale reports whether an ended session's copy of key is still in a
-// handler.
-func (s *Subscriber) isStale(key string) bool {
-	if s.staleN.Load() == 0 {
-		return false
+// newTerms is the relay's term ledger: a copy a session's end left in a
+// handler holds its key back for CloseTimeout at most after the session
+// ended.
+func (s *Subscriber) newTerms() *term.Ledger {
+	return term.New(term.Config{Overrun: s.cfg.CloseTimeout, OnStaleEnd: s.staleEnded})
+}
+
+// staleEnded logs the end of a copy that a session's end left in a handler.
+func (s *Subscriber) staleEnded(key string, why term.Reason) {
+	if why == term.Overran {
+		s.logger.Info("A handler kept a message of an ended session past CloseTimeout; its key is delivered again", nil)
 	}
-	s.staleMu.Lock()
-	defer s.staleMu.Unlock()
-	return s.stale[key] > 0
-}
-
-// keepStale follows a message that its session's end left in a handler:
-// its context is cancelled (the handler is told); until its verdict, or
-// CloseTimeout, or Close, no later session delivers its key. Its verdict
-// is not recorded: the row stays unsettled and is delivered again.
-func (s *Subscriber) keepStale(key string, msg *message.Message) {
-	s.staleMu.Lock()
-	s.stale[key]++
-	s.staleN.Add(1)
-	s.staleMu.Unlock()
-	s.logger.Trace("Stale copy", watermill.LogFields{"key": key})
-	s.staleWg.Add(1)
-	go func() {
-		defer s.staleWg.Done()
-		t := time.NewTimer(s.cfg.CloseTimeout)
-		defer t.Stop()
-		why := "ack"
-		select {
-		case <-msg.Acked():
-		case <-msg.Nacked():
-			why = "nack"
-		case <-t.C:
-			why = "timeout"
-			s.logger.Info("A handler kept a message of an ended session past CloseTimeout; its key is delivered again", nil)
-		case <-s.staleStop: // the relay stopped: no session delivers any more
-			why = "closed"
-		}
-		s.logger.Trace("Stale copy ended", watermill.LogFields{"key": key, "why": why})
-		s.staleMu.Lock()
-		s.staleN.Add(-1)
-		if s.stale[key]--; s.stale[key] <= 0 {
-			delete(s.stale, key)
-		}
-		s.staleMu.Unlock()
-		select {
-		case s.staleFreed <- struct{}{}:
-		default:
-		}
-	}()
+	s.logger.Trace("Stale copy ended", watermill.LogFields{"key": key, "why": why.String()})
 }
 
 // replicationConnString is the pool's connection with replication=database,
@@ -320,7 +298,6 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	s.cancel = cancel
 	s.done = make(chan struct{})
-	s.staleStop = make(chan struct{})
 	out := make(chan *message.Message)
 	go func() {
 		select {
@@ -356,8 +333,10 @@ func (s *Subscriber) Close() error {
 func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 	defer close(s.done)
 	defer close(out)
-	defer s.staleWg.Wait()
-	defer close(s.staleStop) // after the last session: stale copies no longer hold anything back
+	// After the last session: the copies left in handlers by ended
+	// sessions no longer hold anything back, and the goroutines that
+	// follow them end (term I4).
+	defer s.terms.Close()
 	for ctx.Err() == nil {
 		err := s.stream(ctx, out)
 		if ctx.Err() != nil {
@@ -443,6 +422,7 @@ type stream struct {
 	idleEnd   pglogrepl.LSN // the server's position, when nothing was pending
 	settles   chan settle
 	gone      chan struct{} // closed when the loop ends: verdicts are dropped
+	term      *term.Term    // the session's term in the relay's ledger
 	draining  bool          // no new deliveries
 	retry     *time.Timer
 	retryAt   time.Time      // when retry fires; zero when it is not armed
@@ -586,13 +566,16 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 		return fmt.Errorf("look up the relation id of %s: %w", s.cfg.Table, err)
 	}
 	defer close(st.gone)
-	// The deliveries' context, the backfill's included. Every return of the
-	// stream stops the deliveries and waits for them first (deferred calls
-	// run in reverse): none outlives the stream, so none is handed to out
-	// once it may be closed, nor to the consumer beside the next stream's
-	// delivery of the same key.
-	dctx, stopDelivering := context.WithCancel(context.WithoutCancel(ctx))
-	defer st.stop(stopDelivering)
+	// The session is a term of the relay's ledger; its context is the
+	// deliveries' context, the backfill's included. Every return of the
+	// stream ends the term (the contexts of its messages still in handlers
+	// are cancelled: term I2) and waits for the deliveries first (deferred
+	// calls run in reverse): none outlives the stream, so none is handed to
+	// out once it may be closed, and a copy the term's end left in a
+	// handler holds its key back from the next sessions (I1).
+	st.term = s.terms.Begin(ctx, 0, s.sessions.Add(1))
+	dctx := st.term.Context()
+	defer st.stop()
 	go st.pump()
 	backfill, err := st.start(ctx)
 	if err != nil {
@@ -602,7 +585,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	if backfill != nil {
 		st.commit(dctx, backfill)
 	}
-	return st.loop(ctx, dctx, stopDelivering)
+	return st.loop(ctx, dctx)
 }
 
 // ensureSlot recreates the slot when it is gone or the server invalidated
@@ -691,7 +674,7 @@ func (st *stream) start(ctx context.Context) (*txn, error) {
 	return tx, nil
 }
 
-func (st *stream) loop(ctx, dctx context.Context, stopDelivering context.CancelFunc) error {
+func (st *stream) loop(ctx, dctx context.Context) error {
 	s := st.s
 	// The reader outlives ctx until the loop returns (the final status must
 	// still go out), then a read deadline in the past stops it. Its reads
@@ -736,7 +719,7 @@ func (st *stream) loop(ctx, dctx context.Context, stopDelivering context.CancelF
 		}
 		select {
 		case <-ctx.Done():
-			return st.drain(stopDelivering)
+			return st.drain()
 		case r := <-in:
 			// What else is ready is taken without another full select
 			// (its timers make it the loop's dearest step), a bounded
@@ -772,7 +755,9 @@ func (st *stream) loop(ctx, dctx context.Context, stopDelivering context.CancelF
 			if ctx.Err() == nil { // closing: the drain comes next, nothing new goes out
 				st.dispatchAll(dctx)
 			}
-		case <-s.staleFreed:
+		case <-s.terms.Freed():
+			// A copy an ended session left in a handler ended: its key
+			// may go out again.
 			if ctx.Err() == nil {
 				st.dispatchAll(dctx)
 			}
@@ -820,7 +805,7 @@ func (st *stream) onReceived(ctx context.Context, r received) error {
 
 // drain waits up to CloseTimeout for the messages in flight, confirms the
 // position and returns.
-func (st *stream) drain(stopDelivering context.CancelFunc) error {
+func (st *stream) drain() error {
 	st.draining = true
 	deadline := time.After(st.s.cfg.CloseTimeout)
 	for st.unsettledInFlight() > 0 {
@@ -829,20 +814,22 @@ func (st *stream) drain(stopDelivering context.CancelFunc) error {
 			st.onSettle(context.Background(), v)
 		case <-deadline:
 			st.s.logger.Info("Close timeout: messages in flight are left to the next relay", watermill.LogFields{"in_flight": st.unsettledInFlight()})
-			st.stop(stopDelivering)
+			st.stop()
 			return st.status(true)
 		}
 	}
-	st.stop(stopDelivering)
+	st.stop()
 	return st.status(true)
 }
 
-// stop ends the deliveries and waits for them, dropping the verdicts they
-// still send: more of them than the settles buffer holds would block on it
-// while the loop waits. A dropped verdict leaves its row unsettled (the next
-// relay delivers it again); the position recorded does not pass it.
-func (st *stream) stop(stopDelivering context.CancelFunc) {
-	stopDelivering()
+// stop ends the session's term and waits for the deliveries, dropping the
+// verdicts they still send: more of them than the settles buffer holds
+// would block on it while the loop waits. A dropped verdict leaves its row
+// unsettled (the next relay delivers it again); the position recorded does
+// not pass it. The loop applies verdicts only before it calls stop: no
+// verdict of an ended term is recorded (term I3). It is idempotent.
+func (st *stream) stop() {
+	st.term.End()
 	done := make(chan struct{})
 	go func() {
 		st.inFlight.Wait()
@@ -1277,8 +1264,8 @@ func (st *stream) dispatch(ctx context.Context, key string) {
 		delete(st.keys, key)
 		return
 	}
-	if q.inFlight || st.draining || st.s.isStale(key) {
-		return // a stale copy's end dispatches again (staleFreed)
+	if q.inFlight || st.draining || st.s.terms.Stale(key) {
+		return // a stale copy's end dispatches again (terms.Freed); term I1
 	}
 	if q.retryAt.After(time.Now()) {
 		st.schedule(q.retryAt)
@@ -1390,6 +1377,7 @@ type waiting struct {
 	delivery
 	msg      *message.Message
 	recorded func() error
+	cp       *term.Copy // the message's copy in the relay's ledger
 }
 
 // waiterIdle is how long a waiter goroutine stays for the next message
@@ -1436,16 +1424,29 @@ func (st *stream) handOver(d delivery) {
 		st.inFlight.Done()
 		return
 	}
-	mctx, recorded := subscriber.ContextWithErrorRecorder(d.ctx)
-	msg.SetContext(mctx)
-	select {
-	case st.out <- msg:
-	case <-d.ctx.Done():
+	// The message's context carries the session's values; the term sets
+	// it, cancelled when the session ends or the copy does (term I2).
+	mctx, recorded := subscriber.ContextWithErrorRecorder(context.WithoutCancel(d.ctx))
+	cp, err := st.term.Hand(mctx, d.it.key, msg)
+	if err != nil {
+		if errors.Is(err, term.ErrKeyOut) {
+			// Not expected: dispatch asked the ledger, and a key has one
+			// delivery at a time in a session.
+			st.s.logger.Error("A copy of the key is still in a handler; not delivering it again", err, watermill.LogFields{"sequence": d.it.row.Sequence})
+		}
 		st.send(settle{it: d.it, stopped: true})
 		st.inFlight.Done()
 		return
 	}
-	w := waiting{delivery: d, msg: msg, recorded: recorded}
+	select {
+	case st.out <- msg:
+	case <-d.ctx.Done():
+		cp.End(term.Withdrawn)
+		st.send(settle{it: d.it, stopped: true})
+		st.inFlight.Done()
+		return
+	}
+	w := waiting{delivery: d, msg: msg, recorded: recorded, cp: cp}
 	select {
 	case st.waits <- w: // an idle waiter took it
 	default:
@@ -1462,19 +1463,27 @@ func (st *stream) waiter(w waiting) {
 	for {
 		select {
 		case <-w.msg.Acked():
-			st.send(settle{it: w.it, ack: true})
+			if w.cp.End(term.Acked) {
+				st.send(settle{it: w.it, ack: true})
+			} else {
+				st.send(settle{it: w.it, stopped: true}) // the session ended first: not recorded (term I3)
+			}
 		case <-w.msg.Nacked():
+			if !w.cp.End(term.Nacked) {
+				st.send(settle{it: w.it, stopped: true}) // term I3
+				break
+			}
 			err := w.recorded()
 			if err == nil {
 				err = errors.New("nacked")
 			}
 			st.send(settle{it: w.it, err: err})
 		case <-w.ctx.Done():
-			// The session ended with the message in a handler: the
-			// message's context is cancelled with it (mctx derives from
-			// w.ctx), and the next session waits for its verdict before
-			// it delivers the key.
-			st.s.keepStale(w.it.key, w.msg)
+			// The session ended with the message in a handler: its
+			// context is cancelled (term I2), and the ledger follows the
+			// copy; no later session delivers its key until the copy ends
+			// (its verdict, recorded nowhere, CloseTimeout, or the relay's
+			// stop: I1, I3, I4).
 			st.send(settle{it: w.it, stopped: true})
 		}
 		st.inFlight.Done()

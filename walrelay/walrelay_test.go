@@ -16,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -752,7 +753,6 @@ func TestWALRetention(t *testing.T) {
 func TestWALSlotLossFallback(t *testing.T) {
 	t.Parallel()
 	pool, tbl := cluster(t)
-	ctx := context.Background()
 	rec := newRecorder()
 	a := relay(t, pool, tbl, nil)
 	rec.consume(t, a, nil)
@@ -769,9 +769,7 @@ func TestWALSlotLossFallback(t *testing.T) {
 	for i := range 15 {
 		missed = append(missed, enqueue(t, pool, tbl, fmt.Sprintf("k%d", i%3))...)
 	}
-	if _, err := pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, schema.WALSlotName(tbl)); err != nil {
-		t.Fatal(err)
-	}
+	dropSlot(t, pool, tbl)
 	b := relay(t, pool, tbl, nil)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(b.Collector())
@@ -1031,9 +1029,7 @@ func TestWALStreamLossKeepsOneInFlightPerKey(t *testing.T) {
 		keys[i] = fmt.Sprintf("k%d", i)
 	}
 	ids := enqueue(t, pool, tbl, keys...)
-	if _, err := pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, schema.WALSlotName(tbl)); err != nil {
-		t.Fatal(err)
-	}
+	dropSlot(t, pool, tbl)
 	b := relay(t, pool, tbl, nil)
 	ch, err := b.Subscribe(ctx, subscriber.AllTopics)
 	if err != nil {
@@ -1098,5 +1094,22 @@ func TestWALStreamLossKeepsOneInFlightPerKey(t *testing.T) {
 	defer mu.Unlock()
 	if len(overlap) > 0 {
 		t.Fatalf("%d times a key had two messages in flight after the stream was cut (first: %s)", len(overlap), overlap[0])
+	}
+}
+
+// dropSlot drops tbl's slot, as an operator would, once the walsender of a
+// relay closed just before has let it go: the server ends that session a
+// moment after Close returns (object_in_use, 55006, meanwhile).
+func dropSlot(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		_, err := pool.Exec(context.Background(), `SELECT pg_drop_replication_slot($1)`, schema.WALSlotName(tbl))
+		var pgErr *pgconn.PgError
+		if err == nil {
+			return
+		}
+		if !errors.As(err, &pgErr) || pgErr.Code != "55006" || time.Now().After(deadline) {
+			t.Fatal(err)
+		}
 	}
 }
