@@ -36,6 +36,7 @@ type Metrics struct {
 	LeaseExtended    *prometheus.CounterVec   // outbox_lease_extended_total{table}
 	FenceRejected    *prometheus.CounterVec   // outbox_fence_rejected_total{table,op}
 	HeldKeys         *prometheus.GaugeVec     // outbox_held_keys{table}
+	PausedTopics     *prometheus.GaugeVec     // outbox_paused_topics{table}
 }
 
 // Names of the exported metrics, for alert rules and dashboards.
@@ -54,6 +55,7 @@ var Names = []string{
 	"outbox_lease_extended_total",
 	"outbox_fence_rejected_total",
 	"outbox_held_keys",
+	"outbox_paused_topics",
 }
 
 // New creates the collectors and registers them on reg. A nil reg creates
@@ -106,6 +108,9 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		HeldKeys: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "outbox_held_keys", Help: "Ordering keys held back by a failing, dead or skipped row (ordered mode).",
 		}, []string{"table"}),
+		PausedTopics: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_paused_topics", Help: "Topics an operator paused, as the relay last read them: their rows are not relayed until resumed.",
+		}, []string{"table"}),
 	}
 	if reg == nil {
 		return m, nil
@@ -125,7 +130,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 func (m *Metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.EnqueueTotal, m.DispatchTotal, m.DeadTotal, m.DispatchLatency,
 		m.Pending, m.Dead, m.Locked, m.RelayLeader, m.OldestPendingAge, m.DeliveryLag, m.CleanerDeleted,
-		m.LeaseExtended, m.FenceRejected, m.HeldKeys}
+		m.LeaseExtended, m.FenceRejected, m.HeldKeys, m.PausedTopics}
 }
 
 // Enqueued counts n new events of topic in table.

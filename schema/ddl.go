@@ -207,6 +207,7 @@ func upStatements(t Table, c Columns) []string {
 	for _, ix := range indexes(t) {
 		stmts = append(stmts, ix.stmt)
 	}
+	stmts = append(stmts, pausedTopicsStatement(t))
 	return append(stmts, optionalColumnStatements(t, c)...)
 }
 
@@ -274,7 +275,8 @@ func UpSQL(t Table, opts ...MigrateOption) string {
 // DownSQL returns the DDL that drops t. It is destructive: every event in the
 // table, published or not, is lost.
 func DownSQL(t Table) string {
-	return joinStatements(append(orderedCompanionDrops(t), `DROP TABLE IF EXISTS `+t.Sanitize()))
+	drops := append(orderedCompanionDrops(t), `DROP TABLE IF EXISTS `+t.PausedTopicsTable())
+	return joinStatements(append(drops, `DROP TABLE IF EXISTS `+t.Sanitize()))
 }
 
 func joinStatements(stmts []string) string {
@@ -375,6 +377,13 @@ func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err
 		if !deadAt {
 			stmts = append(stmts, deadAtStatements(t)...)
 		}
+		// The paused topics' table (migration 000007) does not lock t.
+		if ok, err = exists(t.PausedTopicsTable()); err != nil {
+			return fmt.Errorf("migrate %s: look up the paused topics: %w", t, err)
+		}
+		if !ok {
+			stmts = append(stmts, pausedTopicsStatement(t))
+		}
 		want := columnsOf(opts)
 		stmts = append(stmts, optionalColumnStatements(t, Columns{
 			TraceContext: want.TraceContext && !have.TraceContext,
@@ -459,6 +468,10 @@ const holdStatesNote = "-- Ordered tables only (skip it for a table without orde
 const termNote = "-- Ordered tables only (skip it for a table without ordered mode): adds the lease term (epoch) to\n" +
 	"-- <table>_partitions; relays of this version fence every write of progress and holds on it.\n"
 
+// pausedNote heads the paused-topics migration.
+const pausedNote = "-- Adds <table>_paused_topics, the topics an operator paused (outbox topics pause); relays\n" +
+	"-- without it relay every topic. A no-op after 000001 of this version.\n"
+
 // migrationFiles renders the shipped migration files for table t, by path
 // under Migrations.
 func migrationFiles(t Table) map[string]string {
@@ -478,6 +491,8 @@ func migrationFiles(t Table) map[string]string {
 	down5 := HoldsStateDownSQL(t)
 	up6 := TermUpSQL(t)
 	down6 := TermDownSQL(t)
+	up7 := PausedTopicsUpSQL(t)
+	down7 := PausedTopicsDownSQL(t)
 	return map[string]string{
 		"migrations/000001_create_" + name + ".up.sql":                 h("UpSQL") + "\n" + up1,
 		"migrations/000001_create_" + name + ".down.sql":               h("DownSQL") + destructive + "\n" + down1,
@@ -491,6 +506,8 @@ func migrationFiles(t Table) map[string]string {
 		"migrations/000005_add_" + name + "_hold_states.down.sql":      h("HoldsStateDownSQL") + "\n" + down5,
 		"migrations/000006_add_" + name + "_partition_term.up.sql":     h("TermUpSQL") + termNote + "\n" + up6,
 		"migrations/000006_add_" + name + "_partition_term.down.sql":   h("TermDownSQL") + "\n" + down6,
+		"migrations/000007_add_" + name + "_paused_topics.up.sql":      h("PausedTopicsUpSQL") + pausedNote + "\n" + up7,
+		"migrations/000007_add_" + name + "_paused_topics.down.sql":    h("PausedTopicsDownSQL") + "\n" + down7,
 		"migrations/goose/00001_create_" + name + ".sql": h("UpSQL") + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
 		"migrations/goose/00002_add_" + name + "_dead_at.sql": h("DeadAtUpSQL") + deadAtNote + "\n-- +goose Up\n" + up4 +
@@ -499,5 +516,7 @@ func migrationFiles(t Table) map[string]string {
 			"\n-- +goose Down\n" + down5,
 		"migrations/goose/00004_add_" + name + "_partition_term.sql": h("TermUpSQL") + termNote + "\n-- +goose Up\n" + up6 +
 			"\n-- +goose Down\n" + down6,
+		"migrations/goose/00005_add_" + name + "_paused_topics.sql": h("PausedTopicsUpSQL") + pausedNote + "\n-- +goose Up\n" + up7 +
+			"\n-- +goose Down\n" + down7,
 	}
 }

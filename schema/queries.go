@@ -94,6 +94,13 @@ type Queries struct {
 	ClaimAllUnkeyed   string
 	ClaimTopicUnkeyed string
 
+	// ClaimAllExcept and ClaimAllUnkeyedExcept are ClaimAll and
+	// ClaimAllUnkeyed that skip the rows of the paused topics, passed as a
+	// fourth argument (text array, not empty): the relays use them only
+	// while a topic is paused, and ClaimAll or ClaimAllUnkeyed otherwise. ClaimAllUnkeyedExcept is empty unless Columns.OrderingKey.
+	ClaimAllExcept        string
+	ClaimAllUnkeyedExcept string
+
 	// LockKeys takes the per-key transaction-level advisory locks that
 	// serialise the writers of one ordering key (docs/ORDERING.md), in hash
 	// order so that two writers never deadlock on one statement. Args: the
@@ -321,7 +328,9 @@ SELECT ` + out + ` FROM claimed` + filter
 	if c.OrderingKey {
 		q.ClaimAllUnkeyed = claim("\n    AND ordering_key IS NULL", false)
 		q.ClaimTopicUnkeyed = claim("\n    AND ordering_key IS NULL AND topic = $4", false)
+		q.ClaimAllUnkeyedExcept = claim("\n    AND ordering_key IS NULL AND topic <> ALL($4::text[])", false)
 	}
+	q.ClaimAllExcept = claim("\n    AND topic <> ALL($4::text[])", false)
 
 	fence := `o.id = a.id AND o.attempts = a.attempts AND o.locked_at = a.locked_at AND o.published_at IS NULL`
 	q.Ack = `UPDATE ` + tbl + ` AS o SET published_at = now(), locked_at = NULL, last_error = NULL

@@ -115,6 +115,9 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 	for _, f := range []string{
 		"migrations/000001_create_app_outbox.up.sql",
 		"migrations/000002_add_app_outbox_optional_columns.up.sql",
+		"migrations/000007_add_app_outbox_paused_topics.up.sql", // a no-op after 000001 of this version
+		"migrations/000007_add_app_outbox_paused_topics.down.sql",
+		"migrations/000007_add_app_outbox_paused_topics.up.sql",
 		"migrations/000003_add_app_outbox_ordering.up.sql",
 		"migrations/000005_add_app_outbox_hold_states.up.sql", // a no-op after 000003 of this version
 		"migrations/000005_add_app_outbox_hold_states.down.sql",
@@ -151,6 +154,13 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 			ok, err := schema.OrderedTablesExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
 			if want := strings.HasSuffix(f, ".up.sql"); err != nil || ok != want {
 				t.Fatalf("after %s: ordered tables ready %v (%v), want %v", f, ok, err, want)
+			}
+		}
+		if strings.Contains(f, "000007_") || strings.Contains(f, "000001_") {
+			// The paused topics' table: made by 000001 of this version and by 000007.
+			ok, err := schema.PausedTopicsExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
+			if want := strings.HasSuffix(f, ".up.sql"); err != nil || ok != want {
+				t.Fatalf("after %s: paused topics table %v (%v), want %v", f, ok, err, want)
 			}
 		}
 		if strings.HasSuffix(f, "000002_add_app_outbox_optional_columns.up.sql") {

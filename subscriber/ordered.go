@@ -712,6 +712,9 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 	if !owned {
 		return 0, false
 	}
+	// Read the paused topics again after a wake-up or a poll: a key whose
+	// next row is of a paused topic waits (nextActionLocked).
+	r.s.pausedTopics(ctx)
 
 	// 1. The cut: the sequence's last value, then the writers holding a key
 	// lock. A row at or below s0 that the scan below cannot see belongs to
@@ -1152,7 +1155,7 @@ func (r *orderedRelay) nextActionLocked(k *keyState) action {
 			return actHeld
 		}
 	}
-	if len(k.queue) > 0 && !parkedLocked(k.p, k.queue[0].row) {
+	if len(k.queue) > 0 && !parkedLocked(k.p, k.queue[0].row) && !r.s.paused.set.Load().has(k.queue[0].row.Topic) {
 		return actQueue
 	}
 	return actNone
@@ -1220,6 +1223,16 @@ func (r *orderedRelay) runKey(k *keyState) {
 				r.mu.Lock()
 				h.inflight = false
 				h.dueAt = time.Now().Add(100 * time.Millisecond)
+				r.endRunLocked(k)
+				r.mu.Unlock()
+				return
+			}
+			if r.s.paused.set.Load().has(row.Topic) {
+				// The held row's topic is paused: the key waits, and the
+				// row is looked at again at the next poll.
+				r.mu.Lock()
+				h.inflight = false
+				h.dueAt = time.Now().Add(r.s.cfg.PollInterval)
 				r.endRunLocked(k)
 				r.mu.Unlock()
 				return

@@ -26,6 +26,8 @@ type Subscriber struct {
 	cfg    Config
 	q      *schema.Queries
 	oq     *schema.OrderedQueries // ordered mode only
+	pq     schema.PausedTopicsQueries
+	paused pausedState // the topics an operator paused (paused.go)
 	logger watermill.LoggerAdapter
 	label  string // table label for metrics
 
@@ -100,6 +102,7 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		pool:         pool,
 		cfg:          cfg,
 		q:            schema.NewQueries(cfg.Table, cols),
+		pq:           schema.NewPausedTopicsQueries(cfg.Table),
 		logger:       logger.With(watermill.LogFields{"table": cfg.Table.String()}),
 		label:        cfg.Table.Qualified(),
 		acks:         make(chan ackReq, 4*cfg.BatchSize),
@@ -212,14 +215,25 @@ func (s *Subscriber) Close() error {
 // claim leases up to n rows for topic, on the leader's connection when
 // single-active, else on the pool.
 func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed, error) {
+	paused := s.pausedTopics(ctx)
 	query, args := s.q.ClaimAll, []any{s.cfg.MaxAttempts, s.cfg.LockTTL.Seconds(), n}
-	if topic != AllTopics {
+	switch {
+	case topic != AllTopics && paused.has(topic):
+		return nil, nil // resumed at the next wake-up or poll
+	case topic != AllTopics:
 		query, args = s.q.ClaimTopic, append(args, topic)
-	}
-	if s.oq != nil {
+		if s.oq != nil {
+			query = s.q.ClaimTopicUnkeyed
+		}
+	case paused != nil:
+		query, args = s.q.ClaimAllExcept, append(args, paused.topics)
+		if s.oq != nil {
+			query = s.q.ClaimAllUnkeyedExcept // keyed rows go through the ordered relay
+		}
+	case s.oq != nil:
 		query = s.q.ClaimAllUnkeyed // keyed rows go through the ordered relay
 	}
-	if s.bounded != nil && topic == AllTopics && s.oq == nil {
+	if s.bounded != nil && topic == AllTopics && s.oq == nil && paused == nil {
 		return s.bounded.claim(ctx, s, n) // prototype, off by default (boundedclaim.go)
 	}
 	out, _, err := s.claimQuery(ctx, query, args, false, nil)
@@ -451,6 +465,7 @@ func (s *Subscriber) fenceRejected(op string) {
 type broadcaster struct {
 	mu   sync.Mutex
 	subs map[chan struct{}]struct{}
+	gen  atomic.Uint64 // counts broadcasts; bumped before the wake-ups are sent
 }
 
 func (b *broadcaster) register() chan struct{} {
@@ -471,6 +486,7 @@ func (b *broadcaster) unregister(ch chan struct{}) {
 }
 
 func (b *broadcaster) broadcast() {
+	b.gen.Add(1)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	for ch := range b.subs {
