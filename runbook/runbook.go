@@ -320,6 +320,9 @@ type TableStats struct {
 	// rows it delivered: they keep published_at NULL and are not counted
 	// in Pending.
 	StreamedUnpublished int64 `json:"streamed,omitempty"`
+	// PausedTopics counts the topics an operator paused (PauseTopic; list
+	// them with PausedTopics): their rows stay pending until resumed.
+	PausedTopics int64 `json:"paused_topics"`
 }
 
 // OldestPendingAge is OldestPendingAgeSeconds as a time.Duration.
@@ -343,6 +346,11 @@ func Stats(ctx context.Context, db DB, t schema.Table) (TableStats, error) {
 	if err != nil {
 		return TableStats{}, dbError(t, "stats of", err)
 	}
+	paused, err := PausedTopics(ctx, db, t)
+	if err != nil {
+		return TableStats{}, err
+	}
+	s.PausedTopics = int64(len(paused))
 	return s, nil
 }
 
@@ -359,11 +367,14 @@ type TopicBacklog struct {
 	// OldestPendingAgeSeconds is the age of the topic's oldest pending row,
 	// 0 when none.
 	OldestPendingAgeSeconds float64 `json:"oldest_pending_age_seconds"`
+	// Paused is true when an operator paused the topic (PauseTopic).
+	Paused bool `json:"paused"`
 }
 
 // Topics lists the backlog of t by topic, the largest first, at most limit
 // topics (DefaultLimit when 0), in the table's relay mode. Delivered rows
-// are not counted.
+// are not counted. Paused topics are marked, and listed after the others
+// (with zero counts, within the limit) when nothing of theirs is pending.
 func Topics(ctx context.Context, db DB, t schema.Table, limit int) ([]TopicBacklog, error) {
 	if err := checkTable(t); err != nil {
 		return nil, err
@@ -387,6 +398,21 @@ func Topics(ctx context.Context, db DB, t schema.Table, limit int) ([]TopicBackl
 	})
 	if err != nil {
 		return nil, dbError(t, "count the backlog by topic of", err)
+	}
+	paused, err := PausedTopics(ctx, db, t)
+	if err != nil {
+		return nil, err
+	}
+	listed := map[string]int{}
+	for i, b := range out {
+		listed[b.Topic] = i
+	}
+	for _, p := range paused {
+		if i, ok := listed[p.Topic]; ok {
+			out[i].Paused = true
+		} else if len(out) < limit {
+			out = append(out, TopicBacklog{Topic: p.Topic, Paused: true})
+		}
 	}
 	return out, nil
 }

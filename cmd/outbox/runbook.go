@@ -187,6 +187,9 @@ func runStats(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 	if s.Mode == schema.ModeWAL {
 		fmt.Fprintf(tw, "streamed\t%d\tdelivered by the WAL relay (no published_at)\n", s.StreamedUnpublished)
 	}
+	if s.PausedTopics > 0 {
+		fmt.Fprintf(tw, "paused topics\t%d\ttheir rows stay pending; see `outbox topics --table=%s`\n", s.PausedTopics, t)
+	}
 	fmt.Fprintf(tw, "oldest pending age\t%s\n", oldest)
 	note := ""
 	if !s.DeliveryTimesKnown {
