@@ -1,0 +1,281 @@
+package subscriber_test
+
+import (
+	"context"
+	"encoding/json"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/metrics"
+	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+const (
+	topicA = "test.paused.a.v1"
+	topicB = "test.paused.b.v1"
+)
+
+// pauseLog records the deliveries of a subscription, acking each.
+type pauseLog struct {
+	mu    sync.Mutex
+	order []string          // event ids, in first-delivery order
+	times map[string]int    // deliveries per event id
+	at    map[string]string // event id -> topic
+}
+
+func consumePaused(t *testing.T, msgs <-chan *message.Message) *pauseLog {
+	t.Helper()
+	l := &pauseLog{times: map[string]int{}, at: map[string]string{}}
+	go func() { // ends when the subscriber closes the channel
+		for msg := range msgs {
+			l.mu.Lock()
+			if l.times[msg.UUID] == 0 {
+				l.order = append(l.order, msg.UUID)
+			}
+			l.times[msg.UUID]++
+			l.at[msg.UUID] = msg.Metadata.Get(schema.MetadataTopic)
+			l.mu.Unlock()
+			msg.Ack()
+		}
+	}()
+	return l
+}
+
+// count returns how many distinct events of topic were delivered.
+func (l *pauseLog) count(topic string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, tp := range l.at {
+		if tp == topic {
+			n++
+		}
+	}
+	return n
+}
+
+func (l *pauseLog) delivered(id string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.times[id] > 0
+}
+
+func (l *pauseLog) duplicates() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, c := range l.times {
+		n += c - 1
+	}
+	return n
+}
+
+// enqueueTopics commits one transaction with one event per (key, topic)
+// pair, in order; an empty key is an unkeyed row.
+func enqueueTopics(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, pairs ...[2]string) []string {
+	t.Helper()
+	ctx := context.Background()
+	ids := make([]string, len(pairs))
+	msgs := make([]publisher.Message, len(pairs))
+	for i, p := range pairs {
+		id := uuid.New()
+		ids[i] = id.String()
+		msgs[i] = publisher.Message{TenantID: tenant, Topic: p[1], EventID: id, Payload: json.RawMessage(`{}`), OrderingKey: p[0]}
+	}
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := publisher.EnqueueBatch(ctx, tx, tbl, msgs)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+// TestPausedTopicDefaultRelay: with topic A paused, the default relay
+// delivers B's rows and none of A's for more than two poll intervals; A's
+// rows stay pending, untouched (attempts 0). Resumed, A's rows are
+// delivered at the wake-up that ResumeTopic sends, well before the next
+// poll; none is lost, none delivered twice. The relay's gauge follows.
+func TestPausedTopicDefaultRelay(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := testdb.Table(t, "paused_outbox")
+	m, err := metrics.New(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const poll = 2 * time.Second
+	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: poll, Metrics: m})
+	msgs, err := s.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := consumePaused(t, msgs)
+	gauge := func() float64 { return testutil.ToFloat64(m.PausedTopics.WithLabelValues(tbl.Qualified())) }
+
+	// A first claim, so the relay is running and idle.
+	enqueue(t, pool, tbl, topicB, 1)
+	waitFor(t, "the first row of B was not delivered", 5*time.Second, func() bool { return log.count(topicB) == 1 })
+
+	res, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "consumer of A broken", false)
+	if err != nil || res.Changed != 1 || !res.Paused {
+		t.Fatalf("PauseTopic: %+v, %v", res, err)
+	}
+	// The pause's wake-up makes the relay read it (well before a poll).
+	waitFor(t, "the relay did not see the pause at its wake-up", poll/2, func() bool { return gauge() == 1 })
+
+	idsA := enqueue(t, pool, tbl, topicA, 10)
+	enqueue(t, pool, tbl, topicB, 10)
+	waitFor(t, "B's rows were not delivered while A is paused", 5*time.Second, func() bool { return log.count(topicB) == 11 })
+	time.Sleep(2*poll + poll/4)
+	if n := log.count(topicA); n != 0 {
+		t.Fatalf("%d rows of paused topic A delivered", n)
+	}
+	for _, id := range idsA {
+		if st := state(t, pool, tbl, id); st.published || st.locked || st.attempts != 0 {
+			t.Fatalf("row %s of paused topic A: %+v, want pending and untouched", id, st)
+		}
+	}
+	bl, err := runbook.Topics(ctx, pool, tbl, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(bl) != 1 || bl[0].Topic != topicA || !bl[0].Paused || bl[0].Pending != 10 {
+		t.Fatalf("Topics while A is paused: %+v", bl)
+	}
+
+	start := time.Now()
+	if res, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil || res.Changed != 1 {
+		t.Fatalf("ResumeTopic: %+v, %v", res, err)
+	}
+	waitFor(t, "A's rows not delivered at the resume's wake-up", poll/2, func() bool { return log.count(topicA) == 10 })
+	t.Logf("A's 10 rows delivered %s after the resume (PollInterval %s)", time.Since(start).Round(time.Millisecond), poll)
+	if gauge() != 0 {
+		t.Fatalf("outbox_paused_topics = %v after the resume, want 0", gauge())
+	}
+	for _, id := range idsA {
+		waitFor(t, "row of A not published", 5*time.Second, func() bool { return state(t, pool, tbl, id).published })
+	}
+	if d := log.duplicates(); d != 0 {
+		t.Fatalf("%d duplicate deliveries", d)
+	}
+}
+
+// TestPausedTopicTopicSubscription: a subscription to a paused topic claims
+// nothing until the topic is resumed.
+func TestPausedTopicTopicSubscription(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := testdb.Table(t, "paused_topic_sub")
+	if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "", false); err != nil {
+		t.Fatal(err)
+	}
+	ids := enqueue(t, pool, tbl, topicA, 3)
+	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond})
+	msgs, err := s.Subscribe(ctx, topicA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := consumePaused(t, msgs)
+	time.Sleep(500 * time.Millisecond)
+	if n := log.count(topicA); n != 0 {
+		t.Fatalf("%d rows of the paused topic delivered to its subscription", n)
+	}
+	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range ids {
+		waitFor(t, "row not delivered after the resume", 5*time.Second, func() bool { return log.delivered(id) })
+	}
+}
+
+// TestPausedTopicOrderedRelay: key K has rows [A1 (topic A), B2 (topic B)],
+// key L rows of topic B, and an unkeyed row of topic A. With A paused, L's
+// rows are delivered; K's are not (B2 waits behind A1, though B is not
+// paused) and stay in the backlog (the floor stays below them), nor is
+// the unkeyed row of A. Resumed, K delivers A1 then B2, and the unkeyed
+// row comes.
+func TestPausedTopicOrderedRelay(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := testdb.Table(t, "paused_ordered", schema.WithAllColumns())
+	if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "incident 42", false); err != nil {
+		t.Fatal(err)
+	}
+	ids := enqueueTopics(t, pool, tbl,
+		[2]string{"K", topicA}, [2]string{"K", topicB},
+		[2]string{"L", topicB}, [2]string{"L", topicB}, [2]string{"L", topicB},
+		[2]string{"", topicA})
+	a1, b2, unkeyedA := ids[0], ids[1], ids[5]
+	cfg := orderedCfg(tbl)
+	s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := s.Close(); err != nil {
+			t.Errorf("close: %v", err)
+		}
+	}()
+	msgs, err := s.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := consumePaused(t, msgs)
+	for _, id := range ids[2:5] {
+		waitFor(t, "L's rows were not delivered while A is paused", 10*time.Second, func() bool { return log.delivered(id) })
+	}
+	time.Sleep(5 * cfg.PollInterval)
+	for _, id := range []string{a1, b2, unkeyedA} {
+		if log.delivered(id) {
+			t.Fatalf("event %s delivered while topic A is paused (A1 %s, B2 %s, unkeyed A %s)", id, a1, b2, unkeyedA)
+		}
+	}
+	backlog, err := runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pending := map[string]bool{}
+	for _, r := range backlog {
+		pending[r.EventID.String()] = true
+	}
+	if !pending[a1] || !pending[b2] || !pending[unkeyedA] || len(backlog) != 3 {
+		t.Fatalf("backlog while A is paused: %+v; want A1, B2 and the unkeyed A row", backlog)
+	}
+
+	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{a1, b2, unkeyedA} {
+		waitFor(t, "K's rows or the unkeyed A row not delivered after the resume", 10*time.Second, func() bool { return log.delivered(id) })
+	}
+	log.mu.Lock()
+	var k []string
+	for _, id := range log.order {
+		if id == a1 || id == b2 {
+			k = append(k, id)
+		}
+	}
+	log.mu.Unlock()
+	if len(k) != 2 || k[0] != a1 || k[1] != b2 {
+		t.Fatalf("key K delivered %v, want A1 %s then B2 %s", k, a1, b2)
+	}
+	if d := log.duplicates(); d != 0 {
+		t.Fatalf("%d duplicate deliveries", d)
+	}
+}
