@@ -142,22 +142,72 @@ func (h *handler) bulkSkip(w http.ResponseWriter, r *http.Request) {
 	}{t.String(), out, skipped, len(ids) - skipped})
 }
 
-// topics shows the backlog by topic.
+// topics shows the backlog by topic, the paused topics, and (logged in)
+// the Pause and Resume buttons (runbook.PauseTopic, ResumeTopic).
 func (h *handler) topics(w http.ResponseWriter, r *http.Request) {
 	t, ok := h.table(w, r)
 	if !ok {
 		return
 	}
 	list, err := runbook.Topics(r.Context(), h.pool, t, maxTopicsShown)
+	var paused []runbook.PausedTopic
+	if err == nil {
+		paused, err = runbook.PausedTopics(r.Context(), h.pool, t)
+	}
+	var mode schema.Mode
+	if err == nil {
+		mode, err = runbook.Mode(r.Context(), h.pool, t)
+	}
 	if err != nil {
 		h.logger.Error("Console could not count the backlog by topic", err, watermill.LogFields{"table": t.String()})
 		h.fail(w, r, http.StatusInternalServerError, "Cannot count the backlog by topic (see the console's log).", "", "")
 		return
 	}
 	h.render(w, r, "topics.html", "Backlog by topic of "+t.String(), struct {
-		Table  string
-		Topics []runbook.TopicBacklog
-	}{t.String(), list})
+		Table     string
+		Topics    []runbook.TopicBacklog
+		Paused    []runbook.PausedTopic
+		WAL       bool
+		MaxReason int
+		Flash     string
+	}{t.String(), list, paused, mode == schema.ModeWAL, schema.PauseReasonMaxBytes, flash(r)})
+}
+
+// pauseTopic pauses or resumes (resume) the relaying of the form's topic
+// (runbook.PauseTopic, ResumeTopic): token and CSRF as every action.
+func (h *handler) pauseTopic(w http.ResponseWriter, r *http.Request, resume bool) {
+	action := "pause topic"
+	if resume {
+		action = "resume topic"
+	}
+	t, ok := h.table(w, r)
+	if !ok || !h.allow(w, r) {
+		return
+	}
+	topic := r.PostFormValue("topic")
+	fields := actionFields(r, action, t.String())
+	fields["topic"] = truncate(topic, 128)
+	var err error
+	if resume {
+		_, err = runbook.ResumeTopic(r.Context(), h.pool, t, topic, false)
+	} else {
+		_, err = runbook.PauseTopic(r.Context(), h.pool, t, topic, r.PostFormValue("reason"), false)
+	}
+	if err != nil {
+		h.logger.Info("Console "+action+" refused", fields)
+		status := http.StatusConflict
+		if errors.Is(err, runbook.ErrBadTopic) {
+			status = http.StatusBadRequest
+		}
+		h.fail(w, r, status, "not done: "+err.Error(), tablePath(t, "topics"), "the topics")
+		return
+	}
+	h.logger.Info("Console "+action, fields)
+	done := "paused"
+	if resume {
+		done = "resumed"
+	}
+	http.Redirect(w, r, tablePath(t, "topics")+"?done="+done, http.StatusSeeOther)
 }
 
 // maxTopicsShown bounds the topics of the backlog page.

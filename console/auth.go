@@ -323,6 +323,8 @@ var flashes = map[string]string{
 	"replayed":       "the event was replayed: it is pending again",
 	"skip-requested": "skip requested: the relay skips the row and the key goes on",
 	"logged-out":     "logged out",
+	"paused":         "topic paused: the relays stop taking its rows at their next wake-up; rows in flight finish",
+	"resumed":        "topic resumed: the relays take its rows again at their next wake-up",
 }
 
 // flash returns the message of a ?done= code, "" for any other value.

@@ -270,6 +270,8 @@ func New(pool *pgxpool.Pool, cfg Config) (*Console, error) {
 	mux.HandleFunc("POST /t/{table}/event/{id}/skip", h.skip)
 	mux.HandleFunc("POST /t/{table}/skip", h.bulkSkip)
 	mux.HandleFunc("POST /t/{table}/replay", h.bulkReplay)
+	mux.HandleFunc("POST /t/{table}/topics/pause", func(w http.ResponseWriter, r *http.Request) { h.pauseTopic(w, r, false) })
+	mux.HandleFunc("POST /t/{table}/topics/resume", func(w http.ResponseWriter, r *http.Request) { h.pauseTopic(w, r, true) })
 	h.mux = mux
 	if cfg.ChartInterval > 0 {
 		h.startSampler()
@@ -464,7 +466,9 @@ type tableView struct {
 	// WALSlot is a WAL table's replication slot and who reads it (the
 	// WAL relay holds no single-active lock), nil in the other modes.
 	WALSlot *runbook.WALSlot `json:"wal_slot,omitempty"`
-	Err     string           `json:"-"`
+	// Paused lists the topics an operator paused (runbook.PausedTopics).
+	Paused []string `json:"paused_topics"`
+	Err    string   `json:"-"`
 }
 
 // maxHeldShown bounds the held keys the console lists and counts.
@@ -489,6 +493,13 @@ func (h *handler) stats(ctx context.Context) []tableView {
 		}
 		if err == nil && st.Mode == schema.ModeWAL {
 			v.WALSlot, err = runbook.WALSlotReader(ctx, h.pool, t)
+		}
+		if err == nil && st.PausedTopics > 0 {
+			var paused []runbook.PausedTopic
+			paused, err = runbook.PausedTopics(ctx, h.pool, t)
+			for _, p := range paused {
+				v.Paused = append(v.Paused, p.Topic)
+			}
 		}
 		if err != nil {
 			v.Err = "cannot read the table's counts (see the console's log)"
