@@ -91,12 +91,12 @@ func TestPauseResumeFromTopicsPage(t *testing.T) {
 		t.Fatalf("paused topics after the console's pause: %+v", l)
 	}
 	page = do(t, "GET", srv.URL+"/t/"+name+"/topics?done=paused", nil, admin).body
-	for _, want := range []string{`id="flash"`, `id="paused-topics"`, `data-topic="org.a.v1" class="paused"`, `class="resume"`, "billing consumer down"} {
+	for _, want := range []string{`id="flash"`, `id="paused-topics"`, `class="relaying paused" data-topic="org.a.v1"`, `class="resume"`, "billing consumer down"} {
 		if !strings.Contains(page, want) {
 			t.Fatalf("topics page while paused lacks %q:\n%s", want, page)
 		}
 	}
-	if strings.Contains(page, `data-topic="org.b.v1" class="paused"`) {
+	if strings.Contains(page, `class="relaying paused" data-topic="org.b.v1"`) {
 		t.Fatalf("org.b.v1 shown paused:\n%s", page)
 	}
 	over := do(t, "GET", srv.URL+"/", nil, reader).body
