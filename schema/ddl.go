@@ -470,7 +470,7 @@ const termNote = "-- Ordered tables only (skip it for a table without ordered mo
 
 // pausedNote heads the paused-topics migration.
 const pausedNote = "-- Adds <table>_paused_topics, the topics an operator paused (outbox topics pause); relays\n" +
-	"-- without it relay every topic. A no-op after 000001 of this version.\n"
+	"-- without it relay every topic.\n"
 
 // migrationFiles renders the shipped migration files for table t, by path
 // under Migrations.
@@ -479,8 +479,9 @@ func migrationFiles(t Table) map[string]string {
 	const destructive = "-- DESTRUCTIVE: this down migration deletes data, published or not.\n"
 	name := t.Name()
 	h := func(fn string) string { return fmt.Sprintf(header, t, fn, name) }
-	up1 := UpSQL(t)
-	down1 := DownSQL(t)
+	// 000001 stays as shipped: later objects come with their own files.
+	up1 := joinStatements(upStatements(t, Columns{})[:1+len(indexes(t))])
+	down1 := joinStatements(append(orderedCompanionDrops(t), `DROP TABLE IF EXISTS `+t.Sanitize()))
 	up2 := OptionalColumnsUpSQL(t, WithTraceColumns(), WithHeadersColumn())
 	down2 := OptionalColumnsDownSQL(t, WithTraceColumns(), WithHeadersColumn())
 	up3 := OptionalColumnsUpSQL(t, WithOrderingKeyColumn())

@@ -73,3 +73,11 @@ func TestTopicsPauseResume(t *testing.T) {
 		t.Fatalf("topics list after resume:\n%s", r.stdout)
 	}
 }
+
+// TestMigratePrintHasPausedTopics: `outbox migrate --print` creates the
+// paused topics' table, and --down drops it (commented out).
+func TestMigratePrintHasPausedTopics(t *testing.T) {
+	t.Parallel()
+	r := rbRun(t, map[string]string{}, "migrate", "--print", "--down", "--table=public.org_outbox")
+	r.expect(t, 0, []string{`CREATE TABLE IF NOT EXISTS "public"."org_outbox_paused_topics"`, `-- DROP TABLE IF EXISTS "public"."org_outbox_paused_topics"`}, nil)
+}

@@ -8,6 +8,4 @@ DROP TABLE IF EXISTS "public"."app_outbox_relays";
 
 DROP TABLE IF EXISTS "public"."app_outbox_partitions";
 
-DROP TABLE IF EXISTS "public"."app_outbox_paused_topics";
-
 DROP TABLE IF EXISTS "public"."app_outbox";

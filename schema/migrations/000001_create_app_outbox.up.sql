@@ -25,9 +25,3 @@ CREATE INDEX IF NOT EXISTS "app_outbox_pending_by_available" ON "public"."app_ou
 CREATE INDEX IF NOT EXISTS "app_outbox_published_by_time" ON "public"."app_outbox" (published_at, sequence) WHERE published_at IS NOT NULL;
 
 CREATE INDEX IF NOT EXISTS "app_outbox_tenant_published" ON "public"."app_outbox" (tenant_id, published_at, sequence);
-
-CREATE TABLE IF NOT EXISTS "public"."app_outbox_paused_topics" (
-  topic     TEXT        NOT NULL PRIMARY KEY CHECK (octet_length(topic) BETWEEN 1 AND 127),
-  paused_at TIMESTAMPTZ NOT NULL DEFAULT now(),
-  reason    TEXT        NOT NULL DEFAULT '' CHECK (octet_length(reason) <= 200)
-);

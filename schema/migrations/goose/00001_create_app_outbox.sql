@@ -27,12 +27,6 @@ CREATE INDEX IF NOT EXISTS "app_outbox_published_by_time" ON "public"."app_outbo
 
 CREATE INDEX IF NOT EXISTS "app_outbox_tenant_published" ON "public"."app_outbox" (tenant_id, published_at, sequence);
 
-CREATE TABLE IF NOT EXISTS "public"."app_outbox_paused_topics" (
-  topic     TEXT        NOT NULL PRIMARY KEY CHECK (octet_length(topic) BETWEEN 1 AND 127),
-  paused_at TIMESTAMPTZ NOT NULL DEFAULT now(),
-  reason    TEXT        NOT NULL DEFAULT '' CHECK (octet_length(reason) <= 200)
-);
-
 ALTER TABLE "public"."app_outbox" ADD COLUMN IF NOT EXISTS traceparent TEXT NULL, ADD COLUMN IF NOT EXISTS tracestate TEXT NULL;
 
 ALTER TABLE "public"."app_outbox" ADD COLUMN IF NOT EXISTS headers JSONB NULL;
@@ -90,7 +84,5 @@ DROP TABLE IF EXISTS "public"."app_outbox_holds";
 DROP TABLE IF EXISTS "public"."app_outbox_relays";
 
 DROP TABLE IF EXISTS "public"."app_outbox_partitions";
-
-DROP TABLE IF EXISTS "public"."app_outbox_paused_topics";
 
 DROP TABLE IF EXISTS "public"."app_outbox";
