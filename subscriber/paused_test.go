@@ -3,6 +3,7 @@ package subscriber_test
 import (
 	"context"
 	"encoding/json"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -277,5 +278,101 @@ func TestPausedTopicOrderedRelay(t *testing.T) {
 	}
 	if d := log.duplicates(); d != 0 {
 		t.Fatalf("%d duplicate deliveries", d)
+	}
+}
+
+// countLogs counts the captured Info messages msg, and whether any message
+// or field mentions secret.
+func countLogs(l *watermill.CaptureLoggerAdapter, msg, secret string) (n int, leaked bool) {
+	for _, ms := range l.Captured() {
+		for _, m := range ms {
+			if m.Msg == msg && m.Level == watermill.InfoLogLevel {
+				n++
+			}
+			for _, v := range m.Fields {
+				if s, ok := v.(string); ok && secret != "" && strings.Contains(s, secret) {
+					leaked = true
+				}
+			}
+		}
+	}
+	return n, leaked
+}
+
+// TestPausedTopicsReadAtPollAndLoggedOnce: without notifications the relay
+// reads the paused topics at PollInterval; it logs a pause and a resume
+// once each at info, however many polls see them, never with the reason.
+func TestPausedTopicsReadAtPollAndLoggedOnce(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := testdb.Table(t, "paused_poll")
+	m, err := metrics.New(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs := watermill.NewCaptureLogger()
+	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 200 * time.Millisecond, DisableNotify: true, Metrics: m}, logs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs, err := s.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	consumePaused(t, msgs)
+	gauge := func() float64 { return testutil.ToFloat64(m.PausedTopics.WithLabelValues(tbl.Qualified())) }
+	const secret = "s3cr3t-in-reason"
+	if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "token "+secret, false); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the relay read the pause at a poll", 3*time.Second, func() bool { return gauge() == 1 })
+	time.Sleep(time.Second) // five more polls
+	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the relay read the resume at a poll", 3*time.Second, func() bool { return gauge() == 0 })
+	time.Sleep(500 * time.Millisecond)
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	paused, leaked := countLogs(logs, "Topic paused: its rows are not relayed until it is resumed", secret)
+	resumed, _ := countLogs(logs, "Topic resumed: relaying its rows again", "")
+	if paused != 1 || resumed != 1 || leaked {
+		t.Fatalf("logged the pause %d times, the resume %d times (want once each), reason in the logs: %v", paused, resumed, leaked)
+	}
+}
+
+// TestPausedTopicsTableMissing: a table made before migration 000007 (no
+// paused topics' table) is relayed as if nothing were paused, and the relay
+// says so once.
+func TestPausedTopicsTableMissing(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := testdb.Table(t, "paused_missing")
+	if _, err := pool.Exec(ctx, schema.PausedTopicsDownSQL(tbl)); err != nil {
+		t.Fatal(err)
+	}
+	logs := watermill.NewCaptureLogger()
+	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, logs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs, err := s.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := consumePaused(t, msgs)
+	ids := enqueue(t, pool, tbl, topicA, 3)
+	for _, id := range ids {
+		waitFor(t, "row delivered without the paused topics' table", 5*time.Second, func() bool { return log.delivered(id) })
+	}
+	time.Sleep(300 * time.Millisecond)
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := countLogs(logs, "No table of paused topics (migration 000007): nothing is paused", ""); n != 1 {
+		t.Fatalf("logged the missing table %d times, want once", n)
 	}
 }
