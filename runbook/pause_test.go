@@ -88,6 +88,20 @@ func TestPauseResumeTopic(t *testing.T) {
 			t.Fatalf("Topics: %+v; only org.a.v1 is paused", topics)
 		}
 	}
+	// A paused topic with nothing pending is listed too.
+	if _, err := runbook.PauseTopic(ctx, pool, tbl, "org.c.v1", "", false); err != nil {
+		t.Fatal(err)
+	}
+	topics, err = runbook.Topics(ctx, pool, tbl, 0)
+	if err != nil || len(topics) != 3 || topics[2].Topic != "org.c.v1" || !topics[2].Paused || topics[2].Pending != 0 {
+		t.Fatalf("Topics with org.c.v1 paused and empty: %+v, %v", topics, err)
+	}
+	if _, err := runbook.ResumeTopic(ctx, pool, tbl, "org.c.v1", false); err != nil {
+		t.Fatal(err)
+	}
+	if !notified() || !notified() {
+		t.Fatal("no notifications for the pause and resume of org.c.v1")
+	}
 
 	if _, err := runbook.ResumeTopic(ctx, pool, tbl, "org.a.v1", true); err != nil || pausedRows(t, pool, tbl) != 1 {
 		t.Fatalf("dry run of resume: %v, paused %d", err, pausedRows(t, pool, tbl))

@@ -376,3 +376,41 @@ func TestPausedTopicsTableMissing(t *testing.T) {
 		t.Fatalf("logged the missing table %d times, want once", n)
 	}
 }
+
+// TestPausedTopicInFlightFinishes: a row of a topic delivered before the
+// pause is still acked (published) after it.
+func TestPausedTopicInFlightFinishes(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := testdb.Table(t, "paused_inflight")
+	m, err := metrics.New(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond, Metrics: m})
+	msgs, err := s.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := enqueue(t, pool, tbl, topicA, 1)[0]
+	var msg *message.Message
+	select {
+	case msg = <-msgs:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the row was not delivered")
+	}
+	if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "", false); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the relay read the pause", 3*time.Second, func() bool {
+		return testutil.ToFloat64(m.PausedTopics.WithLabelValues(tbl.Qualified())) == 1
+	})
+	msg.Ack()
+	waitFor(t, "the in-flight row published after the pause", 5*time.Second, func() bool { return state(t, pool, tbl, id).published })
+	go func() { // ends when the subscriber closes the channel
+		for m := range msgs {
+			m.Ack()
+		}
+	}()
+}
