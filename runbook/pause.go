@@ -164,7 +164,7 @@ func PauseTopic(ctx context.Context, db DB, t schema.Table, topic, reason string
 		return TopicPause{}, dbError(t, "pause a topic of", err)
 	default:
 		res.Changed = 1
-		wake(ctx, db, schema.NewRunbookQueries(t))
+		wakePaused(ctx, db, q)
 	}
 	res.PausedAt = &at
 	return res, nil
@@ -203,8 +203,14 @@ func ResumeTopic(ctx context.Context, db DB, t schema.Table, topic string, dryRu
 		return TopicPause{}, dbError(t, "resume a topic of", err)
 	}
 	res.Changed = 1
-	wake(ctx, db, schema.NewRunbookQueries(t))
+	wakePaused(ctx, db, q)
 	return res, nil
+}
+
+// wakePaused notifies t's relays that the paused topics changed. A
+// failure is ignored: the relays read them again at their next poll.
+func wakePaused(ctx context.Context, db DB, q schema.PausedTopicsQueries) {
+	_, _ = db.Exec(ctx, q.Notify)
 }
 
 // PausedTopics lists the paused topics of t, by topic. A table without the

@@ -46,8 +46,8 @@ func TestPauseResumeTopic(t *testing.T) {
 	notified := func() bool {
 		wctx, cancel := context.WithTimeout(ctx, 2e9)
 		defer cancel()
-		_, err := conn.Conn().WaitForNotification(wctx)
-		return err == nil
+		n, err := conn.Conn().WaitForNotification(wctx)
+		return err == nil && n.Payload == schema.PausedTopicsNotifyPayload
 	}
 
 	dry, err := runbook.PauseTopic(ctx, pool, tbl, "org.a.v1", "why", true)
@@ -181,7 +181,9 @@ func TestPauseTopicRefusals(t *testing.T) {
 	if _, err := pool.Exec(ctx, schema.WALCreatePublication(pub, tbl)); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), `DROP PUBLICATION IF EXISTS `+pgx.Identifier{pub}.Sanitize()) })
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), `DROP PUBLICATION IF EXISTS `+pgx.Identifier{pub}.Sanitize())
+	})
 	if m, err := runbook.Mode(ctx, pool, tbl); err != nil || m != schema.ModeWAL {
 		t.Fatalf("mode %q (%v), want wal", m, err)
 	}

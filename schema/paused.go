@@ -57,6 +57,11 @@ func PausedTopicsExist(ctx context.Context, q Querier, t Table) (bool, error) {
 	return ok, nil
 }
 
+// PausedTopicsNotifyPayload is the payload of the notification on the
+// table's channel that PauseTopic and ResumeTopic send: it wakes the relays
+// as any notification does, and makes them read the paused topics again.
+const PausedTopicsNotifyPayload = "paused-topics"
+
 // PausedTopicsQueries are the statements on the table of paused topics of
 // one outbox table.
 type PausedTopicsQueries struct {
@@ -72,6 +77,9 @@ type PausedTopicsQueries struct {
 	// Resume resumes a topic. Args: topic. Returns paused_at, or no row
 	// when the topic was not paused.
 	Resume string
+	// Notify wakes the relays of the table and makes them read the paused
+	// topics again. Args: none.
+	Notify string
 }
 
 // NewPausedTopicsQueries returns the statements on the paused topics of t.
@@ -83,5 +91,6 @@ func NewPausedTopicsQueries(t Table) PausedTopicsQueries {
 		Pause:  `INSERT INTO ` + tbl + ` (topic, reason) VALUES ($1, $2) ON CONFLICT (topic) DO NOTHING RETURNING paused_at`,
 		Get:    `SELECT paused_at, reason FROM ` + tbl + ` WHERE topic = $1`,
 		Resume: `DELETE FROM ` + tbl + ` WHERE topic = $1 RETURNING paused_at`,
+		Notify: `SELECT pg_notify(` + quoteLiteral(t.NotifyChannel()) + `, '` + PausedTopicsNotifyPayload + `')`,
 	}
 }

@@ -101,10 +101,16 @@ func (n *notifier) markDirtyLocked() {
 	}
 }
 
-func (n *notifier) notify(channel string) {
+// notify wakes the subscribers of channel; topics is set when the paused
+// topics may have changed (a pause or resume notified, or notifications may
+// have been missed).
+func (n *notifier) notify(channel string, topics bool) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	for b := range n.channels[channel] {
+		if topics {
+			b.topicsGen.Add(1)
+		}
 		b.broadcast()
 	}
 }
@@ -114,6 +120,7 @@ func (n *notifier) notifyAll() {
 	defer n.mu.Unlock()
 	for _, bs := range n.channels {
 		for b := range bs {
+			b.topicsGen.Add(1) // notifications may have been missed
 			b.broadcast()
 		}
 	}
@@ -180,7 +187,7 @@ func (n *notifier) session(ctx context.Context) (listened bool, err error) {
 					return listened, err
 				}
 				listening[ch] = true
-				n.notify(ch)
+				n.notify(ch, true)
 			}
 		}
 		for ch := range listening {
@@ -210,7 +217,7 @@ func (n *notifier) session(ctx context.Context) (listened bool, err error) {
 		interrupt()
 		switch {
 		case err == nil:
-			n.notify(msg.Channel)
+			n.notify(msg.Channel, msg.Payload == schema.PausedTopicsNotifyPayload)
 		case ctx.Err() != nil:
 			return listened, ctx.Err()
 		case wctx.Err() != nil && !conn.Conn().IsClosed():

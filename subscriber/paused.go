@@ -15,9 +15,11 @@ import (
 
 // Paused topics (docs/ARCHITECTURE.md, "Paused topics"). An operator pauses
 // a topic with runbook.PauseTopic, which writes <table>_paused_topics and
-// notifies the table's channel. The relay keeps the set in memory and reads
-// it again on a wake-up (any notification of the table's channel) and
-// PollInterval after the last read, before a claim or an ordered cycle. With
+// notifies the table's channel with schema.PausedTopicsNotifyPayload. The
+// relay keeps the set in memory and reads it again after such a
+// notification (or a reconnection of the listener, which may have missed
+// one) and PollInterval after the last read, before a claim or an ordered
+// cycle: the wake-ups of enqueues cost no read. With
 // nothing paused the claim is the same statement as without the feature;
 // with topics paused it is the claim with `topic <> ALL($4)`. A table
 // without the paused-topics table (before migration 000007) has nothing
@@ -40,7 +42,7 @@ func (p *pausedSet) has(topic string) bool {
 // pausedState is the subscriber's copy of the paused topics.
 type pausedState struct {
 	set     atomic.Pointer[pausedSet]
-	readGen atomic.Uint64 // the wake-up generation the last read followed
+	readGen atomic.Uint64 // the broadcaster's topicsGen the last read followed
 	readAt  atomic.Int64  // unix nanoseconds of the last read (0: never)
 
 	mu      sync.Mutex // serialises reads
@@ -60,7 +62,7 @@ func (s *Subscriber) pausedTopics(ctx context.Context) *pausedSet {
 	if !s.pausedStale() {
 		return p.set.Load()
 	}
-	gen := s.wake.gen.Load()
+	gen := s.wake.topicsGen.Load()
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
 	defer cancel()
 	topics, err := s.readPausedTopics(qctx)
@@ -113,7 +115,7 @@ func (s *Subscriber) pausedTopics(ctx context.Context) *pausedSet {
 func (s *Subscriber) pausedStale() bool {
 	p := &s.paused
 	at := p.readAt.Load()
-	return at == 0 || p.readGen.Load() != s.wake.gen.Load() ||
+	return at == 0 || p.readGen.Load() != s.wake.topicsGen.Load() ||
 		time.Since(time.Unix(0, at)) >= s.cfg.PollInterval
 }
 

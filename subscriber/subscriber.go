@@ -465,7 +465,9 @@ func (s *Subscriber) fenceRejected(op string) {
 type broadcaster struct {
 	mu   sync.Mutex
 	subs map[chan struct{}]struct{}
-	gen  atomic.Uint64 // counts broadcasts; bumped before the wake-ups are sent
+	// topicsGen counts the notifications that may change the paused
+	// topics; bumped before the wake-ups are sent.
+	topicsGen atomic.Uint64
 }
 
 func (b *broadcaster) register() chan struct{} {
@@ -486,7 +488,6 @@ func (b *broadcaster) unregister(ch chan struct{}) {
 }
 
 func (b *broadcaster) broadcast() {
-	b.gen.Add(1)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	for ch := range b.subs {
