@@ -99,8 +99,10 @@ func TestPauseResumeTopic(t *testing.T) {
 	if _, err := runbook.ResumeTopic(ctx, pool, tbl, "org.c.v1", false); err != nil {
 		t.Fatal(err)
 	}
-	if !notified() || !notified() {
-		t.Fatal("no notifications for the pause and resume of org.c.v1")
+	for _, what := range []string{"pause", "resume"} {
+		if !notified() {
+			t.Fatalf("no notification for the %s of org.c.v1", what)
+		}
 	}
 
 	if _, err := runbook.ResumeTopic(ctx, pool, tbl, "org.a.v1", true); err != nil || pausedRows(t, pool, tbl) != 1 {
