@@ -414,3 +414,67 @@ func TestPausedTopicInFlightFinishes(t *testing.T) {
 		}
 	}()
 }
+
+// TestPausedTopicHeldRowWaits: in ordered mode a row that failed (its key's
+// hold, retrying) is not delivered again while its topic is paused, nor is
+// the key's next row; resumed, the held row is delivered, then the next.
+func TestPausedTopicHeldRowWaits(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := testdb.Table(t, "paused_held", schema.WithAllColumns())
+	ids := enqueueTopics(t, pool, tbl, [2]string{"K", topicA}, [2]string{"K", topicB})
+	a1, b2 := ids[0], ids[1]
+	cfg := orderedCfg(tbl)
+	cfg.Backoff = func(int) time.Duration { return 500 * time.Millisecond }
+	s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := s.Close(); err != nil {
+			t.Errorf("close: %v", err)
+		}
+	}()
+	msgs, err := s.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var got []string // event id and attempt of each delivery
+	go func() {
+		for msg := range msgs {
+			mu.Lock()
+			got = append(got, msg.UUID+"/"+msg.Metadata.Get(schema.MetadataAttempts))
+			first := len(got) == 1
+			mu.Unlock()
+			if first {
+				// Pause A, then fail A1: its retry is due in 500 ms.
+				if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "", false); err != nil {
+					t.Error(err)
+				}
+				msg.Nack()
+				continue
+			}
+			msg.Ack()
+		}
+	}()
+	deliveries := func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), got...)
+	}
+	waitFor(t, "A1 delivered once", 10*time.Second, func() bool { return len(deliveries()) >= 1 })
+	time.Sleep(2 * time.Second) // four times the retry's backoff
+	if d := deliveries(); len(d) != 1 || !strings.HasPrefix(d[0], a1+"/") {
+		t.Fatalf("deliveries while A is paused: %v; want A1's first only", d)
+	}
+	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "A1 retried and B2 delivered after the resume", 10*time.Second, func() bool { return len(deliveries()) >= 3 })
+	d := deliveries()
+	if !strings.HasPrefix(d[1], a1+"/") || !strings.HasPrefix(d[2], b2+"/") {
+		t.Fatalf("deliveries after the resume: %v; want A1 again, then B2", d)
+	}
+}
