@@ -276,12 +276,15 @@ func TestWALEarlierDeadRowKeepsHold(t *testing.T) {
 		}
 		return id
 	}
+	// The statements are fenced by a replication session on the slot.
+	fence := holdSlot(t, pool, tbl)
 	var changed, held int
-	if err := pool.QueryRow(ctx, q.MarkDeadHold, rowID(ids[1]), 3, "later", "eh").Scan(&changed, &held); err != nil || changed != 1 || held != 1 {
-		t.Fatalf("later row dead: changed %d held %d, %v", changed, held, err)
+	var ok bool
+	if err := pool.QueryRow(ctx, q.MarkDeadHold, append([]any{rowID(ids[1]), 3, "later", "eh"}, fence...)...).Scan(&changed, &held, &ok); err != nil || changed != 1 || held != 1 || !ok {
+		t.Fatalf("later row dead: changed %d held %d fence ok %v, %v", changed, held, ok, err)
 	}
-	if err := pool.QueryRow(ctx, q.MarkDeadHold, rowID(ids[0]), 3, "earlier", "eh").Scan(&changed, &held); err != nil || changed != 1 || held != 0 {
-		t.Fatalf("earlier row dead: changed %d held %d, %v; want the row dead and the hold kept", changed, held, err)
+	if err := pool.QueryRow(ctx, q.MarkDeadHold, append([]any{rowID(ids[0]), 3, "earlier", "eh"}, fence...)...).Scan(&changed, &held, &ok); err != nil || changed != 1 || held != 0 || !ok {
+		t.Fatalf("earlier row dead: changed %d held %d fence ok %v, %v; want the row dead and the hold kept", changed, held, ok, err)
 	}
 	var holder uuid.UUID
 	if err := pool.QueryRow(ctx, `SELECT event_id FROM `+tbl.WALHoldsTable()+` WHERE ordering_key = 'eh'`).Scan(&holder); err != nil {
