@@ -43,10 +43,13 @@ func nackAll(t *testing.T, s message.Subscriber) {
 }
 
 // pauseWrite is a fence hook that stops the first write op at phase until
-// release is closed, and signals reached when it stops there.
-func pauseWrite(op, phase string) (hook func(string, string), reached, release chan struct{}) {
-	reached, release = make(chan struct{}), make(chan struct{})
-	var once sync.Once
+// release is called (at the latest when the test ends, before the relays
+// close), and signals reached when it stops there.
+func pauseWrite(t *testing.T, op, phase string) (hook func(string, string), reached chan struct{}, release func()) {
+	reached, released := make(chan struct{}), make(chan struct{})
+	var once, rel sync.Once
+	release = func() { rel.Do(func() { close(released) }) }
+	t.Cleanup(release)
 	return func(o, p string) {
 		if o != op || p != phase {
 			return
@@ -55,7 +58,7 @@ func pauseWrite(op, phase string) (hook func(string, string), reached, release c
 		once.Do(func() { stopped = true })
 		if stopped {
 			close(reached)
-			<-release
+			<-released
 		}
 	}, reached, release
 }
@@ -95,8 +98,8 @@ func TestWALWriteOfEndedSessionIsFenced(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hook, reached, release := pauseWrite("dead", "before")
 	a := relay(t, pool, tbl, func(c *walrelay.Config) { c.MaxAttempts = 1; c.Metrics = m })
+	hook, reached, release := pauseWrite(t, "dead", "before")
 	walrelay.SetFenceHook(a, hook)
 	nackAll(t, a)
 	ids := enqueue(t, pool, tbl, "fk")
@@ -106,10 +109,11 @@ func TestWALWriteOfEndedSessionIsFenced(t *testing.T) {
 	rb := newRecorder()
 	rb.consume(t, b, nil)
 	rb.waitAcked(t, ids, 15*time.Second)
-	close(release)
+	release()
 	label := tbl.Qualified()
-	waitFor(t, 10*time.Second, "A's write refused", func() bool {
-		return testutil.ToFloat64(m.FenceRejected.WithLabelValues(label, "dead")) == 1
+	waitFor(t, 10*time.Second, "A's write refused or applied", func() bool {
+		dead, holds := rowState(t, pool, tbl, ids[0])
+		return dead || holds > 0 || testutil.ToFloat64(m.FenceRejected.WithLabelValues(label, "dead")) == 1
 	})
 	if dead, holds := rowState(t, pool, tbl, ids[0]); dead || holds != 0 {
 		t.Fatalf("after the ended session's write: X dead %v, %d holds; want X not dead and no hold", dead, holds)
@@ -148,8 +152,8 @@ func TestWALHandoverWaitsForAWriteThatPassedTheFence(t *testing.T) {
 	t.Parallel()
 	pool, tbl := cluster(t)
 	ctx := context.Background()
-	hook, reached, release := pauseWrite("dead", "checked")
 	a := relay(t, pool, tbl, func(c *walrelay.Config) { c.MaxAttempts = 1 })
+	hook, reached, release := pauseWrite(t, "dead", "checked")
 	walrelay.SetFenceHook(a, hook)
 	nackAll(t, a)
 	x := enqueue(t, pool, tbl, "hk")
@@ -158,13 +162,18 @@ func TestWALHandoverWaitsForAWriteThatPassedTheFence(t *testing.T) {
 	b := relay(t, pool, tbl, nil)
 	rb := newRecorder()
 	rb.consume(t, b, nil)
-	waitFor(t, 15*time.Second, "B waiting for the fence lock", func() bool {
+	waitFor(t, 15*time.Second, "B holds the slot", b.Active)
+	waited := false
+	for deadline := time.Now().Add(3 * time.Second); !waited && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 		var n int
 		err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted`).Scan(&n)
-		return err == nil && n == 1 && b.Active()
-	})
+		waited = err == nil && n == 1
+	}
+	if !waited {
+		t.Error("B did not wait for the fence lock while A's checked write was open")
+	}
 	behind := enqueue(t, pool, tbl, "hk")
-	close(release)
+	release()
 	other := enqueue(t, pool, tbl, "other")
 	rb.waitAcked(t, other, 15*time.Second)
 	time.Sleep(300 * time.Millisecond) // a row of hk handed out with other's would be acked by now
