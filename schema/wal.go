@@ -282,7 +282,7 @@ SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM h), (SELECT ok FROM f)`,
   WHERE ordering_key = $1 AND sequence = $2 AND NOT released AND (SELECT ok FROM f) RETURNING 1
 )
 SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
-		Parked:         `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence`,
+		Parked: `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence`,
 		Release: `WITH ` + walFence(4) + `, u AS (
   UPDATE ` + holds + ` SET released = true, draining = false, through = GREATEST(through, $3)
   WHERE ordering_key = $1 AND sequence = $2 AND (SELECT ok FROM f) RETURNING 1

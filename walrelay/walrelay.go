@@ -473,10 +473,10 @@ type stream struct {
 	// The session's write fence: its walsender's pid and the slot's fence
 	// lock key (schema.WALQueries); fencedOut once a write was refused (the
 	// session no longer holds the slot: it ends).
-	pid       int64
-	fenceKey  int64
-	fencedOut bool
-	warnedOther    bool   // rows of another table were ignored
+	pid         int64
+	fenceKey    int64
+	fencedOut   bool
+	warnedOther bool // rows of another table were ignored
 	// Caught up: the progress is recorded at once, not at the next tick.
 	lastStatus time.Time     // when status last ran
 	recorded   pglogrepl.LSN // the position status last recorded
