@@ -8,3 +8,7 @@ func SetFenceHook(s *Subscriber, hook func(op, phase string)) { s.fenceHook = ho
 // ReplicationConnString is the relay's replication connection string for
 // a pool.
 var ReplicationConnString = replicationConnString
+
+// PeakRows is the most rows a session of s held read and not settled
+// (queued, in flight, or buffered in a transaction not yet committed).
+func PeakRows(s *Subscriber) int64 { return s.peakRows.Load() }

@@ -629,3 +629,43 @@ func TestWALRetryingKeyDoesNotStopOthers(t *testing.T) {
 		}
 	}
 }
+
+// TestWALLargeTransactionIsNotBufferedWhole (item 15, the buffering half):
+// one transaction of 3,000 rows over 10 keys, MaxInFlight 4, a consumer
+// that takes 1 ms a message. The relay never holds more than MaxInFlight
+// rows read and not settled (it held the whole transaction before its
+// COMMIT was read), and delivers every row once, in order per key.
+func TestWALLargeTransactionIsNotBufferedWhole(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	const n, inFlight = 3000, 4
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = "big" + strconv.Itoa(i%10)
+	}
+	rec := newRecorder()
+	s := relay(t, pool, tbl, func(c *walrelay.Config) { c.MaxInFlight = inFlight })
+	rec.consume(t, s, func(*message.Message) error {
+		time.Sleep(time.Millisecond)
+		return nil
+	})
+	ids := enqueue(t, pool, tbl, keys...)
+	rec.waitAcked(t, ids, 60*time.Second)
+	if peak := walrelay.PeakRows(s); peak > inFlight {
+		t.Errorf("%d rows held read and not settled at once, want at most MaxInFlight %d", peak, inFlight)
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	total := 0
+	for k, seqs := range rec.byKey {
+		total += len(seqs)
+		for i := 1; i < len(seqs); i++ {
+			if seqs[i] <= seqs[i-1] {
+				t.Fatalf("key %s: sequence %d delivered after %d", k, seqs[i], seqs[i-1])
+			}
+		}
+	}
+	if total != n {
+		t.Errorf("%d deliveries, want %d (each row once)", total, n)
+	}
+}

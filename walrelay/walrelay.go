@@ -186,6 +186,7 @@ type Subscriber struct {
 	slotLost        atomic.Int64 // times the slot was found gone or invalidated and recreated
 	backfilled      atomic.Int64 // rows read from the table after a lost slot
 	oldestUnsettled atomic.Int64 // commit time (Unix ns) of the oldest unsettled transaction, 0 when none
+	peakRows        atomic.Int64 // the most rows a session held read and not settled (tests)
 
 	// terms is the relay's term ledger (package internal/term, the core
 	// the ordered relay uses too): each session is a term of scope 0, its
@@ -404,12 +405,21 @@ type hold struct {
 }
 
 // txn is one committed transaction: its end position and its rows not
-// settled yet.
+// settled yet. pgoutput sends only committed transactions, and its BEGIN
+// carries the commit time: a transaction's rows are queued as they are read
+// (the stream's reading pauses at the in-flight bounds, readable), and the
+// confirmed position passes the transaction once its COMMIT was read
+// (committed) and its rows are settled. A transaction that may have been
+// settled before a server restart (settledThrough) is buffered whole
+// instead (buffered, items) and decided at its COMMIT by its end.
 type txn struct {
-	end     pglogrepl.LSN
-	commit  time.Time
-	pending int
-	items   []*item
+	end       pglogrepl.LSN
+	commit    time.Time
+	pending   int
+	items     []*item
+	buffered  bool
+	committed bool
+	rows      int // rows read
 }
 
 type keyQueue struct {
@@ -1025,7 +1035,15 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 	case *pglogrepl.RelationMessage:
 		st.rels[m.RelationID] = newRelation(m)
 	case *pglogrepl.BeginMessage:
-		st.cur = &txn{}
+		st.cur = &txn{commit: m.CommitTime}
+		if st.settledThrough != 0 && m.FinalLSN <= st.settledThrough {
+			// Perhaps settled before the server restarted: its end, read
+			// at its COMMIT, tells.
+			st.cur.buffered = true
+		} else {
+			st.txns = append(st.txns, st.cur)
+			st.markOldest()
+		}
 	case *pglogrepl.InsertMessage:
 		return st.row(ctx, m.RelationID, m.Tuple, false)
 	case *pglogrepl.UpdateMessage:
@@ -1037,24 +1055,66 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 			return nil
 		}
 		tx.end, tx.commit = m.TransactionEndLSN, m.CommitTime
-		if tx.end <= st.settledThrough {
+		if tx.buffered && tx.end <= st.settledThrough {
 			tx.items = nil // settled before the restart
+			tx.rows = 0
 		}
-		if len(tx.items) > 0 {
+		if tx.rows > 0 {
 			// Only a transaction with rows opens a burst: before
 			// PostgreSQL 15, pgoutput also sends the empty transactions,
 			// among them the relay's own progress records, which would
 			// otherwise keep prompting records.
 			st.burst = burstRead
 		}
-		st.commit(ctx, tx)
+		if tx.buffered {
+			st.commit(ctx, tx)
+			return nil
+		}
+		tx.committed = true
+		st.advance()
 	}
 	return nil
 }
 
-// commit queues the rows of a committed transaction behind their keys;
-// the rows of a held key are parked (settled without delivery).
+// queue queues a row of the transaction being read behind its key and
+// dispatches the key; the row of a held key is parked (settled without
+// delivery).
+func (st *stream) queue(ctx context.Context, it *item) {
+	if st.parks(it) {
+		return
+	}
+	it.tx.pending++
+	st.unsettled++
+	st.peakRows()
+	q := st.keys[it.key]
+	if q == nil {
+		q = &keyQueue{}
+		st.keys[it.key] = q
+	}
+	q.items = append(q.items, it)
+	if q.backoff {
+		st.behind++
+	}
+	st.dispatch(ctx, it.key)
+}
+
+// peakRows records the most rows the session held read and not settled
+// (buffered transactions included), for the tests.
+func (st *stream) peakRows() {
+	n := int64(st.unsettled)
+	if st.cur != nil && st.cur.buffered {
+		n += int64(len(st.cur.items))
+	}
+	if n > st.s.peakRows.Load() {
+		st.s.peakRows.Store(n)
+	}
+}
+
+// commit queues the rows of a committed transaction read whole (a
+// backfill, or a transaction buffered after a server restart) behind their
+// keys; the rows of a held key are parked (settled without delivery).
 func (st *stream) commit(ctx context.Context, tx *txn) {
+	tx.committed = true
 	kept := tx.items[:0]
 	for _, it := range tx.items {
 		if !st.parks(it) {
@@ -1073,6 +1133,7 @@ func (st *stream) commit(ctx context.Context, tx *txn) {
 	}
 	st.txns = append(st.txns, tx)
 	st.unsettled += tx.pending
+	st.peakRows()
 	for _, it := range tx.items {
 		q := st.keys[it.key]
 		if q == nil {
@@ -1272,7 +1333,14 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 	if err != nil {
 		return err
 	}
-	st.cur.items = append(st.cur.items, &item{row: row, key: keyOf(row), tx: st.cur, replay: replay})
+	it := &item{row: row, key: keyOf(row), tx: st.cur, replay: replay}
+	st.cur.rows++
+	if st.cur.buffered {
+		st.cur.items = append(st.cur.items, it)
+		st.peakRows()
+		return nil
+	}
+	st.queue(ctx, it)
 	return nil
 }
 
@@ -1948,7 +2016,7 @@ func (st *stream) readItems(ctx context.Context, sql string, args ...any) ([]*it
 // transactions.
 func (st *stream) advance() {
 	n := 0
-	for n < len(st.txns) && st.txns[n].pending == 0 {
+	for n < len(st.txns) && st.txns[n].committed && st.txns[n].pending == 0 {
 		st.confirmed = max(st.confirmed, st.txns[n].end)
 		n++
 	}
