@@ -118,6 +118,7 @@ func TestWALWriteOfEndedSessionIsFenced(t *testing.T) {
 	if dead, holds := rowState(t, pool, tbl, ids[0]); dead || holds != 0 {
 		t.Fatalf("after the ended session's write: X dead %v, %d holds; want X not dead and no hold", dead, holds)
 	}
+	waitFor(t, 5*time.Second, "A's session ended after the refused write", func() bool { return !a.Active() })
 	next := enqueue(t, pool, tbl, "fk")
 	rb.waitAcked(t, next, 15*time.Second)
 	if err := b.Close(); err != nil {

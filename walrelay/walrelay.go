@@ -106,8 +106,9 @@ type Config struct {
 	// MaxInFlight bounds the messages handed out and not settled, and the
 	// rows read and not settled: the relay stops reading the stream beyond
 	// it, not counting the rows queued behind a key whose head waits for
-	// its retry, up to 4 x MaxInFlight rows in all. Defaults to
-	// MaxInFlightDefault.
+	// its retry, up to 4 x MaxInFlight rows in all. A transaction's rows
+	// count as they are read (they are not buffered until its commit).
+	// Defaults to MaxInFlightDefault.
 	MaxInFlight int
 	// StatusInterval is how often the relay confirms its position to the
 	// server. Defaults to StatusIntervalDefault.
