@@ -151,7 +151,38 @@ func WALDropPublication(name string) string {
 	return `DROP PUBLICATION IF EXISTS ` + pgx.Identifier{name}.Sanitize()
 }
 
-// WALQueries are the row statements of the WAL relay for one table.
+// WALFenceKey is the advisory lock key of slot's write fence (see
+// WALQueries): the relay's writes take it shared, a new session takes and
+// releases it exclusively (WALFenceHandover) before it loads the holds.
+func WALFenceKey(slot string) int64 {
+	return int64(fnvSum("outbox-wal-fence:" + slot)) //nolint:gosec // a bit pattern
+}
+
+// WALFenceHandover waits until every fenced write of the sessions before
+// the caller's has committed or rolled back: it takes and releases the
+// slot's fence lock ($1, WALFenceKey) exclusively. A new session runs it
+// once it holds the slot, before it reads the holds.
+const WALFenceHandover = `SELECT pg_advisory_xact_lock($1::bigint)`
+
+// walFence is the fence of the WAL relay's writes, a CTE named f with one
+// column ok: the write applies only if the replication session that makes
+// it still holds the slot ($n slot name, $n+1 the session's walsender pid,
+// its pgconn PID, $n+2 WALFenceKey). It takes the slot's fence lock shared
+// first (CASE evaluates its condition first), so a new session's
+// WALFenceHandover waits for a write that passed the check.
+func walFence(n int) string {
+	a, b, c := strconv.Itoa(n), strconv.Itoa(n+1), strconv.Itoa(n+2)
+	return `f AS MATERIALIZED (SELECT CASE WHEN pg_advisory_xact_lock_shared($` + c + `::bigint) IS NULL THEN false
+  ELSE EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $` + a + `::text AND active_pid = $` + b + `::int) END AS ok)`
+}
+
+// WALQueries are the row statements of the WAL relay for one table. Every
+// write (MarkDeadHold, Progress, Drain, Release, Forget) is fenced by the
+// relay's replication session: it takes three more arguments after its
+// own, the slot name, the session's walsender pid and WALFenceKey of the
+// slot, applies only while that walsender holds the slot, and returns one
+// more column, last: whether the fence let it apply (docs/WAL.md,
+// "Sessions are terms").
 type WALQueries struct {
 	// MarkDead parks row $1 (id) dead: attempts $2, last_error $3,
 	// dead_at = now(), available_at = 'infinity', unless it was published or
@@ -165,14 +196,14 @@ type WALQueries struct {
 	// (pg_snapshot_xmin) and the WAL insert position after it. Once the
 	// relay has confirmed that position, every transaction older than that
 	// xid has been streamed and settled. Returns: the candidate xid8 (text)
-	// and WAL position (text).
+	// and WAL position (text), fence ok (the record was written).
 	Progress string
 	// MarkDeadHold is MarkDead ($1 id, $2 attempts, $3 last_error) that,
 	// for a keyed row ($4 its ordering key), also holds the key: a hold
 	// (the key, the row's sequence and event_id) replaces a resolved hold
 	// of the key or one at or below the row, never an active hold of a
 	// later row (that row stays the one that holds the key). Returns: rows
-	// changed, holds written.
+	// changed, holds written, fence ok.
 	MarkDeadHold string
 	// Holds lists the holds: key, sequence, draining, skip requested,
 	// through, released, until_lsn (text, '' when NULL).
@@ -180,7 +211,7 @@ type WALQueries struct {
 	// Drain marks the hold of key $1 at sequence $2 as draining (its dead
 	// row was delivered again or skipped), with $3 the last sequence its
 	// drain read (through never moves back) and $4 (text) the WAL position
-	// after that read.
+	// after that read. Returns: holds changed, fence ok.
 	Drain string
 	// Parked reads the rows of key $1 after sequence $2 that are not
 	// published and not dead, in sequence order: what a hold kept back.
@@ -189,9 +220,11 @@ type WALQueries struct {
 	// Release turns the drained hold of key $1 at sequence $2 into a
 	// tombstone: released, through $3 (the stream's copies of the rows up
 	// to it were delivered by the drain, or skipped, and are parked),
-	// kept until the relay confirms until_lsn.
+	// kept until the relay confirms until_lsn. Returns: holds changed,
+	// fence ok.
 	Release string
-	// Forget deletes the tombstone of key $1 at sequence $2.
+	// Forget deletes the tombstone of key $1 at sequence $2. Returns: holds
+	// deleted, fence ok.
 	Forget string
 	// InsertPosition reads the WAL insert position (text).
 	InsertPosition string
@@ -231,9 +264,9 @@ func NewWALQueries(t Table, c Columns) WALQueries {
 	}
 	holds := t.WALHoldsTable()
 	return WALQueries{
-		MarkDeadHold: `WITH d AS (
+		MarkDeadHold: `WITH ` + walFence(5) + `, d AS (
   UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, dead_at = now(), available_at = 'infinity', locked_at = NULL
-  WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL
+  WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL AND (SELECT ok FROM f)
   RETURNING sequence, event_id
 ), h AS (
   INSERT INTO ` + holds + ` AS h (ordering_key, sequence, event_id) SELECT $4::text, sequence, event_id FROM d WHERE $4::text IS NOT NULL
@@ -242,13 +275,23 @@ func NewWALQueries(t Table, c Columns) WALQueries {
   WHERE h.released OR h.sequence <= EXCLUDED.sequence
   RETURNING 1
 )
-SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM h)`,
+SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM h), (SELECT ok FROM f)`,
 		Holds: `SELECT ordering_key, sequence, draining, skip_requested_at IS NOT NULL, through, released, COALESCE(until_lsn::text, '') FROM ` + holds,
-		Drain: `UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn
-WHERE ordering_key = $1 AND sequence = $2 AND NOT released`,
-		Parked:         `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence`,
-		Release:        `UPDATE ` + holds + ` SET released = true, draining = false, through = GREATEST(through, $3) WHERE ordering_key = $1 AND sequence = $2`,
-		Forget:         `DELETE FROM ` + holds + ` WHERE ordering_key = $1 AND sequence = $2 AND released`,
+		Drain: `WITH ` + walFence(5) + `, u AS (
+  UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn
+  WHERE ordering_key = $1 AND sequence = $2 AND NOT released AND (SELECT ok FROM f) RETURNING 1
+)
+SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
+		Parked: `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence`,
+		Release: `WITH ` + walFence(4) + `, u AS (
+  UPDATE ` + holds + ` SET released = true, draining = false, through = GREATEST(through, $3)
+  WHERE ordering_key = $1 AND sequence = $2 AND (SELECT ok FROM f) RETURNING 1
+)
+SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
+		Forget: `WITH ` + walFence(3) + `, u AS (
+  DELETE FROM ` + holds + ` WHERE ordering_key = $1 AND sequence = $2 AND released AND (SELECT ok FROM f) RETURNING 1
+)
+SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
 		InsertPosition: `SELECT pg_current_wal_insert_lsn()::text`,
 		Start: `SELECT COALESCE((SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1), ''),
   COALESCE((SELECT confirmed_lsn::text FROM ` + prog + ` WHERE slot = $1), '')`,
@@ -256,12 +299,12 @@ WHERE ordering_key = $1 AND sequence = $2 AND NOT released`,
 WHERE published_at IS NULL AND dead_at IS NULL
   AND NOT COALESCE(age(o.xmin) > (SELECT age((horizon::text::numeric % 4294967296)::text::xid) FROM ` + prog + ` WHERE slot = $1), false)
 ORDER BY sequence`,
-		Progress: `WITH up AS (
-  INSERT INTO ` + prog + ` AS p (slot, confirmed_lsn, horizon, updated_at) VALUES ($1, $2::pg_lsn, $3::xid8, now())
+		Progress: `WITH ` + walFence(4) + `, up AS (
+  INSERT INTO ` + prog + ` AS p (slot, confirmed_lsn, horizon, updated_at) SELECT $1, $2::pg_lsn, $3::xid8, now() WHERE (SELECT ok FROM f)
   ON CONFLICT (slot) DO UPDATE SET confirmed_lsn = GREATEST(p.confirmed_lsn, EXCLUDED.confirmed_lsn), updated_at = now(),
     horizon = CASE WHEN EXCLUDED.horizon IS NULL THEN p.horizon WHEN p.horizon IS NULL THEN EXCLUDED.horizon ELSE GREATEST(p.horizon, EXCLUDED.horizon) END
 )
-SELECT pg_snapshot_xmin(pg_current_snapshot())::text, pg_current_wal_insert_lsn()::text`,
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text, pg_current_wal_insert_lsn()::text, (SELECT ok FROM f)`,
 		MarkDead: `UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, dead_at = now(), available_at = 'infinity', locked_at = NULL
 WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
 		Row: `SELECT ` + cols + ` FROM ` + tbl + ` WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,

@@ -276,12 +276,15 @@ func TestWALEarlierDeadRowKeepsHold(t *testing.T) {
 		}
 		return id
 	}
+	// The statements are fenced by a replication session on the slot.
+	fence := holdSlot(t, pool, tbl)
 	var changed, held int
-	if err := pool.QueryRow(ctx, q.MarkDeadHold, rowID(ids[1]), 3, "later", "eh").Scan(&changed, &held); err != nil || changed != 1 || held != 1 {
-		t.Fatalf("later row dead: changed %d held %d, %v", changed, held, err)
+	var ok bool
+	if err := pool.QueryRow(ctx, q.MarkDeadHold, append([]any{rowID(ids[1]), 3, "later", "eh"}, fence...)...).Scan(&changed, &held, &ok); err != nil || changed != 1 || held != 1 || !ok {
+		t.Fatalf("later row dead: changed %d held %d fence ok %v, %v", changed, held, ok, err)
 	}
-	if err := pool.QueryRow(ctx, q.MarkDeadHold, rowID(ids[0]), 3, "earlier", "eh").Scan(&changed, &held); err != nil || changed != 1 || held != 0 {
-		t.Fatalf("earlier row dead: changed %d held %d, %v; want the row dead and the hold kept", changed, held, err)
+	if err := pool.QueryRow(ctx, q.MarkDeadHold, append([]any{rowID(ids[0]), 3, "earlier", "eh"}, fence...)...).Scan(&changed, &held, &ok); err != nil || changed != 1 || held != 0 || !ok {
+		t.Fatalf("earlier row dead: changed %d held %d fence ok %v, %v; want the row dead and the hold kept", changed, held, ok, err)
 	}
 	var holder uuid.UUID
 	if err := pool.QueryRow(ctx, `SELECT event_id FROM `+tbl.WALHoldsTable()+` WHERE ordering_key = 'eh'`).Scan(&holder); err != nil {
@@ -624,5 +627,45 @@ func TestWALRetryingKeyDoesNotStopOthers(t *testing.T) {
 		if order[i] <= order[i-1] {
 			t.Fatalf("hot key out of order: %v", order)
 		}
+	}
+}
+
+// TestWALLargeTransactionIsNotBufferedWhole (item 15, the buffering half):
+// one transaction of 3,000 rows over 10 keys, MaxInFlight 4, a consumer
+// that takes 1 ms a message. The relay never holds more than MaxInFlight
+// rows read and not settled (it held the whole transaction before its
+// COMMIT was read), and delivers every row once, in order per key.
+func TestWALLargeTransactionIsNotBufferedWhole(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	const n, inFlight = 3000, 4
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = "big" + strconv.Itoa(i%10)
+	}
+	rec := newRecorder()
+	s := relay(t, pool, tbl, func(c *walrelay.Config) { c.MaxInFlight = inFlight })
+	rec.consume(t, s, func(*message.Message) error {
+		time.Sleep(time.Millisecond)
+		return nil
+	})
+	ids := enqueue(t, pool, tbl, keys...)
+	rec.waitAcked(t, ids, 60*time.Second)
+	if peak := walrelay.PeakRows(s); peak > inFlight {
+		t.Errorf("%d rows held read and not settled at once, want at most MaxInFlight %d", peak, inFlight)
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	total := 0
+	for k, seqs := range rec.byKey {
+		total += len(seqs)
+		for i := 1; i < len(seqs); i++ {
+			if seqs[i] <= seqs[i-1] {
+				t.Fatalf("key %s: sequence %d delivered after %d", k, seqs[i], seqs[i-1])
+			}
+		}
+	}
+	if total != n {
+		t.Errorf("%d deliveries, want %d (each row once)", total, n)
 	}
 }

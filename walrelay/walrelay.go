@@ -37,6 +37,19 @@
 // its end covers only those); (I4) a
 // copy an ended session left in a handler ends at its verdict, CloseTimeout
 // after the session ended, or the relay's stop.
+//
+// (F) The session fences its writes in the database, across relay
+// processes: every write of holds, dead rows or progress (the statements
+// of schema.WALQueries: MarkDeadHold, Drain, which applies skips too,
+// Release, Forget, Progress) applies only while the session's own
+// walsender holds the slot (pg_replication_slots.active_pid equals the
+// replication connection's PID), checked in the statement under the
+// slot's fence lock taken shared; a session, once it holds the slot and
+// before it reads the holds, takes and releases that lock exclusively
+// (schema.WALFenceHandover). So every write of an earlier session, in this
+// process or another, either committed before the new session read the
+// holds, or changes nothing. A refused write is counted
+// (outbox_fence_rejected_total), logged, not retried, and ends the session.
 package walrelay
 
 import (
@@ -93,8 +106,9 @@ type Config struct {
 	// MaxInFlight bounds the messages handed out and not settled, and the
 	// rows read and not settled: the relay stops reading the stream beyond
 	// it, not counting the rows queued behind a key whose head waits for
-	// its retry, up to 4 x MaxInFlight rows in all. Defaults to
-	// MaxInFlightDefault.
+	// its retry, up to 4 x MaxInFlight rows in all. A transaction's rows
+	// count as they are read (they are not buffered until its commit).
+	// Defaults to MaxInFlightDefault.
 	MaxInFlight int
 	// StatusInterval is how often the relay confirms its position to the
 	// server. Defaults to StatusIntervalDefault.
@@ -173,6 +187,7 @@ type Subscriber struct {
 	slotLost        atomic.Int64 // times the slot was found gone or invalidated and recreated
 	backfilled      atomic.Int64 // rows read from the table after a lost slot
 	oldestUnsettled atomic.Int64 // commit time (Unix ns) of the oldest unsettled transaction, 0 when none
+	peakRows        atomic.Int64 // the most rows a session held read and not settled (tests)
 
 	// terms is the relay's term ledger (package internal/term, the core
 	// the ordered relay uses too): each session is a term of scope 0, its
@@ -182,6 +197,12 @@ type Subscriber struct {
 	// the relay's stop (docs/WAL.md, "Sessions are terms").
 	terms    *term.Ledger
 	sessions atomic.Int64 // sessions started: the epoch of each term
+
+	// fenceHook, set by tests only (export_test.go), runs before each
+	// fenced write ("before") and, when set, the write runs in a
+	// transaction and the hook runs again after its statement and before
+	// its commit ("checked").
+	fenceHook func(op, phase string)
 }
 
 // New checks the table, its publication and its slot (Setup), and returns
@@ -345,6 +366,8 @@ func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "55006" { // object_in_use: another relay reads the slot
 			s.logger.Debug("Slot in use: standing by", nil)
+		} else if errors.Is(err, errFenced) {
+			s.logger.Info("WAL session ended: it no longer holds the slot", nil)
 		} else if err != nil {
 			s.logger.Error("WAL stream ended; retrying", err, watermill.LogFields{"retry_in": s.cfg.ElectionInterval.String()})
 		}
@@ -383,12 +406,21 @@ type hold struct {
 }
 
 // txn is one committed transaction: its end position and its rows not
-// settled yet.
+// settled yet. pgoutput sends only committed transactions, and its BEGIN
+// carries the commit time: a transaction's rows are queued as they are read
+// (the stream's reading pauses at the in-flight bounds, readable), and the
+// confirmed position passes the transaction once its COMMIT was read
+// (committed) and its rows are settled. A transaction that may have been
+// settled before a server restart (settledThrough) is buffered whole
+// instead (buffered, items) and decided at its COMMIT by its end.
 type txn struct {
-	end     pglogrepl.LSN
-	commit  time.Time
-	pending int
-	items   []*item
+	end       pglogrepl.LSN
+	commit    time.Time
+	pending   int
+	items     []*item
+	buffered  bool
+	committed bool
+	rows      int // rows read
 }
 
 type keyQueue struct {
@@ -449,7 +481,13 @@ type stream struct {
 	// an earlier session (the slot moved back after a server restart).
 	settledThrough pglogrepl.LSN
 	oid            uint32 // the outbox table's relation id
-	warnedOther    bool   // rows of another table were ignored
+	// The session's write fence: its walsender's pid and the slot's fence
+	// lock key (schema.WALQueries); fencedOut once a write was refused (the
+	// session no longer holds the slot: it ends).
+	pid         int64
+	fenceKey    int64
+	fencedOut   bool
+	warnedOther bool // rows of another table were ignored
 	// Caught up: the progress is recorded at once, not at the next tick.
 	lastStatus time.Time     // when status last ran
 	recorded   pglogrepl.LSN // the position status last recorded
@@ -577,6 +615,14 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	dctx := st.term.Context()
 	defer st.stop()
 	go st.pump()
+	// The session's writes are fenced by its walsender (the fence
+	// invariant, at the top of this file): it holds the slot now; every
+	// write of an earlier session either committed before the holds are
+	// read or finds another walsender on the slot and does nothing.
+	st.pid, st.fenceKey = int64(conn.PID()), schema.WALFenceKey(s.cfg.Names.Slot)
+	if _, err := s.pool.Exec(ctx, schema.WALFenceHandover, st.fenceKey); err != nil {
+		return fmt.Errorf("wait for the writes of the slot's earlier sessions: %w", err)
+	}
 	backfill, err := st.start(ctx)
 	if err != nil {
 		return err
@@ -713,6 +759,9 @@ func (st *stream) loop(ctx, dctx context.Context) error {
 	st.prompt.Stop()
 	defer st.prompt.Stop()
 	for {
+		if st.fencedOut {
+			return errFenced
+		}
 		var in chan received
 		if st.readable() {
 			in = recv
@@ -899,13 +948,16 @@ func (st *stream) progress(pos pglogrepl.LSN) bool {
 	defer cancel()
 	var c candidate
 	var lsn string
-	err := st.s.pool.QueryRow(ctx, st.s.q.Progress, st.s.cfg.Names.Slot, pos.String(), horizon).Scan(&c.xid, &lsn)
-	if err == nil {
+	ok, err := st.write(ctx, "progress", st.s.q.Progress, []any{&c.xid, &lsn}, st.s.cfg.Names.Slot, pos.String(), horizon)
+	if err == nil && ok {
 		c.lsn, err = pglogrepl.ParseLSN(lsn)
 	}
 	if err != nil {
 		st.s.logger.Error("Could not record the WAL relay's progress; the cleaner waits", err, nil)
 		return false
+	}
+	if !ok {
+		return false // refused: the session ends
 	}
 	st.candidates = st.candidates[n:]
 	kept := len(st.candidates) < maxCandidates
@@ -984,7 +1036,15 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 	case *pglogrepl.RelationMessage:
 		st.rels[m.RelationID] = newRelation(m)
 	case *pglogrepl.BeginMessage:
-		st.cur = &txn{}
+		st.cur = &txn{commit: m.CommitTime}
+		if st.settledThrough != 0 && m.FinalLSN <= st.settledThrough {
+			// Perhaps settled before the server restarted: its end, read
+			// at its COMMIT, tells.
+			st.cur.buffered = true
+		} else {
+			st.txns = append(st.txns, st.cur)
+			st.markOldest()
+		}
 	case *pglogrepl.InsertMessage:
 		return st.row(ctx, m.RelationID, m.Tuple, false)
 	case *pglogrepl.UpdateMessage:
@@ -996,24 +1056,66 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 			return nil
 		}
 		tx.end, tx.commit = m.TransactionEndLSN, m.CommitTime
-		if tx.end <= st.settledThrough {
+		if tx.buffered && tx.end <= st.settledThrough {
 			tx.items = nil // settled before the restart
+			tx.rows = 0
 		}
-		if len(tx.items) > 0 {
+		if tx.rows > 0 {
 			// Only a transaction with rows opens a burst: before
 			// PostgreSQL 15, pgoutput also sends the empty transactions,
 			// among them the relay's own progress records, which would
 			// otherwise keep prompting records.
 			st.burst = burstRead
 		}
-		st.commit(ctx, tx)
+		if tx.buffered {
+			st.commit(ctx, tx)
+			return nil
+		}
+		tx.committed = true
+		st.advance()
 	}
 	return nil
 }
 
-// commit queues the rows of a committed transaction behind their keys;
-// the rows of a held key are parked (settled without delivery).
+// queue queues a row of the transaction being read behind its key and
+// dispatches the key; the row of a held key is parked (settled without
+// delivery).
+func (st *stream) queue(ctx context.Context, it *item) {
+	if st.parks(it) {
+		return
+	}
+	it.tx.pending++
+	st.unsettled++
+	st.peakRows()
+	q := st.keys[it.key]
+	if q == nil {
+		q = &keyQueue{}
+		st.keys[it.key] = q
+	}
+	q.items = append(q.items, it)
+	if q.backoff {
+		st.behind++
+	}
+	st.dispatch(ctx, it.key)
+}
+
+// peakRows records the most rows the session held read and not settled
+// (buffered transactions included), for the tests.
+func (st *stream) peakRows() {
+	n := int64(st.unsettled)
+	if st.cur != nil && st.cur.buffered {
+		n += int64(len(st.cur.items))
+	}
+	if n > st.s.peakRows.Load() {
+		st.s.peakRows.Store(n)
+	}
+}
+
+// commit queues the rows of a committed transaction read whole (a
+// backfill, or a transaction buffered after a server restart) behind their
+// keys; the rows of a held key are parked (settled without delivery).
 func (st *stream) commit(ctx context.Context, tx *txn) {
+	tx.committed = true
 	kept := tx.items[:0]
 	for _, it := range tx.items {
 		if !st.parks(it) {
@@ -1032,6 +1134,7 @@ func (st *stream) commit(ctx context.Context, tx *txn) {
 	}
 	st.txns = append(st.txns, tx)
 	st.unsettled += tx.pending
+	st.peakRows()
 	for _, it := range tx.items {
 		q := st.keys[it.key]
 		if q == nil {
@@ -1231,7 +1334,14 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 	if err != nil {
 		return err
 	}
-	st.cur.items = append(st.cur.items, &item{row: row, key: keyOf(row), tx: st.cur, replay: replay})
+	it := &item{row: row, key: keyOf(row), tx: st.cur, replay: replay}
+	st.cur.rows++
+	if st.cur.buffered {
+		st.cur.items = append(st.cur.items, it)
+		st.peakRows()
+		return nil
+	}
+	st.queue(ctx, it)
 	return nil
 }
 
@@ -1536,7 +1646,15 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			key = k
 		}
 		var changed, held int
-		if err := st.s.pool.QueryRow(ctx, st.s.q.MarkDeadHold, it.row.ID, it.attempts, last, key).Scan(&changed, &held); err != nil {
+		ok, err := st.write(ctx, "dead", st.s.q.MarkDeadHold, []any{&changed, &held}, it.row.ID, it.attempts, last, key)
+		if err == nil && !ok {
+			// Refused: this session no longer holds the slot. The row
+			// stays as it is, unsettled; the session that holds the slot
+			// delivers it. Nothing more goes out here: the session ends.
+			st.draining = true
+			return
+		}
+		if err != nil {
 			// Not recorded: keep the key held and try again later.
 			st.s.logger.Error("Could not park a row dead; retrying", err, watermill.LogFields{"sequence": it.row.Sequence})
 			q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
@@ -1677,8 +1795,11 @@ func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
 	if len(items) > 0 {
 		maxRead = items[len(items)-1].row.Sequence
 	}
-	if _, err := s.pool.Exec(ctx, s.q.Drain, key, h.seq, maxRead, lsnText); err != nil {
-		s.logger.Error("Could not mark a hold draining; retrying at the next tick", err, nil)
+	var n int
+	if ok, err := st.write(ctx, "drain", s.q.Drain, []any{&n}, key, h.seq, maxRead, lsnText); err != nil || !ok {
+		if err != nil {
+			s.logger.Error("Could not mark a hold draining; retrying at the next tick", err, nil)
+		}
 		return
 	}
 	h.draining, h.wantDrain, h.maxRead, h.left, h.untilLSN = true, false, maxRead, len(items), lsn
@@ -1726,8 +1847,11 @@ func mergeDrained(q *keyQueue, drained []*item) []*item {
 // release turns a drained hold into a tombstone.
 func (st *stream) release(ctx context.Context, key string, h *hold) {
 	through := max(h.through, h.maxRead)
-	if _, err := st.s.pool.Exec(ctx, st.s.q.Release, key, h.seq, through); err != nil {
-		st.s.logger.Error("Could not release a hold; retrying at the next tick", err, nil)
+	var n int
+	if ok, err := st.write(ctx, "release", st.s.q.Release, []any{&n}, key, h.seq, through); err != nil || !ok {
+		if err != nil {
+			st.s.logger.Error("Could not release a hold; retrying at the next tick", err, nil)
+		}
 		return
 	}
 	h.released, h.draining, h.through = true, false, through
@@ -1741,11 +1865,59 @@ func (st *stream) forget(ctx context.Context, key string, h *hold) {
 	if !h.released || h.untilLSN > st.confirmed {
 		return
 	}
-	if _, err := st.s.pool.Exec(ctx, st.s.q.Forget, key, h.seq); err != nil {
-		st.s.logger.Error("Could not delete a hold's tombstone; retrying at the next tick", err, nil)
+	var n int
+	if ok, err := st.write(ctx, "forget", st.s.q.Forget, []any{&n}, key, h.seq); err != nil || !ok {
+		if err != nil {
+			st.s.logger.Error("Could not delete a hold's tombstone; retrying at the next tick", err, nil)
+		}
 		return
 	}
 	delete(st.holds, key)
+}
+
+// errFenced ends a session whose write the fence refused: another
+// walsender holds the slot (or none does), so the session has ended on the
+// server.
+var errFenced = errors.New("walrelay: the session no longer holds the slot")
+
+// write runs one of the session's fenced writes (schema.WALQueries): sql
+// with args and the fence's arguments (the slot, the session's walsender
+// pid, the slot's fence key), its columns scanned into dest and the last
+// one into ok. A write the fence refused (ok false) changed nothing: it is
+// counted (outbox_fence_rejected_total{op}), logged, not retried, and the
+// session ends (fencedOut).
+func (st *stream) write(ctx context.Context, op, sql string, dest []any, args ...any) (bool, error) {
+	s := st.s
+	args = append(args, s.cfg.Names.Slot, st.pid, st.fenceKey)
+	var ok bool
+	dest = append(dest, &ok)
+	if hook := s.fenceHook; hook != nil {
+		hook(op, "before")
+		// Tests: a transaction, so that the hook runs between the
+		// statement (its check passed or not) and the commit.
+		tx, err := s.pool.Begin(ctx)
+		if err != nil {
+			return false, err
+		}
+		if err := tx.QueryRow(ctx, sql, args...).Scan(dest...); err != nil {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+			return false, err
+		}
+		hook(op, "checked")
+		if err := tx.Commit(ctx); err != nil {
+			return false, err
+		}
+	} else if err := s.pool.QueryRow(ctx, sql, args...).Scan(dest...); err != nil {
+		return false, err
+	}
+	if !ok {
+		st.fencedOut = true
+		if m := s.cfg.Metrics; m != nil {
+			m.FenceRejected.WithLabelValues(s.cfg.Table.Qualified(), op).Inc()
+		}
+		s.logger.Info("A write of a session that no longer holds the slot was refused; the session ends", watermill.LogFields{"op": op})
+	}
+	return ok, nil
 }
 
 // holdRow is one row of the holds table.
@@ -1845,7 +2017,7 @@ func (st *stream) readItems(ctx context.Context, sql string, args ...any) ([]*it
 // transactions.
 func (st *stream) advance() {
 	n := 0
-	for n < len(st.txns) && st.txns[n].pending == 0 {
+	for n < len(st.txns) && st.txns[n].committed && st.txns[n].pending == 0 {
 		st.confirmed = max(st.confirmed, st.txns[n].end)
 		n++
 	}

@@ -43,8 +43,9 @@
 //     term: inside Term.Enter, which fails once the term has ended and keeps
 //     the term from quiescing until the write is done, and, for the ordered
 //     relay, in statements fenced on owner and epoch (the WAL relay's
-//     session loop applies verdicts only before it ends its term). The
-//     verdicts of stale copies reach the ledger only.
+//     session loop applies verdicts only before it ends its term, in
+//     statements fenced on the session's walsender: walrelay's invariant
+//     F). The verdicts of stale copies reach the ledger only.
 //     TestVerdictOfAnEndedTermIsNotLive, TestEnterHoldsQuiescence.
 //   - I4, nothing waits forever: a stale copy ends by its verdict, by
 //     Config.Overrun after its term ended, or by Close; each end signals

@@ -1,0 +1,14 @@
+package walrelay
+
+// SetFenceHook sets the hook that runs before each fenced write (phase
+// "before") and, in a transaction, between the write's statement and its
+// commit (phase "checked"). Set it before Subscribe.
+func SetFenceHook(s *Subscriber, hook func(op, phase string)) { s.fenceHook = hook }
+
+// ReplicationConnString is the relay's replication connection string for
+// a pool.
+var ReplicationConnString = replicationConnString
+
+// PeakRows is the most rows a session of s held read and not settled
+// (queued, in flight, or buffered in a transaction not yet committed).
+func PeakRows(s *Subscriber) int64 { return s.peakRows.Load() }
