@@ -333,7 +333,7 @@ func drainForwarderWith(ctx context.Context, pool *pgxpool.Pool, t schema.Table,
 	if cfg.Ordered {
 		werr = waitFloors(ctx, pool, t)
 	} else {
-		werr = waitPublished(ctx, pool, t, n, false)
+		werr = waitPublished(ctx, pool, t, n)
 	}
 	elapsed := time.Since(start)
 	_ = f.Close()

@@ -254,7 +254,7 @@ func drainTimes(ctx context.Context, pool *pgxpool.Pool, tables []schema.Table, 
 	}
 	delivered = time.Since(start)
 	if !ordered {
-		if err := waitPublished(ctx, pool, t, n, false); err != nil {
+		if err := waitPublished(ctx, pool, t, n); err != nil {
 			return 0, 0, err
 		}
 		return delivered, time.Since(start), nil

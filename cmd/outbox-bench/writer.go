@@ -427,7 +427,7 @@ func drainAll(ctx context.Context, pool *pgxpool.Pool, t schema.Table, r *relayR
 	}
 	dctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
-	if err := waitPublished(dctx, pool, t, int(total), false); err != nil {
+	if err := waitPublished(dctx, pool, t, int(total)); err != nil {
 		if errors.Is(err, context.DeadlineExceeded) {
 			return 0, fmt.Errorf("rows of %s not all published within %s", t, wait)
 		}
