@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/chromedp/chromedp"
+	"github.com/chromedp/chromedp/kb"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
@@ -114,6 +115,16 @@ WHERE event_id = $1`, msgs[0].EventID); err != nil {
 		t.Errorf("the held keys page of an ordered table says %q", mode)
 	}
 	screenshot(t, ctx, "held")
+	// Enter in the count submits nothing (it used to fire the first row's
+	// Replay button, the form's first).
+	heldURL, _ := chromedp.Run(ctx, chromedp.Location())
+	steps(t, ctx, "Enter in the count", chromedp.SendKeys(`#ticked-confirm`, "3"+kb.Enter), chromedp.Sleep(time.Second))
+	if loc, _ := chromedp.Run(ctx, chromedp.Location()); loc != heldURL {
+		t.Fatalf("Enter in the held keys page's count submitted the form: now at %s", loc)
+	}
+	if n, err := chromedp.Run(ctx, chromedp.Evaluate[int](`document.querySelectorAll("button.skip").length`)); err != nil || n != 3 {
+		t.Fatalf("after Enter in the count, %d Skip buttons (%v)", n, err)
+	}
 
 	pages := []struct{ shot, path, wait string }{
 		{"overview", "/", `#overview`},

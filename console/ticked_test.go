@@ -49,12 +49,12 @@ func TestReplayTickedRows(t *testing.T) {
 	session := login(t, srv.URL, adminToken)
 
 	deadPage := do(t, "GET", srv.URL+"/t/"+name+"/dead", nil, session).body
-	if got := sorted(picks(deadPage)); strings.Join(got, ",") != strings.Join(sorted(ids(dead)), ",") {
-		t.Fatalf("the dead rows page ticks %v, want the dead rows %v", got, ids(dead))
+	if got := sorted(picks(deadPage)); strings.Join(got, ",") != strings.Join(sorted(idStrings(dead)), ",") {
+		t.Fatalf("the dead rows page ticks %v, want the dead rows %v", got, idStrings(dead))
 	}
 	rowsPage := do(t, "GET", srv.URL+"/t/"+name+"/rows?state=all", nil, session).body
-	if got := sorted(picks(rowsPage)); strings.Join(got, ",") != strings.Join(sorted(ids(dead)), ",") || strings.Contains(rowsPage, `value="`+pending.String()+`" class="pick"`) {
-		t.Fatalf("the rows page ticks %v, want only the dead rows %v", got, ids(dead))
+	if got := sorted(picks(rowsPage)); strings.Join(got, ",") != strings.Join(sorted(idStrings(dead)), ",") || strings.Contains(rowsPage, `value="`+pending.String()+`" class="pick"`) {
+		t.Fatalf("the rows page ticks %v, want only the dead rows %v", got, idStrings(dead))
 	}
 	reader := map[string]string{"Authorization": "Bearer " + readToken}
 	if b := do(t, "GET", srv.URL+"/t/"+name+"/dead", nil, reader).body; len(picks(b)) != 0 || strings.Contains(b, `id="replay-ticked"`) {
@@ -104,7 +104,8 @@ func TestReplayTickedRows(t *testing.T) {
 	}
 }
 
-func ids(in []uuid.UUID) []string {
+// idStrings are the ids as text.
+func idStrings(in []uuid.UUID) []string {
 	out := make([]string, len(in))
 	for i, id := range in {
 		out[i] = id.String()
