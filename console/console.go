@@ -36,6 +36,7 @@ import (
 	"html/template"
 	"io"
 	"io/fs"
+	"math"
 	"net/http"
 	"net/url"
 	"sort"
@@ -925,10 +926,10 @@ func span(s int64) string {
 // duration writes an age in seconds readably: "2.5s" under 10 seconds,
 // else as span does: "45s", "3m 12s", "2h 5m", "4d 1h".
 func duration(seconds float64) string {
-	if seconds < 10 {
-		return strconv.FormatFloat(seconds, 'f', 1, 64) + "s"
+	if tenths := math.Round(seconds * 10); tenths < 100 {
+		return strconv.FormatFloat(tenths/10, 'f', 1, 64) + "s"
 	}
-	return span(int64(seconds + 0.5))
+	return span(int64(math.Round(seconds)))
 }
 
 // ranges writes sorted partition numbers as ranges: "0–5, 9, 12–13".

@@ -194,7 +194,7 @@ func TestReadableDurations(t *testing.T) {
 			t.Errorf("Relative(%s) = %q, want %q", d, got, want)
 		}
 	}
-	for s, want := range map[float64]string{0: "0.0s", 2.54: "2.5s", 45: "45s", 192: "3m 12s", 7200: "2h"} {
+	for s, want := range map[float64]string{0: "0.0s", 2.54: "2.5s", 9.96: "10s", 10.02: "10s", 45: "45s", 192: "3m 12s", 7200: "2h"} {
 		if got := console.Duration(s); got != want {
 			t.Errorf("Duration(%v) = %q, want %q", s, got, want)
 		}

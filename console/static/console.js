@@ -170,6 +170,9 @@ if (progress) {
   var finish = function (el) {
     if (following) { following.hidden = true; }
     if (el) { el.hidden = false; }
+    // Nothing left to follow: the toggle would hold nothing.
+    if (toggle) { toggle.hidden = true; }
+    if (refreshState) { refreshState.textContent = ""; }
   };
   var apply = function (p) {
     progress.querySelectorAll("[data-progress]").forEach(function (td) {
