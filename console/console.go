@@ -1,11 +1,14 @@
 // Package console is a web page over the outbox tables: an overview of every
 // table (counts, delivery rate, active relay, held keys, and with
 // Config.ChartInterval charts of the counts over time), the dead rows
-// grouped by a normalised cause and listed a page at a time, the held keys,
-// the backlog by topic and one event; and the actions replay one event,
-// skip a held key's row and replay dead rows in bulk, by filter or by cause
-// (preview, confirm the exact count, follow the progress). It sits on
-// package runbook, so its rules are the CLI's.
+// grouped by a normalised cause and listed a page at a time, the rows of
+// each state, the held keys, the relays, the backlog by topic and one
+// event (its payload, headers and trace id, linked to a tracing UI with
+// Config.TraceURL); and the actions replay one event, skip a held key's
+// row, replay or skip the rows ticked on a list (their count confirmed),
+// pause and resume a topic, and replay dead rows in bulk, by filter or by
+// cause (preview, confirm the exact count, follow the progress). It sits
+// on package runbook, so its rules are the CLI's.
 //
 // Mount the handler on your own mux:
 //

@@ -72,6 +72,9 @@ WHERE event_id = $1`, msgs[0].EventID); err != nil {
 		chromedp.Navigate(srv.URL+"/"),
 		chromedp.WaitVisible(`#need-login`),
 	)
+	if still, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`!document.querySelector("main[data-refresh]") && !document.getElementById("refresh-toggle")`)); err != nil || !still {
+		t.Errorf("the login form refreshes (%v)", err)
+	}
 	screenshot(t, ctx, "login")
 	steps(t, ctx, "the overview",
 		chromedp.SendKeys(`input[name="token"]`, token),

@@ -52,6 +52,10 @@ func TestBrowserReplayTicked(t *testing.T) {
 	if !strings.Contains(summary, "3 rows replayed") || outcomes != 3 || deadCount(t, pool, tbl) != 0 {
 		t.Fatalf("the report says %q with %d rows replayed; %d rows still dead", summary, outcomes, deadCount(t, pool, tbl))
 	}
+	// A report is a POST's answer: it does not refresh (that would act again).
+	if still, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`!document.querySelector("main[data-refresh]") && !document.getElementById("refresh-toggle")`)); err != nil || !still {
+		t.Errorf("the report refreshes (%v)", err)
+	}
 	screenshot(t, ctx, "ticked")
 	steps(t, ctx, "back to the list", chromedp.Click(`#back`), chromedp.WaitVisible(`#no-dead`))
 	if loc, _ := chromedp.Run(ctx, chromedp.Location()); loc != list {
