@@ -1,6 +1,7 @@
 package console
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
@@ -34,18 +35,25 @@ func (h *handler) held(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, http.StatusInternalServerError, "Cannot list the held keys (see the console's log).", "", "")
 		return
 	}
+	mode, err := runbook.Mode(r.Context(), h.pool, t)
+	if err != nil {
+		h.logger.Error("Console could not read a table's relay mode", err, watermill.LogFields{"table": t.String()})
+		h.fail(w, r, http.StatusInternalServerError, "Cannot list the held keys (see the console's log).", "", "")
+		return
+	}
 	q := strings.TrimSpace(r.URL.Query().Get("q"))
 	deadOnly := r.URL.Query().Get("dead") == "1"
 	shown := heldMatching(keys, q, deadOnly)
 	h.render(w, r, "held.html", "Held keys of "+t.String(), struct {
 		Table    string
+		Mode     schema.Mode
 		Keys     []runbook.HeldKey
 		All      int
 		Q        string
 		DeadOnly bool
 		Capped   bool
 		Flash    string
-	}{t.String(), shown, len(keys), q, deadOnly, len(keys) == maxHeldShown, flash(r)})
+	}{t.String(), mode, shown, len(keys), q, deadOnly, len(keys) == maxHeldShown, flash(r)})
 }
 
 // heldMatching keeps the held keys whose key, topic or last error
@@ -71,29 +79,70 @@ func heldMatching(keys []runbook.HeldKey, q string, deadOnly bool) []runbook.Hel
 	return out
 }
 
-// skipResult is one row of a bulk skip's report.
-type skipResult struct {
+// tickedResult is one row of the report of a bulk action on ticked rows.
+type tickedResult struct {
 	EventID string
 	Key     string
-	// Refused says why the row was not skipped, "" when it was.
+	// Refused says why nothing was done to the row, "" when it was done.
 	Refused string
 }
 
-// bulkSkip asks the relays to skip the held rows ticked on the held keys
-// page, only when the operator typed how many were ticked; each row goes
-// through runbook.SkipEvent, and the page reports each outcome.
-func (h *handler) bulkSkip(w http.ResponseWriter, r *http.Request) {
+// tickedOp is a bulk action on ticked rows: a skip (runbook.SkipEvent) or
+// a replay (runbook.ReplayEvent) of each.
+type tickedOp struct {
+	// Name is "skip" or "replay", in the log and on the report.
+	Name string
+	// DefaultBack is the page to go back to when the form names none.
+	DefaultBack, DefaultBackLabel string
+	// Do acts on one row and returns its ordering key ("" for none).
+	Do func(ctx context.Context, h *handler, t schema.Table, id uuid.UUID) (string, error)
+}
+
+var (
+	tickedSkip = tickedOp{Name: "skip", DefaultBack: "held", DefaultBackLabel: "the held keys",
+		Do: func(ctx context.Context, h *handler, t schema.Table, id uuid.UUID) (string, error) {
+			res, err := runbook.SkipEvent(ctx, h.pool, t, id, false)
+			return res.Key, err
+		}}
+	tickedReplay = tickedOp{Name: "replay", DefaultBack: "dead", DefaultBackLabel: "the dead rows",
+		Do: func(ctx context.Context, h *handler, t schema.Table, id uuid.UUID) (string, error) {
+			res, err := runbook.ReplayEvent(ctx, h.pool, t, id, runbook.ReplayOptions{})
+			if res.Row.OrderingKey != nil {
+				return *res.Row.OrderingKey, err
+			}
+			return "", err
+		}}
+)
+
+// bulkSkip asks the relays to skip the ticked held rows.
+func (h *handler) bulkSkip(w http.ResponseWriter, r *http.Request) { h.bulkTicked(w, r, tickedSkip) }
+
+// bulkReplayTicked replays the ticked rows, one by one.
+func (h *handler) bulkReplayTicked(w http.ResponseWriter, r *http.Request) {
+	h.bulkTicked(w, r, tickedReplay)
+}
+
+// bulkTicked runs op on the rows ticked on a list (the held keys, the dead
+// rows, the rows of a state), only when the operator typed how many were
+// ticked; each row goes through the runbook's own call, which refuses what
+// its rules refuse (a hold's state, a row that is not dead or failed), and
+// the page reports each outcome, with a link back to the list (the form's
+// back, a path of this console).
+func (h *handler) bulkTicked(w http.ResponseWriter, r *http.Request, op tickedOp) {
 	t, ok := h.table(w, r)
 	if !ok || !h.allow(w, r) {
 		return
 	}
-	back := tablePath(t, "held")
+	back, backLabel := tablePath(t, op.DefaultBack), op.DefaultBackLabel
+	if b := r.PostFormValue("back"); b != "" {
+		back, backLabel = localPath(b), "the list"
+	}
 	var ids []uuid.UUID
 	seen := map[uuid.UUID]bool{}
 	for _, s := range r.PostForm["event"] {
 		id, err := uuid.Parse(s)
 		if err != nil {
-			h.fail(w, r, http.StatusBadRequest, "The ticked rows must be event ids (UUIDs); nothing changed.", back, "the held keys")
+			h.fail(w, r, http.StatusBadRequest, "The ticked rows must be event ids (UUIDs); nothing changed.", back, backLabel)
 			return
 		}
 		if !seen[id] {
@@ -102,44 +151,50 @@ func (h *handler) bulkSkip(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	if len(ids) == 0 {
-		h.fail(w, r, http.StatusBadRequest, "Tick the rows to skip first; nothing changed.", back, "the held keys")
+		h.fail(w, r, http.StatusBadRequest, "Tick the rows to "+op.Name+" first; nothing changed.", back, backLabel)
 		return
 	}
 	if len(ids) > maxHeldShown {
-		h.fail(w, r, http.StatusBadRequest, "At most "+strconv.Itoa(maxHeldShown)+" rows at once; nothing changed.", back, "the held keys")
+		h.fail(w, r, http.StatusBadRequest, "At most "+strconv.Itoa(maxHeldShown)+" rows at once; nothing changed.", back, backLabel)
 		return
 	}
 	if confirm := strings.TrimSpace(r.PostFormValue("confirm")); confirm != strconv.Itoa(len(ids)) {
-		h.fail(w, r, http.StatusBadRequest, "Type the number of ticked rows ("+strconv.Itoa(len(ids))+") to confirm; nothing changed.", back, "the held keys")
+		h.fail(w, r, http.StatusBadRequest, "Type the number of ticked rows ("+strconv.Itoa(len(ids))+") to confirm; nothing changed.", back, backLabel)
 		return
 	}
-	fields := actionFields(r, "bulk skip", t.String())
+	fields := actionFields(r, "bulk "+op.Name, t.String())
 	fields["rows"] = len(ids)
 	var (
-		out     []skipResult
-		skipped int
+		out  []tickedResult
+		done int
 	)
 	for _, id := range ids {
-		res, err := runbook.SkipEvent(r.Context(), h.pool, t, id, false)
-		sr := skipResult{EventID: id.String(), Key: res.Key}
+		key, err := op.Do(r.Context(), h, t, id)
+		res := tickedResult{EventID: id.String(), Key: key}
 		if err != nil {
-			sr.Refused = err.Error()
+			res.Refused = err.Error()
 		} else {
-			skipped++
+			done++
 		}
-		out = append(out, sr)
+		out = append(out, res)
 	}
-	fields["skipped"] = skipped
-	h.logger.Info("Console bulk skip", fields)
+	fields["done"] = done
+	h.logger.Info("Console bulk "+op.Name, fields)
 	status := http.StatusOK
-	if skipped < len(ids) {
+	if done < len(ids) {
 		status = http.StatusConflict
 	}
-	h.renderStatus(w, r, status, "skipped.html", "Bulk skip on "+t.String(), struct {
-		Table            string
-		Results          []skipResult
-		Skipped, Refused int
-	}{t.String(), out, skipped, len(ids) - skipped})
+	title := "Bulk skip on " + t.String()
+	if op.Name == "replay" {
+		title = "Replay of the ticked rows of " + t.String()
+	}
+	h.renderStatus(w, r, status, "ticked.html", title, struct {
+		Table           string
+		Op              string
+		Results         []tickedResult
+		Done, Refused   int
+		Back, BackLabel string
+	}{t.String(), op.Name, out, done, len(ids) - done, back, backLabel})
 }
 
 // topics shows the backlog by topic, the paused topics, and (logged in)

@@ -259,8 +259,8 @@ func (s *swappable) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // previews the replay of one cause, types the count, confirms, and watches
 // the progress page count the rows a running relay delivers, without a
 // reload. Each progress call answers in 1.5 s, longer than the page's
-// 1 s pace: the calls never overlap, and they stop when the replay is done,
-// which the page says. Then the console restarts: the page says the
+// 1 s pace: the calls never overlap, the header's pause toggle holds them,
+// and they stop when the replay is done, which the page says. Then the console restarts: the page says the
 // session is gone, and after a new login that the console has no record of
 // the replay (jobs are kept in memory).
 func TestBrowserBulkReplay(t *testing.T) {
@@ -309,6 +309,16 @@ func TestBrowserBulkReplay(t *testing.T) {
 	if pending, err := chromedp.Run(ctx, chromedp.Text(`[data-progress="pending"]`)); err != nil || strings.TrimSpace(pending) != "3" {
 		t.Fatalf("pending before the relay runs: %q (%v), want 3", pending, err)
 	}
+	// The header's toggle holds the following too: paused, no progress
+	// call goes out.
+	steps(t, ctx, "pause the following", chromedp.WaitVisible(`#refresh-toggle`), chromedp.Click(`#refresh-toggle`))
+	time.Sleep(1600 * time.Millisecond) // a call under way when paused ends
+	pausedCalls, _ := sw.progressCalls()
+	time.Sleep(2500 * time.Millisecond)
+	if later, _ := sw.progressCalls(); later != pausedCalls {
+		t.Fatalf("the paused progress page kept calling: %d calls, then %d", pausedCalls, later)
+	}
+	steps(t, ctx, "resume the following", chromedp.Click(`#refresh-toggle`))
 	delivered, _ := relay(t, pool, tbl)
 	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`document.querySelector('[data-progress="published"]').textContent.trim() === "3" && !document.getElementById("job-done").hidden`,
 		chromedp.WithPollingTimeout(15*time.Second))); err != nil {

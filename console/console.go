@@ -1,11 +1,14 @@
 // Package console is a web page over the outbox tables: an overview of every
 // table (counts, delivery rate, active relay, held keys, and with
 // Config.ChartInterval charts of the counts over time), the dead rows
-// grouped by a normalised cause and listed a page at a time, the held keys,
-// the backlog by topic and one event; and the actions replay one event,
-// skip a held key's row and replay dead rows in bulk, by filter or by cause
-// (preview, confirm the exact count, follow the progress). It sits on
-// package runbook, so its rules are the CLI's.
+// grouped by a normalised cause and listed a page at a time, the rows of
+// each state, the held keys, the relays, the backlog by topic and one
+// event (its payload, headers and trace id, linked to a tracing UI with
+// Config.TraceURL); and the actions replay one event, skip a held key's
+// row, replay or skip the rows ticked on a list (their count confirmed),
+// pause and resume a topic, and replay dead rows in bulk, by filter or by
+// cause (preview, confirm the exact count, follow the progress). It sits
+// on package runbook, so its rules are the CLI's.
 //
 // Mount the handler on your own mux:
 //
@@ -36,6 +39,7 @@ import (
 	"html/template"
 	"io"
 	"io/fs"
+	"math"
 	"net/http"
 	"net/url"
 	"sort"
@@ -107,6 +111,15 @@ type Config struct {
 	// ChartWindow/ChartInterval samples per table in memory (at most
 	// 8,640). Defaults to ChartWindowDefault.
 	ChartWindow time.Duration
+	// TraceURL, when set, links the event page's trace id to a tracing
+	// UI: an absolute http or https URL with {trace_id} where the trace id
+	// goes, such as "https://tempo.example.com/trace/{trace_id}"
+	// (CheckTraceURL says what is accepted; New refuses anything else).
+	// The trace id is the one of the row's traceparent column
+	// (schema.WithTraceColumns), which the relay puts on the message.
+	// Defaults to "" (OUTBOX_CONSOLE_TRACE_URL): the trace id is shown
+	// without a link.
+	TraceURL string
 	// SessionTTL is how long a login lasts. Sessions are kept in the
 	// console's memory: a restart logs everyone out. Defaults to
 	// SessionTTLDefault.
@@ -161,6 +174,41 @@ func (c *Config) validate() error {
 	}
 	if c.SessionTTL < 0 {
 		return fmt.Errorf("SessionTTL %s is negative; leave it 0 for %s", c.SessionTTL, SessionTTLDefault)
+	}
+	if c.TraceURL != "" {
+		if err := CheckTraceURL(c.TraceURL); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// TraceIDPlaceholder is what Config.TraceURL has where the trace id goes.
+const TraceIDPlaceholder = "{trace_id}"
+
+// CheckTraceURL returns nil when s can be Config.TraceURL: an absolute
+// http or https URL with a host, without user information, spaces or
+// control characters, that contains TraceIDPlaceholder. The error never
+// repeats s (it may carry a secret).
+func CheckTraceURL(s string) error {
+	const what = "TraceURL (OUTBOX_CONSOLE_TRACE_URL)"
+	if !strings.Contains(s, TraceIDPlaceholder) {
+		return fmt.Errorf("%s has no %s: put it where your tracing UI takes the trace id, e.g. https://tempo.example.com/trace/%s",
+			what, TraceIDPlaceholder, TraceIDPlaceholder)
+	}
+	if !isText(s) || strings.ContainsAny(s, " \t\r\n") {
+		return fmt.Errorf("%s has spaces or control characters", what)
+	}
+	u, err := url.Parse(strings.ReplaceAll(s, TraceIDPlaceholder, "0"))
+	switch {
+	case err != nil:
+		return fmt.Errorf("%s is not a URL", what)
+	case u.Scheme != "http" && u.Scheme != "https":
+		return fmt.Errorf("%s must be an http or https URL", what)
+	case u.Host == "" || u.Opaque != "":
+		return fmt.Errorf("%s must be an absolute URL with a host, such as https://tempo.example.com/trace/%s", what, TraceIDPlaceholder)
+	case u.User != nil:
+		return fmt.Errorf("%s must not carry a user or password: every reader of the console would see it", what)
 	}
 	return nil
 }
@@ -241,6 +289,8 @@ func New(pool *pgxpool.Pool, cfg Config) (*Console, error) {
 		"rowState":  rowState,
 		"dur":       duration,
 		"ranges":    ranges,
+		// replayable: the rows page's tick box for a replay.
+		"replayable": func(m schema.Mode, row runbook.Row) bool { return whyNoReplay(m, row) == "" },
 	}).ParseFS(templateFS, "templates/*.html")
 	if err != nil {
 		return nil, fmt.Errorf("console: templates: %w", err)
@@ -269,6 +319,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Console, error) {
 	mux.HandleFunc("POST /t/{table}/event/{id}/replay", h.replay)
 	mux.HandleFunc("POST /t/{table}/event/{id}/skip", h.skip)
 	mux.HandleFunc("POST /t/{table}/skip", h.bulkSkip)
+	mux.HandleFunc("POST /t/{table}/replay-ticked", h.bulkReplayTicked)
 	mux.HandleFunc("POST /t/{table}/replay", h.bulkReplay)
 	mux.HandleFunc("POST /t/{table}/topics/pause", func(w http.ResponseWriter, r *http.Request) { h.pauseTopic(w, r, false) })
 	mux.HandleFunc("POST /t/{table}/topics/resume", func(w http.ResponseWriter, r *http.Request) { h.pauseTopic(w, r, true) })
@@ -402,13 +453,25 @@ type page struct {
 	// CSRF is the session's CSRF token, "" without a session.
 	CSRF string
 	// Refresh is the seconds between the page's refreshes in place, 0
-	// for a page that does not refresh (forms, progress, errors).
+	// for a page that does not refresh.
 	Refresh int
+	// Follows is the seconds between the reads of a page that follows
+	// something itself (a bulk replay's progress), 0 for the others.
+	Follows int
 	Data    any
 }
 
-// refreshSeconds are the pages that refresh in place, and how often.
-var refreshSeconds = map[string]int{"overview.html": 2, "dead.html": 10, "held.html": 5, "topics.html": 5, "event.html": 5, "rows.html": 5, "relays.html": 5}
+// refreshSeconds are the pages that refresh in place, and how often: every
+// page that shows the table's state. The others are the login form,
+// refusals and the reports of a bulk action (a POST's answer: reading it
+// again would act again), and the bulk replay's progress, which follows
+// itself (followSeconds).
+var refreshSeconds = map[string]int{"overview.html": 2, "dead.html": 10, "held.html": 5, "topics.html": 5, "event.html": 5, "rows.html": 5, "relays.html": 5,
+	"preview.html": 5}
+
+// followSeconds are the pages that follow something themselves, and how
+// often; the header's pause toggle holds them too.
+var followSeconds = map[string]int{"job.html": 1}
 
 func (h *handler) render(w http.ResponseWriter, r *http.Request, name, title string, data any) {
 	h.renderStatus(w, r, http.StatusOK, name, title, data)
@@ -416,7 +479,7 @@ func (h *handler) render(w http.ResponseWriter, r *http.Request, name, title str
 
 func (h *handler) renderStatus(w http.ResponseWriter, r *http.Request, status int, name, title string, data any) {
 	id := identityOf(r)
-	p := page{Title: title, LoggedIn: id.role == roleAdmin, Reader: id.role == roleReader, Session: id.sess != nil, Data: data, Refresh: refreshSeconds[name]}
+	p := page{Title: title, LoggedIn: id.role == roleAdmin, Reader: id.role == roleReader, Session: id.sess != nil, Data: data, Refresh: refreshSeconds[name], Follows: followSeconds[name]}
 	p.CanLogIn = id.role == roleNone && h.authEnabled()
 	p.ReadOnly = !p.LoggedIn && !p.CanLogIn
 	if id.sess != nil {
@@ -548,11 +611,11 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, http.StatusInternalServerError, "Cannot read the event (see the console's log).", tablePath(t, "dead"), "the dead rows")
 		return
 	}
-	var payload string
-	if r.URL.Query().Get("payload") == "1" {
-		if err := h.pool.QueryRow(r.Context(), `SELECT payload::text FROM `+t.Sanitize()+` WHERE event_id = $1`, id).Scan(&payload); err != nil {
-			payload = "(cannot read the payload)"
-		}
+	extras, err := h.eventExtras(r.Context(), t, id, r.URL.Query().Get("payload") == "1")
+	if err != nil {
+		h.logger.Error("Console could not read an event's payload, headers or trace context", err, watermill.LogFields{"table": t.String()})
+		h.fail(w, r, http.StatusInternalServerError, "Cannot read the event (see the console's log).", tablePath(t, "dead"), "the dead rows")
+		return
 	}
 	mode, err := runbook.Mode(r.Context(), h.pool, t)
 	if err != nil {
@@ -573,10 +636,11 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 	h.render(w, r, "event.html", "Event "+id.String(), struct {
 		Table    string
 		Row      runbook.Row
-		Payload  string
+		X        eventExtras
 		Flash    string
 		NoReplay string
-	}{t.String(), row, payload, flash(r), noReplay})
+		TraceURL bool
+	}{t.String(), row, extras, flash(r), noReplay, h.cfg.TraceURL != ""})
 }
 
 // whyNoReplay says why runbook.ReplayEvent would refuse row in a table of
@@ -799,9 +863,10 @@ func plural(n any, one, many string) string {
 	return s + " " + many
 }
 
-// when renders a time the one way the console shows times: UTC ISO-8601
-// to the second, then how long ago (or in how long) relative to now, which
-// the script keeps current. A nil or zero time is "-".
+// when renders a time the one way the console shows times: how long ago
+// (or in how long) relative to now, "3m 12s ago", "in 40s", which the
+// script keeps current, with the exact time, UTC to the second, in its
+// title (and datetime). A nil or zero time is "-".
 func when(v any, now time.Time) template.HTML {
 	var t time.Time
 	switch x := v.(type) {
@@ -815,49 +880,59 @@ func when(v any, now time.Time) template.HTML {
 	if t.IsZero() {
 		return "-"
 	}
-	iso := t.UTC().Format(time.RFC3339)
+	u := t.UTC()
 	//nolint:gosec // an RFC 3339 time and a duration: no user text
-	return template.HTML(`<time datetime="` + iso + `" data-rel>` + iso + `</time> <span class="rel">(` + relative(now.Sub(t)) + `)</span>`)
+	return template.HTML(`<time datetime="` + u.Format(time.RFC3339) + `" title="` + u.Format(exactLayout) + `" data-rel>` + relative(now.Sub(t)) + `</time>`)
 }
 
-// relative writes an age d as "3m ago" ("in 3m" when negative), in the
-// largest unit or two: 45s, 3m, 2h 5m, 4d 1h.
+// exactLayout is how the title of a time shows it exactly.
+const exactLayout = "2006-01-02 15:04:05 UTC"
+
+// relative writes an age d as "3m 12s ago" ("in 3m 12s" when negative),
+// in its two largest units, leaving out a zero second one: 45s, 3m, 3m
+// 12s, 2h 5m, 4d 1h.
 func relative(d time.Duration) string {
 	future := d < 0
 	if future {
 		d = -d
 	}
-	s := int64(d.Round(time.Second) / time.Second)
-	var out string
-	switch {
-	case s < 60:
-		out = strconv.FormatInt(s, 10) + "s"
-	case s < 3600:
-		out = strconv.FormatInt(s/60, 10) + "m"
-	case s < 86400:
-		out = strconv.FormatInt(s/3600, 10) + "h"
-		if m := s / 60 % 60; m > 0 {
-			out += " " + strconv.FormatInt(m, 10) + "m"
-		}
-	default:
-		out = strconv.FormatInt(s/86400, 10) + "d"
-		if hr := s / 3600 % 24; hr > 0 {
-			out += " " + strconv.FormatInt(hr, 10) + "h"
-		}
-	}
+	out := span(int64(d.Round(time.Second) / time.Second))
 	if future {
 		return "in " + out
 	}
 	return out + " ago"
 }
 
-// duration writes an age in seconds readably: "2.5 s" under a minute,
-// else "3m", "2h 5m", "4d 1h".
-func duration(seconds float64) string {
-	if seconds < 60 {
-		return strconv.FormatFloat(seconds, 'f', 1, 64) + " s"
+// span writes s seconds in their two largest units: 45s, 3m 12s, 2h 5m,
+// 4d 1h (a zero second unit left out).
+func span(s int64) string {
+	units := []struct {
+		n    int64
+		name string
+	}{{86400, "d"}, {3600, "h"}, {60, "m"}, {1, "s"}}
+	for i, u := range units {
+		if s < u.n && u.n > 1 {
+			continue
+		}
+		out := strconv.FormatInt(s/u.n, 10) + u.name
+		if i+1 < len(units) {
+			next := units[i+1]
+			if rest := s % u.n / next.n; rest > 0 {
+				out += " " + strconv.FormatInt(rest, 10) + next.name
+			}
+		}
+		return out
 	}
-	return strings.TrimSuffix(relative(time.Duration(seconds*float64(time.Second))), " ago")
+	return "0s"
+}
+
+// duration writes an age in seconds readably: "2.5s" under 10 seconds,
+// else as span does: "45s", "3m 12s", "2h 5m", "4d 1h".
+func duration(seconds float64) string {
+	if tenths := math.Round(seconds * 10); tenths < 100 {
+		return strconv.FormatFloat(tenths/10, 'f', 1, 64) + "s"
+	}
+	return span(int64(math.Round(seconds)))
 }
 
 // ranges writes sorted partition numbers as ranges: "0–5, 9, 12–13".

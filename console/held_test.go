@@ -18,6 +18,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/console"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -114,6 +115,9 @@ func TestHeldKeysFilterAndBulkSkip(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+	if !strings.Contains(page.body, `<p id="held-mode">Ordered mode:`) || !strings.Contains(page.body, `<th id="position-heading">partition / sequence</th>`) {
+		t.Errorf("the held keys page of an ordered table does not say its mode or label the partition:\n%s", page.body)
+	}
 	if f := do(t, "GET", held+"?q=ALPHA", nil, auth); strings.Count(f.body, `class="pick"`) != 2 || !strings.Contains(f.body, "2 held keys match, of 3") {
 		t.Fatalf("filter alpha:\n%s", f.body)
 	}
@@ -169,5 +173,35 @@ func TestHeldKeysFilterAndBulkSkip(t *testing.T) {
 	form.Set("confirm", "1")
 	if r := do(t, "POST", srv.URL+"/t/"+tbl.String()+"/skip", form, auth); r.code != 409 || !strings.Contains(r.body, "1 refused") {
 		t.Fatalf("bulk skip of a row already skipped: %d\n%s", r.code, r.body)
+	}
+	// The ticked rows can be replayed too: the dead hold's row is retried
+	// (the relay fails it again, so it is dead again, later).
+	deadSince := func() time.Time {
+		t.Helper()
+		keys, err := runbook.HeldKeys(context.Background(), pool, tbl, 100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, k := range keys {
+			if k.Key == "beta-1" && k.DeadAt != nil {
+				return *k.DeadAt
+			}
+		}
+		return time.Time{}
+	}
+	before := deadSince()
+	if before.IsZero() {
+		t.Fatal("beta-1 is not a dead hold")
+	}
+	form.Set("event", first[2].String())
+	if r := do(t, "POST", srv.URL+"/t/"+tbl.String()+"/replay-ticked", form, auth); r.code != 200 || !strings.Contains(r.body, "1 row replayed") ||
+		!strings.Contains(r.body, `<a href="/t/`+tbl.String()+`/dead" id="back">`) {
+		t.Fatalf("replay of the ticked held row: %d\n%s", r.code, r.body)
+	}
+	for deadline := time.Now().Add(15 * time.Second); !deadSince().After(before); {
+		if time.Now().After(deadline) {
+			t.Fatal("the replayed held row was not tried again")
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/chromedp/chromedp"
+	"github.com/chromedp/chromedp/kb"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
@@ -35,10 +36,13 @@ func TestBrowserEveryPage(t *testing.T) {
 	deadWith(t, pool, tbl, "org.invoices.v1", `permanent: payload does not match schema "invoice.v1": missing field 'amount'`, 1)
 	msgs := make([]publisher.Message, 12)
 	for i := range msgs {
-		msgs[i] = publisher.Message{TenantID: uuid.New(), Topic: "org.orders.v1", EventID: uuid.New(), Payload: json.RawMessage(`{"order":42}`)}
+		msgs[i] = publisher.Message{TenantID: uuid.New(), Topic: "org.orders.v1", EventID: uuid.New(),
+			Payload: json.RawMessage(`{"order":{"id":42,"customer":"c-1842","lines":[{"sku":"A-7","qty":2},{"sku":"B-1","qty":1}]}}`),
+			Headers: map[string]string{"content-type": "application/json", "source": "checkout"}}
 	}
-	if err := pgx.BeginFunc(ctx0, pool, func(tx pgx.Tx) error {
-		_, err := publisher.EnqueueBatch(ctx0, tx, tbl, msgs)
+	traced := tracedContext(t) // the rows record the producer's span
+	if err := pgx.BeginFunc(traced, pool, func(tx pgx.Tx) error {
+		_, err := publisher.EnqueueBatch(traced, tx, tbl, msgs)
 		return err
 	}); err != nil {
 		t.Fatal(err)
@@ -53,7 +57,8 @@ WHERE event_id = $1`, msgs[0].EventID); err != nil {
 	const token = "every-page-browser-token"
 	// The charts sample every 125 ms over 10 s, so that the overview's
 	// screenshot shows them filled.
-	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl, otbl}, Token: token, ChartInterval: 125 * time.Millisecond, ChartWindow: 10 * time.Second})
+	h, err := console.New(pool, console.Config{Tables: []schema.Table{tbl, otbl}, Token: token, ChartInterval: 125 * time.Millisecond, ChartWindow: 10 * time.Second,
+		TraceURL: "https://tempo.example.com/trace/{trace_id}"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -67,6 +72,9 @@ WHERE event_id = $1`, msgs[0].EventID); err != nil {
 		chromedp.Navigate(srv.URL+"/"),
 		chromedp.WaitVisible(`#need-login`),
 	)
+	if still, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`!document.querySelector("main[data-refresh]") && !document.getElementById("refresh-toggle")`)); err != nil || !still {
+		t.Errorf("the login form refreshes (%v)", err)
+	}
 	screenshot(t, ctx, "login")
 	steps(t, ctx, "the overview",
 		chromedp.SendKeys(`input[name="token"]`, token),
@@ -99,7 +107,27 @@ WHERE event_id = $1`, msgs[0].EventID); err != nil {
 	if !strings.Contains(ticked, "3 ticked") {
 		t.Errorf("ticking every row shows %q", ticked)
 	}
+	// Both bulk buttons are on screen; a WAL table's page is checked in
+	// TestConsoleOnWALTable, this ordered one says its mode.
+	offscreen, err = chromedp.Run(ctx, chromedp.Evaluate[int](`["skip-ticked", "replay-ticked"].filter(function (id) {
+  var b = document.getElementById(id); if (!b) { return true; } var r = b.getBoundingClientRect(); return r.right > window.innerWidth || r.width === 0; }).length`))
+	if err != nil || offscreen != 0 {
+		t.Errorf("%d of the bulk Skip and Replay buttons missing or off screen (%v)", offscreen, err)
+	}
+	if mode, _ := chromedp.Run(ctx, chromedp.Text(`#held-mode`)); !strings.HasPrefix(mode, "Ordered mode:") {
+		t.Errorf("the held keys page of an ordered table says %q", mode)
+	}
 	screenshot(t, ctx, "held")
+	// Enter in the count submits nothing (it used to fire the first row's
+	// Replay button, the form's first).
+	heldURL, _ := chromedp.Run(ctx, chromedp.Location())
+	steps(t, ctx, "Enter in the count", chromedp.SendKeys(`#ticked-confirm`, "3"+kb.Enter), chromedp.Sleep(time.Second))
+	if loc, _ := chromedp.Run(ctx, chromedp.Location()); loc != heldURL {
+		t.Fatalf("Enter in the held keys page's count submitted the form: now at %s", loc)
+	}
+	if n, err := chromedp.Run(ctx, chromedp.Evaluate[int](`document.querySelectorAll("button.skip").length`)); err != nil || n != 3 {
+		t.Fatalf("after Enter in the count, %d Skip buttons (%v)", n, err)
+	}
 
 	pages := []struct{ shot, path, wait string }{
 		{"overview", "/", `#overview`},
@@ -123,7 +151,30 @@ WHERE event_id = $1`, msgs[0].EventID); err != nil {
 		if wide, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`document.documentElement.scrollWidth > window.innerWidth`)); err != nil || wide {
 			t.Errorf("%s scrolls sideways at 1366 px (%v)", p.path, err)
 		}
+		// Every page that shows the table's state refreshes, with the
+		// toggle; a refusal does not.
+		if toggle, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`!!document.getElementById("refresh-toggle") && !document.getElementById("refresh-toggle").hidden && !!document.querySelector("main[data-refresh]")`)); err != nil || toggle != (p.shot != "error") {
+			t.Errorf("%s: auto-refresh with its toggle %v (%v), want %v", p.path, toggle, err, p.shot != "error")
+		}
+		// Every time says how long ago, the exact time in its title.
+		bad, err := chromedp.Run(ctx, chromedp.Evaluate[[]string](`Array.from(document.querySelectorAll("time")).filter(function (el) {
+  return !/^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$/.test(el.title) || !/^(\d+[dhms]( \d+[dhms])? ago|in \d+[dhms]( \d+[dhms])?)$/.test(el.textContent);
+}).map(function (el) { return el.outerHTML; })`))
+		if err != nil || len(bad) != 0 {
+			t.Errorf("%s: times not readable with their exact time in the title: %v (%v)", p.path, bad, err)
+		}
+		if p.shot == "event" {
+			x, err := chromedp.Run(ctx, chromedp.Evaluate[[]string](`[document.getElementById("trace-id").textContent, document.getElementById("trace-link").href,
+  document.querySelectorAll("#headers tr.header").length + "", document.getElementById("payload").textContent.split("\n").length + ""]`))
+			if err != nil || len(x) != 4 || x[0] != testTraceID || x[1] != "https://tempo.example.com/trace/"+testTraceID || x[2] != "2" || x[3] != "16" {
+				t.Errorf("the event page's trace, link, headers and payload lines: %v (%v)", x, err)
+			}
+		}
 		screenshot(t, ctx, p.shot)
+	}
+	// The script writes ages as the server does.
+	if ages, err := chromedp.Run(ctx, chromedp.Evaluate[string](`ago(new Date(Date.now() - 192000)) + "|" + ago(new Date(Date.now() + 40400)) + "|" + ago(new Date(Date.now() - 93600000))`)); err != nil || ages != "3m 12s ago|in 40s|1d 2h ago" {
+		t.Errorf("the script's ages %q (%v)", ages, err)
 	}
 
 	// The overview refreshes in place; paused, it does not; a banner says

@@ -301,9 +301,14 @@ func TestConsoleOnWALTable(t *testing.T) {
 		}
 	}
 
-	// The held keys.
+	// The held keys, labelled for the WAL relay: no partition.
+	heldPage := get("/t/" + name + "/held")
+	if !strings.Contains(heldPage, `<p id="held-mode">WAL mode:`) || !strings.Contains(heldPage, `<th id="position-heading">sequence</th>`) ||
+		strings.Contains(heldPage, "partition") || strings.Contains(heldPage, "Ordered mode") {
+		t.Errorf("the held keys page of a WAL table is not labelled for it:\n%s", heldPage)
+	}
 	var keys []string
-	for _, m := range heldKeyRow.FindAllStringSubmatch(get("/t/"+name+"/held"), -1) {
+	for _, m := range heldKeyRow.FindAllStringSubmatch(heldPage, -1) {
 		keys = append(keys, m[1])
 	}
 	if fmt.Sprint(keys) != "[held]" || len(heldKeys) != 1 || heldKeys[0].Key != "held" || heldKeys[0].EventID != held[0].String() {

@@ -58,6 +58,7 @@ type consoleConfig struct {
 	publicRead   bool
 	allowedHosts []string
 	trustProxy   bool
+	traceURL     string
 	tables       []schema.Table
 }
 
@@ -91,6 +92,11 @@ func loadConsoleConfig(env Env, relayTables []schema.Table, standalone bool) (co
 				return c, fmt.Errorf("%w: OUTBOX_CONSOLE_ALLOWED_HOSTS: %q is not a host name; list names without scheme or port, e.g. console.example.com", errUsage, h)
 			}
 			c.allowedHosts = append(c.allowedHosts, h)
+		}
+	}
+	if c.traceURL = strings.TrimSpace(env.String("OUTBOX_CONSOLE_TRACE_URL", "")); c.traceURL != "" {
+		if err := console.CheckTraceURL(c.traceURL); err != nil {
+			return c, fmt.Errorf("%w: %w", errUsage, err)
 		}
 	}
 	c.token = env.String("OUTBOX_CONSOLE_TOKEN", "")
@@ -151,7 +157,7 @@ func (s consoleServer) Shutdown(ctx context.Context) error {
 // serveConsole starts the console's HTTP server on c.addr.
 func serveConsole(pool *pgxpool.Pool, c consoleConfig, logger watermill.LoggerAdapter, stdout io.Writer) (consoleServer, error) {
 	h, err := console.New(pool, console.Config{Tables: c.tables, Token: c.token, ReadToken: c.readToken, PublicRead: c.publicRead,
-		Addr: c.addr, AllowedHosts: c.allowedHosts, TrustProxy: c.trustProxy, Logger: logger, ChartInterval: console.ChartIntervalDaemon})
+		Addr: c.addr, AllowedHosts: c.allowedHosts, TrustProxy: c.trustProxy, TraceURL: c.traceURL, Logger: logger, ChartInterval: console.ChartIntervalDaemon})
 	if err != nil {
 		return consoleServer{}, err
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
 	"regexp"
@@ -185,8 +186,9 @@ func get(t *testing.T, u string, hdr map[string]string) (int, string) {
 }
 
 // TestConsoleEnvironment: OUTBOX_CONSOLE_* become the console's settings;
-// --read-only keeps a set token guarding the reads; short tokens and bad
-// host names are refused with the fix.
+// --read-only keeps a set token guarding the reads; short tokens, bad
+// host names and trace URLs that are not http(s) with {trace_id} are
+// refused with the fix.
 func TestConsoleEnvironment(t *testing.T) {
 	t.Parallel()
 	tbl := testdb.Table(t, "outbox")
@@ -211,14 +213,24 @@ func TestConsoleEnvironment(t *testing.T) {
 		t.Fatalf("a read token on an open address: %+v, %v", c, err)
 	}
 	for name, e := range map[string]Env{
-		"short token":      env("OUTBOX_CONSOLE_TOKEN", "x"),
-		"short read token": env("OUTBOX_CONSOLE_READ_TOKEN", "abc"),
-		"host with scheme": env("OUTBOX_CONSOLE_ALLOWED_HOSTS", "https://console.example.com"),
-		"bad bool":         env("OUTBOX_CONSOLE_PUBLIC_READ", "yes please"),
+		"short token":                  env("OUTBOX_CONSOLE_TOKEN", "x"),
+		"short read token":             env("OUTBOX_CONSOLE_READ_TOKEN", "abc"),
+		"host with scheme":             env("OUTBOX_CONSOLE_ALLOWED_HOSTS", "https://console.example.com"),
+		"bad bool":                     env("OUTBOX_CONSOLE_PUBLIC_READ", "yes please"),
+		"trace URL without {trace_id}": env("OUTBOX_CONSOLE_TRACE_URL", "https://tempo.example.com/trace/"),
+		"trace URL not http":           env("OUTBOX_CONSOLE_TRACE_URL", "javascript:alert(1)//{trace_id}"),
 	} {
 		if _, err := loadConsoleConfig(e, nil, true); err == nil {
 			t.Errorf("%s: accepted", name)
 		}
+	}
+	if c, err = loadConsoleConfig(env("OUTBOX_CONSOLE_TRACE_URL", " https://tempo.example.com/trace/{trace_id} "), nil, true); err != nil ||
+		c.traceURL != "https://tempo.example.com/trace/{trace_id}" {
+		t.Fatalf("trace URL: %+v, %v", c, err)
+	}
+	if _, err = loadConsoleConfig(env("OUTBOX_CONSOLE_TRACE_URL", "ftp://tempo.example.com/{trace_id}"), nil, true); !errors.Is(err, errUsage) ||
+		!strings.Contains(err.Error(), "OUTBOX_CONSOLE_TRACE_URL") || !strings.Contains(err.Error(), "http or https") {
+		t.Errorf("an ftp trace URL: %v", err)
 	}
 	_, err = loadConsoleConfig(env("OUTBOX_CONSOLE_TOKEN", "x"), nil, true)
 	if err == nil || !strings.Contains(err.Error(), "at least 16 bytes") || !strings.Contains(err.Error(), "openssl rand") {

@@ -46,6 +46,7 @@ var relayVars = [][3]string{
 	{"OUTBOX_CONSOLE_PUBLIC_READ", "false", "anyone who reaches the console reads it; OUTBOX_CONSOLE_TOKEN still guards the actions"},
 	{"OUTBOX_CONSOLE_ALLOWED_HOSTS", "(none)", "more Host header names the console answers to, comma-separated (e.g. the name your proxy serves)"},
 	{"OUTBOX_CONSOLE_TRUST_PROXY", "false", "trust X-Forwarded-Proto and X-Forwarded-For of a proxy in front (Secure cookie, login slow-down per client)"},
+	{"OUTBOX_CONSOLE_TRACE_URL", "(none)", "link the event page's trace id to your tracing UI: an http(s) URL with {trace_id}, e.g. https://tempo.example.com/trace/{trace_id}"},
 	{"OTEL_EXPORTER_OTLP_ENDPOINT", "(off)", "export relay spans over OTLP/HTTP; the standard OTEL_* variables apply"},
 }
 
