@@ -209,6 +209,13 @@ func runSpill(t *testing.T, c spillCase) {
 			held[0].Attempts != 1 || held[0].LastError == nil || held[0].DeadAt != nil {
 			t.Fatalf("held keys while the hot head waits: %+v, want hot retrying at its head, 1 attempt, its error", held)
 		}
+		st, err := runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Retrying != 1 || st.HeldKeys != 1 || st.DeadHeldKeys != 0 {
+			t.Fatalf("stats while the hot head waits: retrying %d, held keys %d, dead held keys %d; want 1, 1, 0", st.Retrying, st.HeldKeys, st.DeadHeldKeys)
+		}
 	}
 	if c.fault != nil {
 		s = c.fault(t, pool, tbl, s, l, head)
