@@ -1946,9 +1946,8 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool
 // (schema.WALQueries.Spill, fenced, with the head's attempts and last
 // error on its row); then the key's rows leave memory, settled in the
 // stream as parked rows, and the hold retries at the head's retry time.
-// It reports whether the key was spilled; a key that cannot be (no
-// ordering key, its head a replay, its key held by a dead row) or a
-// failed write leaves q as it is.
+// It reports whether the key was spilled; a key that cannot be
+// (spillable) or a failed write leaves q as it is.
 func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
 	if !st.spillable(q) || time.Now().Before(st.spillPause) {
 		return false
@@ -1995,15 +1994,22 @@ func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
 
 // spillable reports whether q's backlog can be spilled: the relay is not
 // stopping, the table has the retrying column, q's head waits for its
-// retry, has an ordering key, is not an operator's replay (the key's rows
-// after it may have been delivered), and its key is not held by a dead row.
+// retry and has an ordering key, no queued row is an operator's replay (a
+// replayed head's later rows may have been delivered, and a replayed row
+// behind the head may come before it in sequence order: the retry reads
+// neither back), and its key is not held by a dead row.
 func (st *stream) spillable(q *keyQueue) bool {
 	if !st.s.spills || st.draining || !q.backoff || q.inFlight || len(q.items) == 0 {
 		return false
 	}
 	head := q.items[0]
-	if k := head.row.OrderingKey; k == nil || *k == "" || head.replay {
+	if k := head.row.OrderingKey; k == nil || *k == "" {
 		return false
+	}
+	for _, it := range q.items {
+		if it.replay {
+			return false
+		}
 	}
 	h := st.holdOf(head)
 	return h == nil || h.released || h.draining
