@@ -217,6 +217,7 @@ func runSpill(t *testing.T, c spillCase) {
 			t.Fatalf("stats while the hot head waits: retrying %d, held keys %d, dead held keys %d; want 1, 1, 0", st.Retrying, st.HeldKeys, st.DeadHeldKeys)
 		}
 	}
+	first := s
 	if c.fault != nil {
 		s = c.fault(t, pool, tbl, s, l, head)
 	}
@@ -230,6 +231,11 @@ func runSpill(t *testing.T, c spillCase) {
 		return err == nil && len(held) == 0
 	})
 
+	// A write refused by the fence spilled nothing; one that passed it did
+	// (the next session retried the hold it wrote).
+	if n := walrelay.Spilled(first); (c.phase == "before" && n != 0) || (c.phase != "before" && n < 1) {
+		t.Errorf("%d keys spilled by the relay", n)
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if len(l.overlap) > 0 {
