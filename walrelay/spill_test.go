@@ -314,3 +314,113 @@ func TestWALSpillSurvivesARestart(t *testing.T) {
 		return next
 	}})
 }
+
+// TestWALHoldsTableWithoutRetryingColumn: a holds table created before the
+// retrying column keeps working. The runbook reads its holds; a relay
+// whose role does not own the table (it may not add the column) relays as
+// before, retries in memory without spilling, and parks a dead row's key;
+// a relay whose role owns it adds the column in New.
+func TestWALHoldsTableWithoutRetryingColumn(t *testing.T) {
+	t.Parallel()
+	pool, tbl, pg := clusterPG(t)
+	ctx := context.Background()
+	has := func() bool {
+		var ok bool
+		if err := pool.QueryRow(ctx, schema.WALHoldsHaveRetrying(tbl)).Scan(&ok); err != nil {
+			t.Fatal(err)
+		}
+		return ok
+	}
+	for _, sql := range []string{
+		`ALTER TABLE ` + tbl.WALHoldsTable() + ` DROP COLUMN retrying`,
+		`CREATE ROLE relayer LOGIN REPLICATION`,
+		`GRANT ALL ON ALL TABLES IN SCHEMA public TO relayer`,
+		`GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO relayer`,
+	} {
+		if _, err := pool.Exec(ctx, sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if held, err := runbook.HeldKeys(ctx, pool, tbl, 10); err != nil || len(held) != 0 {
+		t.Fatalf("held keys of a holds table without the column: %v, %v", held, err)
+	}
+	cfg, err := pgxpool.ParseConfig(pg.URL("", ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.User = "relayer"
+	limited, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(limited.Close)
+
+	l := newSpillLog()
+	keys := []string{"dead"}
+	for range 3 * spillInFlight {
+		keys = append(keys, "hot")
+	}
+	ids := l.enqueue(t, pool, tbl, keys...)
+	dead, head := ids[0], ids[1]
+	s := relay(t, limited, tbl, func(c *walrelay.Config) {
+		spillConfig(c)
+		c.Backoff = func(int) time.Duration { return 300 * time.Millisecond }
+	})
+	if has() {
+		t.Fatal("a relay whose role does not own the holds table added the column")
+	}
+	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	handed := map[string]int{}
+	var hot []int64
+	go func() {
+		for msg := range ch {
+			mu.Lock()
+			handed[msg.UUID]++
+			n := handed[msg.UUID]
+			mu.Unlock()
+			switch {
+			case msg.UUID == dead.String():
+				subscriber.RecordError(msg, subscriber.Permanent(errors.New("poison")))
+				msg.Nack()
+			case msg.UUID == head.String() && n == 1:
+				subscriber.RecordError(msg, errors.New("transient"))
+				msg.Nack()
+			default:
+				seq, _ := strconv.ParseInt(msg.Metadata.Get(schema.MetadataSequence), 10, 64)
+				mu.Lock()
+				hot = append(hot, seq)
+				mu.Unlock()
+				msg.Ack()
+			}
+		}
+	}()
+	waitFor(t, 20*time.Second, "the hot key's rows acked and the dead row held", func() bool {
+		mu.Lock()
+		n := len(hot)
+		mu.Unlock()
+		held, err := runbook.HeldKeys(ctx, pool, tbl, 10)
+		return n == len(ids)-1 && err == nil && len(held) == 1 && held[0].Key == "dead" && held[0].State == runbook.HoldDead
+	})
+	mu.Lock()
+	if !slices.IsSorted(hot) || handed[head.String()] != 2 {
+		t.Errorf("hot key: sequences in order %v, head handed %d times (want 2)", slices.IsSorted(hot), handed[head.String()])
+	}
+	mu.Unlock()
+	if n := walrelay.Spilled(s); n != 0 {
+		t.Errorf("%d keys spilled without the retrying column", n)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	relay(t, pool, tbl, nil)
+	if !has() {
+		t.Fatal("a relay whose role owns the holds table did not add the column")
+	}
+	if held, err := runbook.HeldKeys(ctx, pool, tbl, 10); err != nil || len(held) != 1 || held[0].State != runbook.HoldDead {
+		t.Fatalf("held keys after the column was added: %+v, %v", held, err)
+	}
+}
