@@ -38,6 +38,7 @@ type spillLog struct {
 	seqs      map[string][]int64 // key -> sequences of first acks, in ack order
 	inHand    map[string]int
 	overlap   []string
+	attempts  []string      // the attempts metadata of the head's deliveries
 	failed    chan struct{} // closed at the hot head's first failure
 	failOnce  sync.Once
 }
@@ -66,6 +67,9 @@ func (l *spillLog) consume(t *testing.T, s message.Subscriber, head uuid.UUID) {
 				}
 				l.inHand[key]++
 				l.handed[msg.UUID]++
+				if msg.UUID == head.String() {
+					l.attempts = append(l.attempts, msg.Metadata.Get(schema.MetadataAttempts))
+				}
 				fail := msg.UUID == head.String() && l.handed[msg.UUID] == 1
 				l.mu.Unlock()
 				time.Sleep(time.Millisecond)
@@ -238,6 +242,15 @@ func runSpill(t *testing.T, c spillCase) {
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	// The head's attempts go on across a spill (written on its row), and
+	// start again after a cut that refused the spill (in memory only).
+	wantAttempts := []string{"1", "2"}
+	if c.phase == "before" {
+		wantAttempts = []string{"1", "1"}
+	}
+	if !slices.Equal(l.attempts, wantAttempts) {
+		t.Errorf("the head's deliveries had attempts %v, want %v", l.attempts, wantAttempts)
+	}
 	if len(l.overlap) > 0 {
 		t.Errorf("a key handed over while a message of it was in a handler: %v", l.overlap)
 	}
