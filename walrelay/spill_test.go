@@ -437,3 +437,64 @@ func TestWALHoldsTableWithoutRetryingColumn(t *testing.T) {
 		t.Fatalf("held keys after the column was added: %+v, %v", held, err)
 	}
 }
+
+// TestWALSpilledHeadGoesDead: a spilled key's head fails again at its retry,
+// for good: the retrying hold becomes dead at the head (listed dead, the
+// row dead), its key's rows stay parked; a skip then delivers them in
+// order, never the head.
+func TestWALSpilledHeadGoesDead(t *testing.T) {
+	t.Parallel()
+	pool, tbl := cluster(t)
+	ctx := context.Background()
+	keys := make([]string, 3*spillInFlight)
+	for i := range keys {
+		keys[i] = "hot"
+	}
+	ids := enqueue(t, pool, tbl, keys...)
+	head := ids[0]
+	s := relay(t, pool, tbl, func(c *walrelay.Config) {
+		spillConfig(c)
+		c.Backoff = func(int) time.Duration { return 300 * time.Millisecond }
+	})
+	var mu sync.Mutex
+	handed := map[string]int{}
+	var acked []int64
+	rec := newRecorder()
+	rec.consume(t, s, func(msg *message.Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		handed[msg.UUID]++
+		if msg.UUID != head.String() {
+			seq, _ := strconv.ParseInt(msg.Metadata.Get(schema.MetadataSequence), 10, 64)
+			acked = append(acked, seq)
+			return nil
+		}
+		if handed[msg.UUID] == 1 {
+			return errors.New("transient")
+		}
+		return subscriber.Permanent(errors.New("poison"))
+	})
+	waitFor(t, 15*time.Second, "the head dead and holding its key", func() bool {
+		held, err := runbook.HeldKeys(ctx, pool, tbl, 10)
+		return err == nil && len(held) == 1 && held[0].State == runbook.HoldDead && held[0].EventID == head.String() && held[0].DeadAt != nil
+	})
+	if n := walrelay.Spilled(s); n < 1 {
+		t.Fatalf("%d keys spilled, want the hot key", n)
+	}
+	time.Sleep(300 * time.Millisecond)
+	mu.Lock()
+	early := len(acked)
+	mu.Unlock()
+	if early != 0 {
+		t.Fatalf("%d rows of the key delivered while its head is dead", early)
+	}
+	if _, err := runbook.SkipEvent(ctx, pool, tbl, head, false); err != nil {
+		t.Fatal(err)
+	}
+	rec.waitAcked(t, ids[1:], 15*time.Second)
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.IsSorted(acked) || len(acked) != len(ids)-1 || handed[head.String()] != 2 {
+		t.Errorf("after the skip: %d acks, in order %v, head handed %d times; want %d, in order, 2", len(acked), slices.IsSorted(acked), handed[head.String()], len(ids)-1)
+	}
+}
