@@ -23,9 +23,12 @@ type HoldState int
 // The hold states. Each says what the relay does next and whether it waits
 // for an operator.
 const (
-	// HoldRetrying (ordered mode only): the held row failed and is tried
-	// again at AvailableAt; the key's later rows wait. The WAL relay keeps
-	// retries in memory and writes no hold before the row is dead.
+	// HoldRetrying: the held row failed and is tried again; the key's
+	// later rows wait. Ordered mode: at AvailableAt. WAL: the relay keeps
+	// a retry in memory and writes this hold only when the key's backlog
+	// behind the retrying row grows past its read-ahead (the rows are
+	// spilled to the table); it retries the row at its backoff, or at once
+	// after a restart, and a replay delivers it now.
 	HoldRetrying HoldState = iota + 1
 	// HoldDead: the held row failed for good (MaxAttempts, or a permanent
 	// error); the key waits for an operator: replay or skip.
@@ -108,14 +111,13 @@ func ParseHoldState(word string) (HoldState, error) {
 }
 
 // In reports whether mode m has the state: ordered mode has every state but
-// draining, the WAL relay every state but retrying; the default mode holds
-// no key.
+// draining, the WAL relay every state; the default mode holds no key.
 func (s HoldState) In(m schema.Mode) bool {
 	switch m {
 	case schema.ModeOrdered:
 		return s != HoldDraining && s.valid()
 	case schema.ModeWAL:
-		return s != HoldRetrying && s.valid()
+		return s.valid()
 	}
 	return false
 }

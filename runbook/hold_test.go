@@ -24,7 +24,7 @@ import (
 // whether ordered mode and the WAL relay have it, and whether a skip and a
 // replay are allowed. The lifecycle tests hold the runbook to it.
 var wantRules = map[runbook.HoldState]struct{ ordered, wal, skip, replay bool }{
-	runbook.HoldRetrying:      {ordered: true, wal: false, skip: true, replay: true},
+	runbook.HoldRetrying:      {ordered: true, wal: true, skip: true, replay: true},
 	runbook.HoldDead:          {ordered: true, wal: true, skip: true, replay: true},
 	runbook.HoldSkipRequested: {ordered: true, wal: true, skip: false, replay: false},
 	runbook.HoldReplay:        {ordered: true, wal: true, skip: true, replay: false},

@@ -46,10 +46,12 @@ func walCluster(t *testing.T) (*pgxpool.Pool, schema.Table) {
 }
 
 // TestHoldLifecycleWAL drives, with a real WAL relay, a hold into every
-// state the WAL relay has (dead: a permanent error; replay: the dead row
-// replayed and held in its handler; draining: a dead row replayed and
-// acked, its parked row held in its handler; skip_requested: a skip while
-// no relay runs), checks that HeldKeys reports each, and that skip and
+// state the WAL relay has (retrying: a transient nack with an hour's
+// backoff and more than MaxInFlight rows of its key behind it, spilled to
+// the hold; dead: a permanent error; replay: the dead row replayed and
+// held in its handler; draining: a dead row replayed and acked, its parked
+// row held in its handler; skip_requested: a skip while no relay runs),
+// checks that HeldKeys reports each, and that skip and
 // replay are accepted or refused exactly per the rules table, with nothing
 // changed on a refusal. The resolved state (a tombstone) is written with
 // SQL: the relay forgets it at the status tick its confirmed position
@@ -58,7 +60,7 @@ func TestHoldLifecycleWAL(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, tbl := walCluster(t)
-	keys := []string{"d1", "d2", "k", "k", "p", "p", "g", "g", "x"}
+	keys := []string{"d1", "d2", "k", "k", "p", "p", "g", "g", "x", "r", "r", "r", "r", "r", "r", "q", "q", "q", "q", "q", "q"}
 	msgs := make([]publisher.Message, len(keys))
 	ids := make([]uuid.UUID, len(keys))
 	for i, k := range keys {
@@ -73,10 +75,12 @@ func TestHoldLifecycleWAL(t *testing.T) {
 	}
 	d1, d2, k, p, g, gNext, x := ids[0], ids[1], ids[2], ids[4], ids[6], ids[7], ids[8]
 	dies := map[uuid.UUID]bool{d1: true, d2: true, k: true, p: true, g: true, x: true}
+	r, q := ids[9], ids[15] // their first delivery fails, and they wait an hour: their keys' rows are spilled
+	retries := map[uuid.UUID]bool{r: true, q: true}
 	release := make(chan struct{})
 	inHandler := make(chan uuid.UUID, 16)
 	s, err := walrelay.New(ctx, pool, walrelay.Config{Table: tbl, StatusInterval: 100 * time.Millisecond, ElectionInterval: 100 * time.Millisecond,
-		CloseTimeout: time.Second, Backoff: func(int) time.Duration { return 20 * time.Millisecond }}, watermill.NopLogger{})
+		CloseTimeout: time.Second, MaxInFlight: 4, Backoff: func(int) time.Duration { return time.Hour }}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -92,6 +96,8 @@ func TestHoldLifecycleWAL(t *testing.T) {
 		switch {
 		case dies[id] && n == 0:
 			return subscriber.Permanent(errors.New("poison"))
+		case retries[id] && n == 0:
+			return errors.New("transient")
 		case id == p || id == gNext: // the replay of p, and g's parked row as its hold drains
 			select {
 			case inHandler <- id:
@@ -106,8 +112,8 @@ func TestHoldLifecycleWAL(t *testing.T) {
 		return nil
 	})
 	want := map[string]runbook.HoldState{"d1": runbook.HoldDead, "d2": runbook.HoldDead, "k": runbook.HoldDead,
-		"p": runbook.HoldDead, "g": runbook.HoldDead, "x": runbook.HoldDead}
-	waitUntil(t, 20*time.Second, "six dead holds", func() bool { return sameStates(holdStates(t, pool, tbl, false), want) })
+		"p": runbook.HoldDead, "g": runbook.HoldDead, "x": runbook.HoldDead, "r": runbook.HoldRetrying, "q": runbook.HoldRetrying}
+	waitUntil(t, 20*time.Second, "six dead holds and two retrying", func() bool { return sameStates(holdStates(t, pool, tbl, false), want) })
 
 	for _, id := range []uuid.UUID{p, g} {
 		if rep, err := runbook.ReplayEvent(ctx, pool, tbl, id, runbook.ReplayOptions{}); err != nil || rep.Changed != 1 {
@@ -198,6 +204,8 @@ func TestHoldLifecycleWAL(t *testing.T) {
 		{d2, runbook.OpReplay, "d2", runbook.HoldReplay},
 		{p, runbook.OpSkip, "p", runbook.HoldSkipRequested},
 		{x, runbook.OpReplay, "x", runbook.HoldResolved},
+		{r, runbook.OpSkip, "r", runbook.HoldSkipRequested},
+		{q, runbook.OpReplay, "q", runbook.HoldRetrying},
 	} {
 		var changed int64
 		if a.op == runbook.OpSkip {
@@ -221,7 +229,7 @@ func TestHoldLifecycleWAL(t *testing.T) {
 	if got := holdStates(t, pool, tbl, true); !sameStates(got, withResolved) {
 		t.Fatalf("holds after the accepted actions: %v, want %v", got, withResolved)
 	}
-	for _, id := range []uuid.UUID{d2, x} {
+	for _, id := range []uuid.UUID{d2, x, q} {
 		if st := state(t, pool, tbl, id); st.Dead || st.Attempts != 0 {
 			t.Errorf("replayed row %s not reset: %+v", id, st)
 		}
@@ -239,9 +247,11 @@ func TestHoldLifecycleWAL(t *testing.T) {
 		t.Fatalf("the guarded statements changed a hold that moved on:\n%s\n%s", before, after)
 	}
 
-	// A relay applies the accepted actions: the skipped dead rows are never
-	// delivered and their keys' parked rows are; the replayed rows are
-	// delivered; g's drain restarts and ends; no key stays held. (p's row,
+	// A relay applies the accepted actions: the skipped dead rows (and r's
+	// skipped retrying row) are never delivered and their keys' parked
+	// rows are; the replayed rows are delivered (q's retrying row too, then
+	// its key's spilled rows); g's drain restarts and ends; no key stays
+	// held. (p's row,
 	// skipped while its replay was pending, is not checked: a copy the
 	// stream already carries may still be delivered.)
 	s2, err := walrelay.New(ctx, pool, walrelay.Config{Table: tbl, StatusInterval: 100 * time.Millisecond, ElectionInterval: 100 * time.Millisecond,
@@ -254,12 +264,12 @@ func TestHoldLifecycleWAL(t *testing.T) {
 	kNext, pNext := ids[3], ids[5]
 	waitUntil(t, 20*time.Second, "the actions applied", func() bool {
 		done := len(holdStates(t, pool, tbl, false)) == 0
-		for _, id := range []uuid.UUID{kNext, pNext, gNext, d2, x} {
+		for _, id := range append([]uuid.UUID{kNext, pNext, gNext, d2, x}, ids[10:]...) {
 			done = done && c2.count(c2.acked, id) >= 1
 		}
 		return done
 	})
-	for _, id := range []uuid.UUID{d1, k} {
+	for _, id := range []uuid.UUID{d1, k, r} {
 		if n := c2.count(c2.delivers, id); n != 0 {
 			t.Errorf("skipped row %s delivered %d times", id, n)
 		}

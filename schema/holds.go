@@ -25,16 +25,26 @@ const OrderedHoldStateSQL = `CASE WHEN h.resolved_at IS NOT NULL THEN '` + HoldW
 
 // WALHoldStateSQL is the state of the WAL relay's hold h (a row of
 // <table>_wal_holds aliased as h) of table t: resolved (released, a
-// tombstone), draining, skip_requested, replay (the held row is no longer
-// dead: an operator's replay reset it and the relay delivers it again),
-// else dead. The WAL relay writes a hold only when its row is dead, so it
-// has no retrying state.
+// tombstone), draining, skip_requested, retrying (the held row is not
+// dead: it failed and waits for its retry, its key's backlog spilled to
+// the table), replay (the held row is no longer dead: an operator's replay
+// reset it and the relay delivers it again), else dead. A holds table
+// created before the retrying column has no retrying hold
+// (WALRetryingSQL).
 func WALHoldStateSQL(t Table) string {
 	return `CASE WHEN h.released THEN '` + HoldWordResolved + `'
   WHEN h.draining THEN '` + HoldWordDraining + `'
   WHEN h.skip_requested_at IS NOT NULL THEN '` + HoldWordSkipRequested + `'
+  WHEN ` + WALRetryingSQL("h") + ` THEN '` + HoldWordRetrying + `'
   WHEN EXISTS (SELECT 1 FROM ` + t.Sanitize() + ` AS hr WHERE hr.event_id = h.event_id AND hr.published_at IS NULL AND hr.dead_at IS NULL) THEN '` + HoldWordReplay + `'
   ELSE '` + HoldWordDead + `' END`
+}
+
+// WALRetryingSQL is the retrying column of the WAL hold aliased alias, or
+// false for a holds table created before the column: the runbook's
+// statements read either.
+func WALRetryingSQL(alias string) string {
+	return `COALESCE((to_jsonb(` + alias + `) ->> 'retrying')::boolean, false)`
 }
 
 // HoldList lists up to $1 holds for the runbook, oldest first, the

@@ -95,8 +95,10 @@ func (q StateQueries) walHorizonAge() string {
 
 // walParked is the condition, on a row o and its key's WAL hold w (LEFT
 // JOIN, NULL when none), that o is parked behind the key's held row: the
-// hold is not released and o comes after the held row.
-const walParked = `COALESCE(NOT w.released AND o.sequence > w.sequence, false)`
+// hold is not released and o comes after the held row, or o is the held
+// row of a retrying hold (not dead: the relay delivers it from the table
+// at its retry).
+var walParked = `COALESCE(NOT w.released AND (o.sequence > w.sequence OR (o.sequence = w.sequence AND ` + WALRetryingSQL("w") + `)), false)`
 
 // walHoldJoin joins a row o to its key's WAL hold w, or to nothing when
 // the table has no ordering column.
@@ -158,7 +160,7 @@ func (q StateQueries) classified(src string) string {
 		hold := q.walHoldJoin()
 		return `SELECT o.id, o.row_xmin, o.sequence, o.event_id, o.topic, o.tenant_id, o.attempts, o.created_at,
     NULLIF(o.available_at, 'infinity') AS available_at, o.locked_at, o.published_at, o.last_error, o.dead_at,
-    ` + key + ` AS ordering_key, d.done, false AS skipped, f.holds_it AS held, CASE WHEN f.parked THEN w.sequence END AS behind,
+    ` + key + ` AS ordering_key, d.done, false AS skipped, f.holds_it AS held, CASE WHEN f.parked AND NOT f.holds_it THEN w.sequence END AS behind,
     f.holds_it AND w.skip_requested_at IS NOT NULL AS skip_requested, false AS replay,
     NOT d.done AND o.dead_at IS NOT NULL AS dead
   FROM (` + src + `) AS o

@@ -110,10 +110,13 @@ func WALCreateProgressTable(t Table) string {
 }
 
 // WALHoldsTable names the WAL relay's holds table of t (name plus
-// "_wal_holds"): one row per ordering key held back by a dead row.
+// "_wal_holds"): one row per ordering key held back by a dead row, or by a
+// retrying row whose key's backlog the relay spilled (retrying).
 func (t Table) WALHoldsTable() string { return t.companion("_wal_holds") }
 
-// WALCreateHoldsTable creates the holds table of t.
+// WALCreateHoldsTable creates the holds table of t, and adds the retrying
+// column to a table created before it (WALAddRetryingColumn): two
+// statements, for a call without arguments (simple protocol) or a script.
 func WALCreateHoldsTable(t Table) string {
 	return `CREATE TABLE IF NOT EXISTS ` + t.WALHoldsTable() + ` (
   ordering_key      TEXT        NOT NULL PRIMARY KEY,
@@ -124,8 +127,25 @@ func WALCreateHoldsTable(t Table) string {
   held_at           TIMESTAMPTZ NOT NULL DEFAULT now(),
   through           BIGINT      NOT NULL DEFAULT 0,
   released          BOOLEAN     NOT NULL DEFAULT false,
-  until_lsn         PG_LSN      NULL
-)`
+  until_lsn         PG_LSN      NULL,
+  retrying          BOOLEAN     NOT NULL DEFAULT false
+);
+` + WALAddRetryingColumn(t)
+}
+
+// WALAddRetryingColumn adds the retrying column to a holds table of t
+// created before it (a metadata-only change): true while the held row is
+// not dead but waits for its retry, its key's backlog spilled to the table
+// (docs/WAL.md, "Failures hold only their key").
+func WALAddRetryingColumn(t Table) string {
+	return `ALTER TABLE ` + t.WALHoldsTable() + ` ADD COLUMN IF NOT EXISTS retrying BOOLEAN NOT NULL DEFAULT false`
+}
+
+// WALHoldsHaveRetrying tells whether the holds table of t has the
+// retrying column. Returns: has it.
+func WALHoldsHaveRetrying(t Table) string {
+	return `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.WALHoldsTable()) + `)
+  AND attname = 'retrying' AND NOT attisdropped)`
 }
 
 // WALProgressTableExists tells whether t has a progress table: t is
@@ -177,7 +197,8 @@ func walFence(n int) string {
 }
 
 // WALQueries are the row statements of the WAL relay for one table. Every
-// write (MarkDeadHold, Progress, Drain, Release, Forget) is fenced by the
+// write (MarkDeadHold, Spill, Progress, Drain, RetryDrain, Release,
+// Forget) is fenced by the
 // relay's replication session: it takes three more arguments after its
 // own, the slot name, the session's walsender pid and WALFenceKey of the
 // slot, applies only while that walsender holds the slot, and returns one
@@ -201,18 +222,38 @@ type WALQueries struct {
 	// MarkDeadHold is MarkDead ($1 id, $2 attempts, $3 last_error) that,
 	// for a keyed row ($4 its ordering key), also holds the key: a hold
 	// (the key, the row's sequence and event_id) replaces a resolved hold
-	// of the key or one at or below the row, never an active hold of a
-	// later row (that row stays the one that holds the key). Returns: rows
-	// changed, holds written, fence ok.
+	// of the key or one at or below the row (a retrying hold of the row
+	// itself among them), never an active hold of a later row (that row
+	// stays the one that holds the key). Returns: rows changed, holds
+	// written, fence ok.
 	MarkDeadHold string
+	// Spill holds the key $2 of row $1 (id), which failed and waits for
+	// its retry, with a retrying hold (the key, the row's sequence and
+	// event_id, retrying), so that the relay can drop the key's queued rows
+	// from memory: they are in the table, parked behind the hold. $3 is a
+	// sequence up to which the stream's copies of the key's rows are parked
+	// (through, never moved back), $4 the row's attempts and $5 its
+	// last_error, written on the row (not published, not dead) in the same
+	// statement (its UPDATE, attempts above 0, is not a replay). The hold
+	// replaces a resolved, draining or retrying hold of the key at or
+	// below the row, never a dead one; the row is written only with its
+	// hold. Returns: holds written, fence ok.
+	Spill string
 	// Holds lists the holds: key, sequence, draining, skip requested,
-	// through, released, until_lsn (text, '' when NULL).
+	// through, released, until_lsn (text, '' when NULL), retrying.
 	Holds string
-	// Drain marks the hold of key $1 at sequence $2 as draining (its dead
-	// row was delivered again or skipped), with $3 the last sequence its
-	// drain read (through never moves back) and $4 (text) the WAL position
-	// after that read. Returns: holds changed, fence ok.
+	// Drain marks the hold of key $1 at sequence $2 as draining (its held
+	// row was delivered again or skipped: it is no longer retrying), with
+	// $3 the last sequence its drain read (through never moves back) and
+	// $4 (text) the WAL position after that read. Returns: holds changed,
+	// fence ok.
 	Drain string
+	// RetryDrain is Drain for the retry of a retrying hold: the drain
+	// delivers the held row first, then the rows behind it; the hold stays
+	// retrying (a relay that restarts drains from the held row again). It
+	// changes nothing when a skip was requested (the relay then applies
+	// the skip with Drain). Returns: holds changed, fence ok.
+	RetryDrain string
 	// Parked reads the rows of key $1 after sequence $2 that are not
 	// published and not dead, in sequence order: what a hold kept back.
 	// The columns ClaimedRow.ScanKeyed reads.
@@ -249,7 +290,26 @@ type WALQueries struct {
 // NewWALQueries renders the WAL relay's row statements for table t with
 // columns c.
 func NewWALQueries(t Table, c Columns) WALQueries {
+	return newWALQueries(t, c, true)
+}
+
+// NewWALQueriesWithoutRetrying renders the statements for a holds table
+// created before its retrying column (WALAddRetryingColumn): no hold is
+// ever retrying, and Spill and RetryDrain are empty (the relay then keeps
+// retrying rows in memory).
+func NewWALQueriesWithoutRetrying(t Table, c Columns) WALQueries {
+	return newWALQueries(t, c, false)
+}
+
+func newWALQueries(t Table, c Columns, retrying bool) WALQueries {
 	tbl := t.Sanitize()
+	// notRetrying is the SET clause that ends a hold's retrying state, and
+	// retryingCol the column as Holds reads it, for a table with or
+	// without the column.
+	notRetrying, retryingCol := `, retrying = false`, `retrying`
+	if !retrying {
+		notRetrying, retryingCol = ``, `false`
+	}
 	cols := `id::text, event_id::text, tenant_id::text, topic, payload::text, sequence, attempts, COALESCE(locked_at, now()), created_at`
 	if c.TraceContext {
 		cols += `, traceparent, tracestate`
@@ -263,7 +323,7 @@ func NewWALQueries(t Table, c Columns) WALQueries {
 		key = `ordering_key`
 	}
 	holds := t.WALHoldsTable()
-	return WALQueries{
+	q := WALQueries{
 		MarkDeadHold: `WITH ` + walFence(5) + `, d AS (
   UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, dead_at = now(), available_at = 'infinity', locked_at = NULL
   WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL AND (SELECT ok FROM f)
@@ -271,14 +331,14 @@ func NewWALQueries(t Table, c Columns) WALQueries {
 ), h AS (
   INSERT INTO ` + holds + ` AS h (ordering_key, sequence, event_id) SELECT $4::text, sequence, event_id FROM d WHERE $4::text IS NOT NULL
   ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id, draining = false,
-    skip_requested_at = NULL, held_at = now(), released = false, until_lsn = NULL
+    skip_requested_at = NULL, held_at = now(), released = false, until_lsn = NULL` + notRetrying + `
   WHERE h.released OR h.sequence <= EXCLUDED.sequence
   RETURNING 1
 )
 SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM h), (SELECT ok FROM f)`,
-		Holds: `SELECT ordering_key, sequence, draining, skip_requested_at IS NOT NULL, through, released, COALESCE(until_lsn::text, '') FROM ` + holds,
+		Holds: `SELECT ordering_key, sequence, draining, skip_requested_at IS NOT NULL, through, released, COALESCE(until_lsn::text, ''), ` + retryingCol + ` FROM ` + holds,
 		Drain: `WITH ` + walFence(5) + `, u AS (
-  UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn
+  UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn` + notRetrying + `
   WHERE ordering_key = $1 AND sequence = $2 AND NOT released AND (SELECT ok FROM f) RETURNING 1
 )
 SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
@@ -309,6 +369,26 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text, pg_current_wal_insert_lsn(
 WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
 		Row: `SELECT ` + cols + ` FROM ` + tbl + ` WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
 	}
+	if retrying {
+		q.Spill = `WITH ` + walFence(6) + `, h AS (
+  INSERT INTO ` + holds + ` AS h (ordering_key, sequence, event_id, retrying, through)
+  SELECT $2::text, o.sequence, o.event_id, true, $3::bigint FROM ` + tbl + ` AS o
+  WHERE o.id = $1::uuid AND o.published_at IS NULL AND o.dead_at IS NULL AND (SELECT ok FROM f)
+  ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id, retrying = true, draining = false,
+    skip_requested_at = NULL, held_at = now(), released = false, until_lsn = NULL, through = GREATEST(h.through, EXCLUDED.through)
+  WHERE (h.released OR h.draining OR h.retrying) AND h.sequence <= EXCLUDED.sequence
+  RETURNING 1
+), d AS (
+  UPDATE ` + tbl + ` SET attempts = $4, last_error = $5 WHERE id = $1::uuid AND EXISTS (SELECT 1 FROM h)
+)
+SELECT (SELECT count(*) FROM h), (SELECT ok FROM f)`
+		q.RetryDrain = `WITH ` + walFence(5) + `, u AS (
+  UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn
+  WHERE ordering_key = $1 AND sequence = $2 AND retrying AND NOT released AND skip_requested_at IS NULL AND (SELECT ok FROM f) RETURNING 1
+)
+SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`
+	}
+	return q
 }
 
 // WALStaleAfter is how old the newest progress record of a WAL table may

@@ -12,3 +12,7 @@ var ReplicationConnString = replicationConnString
 // PeakRows is the most rows a session of s held read and not settled
 // (queued, in flight, or buffered in a transaction not yet committed).
 func PeakRows(s *Subscriber) int64 { return s.peakRows.Load() }
+
+// Spilled is the number of keys whose backlog the relay spilled to a
+// retrying hold.
+func Spilled(s *Subscriber) int64 { return s.spilled.Load() }

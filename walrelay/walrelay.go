@@ -14,7 +14,13 @@
 // once, consumers dedup on the event_id (the message UUID).
 //
 // A nacked message holds its key: it is retried after Backoff, the key's
-// later messages wait, other keys flow. After MaxAttempts (or at once for a
+// later messages wait, other keys flow. A key whose backlog behind its
+// retrying head passes MaxInFlight rows (or whose backlog stops the
+// stream's read-ahead) is spilled: a retrying hold is written for it at
+// the head (schema.WALQueries.Spill), then its queued rows leave memory
+// (they are in the table, parked behind the hold, as behind a dead row),
+// and the stream is read on for the other keys; at the retry the key
+// drains from the table, head first. After MaxAttempts (or at once for a
 // permanent error, subscriber.Permanent) the row is parked dead in the table
 // (dead_at, last_error) and the key goes on. A replay (runbook.ReplayEvent,
 // `outbox dead replay`) resets the row with an UPDATE, which the relay
@@ -40,8 +46,8 @@
 //
 // (F) The session fences its writes in the database, across relay
 // processes: every write of holds, dead rows or progress (the statements
-// of schema.WALQueries: MarkDeadHold, Drain, which applies skips too,
-// Release, Forget, Progress) applies only while the session's own
+// of schema.WALQueries: MarkDeadHold, Spill, Drain, which applies skips
+// too, RetryDrain, Release, Forget, Progress) applies only while the session's own
 // walsender holds the slot (pg_replication_slots.active_pid equals the
 // replication connection's PID), checked in the statement under the
 // slot's fence lock taken shared; a session, once it holds the slot and
@@ -50,6 +56,16 @@
 // process or another, either committed before the new session read the
 // holds, or changes nothing. A refused write is counted
 // (outbox_fence_rejected_total), logged, not retried, and ends the session.
+//
+// (S) A spill never loses a row nor lets a key's later row pass its head:
+// the retrying hold commits (fenced, F) before the key's rows leave
+// memory, so the confirmed position passes a row only once it is settled
+// or covered by a hold in the table; while the hold is retrying, every
+// streamed row of the key from the head on is parked; its retry reads the
+// key's rows from the head on from the table and delivers them in
+// sequence order, before the key's rows streamed after that read; a
+// session that finds a retrying hold (after a crash, a cut or a restart)
+// retries it at once, from the head.
 package walrelay
 
 import (
@@ -106,7 +122,11 @@ type Config struct {
 	// MaxInFlight bounds the messages handed out and not settled, and the
 	// rows read and not settled: the relay stops reading the stream beyond
 	// it, not counting the rows queued behind a key whose head waits for
-	// its retry, up to 4 x MaxInFlight rows in all. A transaction's rows
+	// its retry, up to 4 x MaxInFlight rows in all. A keyed row's backlog
+	// behind its retrying head is spilled to a retrying hold once it
+	// passes MaxInFlight rows, or when the 4 x MaxInFlight bound is
+	// reached, so a retrying key does not stop the stream; rows without an
+	// ordering key (ordered by topic) are not spilled. A transaction's rows
 	// count as they are read (they are not buffered until its commit).
 	// Defaults to MaxInFlightDefault.
 	MaxInFlight int
@@ -198,6 +218,11 @@ type Subscriber struct {
 	terms    *term.Ledger
 	sessions atomic.Int64 // sessions started: the epoch of each term
 
+	// spills: the holds table has its retrying column, so a retrying
+	// key's backlog can be spilled to a retrying hold (schema.WALQueries.Spill).
+	spills  bool
+	spilled atomic.Int64 // keys spilled (tests)
+
 	// fenceHook, set by tests only (export_test.go), runs before each
 	// fenced write ("before") and, when set, the write runs in a
 	// transaction and the hook runs again after its statement and before
@@ -235,8 +260,36 @@ func New(ctx context.Context, pool *pgxpool.Pool, cfg Config, logger watermill.L
 	}
 	s := &Subscriber{pool: pool, cfg: cfg, cols: cols, q: schema.NewWALQueries(cfg.Table, cols), conn: conn,
 		logger: logger.With(watermill.LogFields{"table": cfg.Table.String(), "slot": cfg.Names.Slot})}
+	if err := s.checkRetryingColumn(ctx); err != nil {
+		return nil, err
+	}
 	s.terms = s.newTerms()
 	return s, nil
+}
+
+// checkRetryingColumn adds the retrying column to a holds table created
+// before it (schema.WALAddRetryingColumn, a metadata-only change). When
+// the relay's role may not, it runs as before the column: retrying rows
+// stay in memory, bounded by the read-ahead (docs/WAL.md, Limits), and it
+// says so once.
+func (s *Subscriber) checkRetryingColumn(ctx context.Context) error {
+	if !s.cols.OrderingKey {
+		s.q = schema.NewWALQueriesWithoutRetrying(s.cfg.Table, s.cols)
+		return nil
+	}
+	var has bool
+	if err := s.pool.QueryRow(ctx, schema.WALHoldsHaveRetrying(s.cfg.Table)).Scan(&has); err != nil {
+		return fmt.Errorf("walrelay: look up the holds table of %s: %w", s.cfg.Table, err)
+	}
+	if !has {
+		if _, err := s.pool.Exec(ctx, schema.WALAddRetryingColumn(s.cfg.Table)); err != nil {
+			s.logger.Error("The WAL holds table has no retrying column and the relay could not add it: a retrying key's backlog stays in memory; run `outbox migrate --wal` (walrelay.Setup) as the table's owner", err, nil)
+			s.q = schema.NewWALQueriesWithoutRetrying(s.cfg.Table, s.cols)
+			return nil
+		}
+	}
+	s.spills = true
+	return nil
 }
 
 // newTerms is the relay's term ledger: a copy a session's end left in a
@@ -384,7 +437,8 @@ type item struct {
 	key      string
 	tx       *txn // nil for a row read from the table when a hold drains
 	attempts int
-	replay   bool // streamed as the UPDATE of a replay
+	replay   bool   // streamed as the UPDATE of a replay
+	lastErr  string // the last failure, redacted, while the item waits for its retry
 }
 
 // hold is an ordering key held back by a dead row (persisted in the holds
@@ -394,9 +448,17 @@ type item struct {
 // becomes a tombstone until the relay's confirmed position passes every
 // row the drain read: the stream's own copies of those rows (the relay may
 // be behind) are parked, not delivered again.
+//
+// A retrying hold (retrying) holds the key of a row that failed and waits
+// for its retry, its key's backlog spilled to the table (spill): at
+// retryAt the relay reads the key's rows from the held row on and delivers
+// them (startRetry), the held row first, with its attempts.
 type hold struct {
-	seq       int64 // the dead row's sequence
-	through   int64 // rows of the key up to it went through a drain (or were skipped): park their copies
+	retrying  bool      // the held row is not dead: it is retried at retryAt
+	retryAt   time.Time // retrying: when the held row is due
+	attempts  int       // retrying: the held row's attempts so far
+	seq       int64     // the held row's sequence
+	through   int64     // rows of the key up to it went through a drain (or were skipped): park their copies
 	draining  bool
 	released  bool          // a tombstone
 	untilLSN  pglogrepl.LSN // the WAL position after the last drain's read
@@ -477,6 +539,9 @@ type stream struct {
 	// under MaxInFlight (a retrying key does not stop the other keys), up
 	// to backoffReadAhead x MaxInFlight rows in all.
 	behind int
+	// spillPause: a spill failed (a database error); none is tried again
+	// before it.
+	spillPause time.Time
 	// settledThrough: transactions ending at or before it were settled by
 	// an earlier session (the slot moved back after a server restart).
 	settledThrough pglogrepl.LSN
@@ -628,6 +693,11 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 		return err
 	}
 	st.retry = time.NewTimer(time.Hour)
+	for _, h := range st.holds {
+		if h.retrying {
+			st.schedule(h.retryAt) // a retrying hold of an earlier session: due at once
+		}
+	}
 	if backfill != nil {
 		st.commit(dctx, backfill)
 	}
@@ -762,6 +832,9 @@ func (st *stream) loop(ctx, dctx context.Context) error {
 		if st.fencedOut {
 			return errFenced
 		}
+		if !st.readable() && ctx.Err() == nil {
+			st.relieve(dctx) // spill retrying keys' backlogs, so that the stream is read on
+		}
 		var in chan received
 		if st.readable() {
 			in = recv
@@ -803,6 +876,7 @@ func (st *stream) loop(ctx, dctx context.Context) error {
 			st.retryAt = time.Time{}
 			if ctx.Err() == nil { // closing: the drain comes next, nothing new goes out
 				st.dispatchAll(dctx)
+				st.retryHolds(dctx)
 			}
 		case <-s.terms.Freed():
 			// A copy an ended session left in a handler ended: its key
@@ -1084,6 +1158,7 @@ func (st *stream) queue(ctx context.Context, it *item) {
 	if st.parks(it) {
 		return
 	}
+	st.replayed(it)
 	it.tx.pending++
 	st.unsettled++
 	st.peakRows()
@@ -1095,8 +1170,20 @@ func (st *stream) queue(ctx context.Context, it *item) {
 	q.items = append(q.items, it)
 	if q.backoff {
 		st.behind++
+		if len(q.items) > st.s.cfg.MaxInFlight && st.spill(ctx, it.key, q) {
+			return
+		}
 	}
 	st.dispatch(ctx, it.key)
+}
+
+// replayed: an operator's replay of the held row of a retrying hold is
+// delivered now, as the replay of a dead held row is; the hold no longer
+// retries on its own (its drain follows the replay's ack).
+func (st *stream) replayed(it *item) {
+	if h := st.holdOf(it); h != nil && h.retrying && !h.draining && it.replay && it.row.Sequence == h.seq {
+		h.retrying = false
+	}
 }
 
 // peakRows records the most rows the session held read and not settled
@@ -1119,6 +1206,7 @@ func (st *stream) commit(ctx context.Context, tx *txn) {
 	kept := tx.items[:0]
 	for _, it := range tx.items {
 		if !st.parks(it) {
+			st.replayed(it)
 			kept = append(kept, it)
 		}
 	}
@@ -1633,8 +1721,12 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	}
 	if !v.ack && !subscriber.IsPermanent(v.err) && it.attempts < st.s.cfg.MaxAttempts {
 		q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
+		it.lastErr = redact.Summary(v.err.Error(), it.row.Payload, st.s.cfg.LastErrorMaxBytes)
 		st.backingOff(q)
 		st.s.logger.Debug("Nacked: key held until the retry", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
+		if len(q.items) > st.s.cfg.MaxInFlight && st.spill(ctx, it.key, q) {
+			return
+		}
 		st.dispatch(ctx, it.key)
 		return
 	}
@@ -1772,9 +1864,28 @@ func (st *stream) afterAck(ctx context.Context, it *item) {
 
 // startDrain reads the rows the hold kept back and queues them first.
 func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
+	st.drainFrom(ctx, key, h, false)
+}
+
+// startRetry retries a retrying hold: it reads the key's rows from the
+// held row on and queues them, the held row first with its attempts.
+// When a skip was requested meanwhile (RetryDrain changes nothing), the
+// skip is applied instead (startDrain).
+func (st *stream) startRetry(ctx context.Context, key string, h *hold) {
+	st.drainFrom(ctx, key, h, true)
+}
+
+// drainFrom reads the rows of the hold's key after its row (and, for a
+// retry, the held row too) and queues them in sequence order before the
+// key's rows streamed after the read.
+func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool) {
 	s := st.s
 	h.wantDrain = true
-	items, err := st.readItems(ctx, s.q.Parked, key, h.seq)
+	after, sql, op := h.seq, s.q.Drain, "drain"
+	if retry {
+		after, sql, op = h.seq-1, s.q.RetryDrain, "retry"
+	}
+	items, err := st.readItems(ctx, s.q.Parked, key, after)
 	if err != nil {
 		s.logger.Error("Could not read the rows of a held key; retrying at the next tick", err, nil)
 		return
@@ -1793,18 +1904,29 @@ func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
 	}
 	maxRead := h.seq
 	if len(items) > 0 {
-		maxRead = items[len(items)-1].row.Sequence
+		maxRead = max(maxRead, items[len(items)-1].row.Sequence)
 	}
 	var n int
-	if ok, err := st.write(ctx, "drain", s.q.Drain, []any{&n}, key, h.seq, maxRead, lsnText); err != nil || !ok {
+	if ok, err := st.write(ctx, op, sql, []any{&n}, key, h.seq, maxRead, lsnText); err != nil || !ok {
 		if err != nil {
 			s.logger.Error("Could not mark a hold draining; retrying at the next tick", err, nil)
 		}
 		return
 	}
+	if retry && n == 0 {
+		// A skip was requested while the hold was retrying: the held row
+		// is not delivered, the rows behind it are.
+		h.retrying = false
+		st.startDrain(ctx, key, h)
+		return
+	}
+	if retry && len(items) > 0 && items[0].row.Sequence == h.seq {
+		items[0].attempts = max(h.attempts, int(items[0].row.Attempts))
+	}
+	h.retrying = h.retrying && retry // a drain after the held row's ack or skip: it retries no more
 	h.draining, h.wantDrain, h.maxRead, h.left, h.untilLSN = true, false, maxRead, len(items), lsn
-	s.logger.Info("Hold drains: the key's parked rows are delivered", watermill.LogFields{"rows": len(items)})
-	s.logger.Trace("Drain", watermill.LogFields{"key": key, "sequence": h.seq, "rows": len(items), "max_read": h.maxRead})
+	s.logger.Info("Hold drains: the key's parked rows are delivered", watermill.LogFields{"rows": len(items), "retry": retry})
+	s.logger.Trace("Drain", watermill.LogFields{"key": key, "sequence": h.seq, "rows": len(items), "max_read": h.maxRead, "retry": retry})
 	if len(items) == 0 {
 		st.release(ctx, key, h)
 		return
@@ -1817,6 +1939,122 @@ func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
 	}
 	q.items = mergeDrained(q, items)
 	st.dispatch(ctx, k)
+}
+
+// spill spills the backlog of q, whose head waits for its retry, to a
+// retrying hold (invariant S): the hold is written first, at the head
+// (schema.WALQueries.Spill, fenced, with the head's attempts and last
+// error on its row); then the key's rows leave memory, settled in the
+// stream as parked rows, and the hold retries at the head's retry time.
+// It reports whether the key was spilled; a key that cannot be
+// (spillable) or a failed write leaves q as it is.
+func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
+	if !st.spillable(q) || time.Now().Before(st.spillPause) {
+		return false
+	}
+	head := q.items[0]
+	okey := *head.row.OrderingKey
+	var through int64
+	if old := st.holds[okey]; old != nil {
+		through = max(old.through, old.maxRead)
+	}
+	var n int
+	ok, err := st.write(ctx, "spill", st.s.q.Spill, []any{&n}, head.row.ID, okey, through, head.attempts, head.lastErr)
+	switch {
+	case err == nil && !ok:
+		st.draining = true // refused: the session ends (as for a dead row)
+		return false
+	case err != nil || n == 0:
+		if err == nil {
+			err = errors.New("the key's hold could not be written")
+		}
+		st.s.logger.Error("Could not spill a retrying key's rows; they stay in memory", err, watermill.LogFields{"sequence": head.row.Sequence})
+		st.spillPause = time.Now().Add(st.s.cfg.StatusInterval)
+		return false
+	}
+	st.backedOff(q)
+	rows := len(q.items)
+	for _, it := range q.items {
+		if it.tx != nil { // a drained row (tx nil) is read again at the retry
+			st.unsettled--
+			it.tx.pending--
+		}
+	}
+	h := &hold{seq: head.row.Sequence, through: through, retrying: true, retryAt: q.retryAt, attempts: head.attempts}
+	st.holds[okey] = h
+	q.items, q.retryAt = nil, time.Time{}
+	st.s.spilled.Add(1)
+	st.schedule(h.retryAt)
+	st.s.logger.Info("A retrying key's rows spilled to its hold: they are delivered from the table at the retry", watermill.LogFields{"sequence": h.seq, "rows": rows})
+	st.s.logger.Trace("Spill", watermill.LogFields{"key": okey, "sequence": h.seq, "rows": rows})
+	st.advance()
+	st.dispatch(ctx, key) // drops the empty queue
+	return true
+}
+
+// spillable reports whether q's backlog can be spilled: the relay is not
+// stopping, the table has the retrying column, q's head waits for its
+// retry and has an ordering key, no queued row is an operator's replay (a
+// replayed head's later rows may have been delivered, and a replayed row
+// behind the head may come before it in sequence order: the retry reads
+// neither back), and its key is not held by a dead row.
+func (st *stream) spillable(q *keyQueue) bool {
+	if !st.s.spills || st.draining || !q.backoff || q.inFlight || len(q.items) == 0 {
+		return false
+	}
+	head := q.items[0]
+	if k := head.row.OrderingKey; k == nil || *k == "" {
+		return false
+	}
+	for _, it := range q.items {
+		if it.replay {
+			return false
+		}
+	}
+	h := st.holdOf(head)
+	return h == nil || h.released || h.draining
+}
+
+// relieve spills the retrying keys with the most rows queued while the
+// read-ahead bound (backoffReadAhead x MaxInFlight rows, those behind
+// retrying heads included) is what stops the stream, until it no longer
+// does or no key can be spilled.
+func (st *stream) relieve(ctx context.Context) {
+	limit := st.s.cfg.MaxInFlight
+	for st.s.spills && !st.draining && st.behind > 0 && st.unsettled-st.behind < limit && st.unsettled >= backoffReadAhead*limit {
+		var key string
+		var most *keyQueue
+		for k, q := range st.keys {
+			if (most == nil || len(q.items) > len(most.items)) && st.spillable(q) {
+				key, most = k, q
+			}
+		}
+		if most == nil || !st.spill(ctx, key, most) {
+			return
+		}
+	}
+}
+
+// retryHolds retries the retrying holds that are due, and arms the retry
+// timer for the others.
+func (st *stream) retryHolds(ctx context.Context) {
+	if st.draining {
+		return
+	}
+	now := time.Now()
+	for key, h := range st.holds {
+		if !h.retrying || h.draining || h.released {
+			continue
+		}
+		if h.retryAt.After(now) {
+			st.schedule(h.retryAt)
+			continue
+		}
+		st.startRetry(ctx, key, h)
+		if st.fencedOut {
+			return
+		}
+	}
 }
 
 // mergeDrained puts the rows a drain read into q in sequence order. The
@@ -1854,7 +2092,7 @@ func (st *stream) release(ctx context.Context, key string, h *hold) {
 		}
 		return
 	}
-	h.released, h.draining, h.through = true, false, through
+	h.released, h.draining, h.retrying, h.through = true, false, false, through
 	st.s.logger.Trace("Release", watermill.LogFields{"key": key, "sequence": h.seq, "through": through})
 	st.forget(ctx, key, h)
 }
@@ -1922,10 +2160,10 @@ func (st *stream) write(ctx context.Context, op, sql string, dest []any, args ..
 
 // holdRow is one row of the holds table.
 type holdRow struct {
-	key                       string
-	seq, through              int64
-	draining, skipd, released bool
-	until                     string
+	key                                 string
+	seq, through                        int64
+	draining, skipd, released, retrying bool
+	until                               string
 }
 
 func (st *stream) readHolds(ctx context.Context) ([]holdRow, error) {
@@ -1937,7 +2175,7 @@ func (st *stream) readHolds(ctx context.Context) ([]holdRow, error) {
 	var out []holdRow
 	for rows.Next() {
 		var r holdRow
-		if err := rows.Scan(&r.key, &r.seq, &r.draining, &r.skipd, &r.through, &r.released, &r.until); err != nil {
+		if err := rows.Scan(&r.key, &r.seq, &r.draining, &r.skipd, &r.through, &r.released, &r.until, &r.retrying); err != nil {
 			return nil, fmt.Errorf("read the holds: %w", err)
 		}
 		out = append(out, r)
@@ -1963,8 +2201,14 @@ func (st *stream) loadHolds(ctx context.Context) error {
 			}
 		}
 		// A hold that was draining drains again from the start (at the
-		// first tick): until then its key's rows are parked.
-		h.wantDrain = r.draining && !r.released
+		// first tick): until then its key's rows are parked. A retrying
+		// hold is retried at once, from its held row (draining or not:
+		// its held row's ack was not recorded).
+		h.retrying = r.retrying && !r.released
+		if h.retrying {
+			h.retryAt = time.Now()
+		}
+		h.wantDrain = r.draining && !r.released && !h.retrying
 		st.holds[r.key] = h
 	}
 	return nil
@@ -1991,6 +2235,10 @@ func (st *stream) tickHolds(ctx context.Context) {
 		switch {
 		case h.released:
 			st.forget(ctx, r.key, h)
+		case h.retrying && !h.draining && !r.skipd:
+			if !time.Now().Before(h.retryAt) {
+				st.startRetry(ctx, r.key, h) // a retry whose statements failed before
+			}
 		case !h.draining && (r.skipd || r.draining || h.wantDrain):
 			st.startDrain(ctx, r.key, h)
 		case h.draining && h.left == 0:
