@@ -841,7 +841,7 @@ func (st *stream) loop(ctx, dctx context.Context) error {
 		}
 		select {
 		case <-ctx.Done():
-			return st.drain()
+			return st.drain(recv)
 		case r := <-in:
 			// What else is ready is taken without another full select
 			// (its timers make it the loop's dearest step), a bounded
@@ -927,14 +927,27 @@ func (st *stream) onReceived(ctx context.Context, r received) error {
 }
 
 // drain waits up to CloseTimeout for the messages in flight, confirms the
-// position and returns.
-func (st *stream) drain() error {
+// position and returns. A transaction whose rows went out before its COMMIT
+// was read is read on to its COMMIT (nothing new is handed out while
+// draining): without it the position stopped before rows already acked,
+// and the next relay delivered them again (TestWALHandover).
+func (st *stream) drain(recv chan received) error {
 	st.draining = true
 	deadline := time.After(st.s.cfg.CloseTimeout)
-	for st.unsettledInFlight() > 0 {
+	for st.unsettledInFlight() > 0 || (st.cur != nil && !st.cur.buffered) {
+		var in chan received
+		if st.cur != nil && !st.cur.buffered {
+			in = recv
+		}
 		select {
 		case v := <-st.settles:
 			st.onSettle(context.Background(), v)
+		case r := <-in:
+			if err := st.onReceived(context.Background(), r); err != nil {
+				st.s.logger.Info("The stream ended while closing; the rows of its open transaction are left to the next relay", watermill.LogFields{"error": err.Error()})
+				st.stop()
+				return st.status(true)
+			}
 		case <-deadline:
 			st.s.logger.Info("Close timeout: messages in flight are left to the next relay", watermill.LogFields{"in_flight": st.unsettledInFlight()})
 			st.stop()
