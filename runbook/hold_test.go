@@ -363,20 +363,7 @@ func TestHoldLifecycleOrdered(t *testing.T) {
 		{p, runbook.OpSkip, "p", runbook.HoldSkipRequested},
 		{x, runbook.OpReplay, "x", runbook.HoldReplay},
 	} {
-		var changed int64
-		if a.op == runbook.OpSkip {
-			res, err := runbook.SkipEvent(ctx, pool, tbl, a.id, false)
-			if err != nil {
-				t.Fatalf("skip of %s: %v", a.key, err)
-			}
-			changed = res.Changed
-		} else {
-			res, err := runbook.ReplayEvent(ctx, pool, tbl, a.id, runbook.ReplayOptions{})
-			if err != nil {
-				t.Fatalf("replay of %s: %v", a.key, err)
-			}
-			changed = res.Changed
-		}
+		changed := applyHoldOp(ctx, t, pool, tbl, a.id, a.op, a.key)
 		want[a.key] = a.then
 		if changed != 1 {
 			t.Errorf("%s of %s changed %d", a.op, a.key, changed)
@@ -431,4 +418,22 @@ func mustHeld(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) []runbook.Held
 		t.Fatal(err)
 	}
 	return list
+}
+
+// applyHoldOp skips or replays the event id (of key, for messages) and
+// returns the rows the runbook changed; it fails the test on an error.
+func applyHoldOp(ctx context.Context, t *testing.T, pool *pgxpool.Pool, tbl schema.Table, id uuid.UUID, op runbook.HoldOp, key string) int64 {
+	t.Helper()
+	if op == runbook.OpSkip {
+		res, err := runbook.SkipEvent(ctx, pool, tbl, id, false)
+		if err != nil {
+			t.Fatalf("skip of %s: %v", key, err)
+		}
+		return res.Changed
+	}
+	res, err := runbook.ReplayEvent(ctx, pool, tbl, id, runbook.ReplayOptions{})
+	if err != nil {
+		t.Fatalf("replay of %s: %v", key, err)
+	}
+	return res.Changed
 }

@@ -207,20 +207,7 @@ func TestHoldLifecycleWAL(t *testing.T) {
 		{r, runbook.OpSkip, "r", runbook.HoldSkipRequested},
 		{q, runbook.OpReplay, "q", runbook.HoldRetrying},
 	} {
-		var changed int64
-		if a.op == runbook.OpSkip {
-			res, err := runbook.SkipEvent(ctx, pool, tbl, a.id, false)
-			if err != nil {
-				t.Fatalf("skip of %s: %v", a.key, err)
-			}
-			changed = res.Changed
-		} else {
-			res, err := runbook.ReplayEvent(ctx, pool, tbl, a.id, runbook.ReplayOptions{})
-			if err != nil {
-				t.Fatalf("replay of %s: %v", a.key, err)
-			}
-			changed = res.Changed
-		}
+		changed := applyHoldOp(ctx, t, pool, tbl, a.id, a.op, a.key)
 		if changed != 1 {
 			t.Errorf("%s of %s changed %d", a.op, a.key, changed)
 		}
