@@ -312,25 +312,7 @@ func TestHoldLifecycleOrdered(t *testing.T) {
 	}
 	want["k"] = runbook.HoldSkipRequested
 	hold(t, pool, tbl, x, "resolved")
-	if got := holdStates(t, pool, tbl, false); !sameStates(got, want) {
-		t.Fatalf("HeldKeys: %v, want %v (no resolved hold)", got, want)
-	}
-	withResolved := map[string]runbook.HoldState{"x": runbook.HoldResolved}
-	for key, s := range want {
-		withResolved[key] = s
-	}
-	if got := holdStates(t, pool, tbl, true); !sameStates(got, withResolved) {
-		t.Fatalf("ListHolds with resolved: %v, want %v", got, withResolved)
-	}
-	seen := map[runbook.HoldState]bool{}
-	for _, s := range withResolved {
-		seen[s] = true
-	}
-	for _, s := range runbook.HoldStates {
-		if s.In(schema.ModeOrdered) != seen[s] {
-			t.Fatalf("the test reached state %s: %v; ordered mode has it: %v", s, seen[s], s.In(schema.ModeOrdered))
-		}
-	}
+	checkHoldStates(t, pool, tbl, schema.ModeOrdered, want)
 
 	// Refusals, per the table: nothing changes.
 	refuses(t, pool, tbl, tbl.HoldsTable(), k, runbook.HoldSkipRequested, runbook.OpSkip, runbook.OpReplay)
@@ -436,4 +418,32 @@ func applyHoldOp(ctx context.Context, t *testing.T, pool *pgxpool.Pool, tbl sche
 		t.Fatalf("replay of %s: %v", key, err)
 	}
 	return res.Changed
+}
+
+// checkHoldStates checks that HeldKeys lists want, that ListHolds with
+// resolved holds lists want plus the resolved hold of key "x", and that
+// the states reached are exactly the ones mode has. It returns the holds
+// with the resolved one.
+func checkHoldStates(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, mode schema.Mode, want map[string]runbook.HoldState) map[string]runbook.HoldState {
+	t.Helper()
+	if got := holdStates(t, pool, tbl, false); !sameStates(got, want) {
+		t.Fatalf("HeldKeys: %v, want %v (no resolved hold)", got, want)
+	}
+	withResolved := map[string]runbook.HoldState{"x": runbook.HoldResolved}
+	for key, s := range want {
+		withResolved[key] = s
+	}
+	if got := holdStates(t, pool, tbl, true); !sameStates(got, withResolved) {
+		t.Fatalf("ListHolds with resolved: %v, want %v", got, withResolved)
+	}
+	seen := map[runbook.HoldState]bool{}
+	for _, s := range withResolved {
+		seen[s] = true
+	}
+	for _, s := range runbook.HoldStates {
+		if s.In(mode) != seen[s] {
+			t.Fatalf("the test reached state %s: %v; mode %s has it: %v", s, seen[s], mode, s.In(mode))
+		}
+	}
+	return withResolved
 }

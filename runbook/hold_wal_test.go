@@ -158,25 +158,7 @@ func TestHoldLifecycleWAL(t *testing.T) {
 	want["k"] = runbook.HoldSkipRequested
 	exec(t, pool, tbl, `UPDATE `+tbl.WALHoldsTable()+` SET released = true, through = sequence WHERE event_id = $1`, x)
 	delete(want, "x")
-	if got := holdStates(t, pool, tbl, false); !sameStates(got, want) {
-		t.Fatalf("HeldKeys: %v, want %v (no resolved hold)", got, want)
-	}
-	withResolved := map[string]runbook.HoldState{"x": runbook.HoldResolved}
-	for key, s := range want {
-		withResolved[key] = s
-	}
-	if got := holdStates(t, pool, tbl, true); !sameStates(got, withResolved) {
-		t.Fatalf("ListHolds with resolved: %v, want %v", got, withResolved)
-	}
-	seen := map[runbook.HoldState]bool{}
-	for _, s := range withResolved {
-		seen[s] = true
-	}
-	for _, s := range runbook.HoldStates {
-		if s.In(schema.ModeWAL) != seen[s] {
-			t.Fatalf("the test reached state %s: %v; the WAL relay has it: %v", s, seen[s], s.In(schema.ModeWAL))
-		}
-	}
+	withResolved := checkHoldStates(t, pool, tbl, schema.ModeWAL, want)
 
 	refuses(t, pool, tbl, tbl.WALHoldsTable(), k, runbook.HoldSkipRequested, runbook.OpSkip, runbook.OpReplay)
 	refuses(t, pool, tbl, tbl.WALHoldsTable(), p, runbook.HoldReplay, runbook.OpReplay)
