@@ -439,6 +439,7 @@ type item struct {
 	attempts int
 	replay   bool   // streamed as the UPDATE of a replay
 	lastErr  string // the last failure, redacted, while the item waits for its retry
+	unseen   int    // how often its verdict waited for its transaction to be visible
 }
 
 // hold is an ordering key held back by a dead row (persisted in the holds
@@ -465,6 +466,7 @@ type hold struct {
 	wantDrain bool          // a drain was asked for and its statements failed
 	maxRead   int64         // draining: the last sequence read from the table
 	left      int           // draining: rows read and not settled yet
+	unseen    int           // the drain waits for streamed rows to be visible: its tries so far (visible.go)
 }
 
 // txn is one committed transaction: its end position and its rows not
@@ -476,6 +478,7 @@ type hold struct {
 // settled before a server restart (settledThrough) is buffered whole
 // instead (buffered, items) and decided at its COMMIT by its end.
 type txn struct {
+	xid       uint32 // the transaction id (BEGIN): its rows are visible once it is (visible.go)
 	end       pglogrepl.LSN
 	commit    time.Time
 	pending   int
@@ -529,6 +532,9 @@ type stream struct {
 	// first; one becomes the horizon once the confirmed position passes it.
 	candidates []candidate
 	holds      map[string]*hold // by ordering key
+	// unseen are the transactions the stream read rows of that a snapshot
+	// has not shown visible yet (visible.go).
+	unseen []uint32
 	// delivering counts the keys with a message handed out and not
 	// settled: at most MaxInFlight, however many keys one transaction
 	// brings. Keys ready beyond it wait in waiting, in order.
@@ -901,6 +907,11 @@ func (st *stream) loop(ctx, dctx context.Context) error {
 // loopBatch bounds the messages of one channel the loop handles per wake-up.
 const loopBatch = 64
 
+// replayReadTimeout bounds the wait of the read of a replayed row for the
+// replay's transaction to be visible; past it the session ends and the
+// next one reads the replay again.
+const replayReadTimeout = 30 * time.Second
+
 // tryReceive takes a value from c if one is ready.
 func tryReceive[T any](c chan T) (T, bool) {
 	select {
@@ -1047,6 +1058,9 @@ func (st *stream) progress(pos pglogrepl.LSN) bool {
 		return false // refused: the session ends
 	}
 	st.candidates = st.candidates[n:]
+	if xmin, err := strconv.ParseUint(c.xid, 10, 64); err == nil {
+		st.pruneBefore(xmin) // older transactions are visible
+	}
 	kept := len(st.candidates) < maxCandidates
 	if kept {
 		st.candidates = append(st.candidates, c)
@@ -1123,7 +1137,7 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 	case *pglogrepl.RelationMessage:
 		st.rels[m.RelationID] = newRelation(m)
 	case *pglogrepl.BeginMessage:
-		st.cur = &txn{commit: m.CommitTime}
+		st.cur = &txn{commit: m.CommitTime, xid: m.Xid}
 		if st.settledThrough != 0 && m.FinalLSN <= st.settledThrough {
 			// Perhaps settled before the server restarted: its end, read
 			// at its COMMIT, tells.
@@ -1414,6 +1428,13 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 		if err != nil {
 			return err
 		}
+		// The read must see the replay, not the row before it.
+		wctx, cancel := context.WithTimeout(ctx, replayReadTimeout)
+		err = st.waitVisible(wctx, st.cur.xid)
+		cancel()
+		if err != nil {
+			return err
+		}
 		if serr := row.Scan(st.s.pool.QueryRow(ctx, st.s.q.Row, id), st.s.cols); serr != nil {
 			st.s.logger.Info("Replayed row not found; skipped", watermill.LogFields{"sequence": str(r.sequence)})
 			return nil //nolint:nilerr // the row was deleted, published or dead again since
@@ -1436,6 +1457,7 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 		return err
 	}
 	it := &item{row: row, key: keyOf(row), tx: st.cur, replay: replay}
+	st.saw(st.cur.xid)
 	st.cur.rows++
 	if st.cur.buffered {
 		st.cur.items = append(st.cur.items, it)
@@ -1721,6 +1743,26 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		return // stopping: the row stays unsettled, the next relay delivers it
 	}
 	defer st.unwait(ctx)
+	if dead := !v.ack && (subscriber.IsPermanent(v.err) || it.attempts >= st.s.cfg.MaxAttempts); dead && it.tx != nil {
+		// The dead write must find the row (invariant V): it waits for the
+		// row's transaction to be visible, the verdict kept, the row not
+		// delivered again.
+		ok, err := st.visible(ctx, it.tx.xid)
+		if err != nil {
+			st.s.logger.Error("Could not tell whether a rejected row is visible; trying again", err, watermill.LogFields{"sequence": it.row.Sequence})
+		}
+		if err != nil || !ok {
+			q.inFlight = true
+			st.delivering++
+			st.inFlight.Add(1)
+			time.AfterFunc(visibleDelay(it.unseen), func() {
+				defer st.inFlight.Done()
+				st.send(v)
+			})
+			it.unseen++
+			return
+		}
+	}
 	if m := st.s.cfg.Metrics; m != nil {
 		label := st.s.cfg.Table.Qualified()
 		result := metrics.ResultFailure
@@ -1894,6 +1936,18 @@ func (st *stream) startRetry(ctx context.Context, key string, h *hold) {
 func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool) {
 	s := st.s
 	h.wantDrain = true
+	// The drain reads the rows parked behind the hold from the table: it
+	// waits until every row the stream parked is visible (invariant V).
+	if ok, err := st.visible(ctx); err != nil || !ok {
+		if err != nil {
+			s.logger.Error("Could not tell whether the streamed rows are visible; retrying at the next tick", err, nil)
+			return
+		}
+		st.schedule(time.Now().Add(visibleDelay(h.unseen)))
+		h.unseen++
+		return
+	}
+	h.unseen = 0
 	after, sql, op := h.seq, s.q.Drain, "drain"
 	if retry {
 		after, sql, op = h.seq-1, s.q.RetryDrain, "retry"
@@ -2056,7 +2110,13 @@ func (st *stream) retryHolds(ctx context.Context) {
 	}
 	now := time.Now()
 	for key, h := range st.holds {
-		if !h.retrying || h.draining || h.released {
+		if h.draining || h.released {
+			continue
+		}
+		if !h.retrying {
+			if h.unseen > 0 && h.wantDrain {
+				st.startDrain(ctx, key, h) // it waited for the stream's rows to be visible
+			}
 			continue
 		}
 		if h.retryAt.After(now) {

@@ -1,10 +1,12 @@
 package walrelay_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"strconv"
 	"strings"
@@ -50,14 +52,24 @@ func cluster(t *testing.T) (*pgxpool.Pool, schema.Table) {
 // restart it.
 func clusterPG(t *testing.T) (*pgxpool.Pool, schema.Table, *pgtest.Cluster) {
 	t.Helper()
+	return clusterWith(t, nil)
+}
+
+// clusterWith is clusterPG with more server settings.
+func clusterWith(t *testing.T, extra map[string]string) (*pgxpool.Pool, schema.Table, *pgtest.Cluster) {
+	t.Helper()
 	clusterSlots <- struct{}{}
 	t.Cleanup(func() { <-clusterSlots })
-	pg := pgtest.Start(t, pgtest.Options{Settings: map[string]string{
+	settings := map[string]string{
 		"wal_level": "logical", "max_replication_slots": "10", "max_wal_senders": "10", "wal_sender_timeout": "10s",
 		// Commits are durable, as on a user's server: the tests that crash
 		// the server (Cluster.Crash) must not lose a committed row or hold.
 		"synchronous_commit": "on",
-	}})
+	}
+	for k, v := range extra {
+		settings[k] = v
+	}
+	pg := pgtest.Start(t, pgtest.Options{Settings: settings})
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, pg.URL("", ""))
 	if err != nil {
@@ -666,7 +678,17 @@ func TestWALRetention(t *testing.T) {
 	t.Parallel()
 	pool, tbl := cluster(t)
 	ctx := context.Background()
-	s := relay(t, pool, tbl, nil)
+	var logBuf bytes.Buffer
+	var logMu sync.Mutex
+	logger := watermill.NewStdLoggerWithOut(lockedWriter{&logMu, &logBuf}, true, true)
+	defer func() {
+		if t.Failed() {
+			logMu.Lock()
+			t.Log(logBuf.String())
+			logMu.Unlock()
+		}
+	}()
+	s := relayLogged(t, pool, tbl, nil, logger)
 	rec := newRecorder()
 	rec.consume(t, s, func(msg *message.Message) error {
 		if msg.Metadata.Get(schema.MetadataOrderingKey) == "bad" {
@@ -1112,4 +1134,15 @@ func dropSlot(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) {
 			t.Fatal(err)
 		}
 	}
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }

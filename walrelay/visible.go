@@ -1,0 +1,170 @@
+package walrelay
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Streamed is not yet visible. The walsender sends a transaction once its
+// commit record is flushed; the transaction becomes visible to other
+// sessions when its backend leaves the process array, a moment later under
+// load, and only once a synchronous standby confirmed it when the writer
+// waits for one. A statement of the relay about a streamed row (its dead
+// verdict, the read of a held key's parked rows, the read of a replayed row
+// whose payload the UPDATE left out) must not run before the row's
+// transaction is visible: it would find no row (or the row before the
+// replay) and the relay would take "nothing there" for "settled" (invariant
+// V, docs/WAL.md "A streamed row may not be visible yet").
+//
+// The stream keeps the transaction ids of the transactions it read rows of
+// (unseen) until a snapshot shows them visible: every progress record
+// prunes them with its horizon candidate (the oldest transaction running),
+// and visible prunes them with a snapshot of its own.
+
+// visibleRetry is the first wait before a statement that waited for
+// visibility is tried again; it doubles up to visibleRetryMax.
+const (
+	visibleRetry    = 5 * time.Millisecond
+	visibleRetryMax = time.Second
+)
+
+// visibleDelay is the wait before the n-th retry (n from 0).
+func visibleDelay(n int) time.Duration {
+	d := visibleRetry
+	for ; n > 0 && d < visibleRetryMax; n-- {
+		d *= 2
+	}
+	return min(d, visibleRetryMax)
+}
+
+// snapshot is a transaction snapshot: transactions below xmin are finished,
+// those from xmax on and those in xip are running.
+type snapshot struct {
+	xmin, xmax uint64
+	xip        map[uint64]bool
+}
+
+// parseSnapshot parses pg_current_snapshot()::text ("xmin:xmax:xip,...").
+func parseSnapshot(s string) (snapshot, error) {
+	parts := strings.Split(s, ":")
+	if len(parts) != 3 {
+		return snapshot{}, fmt.Errorf("walrelay: unexpected snapshot %q", s)
+	}
+	var snap snapshot
+	var err error
+	if snap.xmin, err = strconv.ParseUint(parts[0], 10, 64); err != nil {
+		return snapshot{}, fmt.Errorf("walrelay: snapshot xmin: %w", err)
+	}
+	if snap.xmax, err = strconv.ParseUint(parts[1], 10, 64); err != nil {
+		return snapshot{}, fmt.Errorf("walrelay: snapshot xmax: %w", err)
+	}
+	if parts[2] != "" {
+		snap.xip = map[uint64]bool{}
+		for _, x := range strings.Split(parts[2], ",") {
+			v, err := strconv.ParseUint(x, 10, 64)
+			if err != nil {
+				return snapshot{}, fmt.Errorf("walrelay: snapshot xip: %w", err)
+			}
+			snap.xip[v] = true
+		}
+	}
+	return snap, nil
+}
+
+// full widens a 32-bit transaction id of the stream to the 64-bit id
+// within 2^31 of ref (a transaction the stream read is that recent). A
+// transaction that committed may still come after a snapshot's xmax (xmax
+// is the newest transaction that ended, plus one).
+func full(xid uint32, ref uint64) uint64 {
+	x := int64(ref) + int64(int32(xid-uint32(ref))) //nolint:gosec // modular distance of transaction ids
+	return uint64(max(x, 0))                        //nolint:gosec // not negative
+}
+
+// sees reports whether a transaction that committed, xid, is visible in
+// snap.
+func (snap snapshot) sees(xid uint32) bool {
+	x := full(xid, snap.xmax)
+	return x < snap.xmin || (x < snap.xmax && !snap.xip[x])
+}
+
+// precedes reports whether xid is older than the 64-bit id ref (both
+// within 2^31 of each other).
+func precedes(xid uint32, ref uint64) bool {
+	return int32(xid-uint32(ref)) < 0 //nolint:gosec // modular comparison of transaction ids
+}
+
+// saw records that the stream read rows of transaction xid.
+func (st *stream) saw(xid uint32) {
+	if n := len(st.unseen); n > 0 && st.unseen[n-1] == xid {
+		return
+	}
+	st.unseen = append(st.unseen, xid)
+}
+
+// pruneBefore drops the unseen transactions older than xmin, the oldest
+// transaction running in a snapshot: they are visible.
+func (st *stream) pruneBefore(xmin uint64) {
+	kept := st.unseen[:0]
+	for _, x := range st.unseen {
+		if !precedes(x, xmin) {
+			kept = append(kept, x)
+		}
+	}
+	st.unseen = kept
+}
+
+// visible reports whether the transactions xids are visible to a new
+// snapshot, or, with none given, every transaction the stream read rows
+// of. It prunes the unseen transactions the snapshot shows visible; asked
+// about none with none unseen, it asks the server nothing.
+func (st *stream) visible(ctx context.Context, xids ...uint32) (bool, error) {
+	if len(xids) == 0 && len(st.unseen) == 0 {
+		return true, nil
+	}
+	var text string
+	if err := st.s.pool.QueryRow(ctx, `SELECT pg_current_snapshot()::text`).Scan(&text); err != nil {
+		return false, fmt.Errorf("read a snapshot: %w", err)
+	}
+	snap, err := parseSnapshot(text)
+	if err != nil {
+		return false, err
+	}
+	kept := st.unseen[:0]
+	for _, x := range st.unseen {
+		if !snap.sees(x) {
+			kept = append(kept, x)
+		}
+	}
+	st.unseen = kept
+	if len(xids) == 0 {
+		return len(st.unseen) == 0, nil
+	}
+	for _, x := range xids {
+		if !snap.sees(x) {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// waitVisible waits until transaction xid is visible, for a statement that
+// the loop cannot put off (the read of a replayed row). It gives up with
+// ctx.
+func (st *stream) waitVisible(ctx context.Context, xid uint32) error {
+	for n := 0; ; n++ {
+		ok, err := st.visible(ctx, xid)
+		if err != nil || ok {
+			return err
+		}
+		t := time.NewTimer(visibleDelay(n))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return fmt.Errorf("wait for a streamed transaction to be visible: %w", ctx.Err())
+		case <-t.C:
+		}
+	}
+}

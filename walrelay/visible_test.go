@@ -1,0 +1,273 @@
+package walrelay_test
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// A transaction is streamed once its commit record is flushed, and becomes
+// visible to other sessions a moment later, when its backend leaves the
+// process array: under load, or while a synchronous standby has not
+// confirmed it, the relay can hold a row its own statements cannot see.
+// These tests keep a writer's commit waiting for a synchronous standby
+// that never comes ("ghost"): the row is streamed, invisible to every other
+// session, until the test cancels the wait (the transaction stays
+// committed).
+
+// unseenCluster is a cluster whose commits wait for a synchronous standby
+// that does not exist when a session asks for it (synchronous_commit on);
+// every other session commits locally.
+func unseenCluster(t *testing.T) (*pgxpool.Pool, schema.Table) {
+	t.Helper()
+	pool, tbl, _ := clusterWith(t, map[string]string{
+		"synchronous_standby_names": "ghost",
+		"synchronous_commit":        "local",
+	})
+	return pool, tbl
+}
+
+// enqueueUnseen commits one event of key in a transaction that stays
+// invisible (its commit waits for the ghost standby) until see is called;
+// see returns once the commit returned.
+func enqueueUnseen(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, key string) (id uuid.UUID, see func()) {
+	t.Helper()
+	id = uuid.New()
+	see = unseen(t, pool, func(ctx context.Context, tx pgx.Tx) error {
+		_, err := publisher.Enqueue(ctx, tx, tbl, publisher.Message{TenantID: uuid.New(), Topic: "org.wal.changed.v1", EventID: id,
+			Payload: json.RawMessage(`{"n":1}`), OrderingKey: key})
+		return err
+	})
+	return id, see
+}
+
+// unseen runs write in a transaction whose commit waits for the ghost
+// standby: committed and streamed, invisible to other sessions until see
+// is called. It returns once the commit waits.
+func unseen(t *testing.T, pool *pgxpool.Pool, write func(context.Context, pgx.Tx) error) (see func()) {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pid int
+	if err := conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, `SET synchronous_commit = on`); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := write(ctx, tx); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- tx.Commit(ctx) }()
+	var once sync.Once
+	see = func() {
+		once.Do(func() {
+			if _, err := pool.Exec(ctx, `SELECT pg_cancel_backend($1)`, pid); err != nil {
+				t.Error(err)
+			}
+			if err := <-done; err != nil {
+				t.Errorf("commit: %v", err) // a cancelled wait keeps the local commit
+			}
+			_, _ = conn.Exec(ctx, `RESET synchronous_commit`)
+			conn.Release()
+		})
+	}
+	t.Cleanup(see)
+	// The commit record is written and the backend waits for the standby.
+	waitFor(t, 5*time.Second, "the commit waits for the standby", func() bool {
+		var waiting bool
+		if err := pool.QueryRow(ctx, `SELECT COALESCE(wait_event = 'SyncRep', false) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		return waiting
+	})
+	return see
+}
+
+var errRejected = errors.New("rejected")
+
+// A row rejected for good while its transaction is not visible yet: the
+// relay's dead write found no row, and the row was counted settled (never
+// dead, later counted streamed by the runbook and deleted by the cleaner).
+// Now the verdict waits until the row is visible and then parks it dead;
+// the handler is not called again.
+func TestWALDeadVerdictWaitsForTheRowToBeVisible(t *testing.T) {
+	t.Parallel()
+	pool, tbl := unseenCluster(t)
+	ctx := context.Background()
+	s := relay(t, pool, tbl, nil)
+	rec := newRecorder()
+	var calls atomic.Int32
+	rec.consume(t, s, func(msg *message.Message) error {
+		if msg.Metadata.Get(schema.MetadataOrderingKey) == "bad" {
+			calls.Add(1)
+			return subscriber.Permanent(errRejected)
+		}
+		return nil
+	})
+	warm := enqueue(t, pool, tbl, "k")
+	rec.waitAcked(t, warm, 10*time.Second)
+	_, see := enqueueUnseen(t, pool, tbl, "bad")
+	waitFor(t, 10*time.Second, "the invisible row delivered", func() bool { return calls.Load() > 0 })
+	// Later rows of other keys go on meanwhile.
+	after := enqueue(t, pool, tbl, "k", "z")
+	rec.waitAcked(t, after, 10*time.Second)
+	time.Sleep(300 * time.Millisecond) // several status ticks: the verdict is not recorded as anything yet
+	st, err := runbook.Stats(ctx, pool, tbl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Dead != 0 {
+		t.Fatalf("a row nobody can see yet counted dead: %+v", st)
+	}
+	see()
+	waitFor(t, 10*time.Second, "the rejected row dead once visible", func() bool {
+		st, err := runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.Dead == 1 && st.HeldKeys == 1
+	})
+	if n := calls.Load(); n != 1 {
+		t.Fatalf("the handler rejected the row %d times, want once (the verdict waits, not the delivery)", n)
+	}
+}
+
+// A held key's drain while a parked row of the key is not visible yet: the
+// drain read nothing, released the hold, and the parked row was never
+// delivered. Now the drain waits until every streamed row is visible.
+func TestWALDrainWaitsForParkedRowsToBeVisible(t *testing.T) {
+	t.Parallel()
+	pool, tbl := unseenCluster(t)
+	ctx := context.Background()
+	s := relay(t, pool, tbl, nil)
+	rec := newRecorder()
+	var rejecting atomic.Bool
+	rejecting.Store(true)
+	rec.consume(t, s, func(msg *message.Message) error {
+		if msg.Metadata.Get(schema.MetadataOrderingKey) == "k" && rejecting.Load() {
+			return subscriber.Permanent(errRejected)
+		}
+		return nil
+	})
+	doomed := enqueue(t, pool, tbl, "k")
+	waitFor(t, 10*time.Second, "the key held by its dead row", func() bool {
+		st, err := runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.Dead == 1 && st.HeldKeys == 1
+	})
+	rejecting.Store(false)
+	parked, see := enqueueUnseen(t, pool, tbl, "k")
+	// Streamed in commit order: once z is delivered, the invisible row of
+	// k was read and parked behind the hold.
+	z := enqueue(t, pool, tbl, "z")
+	rec.waitAcked(t, z, 10*time.Second)
+	if _, err := runbook.ReplayEvent(ctx, pool, tbl, doomed[0], runbook.ReplayOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	rec.waitAcked(t, doomed, 10*time.Second)
+	time.Sleep(300 * time.Millisecond) // the drain's first attempt is over
+	if rec.has(parked) {
+		t.Fatal("a row nobody can see yet was delivered")
+	}
+	see()
+	rec.waitAcked(t, []uuid.UUID{parked}, 10*time.Second)
+	waitFor(t, 10*time.Second, "the hold resolved", func() bool {
+		st, err := runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.HeldKeys == 0 && st.Pending == 0
+	})
+}
+
+// The replay of a row whose payload is stored out of line (TOAST): its
+// UPDATE leaves the payload out and the relay reads the row. With the
+// replay's transaction not visible yet, the read found the row still dead
+// and the replay was dropped ("Replayed row not found"): the key stayed
+// held behind a row that is no longer dead. Now the read waits for the
+// replay to be visible.
+func TestWALReplayOfAnOutOfLineRowWaitsForItToBeVisible(t *testing.T) {
+	t.Parallel()
+	pool, tbl := unseenCluster(t)
+	ctx := context.Background()
+	s := relay(t, pool, tbl, nil)
+	rec := newRecorder()
+	var rejecting atomic.Bool
+	rejecting.Store(true)
+	rec.consume(t, s, func(msg *message.Message) error {
+		if msg.Metadata.Get(schema.MetadataOrderingKey) == "k" && rejecting.Load() {
+			return subscriber.Permanent(errRejected)
+		}
+		return nil
+	})
+	// 64 KiB of random text: stored out of line, not compressible.
+	noise := make([]byte, 48<<10)
+	for i := range noise {
+		noise[i] = byte(rand.IntN(256))
+	}
+	payload, _ := json.Marshal(map[string]string{"noise": base64.StdEncoding.EncodeToString(noise)})
+	big := uuid.New()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := publisher.Enqueue(ctx, tx, tbl, publisher.Message{TenantID: uuid.New(), Topic: "org.wal.changed.v1", EventID: big,
+		Payload: payload, OrderingKey: "k"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the key held by its dead row", func() bool {
+		st, err := runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.Dead == 1 && st.HeldKeys == 1
+	})
+	rejecting.Store(false)
+	see := unseen(t, pool, func(ctx context.Context, tx pgx.Tx) error {
+		_, err := runbook.ReplayEvent(ctx, tx, tbl, big, runbook.ReplayOptions{})
+		return err
+	})
+	time.Sleep(300 * time.Millisecond) // the relay has read the replay's UPDATE
+	if rec.has(big) {
+		t.Fatal("a replay nobody can see yet was delivered")
+	}
+	see()
+	rec.waitAcked(t, []uuid.UUID{big}, 10*time.Second)
+	waitFor(t, 10*time.Second, "the hold resolved", func() bool {
+		st, err := runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.HeldKeys == 0 && st.Pending == 0 && st.Dead == 0
+	})
+}
