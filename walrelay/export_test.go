@@ -16,3 +16,7 @@ func PeakRows(s *Subscriber) int64 { return s.peakRows.Load() }
 // Spilled is the number of keys whose backlog the relay spilled to a
 // retrying hold.
 func Spilled(s *Subscriber) int64 { return s.spilled.Load() }
+
+// Unseen is the number of times s put a statement off until a streamed
+// transaction was visible (invariant V).
+func Unseen(s *Subscriber) int64 { return s.unseen.Load() }

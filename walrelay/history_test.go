@@ -3,6 +3,7 @@ package walrelay_test
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -16,9 +17,12 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/cleaner"
+	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 	"github.com/outboxkit/watermill-outbox/walrelay"
 )
@@ -58,7 +62,9 @@ func TestWALHistory(t *testing.T) {
 	if v, err := strconv.Atoi(os.Getenv("WAL_HISTORY_EVENTS")); err == nil && v > 0 {
 		events = v
 	}
-	pool, tbl, pg := clusterPG(t)
+	// Commits wait for a synchronous standby that never comes when a
+	// session asks for it (the late batches below); others commit locally.
+	pool, tbl, pg := clusterWith(t, map[string]string{"synchronous_standby_names": "ghost", "synchronous_commit": "local"})
 	ctx := context.Background()
 	trace := &lockedLog{}
 	logger := watermill.NewStdLoggerWithOut(trace, true, true)
@@ -79,6 +85,7 @@ func TestWALHistory(t *testing.T) {
 		slow    int
 		unknown int // dead rows the producers never recorded (a commit the crash hid from its producer)
 		crashed bool
+		late    int // batches committed late (see below)
 	)
 	// retry runs a statement of the test's own until it succeeds: around
 	// the crash the pool's connections fail once each.
@@ -213,6 +220,41 @@ func TestWALHistory(t *testing.T) {
 				for i := range keys {
 					keys[i] = k
 				}
+			}
+			if rand.IntN(8) == 0 {
+				// A late batch: committed and streamed, invisible to other
+				// sessions for 20-150 ms (its commit waits for the ghost
+				// standby until the test cancels the wait), registered
+				// before its commit so that handlers know its events.
+				n += enqueueLate(t, pool, tbl, keys, func(ids []uuid.UUID, seqs []int64) {
+					mu.Lock()
+					defer mu.Unlock()
+					for i, id := range ids {
+						e := &ev{key: keys[i], seq: seqs[i], doomed: rand.IntN(25) == 0}
+						byID[id.String()] = e
+						byKey[keys[i]] = append(byKey[keys[i]], e)
+					}
+					late++
+					note("late batch of %d", len(ids))
+				}, func(missing map[string]bool) {
+					// The crash came before the commit: not committed.
+					mu.Lock()
+					defer mu.Unlock()
+					for id := range missing {
+						e := byID[id]
+						delete(byID, id)
+						list := byKey[e.key][:0]
+						for _, o := range byKey[e.key] {
+							if o != e {
+								list = append(list, o)
+							}
+						}
+						byKey[e.key] = list
+					}
+					note("late batch lost to the crash: %d events", len(missing))
+				})
+				time.Sleep(2 * time.Millisecond)
+				continue
 			}
 			mu.Lock()
 			var ids []uuid.UUID
@@ -495,6 +537,16 @@ func TestWALHistory(t *testing.T) {
 	if spills == 0 {
 		t.Error("no retrying key was spilled during the history")
 	}
+	unseenWaits := int64(0)
+	relaysMu.Lock()
+	for s := range names {
+		unseenWaits += walrelay.Unseen(s)
+	}
+	relaysMu.Unlock()
+	if late == 0 {
+		t.Error("no late batch during the history")
+	}
+	t.Logf("%d late batches (streamed before visible); the relays put %d statements off until a transaction was visible", late, unseenWaits)
 	if unknown > 0 {
 		t.Logf("%d rows unknown to the producers (committed while the crash hid the commit) skipped", unknown)
 	}
@@ -572,4 +624,117 @@ func stuckKey(byID map[string]*histEvent) string {
 		}
 	}
 	return ""
+}
+
+// enqueueLate writes one transaction of keyed events whose commit waits
+// for the ghost standby (synchronous_commit on) until a canceller ends the
+// wait 20-150 ms later: the transaction is committed and streamed before
+// any other session can see it. registered gets the events (in sequence
+// order) before the commit; lost gets the event ids that are not in the
+// table after a commit that failed (the server crashed). It returns the
+// number of events written and committed.
+func enqueueLate(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, keys []string, registered func([]uuid.UUID, []int64), lost func(map[string]bool)) int {
+	ctx := context.Background()
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		return 0 // the crash: the batch is not written
+	}
+	defer conn.Release()
+	var pid int
+	if err := conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+		return 0
+	}
+	if _, err := conn.Exec(ctx, `SET synchronous_commit = on`); err != nil {
+		return 0
+	}
+	defer func() { _, _ = conn.Exec(ctx, `RESET synchronous_commit`) }()
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		return 0
+	}
+	ids := make([]uuid.UUID, len(keys))
+	msgs := make([]publisher.Message, len(keys))
+	for i, k := range keys {
+		ids[i] = uuid.New()
+		msgs[i] = publisher.Message{TenantID: uuid.New(), Topic: "org.wal.changed.v1", EventID: ids[i], Payload: json.RawMessage(`{"n":1}`), OrderingKey: k}
+	}
+	if _, err := publisher.EnqueueBatch(ctx, tx, tbl, msgs); err != nil {
+		_ = tx.Rollback(ctx)
+		return 0
+	}
+	seqs := make([]int64, len(ids))
+	rows, err := tx.Query(ctx, `SELECT event_id, sequence FROM `+tbl.Sanitize()+` WHERE event_id = ANY($1)`, ids)
+	if err != nil {
+		_ = tx.Rollback(ctx)
+		return 0
+	}
+	bySeq := map[uuid.UUID]int64{}
+	for rows.Next() {
+		var id uuid.UUID
+		var seq int64
+		if err := rows.Scan(&id, &seq); err != nil {
+			rows.Close()
+			_ = tx.Rollback(ctx)
+			return 0
+		}
+		bySeq[id] = seq
+	}
+	rows.Close()
+	if rows.Err() != nil || len(bySeq) != len(ids) {
+		_ = tx.Rollback(ctx)
+		return 0
+	}
+	for i, id := range ids {
+		seqs[i] = bySeq[id]
+	}
+	registered(ids, seqs)
+	done := make(chan struct{})
+	go func() {
+		// A cancel before the commit waits is ignored by an idle session:
+		// cancel again until the commit returns.
+		time.Sleep(time.Duration(20+rand.IntN(130)) * time.Millisecond)
+		for {
+			_, _ = pool.Exec(ctx, `SELECT pg_cancel_backend($1)`, pid)
+			select {
+			case <-done:
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}()
+	err = tx.Commit(ctx)
+	close(done)
+	if err == nil {
+		return len(ids)
+	}
+	// The commit failed (the crash): which rows were committed?
+	missing := map[string]bool{}
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		found := map[string]bool{}
+		rows, err := pool.Query(ctx, `SELECT event_id::text FROM `+tbl.Sanitize()+` WHERE event_id = ANY($1)`, ids)
+		if err != nil {
+			continue
+		}
+		for rows.Next() {
+			var id string
+			if rows.Scan(&id) == nil {
+				found[id] = true
+			}
+		}
+		rows.Close()
+		if rows.Err() != nil {
+			continue
+		}
+		for _, id := range ids {
+			if !found[id.String()] {
+				missing[id.String()] = true
+			}
+		}
+		if len(missing) > 0 {
+			lost(missing)
+		}
+		return len(ids) - len(missing)
+	}
+	t.Error("late batch: could not read its rows after the crash")
+	return 0
 }

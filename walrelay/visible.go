@@ -159,6 +159,7 @@ func (st *stream) waitVisible(ctx context.Context, xid uint32) error {
 		if err != nil || ok {
 			return err
 		}
+		st.s.unseen.Add(1)
 		t := time.NewTimer(visibleDelay(n))
 		select {
 		case <-ctx.Done():

@@ -222,6 +222,7 @@ type Subscriber struct {
 	// key's backlog can be spilled to a retrying hold (schema.WALQueries.Spill).
 	spills  bool
 	spilled atomic.Int64 // keys spilled (tests)
+	unseen  atomic.Int64 // statements put off until a streamed transaction was visible (tests)
 
 	// fenceHook, set by tests only (export_test.go), runs before each
 	// fenced write ("before") and, when set, the write runs in a
@@ -1760,6 +1761,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 				st.send(v)
 			})
 			it.unseen++
+			st.s.unseen.Add(1)
 			return
 		}
 	}
@@ -1945,6 +1947,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool
 		}
 		st.schedule(time.Now().Add(visibleDelay(h.unseen)))
 		h.unseen++
+		s.unseen.Add(1)
 		return
 	}
 	h.unseen = 0
