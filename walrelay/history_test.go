@@ -458,6 +458,11 @@ func TestWALHistory(t *testing.T) {
 			}
 			mu.Unlock()
 			trace.dump(t, stuckKey(byID))
+			if path := os.Getenv("WAL_HISTORY_TRACE"); path != "" {
+				trace.mu.Lock()
+				_ = os.WriteFile(path, []byte(strings.Join(trace.lines, "\n")), 0o600)
+				trace.mu.Unlock()
+			}
 			t.Fatalf("rule 1: %d events neither acked nor skipped after 60 s; holds %+v", left, held)
 		}
 		time.Sleep(50 * time.Millisecond)

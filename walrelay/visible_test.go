@@ -271,3 +271,62 @@ func TestWALReplayOfAnOutOfLineRowWaitsForItToBeVisible(t *testing.T) {
 		return st.HeldKeys == 0 && st.Pending == 0 && st.Dead == 0
 	})
 }
+
+// The held row's replay acked while its drain waits for the stream's rows
+// to be visible, and the relay closed before the drain was written: the
+// confirmed position had passed the replay's UPDATE, the next relay read
+// the hold as plain dead and never streamed the replay again, so the rows
+// parked behind it were never delivered (found by TestWALHistory's late
+// batches). Now the replay is settled only once the hold says draining
+// (invariant R): the next relay streams the replay again and drains.
+func TestWALReplayAckedBeforeItsDrainSurvivesClose(t *testing.T) {
+	t.Parallel()
+	pool, tbl := unseenCluster(t)
+	ctx := context.Background()
+	first := relay(t, pool, tbl, nil)
+	rec := newRecorder()
+	var rejecting atomic.Bool
+	rejecting.Store(true)
+	handle := func(msg *message.Message) error {
+		if msg.Metadata.Get(schema.MetadataOrderingKey) == "k" && rejecting.Load() {
+			return subscriber.Permanent(errRejected)
+		}
+		return nil
+	}
+	rec.consume(t, first, handle)
+	doomed := enqueue(t, pool, tbl, "k")
+	waitFor(t, 10*time.Second, "the key held by its dead row", func() bool {
+		st, err := runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.Dead == 1 && st.HeldKeys == 1
+	})
+	rejecting.Store(false)
+	parked := enqueue(t, pool, tbl, "k")
+	// A row of another key that nobody can see yet: the drain waits for it.
+	z, see := enqueueUnseen(t, pool, tbl, "z")
+	rec.waitAcked(t, []uuid.UUID{z}, 10*time.Second)
+	if _, err := runbook.ReplayEvent(ctx, pool, tbl, doomed[0], runbook.ReplayOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	rec.waitAcked(t, doomed, 10*time.Second)
+	time.Sleep(400 * time.Millisecond) // status ticks: the drain is not written, the position must not pass the replay
+	if rec.has(parked[0]) {
+		t.Fatal("the parked row was delivered before its drain could read it")
+	}
+	if err := first.Close(); err != nil {
+		t.Fatal(err)
+	}
+	see()
+	second := relay(t, pool, tbl, nil)
+	rec.consume(t, second, handle)
+	rec.waitAcked(t, parked, 15*time.Second)
+	waitFor(t, 10*time.Second, "the hold resolved", func() bool {
+		st, err := runbook.Stats(ctx, pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.HeldKeys == 0 && st.Pending == 0 && st.Dead == 0
+	})
+}

@@ -66,6 +66,14 @@
 // sequence order, before the key's rows streamed after that read; a
 // session that finds a retrying hold (after a crash, a cut or a restart)
 // retries it at once, from the head.
+//
+// (R) A replay's ack does not outrun its drain: the acked replay of a held
+// row stays unsettled (the confirmed position does not pass its UPDATE)
+// until the drain it starts is written and the hold says draining. A
+// session that ends first (its drain waiting for invariant V, or a failed
+// write) leaves the replay to be streamed again by the next session, which
+// delivers it again and drains; before, the next session read the hold as
+// plain dead and the rows parked behind it were never delivered.
 package walrelay
 
 import (
@@ -468,6 +476,11 @@ type hold struct {
 	maxRead   int64         // draining: the last sequence read from the table
 	left      int           // draining: rows read and not settled yet
 	unseen    int           // the drain waits for streamed rows to be visible: its tries so far (visible.go)
+	// acked is the held row's replay, acked and not settled until the
+	// drain it starts is written (invariant R): the confirmed position
+	// does not pass the replay's UPDATE before the hold says draining, so
+	// a session that ends first leaves the replay to be streamed again.
+	acked *item
 }
 
 // txn is one committed transaction: its end position and its rows not
@@ -1827,7 +1840,14 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	}
 	q.items = q.items[1:]
 	q.retryAt = time.Time{}
-	st.settled(it)
+	if h := st.holdOf(it); v.ack && it.tx != nil && h != nil && !h.draining && !h.released && it.row.Sequence == h.seq {
+		// The held row's replay: settled once its drain is written
+		// (invariant R, hold.acked).
+		st.settleAcked(h)
+		h.acked = it
+	} else {
+		st.settled(it)
+	}
 	if !v.ack && it.row.OrderingKey != nil && *it.row.OrderingKey != "" && st.s.cols.OrderingKey && deadChanged {
 		st.holdKey(*it.row.OrderingKey, it.row.Sequence, q)
 	} else if v.ack {
@@ -1846,6 +1866,15 @@ func (st *stream) settled(it *item) {
 	}
 	if h := st.holdOf(it); h != nil && h.draining {
 		h.left--
+	}
+}
+
+// settleAcked settles the held row's acked replay that waited for its
+// drain (hold.acked), if any.
+func (st *stream) settleAcked(h *hold) {
+	if h != nil && h.acked != nil {
+		st.settled(h.acked)
+		h.acked = nil
 	}
 }
 
@@ -1893,6 +1922,7 @@ func (st *stream) holdKey(key string, seq int64, q *keyQueue) {
 	h := &hold{seq: seq}
 	if old := st.holds[key]; old != nil {
 		h.through = max(old.through, old.maxRead)
+		st.settleAcked(old)
 	}
 	st.holds[key] = h
 	for _, it := range q.items {
@@ -1995,6 +2025,10 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool
 	}
 	h.retrying = h.retrying && retry // a drain after the held row's ack or skip: it retries no more
 	h.draining, h.wantDrain, h.maxRead, h.left, h.untilLSN = true, false, maxRead, len(items), lsn
+	if h.acked != nil {
+		st.settleAcked(h) // the hold says draining: the replay's position may pass
+		st.advance()
+	}
 	s.logger.Info("Hold drains: the key's parked rows are delivered", watermill.LogFields{"rows": len(items), "retry": retry})
 	s.logger.Trace("Drain", watermill.LogFields{"key": key, "sequence": h.seq, "rows": len(items), "max_read": h.maxRead, "retry": retry})
 	if len(items) == 0 {
