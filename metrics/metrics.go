@@ -37,6 +37,7 @@ type Metrics struct {
 	FenceRejected    *prometheus.CounterVec   // outbox_fence_rejected_total{table,op}
 	HeldKeys         *prometheus.GaugeVec     // outbox_held_keys{table}
 	PausedTopics     *prometheus.GaugeVec     // outbox_paused_topics{table}
+	SweepClaimed     *prometheus.CounterVec   // outbox_sweep_claimed_total{table}
 }
 
 // Names of the exported metrics, for alert rules and dashboards.
@@ -56,6 +57,7 @@ var Names = []string{
 	"outbox_fence_rejected_total",
 	"outbox_held_keys",
 	"outbox_paused_topics",
+	"outbox_sweep_claimed_total",
 }
 
 // New creates the collectors and registers them on reg. A nil reg creates
@@ -111,6 +113,9 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		PausedTopics: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "outbox_paused_topics", Help: "Topics an operator paused, as the relay last read them: their rows are not relayed until resumed.",
 		}, []string{"table"}),
+		SweepClaimed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_sweep_claimed_total", Help: "Rows the default relay's unbounded sweep leased beside the bounded claim: expired leases, or rows the claim's bound missed.",
+		}, []string{"table"}),
 	}
 	if reg == nil {
 		return m, nil
@@ -130,7 +135,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 func (m *Metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.EnqueueTotal, m.DispatchTotal, m.DeadTotal, m.DispatchLatency,
 		m.Pending, m.Dead, m.Locked, m.RelayLeader, m.OldestPendingAge, m.DeliveryLag, m.CleanerDeleted,
-		m.LeaseExtended, m.FenceRejected, m.HeldKeys, m.PausedTopics}
+		m.LeaseExtended, m.FenceRejected, m.HeldKeys, m.PausedTopics, m.SweepClaimed}
 }
 
 // Enqueued counts n new events of topic in table.
@@ -139,4 +144,12 @@ func (m *Metrics) Enqueued(table, topic string, n int) {
 		return
 	}
 	m.EnqueueTotal.WithLabelValues(table, topic).Add(float64(n))
+}
+
+// Swept counts n rows the default relay's sweep leased in table.
+func (m *Metrics) Swept(table string, n int) {
+	if m == nil || n == 0 {
+		return
+	}
+	m.SweepClaimed.WithLabelValues(table).Add(float64(n))
 }

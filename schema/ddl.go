@@ -207,7 +207,7 @@ func upStatements(t Table, c Columns) []string {
 	for _, ix := range indexes(t) {
 		stmts = append(stmts, ix.stmt)
 	}
-	stmts = append(stmts, pausedTopicsStatement(t))
+	stmts = append(stmts, pausedTopicsStatement(t), availableAtStatement(t))
 	return append(stmts, optionalColumnStatements(t, c)...)
 }
 
@@ -384,6 +384,15 @@ func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err
 		if !ok {
 			stmts = append(stmts, pausedTopicsStatement(t))
 		}
+		// The default the bounded claim needs (migration 000008): set only
+		// when it differs, since the ALTER locks t.
+		def, err := AvailableAtDefaultOf(ctx, tx, t)
+		if err != nil {
+			return fmt.Errorf("migrate %s: %w", t, err)
+		}
+		if def != AvailableAtDefault {
+			stmts = append(stmts, availableAtStatement(t))
+		}
 		want := columnsOf(opts)
 		stmts = append(stmts, optionalColumnStatements(t, Columns{
 			TraceContext: want.TraceContext && !have.TraceContext,
@@ -472,6 +481,12 @@ const termNote = "-- Ordered tables only (skip it for a table without ordered mo
 const pausedNote = "-- Adds <table>_paused_topics, the topics an operator paused (outbox topics pause); relays\n" +
 	"-- without it relay every topic.\n"
 
+// availableAtNote heads the available_at default migration.
+const availableAtNote = "-- Makes available_at default to clock_timestamp(), the time a row is formed (after its writer\n" +
+	"-- holds the table's lock): the default relay's bounded claim needs it, and claims without a bound\n" +
+	"-- (walking the dead entries a pinned xmin leaves) until it is applied. A catalog change only, under\n" +
+	"-- a brief ACCESS EXCLUSIVE lock: run it with a lock_timeout if long transactions read the table.\n"
+
 // migrationFiles renders the shipped migration files for table t, by path
 // under Migrations.
 func migrationFiles(t Table) map[string]string {
@@ -494,21 +509,25 @@ func migrationFiles(t Table) map[string]string {
 	down6 := TermDownSQL(t)
 	up7 := PausedTopicsUpSQL(t)
 	down7 := PausedTopicsDownSQL(t)
+	up8 := AvailableAtUpSQL(t)
+	down8 := AvailableAtDownSQL(t)
 	return map[string]string{
-		"migrations/000001_create_" + name + ".up.sql":                 h("UpSQL") + "\n" + up1,
-		"migrations/000001_create_" + name + ".down.sql":               h("DownSQL") + destructive + "\n" + down1,
-		"migrations/000002_add_" + name + "_optional_columns.up.sql":   h("OptionalColumnsUpSQL") + "\n" + up2,
-		"migrations/000002_add_" + name + "_optional_columns.down.sql": h("OptionalColumnsDownSQL") + destructive + "\n" + down2,
-		"migrations/000003_add_" + name + "_ordering.up.sql":           h("OptionalColumnsUpSQL") + "\n" + up3,
-		"migrations/000003_add_" + name + "_ordering.down.sql":         h("OptionalColumnsDownSQL") + destructive + "\n" + down3,
-		"migrations/000004_add_" + name + "_dead_at.up.sql":            h("DeadAtUpSQL") + deadAtNote + "\n" + up4,
-		"migrations/000004_add_" + name + "_dead_at.down.sql":          h("DeadAtDownSQL") + "\n" + down4,
-		"migrations/000005_add_" + name + "_hold_states.up.sql":        h("HoldsStateUpSQL") + holdStatesNote + "\n" + up5,
-		"migrations/000005_add_" + name + "_hold_states.down.sql":      h("HoldsStateDownSQL") + "\n" + down5,
-		"migrations/000006_add_" + name + "_partition_term.up.sql":     h("TermUpSQL") + termNote + "\n" + up6,
-		"migrations/000006_add_" + name + "_partition_term.down.sql":   h("TermDownSQL") + "\n" + down6,
-		"migrations/000007_add_" + name + "_paused_topics.up.sql":      h("PausedTopicsUpSQL") + pausedNote + "\n" + up7,
-		"migrations/000007_add_" + name + "_paused_topics.down.sql":    h("PausedTopicsDownSQL") + "\n" + down7,
+		"migrations/000001_create_" + name + ".up.sql":                     h("UpSQL") + "\n" + up1,
+		"migrations/000001_create_" + name + ".down.sql":                   h("DownSQL") + destructive + "\n" + down1,
+		"migrations/000002_add_" + name + "_optional_columns.up.sql":       h("OptionalColumnsUpSQL") + "\n" + up2,
+		"migrations/000002_add_" + name + "_optional_columns.down.sql":     h("OptionalColumnsDownSQL") + destructive + "\n" + down2,
+		"migrations/000003_add_" + name + "_ordering.up.sql":               h("OptionalColumnsUpSQL") + "\n" + up3,
+		"migrations/000003_add_" + name + "_ordering.down.sql":             h("OptionalColumnsDownSQL") + destructive + "\n" + down3,
+		"migrations/000004_add_" + name + "_dead_at.up.sql":                h("DeadAtUpSQL") + deadAtNote + "\n" + up4,
+		"migrations/000004_add_" + name + "_dead_at.down.sql":              h("DeadAtDownSQL") + "\n" + down4,
+		"migrations/000005_add_" + name + "_hold_states.up.sql":            h("HoldsStateUpSQL") + holdStatesNote + "\n" + up5,
+		"migrations/000005_add_" + name + "_hold_states.down.sql":          h("HoldsStateDownSQL") + "\n" + down5,
+		"migrations/000006_add_" + name + "_partition_term.up.sql":         h("TermUpSQL") + termNote + "\n" + up6,
+		"migrations/000006_add_" + name + "_partition_term.down.sql":       h("TermDownSQL") + "\n" + down6,
+		"migrations/000007_add_" + name + "_paused_topics.up.sql":          h("PausedTopicsUpSQL") + pausedNote + "\n" + up7,
+		"migrations/000007_add_" + name + "_paused_topics.down.sql":        h("PausedTopicsDownSQL") + "\n" + down7,
+		"migrations/000008_set_" + name + "_available_at_default.up.sql":   h("AvailableAtUpSQL") + availableAtNote + "\n" + up8,
+		"migrations/000008_set_" + name + "_available_at_default.down.sql": h("AvailableAtDownSQL") + "\n" + down8,
 		"migrations/goose/00001_create_" + name + ".sql": h("UpSQL") + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
 		"migrations/goose/00002_add_" + name + "_dead_at.sql": h("DeadAtUpSQL") + deadAtNote + "\n-- +goose Up\n" + up4 +
@@ -519,5 +538,7 @@ func migrationFiles(t Table) map[string]string {
 			"\n-- +goose Down\n" + down6,
 		"migrations/goose/00005_add_" + name + "_paused_topics.sql": h("PausedTopicsUpSQL") + pausedNote + "\n-- +goose Up\n" + up7 +
 			"\n-- +goose Down\n" + down7,
+		"migrations/goose/00006_set_" + name + "_available_at_default.sql": h("AvailableAtUpSQL") + availableAtNote + "\n-- +goose Up\n" + up8 +
+			"\n-- +goose Down\n" + down8,
 	}
 }

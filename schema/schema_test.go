@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -118,6 +119,9 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 		"migrations/000007_add_app_outbox_paused_topics.up.sql",
 		"migrations/000007_add_app_outbox_paused_topics.down.sql",
 		"migrations/000007_add_app_outbox_paused_topics.up.sql",
+		"migrations/000008_set_app_outbox_available_at_default.up.sql",
+		"migrations/000008_set_app_outbox_available_at_default.down.sql",
+		"migrations/000008_set_app_outbox_available_at_default.up.sql",
 		"migrations/000003_add_app_outbox_ordering.up.sql",
 		"migrations/000005_add_app_outbox_hold_states.up.sql", // a no-op after 000003 of this version
 		"migrations/000005_add_app_outbox_hold_states.down.sql",
@@ -162,6 +166,18 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 			ok, err := schema.PausedTopicsExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
 			if want := strings.HasSuffix(f, "000007_add_app_outbox_paused_topics.up.sql"); err != nil || ok != want {
 				t.Fatalf("after %s: paused topics table %v (%v), want %v", f, ok, err, want)
+			}
+		}
+		if strings.Contains(f, "000008_") || strings.HasSuffix(f, "000001_create_app_outbox.up.sql") {
+			// 000001 is kept as shipped (now()); 000008 sets the bounded
+			// claim's default and its down migration puts now() back.
+			def, err := schema.AvailableAtDefaultOf(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
+			want := "now()"
+			if strings.HasSuffix(f, "000008_set_app_outbox_available_at_default.up.sql") {
+				want = schema.AvailableAtDefault
+			}
+			if err != nil || def != want {
+				t.Fatalf("after %s: available_at defaults to %q (%v), want %q", f, def, err, want)
 			}
 		}
 		if strings.HasSuffix(f, "000002_add_app_outbox_optional_columns.up.sql") {
@@ -224,6 +240,50 @@ func TestMigrateIdempotentConcurrentAndOptionalColumns(t *testing.T) {
 	}
 	if n != 5 { // pkey, event_id key, three indexes
 		t.Fatalf("indexes: %d, want 5", n)
+	}
+	if def, err := schema.AvailableAtDefaultOf(ctx, pool, tbl); err != nil || def != schema.AvailableAtDefault {
+		t.Fatalf("Migrate: available_at defaults to %q (%v), want %q", def, err, schema.AvailableAtDefault)
+	}
+}
+
+// TestMigrateSetsAvailableAtDefaultOfAnOldTable: a table made by an older
+// version (available_at DEFAULT now(), the transaction's start) gets the
+// default the bounded claim needs from Migrate; the statement is not run
+// again once the default is right (Migrate runs only what is missing).
+func TestMigrateSetsAvailableAtDefaultOfAnOldTable(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := schema.MustParseTable(testdb.Schema(t) + ".old_outbox")
+	if err := schema.Migrate(ctx, pool, tbl); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `ALTER TABLE `+tbl.Sanitize()+` ALTER COLUMN available_at SET DEFAULT now()`); err != nil {
+		t.Fatal(err)
+	}
+	if def, err := schema.AvailableAtDefaultOf(ctx, pool, tbl); err != nil || def != "now()" {
+		t.Fatalf("old table: %q (%v)", def, err)
+	}
+	if err := schema.Migrate(ctx, pool, tbl); err != nil {
+		t.Fatal(err)
+	}
+	if def, err := schema.AvailableAtDefaultOf(ctx, pool, tbl); err != nil || def != schema.AvailableAtDefault {
+		t.Fatalf("after Migrate: available_at defaults to %q (%v), want %q", def, err, schema.AvailableAtDefault)
+	}
+	// Right already: Migrate must not take the table's ACCESS EXCLUSIVE
+	// lock, so it completes while another transaction reads the table.
+	reader, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = reader.Rollback(ctx) }()
+	if _, err := reader.Exec(ctx, `SELECT count(*) FROM `+tbl.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	mctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	if err := schema.Migrate(mctx, pool, tbl); err != nil {
+		t.Fatalf("Migrate of an up-to-date table while the table is read: %v", err)
 	}
 }
 

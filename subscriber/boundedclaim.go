@@ -9,38 +9,49 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/outboxkit/watermill-outbox/internal/experiment"
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// The bounded claim is a prototype of docs/XMIN.md, option (c), off unless
-// experiment.BoundedClaim is set when the subscriber is created: it does
-// not change the default behaviour.
+// The bounded claim (docs/XMIN.md, option c) is the default relay's claim
+// for Subscribe(ctx, AllTopics) on a table whose available_at defaults to
+// clock_timestamp() (schema.AvailableAtDefault, migration 000008), unless
+// Config.DisableBoundedClaim is set. Tables with the older default, ordered
+// relays, per-topic subscriptions and paused topics claim without a bound.
 //
-// Under a pinned xmin horizon the default claim's index scan over
+// Under a pinned xmin horizon the unbounded claim's index scan over
 // (available_at, sequence) starts at the oldest entry and walks every dead
 // entry the claims and acks left since the pin. The bounded claim adds a
 // lower bound, (available_at, sequence) >= bound, so that the scan starts
-// near the head:
+// near the head. Its invariants:
 //
-//   - with each claim, in the same round trip and before it, a cut reads statement_timestamp() - margin and the
-//     xact_start of every other transaction holding RowExclusiveLock on the
-//     table (a writer holds it from before its row exists until it ends; a
-//     row's available_at defaults to now(), its transaction's start). The
-//     cut is read before the claim's snapshot, so every row that claim
-//     cannot see yet has available_at at or above it, except a row of a
-//     transaction that started before the cut but took the lock after it;
-//   - a claim that returned fewer rows than it asked for left no due row
-//     at or above the bound unclaimed: the next bound is that claim's cut. A
-//     full claim keeps the bound (lowered to the cut if that is lower);
-//   - retries, replays and a new leader's take-back set available_at to
-//     now() or later: above any earlier bound.
+//   - (B1) every row a bounded claim skips because it is below the bound
+//     is found by the sweep (the unbounded claim, every sweepEvery) or by a
+//     later claim: the bound moves only to a cut, never above it;
+//   - (B2) a cut is read in the claim's round trip, before the claim's
+//     snapshot: LEAST(statement_timestamp() - margin, the xact_start of
+//     every other transaction holding RowExclusiveLock on the table). A
+//     writer holds that lock from before its row is formed until it ends,
+//     and the row's available_at is clock_timestamp() when it is formed;
+//     so a row the claim cannot see yet has available_at at or above the
+//     cut (its writer held the lock at the cut: the bound is at most its
+//     start; or it took the lock after the cut);
+//   - (B3) a cut that cannot see a lock holder's start (a prepared
+//     transaction, or another role's session while the relay's role is not
+//     a member of pg_read_all_stats) is NULL: the bound does not move;
+//   - (B4) a claim that returned fewer rows than it asked for left no due
+//     row at or above the bound unclaimed (SKIP LOCKED aside, B1), so the
+//     next bound is that claim's cut; a full claim keeps the bound (lowered
+//     to the cut if that is lower);
+//   - (B5) retries, replays and a new leader's take-back set available_at
+//     to now() or later: above any earlier bound.
 //
 // What the bound can miss (expired leases of rows below it, rows skipped by
-// SKIP LOCKED, the late lock-takers above, other relays' rows with
-// DisableSingleActive) is found by the sweep: the unbounded claim, run beside
-// the claim loop every sweepEvery on a pool connection, off the latency
-// path. Nothing is lost; what the bound misses is delivered up to
-// sweepEvery late.
+// SKIP LOCKED, a row formed before its writer's statement took the lock
+// beyond the margin, other relays' rows with DisableSingleActive) is found
+// by the sweep, run beside the claim loop every sweepEvery on a pool
+// connection, off the latency path, and counted in
+// outbox_sweep_claimed_total. Nothing is lost; what the bound misses is
+// delivered up to sweepEvery late.
 type boundedClaims struct {
 	cutSQL, claimSQL string
 	margin           time.Duration
@@ -53,14 +64,20 @@ type boundedClaims struct {
 }
 
 // boundedMargin is how far before the cut's statement start the bound
-// stays: a writer's statement that began just before the cut and took the
-// table's lock just after it is still above the bound.
+// stays: room for a writer's statement that began just before the cut and
+// took the table's lock just after it, and for small steps of the clock.
 const boundedMargin = 250 * time.Millisecond
 
-// newBoundedClaims returns the bounded claim of s, or nil (the default)
-// unless the prototype's switch is on.
-func newBoundedClaims(s *Subscriber) *boundedClaims {
-	if !experiment.BoundedClaim.Load() || s.cfg.Ordered {
+// newBoundedClaims returns the bounded claim of s, or nil when s claims
+// without a bound: DisableBoundedClaim, an ordered relay, or a table whose
+// available_at default (def) is not schema.AvailableAtDefault.
+func newBoundedClaims(s *Subscriber, def string) *boundedClaims {
+	if s.cfg.DisableBoundedClaim || s.cfg.Ordered {
+		return nil
+	}
+	if def != schema.AvailableAtDefault {
+		s.logger.Info("Claims without a bound: available_at defaults to "+def+", not "+schema.AvailableAtDefault+
+			"; apply migration 000008 (schema.Migrate or `outbox migrate`) so that a pinned xmin horizon does not slow the claim", nil)
 		return nil
 	}
 	const order = "\n  ORDER BY available_at, sequence"
@@ -68,9 +85,13 @@ func newBoundedClaims(s *Subscriber) *boundedClaims {
 		return nil
 	}
 	return &boundedClaims{
-		cutSQL: `SELECT LEAST(statement_timestamp() - make_interval(secs => $2::float8),
-  (SELECT min(a.xact_start) FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
-   WHERE l.locktype = 'relation' AND l.relation = $1::text::regclass AND l.mode = 'RowExclusiveLock' AND l.pid <> pg_backend_pid()))`,
+		// B2, B3: NULL when a lock holder's start cannot be read.
+		cutSQL: `SELECT CASE WHEN bool_or(a.pid IS NULL OR a.xact_start IS NULL) THEN NULL
+  ELSE LEAST(statement_timestamp() - make_interval(secs => $2::float8), min(a.xact_start)) END
+FROM (SELECT 1) AS one
+LEFT JOIN pg_locks AS l ON l.locktype = 'relation' AND l.relation = $1::text::regclass AND l.mode = 'RowExclusiveLock'
+  AND l.granted AND l.pid IS DISTINCT FROM pg_backend_pid()
+LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid`,
 		claimSQL:   strings.Replace(s.q.ClaimAll, order, "\n    AND (available_at, sequence) >= ($4::timestamptz, $5::bigint)"+order, 1),
 		margin:     boundedMargin,
 		sweepEvery: max(s.cfg.LockTTL/4, time.Second),
@@ -81,7 +102,7 @@ func newBoundedClaims(s *Subscriber) *boundedClaims {
 func (b *boundedClaims) claim(ctx context.Context, s *Subscriber, n int) ([]*claimed, error) {
 	// The cut and the claim go in one batch: one round trip, the cut's
 	// statement first, so the claim's snapshot is taken after it.
-	var cut time.Time
+	var cut *time.Time // NULL: a lock holder's start is hidden (B3)
 	pre := &claimPrelude{sql: b.cutSQL, args: []any{s.cfg.Table.Sanitize(), b.margin.Seconds()},
 		scan: func(r pgx.Row) error { return r.Scan(&cut) }}
 	args := []any{s.cfg.MaxAttempts, s.cfg.LockTTL.Seconds(), n}
@@ -97,10 +118,12 @@ func (b *boundedClaims) claim(ctx context.Context, s *Subscriber, n int) ([]*cla
 	}
 	b.mu.Lock()
 	switch {
+	case cut == nil:
+		// B3: the bound stays where it is.
 	case len(out)+parked < n:
-		b.at, b.seq, b.set = cut, 0, true
+		b.at, b.seq, b.set = *cut, 0, true
 	case b.set && cut.Before(b.at):
-		b.at, b.seq = cut, 0
+		b.at, b.seq = *cut, 0
 	}
 	b.mu.Unlock()
 	return out, nil
@@ -133,6 +156,7 @@ func (sub *subscription) sweep(stop <-chan struct{}) {
 			}
 			if len(batch) > 0 {
 				sub.logger.Debug("Bounded claim: the sweep found rows below the bound", watermill.LogFields{"rows": len(batch)})
+				s.cfg.Metrics.Swept(s.label, len(batch))
 			}
 			if !sub.deliver(batch, stop) {
 				return

@@ -3,99 +3,261 @@ package subscriber_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	"github.com/outboxkit/watermill-outbox/internal/experiment"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
-// TestBoundedClaimLateLockTaker: with the prototype bounded claim
-// (docs/XMIN.md, option c), a row of a transaction that began long before
-// the claims' bound and wrote the outbox only after it (so the cut did not
-// see it) is still delivered, by the sweep, within about LockTTL/4; rows of
-// short transactions are delivered at once.
-func TestBoundedClaimLateLockTaker(t *testing.T) {
-	prev := experiment.BoundedClaim.Swap(true)
-	pool := testdb.Pool(t)
-	tbl := testdb.Table(t, "bounded_outbox")
-	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 4 * time.Second})
-	experiment.BoundedClaim.Store(prev)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+// deliveries records when each event was delivered and acks it.
+type deliveries struct {
+	mu   sync.Mutex
+	seen map[string]time.Time
+}
+
+func consumeAll(t *testing.T, s *subscriber.Subscriber) *deliveries {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
 	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var (
-		mu   sync.Mutex
-		seen = map[string]time.Time{}
-	)
+	d := &deliveries{seen: map[string]time.Time{}}
 	go func() {
 		for m := range ch {
-			mu.Lock()
-			seen[m.UUID] = time.Now()
-			mu.Unlock()
+			d.mu.Lock()
+			d.seen[m.UUID] = time.Now()
+			d.mu.Unlock()
 			m.Ack()
 		}
 	}()
-	waitFor := func(ids []string, within time.Duration) time.Duration {
-		t.Helper()
-		start := time.Now()
-		for time.Since(start) < within {
-			mu.Lock()
-			n := 0
-			for _, id := range ids {
-				if _, ok := seen[id]; ok {
-					n++
-				}
-			}
-			mu.Unlock()
-			if n == len(ids) {
-				return time.Since(start)
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-		t.Fatalf("%d events not delivered within %s", len(ids), within)
-		return 0
-	}
-	waitFor(enqueue(t, pool, tbl, "org.bounded.v1", 5), 5*time.Second)
+	return d
+}
 
-	// A transaction that starts now and writes the outbox later.
-	late, err := pool.Begin(ctx)
+// wait returns how long the events ids took to be delivered from now.
+func (d *deliveries) wait(t *testing.T, ids []string, within time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for time.Since(start) < within {
+		d.mu.Lock()
+		n := 0
+		for _, id := range ids {
+			if _, ok := d.seen[id]; ok {
+				n++
+			}
+		}
+		d.mu.Unlock()
+		if n == len(ids) {
+			return time.Since(start)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("%d events not delivered within %s", len(ids), within)
+	return 0
+}
+
+// lateWriter begins a transaction on pool now that writes one event to tbl
+// only when write is called (business work first, the outbox last), and
+// commits it.
+func lateWriter(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) (write func() string) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = late.Rollback(context.Background()) }()
-	if _, err := late.Exec(ctx, `SELECT 1`); err != nil {
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if _, err := tx.Exec(ctx, `SELECT 1`); err != nil {
 		t.Fatal(err)
 	}
+	return func() string {
+		id := uuid.New()
+		if _, err := publisher.Enqueue(ctx, tx, tbl, publisher.Message{TenantID: tenant, Topic: "org.bounded.v1", EventID: id,
+			Payload: json.RawMessage(`{"late":true}`)}); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return id.String()
+	}
+}
+
+// TestBoundedClaimIsTheDefault: a table made by Migrate (available_at
+// defaults to clock_timestamp()) is claimed with the bound; a table with
+// the older default, DisableBoundedClaim and ordered relays claim without.
+func TestBoundedClaimIsTheDefault(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "bounded_default_outbox")
+	if !subscriber.Bounded(newSub(t, pool, subscriber.Config{Table: tbl})) {
+		t.Fatal("a migrated table is claimed without the bound")
+	}
+	if subscriber.Bounded(newSub(t, pool, subscriber.Config{Table: tbl, DisableBoundedClaim: true})) {
+		t.Fatal("DisableBoundedClaim: the claim takes a bound")
+	}
+	old := testdb.Table(t, "bounded_old_outbox")
+	if _, err := pool.Exec(context.Background(), `ALTER TABLE `+old.Sanitize()+` ALTER COLUMN available_at SET DEFAULT now()`); err != nil {
+		t.Fatal(err)
+	}
+	if subscriber.Bounded(newSub(t, pool, subscriber.Config{Table: old})) {
+		t.Fatal("available_at DEFAULT now(): the claim takes a bound its cut cannot keep")
+	}
+}
+
+// TestBoundedClaimLateLockTaker: a transaction that began long before the
+// claims' bound moved and wrote the outbox only after it (business work
+// first, the outbox last) is delivered at once, not by the sweep: its row's
+// available_at is the time the row was formed (clock_timestamp()), above
+// the bound. With available_at = now() (the transaction's start, the
+// default before migration 000008) the bound would pass it and only the
+// sweep would find it, LockTTL/4 later.
+func TestBoundedClaimLateLockTaker(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "bounded_outbox")
+	m, err := metrics.New(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The sweep every 10 s: a delivery within 2 s is the bounded claim's.
+	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 40 * time.Second, Metrics: m})
+	d := consumeAll(t, s)
+	d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 5), 5*time.Second)
+	late := lateWriter(t, pool, tbl)
 	// Meanwhile short transactions flow, and the bound moves past the late
 	// transaction's start.
 	for range 5 {
 		time.Sleep(200 * time.Millisecond)
-		if d := waitFor(enqueue(t, pool, tbl, "org.bounded.v1", 3), 5*time.Second); d > 2*time.Second {
-			t.Errorf("short transactions' events delivered after %s", d)
+		if took := d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 3), 5*time.Second); took > 2*time.Second {
+			t.Errorf("short transactions' events delivered after %s", took)
 		}
+	}
+	id := late()
+	took := d.wait(t, []string{id}, 10*time.Second)
+	if took > 2*time.Second {
+		t.Fatalf("the late writer's event was delivered %s after its commit: the bound passed it and the sweep found it", took)
+	}
+	t.Logf("late writer's event delivered %s after its commit", took.Round(time.Millisecond))
+	if n := testutil.ToFloat64(m.SweepClaimed.WithLabelValues(tbl.Qualified())); n != 0 {
+		t.Fatalf("the sweep claimed %v rows, want 0", n)
+	}
+}
+
+// TestBoundedClaimSweepFindsWhatTheBoundMissed: a row whose available_at
+// lies below the bound when it commits (written with an explicit old
+// available_at, as a row formed long before its writer took the table's
+// lock would be) is still delivered, by the sweep, and counted in
+// outbox_sweep_claimed_total.
+func TestBoundedClaimSweepFindsWhatTheBoundMissed(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "bounded_sweep_outbox")
+	m, err := metrics.New(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 4 * time.Second, Metrics: m})
+	d := consumeAll(t, s)
+	d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 5), 5*time.Second)
+	for range 3 { // the bound moves on
+		time.Sleep(200 * time.Millisecond)
+		d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 1), 5*time.Second)
 	}
 	id := uuid.New()
-	if _, err := publisher.Enqueue(ctx, late, tbl, publisher.Message{TenantID: tenant, Topic: "org.bounded.v1", EventID: id,
-		Payload: json.RawMessage(`{"late":true}`)}); err != nil {
+	if _, err := pool.Exec(context.Background(), `INSERT INTO `+tbl.Sanitize()+` (tenant_id, topic, payload, event_id, available_at)
+VALUES ($1, 'org.bounded.v1', '{}', $2, now() - interval '1 minute')`, tenant, id); err != nil {
 		t.Fatal(err)
 	}
-	if err := late.Commit(ctx); err != nil {
-		t.Fatal(err)
+	took := d.wait(t, []string{id.String()}, 10*time.Second)
+	t.Logf("the row below the bound was delivered %s after its commit (sweep every LockTTL/4 = 1s)", took.Round(time.Millisecond))
+	if n := testutil.ToFloat64(m.SweepClaimed.WithLabelValues(tbl.Qualified())); n < 1 {
+		t.Fatalf("outbox_sweep_claimed_total = %v, want at least 1", n)
 	}
-	d := waitFor([]string{id.String()}, 10*time.Second)
-	t.Logf("late transaction's event delivered %s after its commit (sweep every LockTTL/4 = 1s)", d.Round(time.Millisecond))
-	for start := time.Now(); !state(t, pool, tbl, id.String()).published; time.Sleep(20 * time.Millisecond) {
-		if time.Since(start) > 5*time.Second {
-			t.Fatal("the late event's ack was not written")
+}
+
+// TestBoundedClaimHiddenWriter: a relay whose role cannot read other
+// roles' transaction starts (not a member of pg_read_all_stats) must not
+// move the bound past an open writer of another role (B3): the writer's
+// late row, formed before the cut, is delivered at once, not by the sweep.
+// Before, pg_stat_activity's NULL xact_start was ignored and the bound
+// passed the row.
+func TestBoundedClaimHiddenWriter(t *testing.T) {
+	t.Parallel()
+	admin := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := testdb.Table(t, "bounded_hidden_outbox")
+	role := fmt.Sprintf("outbox_relay_%d", time.Now().UnixNano()%1_000_000_000)
+	for _, stmt := range []string{
+		`CREATE ROLE ` + role + ` LOGIN`,
+		`GRANT USAGE ON SCHEMA ` + pgx.Identifier{tbl.Schema()}.Sanitize() + ` TO ` + role,
+		`GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA ` + pgx.Identifier{tbl.Schema()}.Sanitize() + ` TO ` + role,
+		`GRANT USAGE ON ALL SEQUENCES IN SCHEMA ` + pgx.Identifier{tbl.Schema()}.Sanitize() + ` TO ` + role,
+	} {
+		if _, err := admin.Exec(ctx, stmt); err != nil {
+			t.Fatal(err)
 		}
+	}
+	cfg, err := pgxpool.ParseConfig(testdb.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.User = role
+	relayPool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		relayPool.Close()
+		_, _ = admin.Exec(context.Background(), `DROP OWNED BY `+role)
+		_, _ = admin.Exec(context.Background(), `DROP ROLE IF EXISTS `+role)
+	})
+	var member bool
+	if err := relayPool.QueryRow(ctx, `SELECT pg_has_role('pg_read_all_stats', 'member')`).Scan(&member); err != nil || member {
+		t.Fatalf("the relay's role reads all stats (%v, %v): the test needs one that does not", member, err)
+	}
+	s, err := subscriber.New(relayPool, subscriber.Config{Table: tbl, LockTTL: 40 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	if !subscriber.Bounded(s) {
+		t.Fatal("the relay claims without the bound")
+	}
+	d := consumeAll(t, s)
+	d.wait(t, enqueue(t, admin, tbl, "org.bounded.v1", 3), 5*time.Second)
+	// Another role's writer forms its row now, holds the table's lock and
+	// commits only after the bound would have moved past the row.
+	tx, err := admin.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	id := uuid.New()
+	if _, err := tx.Exec(ctx, `INSERT INTO `+tbl.Sanitize()+` (tenant_id, topic, payload, event_id) VALUES ($1, 'org.bounded.v1', '{}', $2)`, tenant, id); err != nil {
+		t.Fatal(err)
+	}
+	for range 5 {
+		time.Sleep(200 * time.Millisecond)
+		d.wait(t, enqueue(t, relayPool, tbl, "org.bounded.v1", 1), 5*time.Second)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if took := d.wait(t, []string{id.String()}, 15*time.Second); took > 2*time.Second {
+		t.Fatalf("the hidden writer's row was delivered %s after its commit: the bound passed it", took)
 	}
 }

@@ -65,6 +65,17 @@ type Config struct {
 	// elected leader takes back every lease in the table, theirs too (their
 	// rows are delivered again; their late acks are fenced off).
 	DisableSingleActive bool
+	// DisableBoundedClaim makes Subscribe(ctx, AllTopics) claim without a
+	// lower bound. By default, on a table whose available_at defaults to
+	// clock_timestamp() (migration 000008), the claim starts its index scan
+	// at a bound near the head of the queue instead of at the oldest entry,
+	// so that a long-open transaction elsewhere (a pinned xmin horizon) does
+	// not make every claim walk the dead entries of the rows relayed since
+	// (docs/XMIN.md); an unbounded sweep every LockTTL/4 finds what the
+	// bound can miss (expired leases, outbox_sweep_claimed_total). The
+	// relay's role should be a member of pg_read_all_stats, or the bound
+	// stays put while another role's writer is open. Defaults to false.
+	DisableBoundedClaim bool
 	// Ordered relays the rows that have an ordering key in per-key order
 	// (docs/ORDERING.md): a key's next row only after the previous one was
 	// acked, a failing row holds back its key only, and any number of

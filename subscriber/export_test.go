@@ -187,3 +187,6 @@ func OrderedOpenRows(s *Subscriber) int {
 	}
 	return n
 }
+
+// Bounded reports whether s claims AllTopics with the bounded claim.
+func Bounded(s *Subscriber) bool { return s.bounded != nil }

@@ -7,7 +7,6 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/outboxkit/watermill-outbox/internal/experiment"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 )
 
@@ -16,11 +15,6 @@ import (
 func TestMain(m *testing.M) {
 	if table := os.Getenv(crashRelayEnv); table != "" {
 		os.Exit(crashRelay(table)) // a relay process for TestCrashedRelayRecovery, killed by it
-	}
-	if os.Getenv("OUTBOX_TEST_BOUNDED_CLAIM") == "1" {
-		// Every subscriber of the run uses the prototype bounded claim
-		// (docs/XMIN.md, option c).
-		experiment.BoundedClaim.Store(true)
 	}
 	code := m.Run()
 	testdb.ClosePool()

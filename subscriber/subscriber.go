@@ -56,7 +56,7 @@ type Subscriber struct {
 	beforeIdle      func()          // tests: runs before a subscription tries the idle lock
 	afterClaimQuery func()          // tests: runs between a claim's query and its rows
 	writeTimeout    time.Duration   // bounds each ack, nack, renewal or release write
-	bounded         *boundedClaims  // prototype claim path, nil by default (boundedclaim.go)
+	bounded         *boundedClaims  // the bounded claim (boundedclaim.go), nil when claims take no bound
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -91,6 +91,10 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 			return nil, fmt.Errorf("subscriber: %w", err)
 		}
 	}
+	def, err := schema.AvailableAtDefaultOf(ctx, pool, cfg.Table)
+	if err != nil {
+		return nil, fmt.Errorf("subscriber: %w", err)
+	}
 	var oq *schema.OrderedQueries
 	if cfg.Ordered {
 		if oq, err = checkOrdered(ctx, pool, cfg.Table, cols); err != nil {
@@ -114,7 +118,7 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 	s.idle.s, s.idle.key = s, cfg.Table.IdleLockKey()
 	s.oidle.s, s.oidle.key = s, cfg.Table.OrderedIdleLockKey()
 	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
-	s.bounded = newBoundedClaims(s)
+	s.bounded = newBoundedClaims(s, def)
 	return s, nil
 }
 
@@ -234,7 +238,7 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 		query = s.q.ClaimAllUnkeyed // keyed rows go through the ordered relay
 	}
 	if s.bounded != nil && topic == AllTopics && s.oq == nil && paused == nil {
-		return s.bounded.claim(ctx, s, n) // prototype, off by default (boundedclaim.go)
+		return s.bounded.claim(ctx, s, n) // boundedclaim.go
 	}
 	out, _, err := s.claimQuery(ctx, query, args, false, nil)
 	return out, err

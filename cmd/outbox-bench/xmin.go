@@ -20,7 +20,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outboxkit/watermill-outbox/internal/experiment"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -45,7 +44,7 @@ func (o *xminOptions) register() {
 	flag.IntVar(&o.rate, "xmin-rate", 400, "xmin suite: offered events/s (one event per transaction); the load phase offers 1.5x")
 	flag.DurationVar(&o.phase, "xmin-phase", 30*time.Second, "xmin suite: length of the clean, readers, load and recovery phases")
 	flag.DurationVar(&o.hold, "xmin-hold", 45*time.Second, "xmin suite: how long a session holds an xid open (idle in transaction) in the pinned phase")
-	flag.StringVar(&o.modes, "xmin-modes", "default,ordered,wal", "xmin suite: modes to run, in order (default, ordered, wal; wal needs wal_level = logical, else it is skipped with a note; bounded: the default mode with the prototype bounded claim of docs/XMIN.md)")
+	flag.StringVar(&o.modes, "xmin-modes", "unbounded,default,ordered,wal", "xmin suite: modes to run, in order (default, ordered, wal; wal needs wal_level = logical, else it is skipped with a note; unbounded: the default mode with DisableBoundedClaim, the claim of earlier versions, as the baseline)")
 	flag.IntVar(&o.handlers, "xmin-handlers", 32, "xmin suite: concurrent handlers")
 	flag.DurationVar(&o.handlerTime, "xmin-handler-time", time.Millisecond, "xmin suite: how long each handler works on a message")
 	flag.IntVar(&o.readers, "xmin-readers", 4, "xmin suite: REPEATABLE READ readers scanning the table in the readers phase")
@@ -127,7 +126,7 @@ func xminSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o option
 	for _, m := range strings.Split(xo.modes, ",") {
 		m = strings.TrimSpace(m)
 		switch m {
-		case "default", "ordered", "bounded":
+		case "default", "ordered", "unbounded":
 		case "wal":
 			if level != "logical" {
 				fmt.Printf("xmin: WAL relay skipped: wal_level = %s; run it on a private logical server: BENCH_WAL_AUTOVACUUM=on scripts/bench-wal.sh -suite xmin\n\n", level)
@@ -136,7 +135,7 @@ func xminSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o option
 		case "":
 			continue
 		default:
-			return fmt.Errorf("-xmin-modes: unknown mode %q (default, ordered, wal, bounded)", m)
+			return fmt.Errorf("-xmin-modes: unknown mode %q (default, unbounded, ordered, wal)", m)
 		}
 		modes = append(modes, m)
 	}
@@ -210,11 +209,9 @@ func xminMode(ctx context.Context, pool *pgxpool.Pool, schemaName string, xo xmi
 		}
 		relay = xminRelay{ch, func() { _ = s.Close() }}
 	default:
-		// bounded: the default mode with the prototype claim path, switched
-		// on for this subscriber only.
-		experiment.BoundedClaim.Store(mode == "bounded")
-		s, err := subscriber.New(pool, subscriber.Config{Table: t, Ordered: mode == "ordered"}, watermill.NopLogger{})
-		experiment.BoundedClaim.Store(false)
+		// unbounded: the default mode with the claim of the versions before
+		// the bounded claim (docs/XMIN.md), the baseline.
+		s, err := subscriber.New(pool, subscriber.Config{Table: t, Ordered: mode == "ordered", DisableBoundedClaim: mode == "unbounded"}, watermill.NopLogger{})
 		if err != nil {
 			return nil, err
 		}
