@@ -44,6 +44,7 @@ type relayConfig struct {
 	relayEnabled    bool
 	tables          []schema.Table
 	singleActive    bool
+	boundedClaim    bool
 	ordered         bool
 	source          string // "table" or "wal"
 	pollInterval    time.Duration
@@ -90,6 +91,8 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	tablesErr := err
 	must(err)
 	c.singleActive, err = env.Bool("OUTBOX_RELAY_SINGLE_ACTIVE", true)
+	must(err)
+	c.boundedClaim, err = env.Bool("OUTBOX_RELAY_BOUNDED_CLAIM", true)
 	must(err)
 	c.ordered, err = env.Bool("OUTBOX_RELAY_ORDERED", false)
 	must(err)
@@ -352,7 +355,7 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 			}
 			ts, err := subscriber.New(pool, subscriber.Config{
 				Table: t, BatchSize: cfg.batchSize, PollInterval: cfg.pollInterval, LockTTL: cfg.lockTTL, LeaderTimeout: cfg.leaderTimeout,
-				MaxAttempts: cfg.maxAttempts, DisableSingleActive: !cfg.singleActive, Ordered: cfg.ordered, LastErrorMaxBytes: cfg.lastErrorMax,
+				MaxAttempts: cfg.maxAttempts, DisableSingleActive: !cfg.singleActive, DisableBoundedClaim: !cfg.boundedClaim, Ordered: cfg.ordered, LastErrorMaxBytes: cfg.lastErrorMax,
 				CloseTimeout: cfg.dispatchTimeout, DispatchTimeout: cfg.dispatchTimeout, Metrics: m,
 			}, logger)
 			if err != nil {
