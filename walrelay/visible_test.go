@@ -110,6 +110,31 @@ func unseen(t *testing.T, pool *pgxpool.Pool, write func(context.Context, pgx.Tx
 
 var errRejected = errors.New("rejected")
 
+// rejectK returns a handler that rejects the messages of key k for good
+// while rejecting is set (it starts set) and accepts the rest.
+func rejectK() (rejecting *atomic.Bool, handle func(*message.Message) error) {
+	rejecting = &atomic.Bool{}
+	rejecting.Store(true)
+	return rejecting, func(msg *message.Message) error {
+		if msg.Metadata.Get(schema.MetadataOrderingKey) == "k" && rejecting.Load() {
+			return subscriber.Permanent(errRejected)
+		}
+		return nil
+	}
+}
+
+// waitHeldOnce waits until one row of tbl is dead and holds its key.
+func waitHeldOnce(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) {
+	t.Helper()
+	waitFor(t, 10*time.Second, "the key held by its dead row", func() bool {
+		st, err := runbook.Stats(context.Background(), pool, tbl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.Dead == 1 && st.HeldKeys == 1
+	})
+}
+
 // A row rejected for good while its transaction is not visible yet: the
 // relay's dead write found no row, and the row was counted settled (never
 // dead, later counted streamed by the runbook and deleted by the cleaner).
@@ -166,22 +191,10 @@ func TestWALDrainWaitsForParkedRowsToBeVisible(t *testing.T) {
 	ctx := context.Background()
 	s := relay(t, pool, tbl, nil)
 	rec := newRecorder()
-	var rejecting atomic.Bool
-	rejecting.Store(true)
-	rec.consume(t, s, func(msg *message.Message) error {
-		if msg.Metadata.Get(schema.MetadataOrderingKey) == "k" && rejecting.Load() {
-			return subscriber.Permanent(errRejected)
-		}
-		return nil
-	})
+	rejecting, handle := rejectK()
+	rec.consume(t, s, handle)
 	doomed := enqueue(t, pool, tbl, "k")
-	waitFor(t, 10*time.Second, "the key held by its dead row", func() bool {
-		st, err := runbook.Stats(ctx, pool, tbl)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return st.Dead == 1 && st.HeldKeys == 1
-	})
+	waitHeldOnce(t, pool, tbl)
 	rejecting.Store(false)
 	parked, see := enqueueUnseen(t, pool, tbl, "k")
 	// Streamed in commit order: once z is delivered, the invisible row of
@@ -219,14 +232,8 @@ func TestWALReplayOfAnOutOfLineRowWaitsForItToBeVisible(t *testing.T) {
 	ctx := context.Background()
 	s := relay(t, pool, tbl, nil)
 	rec := newRecorder()
-	var rejecting atomic.Bool
-	rejecting.Store(true)
-	rec.consume(t, s, func(msg *message.Message) error {
-		if msg.Metadata.Get(schema.MetadataOrderingKey) == "k" && rejecting.Load() {
-			return subscriber.Permanent(errRejected)
-		}
-		return nil
-	})
+	rejecting, handle := rejectK()
+	rec.consume(t, s, handle)
 	// 64 KiB of random text: stored out of line, not compressible.
 	noise := make([]byte, 48<<10)
 	for i := range noise {
@@ -245,13 +252,7 @@ func TestWALReplayOfAnOutOfLineRowWaitsForItToBeVisible(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "the key held by its dead row", func() bool {
-		st, err := runbook.Stats(ctx, pool, tbl)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return st.Dead == 1 && st.HeldKeys == 1
-	})
+	waitHeldOnce(t, pool, tbl)
 	rejecting.Store(false)
 	see := unseen(t, pool, func(ctx context.Context, tx pgx.Tx) error {
 		_, err := runbook.ReplayEvent(ctx, tx, tbl, big, runbook.ReplayOptions{})
@@ -285,23 +286,10 @@ func TestWALReplayAckedBeforeItsDrainSurvivesClose(t *testing.T) {
 	ctx := context.Background()
 	first := relay(t, pool, tbl, nil)
 	rec := newRecorder()
-	var rejecting atomic.Bool
-	rejecting.Store(true)
-	handle := func(msg *message.Message) error {
-		if msg.Metadata.Get(schema.MetadataOrderingKey) == "k" && rejecting.Load() {
-			return subscriber.Permanent(errRejected)
-		}
-		return nil
-	}
+	rejecting, handle := rejectK()
 	rec.consume(t, first, handle)
 	doomed := enqueue(t, pool, tbl, "k")
-	waitFor(t, 10*time.Second, "the key held by its dead row", func() bool {
-		st, err := runbook.Stats(ctx, pool, tbl)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return st.Dead == 1 && st.HeldKeys == 1
-	})
+	waitHeldOnce(t, pool, tbl)
 	rejecting.Store(false)
 	parked := enqueue(t, pool, tbl, "k")
 	// A row of another key that nobody can see yet: the drain waits for it.
