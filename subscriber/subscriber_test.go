@@ -312,12 +312,16 @@ func TestRetryBackoffThenDead(t *testing.T) {
 		}
 		cause := errors.New("dial postgres://relay:hunter2@db:5432/x: " + `{"secret_payload_marker": "x1y2z3"}` + strings.Repeat("é", 40))
 		subscriber.RecordError(msg, cause)
+		nacked := time.Now()
 		msg.Nack()
 		if attempt < 3 {
 			waitFor(t, "the nack", 5*time.Second, func() bool { return !state(t, pool, tbl, ids[0]).locked })
 			st := state(t, pool, tbl, ids[0])
-			if st.due < time.Duration(attempt)*200*time.Millisecond-100*time.Millisecond {
-				t.Fatalf("after attempt %d the row is due in %s, want ~%dms", attempt, st.due, attempt*200)
+			// The nack set available_at = (its time) + backoff, its time
+			// after nacked: due plus the time since nacked is at least the
+			// backoff, however late the state was read.
+			if since := time.Since(nacked); st.due+since < time.Duration(attempt)*200*time.Millisecond-20*time.Millisecond {
+				t.Fatalf("after attempt %d the row is due in %s, %s after the nack, want ~%dms after it", attempt, st.due, since, attempt*200)
 			}
 		}
 	}
