@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -268,9 +269,13 @@ func (h *handler) pauseTopic(w http.ResponseWriter, r *http.Request, resume bool
 // maxTopicsShown bounds the topics of the backlog page.
 const maxTopicsShown = 500
 
+// actionWho is who makes a state-changing request: the console knows no
+// names, only that the request carried the console's token.
+const actionWho = "token holder"
+
 // actionFields are the log fields of a state-changing request.
 func actionFields(r *http.Request, action, table string) watermill.LogFields {
-	return watermill.LogFields{"who": "token holder", "remote": r.RemoteAddr, "action": action, "table": table}
+	return watermill.LogFields{"who": actionWho, "remote": r.RemoteAddr, "action": action, "table": table}
 }
 
 // eventAction checks a state-changing request on one event (the table, the
@@ -339,7 +344,9 @@ func (h *handler) preview(w http.ResponseWriter, r *http.Request) {
 	}{t.String(), f.Topic, f.ErrorContains, f.Cause, p.Snapshot})
 }
 
-// job is one bulk replay whose progress the console follows.
+// job is one bulk replay whose progress the console follows: recorded in
+// the table's <table>_replay_jobs (runbook.SaveReplayJob), or, when that
+// table is missing or cannot be written, in the console's memory only.
 type job struct {
 	Table    string
 	Topic    string
@@ -348,6 +355,18 @@ type job struct {
 	Rows     int64
 	At       time.Time
 	EventIDs []uuid.UUID
+	// By and From say who asked and from where.
+	By, From string
+	// Memory says the job is kept in this console's memory only; Why says
+	// why it is not in the table of replay jobs.
+	Memory bool
+	Why    string
+}
+
+// jobOf is the console's view of a recorded replay job of t.
+func jobOf(t schema.Table, j runbook.ReplayJob) *job {
+	return &job{Table: t.String(), Topic: j.Topic, Error: j.ErrorContains, Cause: j.Cause, Rows: j.Rows, At: j.CreatedAt,
+		EventIDs: j.EventIDs, By: j.RequestedBy, From: j.Remote}
 }
 
 // bulkReplay replays the dead rows of a preview: exactly the previewed
@@ -394,8 +413,30 @@ func (h *handler) bulkReplay(w http.ResponseWriter, r *http.Request) {
 	}
 	fields["changed"] = res.Rows
 	h.logger.Info("Console bulk replay", fields)
-	id := h.addJob(&job{Table: t.String(), Topic: f.Topic, Error: f.ErrorContains, Cause: f.Cause, Rows: res.Rows, At: time.Now(), EventIDs: res.EventIDs})
+	rec := runbook.ReplayJob{Topic: f.Topic, ErrorContains: f.ErrorContains, Cause: f.Cause, Rows: res.Rows, EventIDs: res.EventIDs,
+		RequestedBy: actionWho, Remote: h.clientIP(r)}
+	id, err := h.saveJob(r.Context(), t, rec)
+	if err != nil {
+		// The rows are replayed: follow them from memory rather than fail.
+		h.logger.Error("Console could not record a bulk replay; its progress is kept in memory only", err, fields)
+		why := "the console could not write it to " + t.String() + "_replay_jobs (see the console's log)"
+		if errors.Is(err, schema.ErrNoReplayJobs) {
+			why = t.String() + "_replay_jobs does not exist: run `outbox migrate --table=" + t.String() + "` (migration 000008) to keep the next ones across restarts"
+		}
+		id = h.addJob(&job{Table: t.String(), Topic: f.Topic, Error: f.ErrorContains, Cause: f.Cause, Rows: res.Rows, At: time.Now(),
+			EventIDs: res.EventIDs, By: rec.RequestedBy, From: rec.Remote, Memory: true, Why: why})
+	}
 	http.Redirect(w, r, "/t/"+url.PathEscape(t.String())+"/replay/"+id, http.StatusSeeOther)
+}
+
+// saveJob records a bulk replay in the table of replay jobs of t, keeping
+// the newest maxJobs, and returns its id.
+func (h *handler) saveJob(ctx context.Context, t schema.Table, rec runbook.ReplayJob) (string, error) {
+	saved, err := runbook.SaveReplayJob(ctx, h.pool, t, rec, maxJobs)
+	if err != nil {
+		return "", fmt.Errorf("record a bulk replay of %s: %w", t, err)
+	}
+	return saved.ID, nil
 }
 
 func parseInt(s string, errs []error) (int64, []error) {
@@ -421,20 +462,56 @@ func (h *handler) addJob(j *job) string {
 	return id
 }
 
-// jobGone says why a bulk replay's progress cannot be shown: the console
-// keeps its jobs in memory only.
+// jobGone says why a bulk replay's progress cannot be shown.
 func jobGone() string {
-	return "This console has no record of that bulk replay. It keeps the progress of its last " + strconv.Itoa(maxJobs) +
-		" bulk replays in memory only, so a restart of the console (or of the relay daemon it runs in) forgets them. " +
+	return "This console has no record of that bulk replay. It keeps the last " + strconv.Itoa(maxJobs) +
+		" bulk replays of each table in the table's <table>_replay_jobs, and this one is not among them: an older one, deleted as newer ones came, " +
+		"or one made while that table did not exist (before `outbox migrate`), which only the memory of the console that ran it kept until it restarted. " +
 		"The rows were replayed all the same: the dead rows page and the event pages show where each one is now."
 }
 
-func (h *handler) job(r *http.Request) (*job, runbook.Progress, error) {
+// findJob finds the bulk replay id: in memory, then in the table of
+// replay jobs of only (when not zero) or of every table of the console.
+func (h *handler) findJob(ctx context.Context, id string, only schema.Table) (*job, error) {
 	h.jobsMu.Lock()
-	j := h.jobs[r.PathValue("job")]
+	j := h.jobs[id]
 	h.jobsMu.Unlock()
-	if j == nil {
-		return nil, runbook.Progress{}, errJobGone
+	if j != nil && (only.IsZero() || j.Table == only.String()) {
+		return j, nil
+	}
+	if id == "" || len(id) > schema.ReplayJobIDMaxBytes {
+		return nil, errJobGone
+	}
+	tables := []schema.Table{only}
+	if only.IsZero() {
+		tables = tables[:0]
+		for _, name := range h.names {
+			tables = append(tables, h.tables[name])
+		}
+	}
+	for _, t := range tables {
+		rec, err := runbook.GetReplayJob(ctx, h.pool, t, id)
+		switch {
+		case errors.Is(err, runbook.ErrNoReplayJob), errors.Is(err, schema.ErrNoReplayJobs):
+			continue
+		case err != nil:
+			return nil, err
+		}
+		return jobOf(t, rec), nil
+	}
+	return nil, errJobGone
+}
+
+// job finds the bulk replay of the request (of only, when not zero) and
+// counts its progress.
+func (h *handler) job(r *http.Request, only schema.Table) (*job, runbook.Progress, error) {
+	j, err := h.findJob(r.Context(), r.PathValue("job"), only)
+	if errors.Is(err, errJobGone) {
+		return nil, runbook.Progress{}, err
+	}
+	if err != nil {
+		h.logger.Error("Console could not read a replay job", err, watermill.LogFields{"job": truncate(r.PathValue("job"), 64)})
+		return nil, runbook.Progress{}, err
 	}
 	p, err := runbook.ReplayProgress(r.Context(), h.pool, h.tables[j.Table], j.EventIDs)
 	if err != nil {
@@ -463,7 +540,7 @@ func (h *handler) jobPage(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	j, p, err := h.job(r)
+	j, p, err := h.job(r, t)
 	if errors.Is(err, errJobGone) {
 		h.fail(w, r, http.StatusNotFound, jobGone(), "/t/"+url.PathEscape(t.String())+"/dead", "the dead rows")
 		return
@@ -477,14 +554,16 @@ func (h *handler) jobPage(w http.ResponseWriter, r *http.Request) {
 		Job      *job
 		Progress jobState
 		Gone     string
-	}{r.PathValue("job"), j, jobState{p, p.Pending == 0}, jobGone()})
+		Kept     int
+		Where    string
+	}{r.PathValue("job"), j, jobState{p, p.Pending == 0}, jobGone(), maxJobs, t.String() + "_replay_jobs"})
 }
 
 // jobProgress is the progress of a bulk replay as JSON; 404 with
 // {"gone": true, "error": ...} when the console has no record of it.
 func (h *handler) jobProgress(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "application/json")
-	_, p, err := h.job(r)
+	_, p, err := h.job(r, schema.Table{})
 	switch {
 	case errors.Is(err, errJobGone):
 		w.WriteHeader(http.StatusNotFound)

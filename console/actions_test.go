@@ -205,7 +205,7 @@ WHERE event_id = $1`, broker[1]); err != nil {
 	if r := do(t, "GET", srv.URL+"/api/replay/0000", nil, auth); r.code != 404 || !strings.Contains(r.body, `"gone":true`) {
 		t.Errorf("unknown job: %d %s", r.code, r.body)
 	}
-	if r := do(t, "GET", srv.URL+"/t/"+name+"/replay/0000", nil, auth); r.code != 404 || !strings.Contains(r.body, "in memory only") ||
+	if r := do(t, "GET", srv.URL+"/t/"+name+"/replay/0000", nil, auth); r.code != 404 || !strings.Contains(r.body, "no record of that bulk replay") ||
 		!strings.Contains(r.body, `id="back" href="/t/`+name+`/dead"`) && !strings.Contains(r.body, `href="/t/`+name+`/dead" id="back"`) {
 		t.Errorf("unknown job's page: %d %s", r.code, r.body)
 	}

@@ -243,7 +243,8 @@ type handler struct {
 	order  []string        // job ids, oldest first
 }
 
-// maxJobs bounds the bulk replays whose progress the console remembers.
+// maxJobs bounds the bulk replays whose progress the console keeps, per
+// table in <table>_replay_jobs (and in memory when that table is missing).
 const maxJobs = 50
 
 // Console is the console's HTTP handler. Close it when Config.ChartInterval

@@ -60,8 +60,9 @@ const readCauses = `Array.from(document.querySelectorAll("#causes tr.cause")).ma
 // opened shows its last error in full; the cause's replay is previewed
 // with its count, confirmed by typing it, and followed until the page says
 // it finished, a running relay delivering exactly that cause's rows, after
-// which the page stops polling; the overview, /api/counts and the dead rows
-// page then count 3 dead rows fewer.
+// which the page stops polling, and which a restarted console still shows;
+// the overview, /api/counts and the dead rows page then count 3 dead rows
+// fewer.
 func TestBrowserIncidentWalk(t *testing.T) {
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "outbox")
@@ -219,6 +220,28 @@ func TestBrowserIncidentWalk(t *testing.T) {
 				t.Fatalf("row %s of another cause was delivered", id)
 			}
 		}
+	}
+
+	// The console restarts (a new console on the same database): the job's
+	// page, reloaded after a new login, still shows the finished replay.
+	jobURL, err := chromedp.Run(ctx, chromedp.Location())
+	if err != nil {
+		t.Fatal(err)
+	}
+	h2, err := console.New(pool, console.Config{Tables: []schema.Table{tbl}, Token: token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sw.set(h2)
+	steps(t, ctx, "the job page after a restart",
+		chromedp.Navigate(jobURL),
+		chromedp.WaitVisible(`#need-login`),
+		chromedp.SendKeys(`input[name="token"]`, token),
+		chromedp.Click(`#login`),
+		chromedp.WaitVisible(`#job-done`),
+	)
+	if doneText, err := chromedp.Run(ctx, chromedp.Text(`#job-done`)); err != nil || !strings.Contains(doneText, "3 delivered") {
+		t.Fatalf("after a restart the job page's finished line says %q (%v)", doneText, err)
 	}
 
 	// The counts settle: 3 dead rows fewer on the overview, in /api/counts

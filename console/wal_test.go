@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/chromedp/chromedp"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -314,6 +315,28 @@ func TestConsoleOnWALTable(t *testing.T) {
 	if fmt.Sprint(keys) != "[held]" || len(heldKeys) != 1 || heldKeys[0].Key != "held" || heldKeys[0].EventID != held[0].String() {
 		t.Errorf("held keys: the console %v, runbook %+v", keys, heldKeys)
 	}
+
+	// The held keys page in a browser at 1366 px, logged in: the held row's
+	// Replay and Skip buttons and the bulk buttons are on screen, nothing
+	// scrolls sideways (docs/console-held-wal.png).
+	bctx := browser(t)
+	steps(t, bctx, "the WAL held keys",
+		chromedp.Navigate(srv+"/t/"+name+"/held"),
+		chromedp.WaitVisible(`#need-login`),
+		chromedp.SendKeys(`input[name="token"]`, token),
+		chromedp.Click(`#login`),
+		chromedp.WaitVisible(`#held-mode`),
+		chromedp.WaitVisible(`tr[data-key="held"] button.skip`),
+	)
+	offscreen, err := chromedp.Run(bctx, chromedp.Evaluate[[]string](`["tr[data-key='held'] button.replay", "tr[data-key='held'] button.skip", "#skip-ticked", "#replay-ticked"].filter(function (sel) {
+  var b = document.querySelector(sel); if (!b) { return true; } var r = b.getBoundingClientRect(); return r.width === 0 || r.left < 0 || r.right > window.innerWidth; })`))
+	if err != nil || len(offscreen) != 0 {
+		t.Errorf("the WAL held keys page at 1366 px: missing or off screen %v (%v)", offscreen, err)
+	}
+	if scroll, err := chromedp.Run(bctx, chromedp.Evaluate[bool](`document.documentElement.scrollWidth > window.innerWidth`)); err != nil || scroll {
+		t.Errorf("the WAL held keys page scrolls sideways at 1366 px (%v)", err)
+	}
+	screenshot(t, bctx, "held-wal")
 
 	// The backlog by topic.
 	topics, err := runbook.Topics(ctx, pool, tbl, 100)

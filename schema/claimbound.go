@@ -10,13 +10,13 @@ import (
 // entries a pinned xmin horizon leaves behind are not walked by every
 // claim. Its cut relies on every new row's available_at being taken after
 // its writer holds the table's RowExclusiveLock: the column's default is
-// clock_timestamp() (the time the row is formed) from migration 000008 on.
+// clock_timestamp() (the time the row is formed) from migration 000009 on.
 // The default of older tables, now(), is the writer's transaction start: a
 // transaction that does its business work first and writes the outbox last
 // would put its row below a bound taken meanwhile.
 
 // AvailableAtDefault is the default of available_at that the bounded claim
-// needs (migration 000008).
+// needs (migration 000009).
 const AvailableAtDefault = "clock_timestamp()"
 
 // availableAtStatement sets the default of available_at to
@@ -27,7 +27,7 @@ func availableAtStatement(t Table) string {
 }
 
 // AvailableAtUpSQL returns the DDL that makes available_at default to
-// clock_timestamp() (migration 000008), which the default relay's bounded
+// clock_timestamp() (migration 000009), which the default relay's bounded
 // claim needs.
 func AvailableAtUpSQL(t Table) string { return availableAtStatement(t) + ";\n" }
 

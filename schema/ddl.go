@@ -207,7 +207,7 @@ func upStatements(t Table, c Columns) []string {
 	for _, ix := range indexes(t) {
 		stmts = append(stmts, ix.stmt)
 	}
-	stmts = append(stmts, pausedTopicsStatement(t), availableAtStatement(t))
+	stmts = append(stmts, pausedTopicsStatement(t), replayJobsStatement(t), availableAtStatement(t))
 	return append(stmts, optionalColumnStatements(t, c)...)
 }
 
@@ -275,7 +275,7 @@ func UpSQL(t Table, opts ...MigrateOption) string {
 // DownSQL returns the DDL that drops t. It is destructive: every event in the
 // table, published or not, is lost.
 func DownSQL(t Table) string {
-	drops := append(orderedCompanionDrops(t), `DROP TABLE IF EXISTS `+t.PausedTopicsTable())
+	drops := append(orderedCompanionDrops(t), `DROP TABLE IF EXISTS `+t.PausedTopicsTable(), `DROP TABLE IF EXISTS `+t.ReplayJobsTable())
 	return joinStatements(append(drops, `DROP TABLE IF EXISTS `+t.Sanitize()))
 }
 
@@ -384,7 +384,14 @@ func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err
 		if !ok {
 			stmts = append(stmts, pausedTopicsStatement(t))
 		}
-		// The default the bounded claim needs (migration 000008): set only
+		// The replay jobs' table (migration 000008) does not lock t either.
+		if ok, err = exists(t.ReplayJobsTable()); err != nil {
+			return fmt.Errorf("migrate %s: look up the replay jobs: %w", t, err)
+		}
+		if !ok {
+			stmts = append(stmts, replayJobsStatement(t))
+		}
+		// The default the bounded claim needs (migration 000009): set only
 		// when it differs, since the ALTER locks t.
 		def, err := AvailableAtDefaultOf(ctx, tx, t)
 		if err != nil {
@@ -487,6 +494,10 @@ const availableAtNote = "-- Makes available_at default to clock_timestamp(), the
 	"-- (walking the dead entries a pinned xmin leaves) until it is applied. A catalog change only, under\n" +
 	"-- a brief ACCESS EXCLUSIVE lock: run it with a lock_timeout if long transactions read the table.\n"
 
+// replayJobsNote heads the replay-jobs migration.
+const replayJobsNote = "-- Adds <table>_replay_jobs, the console's record of its last bulk replays (their filter and\n" +
+	"-- event ids), so that a replay's progress page survives a restart of the console.\n"
+
 // migrationFiles renders the shipped migration files for table t, by path
 // under Migrations.
 func migrationFiles(t Table) map[string]string {
@@ -509,8 +520,10 @@ func migrationFiles(t Table) map[string]string {
 	down6 := TermDownSQL(t)
 	up7 := PausedTopicsUpSQL(t)
 	down7 := PausedTopicsDownSQL(t)
-	up8 := AvailableAtUpSQL(t)
-	down8 := AvailableAtDownSQL(t)
+	up8 := ReplayJobsUpSQL(t)
+	down8 := ReplayJobsDownSQL(t)
+	up9 := AvailableAtUpSQL(t)
+	down9 := AvailableAtDownSQL(t)
 	return map[string]string{
 		"migrations/000001_create_" + name + ".up.sql":                     h("UpSQL") + "\n" + up1,
 		"migrations/000001_create_" + name + ".down.sql":                   h("DownSQL") + destructive + "\n" + down1,
@@ -526,8 +539,10 @@ func migrationFiles(t Table) map[string]string {
 		"migrations/000006_add_" + name + "_partition_term.down.sql":       h("TermDownSQL") + "\n" + down6,
 		"migrations/000007_add_" + name + "_paused_topics.up.sql":          h("PausedTopicsUpSQL") + pausedNote + "\n" + up7,
 		"migrations/000007_add_" + name + "_paused_topics.down.sql":        h("PausedTopicsDownSQL") + "\n" + down7,
-		"migrations/000008_set_" + name + "_available_at_default.up.sql":   h("AvailableAtUpSQL") + availableAtNote + "\n" + up8,
-		"migrations/000008_set_" + name + "_available_at_default.down.sql": h("AvailableAtDownSQL") + "\n" + down8,
+		"migrations/000008_add_" + name + "_replay_jobs.up.sql":            h("ReplayJobsUpSQL") + replayJobsNote + "\n" + up8,
+		"migrations/000008_add_" + name + "_replay_jobs.down.sql":          h("ReplayJobsDownSQL") + "\n" + down8,
+		"migrations/000009_set_" + name + "_available_at_default.up.sql":   h("AvailableAtUpSQL") + availableAtNote + "\n" + up9,
+		"migrations/000009_set_" + name + "_available_at_default.down.sql": h("AvailableAtDownSQL") + "\n" + down9,
 		"migrations/goose/00001_create_" + name + ".sql": h("UpSQL") + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
 		"migrations/goose/00002_add_" + name + "_dead_at.sql": h("DeadAtUpSQL") + deadAtNote + "\n-- +goose Up\n" + up4 +
@@ -538,7 +553,9 @@ func migrationFiles(t Table) map[string]string {
 			"\n-- +goose Down\n" + down6,
 		"migrations/goose/00005_add_" + name + "_paused_topics.sql": h("PausedTopicsUpSQL") + pausedNote + "\n-- +goose Up\n" + up7 +
 			"\n-- +goose Down\n" + down7,
-		"migrations/goose/00006_set_" + name + "_available_at_default.sql": h("AvailableAtUpSQL") + availableAtNote + "\n-- +goose Up\n" + up8 +
+		"migrations/goose/00006_add_" + name + "_replay_jobs.sql": h("ReplayJobsUpSQL") + replayJobsNote + "\n-- +goose Up\n" + up8 +
 			"\n-- +goose Down\n" + down8,
+		"migrations/goose/00007_set_" + name + "_available_at_default.sql": h("AvailableAtUpSQL") + availableAtNote + "\n-- +goose Up\n" + up9 +
+			"\n-- +goose Down\n" + down9,
 	}
 }

@@ -119,9 +119,12 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 		"migrations/000007_add_app_outbox_paused_topics.up.sql",
 		"migrations/000007_add_app_outbox_paused_topics.down.sql",
 		"migrations/000007_add_app_outbox_paused_topics.up.sql",
-		"migrations/000008_set_app_outbox_available_at_default.up.sql",
-		"migrations/000008_set_app_outbox_available_at_default.down.sql",
-		"migrations/000008_set_app_outbox_available_at_default.up.sql",
+		"migrations/000008_add_app_outbox_replay_jobs.up.sql",
+		"migrations/000008_add_app_outbox_replay_jobs.down.sql",
+		"migrations/000008_add_app_outbox_replay_jobs.up.sql",
+		"migrations/000009_set_app_outbox_available_at_default.up.sql",
+		"migrations/000009_set_app_outbox_available_at_default.down.sql",
+		"migrations/000009_set_app_outbox_available_at_default.up.sql",
 		"migrations/000003_add_app_outbox_ordering.up.sql",
 		"migrations/000005_add_app_outbox_hold_states.up.sql", // a no-op after 000003 of this version
 		"migrations/000005_add_app_outbox_hold_states.down.sql",
@@ -133,6 +136,7 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 		"migrations/000003_add_app_outbox_ordering.down.sql",
 		"migrations/000002_add_app_outbox_optional_columns.down.sql",
 		"migrations/000007_add_app_outbox_paused_topics.down.sql",
+		"migrations/000008_add_app_outbox_replay_jobs.down.sql",
 		"migrations/000001_create_app_outbox.down.sql",
 	} {
 		body, err := schema.Migrations.ReadFile(f)
@@ -168,12 +172,19 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 				t.Fatalf("after %s: paused topics table %v (%v), want %v", f, ok, err, want)
 			}
 		}
-		if strings.Contains(f, "000008_") || strings.HasSuffix(f, "000001_create_app_outbox.up.sql") {
-			// 000001 is kept as shipped (now()); 000008 sets the bounded
+		if strings.Contains(f, "000008_") || strings.Contains(f, "000001_") {
+			// The replay jobs' table: made by 000008 only (000001 is kept as shipped).
+			ok, err := schema.ReplayJobsExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
+			if want := strings.HasSuffix(f, "000008_add_app_outbox_replay_jobs.up.sql"); err != nil || ok != want {
+				t.Fatalf("after %s: replay jobs table %v (%v), want %v", f, ok, err, want)
+			}
+		}
+		if strings.Contains(f, "000009_") || strings.HasSuffix(f, "000001_create_app_outbox.up.sql") {
+			// 000001 is kept as shipped (now()); 000009 sets the bounded
 			// claim's default and its down migration puts now() back.
 			def, err := schema.AvailableAtDefaultOf(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
 			want := "now()"
-			if strings.HasSuffix(f, "000008_set_app_outbox_available_at_default.up.sql") {
+			if strings.HasSuffix(f, "000009_set_app_outbox_available_at_default.up.sql") {
 				want = schema.AvailableAtDefault
 			}
 			if err != nil || def != want {

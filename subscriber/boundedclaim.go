@@ -14,7 +14,7 @@ import (
 
 // The bounded claim (docs/XMIN.md, option c) is the default relay's claim
 // for Subscribe(ctx, AllTopics) on a table whose available_at defaults to
-// clock_timestamp() (schema.AvailableAtDefault, migration 000008), unless
+// clock_timestamp() (schema.AvailableAtDefault, migration 000009), unless
 // Config.DisableBoundedClaim is set. Tables with the older default, ordered
 // relays, per-topic subscriptions and paused topics claim without a bound.
 //
@@ -77,7 +77,7 @@ func newBoundedClaims(s *Subscriber, def string) *boundedClaims {
 	}
 	if def != schema.AvailableAtDefault {
 		s.logger.Info("Claims without a bound: available_at defaults to "+def+", not "+schema.AvailableAtDefault+
-			"; apply migration 000008 (schema.Migrate or `outbox migrate`) so that a pinned xmin horizon does not slow the claim", nil)
+			"; apply migration 000009 (schema.Migrate or `outbox migrate`) so that a pinned xmin horizon does not slow the claim", nil)
 		return nil
 	}
 	const order = "\n  ORDER BY available_at, sequence"

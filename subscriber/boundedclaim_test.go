@@ -123,7 +123,7 @@ func TestBoundedClaimIsTheDefault(t *testing.T) {
 // first, the outbox last) is delivered at once, not by the sweep: its row's
 // available_at is the time the row was formed (clock_timestamp()), above
 // the bound. With available_at = now() (the transaction's start, the
-// default before migration 000008) the bound would pass it and only the
+// default before migration 000009) the bound would pass it and only the
 // sweep would find it, LockTTL/4 later.
 func TestBoundedClaimLateLockTaker(t *testing.T) {
 	t.Parallel()

@@ -67,7 +67,7 @@ type Config struct {
 	DisableSingleActive bool
 	// DisableBoundedClaim makes Subscribe(ctx, AllTopics) claim without a
 	// lower bound. By default, on a table whose available_at defaults to
-	// clock_timestamp() (migration 000008), the claim starts its index scan
+	// clock_timestamp() (migration 000009), the claim starts its index scan
 	// at a bound near the head of the queue instead of at the oldest entry,
 	// so that a long-open transaction elsewhere (a pinned xmin horizon) does
 	// not make every claim walk the dead entries of the rows relayed since

@@ -14,7 +14,7 @@ var relayVars = [][3]string{
 	{"OUTBOX_RELAY_ENABLED", "true", "false runs the cleaner only"},
 	{"OUTBOX_RELAY_TABLES", "(required)", "tables to relay, such as public.org_outbox,public.hrm_outbox"},
 	{"OUTBOX_RELAY_SINGLE_ACTIVE", "true", "one active relay per table (advisory lock)"},
-	{"OUTBOX_RELAY_BOUNDED_CLAIM", "true", "default mode: claims start at a bound, not at the oldest index entry (needs migration 000008, docs/XMIN.md)"},
+	{"OUTBOX_RELAY_BOUNDED_CLAIM", "true", "default mode: claims start at a bound, not at the oldest index entry (needs migration 000009, docs/XMIN.md)"},
 	{"OUTBOX_RELAY_SOURCE", "table", "table: claim rows; wal: stream them from a logical replication slot (needs outbox migrate --wal, docs/WAL.md)"},
 	{"OUTBOX_RELAY_ORDERED", "false", "ordered mode: per-key order, any number of relays (needs outbox migrate --ordered)"},
 	{"OUTBOX_RELAY_POLL_INTERVAL", "1s", "safety-net polling; NOTIFY wakes the relay at commit"},

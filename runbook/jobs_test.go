@@ -1,0 +1,74 @@
+package runbook_test
+
+import (
+	"context"
+	"errors"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// TestReplayJobs: a recorded replay job reads back whole (its event ids
+// included), only the newest keep jobs are kept, an over-long text is
+// shortened on a rune boundary, and a table without the replay jobs'
+// table is refused with schema.ErrNoReplayJobs.
+func TestReplayJobs(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := testdb.Table(t, "outbox")
+	ids := []uuid.UUID{uuid.New(), uuid.New()}
+	saved, err := runbook.SaveReplayJob(ctx, pool, tbl, runbook.ReplayJob{Topic: "org.a.v1", ErrorContains: "broker down", Cause: "publish: broker down",
+		Rows: 2, EventIDs: ids, RequestedBy: "token holder", Remote: "192.0.2.7"}, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(saved.ID) != 16 || saved.CreatedAt.IsZero() {
+		t.Fatalf("saved job %+v: want a 16-hex id and a time", saved)
+	}
+	got, err := runbook.GetReplayJob(ctx, pool, tbl, saved.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !got.CreatedAt.Equal(saved.CreatedAt) {
+		t.Fatalf("created_at %v, saved %v", got.CreatedAt, saved.CreatedAt)
+	}
+	got.CreatedAt = saved.CreatedAt
+	if !reflect.DeepEqual(got, saved) {
+		t.Fatalf("read back %+v, saved %+v", got, saved)
+	}
+	// Two more jobs with keep 2: the first is deleted.
+	long := strings.Repeat("é", schema.ReplayJobTextMaxBytes) // 2 bytes a rune
+	second, err := runbook.SaveReplayJob(ctx, pool, tbl, runbook.ReplayJob{ErrorContains: long}, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(second.ErrorContains); n != schema.ReplayJobTextMaxBytes || !strings.HasPrefix(long, second.ErrorContains) {
+		t.Fatalf("an over-long text kept %d bytes, want %d whole runes", n, schema.ReplayJobTextMaxBytes)
+	}
+	if _, err := runbook.SaveReplayJob(ctx, pool, tbl, runbook.ReplayJob{Topic: "org.b.v1"}, 2); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := runbook.GetReplayJob(ctx, pool, tbl, saved.ID); !errors.Is(err, runbook.ErrNoReplayJob) {
+		t.Fatalf("the oldest job beyond keep: %v, want ErrNoReplayJob", err)
+	}
+	if _, err := runbook.GetReplayJob(ctx, pool, tbl, second.ID); err != nil {
+		t.Fatalf("a kept job: %v", err)
+	}
+	// A table made before migration 000008.
+	if _, err := pool.Exec(ctx, schema.ReplayJobsDownSQL(tbl)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := runbook.SaveReplayJob(ctx, pool, tbl, runbook.ReplayJob{}, 0); !errors.Is(err, schema.ErrNoReplayJobs) || !strings.Contains(err.Error(), "outbox migrate") {
+		t.Fatalf("save without the table: %v, want ErrNoReplayJobs naming outbox migrate", err)
+	}
+	if _, err := runbook.GetReplayJob(ctx, pool, tbl, second.ID); !errors.Is(err, schema.ErrNoReplayJobs) {
+		t.Fatalf("read without the table: %v, want ErrNoReplayJobs", err)
+	}
+}
