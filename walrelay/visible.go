@@ -80,7 +80,7 @@ func parseSnapshot(s string) (snapshot, error) {
 // is the newest transaction that ended, plus one).
 func full(xid uint32, ref uint64) uint64 {
 	x := int64(ref) + int64(int32(xid-uint32(ref))) //nolint:gosec // modular distance of transaction ids
-	return uint64(max(x, 0))                        //nolint:gosec // not negative
+	return uint64(max(x, 0))
 }
 
 // sees reports whether a transaction that committed, xid, is visible in
