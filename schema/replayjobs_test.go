@@ -5,7 +5,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -14,28 +13,8 @@ import (
 // 000008); DownSQL drops it; its insert keeps the newest jobs only.
 func TestMigrateAddsReplayJobsTable(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t)
 	ctx := context.Background()
-	tbl := schema.MustParseTable(testdb.Schema(t) + ".org_outbox")
-	if err := schema.Migrate(ctx, pool, tbl); err != nil {
-		t.Fatal(err)
-	}
-	check := func(want bool) {
-		t.Helper()
-		ok, err := schema.ReplayJobsExist(ctx, pool, tbl)
-		if err != nil || ok != want {
-			t.Fatalf("replay jobs table exists %v (%v), want %v", ok, err, want)
-		}
-	}
-	check(true)
-	if _, err := pool.Exec(ctx, schema.ReplayJobsDownSQL(tbl)); err != nil {
-		t.Fatal(err)
-	}
-	check(false)
-	if err := schema.Migrate(ctx, pool, tbl); err != nil {
-		t.Fatal(err)
-	}
-	check(true)
+	pool, tbl := migratedCompanion(t, "replay jobs", schema.ReplayJobsExist, schema.ReplayJobsDownSQL)
 	q := schema.NewReplayJobsQueries(tbl)
 	const keep = 3
 	for i, id := range []string{"a1", "a2", "a3", "a4", "a5"} {
@@ -61,5 +40,7 @@ func TestMigrateAddsReplayJobsTable(t *testing.T) {
 	if _, err := pool.Exec(ctx, schema.DownSQL(tbl)); err != nil {
 		t.Fatal(err)
 	}
-	check(false)
+	if ok, err := schema.ReplayJobsExist(ctx, pool, tbl); err != nil || ok {
+		t.Fatalf("after DownSQL the replay jobs table exists %v (%v)", ok, err)
+	}
 }
