@@ -84,12 +84,25 @@ func waitFor(t *testing.T, within time.Duration, what string, cond func() bool) 
 	}
 }
 
+// terminateWalsender terminates the relay's walsender and waits until it
+// has let go of its slot: pg_terminate_backend only signals it, and until
+// it exits the slot's active_pid still names it, so a write fenced on the
+// session would still pass (TestWALSpillSurvivesASessionCut failed once in
+// CI that way).
 func terminateWalsender(t *testing.T, pool *pgxpool.Pool) {
 	t.Helper()
-	var cut int
-	if err := pool.QueryRow(context.Background(), `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_replication WHERE application_name = 'outbox-walrelay'`).Scan(&cut); err != nil || cut != 1 {
-		t.Fatalf("terminate the walsender: %d terminated, %v", cut, err)
+	ctx := context.Background()
+	var pids []int32
+	if err := pool.QueryRow(ctx, `SELECT array_agg(pid) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_replication WHERE application_name = 'outbox-walrelay'`).Scan(&pids); err != nil || len(pids) != 1 {
+		t.Fatalf("terminate the walsender: %v terminated, %v", pids, err)
 	}
+	waitFor(t, 10*time.Second, "the terminated walsender to let go of its slot", func() bool {
+		var holding bool
+		if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE active_pid = $1)`, pids[0]).Scan(&holding); err != nil {
+			t.Fatal(err)
+		}
+		return !holding
+	})
 }
 
 // TestWALCutSessionKeepsOneCopyPerKey (item 13): the replication session is
