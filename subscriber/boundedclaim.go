@@ -70,19 +70,24 @@ const boundedMargin = 250 * time.Millisecond
 
 // newBoundedClaims returns the bounded claim of s, or nil when s claims
 // without a bound: DisableBoundedClaim, an ordered relay, or a table whose
-// available_at default (def) is not schema.AvailableAtDefault.
-func newBoundedClaims(s *Subscriber, def string) *boundedClaims {
+// available_at default is not schema.AvailableAtDefault (read only when
+// the rest allows the bound).
+func newBoundedClaims(ctx context.Context, s *Subscriber) (*boundedClaims, error) {
 	if s.cfg.DisableBoundedClaim || s.cfg.Ordered {
-		return nil
+		return nil, nil
+	}
+	const order = "\n  ORDER BY available_at, sequence"
+	if strings.Count(s.q.ClaimAll, order) != 1 {
+		return nil, nil
+	}
+	def, err := schema.AvailableAtDefaultOf(ctx, s.pool, s.cfg.Table)
+	if err != nil {
+		return nil, err
 	}
 	if def != schema.AvailableAtDefault {
 		s.logger.Info("Claims without a bound: available_at defaults to "+def+", not "+schema.AvailableAtDefault+
 			"; apply migration 000009 (schema.Migrate or `outbox migrate`) so that a pinned xmin horizon does not slow the claim", nil)
-		return nil
-	}
-	const order = "\n  ORDER BY available_at, sequence"
-	if strings.Count(s.q.ClaimAll, order) != 1 {
-		return nil
+		return nil, nil
 	}
 	return &boundedClaims{
 		// B2, B3: NULL when a lock holder's start cannot be read.
@@ -95,7 +100,7 @@ LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid`,
 		claimSQL:   strings.Replace(s.q.ClaimAll, order, "\n    AND (available_at, sequence) >= ($4::timestamptz, $5::bigint)"+order, 1),
 		margin:     boundedMargin,
 		sweepEvery: max(s.cfg.LockTTL/4, time.Second),
-	}
+	}, nil
 }
 
 // claim is Subscriber.claim for AllTopics with the bound.

@@ -91,10 +91,6 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 			return nil, fmt.Errorf("subscriber: %w", err)
 		}
 	}
-	def, err := schema.AvailableAtDefaultOf(ctx, pool, cfg.Table)
-	if err != nil {
-		return nil, fmt.Errorf("subscriber: %w", err)
-	}
 	var oq *schema.OrderedQueries
 	if cfg.Ordered {
 		if oq, err = checkOrdered(ctx, pool, cfg.Table, cols); err != nil {
@@ -118,7 +114,9 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 	s.idle.s, s.idle.key = s, cfg.Table.IdleLockKey()
 	s.oidle.s, s.oidle.key = s, cfg.Table.OrderedIdleLockKey()
 	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
-	s.bounded = newBoundedClaims(s, def)
+	if s.bounded, err = newBoundedClaims(ctx, s); err != nil {
+		return nil, fmt.Errorf("subscriber: %w", err)
+	}
 	return s, nil
 }
 

@@ -1840,7 +1840,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	}
 	q.items = q.items[1:]
 	q.retryAt = time.Time{}
-	if h := st.holdOf(it); v.ack && it.tx != nil && h != nil && !h.draining && !h.released && it.row.Sequence == h.seq {
+	if h := st.holdOf(it); v.ack && it.tx != nil && h.replayedBy(it) {
 		// The held row's replay: settled once its drain is written
 		// (invariant R, hold.acked).
 		st.settleAcked(h)
@@ -1867,6 +1867,12 @@ func (st *stream) settled(it *item) {
 	if h := st.holdOf(it); h != nil && h.draining {
 		h.left--
 	}
+}
+
+// replayedBy reports whether it, acked, is the held row delivered again
+// (a replay): its ack starts the hold's drain. A nil hold holds nothing.
+func (h *hold) replayedBy(it *item) bool {
+	return h != nil && !h.draining && !h.released && it.row.Sequence == h.seq
 }
 
 // settleAcked settles the held row's acked replay that waited for its
@@ -1942,7 +1948,7 @@ func (st *stream) afterAck(ctx context.Context, it *item) {
 	}
 	key := *it.row.OrderingKey
 	switch {
-	case !h.draining && !h.released && it.row.Sequence == h.seq:
+	case h.replayedBy(it):
 		st.startDrain(ctx, key, h)
 	case h.draining && h.left == 0:
 		st.release(ctx, key, h)
