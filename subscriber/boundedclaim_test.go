@@ -118,6 +118,36 @@ func TestBoundedClaimIsTheDefault(t *testing.T) {
 	}
 }
 
+// TestBoundedClaimBoundFollowsTheHead: while rows arrive, the bound trails
+// the newest row by at most BoundedCutEvery plus BoundedMargin (and a round
+// trip): that is all a claim walks under a pinned horizon. The claim that
+// delivers a row starts after the row was formed, and it carries a cut
+// unless one was sent less than BoundedCutEvery before it.
+func TestBoundedClaimBoundFollowsTheHead(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "bounded_head_outbox")
+	s := newSub(t, pool, subscriber.Config{Table: tbl})
+	d := consumeAll(t, s)
+	for range 30 {
+		d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 1), 5*time.Second)
+		time.Sleep(3 * time.Millisecond)
+	}
+	var newest time.Time
+	if err := pool.QueryRow(context.Background(), `SELECT max(available_at) FROM `+tbl.Sanitize()).Scan(&newest); err != nil {
+		t.Fatal(err)
+	}
+	const slack = 100 * time.Millisecond // round trips, a writer's open transaction at the cut
+	limit := subscriber.BoundedCutEvery + subscriber.BoundedMargin + slack
+	at, set := subscriber.BoundOf(s)
+	if !set {
+		t.Fatal("no bound after 30 deliveries: every claim walks from the oldest entry")
+	}
+	if behind := newest.Sub(at); behind > limit {
+		t.Fatalf("the bound trails the newest row by %s, want at most %s", behind, limit)
+	}
+}
+
 // TestBoundedClaimLateLockTaker: a transaction that began long before the
 // claims' bound moved and wrote the outbox only after it (business work
 // first, the outbox last) is delivered at once, not by the sweep: its row's

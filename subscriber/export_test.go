@@ -190,3 +190,18 @@ func OrderedOpenRows(s *Subscriber) int {
 
 // Bounded reports whether s claims AllTopics with the bounded claim.
 func Bounded(s *Subscriber) bool { return s.bounded != nil }
+
+// BoundOf returns the bounded claim's bound (its available_at part) and
+// whether one is set.
+func BoundOf(s *Subscriber) (time.Time, bool) {
+	b := s.bounded
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.at, b.set
+}
+
+// How far the bound may trail the head (boundedclaim.go).
+const (
+	BoundedCutEvery = boundedCutEvery
+	BoundedMargin   = boundedMargin
+)
