@@ -36,8 +36,11 @@ func TestRunbookFindsThePinningSession(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = pin.Rollback(context.Background()) })
-	var pid int32
-	if err := pin.QueryRow(ctx, `SELECT pg_backend_pid() FROM (SELECT txid_current()) AS x`).Scan(&pid); err != nil {
+	var (
+		pid int32
+		xid int64
+	)
+	if err := pin.QueryRow(ctx, `SELECT pg_backend_pid(), txid_current()`).Scan(&pid, &xid); err != nil {
 		t.Fatal(err)
 	}
 	var (
