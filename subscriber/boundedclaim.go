@@ -129,15 +129,14 @@ func (b *boundedClaims) claim(ctx context.Context, s *Subscriber, n int) ([]*cla
 	// statement first, so the claim's snapshot is taken after it. Only one
 	// claim in boundedCutEvery carries a cut; the others keep the bound.
 	var (
-		cut    *time.Time // NULL: a lock holder's start is hidden (B3)
-		pre    *claimPrelude
-		hasCut bool
+		cut *time.Time    // NULL: a lock holder's start is hidden (B3)
+		pre *claimPrelude // the cut, when this claim carries one
 	)
 	args := []any{s.cfg.MaxAttempts, s.cfg.LockTTL.Seconds(), n}
 	query := s.q.ClaimAll
 	b.mu.Lock()
 	if now := time.Now(); !b.set || now.Sub(b.lastCut) >= b.cutEvery {
-		b.lastCut, hasCut = now, true
+		b.lastCut = now
 		pre = &claimPrelude{sql: b.cutSQL, args: []any{s.cfg.Table.Sanitize(), b.margin.Seconds()},
 			scan: func(r pgx.Row) error { return r.Scan(&cut) }}
 	}
@@ -151,7 +150,7 @@ func (b *boundedClaims) claim(ctx context.Context, s *Subscriber, n int) ([]*cla
 	}
 	b.mu.Lock()
 	switch {
-	case !hasCut, cut == nil:
+	case pre == nil, cut == nil:
 		// No cut in this claim, or B3: the bound stays where it is.
 	case len(out)+parked < n:
 		b.at, b.seq, b.set = *cut, 0, true
