@@ -33,6 +33,9 @@ func TestArchitectureStatesTheConstants(t *testing.T) {
 		fmt.Sprintf("`coveredRecheck` (%s)", d(coveredRecheck)),
 		fmt.Sprintf("(`linger`: %s, plus %s per event/s of the recent rate, at most %s)", d(lingerMin), d(lingerPerRate), d(lingerMax)),
 		fmt.Sprintf("(`LastErrorMaxBytes`, %d)", LastErrorMaxBytesDefault),
+		fmt.Sprintf("a *cut* read in the round trip of one claim every %s", d(boundedCutEvery)),
+		fmt.Sprintf("`LEAST(statement_timestamp() - %s, xact_start of every other writer", d(boundedMargin)),
+		fmt.Sprintf("trails the newest row by at most about %s of rows", d(boundedCutEvery+boundedMargin)),
 	)
 }
 
