@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -517,24 +518,58 @@ WHERE s.seqrelid = pg_get_serial_sequence($1, 'sequence')::regclass`, t.Sanitize
 // would claim keyed rows out of their order, beside the ordered relays.
 var ErrRelayModeMix = errors.New("relays of the other mode are active on the table")
 
+// RelayModeOthers is how CheckRelayMode learns of relays of the other mode
+// in the caller's own process that share its connection (their locks carry
+// the caller's pid, which the check leaves out): the number of them.
+type RelayModeOthers int
+
 // CheckRelayMode fails with ErrRelayModeMix when a relay of the other mode
-// is at work on t: for an ordered relay (ordered true), a default-mode
-// relay holding the table's single-active lock (key leaderKey) or a lease
-// on a keyed row; for a default-mode relay, an ordered relay with a live
-// partition lease. A rolling deploy that switches modes then waits for the
-// old relays to stop instead of running both on one table.
-func CheckRelayMode(ctx context.Context, q Querier, t Table, ordered bool, leaderKey int64) error {
+// could work on t, naming what shows it. For an ordered relay (ordered
+// true) that is a session holding the default relays' mode lock
+// (RelayModeLockKey(false): every subscribed default-mode relay, idle or
+// standby, holds it), the table's single-active lock (leaderKey), or a
+// keyed row under a lease younger than lockTTL (a default-mode relay of an
+// earlier version; a lease that expired proves nothing runs). For a
+// default-mode relay it is a session holding the ordered relays' mode lock
+// or a live partition lease. A relay that holds its own mode's lock before
+// it checks (Subscriber does, on its LISTEN connection, for as long as it
+// has a subscription) makes the refusal hold for as long as both could
+// run: of two relays of different modes that start together, at least one
+// sees the other. inProcess counts the relays of the other mode that share
+// the caller's connection (0 when the caller holds no mode lock).
+func CheckRelayMode(ctx context.Context, q Querier, t Table, ordered bool, leaderKey int64, lockTTL time.Duration, inProcess RelayModeOthers) error {
+	if inProcess > 0 {
+		return fmt.Errorf("%d relay(s) of the other mode run on %s in this process; %s: %w", inProcess, t, relayModeFix(ordered), ErrRelayModeMix)
+	}
+	var holder, app string
+	err := q.QueryRow(ctx, `SELECT l.pid::text, coalesce(a.application_name, '') FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid <> pg_backend_pid()
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint
+LIMIT 1`, t.RelayModeLockKey(!ordered)).Scan(&holder, &app)
+	switch {
+	case err == nil:
+		return fmt.Errorf("%s relay is subscribed to %s (session pid %s%s); %s: %w", modeName(!ordered), t, holder, appSuffix(app), relayModeFix(ordered), ErrRelayModeMix)
+	case !errors.Is(err, pgx.ErrNoRows):
+		return fmt.Errorf("look up the relays of %s: %w", t, err)
+	}
 	if ordered {
-		var leader, leased bool
-		err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted
-    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-    AND ((classid::bigint << 32) | objid::bigint) = $1::bigint AND pid <> pg_backend_pid()),
-  EXISTS (SELECT 1 FROM `+t.Sanitize()+` WHERE ordering_key IS NOT NULL AND published_at IS NULL AND locked_at IS NOT NULL)`, leaderKey).Scan(&leader, &leased)
+		var leader, leaseAge *float64
+		err := q.QueryRow(ctx, `SELECT (SELECT l.pid::float8 FROM pg_locks AS l WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint AND l.pid <> pg_backend_pid() LIMIT 1),
+  (SELECT extract(epoch FROM now() - max(GREATEST(locked_at, available_at)))::float8 FROM `+t.Sanitize()+`
+    WHERE ordering_key IS NOT NULL AND published_at IS NULL AND `+LeaseLiveWithin("$2::float8")+`)`,
+			leaderKey, lockTTL.Seconds()).Scan(&leader, &leaseAge)
 		if err != nil {
 			return fmt.Errorf("look up the relays of %s: %w", t, err)
 		}
-		if leader || leased {
-			return fmt.Errorf("a default-mode relay works on %s (it holds the single-active lock or leases keyed rows); stop it, or start this relay without Ordered: %w", t, ErrRelayModeMix)
+		if leader != nil {
+			return fmt.Errorf("a default-mode relay holds the single-active lock of %s (session pid %.0f); %s: %w", t, *leader, relayModeFix(ordered), ErrRelayModeMix)
+		}
+		if leaseAge != nil {
+			return fmt.Errorf("a default-mode relay leased keyed rows of %s %.1fs ago (a lease lasts LockTTL %s; an expired lease would not count); %s: %w",
+				t, *leaseAge, lockTTL, relayModeFix(ordered), ErrRelayModeMix)
 		}
 		return nil
 	}
@@ -550,9 +585,31 @@ func CheckRelayMode(ctx context.Context, q Querier, t Table, ordered bool, leade
 		return fmt.Errorf("look up the ordered relays of %s: %w", t, err)
 	}
 	if live {
-		return fmt.Errorf("ordered relays own partitions of %s; start this relay with Ordered (OUTBOX_RELAY_ORDERED=true), or stop them first: %w", t, ErrRelayModeMix)
+		return fmt.Errorf("ordered relays own partitions of %s; %s: %w", t, relayModeFix(ordered), ErrRelayModeMix)
 	}
 	return nil
+}
+
+func modeName(ordered bool) string {
+	if ordered {
+		return "an ordered-mode"
+	}
+	return "a default-mode"
+}
+
+func appSuffix(app string) string {
+	if app == "" {
+		return ""
+	}
+	return fmt.Sprintf(", application_name %q", app)
+}
+
+// relayModeFix says what the operator of a refused relay does.
+func relayModeFix(ordered bool) string {
+	if ordered {
+		return "stop it first, or start this relay without Ordered"
+	}
+	return "start this relay with Ordered (OUTBOX_RELAY_ORDERED=true), or stop them first"
 }
 
 // OrderedTermExists reports whether the partitions table of t has the

@@ -137,6 +137,18 @@ func (t Table) IdleLockKey() int64 { return fnvKey("outbox-idle:" + t.Qualified(
 // and the reverse (docs/ARCHITECTURE.md, "Wake-up").
 func (t Table) OrderedIdleLockKey() int64 { return fnvKey("outbox-idle-ordered:" + t.Qualified()) }
 
+// RelayModeLockKey is the advisory-lock key that every relay of one mode
+// (ordered, or the default mode) holds in shared mode while it has a
+// subscription on the table, so that a relay of the other mode sees it and
+// refuses to start (CheckRelayMode). FNV-64a of "outbox-relay-ordered:" or
+// "outbox-relay-default:" + Qualified().
+func (t Table) RelayModeLockKey(ordered bool) int64 {
+	if ordered {
+		return fnvKey("outbox-relay-ordered:" + t.Qualified())
+	}
+	return fnvKey("outbox-relay-default:" + t.Qualified())
+}
+
 // migrateLockKey serialises concurrent Migrate calls on the same table.
 func (t Table) migrateLockKey() int64 { return fnvKey("outbox-migrate:" + t.Qualified()) }
 

@@ -264,6 +264,7 @@ func (n *notifier) lostIdle() {
 	n.mu.Unlock()
 	failIdleOps(ops)
 	clear(n.idleHolders)
+	clear(n.heldModes) // modes stays: the next session takes them again
 	n.idleGen.Add(1)
 	n.notifyAll()
 }

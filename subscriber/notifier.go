@@ -34,6 +34,12 @@ type notifier struct {
 	// LISTEN connection. idleHolders belongs to the session goroutine.
 	idleHolders map[int64]int // lock key -> subscriptions counting on it
 	idleGen     atomic.Uint64 // changes when a session, and its locks, ends; never 0
+
+	// The relay-mode locks (modelock.go): modes and modeOps belong to mu,
+	// heldModes to the session goroutine.
+	modes     map[int64]modeWant
+	modeOps   []modeOp
+	heldModes map[int64]bool
 }
 
 var (
@@ -49,7 +55,7 @@ func acquireNotifier(pool *pgxpool.Pool, logger watermill.LoggerAdapter) *notifi
 	if n == nil {
 		ctx, cancel := context.WithCancel(context.Background())
 		n = &notifier{pool: pool, logger: logger, channels: map[string]map[*broadcaster]struct{}{}, cancel: cancel, done: make(chan struct{}),
-			idleHolders: map[int64]int{}}
+			idleHolders: map[int64]int{}, modes: map[int64]modeWant{}, heldModes: map[int64]bool{}}
 		n.idleGen.Store(1)
 		notifiers[pool] = n
 		go n.run(ctx)
@@ -202,9 +208,12 @@ func (n *notifier) session(ctx context.Context) (listened bool, err error) {
 		if err := n.runIdleOps(ctx, conn.Conn()); err != nil {
 			return listened, errors.Join(errors.New("idle lock"), err)
 		}
+		if err := n.runModeOps(ctx, conn.Conn()); err != nil {
+			return listened, errors.Join(errors.New("relay-mode lock"), err)
+		}
 		wctx, interrupt := context.WithCancel(ctx)
 		n.mu.Lock()
-		dirty := n.dirty || len(n.idleOps) > 0
+		dirty := n.dirty || len(n.idleOps) > 0 || len(n.modeOps) > 0
 		n.interrupt = interrupt
 		n.mu.Unlock()
 		if dirty {

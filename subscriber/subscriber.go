@@ -37,7 +37,11 @@ type Subscriber struct {
 	bgWg      sync.WaitGroup // elector, listener, stats
 	leader    *elector
 	wake      broadcaster
-	notifier  *notifier
+	notifier  *notifier // nil with DisableNotify
+	// modeLock holds the relay-mode lock of the table (modelock.go) on the
+	// pool's notifier connection; modeHeld under closeMu.
+	modeLock *notifier
+	modeHeld bool
 	idle      idleSignal // the claim loop's (unkeyed rows)
 	oidle     idleSignal // the ordered relay's (keyed rows)
 
@@ -87,7 +91,7 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		return nil, fmt.Errorf("subscriber: %w", err)
 	}
 	if cols.OrderingKey {
-		if err := schema.CheckRelayMode(ctx, pool, cfg.Table, cfg.Ordered, cfg.Table.LockKey()); err != nil {
+		if err := schema.CheckRelayMode(ctx, pool, cfg.Table, cfg.Ordered, cfg.Table.LockKey(), cfg.LockTTL, 0); err != nil {
 			return nil, fmt.Errorf("subscriber: %w", err)
 		}
 	}
@@ -129,8 +133,9 @@ func (s *Subscriber) start() {
 			s.bgWg.Add(1)
 			go s.leader.run(s.bgCtx)
 		}
+		s.modeLock = acquireNotifier(s.pool, s.logger)
 		if !s.cfg.DisableNotify {
-			s.notifier = acquireNotifier(s.pool, s.logger)
+			s.notifier = s.modeLock
 			s.notifier.add(s.cfg.Table.NotifyChannel(), &s.wake)
 		}
 		if s.cfg.Metrics != nil {
@@ -163,6 +168,17 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, errors.New("subscriber: ordered mode relays every topic of the table in key order; subscribe with subscriber.AllTopics")
 	}
 	s.start()
+	if !s.modeHeld {
+		// Held until Close, so that no relay of the other mode starts on
+		// the table while this one may deliver (schema.CheckRelayMode).
+		mctx, mcancel := context.WithTimeout(ctx, 30*time.Second)
+		err := s.modeLock.enterMode(mctx, s)
+		mcancel()
+		if err != nil {
+			return nil, err
+		}
+		s.modeHeld = true
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	sub := &subscription{
 		s:       s,
@@ -209,7 +225,12 @@ func (s *Subscriber) Close() error {
 	s.bgWg.Wait()
 	if s.notifier != nil {
 		s.notifier.remove(s.cfg.Table.NotifyChannel(), &s.wake)
-		s.notifier.release()
+	}
+	if s.modeLock != nil {
+		if s.modeHeld {
+			s.modeLock.leaveMode(s)
+		}
+		s.modeLock.release()
 	}
 	return s.closeErr
 }

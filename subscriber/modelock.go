@@ -1,0 +1,216 @@
+package subscriber
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// The relay-mode lock (schema.Table.RelayModeLockKey): every Subscriber
+// with a subscription holds its mode's lock of its table in shared mode on
+// the pool's notifier connection, and checks for the other mode's lock
+// (schema.CheckRelayMode) after taking its own. Of two relays of different
+// modes that start together, at least one sees the other's lock and
+// refuses, and a running relay, idle, standby or busy, keeps relays of the
+// other mode out for as long as it is subscribed. The lock ends with the
+// connection; the notifier takes it again on its next connection and logs
+// an error if a relay of the other mode got in meanwhile.
+
+// modeWant is one mode lock the subscribers of the process want held.
+type modeWant struct {
+	table   schema.Table
+	ordered bool
+	ttl     time.Duration
+	holders int
+}
+
+// modeOp asks the notifier's session to take (enter) or give back a mode
+// lock for one Subscriber.
+type modeOp struct {
+	enter bool
+	want  modeWant
+	reply chan error // nil for a leave nobody waits for
+}
+
+// enterMode takes the mode lock of s's table for s, or fails with
+// schema.ErrRelayModeMix when a relay of the other mode holds its own. It
+// waits for the notifier's session up to ctx's end.
+func (n *notifier) enterMode(ctx context.Context, s *Subscriber) error {
+	op := modeOp{enter: true, want: modeWant{table: s.cfg.Table, ordered: s.cfg.Ordered, ttl: s.cfg.LockTTL}, reply: make(chan error, 1)}
+	for {
+		n.mu.Lock()
+		if n.live {
+			n.modeOps = append(n.modeOps, op)
+			if n.interrupt != nil {
+				n.interrupt()
+			}
+			n.mu.Unlock()
+			break
+		}
+		n.mu.Unlock()
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("subscriber: take the relay-mode lock of %s: no connection to PostgreSQL: %w", s.cfg.Table, ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	select {
+	case err := <-op.reply:
+		return err
+	case <-ctx.Done():
+		// The op still runs; give back what it may take.
+		go func() {
+			select {
+			case err := <-op.reply:
+				if err == nil {
+					n.leaveMode(s)
+				}
+			case <-n.done:
+			}
+		}()
+		return fmt.Errorf("subscriber: take the relay-mode lock of %s: %w", s.cfg.Table, ctx.Err())
+	}
+}
+
+// leaveMode gives back s's hold on its mode lock; the last holder's
+// session unlocks it.
+func (n *notifier) leaveMode(s *Subscriber) {
+	key := s.cfg.Table.RelayModeLockKey(s.cfg.Ordered)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	w, ok := n.modes[key]
+	if !ok {
+		return
+	}
+	if w.holders--; w.holders > 0 {
+		n.modes[key] = w
+		return
+	}
+	delete(n.modes, key)
+	if !n.live {
+		return // the lock ended with the session
+	}
+	op := modeOp{want: w, reply: make(chan error, 1)}
+	n.modeOps = append(n.modeOps, op)
+	if n.interrupt != nil {
+		n.interrupt()
+	}
+	n.mu.Unlock()
+	// Wait, so that a relay of the other mode started after Close returns
+	// does not see this lock; a session that ends meanwhile ends it too.
+	select {
+	case <-op.reply:
+	case <-n.done:
+	case <-time.After(opTimeout):
+	}
+	n.mu.Lock()
+}
+
+// runModeOps runs the pending mode requests on the session's connection,
+// and takes again, on a new session, the locks of the last one. A failed
+// statement ends the session.
+func (n *notifier) runModeOps(ctx context.Context, conn *pgx.Conn) error {
+	n.mu.Lock()
+	ops := n.modeOps
+	n.modeOps = nil
+	var retake []modeWant
+	for key, w := range n.modes {
+		if !n.heldModes[key] {
+			retake = append(retake, w)
+		}
+	}
+	n.mu.Unlock()
+	for _, w := range retake {
+		key := w.table.RelayModeLockKey(w.ordered)
+		if err := n.lockMode(ctx, conn, key); err != nil {
+			failModeOps(ops, err)
+			return err
+		}
+		if err := schema.CheckRelayMode(ctx, conn, w.table, w.ordered, w.table.LockKey(), w.ttl, 0); err != nil {
+			n.logger.Error("A relay of the other mode started while this process had lost its connection; stop one of them", err,
+				watermill.LogFields{"table": w.table.String()})
+		}
+	}
+	for i, op := range ops {
+		key := op.want.table.RelayModeLockKey(op.want.ordered)
+		if !op.enter {
+			err := n.unlockMode(ctx, conn, key)
+			op.reply <- err
+			if err != nil {
+				failModeOps(ops[i+1:], err)
+				return err
+			}
+			continue
+		}
+		n.mu.Lock()
+		others := n.modes[op.want.table.RelayModeLockKey(!op.want.ordered)].holders
+		n.mu.Unlock()
+		if err := n.lockMode(ctx, conn, key); err != nil {
+			failModeOps(ops[i:], err)
+			return err
+		}
+		cctx, cancel := context.WithTimeout(ctx, opTimeout)
+		err := schema.CheckRelayMode(cctx, conn, op.want.table, op.want.ordered, op.want.table.LockKey(), op.want.ttl, schema.RelayModeOthers(others))
+		cancel()
+		n.mu.Lock()
+		w, held := n.modes[key]
+		if err == nil {
+			w = op.want
+			w.holders = n.modes[key].holders + 1
+			n.modes[key] = w
+		}
+		n.mu.Unlock()
+		if err != nil && !held {
+			if uerr := n.unlockMode(ctx, conn, key); uerr != nil {
+				failModeOps(ops[i:], err)
+				return uerr
+			}
+		}
+		op.reply <- err
+	}
+	return nil
+}
+
+func (n *notifier) lockMode(ctx context.Context, conn *pgx.Conn, key int64) error {
+	if n.heldModes[key] {
+		return nil
+	}
+	qctx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	// Nobody takes a mode lock exclusively, so the shared lock is granted at once.
+	if _, err := conn.Exec(qctx, `SELECT pg_advisory_lock_shared($1)`, key); err != nil {
+		return fmt.Errorf("take the relay-mode lock: %w", err)
+	}
+	n.heldModes[key] = true
+	return nil
+}
+
+func (n *notifier) unlockMode(ctx context.Context, conn *pgx.Conn, key int64) error {
+	if !n.heldModes[key] {
+		return nil
+	}
+	n.mu.Lock()
+	wanted := n.modes[key].holders > 0
+	n.mu.Unlock()
+	if wanted {
+		return nil
+	}
+	qctx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	if _, err := conn.Exec(qctx, `SELECT pg_advisory_unlock_shared($1)`, key); err != nil {
+		return fmt.Errorf("give back the relay-mode lock: %w", err)
+	}
+	delete(n.heldModes, key)
+	return nil
+}
+
+func failModeOps(ops []modeOp, err error) {
+	for _, op := range ops {
+		op.reply <- fmt.Errorf("subscriber: the relay-mode lock of %s: %w", op.want.table, err)
+	}
+}
