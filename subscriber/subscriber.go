@@ -42,8 +42,8 @@ type Subscriber struct {
 	// pool's notifier connection; modeHeld under closeMu.
 	modeLock *notifier
 	modeHeld bool
-	idle      idleSignal // the claim loop's (unkeyed rows)
-	oidle     idleSignal // the ordered relay's (keyed rows)
+	idle     idleSignal // the claim loop's (unkeyed rows)
+	oidle    idleSignal // the ordered relay's (keyed rows)
 
 	acks      chan ackReq
 	ackStop   chan struct{}
