@@ -258,20 +258,24 @@ type OrderedQueries struct {
 	// floor of their partition, for the partitions relay $1 owns.
 	CleanResolved string
 	// Stats returns pending (not dead), leased, dead and the oldest pending
-	// age in seconds, for keyed and unkeyed rows together: an unkeyed row is
-	// dead when its dead_at is set, a keyed row when its key's hold on it
-	// has dead_at set. No args.
+	// age in seconds, for keyed and unkeyed rows together: a row is dead
+	// when its dead_at is set (a keyed row that died in default mode before
+	// the table was switched), or when its key's hold on it has dead_at set.
+	// No args.
 	Stats string
 	// HeldKeys counts the holds that hold a key (not resolved): all, dead.
 	HeldKeys string
 	// DeleteDone deletes up to $2 keyed rows at or below their partition's
-	// floor created more than $1 seconds ago, never a row at or after the
-	// sequence of its key's hold (a replay hold keeps only its own row).
+	// floor created more than $1 seconds ago, never a dead row nor a row at
+	// or after the sequence of its key's hold (a replay hold keeps only its
+	// own row).
 	DeleteDone string
 	// ReplayDone makes the keyed row whose event_id is $1 a replay hold when
 	// it is at or below its partition's written floor and its key has no
 	// hold (or only a resolved one at or below that floor): the relay
-	// delivers it once more before the key's next row. Returns: inserted,
+	// delivers it once more before the key's next row; a row that died in
+	// default mode before the table was switched loses its dead_at with
+	// it. Returns: inserted,
 	// above floor, held sequence (NULL when the key has no hold).
 	ReplayDone string
 	// Keyed reports whether the row whose event_id is $1 has an ordering
@@ -362,7 +366,7 @@ FROM ` + holds + ` WHERE partition::int + 0 = ANY($1::int[])`
 FROM unnest($1::int[], $2::bigint[]) AS p(part, lo)
 CROSS JOIN LATERAL (
   SELECT * FROM ` + tbl + ` AS k
-  WHERE k.ordering_partition = p.part AND k.ordering_key IS NOT NULL AND k.sequence > p.lo AND k.sequence <= $3 AND k.published_at IS NULL
+  WHERE k.ordering_partition = p.part AND k.ordering_key IS NOT NULL AND k.sequence > p.lo AND k.sequence <= $3 AND k.published_at IS NULL AND k.dead_at IS NULL
   ORDER BY k.sequence LIMIT $4
 ) AS o`
 	q.Rescan = `SELECT ` + ret + `
@@ -370,7 +374,7 @@ FROM unnest($1::int[], $2::int4[], $3::bigint[], $4::bigint[]) AS w(part, h, lo,
 CROSS JOIN LATERAL (
   SELECT * FROM ` + tbl + ` AS k
   WHERE k.ordering_partition = w.part AND k.ordering_key IS NOT NULL AND k.sequence > w.lo AND k.sequence <= w.hi
-    AND hashtext(k.ordering_key) = w.h AND k.published_at IS NULL
+    AND hashtext(k.ordering_key) = w.h AND k.published_at IS NULL AND k.dead_at IS NULL
   ORDER BY k.sequence LIMIT $5
 ) AS o ORDER BY o.sequence`
 	q.RowAt = `SELECT ` + ret + ` FROM ` + tbl + ` AS o JOIN ` + holds + ` AS h ON h.ordering_key = o.ordering_key AND h.sequence = o.sequence
@@ -399,7 +403,7 @@ WHERE ` + same + ` OR (h.resolved_at IS NOT NULL AND h.sequence < EXCLUDED.seque
 RETURNING h.dead_at IS NOT NULL, h.attempts, h.skip_requested_at IS NOT NULL`
 	q.Advance = `WITH own AS (` + own("$6") + `),
 h0 AS (SELECT replay FROM ` + holds + ` WHERE ordering_key = $3 AND sequence = $4 AND resolved_at IS NULL AND EXISTS (SELECT 1 FROM own) FOR UPDATE),
-nxt AS (SELECT min(sequence) AS s FROM ` + tbl + ` WHERE ordering_key = $3 AND sequence > $4 AND sequence <= $5),
+nxt AS (SELECT min(sequence) AS s FROM ` + tbl + ` WHERE ordering_key = $3 AND sequence > $4 AND sequence <= $5 AND published_at IS NULL AND dead_at IS NULL),
 del AS (
   DELETE FROM ` + holds + ` AS h WHERE h.ordering_key = $3 AND h.sequence = $4 AND (SELECT replay FROM h0)
   RETURNING 1
@@ -420,10 +424,11 @@ WHERE h.partition = p.partition AND p.owner = $1 AND p.lease_until > now() AND h
   FROM ` + parts + ` AS p CROSS JOIN LATERAL (
     SELECT k.sequence, k.created_at, k.ordering_key FROM ` + tbl + ` AS k
     WHERE k.ordering_partition = p.partition AND k.ordering_key IS NOT NULL AND k.sequence > p.floor_sequence AND k.published_at IS NULL
+      AND k.dead_at IS NULL
   ) AS o
   UNION
   SELECT o.sequence, o.created_at, o.ordering_key
-  FROM ` + holds + ` AS h JOIN ` + tbl + ` AS o ON o.ordering_key = h.ordering_key AND o.published_at IS NULL
+  FROM ` + holds + ` AS h JOIN ` + tbl + ` AS o ON o.ordering_key = h.ordering_key AND o.published_at IS NULL AND o.dead_at IS NULL
     AND (o.sequence = h.sequence OR (o.sequence > h.sequence AND NOT h.replay))
   WHERE ` + active
 	q.Stats = `WITH keyed AS (` + keyed + `),
@@ -432,9 +437,10 @@ marked AS (
   FROM keyed AS k
 ),
 unkeyed AS (
-  SELECT count(*) FILTER (WHERE dead_at IS NULL) AS pending, count(*) FILTER (WHERE locked_at IS NOT NULL) AS locked,
-    count(*) FILTER (WHERE dead_at IS NOT NULL) AS dead, min(created_at) FILTER (WHERE dead_at IS NULL) AS oldest
-  FROM ` + tbl + ` WHERE published_at IS NULL AND ordering_key IS NULL
+  SELECT count(*) FILTER (WHERE dead_at IS NULL AND ordering_key IS NULL) AS pending,
+    count(*) FILTER (WHERE locked_at IS NOT NULL AND ordering_key IS NULL) AS locked,
+    count(*) FILTER (WHERE dead_at IS NOT NULL) AS dead, min(created_at) FILTER (WHERE dead_at IS NULL AND ordering_key IS NULL) AS oldest
+  FROM ` + tbl + ` WHERE published_at IS NULL AND (ordering_key IS NULL OR dead_at IS NOT NULL)
 )
 SELECT u.pending + (SELECT count(*) FROM marked WHERE NOT dead), u.locked, u.dead + (SELECT count(*) FROM marked WHERE dead),
   COALESCE(extract(epoch FROM now() - LEAST(u.oldest, (SELECT min(created_at) FROM marked WHERE NOT dead)))::float8, 0)
@@ -444,7 +450,7 @@ FROM unkeyed AS u`
   SELECT o.id FROM ` + parts + ` AS p CROSS JOIN LATERAL (
     SELECT k.id, k.ordering_key, k.sequence FROM ` + tbl + ` AS k
     WHERE k.ordering_partition = p.partition AND k.ordering_key IS NOT NULL AND k.sequence <= p.floor_sequence
-      AND k.created_at < now() - ` + ttl("$1") + `
+      AND k.dead_at IS NULL AND k.created_at < now() - ` + ttl("$1") + `
     ORDER BY k.sequence LIMIT $2
   ) AS o
   WHERE NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key AND ` + active + `
@@ -463,6 +469,8 @@ DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
     available_at = now(), last_error = NULL, dead_at = NULL, skip_requested_at = NULL, replay = true, resolved_at = NULL, created_at = now()
   WHERE h.resolved_at IS NOT NULL AND h.sequence <= (SELECT floor FROM r)
   RETURNING 1
+), revive AS (
+  UPDATE ` + tbl + ` SET dead_at = NULL WHERE event_id = $1::uuid AND dead_at IS NOT NULL AND EXISTS (SELECT 1 FROM ins)
 )
 SELECT EXISTS (SELECT 1 FROM ins), NOT COALESCE((SELECT done FROM r), false),
   (SELECT h.sequence FROM ` + holds + ` AS h, r WHERE h.ordering_key = r.ordering_key AND h.resolved_at IS NULL)`

@@ -140,11 +140,11 @@ func (q StateQueries) classified(src string) string {
     CASE WHEN f.holds_it OR f.replay_it THEN NULLIF(h.available_at, 'infinity') ELSE NULLIF(o.available_at, 'infinity') END AS available_at,
     o.locked_at, o.published_at,
     CASE WHEN f.holds_it OR f.replay_it THEN h.last_error ELSE o.last_error END AS last_error,
-    CASE WHEN NOT f.keyed THEN o.dead_at WHEN f.holds_it THEN h.dead_at END AS dead_at,
+    CASE WHEN f.holds_it THEN h.dead_at ELSE o.dead_at END AS dead_at,
     o.ordering_key, d.done, d.done AND o.published_at IS NULL AND f.keyed AND COALESCE(o.last_error LIKE '` + SkippedErrorPrefix + `%', false) AS skipped,
     f.holds_it AS held, CASE WHEN f.behind_it THEN h.sequence END AS behind,
     f.holds_it AND h.skip_requested_at IS NOT NULL AS skip_requested, f.replay_it AS replay,
-    NOT d.done AND CASE WHEN f.keyed THEN f.holds_it AND h.dead_at IS NOT NULL ELSE o.dead_at IS NOT NULL END AS dead
+    NOT d.done AND CASE WHEN f.holds_it THEN h.dead_at IS NOT NULL ELSE o.dead_at IS NOT NULL END AS dead
   FROM (` + src + `) AS o
   LEFT JOIN ` + q.Table.PartitionsTable() + ` AS p ON p.partition = o.ordering_partition
   LEFT JOIN ` + q.Table.HoldsTable() + ` AS h ON h.ordering_key = o.ordering_key
@@ -155,7 +155,7 @@ func (q StateQueries) classified(src string) string {
     COALESCE((h.resolved_at IS NOT NULL AND o.sequence <= h.sequence) OR (h.resolved_at IS NULL AND NOT h.replay AND o.sequence < h.sequence), false) AS covered,
     COALESCE(o.sequence <= p.floor_sequence, false) AS below_floor) AS f
   CROSS JOIN LATERAL (SELECT o.published_at IS NOT NULL
-    OR (f.keyed AND NOT (f.holds_it OR f.behind_it OR f.replay_it) AND (f.below_floor OR f.covered)) AS done) AS d`
+    OR (f.keyed AND o.dead_at IS NULL AND NOT (f.holds_it OR f.behind_it OR f.replay_it) AND (f.below_floor OR f.covered)) AS done) AS d`
 	case ModeWAL:
 		hold := q.walHoldJoin()
 		return `SELECT o.id, o.row_xmin, o.sequence, o.event_id, o.topic, o.tenant_id, o.attempts, o.created_at,

@@ -59,8 +59,8 @@ func DumpOrderedMemory(s *Subscriber, parts ...int) string {
 	var b strings.Builder
 	for _, r := range relays {
 		r.mu.Lock()
-		fmt.Fprintf(&b, "relay %s: runners %d starved %v needHolds %v holdsRead %s ago gen %d\n",
-			r.id, r.runners, r.starved, r.needHolds, time.Since(r.holdsRead).Round(time.Millisecond), r.gen)
+		fmt.Fprintf(&b, "relay %s: in flight %d starved %v needHolds %v holdsRead %s ago gen %d\n",
+			r.id, r.sub.inflight.Load(), r.starved, r.needHolds, time.Since(r.holdsRead).Round(time.Millisecond), r.gen)
 		for id, p := range r.parts {
 			if len(want) > 0 && !want[id] {
 				continue

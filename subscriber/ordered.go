@@ -134,7 +134,6 @@ type orderedRelay struct {
 	mu      sync.Mutex
 	parts   map[int]*partState
 	keys    map[string]*keyState
-	runners int  // key runners alive (each has at most one message in flight)
 	starved bool // the last startRunnersLocked stopped at MaxInFlight: keys may wait for a runner
 	runWg   sync.WaitGroup
 
@@ -1115,11 +1114,13 @@ func parkedLocked(p *partState, row *schema.OrderedRow) bool {
 }
 
 // startRunnersLocked starts a runner for every key with work, up to
-// MaxInFlight runners and copies left in handlers by ended terms.
+// MaxInFlight in all: the subscription's messages (its runners, each with
+// at most one message, and the unkeyed rows of its claim loop: one count,
+// sub.inflight) and the copies left in handlers by ended terms.
 func (r *orderedRelay) startRunnersLocked() {
 	r.starved = false
 	for _, k := range r.keys {
-		if r.runners+r.terms.StaleCount() >= r.s.cfg.MaxInFlight {
+		if int(r.sub.inflight.Load())+r.terms.StaleCount() >= r.s.cfg.MaxInFlight {
 			r.starved = true
 			return
 		}
@@ -1127,7 +1128,7 @@ func (r *orderedRelay) startRunnersLocked() {
 			continue
 		}
 		k.busy = true
-		r.runners++
+		r.sub.inflight.Add(1)
 		r.runWg.Add(1)
 		go r.runKey(k)
 	}
@@ -1286,13 +1287,13 @@ func (r *orderedRelay) freedLocked(p *partState) {
 
 func (r *orderedRelay) endRunLocked(k *keyState) {
 	k.busy = false
-	r.runners--
+	r.sub.freeSlot()
 	if r.keys[k.name] == k {
 		r.pruneKeyLocked(k.name, k)
 	}
 	// A key with work has a runner unless the last start stopped at
-	// MaxInFlight (cycles and due timers start the others): walk the keys
-	// only then, not at the end of every key's run.
+	// MaxInFlight (cycles, due timers and freed slots start the others):
+	// walk the keys only then, not at the end of every key's run.
 	if r.starved {
 		r.startRunnersLocked()
 	}
@@ -1572,4 +1573,14 @@ func (s *Subscriber) refreshHeldKeys(ctx context.Context) {
 		return
 	}
 	s.cfg.Metrics.HeldKeys.WithLabelValues(s.label).Set(float64(all))
+}
+
+// slotFreed starts the runners that waited for MaxInFlight, after a message
+// of the subscription's claim loop was answered.
+func (r *orderedRelay) slotFreed() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.starved {
+		r.startRunnersLocked()
+	}
 }

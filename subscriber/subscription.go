@@ -327,10 +327,9 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 	s := sub.s
 	defer func() {
 		cancel()
-		sub.inflight.Add(-1)
-		select {
-		case sub.slotted <- struct{}{}:
-		default:
+		sub.freeSlot()
+		if sub.ordered != nil {
+			sub.ordered.slotFreed()
 		}
 		sub.watchers.Done()
 	}()
@@ -382,5 +381,15 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 			s.release([]*claimed{c}, 0)
 			return
 		}
+	}
+}
+
+// freeSlot counts one message of the subscription out of MaxInFlight and
+// wakes the claim loop if it waits for a slot.
+func (sub *subscription) freeSlot() {
+	sub.inflight.Add(-1)
+	select {
+	case sub.slotted <- struct{}{}:
+	default:
 	}
 }
