@@ -268,14 +268,17 @@ type OrderedQueries struct {
 	// DeleteDone deletes up to $2 keyed rows at or below their partition's
 	// floor created more than $1 seconds ago, never a dead row nor a row at
 	// or after the sequence of its key's hold (a replay hold keeps only its
-	// own row).
+	// own row), nor a row changed since the statement began: ReplayDone
+	// writes the row it replays, so a replay that commits while the delete
+	// runs keeps its row (the delete compares the row's xmin).
 	DeleteDone string
 	// ReplayDone makes the keyed row whose event_id is $1 a replay hold when
 	// it is at or below its partition's written floor and its key has no
 	// hold (or only a resolved one at or below that floor): the relay
-	// delivers it once more before the key's next row; a row that died in
-	// default mode before the table was switched loses its dead_at with
-	// it. Returns: inserted,
+	// delivers it once more before the key's next row. It writes the row
+	// (dead_at = NULL: a row that died in default mode before the table
+	// was switched is revived), so that DeleteDone racing it keeps the row,
+	// and inserts the hold only when the row is still there. Returns: inserted,
 	// above floor, held sequence (NULL when the key has no hold).
 	ReplayDone string
 	// Keyed reports whether the row whose event_id is $1 has an ordering
@@ -447,8 +450,8 @@ SELECT u.pending + (SELECT count(*) FROM marked WHERE NOT dead), u.locked, u.dea
 FROM unkeyed AS u`
 	q.HeldKeys = `SELECT count(*), count(*) FILTER (WHERE dead_at IS NOT NULL) FROM ` + holds + ` AS h WHERE ` + active
 	q.DeleteDone = `WITH victims AS (
-  SELECT o.id FROM ` + parts + ` AS p CROSS JOIN LATERAL (
-    SELECT k.id, k.ordering_key, k.sequence FROM ` + tbl + ` AS k
+  SELECT o.id, o.x FROM ` + parts + ` AS p CROSS JOIN LATERAL (
+    SELECT k.id, k.xmin AS x, k.ordering_key, k.sequence FROM ` + tbl + ` AS k
     WHERE k.ordering_partition = p.partition AND k.ordering_key IS NOT NULL AND k.sequence <= p.floor_sequence
       AND k.dead_at IS NULL AND k.created_at < now() - ` + ttl("$1") + `
     ORDER BY k.sequence LIMIT $2
@@ -457,20 +460,23 @@ FROM unkeyed AS u`
     AND (o.sequence = h.sequence OR (o.sequence > h.sequence AND NOT h.replay)))
   LIMIT $2
 )
-DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
+DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id AND o.xmin = victims.x`
 	q.ReplayDone = `WITH r AS (
-  SELECT o.ordering_key, o.ordering_partition, o.sequence, o.sequence <= p.floor_sequence AS done, p.floor_sequence AS floor
+  SELECT o.ordering_key, o.ordering_partition, o.sequence, o.sequence <= p.floor_sequence AS done, p.floor_sequence AS floor,
+    NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key
+      AND NOT (h.resolved_at IS NOT NULL AND h.sequence <= p.floor_sequence)) AS free
   FROM ` + tbl + ` AS o JOIN ` + parts + ` AS p ON p.partition = o.ordering_partition
   WHERE o.event_id = $1::uuid AND o.ordering_key IS NOT NULL
+), touch AS (
+  UPDATE ` + tbl + ` AS o SET dead_at = NULL FROM r WHERE o.event_id = $1::uuid AND r.done AND r.free
+  RETURNING 1
 ), ins AS (
   INSERT INTO ` + holds + ` AS h (ordering_key, partition, sequence, attempts, available_at, replay)
-  SELECT r.ordering_key, r.ordering_partition, r.sequence, 0, now(), true FROM r WHERE r.done
+  SELECT r.ordering_key, r.ordering_partition, r.sequence, 0, now(), true FROM r WHERE r.done AND EXISTS (SELECT 1 FROM touch)
   ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, partition = EXCLUDED.partition, attempts = 0,
     available_at = now(), last_error = NULL, dead_at = NULL, skip_requested_at = NULL, replay = true, resolved_at = NULL, created_at = now()
   WHERE h.resolved_at IS NOT NULL AND h.sequence <= (SELECT floor FROM r)
   RETURNING 1
-), revive AS (
-  UPDATE ` + tbl + ` SET dead_at = NULL WHERE event_id = $1::uuid AND dead_at IS NOT NULL AND EXISTS (SELECT 1 FROM ins)
 )
 SELECT EXISTS (SELECT 1 FROM ins), NOT COALESCE((SELECT done FROM r), false),
   (SELECT h.sequence FROM ` + holds + ` AS h, r WHERE h.ordering_key = r.ordering_key AND h.resolved_at IS NULL)`

@@ -182,8 +182,9 @@ func (q StateQueries) classified(src string) string {
 // unpublished row in the default and WAL modes (the WAL relay's streamed
 // rows are told apart by done); in ordered mode the unkeyed unpublished
 // rows, the keyed rows above their partition's floor (less those a hold of
-// their key covers as done), and the keyed rows an active hold holds,
-// parks or replays, each read through an index.
+// their key covers as done), the keyed rows an active hold holds, parks or
+// replays, and the keyed rows below the floor that died in default mode
+// before the table was switched, each read through an index.
 func (q StateQueries) open() string {
 	tbl := q.Table.Sanitize()
 	if q.Mode != ModeOrdered {
@@ -201,7 +202,12 @@ func (q StateQueries) open() string {
   UNION ALL
   SELECT k.*, k.xmin AS row_xmin FROM ` + holds + ` AS h JOIN ` + tbl + ` AS k ON k.ordering_key = h.ordering_key
     AND (k.sequence = h.sequence OR (k.sequence > h.sequence AND NOT h.replay)) AND (k.published_at IS NULL OR h.replay)
-  WHERE h.resolved_at IS NULL`
+  WHERE h.resolved_at IS NULL
+  UNION ALL
+  SELECT k.*, k.xmin AS row_xmin FROM ` + tbl + ` AS k JOIN ` + q.Table.PartitionsTable() + ` AS p ON p.partition = k.ordering_partition
+  WHERE k.ordering_key IS NOT NULL AND k.dead_at IS NOT NULL AND k.published_at IS NULL AND k.sequence <= p.floor_sequence
+    AND NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = k.ordering_key AND h.resolved_at IS NULL
+      AND (k.sequence = h.sequence OR (k.sequence > h.sequence AND NOT h.replay)))`
 	return q.classified(src)
 }
 

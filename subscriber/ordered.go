@@ -1207,9 +1207,23 @@ func (r *orderedRelay) runKey(k *keyState) {
 			seq, attempts := h.seq, h.attempts
 			r.mu.Unlock()
 			row, err := r.rowAt(k.name, seq)
+			if errors.Is(err, pgx.ErrNoRows) && r.rowGone(k.name, seq) {
+				// The held row was deleted (by hand, or by a cleaner that
+				// raced an operator's replay): there is nothing left to
+				// deliver, and the key goes on with its next row.
+				r.advance(k, h)
+				r.mu.Lock()
+				h.inflight = false
+				if k.hold == h {
+					r.refreshLaterLocked(k)
+				}
+				r.endRunLocked(k)
+				r.mu.Unlock()
+				return
+			}
 			if errors.Is(err, pgx.ErrNoRows) {
-				// Skipped meanwhile, resolved by another relay, or the
-				// row was deleted by hand: the holds read sorts it out.
+				// Skipped meanwhile or resolved by another relay: the
+				// holds read sorts it out.
 				r.mu.Lock()
 				h.inflight = false
 				if k.hold == h {
@@ -1307,6 +1321,16 @@ func (r *orderedRelay) rowAt(name string, seq int64) (*schema.OrderedRow, error)
 		return nil, err
 	}
 	return row, nil
+}
+
+// rowGone reports whether the key's row at seq is no longer in the table
+// (false when that cannot be read).
+func (r *orderedRelay) rowGone(name string, seq int64) bool {
+	ctx, cancel := context.WithTimeout(r.sub.ctx, opTimeout)
+	defer cancel()
+	var exists bool
+	err := r.s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+r.oq.Table.Sanitize()+` WHERE ordering_key = $1 AND sequence = $2)`, name, seq).Scan(&exists)
+	return err == nil && !exists
 }
 
 type verdict int
