@@ -15,6 +15,18 @@
 // messaging.operation.type = send), error status when the relay fails, and
 // the published message's traceparent pointing at it. Only the OTel API is
 // used: spans go to Config.TracerProvider or the global provider.
+//
+// The forwarder does not end a publish when its message's context ends:
+// Watermill's message.Publisher.Publish takes no context, so a publish
+// under way when an ordered relay's partition lease or a WAL relay's
+// session ends goes on until the broker answers or the publisher's own
+// timeout (Sarama's Net.WriteTimeout, the AMQP channel's confirm) fires, and
+// its handler returns only then. The relays' promise of one copy of a key
+// across relays (docs/ORDERING.md, docs/WAL.md) rests on handlers that
+// return when their context ends; behind the forwarder, a copy of the next
+// owner can reach the broker while the old owner's publish still runs, for
+// at most that publish timeout. Consumers that need one copy per key at all
+// times deduplicate by event_id (the message UUID and a broker header).
 package forwarder
 
 import (
