@@ -237,6 +237,13 @@ func (r *orderedRelay) tickInterval() time.Duration {
 	return min(r.s.cfg.ElectionInterval, r.s.cfg.LockTTL/3)
 }
 
+// floorEvery is how often at most a partition's moved floor is written.
+// Written floors lag the relay's by up to this much: the cleaner, the
+// runbook's replay of a delivered row and the state readers see a row as
+// done that much later, and a new owner delivers again up to that much of
+// acked rows.
+func (r *orderedRelay) floorEvery() time.Duration { return r.s.cfg.LockTTL / 10 }
+
 // margin is how long before its lease ends a relay stops delivering.
 func (r *orderedRelay) margin() time.Duration { return r.s.cfg.LockTTL / 5 }
 
@@ -479,7 +486,11 @@ func (r *orderedRelay) tick(ctx context.Context) {
 			r.dropPartLocked(id)
 			continue
 		}
-		if p.floor != p.persisted || now.Sub(p.renewed) >= cfg.LockTTL/3 {
+		// A floor that moved is written at most every floorEvery, with
+		// the lease, so that the progress of a busy relay leaves a
+		// bounded number of row versions (a pinned xmin horizon keeps
+		// them all): 64 partitions every 6 s at the default LockTTL.
+		if (p.floor != p.persisted && now.Sub(p.renewed) >= r.floorEvery()) || now.Sub(p.renewed) >= cfg.LockTTL/3 {
 			renIDs, renFloors, renEpochs = append(renIDs, int32(id)), append(renFloors, p.floor), append(renEpochs, p.term.Epoch()) //nolint:gosec // partition < 64
 		}
 	}
