@@ -1,0 +1,54 @@
+package subscriber_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxkit/watermill-outbox/internal/relaytest"
+	"github.com/outboxkit/watermill-outbox/internal/testdb"
+	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
+)
+
+// conformanceRelay describes the table relay, in the default or ordered
+// mode, to the conformance suite (internal/relaytest).
+func conformanceRelay(ordered bool) relaytest.Relay {
+	r := relaytest.Relay{Name: "default", Mode: relaytest.ModeDefault}
+	if ordered {
+		r.Name, r.Mode = "ordered", relaytest.ModeOrdered
+	}
+	r.Pool = func(t testing.TB) *pgxpool.Pool { return testdb.Pool(t) }
+	r.New = func(_ context.Context, pool *pgxpool.Pool, tbl schema.Table, o relaytest.Options) (message.Subscriber, error) {
+		cfg := subscriber.Config{Table: tbl, Ordered: ordered, LockTTL: 2 * time.Second, PollInterval: 100 * time.Millisecond,
+			ElectionInterval: 100 * time.Millisecond, MaxAttempts: o.MaxAttempts, MaxInFlight: o.MaxInFlight,
+			CloseTimeout: o.CloseTimeout, DispatchTimeout: o.DispatchTimeout, DisableSingleActive: o.DisableSingleActive && !ordered,
+			Backoff: func(int) time.Duration { return 20 * time.Millisecond }}
+		if ordered {
+			cfg.LockTTL = time.Second
+		}
+		if o.MaxInFlight > 0 && o.MaxInFlight < subscriber.BatchSizeDefault {
+			cfg.BatchSize = o.MaxInFlight
+		}
+		return subscriber.New(pool, cfg, watermill.NopLogger{})
+	}
+	return r
+}
+
+// TestConformance runs the conformance suite against the default relay
+// and ordered mode.
+func TestConformance(t *testing.T) {
+	t.Parallel()
+	t.Run("default", func(t *testing.T) {
+		t.Parallel()
+		relaytest.Run(t, conformanceRelay(false))
+	})
+	t.Run("ordered", func(t *testing.T) {
+		t.Parallel()
+		relaytest.Run(t, conformanceRelay(true))
+	})
+}
