@@ -21,6 +21,7 @@ func conformanceRelay(ordered bool) relaytest.Relay {
 	r := relaytest.Relay{Name: "default", Mode: relaytest.ModeDefault}
 	if ordered {
 		r.Name, r.Mode = "ordered", relaytest.ModeOrdered
+		r.Migrate = []schema.MigrateOption{schema.WithAllColumns()}
 	}
 	r.Pool = func(t testing.TB) *pgxpool.Pool { return testdb.Pool(t) }
 	r.New = func(_ context.Context, pool *pgxpool.Pool, tbl schema.Table, o relaytest.Options) (message.Subscriber, error) {

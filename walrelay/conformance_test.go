@@ -20,9 +20,10 @@ import (
 // to the conformance suite (internal/relaytest).
 func conformanceRelay(pool *pgxpool.Pool) relaytest.Relay {
 	return relaytest.Relay{
-		Name: "wal",
-		Mode: relaytest.ModeWAL,
-		Pool: func(testing.TB) *pgxpool.Pool { return pool },
+		Name:    "wal",
+		Mode:    relaytest.ModeWAL,
+		Pool:    func(testing.TB) *pgxpool.Pool { return pool },
+		Migrate: []schema.MigrateOption{schema.WithAllColumns()},
 		SetUp: func(ctx context.Context, pool *pgxpool.Pool, tbl schema.Table) error {
 			_, err := walrelay.Setup(ctx, pool, tbl, walrelay.Names{})
 			return err

@@ -136,6 +136,11 @@ func TestOneCopyPerKey(t *testing.T, r Relay) {
 func TestPauseAndResume(t *testing.T, r Relay) {
 	e := setup(t, r, true)
 	ctx := context.Background()
+	if r.Mode != ModeWAL {
+		// The relay is at work (listening for wake-ups) before the pause.
+		e.start("a", Options{}, nil)
+		e.waitAcked(within, e.enqueue(topicA, "")...)
+	}
 	_, err := runbook.PauseTopic(ctx, e.pool, e.tbl, topicA, "relaytest", false)
 	if r.Mode == ModeWAL {
 		if !errors.Is(err, runbook.ErrPauseWAL) {
@@ -147,7 +152,6 @@ func TestPauseAndResume(t *testing.T, r Relay) {
 		t.Fatalf("pause %s: %v", topicA, err)
 	}
 	const topicB = "org.relaytest.b.v1"
-	e.start("a", Options{}, nil)
 	heldA := e.enqueue(topicA, "p1", "", "") // p1's first row and two unkeyed rows of A
 	behind := e.enqueue(topicB, "p1")        // p1's second row, of a topic that flows
 	flowing := e.enqueue(topicB, "p2", "p2", "", "")
@@ -235,7 +239,9 @@ func TestReplayDead(t *testing.T, r Relay) {
 		err := retry(within, func() error {
 			_, err := runbook.ReplayEvent(ctx, e.pool, e.tbl, ev.ID, runbook.ReplayOptions{})
 			return err
-		}, func(err error) bool { return errors.Is(err, runbook.ErrLocked) || errors.Is(err, runbook.ErrNotRelayedYet) })
+		}, func(err error) bool {
+			return errors.Is(err, runbook.ErrLocked) || errors.Is(err, runbook.ErrNotRelayedYet)
+		})
 		if err != nil {
 			t.Fatalf("replay the dead row %s: %v", ev, err)
 		}
@@ -462,7 +468,7 @@ func TestBacklogBeforeSetUp(t *testing.T, r Relay) {
 // dead and its published rows are not delivered again; new rows flow.
 // docs/ORDERING.md "Switching modes".
 func TestSwitchFromDefault(t *testing.T, r Relay) {
-	e := setup(t, r, false)
+	e := setup(t, r, false, schema.WithAllColumns())
 	published := e.enqueue(topicA, "w1", "w2", "w1", "w3", "")
 	dead := e.enqueue(topicA, "d1", "d2", "d1", "")
 	bad := newFailing(dead...)
@@ -560,7 +566,7 @@ func TestTwoModesOnOneTable(t *testing.T, r Relay) {
 	for _, p := range pairs {
 		t.Run(p[0].name+" then "+p[1].name, func(t *testing.T) {
 			t.Parallel()
-			e := setup(t, r, true)
+			e := setup(t, r, true, schema.WithAllColumns())
 			h := func(context.Context, *message.Message) error { e.wait(30 * time.Millisecond); return nil }
 			if _, err := p[0].fn(e, h); err != nil {
 				t.Fatalf("the first relay (%s): %v", p[0].name, err)
@@ -586,7 +592,7 @@ func TestTwoModesOnOneTable(t *testing.T, r Relay) {
 			over := append([]string(nil), e.rec.overlaps...)
 			e.rec.mu.Unlock()
 			if both {
-				t.Errorf("a %s relay started beside a running %s relay and both delivered rows of the table", p[1].name, p[0].name)
+				t.Errorf("the %s relay started beside a running %s relay, and both delivered rows of the table", p[1].name, p[0].name)
 			}
 			for i, o := range over {
 				if i == 3 {
@@ -602,7 +608,7 @@ func TestTwoModesOnOneTable(t *testing.T, r Relay) {
 	}
 	t.Run("stale lease of a killed default relay", func(t *testing.T) {
 		t.Parallel()
-		e := setup(t, r, true)
+		e := setup(t, r, true, schema.WithAllColumns())
 		ctx := context.Background()
 		evs := e.enqueue(topicA, "s1", "s1")
 		// What a default relay killed an hour ago leaves: a keyed row

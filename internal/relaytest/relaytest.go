@@ -111,9 +111,13 @@ type Relay struct {
 	// Pool returns a pool on the server the relay runs on (the shared
 	// server, or a private wal_level=logical cluster shared by the cases).
 	Pool func(t testing.TB) *pgxpool.Pool
-	// SetUp makes a migrated table (schema.WithAllColumns) ready for the
-	// relay, as an operator would before starting it (walrelay.Setup).
-	// Nil: nothing to do.
+	// Migrate are the optional columns of the relay's table (the default
+	// relay: none; ordered mode and the WAL relay: schema.WithAllColumns).
+	// The cases about switching and mixing modes use every column
+	// whatever the relay.
+	Migrate []schema.MigrateOption
+	// SetUp makes a migrated table ready for the relay, as an operator
+	// would before starting it (walrelay.Setup). Nil: nothing to do.
 	SetUp func(ctx context.Context, pool *pgxpool.Pool, tbl schema.Table) error
 	// New returns a relay on tbl, not subscribed yet. The suite subscribes
 	// it with subscriber.AllTopics and closes it when the case ends.
@@ -161,6 +165,7 @@ type env struct {
 	r      Relay
 	pool   *pgxpool.Pool
 	tbl    schema.Table
+	keys   bool // the table has the ordering_key column: rows are enqueued with their keys
 	tenant uuid.UUID
 	rec    *recorder
 
@@ -168,9 +173,10 @@ type env struct {
 	stop     chan struct{} // closed before the relays close: handlers that wait return
 }
 
-// setup creates a fresh schema with an outbox table (every optional
-// column) on r's server; setUp runs r.SetUp on it.
-func setup(t *testing.T, r Relay, setUp bool) *env {
+// setup creates a fresh schema with an outbox table on r's server, with
+// the columns r.Migrate asks for, or opts when given; setUp runs r.SetUp
+// on it.
+func setup(t *testing.T, r Relay, setUp bool, opts ...schema.MigrateOption) *env {
 	t.Helper()
 	pool := r.Pool(t)
 	ctx := context.Background()
@@ -186,10 +192,17 @@ func setup(t *testing.T, r Relay, setUp bool) *env {
 		}
 	})
 	tbl := schema.MustParseTable(sch + ".outbox")
-	if err := schema.Migrate(ctx, pool, tbl, schema.WithAllColumns()); err != nil {
+	if opts == nil {
+		opts = r.Migrate
+	}
+	if err := schema.Migrate(ctx, pool, tbl, opts...); err != nil {
 		t.Fatalf("migrate %s: %v", tbl, err)
 	}
-	e := &env{t: t, r: r, pool: pool, tbl: tbl, tenant: uuid.New(), rec: newRecorder(), stop: make(chan struct{})}
+	cols, err := schema.DetectColumns(ctx, pool, tbl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &env{t: t, r: r, pool: pool, tbl: tbl, keys: cols.OrderingKey, tenant: uuid.New(), rec: newRecorder(), stop: make(chan struct{})}
 	if setUp {
 		e.setUp()
 	}
@@ -227,7 +240,10 @@ func (e *env) enqueue(topic string, keys ...string) []event {
 	msgs := make([]publisher.Message, len(keys))
 	for i, k := range keys {
 		evs[i] = event{ID: uuid.New(), Key: k, Topic: topic}
-		msgs[i] = publisher.Message{TenantID: e.tenant, Topic: topic, EventID: evs[i].ID, Payload: json.RawMessage(`{"n":1}`), OrderingKey: k}
+		msgs[i] = publisher.Message{TenantID: e.tenant, Topic: topic, EventID: evs[i].ID, Payload: json.RawMessage(`{"n":1}`)}
+		if e.keys {
+			msgs[i].OrderingKey = k
+		}
 	}
 	var seqs []int64
 	if err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
