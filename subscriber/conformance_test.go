@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/relaytest"
@@ -22,6 +23,19 @@ func conformanceRelay(ordered bool) relaytest.Relay {
 	if ordered {
 		r.Name, r.Mode = "ordered", relaytest.ModeOrdered
 		r.Migrate = []schema.MigrateOption{schema.WithAllColumns()}
+	}
+	if ordered {
+		// A term's end: the heartbeats fail for twice the lease (LockTTL
+		// 1 s), as in TestOrderedLostLeaseKeepsOneCopyPerKey.
+		r.EndTerm = func(ctx context.Context, pool *pgxpool.Pool, tbl schema.Table) error {
+			return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, `LOCK TABLE `+tbl.RelaysTable()+` IN ACCESS EXCLUSIVE MODE`); err != nil {
+					return err
+				}
+				time.Sleep(2 * time.Second)
+				return nil
+			})
+		}
 	}
 	r.Pool = func(t testing.TB) *pgxpool.Pool { return testdb.Pool(t) }
 	r.New = func(_ context.Context, pool *pgxpool.Pool, tbl schema.Table, o relaytest.Options) (message.Subscriber, error) {

@@ -374,20 +374,31 @@ func (e *env) waitAcked(within time.Duration, evs ...event) {
 	})
 }
 
-// rowState is what the table says of one row.
+// rowState is what the table says of one row: its columns, and the
+// runbook's reading of them in the table's mode (runbook.Event: in an
+// ordered table a keyed row's dead state and attempts are its hold's).
 type rowState struct {
 	Found     bool
-	Published bool
-	Dead      bool
+	Published bool // published_at set
+	DeadAt    bool // dead_at set
 	Attempts  int
 	LastError string
+
+	Delivered    bool // runbook: delivered in the table's mode
+	HoldDead     bool // runbook: dead (dead_at, or a dead hold at the row)
+	HoldAttempts int  // runbook: attempts (the hold's at a held row)
+	Held         bool // runbook: the row its key waits for
 }
+
+// Dead is true when the row is dead, by its column or by its hold.
+func (s rowState) Dead() bool { return s.DeadAt || s.HoldDead }
 
 func (s rowState) String() string {
 	if !s.Found {
 		return "not in the table"
 	}
-	return fmt.Sprintf("published=%t dead=%t attempts=%d last_error=%q", s.Published, s.Dead, s.Attempts, s.LastError)
+	return fmt.Sprintf("published_at=%t dead_at=%t attempts=%d last_error=%q; runbook: delivered=%t dead=%t held=%t attempts=%d",
+		s.Published, s.DeadAt, s.Attempts, s.LastError, s.Delivered, s.HoldDead, s.Held, s.HoldAttempts)
 }
 
 func (e *env) row(id uuid.UUID) rowState {
@@ -395,7 +406,7 @@ func (e *env) row(id uuid.UUID) rowState {
 	var s rowState
 	var le *string
 	err := e.pool.QueryRow(context.Background(), `SELECT published_at IS NOT NULL, dead_at IS NOT NULL, attempts, last_error FROM `+e.tbl.Sanitize()+` WHERE event_id = $1`, id).
-		Scan(&s.Published, &s.Dead, &s.Attempts, &le)
+		Scan(&s.Published, &s.DeadAt, &s.Attempts, &le)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return s
 	}
@@ -406,6 +417,14 @@ func (e *env) row(id uuid.UUID) rowState {
 	if le != nil {
 		s.LastError = *le
 	}
+	r, err := runbook.Event(context.Background(), e.pool, e.tbl, id)
+	if errors.Is(err, runbook.ErrEventNotFound) {
+		return rowState{}
+	}
+	if err != nil {
+		e.t.Fatalf("runbook.Event %s: %v", id, err)
+	}
+	s.Delivered, s.HoldDead, s.HoldAttempts, s.Held = r.Delivered, r.DeadAt != nil, r.Attempts, r.Held
 	return s
 }
 
