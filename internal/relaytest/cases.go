@@ -297,6 +297,7 @@ func TestBulkReplayWhileHoldDrains(t *testing.T, r Relay) {
 		}
 	}
 	bad.fix(key[0])
+	before := e.row(key[0].ID)
 	rep, err := runbook.ReplayDead(ctx, e.pool, e.tbl, runbook.DeadFilter{AllTopics: true}, false)
 	if err != nil {
 		t.Logf("bulk replay refused: %v", err)
@@ -307,19 +308,24 @@ func TestBulkReplayWhileHoldDrains(t *testing.T, r Relay) {
 		e.waitAcked(within, key[0])
 		return
 	}
-	// Refused (still dead) or delivered; wait for either.
+	// Delivered, or refused: left as it was (dead, or skipped). Wait for
+	// either.
+	unchanged := func(s rowState) bool {
+		return s.Found && s.Dead() == before.Dead() && s.LastError == before.LastError && s.Attempts == before.Attempts
+	}
 	deadline := time.Now().Add(within)
 	for !e.rec.acked(key[0]) {
 		s := e.row(key[0].ID)
-		if s.Dead() {
+		if unchanged(s) {
 			e.wait(quietSpell)
-			if s = e.row(key[0].ID); s.Dead() || e.rec.acked(key[0]) {
+			if s = e.row(key[0].ID); unchanged(s) || e.rec.acked(key[0]) {
+				t.Logf("bulk replay: %d rows; row %s left as it was: %s", rep.Rows, key[0], s)
 				return
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("bulk replay (reported %d rows replayed) while %s's hold drained: row %s is %s, never delivered since: lost",
-				rep.Rows, key[0].Key, key[0], s)
+			t.Fatalf("bulk replay (reported %d rows replayed) while %s's hold drained: row %s was %s, is now %s, and was never delivered since: lost",
+				rep.Rows, key[0].Key, key[0], before, s)
 		}
 		e.wait(100 * time.Millisecond)
 	}
