@@ -66,4 +66,9 @@ func TestConformance(t *testing.T) {
 		t.Parallel()
 		relaytest.Run(t, conformanceRelay(true))
 	})
+	// The default relay runs Watermill's universal suite in TestPubSub.
+	t.Run("ordered universal", func(t *testing.T) {
+		t.Parallel()
+		relaytest.Universal(t, conformanceRelay(true), suiteFeatures)
+	})
 }

@@ -54,6 +54,9 @@ func Universal(t *testing.T, r Relay, f tests.Features) {
 		t.Fatal(err)
 	}
 	u := &universal{r: r, pool: pool, schema: sch, enq: enq, tables: map[string]schema.Table{}}
+	// The suite leaves some subscribers open (those of its multiplier):
+	// they are closed at the end, before the schema is dropped.
+	t.Cleanup(u.closeAll)
 	tests.TestPubSub(t, f, func(t *testing.T) (message.Publisher, message.Subscriber) {
 		ps := &universalPubSub{u: u, tenant: uuid.New()}
 		return universalPublisher{ps}, ps
@@ -69,6 +72,17 @@ type universal struct {
 
 	mu     sync.Mutex
 	tables map[string]schema.Table
+	subs   []message.Subscriber // every relay made, closed at the end
+}
+
+func (u *universal) closeAll() {
+	u.mu.Lock()
+	subs := u.subs
+	u.subs = nil
+	u.mu.Unlock()
+	for _, s := range subs {
+		_ = s.Close()
+	}
 }
 
 func (u *universal) table(topic string) (schema.Table, error) {
@@ -81,7 +95,8 @@ func (u *universal) table(topic string) (schema.Table, error) {
 	_, _ = h.Write([]byte(topic))
 	t := schema.MustParseTable(fmt.Sprintf("%s.o_%x", u.schema, h.Sum64()))
 	ctx := context.Background()
-	if err := schema.Migrate(ctx, u.pool, t, schema.WithHeadersColumn()); err != nil {
+	opts := append([]schema.MigrateOption{schema.WithHeadersColumn()}, u.r.Migrate...)
+	if err := schema.Migrate(ctx, u.pool, t, opts...); err != nil {
 		return t, err
 	}
 	if u.r.SetUp != nil {
@@ -140,6 +155,9 @@ func (p *universalPubSub) Subscribe(ctx context.Context, topic string) (<-chan *
 	if err != nil {
 		return nil, err
 	}
+	p.u.mu.Lock()
+	p.u.subs = append(p.u.subs, sub)
+	p.u.mu.Unlock()
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
