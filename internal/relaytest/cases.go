@@ -306,8 +306,12 @@ func TestBulkReplayWhileHoldDrains(t *testing.T, r Relay) {
 	close(gate)
 	e.waitAcked(within, key[1:]...)
 	defer func() {
+		k := key[0].Key
+		if !e.keys {
+			k = "" // the rows were enqueued without their key
+		}
 		e.rec.mu.Lock()
-		t.Logf("bulk replay: %d rows; deliveries of key %s: %v", rep.Rows, key[0].Key, e.rec.trace[key[0].Key])
+		t.Logf("bulk replay: %d rows; deliveries of key %q: %v", rep.Rows, k, e.rec.trace[k])
 		e.rec.mu.Unlock()
 	}()
 	if !r.keyed() {
@@ -368,43 +372,59 @@ func TestCleanerRacingReplays(t *testing.T, r Relay) {
 	}
 	var (
 		wg       sync.WaitGroup
+		mu       sync.Mutex
 		replayed int
 		refused  = map[string]int{}
 		done     = make(chan struct{})
 	)
-	wg.Add(1)
-	go func() { // the cleaner, a row per pass, oldest first, until the replays are over
-		defer wg.Done()
-		for {
-			if _, _, err := cl.CleanOnce(ctx); err != nil {
-				t.Errorf("clean: %v", err)
-				return
-			}
-			select {
-			case <-done:
-				return
-			default:
-			}
-		}
-	}()
-	for range 3 { // the operator replays the old rows, oldest first too
-		for _, ev := range old {
-			_, err := runbook.ReplayEvent(ctx, e.pool, e.tbl, ev.ID, runbook.ReplayOptions{})
-			switch {
-			case err == nil:
-				replayed++
-			default:
-				why := err.Error()
-				for _, sentinel := range []error{runbook.ErrEventNotFound, runbook.ErrNotRelayedYet, runbook.ErrNotHeld, runbook.ErrHoldRefused, runbook.ErrAlreadyPublished} {
-					if errors.Is(err, sentinel) {
-						why = sentinel.Error()
-						break
-					}
+	for range 2 { // cleaners, a row per pass, oldest first, until the replays are over
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				if _, _, err := cl.CleanOnce(ctx); err != nil {
+					t.Errorf("clean: %v", err)
+					return
 				}
-				refused[why]++
+				select {
+				case <-done:
+					return
+				default:
+				}
 			}
-		}
+		}()
 	}
+	var ops sync.WaitGroup
+	const operators = 4
+	for o := range operators { // operators replay the old rows, oldest first too, each a share
+		ops.Add(1)
+		go func() {
+			defer ops.Done()
+			for range 3 {
+				for i := o; i < len(old); i += operators {
+					_, err := runbook.ReplayEvent(ctx, e.pool, e.tbl, old[i].ID, runbook.ReplayOptions{})
+					why := "accepted"
+					if err != nil {
+						why = err.Error()
+						for _, sentinel := range []error{runbook.ErrEventNotFound, runbook.ErrNotRelayedYet, runbook.ErrNotHeld, runbook.ErrHoldRefused, runbook.ErrAlreadyPublished} {
+							if errors.Is(err, sentinel) {
+								why = sentinel.Error()
+								break
+							}
+						}
+					}
+					mu.Lock()
+					if err == nil {
+						replayed++
+					} else {
+						refused[why]++
+					}
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	ops.Wait()
 	close(done)
 	wg.Wait()
 	t.Logf("%d replays accepted; refused: %v", replayed, refused)
