@@ -406,7 +406,7 @@ func TestCleanerRacingReplays(t *testing.T, r Relay) {
 					why := "accepted"
 					if err != nil {
 						why = err.Error()
-						for _, sentinel := range []error{runbook.ErrEventNotFound, runbook.ErrNotRelayedYet, runbook.ErrNotHeld, runbook.ErrHoldRefused, runbook.ErrAlreadyPublished} {
+						for _, sentinel := range []error{runbook.ErrEventNotFound, runbook.ErrNotRelayedYet, runbook.ErrNotHeld, runbook.ErrHoldRefused, runbook.ErrAlreadyPublished, runbook.ErrNotFailed, runbook.ErrLocked} {
 							if errors.Is(err, sentinel) {
 								why = sentinel.Error()
 								break
