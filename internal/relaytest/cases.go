@@ -595,56 +595,83 @@ func TestTwoModesOnOneTable(t *testing.T, r Relay) {
 	if r.Mode == ModeWAL {
 		t.Skipf("the %s relay makes no promise about table relays beside it (docs/WAL.md does not say; it is not checked)", r.Name)
 	}
-	type start struct {
-		name string
-		fn   func(e *env, h handler) (*relay, error)
+	// A participant is a relay of one mode: made (New), then subscribed.
+	type participant struct {
+		name  string
+		label string // the recorder's name of its deliveries
+		make  func(e *env) (message.Subscriber, error)
 	}
-	underTest := start{r.Mode.String() + " (under test)", func(e *env, h handler) (*relay, error) {
-		return e.tryStart("test", Options{DisableSingleActive: true}, h)
+	underTest := participant{r.Mode.String() + " (under test)", "test", func(e *env) (message.Subscriber, error) {
+		return e.r.New(context.Background(), e.pool, e.tbl, Options{DisableSingleActive: true}.withDefaults())
 	}}
-	fixtureDefault := func(shared bool) start {
+	fixtureDefault := func(shared bool) participant {
 		name := "default (single-active)"
 		if shared {
 			name = "default (DisableSingleActive)"
 		}
-		return start{name, func(e *env, h handler) (*relay, error) {
-			s, err := e.newDefault(shared, Options{})
-			if err != nil {
-				return nil, err
-			}
-			return e.consume("fixture", s, h)
-		}}
+		return participant{name, "fixture", func(e *env) (message.Subscriber, error) { return e.newDefault(shared, Options{}) }}
 	}
-	fixtureOrdered := start{"ordered", func(e *env, h handler) (*relay, error) {
-		s, err := e.newOrdered(Options{})
-		if err != nil {
-			return nil, err
-		}
-		return e.consume("fixture", s, h)
-	}}
-	var pairs [][2]start
+	fixtureOrdered := participant{"ordered", "fixture", func(e *env) (message.Subscriber, error) { return e.newOrdered(Options{}) }}
+	type pair struct {
+		first, second participant
+		// late: the first is made before the second starts and subscribes
+		// only after it: a check at New alone cannot refuse it.
+		late bool
+	}
+	var pairs []pair
 	switch r.Mode {
 	case ModeOrdered: // a default relay runs, the ordered one starts; and the other way round
-		pairs = [][2]start{{fixtureDefault(true), underTest}, {fixtureDefault(false), underTest}, {underTest, fixtureDefault(true)}, {underTest, fixtureDefault(false)}}
+		pairs = []pair{{fixtureDefault(true), underTest, false}, {fixtureDefault(false), underTest, false},
+			{underTest, fixtureDefault(true), false}, {underTest, fixtureDefault(false), false},
+			{underTest, fixtureDefault(true), true}, {fixtureDefault(true), underTest, true}}
 	case ModeDefault:
-		pairs = [][2]start{{fixtureOrdered, underTest}, {underTest, fixtureOrdered}}
+		pairs = []pair{{fixtureOrdered, underTest, false}, {underTest, fixtureOrdered, false},
+			{underTest, fixtureOrdered, true}, {fixtureOrdered, underTest, true}}
 	}
 	for _, p := range pairs {
-		t.Run(p[0].name+" then "+p[1].name, func(t *testing.T) {
+		name := p.first.name + " then " + p.second.name
+		if p.late {
+			name = p.first.name + " made, " + p.second.name + " started, then the first subscribed"
+		}
+		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			e := setup(t, r, true, schema.WithAllColumns())
 			h := func(context.Context, *message.Message) error { e.wait(30 * time.Millisecond); return nil }
-			if _, err := p[0].fn(e, h); err != nil {
-				t.Fatalf("the first relay (%s): %v", p[0].name, err)
+			start := func(pt participant, sub message.Subscriber) error {
+				var err error
+				if sub == nil {
+					if sub, err = pt.make(e); err != nil {
+						return err
+					}
+				}
+				_, err = e.consume(pt.label, sub, h)
+				return err
 			}
-			// Let the first one be at work: leader, partitions owned, or
+			var early message.Subscriber
+			if p.late {
+				var err error
+				if early, err = p.first.make(e); err != nil {
+					t.Fatalf("make the %s relay: %v", p.first.name, err)
+				}
+				t.Cleanup(func() { _ = early.Close() })
+				if err := start(p.second, nil); err != nil {
+					t.Fatalf("the %s relay, started alone: %v", p.second.name, err)
+				}
+			} else if err := start(p.first, nil); err != nil {
+				t.Fatalf("the first relay (%s): %v", p.first.name, err)
+			}
+			// Let the running one be at work: leader, partitions owned, or
 			// idle after a claim.
-			probe := e.enqueue(topicA, "")
-			e.waitAcked(within, probe...)
-			_, err := p[1].fn(e, h)
+			e.waitAcked(within, e.enqueue(topicA, "")...)
+			var err error
+			if p.late {
+				err = start(p.first, early)
+			} else {
+				err = start(p.second, nil)
+			}
 			if err != nil {
 				if !errors.Is(err, schema.ErrRelayModeMix) {
-					t.Errorf("the second relay (%s) failed with %v, want an error matching schema.ErrRelayModeMix", p[1].name, err)
+					t.Errorf("the second relay failed with %v, want an error matching schema.ErrRelayModeMix", err)
 				}
 				return // refused: nothing can go wrong
 			}
@@ -658,7 +685,7 @@ func TestTwoModesOnOneTable(t *testing.T, r Relay) {
 			over := append([]string(nil), e.rec.overlaps...)
 			e.rec.mu.Unlock()
 			if both {
-				t.Errorf("the %s relay started beside a running %s relay, and both delivered rows of the table", p[1].name, p[0].name)
+				t.Errorf("%s: relays of both modes delivered rows of the table at once", name)
 			}
 			for i, o := range over {
 				if i == 3 {
