@@ -1,0 +1,723 @@
+package relaytest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/watermill-outbox/cleaner"
+	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// Generous deadlines: a condition that does not hold within them is a
+// failure, not a slow machine.
+const (
+	within     = 30 * time.Second
+	quietSpell = 1500 * time.Millisecond // a window for a row that must not be delivered to show up
+)
+
+// TestOrderThroughHandoverAndRestart: rows sharing an ordering key are
+// first delivered in sequence order while handlers nack some rows, a
+// relay closes (its keys pass to the other relay: a handover) and a new
+// relay starts (a restart). README "Which relay?", docs/ORDERING.md
+// "Order", docs/WAL.md "Per key".
+func TestOrderThroughHandoverAndRestart(t *testing.T, r Relay) {
+	if !r.keyed() {
+		t.Skipf("the %s relay promises no order (README, \"Which relay?\": retries reorder)", r.Name)
+	}
+	e := setup(t, r, true)
+	// Each row is nacked at its first attempt when its hash says so: the
+	// same rows in every run, a tenth of them.
+	h := func(_ context.Context, m *message.Message) error {
+		if m.Metadata.Get(schema.MetadataAttempts) <= "1" && hashOf(m.UUID)%10 == 0 {
+			return errBroken
+		}
+		return nil
+	}
+	batch := func(round int) []event {
+		var evs []event
+		for i := range 5 {
+			keys := make([]string, 20)
+			for j := range keys {
+				keys[j] = "k" + strconv.Itoa((round*3+i+j)%20)
+			}
+			evs = append(evs, e.enqueue(topicA, keys...)...)
+		}
+		return evs
+	}
+	a := e.start("a", Options{}, h)
+	e.start("b", Options{}, h)
+	first := batch(0)
+	e.eventually(within, func() bool { return len(e.rec.notAcked(first)) <= len(first)/2 }, func() string { return "half of the first batch not acked" })
+	if err := a.Close(); err != nil { // a handover: b (a standby, or a sharer) goes on
+		t.Fatalf("close relay a: %v", err)
+	}
+	second := batch(1)
+	e.start("c", Options{}, h) // a restart
+	e.eventually(within, func() bool { return len(e.rec.notAcked(second)) <= len(second)/2 }, func() string { return "half of the second batch not acked" })
+	third := batch(2)
+	all := append(append(first, second...), third...)
+	e.waitAcked(within, all...)
+	e.rec.checkOrder(t)
+}
+
+// TestOneCopyPerKey: a relay has at most one copy of a key in its
+// handlers, also when a handler ignores its context and keeps a message
+// past the end of its term (Relay.EndTerm: the ordered relay's leases
+// lost, the WAL relay's session ended): within the documented overrun the
+// key's next copy waits for the old one. docs/ORDERING.md "Terms",
+// docs/WAL.md "Sessions are terms".
+func TestOneCopyPerKey(t *testing.T, r Relay) {
+	if !r.keyed() {
+		t.Skipf("the %s relay promises no per-key delivery: it hands out rows of one key concurrently by design", r.Name)
+	}
+	e := setup(t, r, true)
+	// The hang is within the documented overrun: a copy that an ended
+	// term left in a handler holds its key until its verdict, or
+	// DispatchTimeout + LockTTL/2 (ordered; DispatchTimeout defaults to
+	// 30 s) or CloseTimeout (WAL, 10 s here) after its term ended.
+	const hang = 4 * time.Second
+	var mu sync.Mutex
+	hung := map[string]bool{}
+	hanging := make(chan struct{}, 16)
+	// The first delivery of each key's first row hangs, ignoring its
+	// context; every other delivery is acked at once.
+	h := func(_ context.Context, m *message.Message) error {
+		k := m.Metadata.Get(schema.MetadataOrderingKey)
+		mu.Lock()
+		first := !hung[k]
+		hung[k] = true
+		mu.Unlock()
+		if first {
+			hanging <- struct{}{}
+			e.wait(hang)
+		}
+		return nil
+	}
+	e.start("a", Options{CloseTimeout: 10 * time.Second}, h)
+	var evs []event
+	for range 4 {
+		evs = append(evs, e.enqueue(topicA, "c1", "c2", "c3", "c4")...)
+	}
+	select {
+	case <-hanging:
+	case <-time.After(within):
+		t.Fatal("no message delivered")
+	}
+	if r.EndTerm != nil {
+		if err := r.EndTerm(context.Background(), e.pool, e.tbl); err != nil {
+			t.Fatalf("end the relay's term: %v", err)
+		}
+	}
+	e.waitAcked(within, evs...)
+	e.rec.mu.Lock()
+	over := append([]string(nil), e.rec.overlapsOf...)
+	e.rec.mu.Unlock()
+	for i, o := range over {
+		if i == 3 {
+			t.Errorf("... and %d more", len(over)-3)
+			break
+		}
+		t.Error(o)
+	}
+	e.rec.checkOrder(t)
+}
+
+// TestPauseAndResume: a paused topic's rows stay pending, with no attempt
+// counted, while other topics flow; in a keyed mode a key whose next row
+// is paused waits whatever its later rows' topics; after the resume they
+// are delivered (in order, per key). docs/OPERATIONS.md "Pausing a
+// topic", docs/ORDERING.md "Paused topics".
+func TestPauseAndResume(t *testing.T, r Relay) {
+	e := setup(t, r, true)
+	ctx := context.Background()
+	if r.Mode != ModeWAL {
+		// The relay is at work (listening for wake-ups) before the pause.
+		e.start("a", Options{}, nil)
+		e.waitAcked(within, e.enqueue(topicA, "")...)
+	}
+	_, err := runbook.PauseTopic(ctx, e.pool, e.tbl, topicA, "relaytest", false)
+	if r.Mode == ModeWAL {
+		if !errors.Is(err, runbook.ErrPauseWAL) {
+			t.Fatalf("PauseTopic on a WAL table: %v, want runbook.ErrPauseWAL", err)
+		}
+		t.Skipf("the %s relay cannot pause a topic (its slot would retain WAL while paused): PauseTopic refuses with runbook.ErrPauseWAL, as docs/OPERATIONS.md says", r.Name)
+	}
+	if err != nil {
+		t.Fatalf("pause %s: %v", topicA, err)
+	}
+	const topicB = "org.relaytest.b.v1"
+	heldA := e.enqueue(topicA, "p1", "", "") // p1's first row and two unkeyed rows of A
+	behind := e.enqueue(topicB, "p1")        // p1's second row, of a topic that flows
+	flowing := e.enqueue(topicB, "p2", "p2", "", "")
+	e.waitAcked(within, flowing...)
+	e.wait(quietSpell)
+	paused := heldA
+	if r.keyed() {
+		paused = append(paused, behind...)
+	}
+	for _, ev := range paused {
+		if n := e.rec.delivered(ev); n > 0 {
+			t.Errorf("row %s (topic %s) delivered %d times while %s is paused", ev, ev.Topic, n, topicA)
+		}
+	}
+	for _, ev := range heldA {
+		if s := e.row(ev.ID); !s.Found || s.Published || s.Delivered || s.Dead() || s.Attempts != 0 || s.HoldAttempts != 0 {
+			t.Errorf("paused row %s is %s, want pending with no attempt counted", ev, s)
+		}
+	}
+	if _, err := runbook.ResumeTopic(ctx, e.pool, e.tbl, topicA, false); err != nil {
+		t.Fatalf("resume %s: %v", topicA, err)
+	}
+	e.waitAcked(within, append(heldA, behind...)...)
+	e.rec.checkOrder(t)
+}
+
+// TestSkipHeld: a dead row holds its key (its later rows wait, other keys
+// flow); SkipEvent drops it: the key goes on with its next rows, in
+// order, and the skipped row is never delivered again. docs/ORDERING.md
+// "Operating held keys", docs/WAL.md "Skip".
+func TestSkipHeld(t *testing.T, r Relay) {
+	if !r.keyed() {
+		t.Skipf("the %s relay holds no key: a dead row blocks nothing, so there is nothing to skip (runbook.SkipEvent refuses with ErrNotHeld)", r.Name)
+	}
+	e := setup(t, r, true)
+	ctx := context.Background()
+	key := e.enqueue(topicA, "s", "s", "s")
+	bad := newFailing(key[0])
+	e.start("a", Options{MaxAttempts: 3}, permanentFor(bad))
+	flow := e.enqueue(topicA, "free", "free")
+	e.waitAcked(within, flow...)
+	e.waitHold(within, key[0], runbook.HoldDead)
+	e.wait(quietSpell)
+	for _, ev := range key[1:] {
+		if e.rec.delivered(ev) > 0 {
+			t.Fatalf("row %s delivered while the dead row %s holds its key", ev, key[0])
+		}
+	}
+	if _, err := runbook.SkipEvent(ctx, e.pool, e.tbl, key[0].ID, false); err != nil {
+		t.Fatalf("skip the dead held row %s: %v", key[0], err)
+	}
+	bad.fix(key[0]) // a redelivery would now be acked, and seen
+	e.waitAcked(within, key[1:]...)
+	e.wait(quietSpell)
+	if e.rec.acked(key[0]) {
+		t.Errorf("the skipped row %s was delivered again", key[0])
+	}
+	e.rec.checkOrder(t)
+}
+
+// TestReplayDead: a row that failed for good is dead (kept, never retried
+// on its own); ReplayEvent delivers it again, and in a keyed mode before
+// the rest of its key. README "Dead rows", docs/ORDERING.md, docs/WAL.md
+// "Replay".
+func TestReplayDead(t *testing.T, r Relay) {
+	e := setup(t, r, true)
+	ctx := context.Background()
+	key := e.enqueue(topicA, "r", "r")
+	unkeyed := e.enqueue(topicA, "")
+	bad := newFailing(key[0], unkeyed[0])
+	e.start("a", Options{MaxAttempts: 2}, permanentFor(bad))
+	e.eventually(within, func() bool { return e.row(key[0].ID).Dead() && e.row(unkeyed[0].ID).Dead() }, func() string {
+		return "the failing rows are not dead: " + e.rowStates(append(key[:1], unkeyed...))
+	})
+	if r.keyed() {
+		e.wait(quietSpell)
+		if e.rec.delivered(key[1]) > 0 {
+			t.Fatalf("row %s delivered while the dead row %s holds its key", key[1], key[0])
+		}
+	} else {
+		e.waitAcked(within, key[1])
+	}
+	bad.fix(key[0], unkeyed[0])
+	for _, ev := range []event{key[0], unkeyed[0]} {
+		err := retry(within, func() error {
+			_, err := runbook.ReplayEvent(ctx, e.pool, e.tbl, ev.ID, runbook.ReplayOptions{})
+			return err
+		}, func(err error) bool {
+			return errors.Is(err, runbook.ErrLocked) || errors.Is(err, runbook.ErrNotRelayedYet)
+		})
+		if err != nil {
+			t.Fatalf("replay the dead row %s: %v", ev, err)
+		}
+	}
+	e.waitAcked(within, append(key, unkeyed...)...)
+	if r.keyed() {
+		e.rec.mu.Lock()
+		order := append([]int64(nil), e.rec.ackOrder["r"]...)
+		e.rec.mu.Unlock()
+		if len(order) != 2 || order[0] != key[0].Seq {
+			t.Errorf("key r acked %v, want the replayed row %d first, then %d", order, key[0].Seq, key[1].Seq)
+		}
+	}
+}
+
+// TestBulkReplayWhileHoldDrains: a bulk replay (runbook.ReplayDead) that
+// catches a held key's skipped dead row while the key's next rows are
+// being delivered (WAL: the hold drains) is refused or delivered, never
+// lost: the row ends delivered, or still dead — never "not dead and never
+// delivered". In the default mode, with no hold, the replayed row is
+// delivered. docs/WAL.md "A replay while a hold drains is refused".
+func TestBulkReplayWhileHoldDrains(t *testing.T, r Relay) {
+	e := setup(t, r, true)
+	ctx := context.Background()
+	key := e.enqueue(topicA, "b", "b", "b")
+	bad := newFailing(key[0])
+	gate := make(chan struct{})
+	h := func(ctx context.Context, m *message.Message) error {
+		switch m.UUID {
+		case key[1].ID.String():
+			e.block(gate)
+		}
+		return permanentFor(bad)(ctx, m)
+	}
+	e.start("a", Options{MaxAttempts: 1}, h)
+	e.eventually(within, func() bool { return e.row(key[0].ID).Dead() }, func() string { return e.rowStates(key[:1]) })
+	if r.keyed() {
+		e.waitHold(within, key[0], runbook.HoldDead)
+		if _, err := runbook.SkipEvent(ctx, e.pool, e.tbl, key[0].ID, false); err != nil {
+			t.Fatalf("skip the dead held row %s: %v", key[0], err)
+		}
+	}
+	// The key's next row is in a handler: its hold drains (WAL) or has
+	// moved on (ordered).
+	e.eventually(within, func() bool { return e.rec.delivered(key[1]) > 0 }, func() string { return "the row after the held one was not delivered: " + e.rowStates(key) })
+	if r.Mode == ModeWAL {
+		if st, held := e.holdState(key[0]); !held || st != runbook.HoldDraining {
+			t.Logf("hold of %s: held=%t state=%s (not draining at the bulk replay)", key[0], held, st)
+		}
+	}
+	bad.fix(key[0])
+	before := e.row(key[0].ID)
+	rep, err := runbook.ReplayDead(ctx, e.pool, e.tbl, runbook.DeadFilter{AllTopics: true}, false)
+	if err != nil {
+		t.Logf("bulk replay refused: %v", err)
+	}
+	e.wait(quietSpell) // the replay reaches the relay (the WAL relay: its UPDATE is streamed) while the key's next row is in the handler
+	close(gate)
+	e.waitAcked(within, key[1:]...)
+	defer func() {
+		k := key[0].Key
+		if !e.keys {
+			k = "" // the rows were enqueued without their key
+		}
+		e.rec.mu.Lock()
+		t.Logf("bulk replay: %d rows; deliveries of key %q: %v", rep.Rows, k, e.rec.trace[k])
+		e.rec.mu.Unlock()
+	}()
+	if !r.keyed() {
+		e.waitAcked(within, key[0])
+		return
+	}
+	// Delivered, or refused: left as it was (dead, or skipped). Wait for
+	// either.
+	unchanged := func(s rowState) bool {
+		return s.Found && s.Dead() == before.Dead() && s.LastError == before.LastError && s.Attempts == before.Attempts
+	}
+	deadline := time.Now().Add(within)
+	for !e.rec.acked(key[0]) {
+		s := e.row(key[0].ID)
+		if unchanged(s) {
+			e.wait(quietSpell)
+			if s = e.row(key[0].ID); unchanged(s) || e.rec.acked(key[0]) {
+				t.Logf("row %s left as it was: %s", key[0], s)
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("bulk replay (reported %d rows replayed) while %s's hold drained: row %s was %s, is now %s, and was never delivered since: lost",
+				rep.Rows, key[0].Key, key[0], before, s)
+		}
+		e.wait(100 * time.Millisecond)
+	}
+}
+
+// TestCleanerRacingReplays: the cleaner, with a tiny retention, deletes
+// relayed rows while an operator replays the same old rows; no key is
+// stranded: the key's next row is delivered. docs/ORDERING.md "Replay
+// works on keyed rows", the cleaner's doc.
+func TestCleanerRacingReplays(t *testing.T, r Relay) {
+	e := setup(t, r, true)
+	ctx := context.Background()
+	e.start("a", Options{}, nil)
+	keys := make([]string, 60)
+	for i := range keys {
+		keys[i] = "c" + strconv.Itoa(i)
+	}
+	old := append(e.enqueue(topicA, keys...), e.enqueue(topicA, keys...)...)
+	e.waitAcked(within, old...)
+	// The relay has recorded them done (ordered: its floors passed them;
+	// WAL: its progress), so the cleaner may delete them and an operator
+	// replay them.
+	e.eventually(within, func() bool {
+		for _, ev := range old {
+			if !e.row(ev.ID).Delivered {
+				return false
+			}
+		}
+		return true
+	}, func() string { return "acked rows not recorded delivered: " + e.rowStates(old[len(old)-1:]) })
+	cl, err := cleaner.New(e.pool, cleaner.Config{Table: e.tbl, Retention: time.Nanosecond, DeadRetention: time.Nanosecond, BatchSize: 1}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		wg       sync.WaitGroup
+		mu       sync.Mutex
+		replayed int
+		refused  = map[string]int{}
+		done     = make(chan struct{})
+	)
+	for range 2 { // cleaners, a row per pass, oldest first, until the replays are over
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				if _, _, err := cl.CleanOnce(ctx); err != nil {
+					t.Errorf("clean: %v", err)
+					return
+				}
+				select {
+				case <-done:
+					return
+				default:
+				}
+			}
+		}()
+	}
+	var ops sync.WaitGroup
+	const operators = 4
+	for o := range operators { // operators replay the old rows, oldest first too, each a share
+		ops.Add(1)
+		go func() {
+			defer ops.Done()
+			for range 3 {
+				for i := o; i < len(old); i += operators {
+					_, err := runbook.ReplayEvent(ctx, e.pool, e.tbl, old[i].ID, runbook.ReplayOptions{})
+					why := "accepted"
+					if err != nil {
+						why = err.Error()
+						for _, sentinel := range []error{runbook.ErrEventNotFound, runbook.ErrNotRelayedYet, runbook.ErrNotHeld, runbook.ErrHoldRefused, runbook.ErrAlreadyPublished, runbook.ErrNotFailed, runbook.ErrLocked} {
+							if errors.Is(err, sentinel) {
+								why = sentinel.Error()
+								break
+							}
+						}
+					}
+					mu.Lock()
+					if err == nil {
+						replayed++
+					} else {
+						refused[why]++
+					}
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	ops.Wait()
+	close(done)
+	wg.Wait()
+	t.Logf("%d replays accepted; refused: %v", replayed, refused)
+	next := e.enqueue(topicA, keys...)
+	e.eventually(within, func() bool { return len(e.rec.notAcked(next)) == 0 }, func() string {
+		stranded := e.rec.notAcked(next)
+		held, _ := runbook.ListHolds(ctx, e.pool, e.tbl, runbook.HoldsFilter{Resolved: true})
+		var hs []string
+		for _, h := range held {
+			if h.Key == stranded[0].Key {
+				hs = append(hs, fmt.Sprintf("%+v", h))
+			}
+		}
+		var skipErr error
+		if len(hs) > 0 {
+			for _, h := range held {
+				if h.Key != stranded[0].Key {
+					continue
+				}
+				if id, err := uuid.Parse(h.EventID); err == nil {
+					_, skipErr = runbook.SkipEvent(ctx, e.pool, e.tbl, id, true)
+				} else {
+					skipErr = fmt.Errorf("the held row is gone (event_id %q)", h.EventID)
+				}
+				break
+			}
+		}
+		return fmt.Sprintf("%d keys stranded: key %s's next row %s is %s, never delivered; its holds %v; a dry-run skip of its hold: %v",
+			len(stranded), stranded[0].Key, stranded[0], e.row(stranded[0].ID), hs, skipErr)
+	})
+}
+
+// TestMaxInFlight: never more than MaxInFlight messages of a subscription
+// are in handlers, keyed rows and unkeyed rows together; all are delivered
+// once handlers answer. subscriber.Config.MaxInFlight,
+// walrelay.Config.MaxInFlight.
+func TestMaxInFlight(t *testing.T, r Relay) {
+	e := setup(t, r, true)
+	const limit = 4
+	gate := make(chan struct{})
+	e.start("a", Options{MaxInFlight: limit}, func(context.Context, *message.Message) error {
+		e.block(gate)
+		return nil
+	})
+	var evs []event
+	keys := make([]string, 12)
+	for i := range keys {
+		keys[i] = "m" + strconv.Itoa(i)
+	}
+	evs = append(evs, e.enqueue(topicA, keys...)...)
+	for i := range 12 { // unkeyed rows of topics of their own (the WAL relay orders unkeyed rows per topic)
+		evs = append(evs, e.enqueue("org.relaytest.u"+strconv.Itoa(i)+".v1", "")...)
+	}
+	e.eventually(within, func() bool { return e.rec.openOf("a") >= limit }, func() string {
+		return fmt.Sprintf("%d messages in handlers, want %d", e.rec.openOf("a"), limit)
+	})
+	e.wait(quietSpell) // room for more than the limit to show up
+	close(gate)
+	e.waitAcked(within, evs...)
+	if n := e.rec.maxOpenOf("a"); n > limit {
+		t.Errorf("%d messages in handlers at once, MaxInFlight is %d", n, limit)
+	}
+}
+
+// TestBacklogBeforeSetUp: rows committed before the relay is set up are
+// delivered, or the set-up refuses with an error saying what to do; they
+// are never counted delivered and deleted. README "Nothing committed is
+// lost", docs/WAL.md.
+func TestBacklogBeforeSetUp(t *testing.T, r Relay) {
+	e := setup(t, r, false)
+	ctx := context.Background()
+	backlog := e.enqueue(topicA, "k1", "k2", "k1", "k3", "k2")
+	backlog = append(backlog, e.enqueue(topicA, "", "")...)
+	if r.SetUp != nil {
+		if err := r.SetUp(ctx, e.pool, e.tbl); err != nil {
+			t.Logf("set-up refused with %d rows pending: %v", len(backlog), err)
+			for _, ev := range backlog {
+				if s := e.row(ev.ID); !s.Found || s.Published || s.Delivered || s.Dead() {
+					t.Errorf("after the refused set-up, row %s is %s, want pending", ev, s)
+				}
+			}
+			return
+		}
+	}
+	e.start("a", Options{}, nil)
+	deadline := time.Now().Add(within)
+	for len(e.rec.notAcked(backlog)) > 0 {
+		if time.Now().After(deadline) {
+			missing := e.rec.notAcked(backlog)
+			state := e.row(missing[0].ID)
+			st, _ := runbook.Stats(ctx, e.pool, e.tbl)
+			cl, err := cleaner.New(e.pool, cleaner.Config{Table: e.tbl, Retention: time.Nanosecond}, nil)
+			var deleted int64
+			if err == nil {
+				deleted, _, err = cl.CleanOnce(ctx)
+			}
+			t.Fatalf("%d of %d rows committed before the set-up never delivered (first %s: %s); runbook.Stats %+v; a cleaner pass deleted %d rows (%v)",
+				len(missing), len(backlog), missing[0], state, st, deleted, err)
+		}
+		e.wait(50 * time.Millisecond)
+	}
+	e.rec.checkOrder(t)
+}
+
+// TestSwitchFromDefault: a table (every optional column) that a default
+// relay ran on is switched to the relay under test: its dead rows stay
+// dead and its published rows are not delivered again; new rows flow.
+// docs/ORDERING.md "Switching modes".
+func TestSwitchFromDefault(t *testing.T, r Relay) {
+	e := setup(t, r, false, schema.WithAllColumns())
+	published := e.enqueue(topicA, "w1", "w2", "w1", "w3", "")
+	dead := e.enqueue(topicA, "d1", "d2", "d1", "")
+	bad := newFailing(dead...)
+	old, err := e.newDefault(false, Options{MaxAttempts: 1})
+	if err != nil {
+		t.Fatalf("the default relay: %v", err)
+	}
+	oldRelay, err := e.consume("old", old, permanentFor(bad))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.waitAcked(within, published...)
+	e.eventually(within, func() bool {
+		for _, ev := range dead {
+			if !e.row(ev.ID).Dead() {
+				return false
+			}
+		}
+		return true
+	}, func() string { return "dead rows: " + e.rowStates(dead) })
+	if err := oldRelay.Close(); err != nil {
+		t.Fatalf("close the default relay: %v", err)
+	}
+	bad.fix(dead...) // a delivery of a dead row would now be acked, and seen
+	e.setUp()
+	before := e.rec.deliveriesBy("old")
+	e.start("new", Options{}, nil)
+	fresh := e.enqueue(topicA, "w1", "w2", "w3", "n1", "")
+	e.waitAcked(within, fresh...)
+	e.wait(quietSpell)
+	if n := e.rec.deliveriesBy("old"); n != before {
+		t.Errorf("the closed default relay delivered %d more messages", n-before)
+	}
+	for _, ev := range published {
+		if n := e.rec.delivered(ev); n > 1 {
+			t.Errorf("published row %s delivered again after the switch to %s (%d deliveries in all)", ev, r.Name, n)
+		}
+	}
+	for _, ev := range dead {
+		if e.rec.acked(ev) {
+			t.Errorf("dead row %s delivered after the switch to %s", ev, r.Name)
+		}
+		if s := e.row(ev.ID); !s.Dead() {
+			t.Errorf("dead row %s is %s after the switch to %s, want dead", ev, s, r.Name)
+		}
+	}
+}
+
+// TestTwoModesOnOneTable: a default relay and an ordered relay do not run
+// on one table at once: whichever starts second is refused for as long as
+// both could run (an idle default relay with DisableSingleActive
+// included), so that no key is delivered out of order nor twice at once;
+// a stale lease left by a killed default relay blocks nothing, and a
+// refusal names no default relay that does not run. README ("Relays of
+// the default and ordered mode refuse to run beside each other"),
+// schema.ErrRelayModeMix.
+func TestTwoModesOnOneTable(t *testing.T, r Relay) {
+	if r.Mode == ModeWAL {
+		t.Skipf("the %s relay makes no promise about table relays beside it (docs/WAL.md does not say; it is not checked)", r.Name)
+	}
+	// A participant is a relay of one mode: made (New), then subscribed.
+	type participant struct {
+		name  string
+		label string // the recorder's name of its deliveries
+		make  func(e *env) (message.Subscriber, error)
+	}
+	underTest := participant{r.Mode.String() + " (under test)", "test", func(e *env) (message.Subscriber, error) {
+		return e.r.New(context.Background(), e.pool, e.tbl, Options{DisableSingleActive: true}.withDefaults())
+	}}
+	fixtureDefault := func(shared bool) participant {
+		name := "default (single-active)"
+		if shared {
+			name = "default (DisableSingleActive)"
+		}
+		return participant{name, "fixture", func(e *env) (message.Subscriber, error) { return e.newDefault(shared, Options{}) }}
+	}
+	fixtureOrdered := participant{"ordered", "fixture", func(e *env) (message.Subscriber, error) { return e.newOrdered(Options{}) }}
+	type pair struct {
+		first, second participant
+		// late: the first is made before the second starts and subscribes
+		// only after it: a check at New alone cannot refuse it.
+		late bool
+	}
+	var pairs []pair
+	switch r.Mode {
+	case ModeOrdered: // a default relay runs, the ordered one starts; and the other way round
+		pairs = []pair{{fixtureDefault(true), underTest, false}, {fixtureDefault(false), underTest, false},
+			{underTest, fixtureDefault(true), false}, {underTest, fixtureDefault(false), false},
+			{underTest, fixtureDefault(true), true}, {fixtureDefault(true), underTest, true}}
+	case ModeDefault:
+		pairs = []pair{{fixtureOrdered, underTest, false}, {underTest, fixtureOrdered, false},
+			{underTest, fixtureOrdered, true}, {fixtureOrdered, underTest, true}}
+	}
+	for _, p := range pairs {
+		name := p.first.name + " then " + p.second.name
+		if p.late {
+			name = p.first.name + " made, " + p.second.name + " started, then the first subscribed"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := setup(t, r, true, schema.WithAllColumns())
+			h := func(context.Context, *message.Message) error { e.wait(30 * time.Millisecond); return nil }
+			start := func(pt participant, sub message.Subscriber) error {
+				var err error
+				if sub == nil {
+					if sub, err = pt.make(e); err != nil {
+						return err
+					}
+				}
+				_, err = e.consume(pt.label, sub, h)
+				return err
+			}
+			var early message.Subscriber
+			if p.late {
+				var err error
+				if early, err = p.first.make(e); err != nil {
+					t.Fatalf("make the %s relay: %v", p.first.name, err)
+				}
+				t.Cleanup(func() { _ = early.Close() })
+				if err := start(p.second, nil); err != nil {
+					t.Fatalf("the %s relay, started alone: %v", p.second.name, err)
+				}
+			} else if err := start(p.first, nil); err != nil {
+				t.Fatalf("the first relay (%s): %v", p.first.name, err)
+			}
+			// Let the running one be at work: leader, partitions owned, or
+			// idle after a claim.
+			e.waitAcked(within, e.enqueue(topicA, "")...)
+			var err error
+			if p.late {
+				err = start(p.first, early)
+			} else {
+				err = start(p.second, nil)
+			}
+			if err != nil {
+				if !errors.Is(err, schema.ErrRelayModeMix) {
+					t.Errorf("the second relay failed with %v, want an error matching schema.ErrRelayModeMix", err)
+				}
+				return // refused: nothing can go wrong
+			}
+			var evs []event
+			for range 4 {
+				evs = append(evs, e.enqueue(topicA, "x1", "x2", "x3", "x4")...)
+			}
+			e.waitAcked(within, evs...)
+			e.rec.mu.Lock()
+			both := e.rec.byRelay["test"] > 0 && e.rec.byRelay["fixture"] > 0
+			over := append([]string(nil), e.rec.overlaps...)
+			e.rec.mu.Unlock()
+			if both {
+				t.Errorf("%s: relays of both modes delivered rows of the table at once", name)
+			}
+			for i, o := range over {
+				if i == 3 {
+					break
+				}
+				t.Error(o)
+			}
+			e.rec.checkOrder(t)
+		})
+	}
+	if r.Mode != ModeOrdered {
+		return
+	}
+	t.Run("stale lease of a killed default relay", func(t *testing.T) {
+		t.Parallel()
+		e := setup(t, r, true, schema.WithAllColumns())
+		ctx := context.Background()
+		evs := e.enqueue(topicA, "s1", "s1")
+		// What a default relay killed an hour ago leaves: a keyed row
+		// leased, never answered.
+		if _, err := e.pool.Exec(ctx, `UPDATE `+e.tbl.Sanitize()+` SET locked_at = now() - interval '1 hour', attempts = 1 WHERE event_id = $1`, evs[0].ID); err != nil {
+			t.Fatal(err)
+		}
+		_, err := e.tryStart("test", Options{}, nil)
+		if err != nil {
+			msg := ""
+			if strings.Contains(err.Error(), "a default-mode relay works") {
+				msg = " (and it names a default relay that does not run)"
+			}
+			t.Fatalf("an ordered relay refused by a lease that expired an hour ago%s: %v", msg, err)
+		}
+		e.waitAcked(within, evs...)
+		e.rec.checkOrder(t)
+	})
+}
