@@ -705,8 +705,10 @@ func TestTwoModesOnOneTable(t *testing.T, r Relay) {
 		ctx := context.Background()
 		evs := e.enqueue(topicA, "s1", "s1")
 		// What a default relay killed an hour ago leaves: a keyed row
-		// leased, never answered.
-		if _, err := e.pool.Exec(ctx, `UPDATE `+e.tbl.Sanitize()+` SET locked_at = now() - interval '1 hour', attempts = 1 WHERE event_id = $1`, evs[0].ID); err != nil {
+		// leased, never answered, never renewed (a renewal writes
+		// available_at: a lease lasts LockTTL from the later of the two).
+		if _, err := e.pool.Exec(ctx, `UPDATE `+e.tbl.Sanitize()+` SET locked_at = now() - interval '1 hour',
+  available_at = now() - interval '1 hour', attempts = 1 WHERE event_id = $1`, evs[0].ID); err != nil {
 			t.Fatal(err)
 		}
 		_, err := e.tryStart("test", Options{}, nil)
