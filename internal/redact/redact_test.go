@@ -47,7 +47,7 @@ func TestTruncateOnUTF8Boundary(t *testing.T) {
 func TestSecretEndsWhereItsSyntaxEnds(t *testing.T) {
 	t.Parallel()
 	cases := map[string]string{
-		`connect: password=;Tr0ub4dor&3 failed`:                         `connect: password=*** failed`,
+		`connect: password=;Tr0ub4dor&3 failed`:                          `connect: password=*** failed`,
 		`host=db password='correct horse battery' user=app`:              `host=db password='***' user=app`,
 		`host=db password="correct horse battery" user=app`:              `host=db password="***" user=app`,
 		`host=db password='it\'s my s3cret' user=app`:                    `host=db password='***' user=app`,
