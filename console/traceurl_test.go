@@ -1,6 +1,7 @@
 package console_test
 
 import (
+	"net/url"
 	"strings"
 	"testing"
 
@@ -26,4 +27,34 @@ func TestCheckTraceURLNeedsAHost(t *testing.T) {
 			t.Errorf("CheckTraceURL(%q): %v", good, err)
 		}
 	}
+}
+
+// FuzzCheckTraceURL asserts that a trace URL CheckTraceURL accepts makes,
+// for any trace id, an absolute http or https link to the same non-empty
+// host, without user information, with the trace id outside the host and
+// port; its seed corpus holds the URLs issue 46 found accepted.
+func FuzzCheckTraceURL(f *testing.F) {
+	for _, s := range []string{"http://:{trace_id}", "https://tempo.example.com/trace/{trace_id}", "http://{trace_id}/trace", "http://h:{trace_id}/",
+		"http://localhost:16686/trace/{trace_id}", "https://u:p@h/{trace_id}", "javascript:alert(1)//{trace_id}", "http://[::1]/{trace_id}", "http://h/{trace_id}?a={trace_id}#x"} {
+		f.Add(s, "4bf92f3577b34da6a3ce929d0e0e4736")
+	}
+	f.Fuzz(func(t *testing.T, tmpl, traceID string) {
+		if console.CheckTraceURL(tmpl) != nil {
+			return
+		}
+		base, err := url.Parse(strings.ReplaceAll(tmpl, console.TraceIDPlaceholder, "0"))
+		if err != nil {
+			t.Fatalf("accepted %q, which does not parse: %v", tmpl, err)
+		}
+		link := strings.ReplaceAll(tmpl, console.TraceIDPlaceholder, url.QueryEscape(traceID))
+		u, err := url.Parse(link)
+		switch {
+		case err != nil:
+			t.Fatalf("accepted %q; its link for %q does not parse: %v", tmpl, traceID, err)
+		case u.Scheme != "http" && u.Scheme != "https", u.Hostname() == "", u.User != nil:
+			t.Fatalf("accepted %q; its link for %q is %q", tmpl, traceID, link)
+		case u.Host != base.Host:
+			t.Fatalf("accepted %q; the trace id %q changes the link's host to %q", tmpl, traceID, u.Host)
+		}
+	})
 }

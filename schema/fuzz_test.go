@@ -6,6 +6,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -81,4 +82,32 @@ func TestStatementStringKeepsArgumentsOnOneLine(t *testing.T) {
 	if got := st.String(); got != want {
 		t.Fatalf("Statement.String()\n = %s\nwant %s", got, want)
 	}
+}
+
+// FuzzStatementString asserts that a string argument of a runbook
+// statement is shown on one line (no line break of any kind) and that the
+// literal shown is SQL meaning exactly the argument: PostgreSQL reads it
+// back as the same string (for text it can hold: UTF-8 without NUL).
+func FuzzStatementString(f *testing.F) {
+	for _, s := range []string{"org.cli.alpha.v1", "it's", "timeout\nDROP TABLE students; --", "a\r\n\tb", `back\slash`, "nel\u0085ls\u2028ps\u2029", "bad\xff", "\x00", "\u00e9\U0001F600"} {
+		f.Add(s)
+	}
+	pool := testdb.Pool(f)
+	ctx := context.Background()
+	f.Fuzz(func(t *testing.T, arg string) {
+		out := schema.Statement{SQL: "SELECT $1", Args: []any{arg}}.String()
+		lit, ok := strings.CutPrefix(out, "SELECT $1\n-- $1 = ")
+		if !ok || strings.ContainsAny(lit, "\n\r\v\f\u0085\u2028\u2029") {
+			t.Fatalf("argument %q shown over several lines:\n%s", arg, out)
+		}
+		if !utf8.ValidString(arg) || strings.ContainsRune(arg, 0) {
+			return
+		}
+		// The extended protocol runs one statement at most: a literal that
+		// failed to contain its argument errs, it cannot run a second one.
+		var got string
+		if err := pool.QueryRow(ctx, "SELECT "+lit).Scan(&got); err != nil || got != arg {
+			t.Fatalf("PostgreSQL reads %s as %q (%v), want %q", lit, got, err, arg)
+		}
+	})
 }
