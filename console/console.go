@@ -187,8 +187,9 @@ func (c *Config) validate() error {
 const TraceIDPlaceholder = "{trace_id}"
 
 // CheckTraceURL returns nil when s can be Config.TraceURL: an absolute
-// http or https URL with a host, without user information, spaces or
-// control characters, that contains TraceIDPlaceholder. The error never
+// http or https URL with a host name, without user information, spaces or
+// control characters, that contains TraceIDPlaceholder outside its host
+// and port. The error never
 // repeats s (it may carry a secret).
 func CheckTraceURL(s string) error {
 	const what = "TraceURL (OUTBOX_CONSOLE_TRACE_URL)"
@@ -209,8 +210,25 @@ func CheckTraceURL(s string) error {
 		return fmt.Errorf("%s must be an absolute URL with a host, such as https://tempo.example.com/trace/%s", what, TraceIDPlaceholder)
 	case u.User != nil:
 		return fmt.Errorf("%s must not carry a user or password: every reader of the console would see it", what)
+	case u.Hostname() == "":
+		return fmt.Errorf("%s has no host name, so every trace link would be broken; name the tracing UI's host, such as https://tempo.example.com/trace/%s", what, TraceIDPlaceholder)
+	case strings.Contains(authority(s), TraceIDPlaceholder):
+		return fmt.Errorf("%s has %s in its host or port; put it in the path, query or fragment, such as https://tempo.example.com/trace/%s", what, TraceIDPlaceholder, TraceIDPlaceholder)
 	}
 	return nil
+}
+
+// authority returns the host and port part of an absolute URL (after
+// "scheme://", up to the path, query or fragment).
+func authority(s string) string {
+	_, rest, ok := strings.Cut(s, "://")
+	if !ok {
+		return ""
+	}
+	if i := strings.IndexAny(rest, "/?#"); i >= 0 {
+		rest = rest[:i]
+	}
+	return rest
 }
 
 // sessionCookie is the cookie POST /login sets: a random session id, never

@@ -151,24 +151,5 @@ func (v validator) payload(p json.RawMessage) error {
 	if !json.Valid(p) {
 		return errors.New("not valid JSON; the column is JSONB (marshal the event with encoding/json)")
 	}
-	if hasEscapedNUL(p) {
-		return errors.New(`contains the escape \u0000, which PostgreSQL JSONB cannot store; remove NUL characters from strings`)
-	}
-	return nil
-}
-
-// hasEscapedNUL reports whether valid JSON p contains the string escape
-// \u0000. Outside strings a backslash cannot occur in valid JSON, so a scan
-// of escapes is enough.
-func hasEscapedNUL(p []byte) bool {
-	for i := 0; i < len(p); i++ {
-		if p[i] != '\\' {
-			continue
-		}
-		if i+5 < len(p) && p[i+1] == 'u' && string(p[i+2:i+6]) == "0000" {
-			return true
-		}
-		i++ // skip the escaped character
-	}
-	return false
+	return jsonbStorable(p)
 }

@@ -5,6 +5,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 )
 
 // Statement is one SQL statement with its arguments, as the runbook runs it
@@ -36,12 +38,53 @@ func literal(a any) string {
 	case nil:
 		return "NULL"
 	case string:
-		return "'" + strings.ReplaceAll(v, "'", "''") + "'"
+		return stringLiteral(v)
 	case float64:
 		return strconv.FormatFloat(v, 'f', -1, 64)
 	default:
 		return fmt.Sprint(v)
 	}
+}
+
+// stringLiteral renders s as an SQL string literal on one line: a plain
+// '...' literal when s holds only printable characters, otherwise an escape
+// string E'...' in which a newline, carriage return, tab, backslash and
+// every other character that is not printable (or a byte that is not
+// UTF-8) is escaped, so that an argument never shows as a line of SQL of
+// its own.
+func stringLiteral(s string) string {
+	plain := utf8.ValidString(s) && strings.IndexFunc(s, func(r rune) bool { return !unicode.IsPrint(r) && r != ' ' }) < 0
+	if plain {
+		return "'" + strings.ReplaceAll(s, "'", "''") + "'"
+	}
+	var b strings.Builder
+	b.WriteString("E'")
+	for i := 0; i < len(s); {
+		r, n := utf8.DecodeRuneInString(s[i:])
+		switch {
+		case r == utf8.RuneError && n <= 1:
+			fmt.Fprintf(&b, `\x%02x`, s[i])
+		case r == '\'':
+			b.WriteString(`''`)
+		case r == '\\':
+			b.WriteString(`\\`)
+		case r == '\n':
+			b.WriteString(`\n`)
+		case r == '\r':
+			b.WriteString(`\r`)
+		case r == '\t':
+			b.WriteString(`\t`)
+		case r == ' ' || unicode.IsPrint(r):
+			b.WriteRune(r)
+		case r <= 0xFFFF:
+			fmt.Fprintf(&b, `\u%04X`, r)
+		default:
+			fmt.Fprintf(&b, `\U%08X`, r)
+		}
+		i += n
+	}
+	b.WriteString("'")
+	return b.String()
 }
 
 // RunbookColumns is the select list of every runbook statement that returns

@@ -1,9 +1,6 @@
 package walrelay
 
 import (
-	"encoding/binary"
-	"fmt"
-
 	"github.com/jackc/pglogrepl"
 )
 
@@ -13,42 +10,18 @@ import (
 // which the caller owns (parse copies each message once). On the relay's
 // drain pglogrepl's decoder took a third of the reading goroutine's time.
 func decodeInsert(src []byte) (*pglogrepl.InsertMessage, error) {
-	// 'I', relation id (4), 'N', column count (2)
-	if len(src) < 8 || src[0] != 'I' || src[5] != 'N' {
-		return nil, fmt.Errorf("walrelay: malformed INSERT message (%d bytes)", len(src))
+	r := &reader{src: src, what: "Insert message"}
+	if k := r.byte("the kind"); r.err == nil && k != 'I' {
+		r.fail("kind %q is not 'I'", k)
 	}
-	m := &pglogrepl.InsertMessage{RelationID: binary.BigEndian.Uint32(src[1:5])}
+	m := &pglogrepl.InsertMessage{RelationID: r.uint32("the relation id")}
+	if k := r.byte("the tuple kind"); r.err == nil && k != 'N' {
+		r.fail("tuple kind %q is not 'N'", k)
+	}
+	m.Tuple = r.tuple("new tuple")
+	if err := r.done(); err != nil {
+		return nil, err
+	}
 	m.SetType(pglogrepl.MessageTypeInsert)
-	n := int(binary.BigEndian.Uint16(src[6:8]))
-	cols := make([]pglogrepl.TupleDataColumn, n)
-	ptrs := make([]*pglogrepl.TupleDataColumn, n)
-	low := 8
-	for i := range cols {
-		if low >= len(src) {
-			return nil, fmt.Errorf("walrelay: INSERT message cut at column %d of %d", i, n)
-		}
-		c := &cols[i]
-		c.DataType = src[low]
-		low++
-		switch c.DataType {
-		case pglogrepl.TupleDataTypeText, pglogrepl.TupleDataTypeBinary:
-			if low+4 > len(src) {
-				return nil, fmt.Errorf("walrelay: INSERT message cut at column %d of %d", i, n)
-			}
-			c.Length = binary.BigEndian.Uint32(src[low:])
-			low += 4
-			end := low + int(c.Length)
-			if int(c.Length) < 0 || end > len(src) {
-				return nil, fmt.Errorf("walrelay: INSERT message cut at column %d of %d", i, n)
-			}
-			c.Data = src[low:end:end]
-			low = end
-		case pglogrepl.TupleDataTypeNull, pglogrepl.TupleDataTypeToast:
-		default:
-			return nil, fmt.Errorf("walrelay: INSERT message: column %d has kind %q", i, c.DataType)
-		}
-		ptrs[i] = c
-	}
-	m.Tuple = &pglogrepl.TupleData{ColumnNum: uint16(n), Columns: ptrs} //nolint:gosec // read from a uint16
 	return m, nil
 }

@@ -45,19 +45,20 @@ func (s *Subscriber) SlotLag(ctx context.Context) (Lag, error) {
 
 // MetricNames are the metrics of Collector.
 var MetricNames = []string{"outbox_wal_slot_retained_bytes", "outbox_wal_slot_unconfirmed_bytes", "outbox_wal_oldest_unsettled_age_seconds", "outbox_wal_relay_active",
-	"outbox_wal_slot_lost_total", "outbox_wal_backfilled_total"}
+	"outbox_wal_slot_lost_total", "outbox_wal_backfilled_total", "outbox_wal_malformed_frames_total"}
 
 // collector reads the lag at each scrape.
 type collector struct {
 	s                                  *Subscriber
 	retained, unconfirmed, age, active *prometheus.Desc
-	lost, backfilled                   *prometheus.Desc
+	lost, backfilled, malformed        *prometheus.Desc
 }
 
 // Collector returns a Prometheus collector of the relay's slot: retained
 // and unconfirmed WAL in bytes, the age of the oldest unsettled commit in
 // seconds, whether this relay reads the slot, and the slots it found lost
-// and the rows it backfilled from the table. Each scrape runs one
+// and the rows it backfilled from the table, and the sessions that a malformed
+// replication frame ended. Each scrape runs one
 // query (SlotLag). Register it on your registry.
 func (s *Subscriber) Collector() prometheus.Collector {
 	labels := prometheus.Labels{"table": s.cfg.Table.String(), "slot": s.cfg.Names.Slot}
@@ -68,6 +69,7 @@ func (s *Subscriber) Collector() prometheus.Collector {
 		active:      prometheus.NewDesc(MetricNames[3], "1 while this relay reads the slot, 0 on a standby.", nil, labels),
 		lost:        prometheus.NewDesc(MetricNames[4], "Times this relay found the slot gone or invalidated and recreated it.", nil, labels),
 		backfilled:  prometheus.NewDesc(MetricNames[5], "Rows this relay read from the table after a recreated slot (delivered before the stream).", nil, labels),
+		malformed:   prometheus.NewDesc(MetricNames[6], "Replication sessions this relay ended on a malformed frame (a new session follows).", nil, labels),
 	}
 }
 
@@ -78,6 +80,7 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.active
 	ch <- c.lost
 	ch <- c.backfilled
+	ch <- c.malformed
 }
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
@@ -88,6 +91,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.active, prometheus.GaugeValue, active)
 	ch <- prometheus.MustNewConstMetric(c.lost, prometheus.CounterValue, float64(c.s.slotLost.Load()))
 	ch <- prometheus.MustNewConstMetric(c.backfilled, prometheus.CounterValue, float64(c.s.backfilled.Load()))
+	ch <- prometheus.MustNewConstMetric(c.malformed, prometheus.CounterValue, float64(c.s.malformed.Load()))
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	l, err := c.s.SlotLag(ctx)

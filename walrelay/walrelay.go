@@ -214,6 +214,7 @@ type Subscriber struct {
 	confirmed       atomic.Uint64
 	slotLost        atomic.Int64 // times the slot was found gone or invalidated and recreated
 	backfilled      atomic.Int64 // rows read from the table after a lost slot
+	malformed       atomic.Int64 // sessions ended by a malformed replication frame
 	oldestUnsettled atomic.Int64 // commit time (Unix ns) of the oldest unsettled transaction, 0 when none
 	peakRows        atomic.Int64 // the most rows a session held read and not settled (tests)
 
@@ -425,6 +426,7 @@ func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 		if ctx.Err() != nil {
 			return
 		}
+		s.countMalformed(err)
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "55006" { // object_in_use: another relay reads the slot
 			s.logger.Debug("Slot in use: standing by", nil)
@@ -627,30 +629,13 @@ func parse(raw pgproto3.BackendMessage) received {
 		}
 		switch m.Data[0] {
 		case pglogrepl.PrimaryKeepaliveMessageByteID:
-			ka, err := pglogrepl.ParsePrimaryKeepaliveMessage(m.Data[1:])
-			if err != nil {
-				return received{err: fmt.Errorf("parse keepalive: %w", err)}
-			}
-			return received{ka: &ka}
+			ka, err := decodeKeepalive(m.Data[1:])
+			return received{ka: ka, err: err}
 		case pglogrepl.XLogDataByteID:
-			// A message is valid only until the next receive: the parsed
-			// message keeps slices of a copy.
-			xld, err := pglogrepl.ParseXLogData(append([]byte(nil), m.Data[1:]...))
-			if err != nil {
-				return received{err: fmt.Errorf("parse XLogData: %w", err)}
-			}
-			if len(xld.WALData) > 0 && xld.WALData[0] == 'I' {
-				ins, err := decodeInsert(xld.WALData)
-				if err != nil {
-					return received{err: err}
-				}
-				return received{lm: ins}
-			}
-			lm, err := pglogrepl.Parse(xld.WALData)
-			if err != nil {
-				return received{err: fmt.Errorf("parse logical message: %w", err)}
-			}
-			return received{lm: lm}
+			// Bounds-checked (frame.go): a malformed frame is an error
+			// that ends the session, never a panic.
+			lm, err := decodeXLogData(m.Data[1:])
+			return received{lm: lm, err: err}
 		}
 	}
 	return received{}

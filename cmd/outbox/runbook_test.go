@@ -508,3 +508,22 @@ func TestRunbookReplayBulkExpect(t *testing.T) {
 	r = rbRun(t, dev, append(args, "--confirm", "--expect=nonsense")...)
 	r.expect(t, 2, nil, []string{"--expect"})
 }
+
+// TestDryRunShowsArgumentsOnOneLine: a newline in a --error (or --topic)
+// argument is shown escaped in the printed statement, never as a bare SQL
+// line of its own (issue 46).
+func TestDryRunShowsArgumentsOnOneLine(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "cli_dry_run_newline_outbox")
+	ids := rbEnqueue(t, pool, tbl, rbTopicA)
+	rbMarkDead(t, pool, tbl, "publish: timeout", ids[0])
+	dev := rbEnv("OUTBOX_ENVIRONMENT", "development")
+	r := rbRun(t, dev, "dead", "replay", "--table="+tbl.String(), "--topic="+rbTopicA, "--error=timeout\nDROP TABLE students; --\r\tx", "--dry-run")
+	r.expect(t, 0, []string{`-- $3 = E'timeout\nDROP TABLE students; --\r\tx'`}, nil)
+	for _, line := range strings.Split(r.stdout, "\n") {
+		if strings.HasPrefix(strings.TrimSpace(line), "DROP TABLE") {
+			t.Fatalf("an argument's newline printed a bare SQL line:\n%s", r.stdout)
+		}
+	}
+}

@@ -12,16 +12,40 @@ import (
 // DefaultMaxBytes is the default bound on a summary (OUTBOX_LAST_ERROR_MAX_BYTES).
 const DefaultMaxBytes = 2048
 
-var secretPatterns = []struct {
-	re   *regexp.Regexp
-	repl string
-}{
-	// scheme://user:password@host -> scheme://user:***@host
-	{regexp.MustCompile(`([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):[^@\s]*@`), `$1:***@`},
-	// password=secret, pwd: secret, "password":"secret" (keyword/value forms)
-	{regexp.MustCompile(`(?i)((?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key)"?\s*[=:]\s*"?)[^\s"&,;]+`), `${1}***`},
+// Each secret's value ends where its syntax ends, never at the first odd
+// character: a quoted value at its closing quote (or the end of the text),
+// a URL's password at the last @ before the host, an unquoted value at the
+// next white space.
+var (
+	// scheme://user:password@host -> scheme://user:***@host. The user
+	// part stops at the first colon; the password runs to the last @
+	// before white space or a slash (libpq and RFC 3986 allow neither
+	// unescaped in it), so a password holding @ or : is cut whole.
+	urlPassword = regexp.MustCompile(`([a-zA-Z][a-zA-Z0-9+.-]*://[^:/\s]*):[^\s/]*@`)
+	// password=secret, pwd: secret, "password":"secret", password='a b',
+	// ?api_key=secret&...: a keyword, an optional closing quote of a key,
+	// = or :, then a value: double-quoted (JSON, with \ escapes),
+	// single-quoted (libpq, with \ escapes), or unquoted up to white space.
+	keyValue = regexp.MustCompile(`(?is)((?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key)["']?\s*[=:]\s*)("(?:[^"\\]|\\.)*(?:"|\\?$)|'(?:[^'\\]|\\.)*(?:'|\\?$)|\S+)`)
 	// Authorization: Bearer xxx / Basic xxx
-	{regexp.MustCompile(`(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}`), `$1 ***`},
+	authScheme = regexp.MustCompile(`(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=-]{8,}`)
+	bearer     = regexp.MustCompile(`(?i)\b(bearer)(\s+)[A-Za-z0-9._~+/=-]+`)
+)
+
+// redactSecrets replaces every secret of text by ***, keeping the quotes
+// of a quoted value.
+func redactSecrets(text string) string {
+	text = urlPassword.ReplaceAllString(text, `$1:***@`)
+	text = keyValue.ReplaceAllStringFunc(text, func(m string) string {
+		sub := keyValue.FindStringSubmatch(m)
+		v := sub[2]
+		if q := v[0]; q == '"' || q == '\'' {
+			return sub[1] + string(q) + "***" + string(q)
+		}
+		return sub[1] + "***"
+	})
+	text = bearer.ReplaceAllString(text, `$1$2***`)
+	return authScheme.ReplaceAllString(text, `$1$2***`)
 }
 
 // Summary returns text with obvious secrets (passwords in URLs and DSNs,
@@ -36,10 +60,7 @@ func Summary(text string, payload []byte, maxBytes int) string {
 	if len(payload) >= 8 && len(text) >= len(payload) {
 		text = string(bytes.ReplaceAll([]byte(text), payload, []byte("[payload]")))
 	}
-	for _, p := range secretPatterns {
-		text = p.re.ReplaceAllString(text, p.repl)
-	}
-	return Truncate(text, maxBytes)
+	return Truncate(redactSecrets(text), maxBytes)
 }
 
 // Truncate cuts s to at most maxBytes bytes without splitting a UTF-8

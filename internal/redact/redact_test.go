@@ -40,3 +40,31 @@ func TestTruncateOnUTF8Boundary(t *testing.T) {
 		t.Errorf("invalid UTF-8 kept: %q", got)
 	}
 }
+
+// TestSecretEndsWhereItsSyntaxEnds: the forms issue 46 found intact or
+// partly intact, and their kin: a value ends at its closing quote, a URL's
+// password at the last @ before the host, an unquoted value at white space.
+func TestSecretEndsWhereItsSyntaxEnds(t *testing.T) {
+	t.Parallel()
+	cases := map[string]string{
+		`connect: password=;Tr0ub4dor&3 failed`:                          `connect: password=*** failed`,
+		`host=db password='correct horse battery' user=app`:              `host=db password='***' user=app`,
+		`host=db password="correct horse battery" user=app`:              `host=db password="***" user=app`,
+		`host=db password='it\'s my s3cret' user=app`:                    `host=db password='***' user=app`,
+		`{"password":"s3cr3t, really"} rejected`:                         `{"password":"***"} rejected`,
+		`{"token":"a\"b c, d"} rejected`:                                 `{"token":"***"} rejected`,
+		`{'api_key': 'k e y'} rejected`:                                  `{'api_key': '***'} rejected`,
+		`dial postgres://app:p@ss:w0rd@db:5432/x failed`:                 `dial postgres://app:***@db:5432/x failed`,
+		`dial postgres://app@corp:pw@db/x failed`:                        `dial postgres://app@corp:***@db/x failed`,
+		`GET https://api.example/v1?api_key=&AbC123xyz failed`:           `GET https://api.example/v1?api_key=*** failed`,
+		`GET https://api.example/v1?x=1&access_key=AbC&y=2 failed`:       `GET https://api.example/v1?x=1&access_key=*** failed`,
+		`Authorization: Bearer abc denied`:                               `Authorization: Bearer *** denied`,
+		`cut short: password='never closed, the rest is secret`:          `cut short: password='***'`,
+		`password=hunter2 and token: t0k3n, secret = "x y" and pwd:p@ss`: `password=*** and token: *** secret = "***" and pwd:***`,
+	}
+	for in, want := range cases {
+		if got := Summary(in, nil, 0); got != want {
+			t.Errorf("Summary(%q)\n = %q\nwant %q", in, got, want)
+		}
+	}
+}
