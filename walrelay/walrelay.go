@@ -492,7 +492,8 @@ type hold struct {
 // settled before a server restart (settledThrough) is buffered whole
 // instead (buffered, items) and decided at its COMMIT by its end.
 type txn struct {
-	xid       uint32 // the transaction id (BEGIN): its rows are visible once it is (visible.go)
+	xid       uint32        // the transaction id (BEGIN): its rows are visible once it is (visible.go)
+	final     pglogrepl.LSN // its commit record's position (BEGIN)
 	end       pglogrepl.LSN
 	commit    time.Time
 	pending   int
@@ -565,7 +566,12 @@ type stream struct {
 	// settledThrough: transactions ending at or before it were settled by
 	// an earlier session (the slot moved back after a server restart).
 	settledThrough pglogrepl.LSN
-	oid            uint32 // the outbox table's relation id
+	// backfillIDs are the ids of the rows the session's backfill read,
+	// until the confirmed position passes backfillUntil (the WAL position
+	// after the read): their streamed inserts are not delivered again.
+	backfillIDs   map[string]struct{}
+	backfillUntil pglogrepl.LSN
+	oid           uint32 // the outbox table's relation id
 	// The session's write fence: its walsender's pid and the slot's fence
 	// lock key (schema.WALQueries); fencedOut once a write was refused (the
 	// session no longer holds the slot: it ends).
@@ -759,9 +765,10 @@ func (s *Subscriber) ensureSlot(ctx context.Context) error {
 
 // start reads where the slot and the progress record stand. A slot ahead
 // of the recorded position was recreated (by this relay or another one
-// that stopped before it finished): the rows it never streamed are read
-// from the table, from the recorded horizon on, and delivered first, as
-// one transaction ending where the slot begins.
+// that stopped before it finished), or was never read since Setup (which
+// records 0/0: the rows committed before the slot): the rows it never
+// streamed are read from the table, from the recorded horizon on, and
+// delivered first, as one transaction ending where the slot begins.
 func (st *stream) start(ctx context.Context) (*txn, error) {
 	s := st.s
 	var slotText, recorded string
@@ -797,16 +804,43 @@ func (st *stream) start(ctx context.Context) (*txn, error) {
 		return nil, nil
 	}
 	st.confirmed = rec
-	items, err := st.readItems(ctx, s.q.Unsettled, s.cfg.Names.Slot)
+	// The slot Setup created, never read, is one ahead of Setup's record:
+	// the rows written before Setup; otherwise the slot was recreated.
+	beforeSetup := slot == rec+1
+	var commitTS bool
+	if err := s.pool.QueryRow(ctx, schema.WALCommitTimestamps).Scan(&commitTS); err != nil {
+		return nil, fmt.Errorf("read track_commit_timestamp: %w", err)
+	}
+	items, err := st.readItems(ctx, schema.WALBackfill(s.cfg.Table, s.cols, beforeSetup, commitTS), s.cfg.Names.Slot)
 	if err != nil {
-		return nil, fmt.Errorf("read the rows the recreated slot missed: %w", err)
+		return nil, fmt.Errorf("read the rows the slot did not stream: %w", err)
+	}
+	// The rows read that the stream brings too (committed after the slot
+	// began and before the read) are not delivered twice: their streamed
+	// inserts, of transactions that committed before this position, are
+	// settled without delivery (backfilledCopy).
+	var untilText string
+	if err := s.pool.QueryRow(ctx, s.q.InsertPosition).Scan(&untilText); err != nil {
+		return nil, fmt.Errorf("read the WAL position after the backfill: %w", err)
+	}
+	if st.backfillUntil, err = pglogrepl.ParseLSN(untilText); err != nil {
+		return nil, fmt.Errorf("WAL position %q: %w", untilText, err)
 	}
 	tx := &txn{end: slot, commit: time.Now(), items: items}
+	st.backfillIDs = make(map[string]struct{}, len(items))
 	for _, it := range items {
 		it.tx = tx
+		st.backfillIDs[it.row.ID] = struct{}{}
 	}
 	s.backfilled.Add(int64(len(tx.items)))
-	s.logger.Info("Backfill from the table after a lost slot", watermill.LogFields{"rows": len(tx.items), "from": rec.String(), "slot_starts": slot.String()})
+	why := "Backfill from the table after a lost slot"
+	if beforeSetup {
+		why = "Backfill from the table at the first start: rows written before Setup"
+	}
+	if !commitTS {
+		s.logger.Debug("track_commit_timestamp is off: the backfill reads unkeyed rows in sequence order", nil)
+	}
+	s.logger.Info(why, watermill.LogFields{"rows": len(tx.items), "from": rec.String(), "slot_starts": slot.String()})
 	return tx, nil
 }
 
@@ -1151,7 +1185,7 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 	case *pglogrepl.RelationMessage:
 		st.rels[m.RelationID] = newRelation(m)
 	case *pglogrepl.BeginMessage:
-		st.cur = &txn{commit: m.CommitTime, xid: m.Xid}
+		st.cur = &txn{commit: m.CommitTime, xid: m.Xid, final: m.FinalLSN}
 		if st.settledThrough != 0 && m.FinalLSN <= st.settledThrough {
 			// Perhaps settled before the server restarted: its end, read
 			// at its COMMIT, tells.
@@ -1196,7 +1230,7 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 // dispatches the key; the row of a held key is parked (settled without
 // delivery).
 func (st *stream) queue(ctx context.Context, it *item) {
-	if st.parks(it) {
+	if st.parks(it) || st.backfilledCopy(it) {
 		return
 	}
 	st.replayed(it)
@@ -1216,6 +1250,18 @@ func (st *stream) queue(ctx context.Context, it *item) {
 		}
 	}
 	st.dispatch(ctx, it.key)
+}
+
+// backfilledCopy reports whether a streamed row is the insert of a row
+// the session's backfill read from the table (it committed after the slot
+// began and before the read): settled without delivery, the backfill
+// delivers it.
+func (st *stream) backfilledCopy(it *item) bool {
+	if st.backfillIDs == nil || it.replay || it.tx.final >= st.backfillUntil {
+		return false
+	}
+	_, ok := st.backfillIDs[it.row.ID]
+	return ok
 }
 
 // replayed: an operator's replay of the held row of a retrying hold is
@@ -2387,6 +2433,9 @@ func (st *stream) advance() {
 	}
 	if n > 0 {
 		st.txns = append(st.txns[:0], st.txns[n:]...)
+	}
+	if st.backfillIDs != nil && st.confirmed >= st.backfillUntil {
+		st.backfillIDs = nil // the stream is past every copy
 	}
 	st.markOldest()
 }
