@@ -323,8 +323,9 @@ type WALQueries struct {
 	// the skip with Drain). Returns: holds changed, fence ok.
 	RetryDrain string
 	// Parked reads the rows of key $1 after sequence $2 that are not
-	// published and not dead, in sequence order: what a hold kept back.
-	// The columns ClaimedRow.ScanKeyed reads.
+	// published and not dead, in sequence order, at most $3 of them: what
+	// a hold kept back, in bounded batches. The columns
+	// ClaimedRow.ScanKeyed reads.
 	Parked string
 	// Release turns the drained hold of key $1 at sequence $2 into a
 	// tombstone: released, through $3 (the stream's copies of the rows up
@@ -401,7 +402,7 @@ SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM h), (SELECT ok FROM f)`,
   WHERE ordering_key = $1 AND sequence = $2 AND NOT released AND (SELECT ok FROM f) RETURNING 1
 )
 SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
-		Parked: `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence`,
+		Parked: `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence LIMIT $3::int`,
 		Release: `WITH ` + walFence(4) + `, u AS (
   UPDATE ` + holds + ` SET released = true, draining = false, through = GREATEST(through, $3)
   WHERE ordering_key = $1 AND sequence = $2 AND (SELECT ok FROM f) RETURNING 1

@@ -475,7 +475,11 @@ type hold struct {
 	wantDrain bool          // a drain was asked for and its statements failed
 	maxRead   int64         // draining: the last sequence read from the table
 	left      int           // draining: rows read and not settled yet
-	unseen    int           // the drain waits for streamed rows to be visible: its tries so far (visible.go)
+	// more: the drain's last batch was full; the key's rows after maxRead
+	// are read from the table in the next batch once this one is settled
+	// (drained), and their streamed copies are parked meanwhile.
+	more   bool
+	unseen int // the drain waits for streamed rows to be visible: its tries so far (visible.go)
 	// acked is the held row's replay, acked and not settled until the
 	// drain it starts is written (invariant R): the confirmed position
 	// does not pass the replay's UPDATE before the hold says draining, so
@@ -560,6 +564,9 @@ type stream struct {
 	// under MaxInFlight (a retrying key does not stop the other keys), up
 	// to backoffReadAhead x MaxInFlight rows in all.
 	behind int
+	// fromTable counts the rows drains read from the table (items without
+	// a transaction) and not settled yet.
+	fromTable int
 	// spillPause: a spill failed (a database error); none is tried again
 	// before it.
 	spillPause time.Time
@@ -1276,7 +1283,7 @@ func (st *stream) replayed(it *item) {
 // peakRows records the most rows the session held read and not settled
 // (buffered transactions included), for the tests.
 func (st *stream) peakRows() {
-	n := int64(st.unsettled)
+	n := int64(st.unsettled + st.fromTable)
 	if st.cur != nil && st.cur.buffered {
 		n += int64(len(st.cur.items))
 	}
@@ -1910,6 +1917,7 @@ func (st *stream) settled(it *item) {
 		it.tx.pending--
 		return
 	}
+	st.fromTable--
 	if h := st.holdOf(it); h != nil && h.draining {
 		h.left--
 	}
@@ -1961,7 +1969,7 @@ func (st *stream) parks(it *item) bool {
 	case h.released:
 		return false
 	case h.draining:
-		return seq <= h.maxRead
+		return seq <= h.maxRead || h.more
 	}
 	return seq >= h.seq
 }
@@ -1997,13 +2005,35 @@ func (st *stream) afterAck(ctx context.Context, it *item) {
 	case h.replayedBy(it):
 		st.startDrain(ctx, key, h)
 	case h.draining && h.left == 0:
-		st.release(ctx, key, h)
+		st.drained(ctx, key, h)
 	}
 }
 
+// drained follows a drain whose rows read so far are all settled: it
+// reads the next batch when the last one was full, and releases the hold
+// otherwise.
+func (st *stream) drained(ctx context.Context, key string, h *hold) {
+	if h.more {
+		st.drainFrom(ctx, key, h, drainNext)
+		return
+	}
+	st.release(ctx, key, h)
+}
+
+// drainMode is what drainFrom reads: the rows after the held row (a
+// replay's ack or a skip), the held row and those after it (the retry of a
+// retrying hold), or the batch after the last one read (a drain under way).
+type drainMode uint8
+
+const (
+	drainStart drainMode = iota
+	drainRetry
+	drainNext
+)
+
 // startDrain reads the rows the hold kept back and queues them first.
 func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
-	st.drainFrom(ctx, key, h, false)
+	st.drainFrom(ctx, key, h, drainStart)
 }
 
 // startRetry retries a retrying hold: it reads the key's rows from the
@@ -2011,13 +2041,19 @@ func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
 // When a skip was requested meanwhile (RetryDrain changes nothing), the
 // skip is applied instead (startDrain).
 func (st *stream) startRetry(ctx context.Context, key string, h *hold) {
-	st.drainFrom(ctx, key, h, true)
+	st.drainFrom(ctx, key, h, drainRetry)
 }
 
 // drainFrom reads the rows of the hold's key after its row (and, for a
-// retry, the held row too) and queues them in sequence order before the
-// key's rows streamed after the read.
-func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool) {
+// retry, the held row too; for drainNext, after the last row read) and
+// queues them in sequence order before the key's rows streamed after the
+// read. It reads at most MaxInFlight rows (a batch): when the batch is
+// full (more), the key's streamed rows stay parked and the next batch is
+// read once this one is settled (drained), so a drain holds at most
+// MaxInFlight rows read from the table and not settled, however long the
+// key's backlog.
+func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drainMode) {
+	retry := mode == drainRetry
 	s := st.s
 	h.wantDrain = true
 	// The drain reads the rows parked behind the hold from the table: it
@@ -2034,10 +2070,14 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool
 	}
 	h.unseen = 0
 	after, sql, op := h.seq, s.q.Drain, "drain"
-	if retry {
+	switch mode {
+	case drainRetry:
 		after, sql, op = h.seq-1, s.q.RetryDrain, "retry"
+	case drainNext:
+		after = h.maxRead
 	}
-	items, err := st.readItems(ctx, s.q.Parked, key, after)
+	batch := s.cfg.MaxInFlight
+	items, err := st.readItems(ctx, s.q.Parked, key, after, batch)
 	if err != nil {
 		s.logger.Error("Could not read the rows of a held key; retrying at the next tick", err, nil)
 		return
@@ -2055,6 +2095,9 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool
 		return
 	}
 	maxRead := h.seq
+	if mode == drainNext {
+		maxRead = h.maxRead
+	}
 	if len(items) > 0 {
 		maxRead = max(maxRead, items[len(items)-1].row.Sequence)
 	}
@@ -2075,14 +2118,20 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool
 	if retry && len(items) > 0 && items[0].row.Sequence == h.seq {
 		items[0].attempts = max(h.attempts, int(items[0].row.Attempts))
 	}
-	h.retrying = h.retrying && retry // a drain after the held row's ack or skip: it retries no more
+	// A drain after the held row's ack or skip retries no more; nor does
+	// a retry's next batch (its held row was acked: the batch before it
+	// is settled).
+	h.retrying = h.retrying && retry
 	h.draining, h.wantDrain, h.maxRead, h.left, h.untilLSN = true, false, maxRead, len(items), lsn
+	h.more = len(items) == batch
 	if h.acked != nil {
 		st.settleAcked(h) // the hold says draining: the replay's position may pass
 		st.advance()
 	}
-	s.logger.Info("Hold drains: the key's parked rows are delivered", watermill.LogFields{"rows": len(items), "retry": retry})
-	s.logger.Trace("Drain", watermill.LogFields{"key": key, "sequence": h.seq, "rows": len(items), "max_read": h.maxRead, "retry": retry})
+	if mode != drainNext {
+		s.logger.Info("Hold drains: the key's parked rows are delivered", watermill.LogFields{"rows": len(items), "retry": retry, "more": h.more})
+	}
+	s.logger.Trace("Drain", watermill.LogFields{"key": key, "sequence": h.seq, "rows": len(items), "max_read": h.maxRead, "retry": retry, "more": h.more})
 	if len(items) == 0 {
 		st.release(ctx, key, h)
 		return
@@ -2094,6 +2143,8 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool
 		st.keys[k] = q
 	}
 	q.items = mergeDrained(q, items)
+	st.fromTable += len(items)
+	st.peakRows()
 	st.dispatch(ctx, k)
 }
 
@@ -2131,9 +2182,11 @@ func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
 	st.backedOff(q)
 	rows := len(q.items)
 	for _, it := range q.items {
-		if it.tx != nil { // a drained row (tx nil) is read again at the retry
+		if it.tx != nil {
 			st.unsettled--
 			it.tx.pending--
+		} else {
+			st.fromTable-- // a drained row is read again at the retry
 		}
 	}
 	h := &hold{seq: head.row.Sequence, through: through, retrying: true, retryAt: q.retryAt, attempts: head.attempts}
@@ -2199,6 +2252,10 @@ func (st *stream) retryHolds(ctx context.Context) {
 	}
 	now := time.Now()
 	for key, h := range st.holds {
+		if h.draining && h.left == 0 && h.more && h.wantDrain {
+			st.drainFrom(ctx, key, h, drainNext) // its next batch waited for the stream's rows to be visible
+			continue
+		}
 		if h.draining || h.released {
 			continue
 		}
@@ -2404,7 +2461,7 @@ func (st *stream) tickHolds(ctx context.Context) {
 		case !h.draining && (r.skipd || r.draining || h.wantDrain):
 			st.startDrain(ctx, r.key, h)
 		case h.draining && h.left == 0:
-			st.release(ctx, r.key, h) // a release that failed before
+			st.drained(ctx, r.key, h) // a next batch or a release that failed before
 		}
 	}
 }
