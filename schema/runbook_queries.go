@@ -102,6 +102,11 @@ type RunbookFilter struct {
 	// LockTTL ago (a relay is handling them right now) are left alone.
 	// Values below 1ns mean LockTTLDefault.
 	LockTTL time.Duration
+	// WALReplay, for a WAL table with an ordering_key column, makes the
+	// replay statements (ReplayDead, ReplayDeadExpecting, CountReplayDead)
+	// leave alone the dead rows whose key's hold refuses their replay by
+	// the rule (WALReplayAllowsSQL). Nil: no hold rule (other tables).
+	WALReplay *WALReplayRule
 
 	capped bool // apply MaxSequence even when 0
 }
@@ -186,6 +191,9 @@ func deadWhere(f RunbookFilter, args []any, replay bool, indent string) (string,
 	if f.MaxSequence > 0 || f.capped {
 		conds = append(conds, "sequence <= "+arg(f.MaxSequence, "::bigint"))
 	}
+	if replay && f.WALReplay != nil {
+		conds = append(conds, f.WALReplay.guard(arg))
+	}
 	return strings.Join(conds, "\n"+indent+"AND "), args
 }
 
@@ -195,7 +203,7 @@ func deadWhere(f RunbookFilter, args []any, replay bool, indent string) (string,
 // selected rows are locked FOR UPDATE.
 func deadTarget(tbl string, f RunbookFilter, cols string, replay, lock bool) (string, []any) {
 	where, args := deadWhere(f, nil, replay, "    ")
-	sql := `SELECT ` + cols + ` FROM ` + tbl + `
+	sql := `SELECT ` + cols + ` FROM ` + tbl + ` AS o
   WHERE ` + where + `
   ORDER BY sequence`
 	if f.Limit > 0 {
