@@ -147,6 +147,17 @@ type Config struct {
 	// CloseTimeout bounds how long Close waits for messages in flight.
 	// Defaults to CloseTimeoutDefault.
 	CloseTimeout time.Duration
+	// DispatchTimeout is how long a handler may keep a message: the
+	// message's context ends DispatchTimeout after it was handed over (or
+	// earlier, at its ack or nack or the session's end). A handler that
+	// returns when its context ends and nacks has its row retried after
+	// Backoff, as for any nack; the relay does not hand the key's message
+	// out again before the verdict (one copy per key), so a handler that
+	// ignores its context keeps its key until it answers or its session
+	// ends. Set it to the router's dispatch timeout, as for
+	// subscriber.Config.DispatchTimeout. Defaults to
+	// subscriber.DispatchTimeoutDefault.
+	DispatchTimeout time.Duration
 	// LastErrorMaxBytes bounds last_error. Defaults to
 	// subscriber.LastErrorMaxBytesDefault.
 	LastErrorMaxBytes int
@@ -177,6 +188,9 @@ func (c *Config) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = CloseTimeoutDefault
 	}
+	if c.DispatchTimeout == 0 {
+		c.DispatchTimeout = subscriber.DispatchTimeoutDefault
+	}
 	if c.LastErrorMaxBytes == 0 {
 		c.LastErrorMaxBytes = subscriber.LastErrorMaxBytesDefault
 	}
@@ -190,6 +204,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("walrelay: invalid config: MaxAttempts %d; use at least 1", c.MaxAttempts)
 	case c.MaxInFlight < 1, c.StatusInterval < 0, c.ElectionInterval < 0, c.CloseTimeout < 0, c.LastErrorMaxBytes < 0:
 		return errors.New("walrelay: invalid config: MaxInFlight must be positive and the intervals not negative")
+	case c.DispatchTimeout < 0:
+		return fmt.Errorf("walrelay: invalid config: DispatchTimeout %s is negative; leave it 0 for the default (%s) or set a positive value", c.DispatchTimeout, subscriber.DispatchTimeoutDefault)
 	}
 	return nil
 }
@@ -1677,7 +1693,8 @@ type waiting struct {
 	delivery
 	msg      *message.Message
 	recorded func() error
-	cp       *term.Copy // the message's copy in the relay's ledger
+	cp       *term.Copy         // the message's copy in the relay's ledger
+	cancel   context.CancelFunc // ends the DispatchTimeout of the message's context
 }
 
 // waiterIdle is how long a waiter goroutine stays for the next message
@@ -1726,9 +1743,12 @@ func (st *stream) handOver(d delivery) {
 	}
 	// The message's context carries the session's values; the term sets
 	// it, cancelled when the session ends or the copy does (term I2).
+	// It also ends at DispatchTimeout (cancelled with the copy, below).
 	mctx, recorded := subscriber.ContextWithErrorRecorder(context.WithoutCancel(d.ctx))
+	mctx, cancel := context.WithTimeout(mctx, st.s.cfg.DispatchTimeout)
 	cp, err := st.term.Hand(mctx, d.it.key, msg)
 	if err != nil {
+		cancel()
 		if errors.Is(err, term.ErrKeyOut) {
 			// Not expected: dispatch asked the ledger, and a key has one
 			// delivery at a time in a session.
@@ -1742,11 +1762,12 @@ func (st *stream) handOver(d delivery) {
 	case st.out <- msg:
 	case <-d.ctx.Done():
 		cp.End(term.Withdrawn)
+		cancel()
 		st.send(settle{it: d.it, stopped: true})
 		st.inFlight.Done()
 		return
 	}
-	w := waiting{delivery: d, msg: msg, recorded: recorded, cp: cp}
+	w := waiting{delivery: d, msg: msg, recorded: recorded, cp: cp, cancel: cancel}
 	select {
 	case st.waits <- w: // an idle waiter took it
 	default:
@@ -1786,6 +1807,7 @@ func (st *stream) waiter(w waiting) {
 			// stop: I1, I3, I4).
 			st.send(settle{it: w.it, stopped: true})
 		}
+		w.cancel()
 		st.inFlight.Done()
 		idle.Reset(waiterIdle)
 		select {
