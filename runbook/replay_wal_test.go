@@ -144,3 +144,63 @@ func TestWALBulkReplayWhileDraining(t *testing.T) {
 		return c.count(c.acked, x1) == 1 && c.count(c.acked, x3) == 1
 	})
 }
+
+// TestWALReplayOfAnEarlierRowOfAHeldKey: a key went past a dead row (x1,
+// skipped) and a later row (x3) went dead and holds the key. A replay of
+// x1 is allowed by the hold rule (the hold is dead, not draining), and the
+// relay delivers it while x3 still holds the key. Before, the relay took
+// the replay's UPDATE for the stream's copy of a row the earlier drain had
+// read (x1's sequence is below the hold's through) and parked it: x1 was
+// never delivered, and no longer dead.
+func TestWALReplayOfAnEarlierRowOfAHeldKey(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, tbl := walCluster(t)
+	msgs := make([]publisher.Message, 4)
+	ids := make([]uuid.UUID, len(msgs))
+	for i := range msgs {
+		ids[i] = uuid.New()
+		msgs[i] = publisher.Message{TenantID: tenantA, Topic: topicA, EventID: ids[i], Payload: json.RawMessage(`{"n":1}`), OrderingKey: "k"}
+	}
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := publisher.EnqueueBatch(ctx, tx, tbl, msgs)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	x1, x3 := ids[0], ids[2]
+	s, err := walrelay.New(ctx, pool, walrelay.Config{Table: tbl, StatusInterval: 100 * time.Millisecond, ElectionInterval: 100 * time.Millisecond,
+		CloseTimeout: time.Second, MaxInFlight: 4, Backoff: func(int) time.Duration { return 10 * time.Millisecond }}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	c := consume(t, s, func(msg *message.Message, n int) error {
+		id := uuid.MustParse(msg.UUID)
+		if (id == x1 && n == 0) || id == x3 {
+			return subscriber.Permanent(errors.New("poison"))
+		}
+		return nil
+	})
+	heldAt := func(id uuid.UUID, st runbook.HoldState) func() bool {
+		return func() bool {
+			list, err := runbook.ListHolds(ctx, pool, tbl, runbook.HoldsFilter{})
+			return err == nil && len(list) == 1 && list[0].EventID == id.String() && list[0].State == st
+		}
+	}
+	waitUntil(t, 20*time.Second, "x1 dead, holding k", heldAt(x1, runbook.HoldDead))
+	if _, err := runbook.SkipEvent(ctx, pool, tbl, x1, false); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, 20*time.Second, "x3 dead, holding k", heldAt(x3, runbook.HoldDead))
+	if rep, err := runbook.ReplayEvent(ctx, pool, tbl, x1, runbook.ReplayOptions{}); err != nil || rep.Changed != 1 {
+		t.Fatalf("replay of x1 while x3 holds its key: %+v, %v", rep, err)
+	}
+	waitUntil(t, 20*time.Second, "x1 delivered again", func() bool { return c.count(c.acked, x1) == 1 })
+	if !heldAt(x3, runbook.HoldDead)() {
+		t.Fatal("x3 no longer holds its key")
+	}
+	if n := c.count(c.acked, ids[3]); n != 0 {
+		t.Fatalf("the row behind x3 delivered %d times while x3 holds the key", n)
+	}
+}

@@ -1503,10 +1503,17 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 		for _, c := range tuple.Columns {
 			unchanged = unchanged || c.DataType == 'u'
 		}
+		if !unchanged {
+			// The replay of an earlier row of a held key is delivered if
+			// the row is still reset: read it, as below (earlierOfHeld).
+			seq, serr := r.int(tuple, r.sequence)
+			unchanged = serr == nil && st.earlierOfHeld(get(r.orderingKey), seq)
+		}
 	}
 	var row schema.ClaimedRow
 	if update && unchanged {
-		// The payload was not in the UPDATE: read the row.
+		// The payload was not in the UPDATE (or the replay is of an
+		// earlier row of a held key): read the row.
 		id := str(r.id)
 		if err != nil {
 			return err
@@ -1549,6 +1556,20 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 	}
 	st.queue(ctx, it)
 	return nil
+}
+
+// earlierOfHeld reports whether a replayed row of key (its sequence seq)
+// comes before the row that holds its key (a hold not resolved): parks
+// delivers such a replay as new work, so the row reads the row from the
+// table first and drops the replay when the row is no longer reset (dead
+// again, or skipped since: the stream carries an old replay again after a
+// session's end).
+func (st *stream) earlierOfHeld(key *string, seq int64) bool {
+	if key == nil || *key == "" {
+		return false
+	}
+	h := st.holds[*key]
+	return h != nil && !h.released && seq < h.seq
 }
 
 // dispatchAll delivers the head of every key that is free and due, with
@@ -1985,6 +2006,13 @@ func (st *stream) parks(it *item) bool {
 	case it.replay && h.released:
 		// An operator's replay after the hold was resolved (of the skipped
 		// row, say) is new work, not a copy of a drained row.
+		return false
+	case it.replay && seq < h.seq:
+		// An operator's replay of an earlier row of the key (a dead row the
+		// key went past): new work too. The hold's own drains read only
+		// rows after its row; an earlier drain that read this row after
+		// the replay delivered it already, and this is a copy (at least
+		// once). Parked, it was lost: no drain reads it again.
 		return false
 	case seq <= h.through:
 		return true
