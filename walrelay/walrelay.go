@@ -1890,7 +1890,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		it.lastErr = redact.Summary(v.err.Error(), it.row.Payload, st.s.cfg.LastErrorMaxBytes)
 		st.backingOff(q)
 		st.s.logger.Debug("Nacked: key held until the retry", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
-		if len(q.items) > st.s.cfg.MaxInFlight && st.spill(ctx, it.key, q) {
+		if (len(q.items) > st.s.cfg.MaxInFlight || st.moreInTable(it)) && st.spill(ctx, it.key, q) {
 			return
 		}
 		st.dispatch(ctx, it.key)
@@ -2249,6 +2249,15 @@ func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
 	st.advance()
 	st.dispatch(ctx, key) // drops the empty queue
 	return true
+}
+
+// moreInTable reports whether the key of it drains a backlog longer than
+// the batch it read (hold.more): the key's backlog is in the table, and
+// its head that waits for a retry is spilled again rather than kept in
+// memory with the batch.
+func (st *stream) moreInTable(it *item) bool {
+	h := st.holdOf(it)
+	return h != nil && h.draining && h.more
 }
 
 // spillable reports whether q's backlog can be spilled: the relay is not
