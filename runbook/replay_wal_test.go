@@ -204,3 +204,68 @@ func TestWALReplayOfAnEarlierRowOfAHeldKey(t *testing.T) {
 		t.Fatalf("the row behind x3 delivered %d times while x3 holds the key", n)
 	}
 }
+
+// TestWALBulkReplayWaitsForAConcurrentSkip: a bulk replay that runs while
+// another operator's skip of the held row is not committed yet waits for it
+// (the replay's statement locks the holds it reads, as a single replay
+// does) and then leaves the row alone: the hold is skip_requested. Before,
+// the bulk replay read the hold as of its snapshot (dead), reset the row
+// beside the skip, and the relay applying the skip took the replay for a
+// copy of a drained row.
+func TestWALBulkReplayWaitsForAConcurrentSkip(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, tbl := walCluster(t)
+	x := uuid.New()
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := publisher.EnqueueBatch(ctx, tx, tbl, []publisher.Message{{TenantID: tenantA, Topic: topicA, EventID: x, Payload: json.RawMessage(`{"n":1}`), OrderingKey: "k"}})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// x is dead and holds k, as the relay leaves it.
+	exec(t, pool, tbl, `UPDATE `+tbl.Sanitize()+` SET dead_at = now(), attempts = 1, last_error = 'poison', available_at = 'infinity' WHERE event_id = $1`, x)
+	exec(t, pool, tbl, `INSERT INTO `+tbl.WALHoldsTable()+` (ordering_key, sequence, event_id) SELECT ordering_key, sequence, event_id FROM `+tbl.Sanitize()+` WHERE event_id = $1`, x)
+	skip, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = skip.Rollback(ctx) }()
+	if _, err := skip.Exec(ctx, schema.WALSkipHoldIn(tbl), x, []string{"dead"}); err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		rows int64
+		err  error
+	}
+	done := make(chan result, 1)
+	go func() {
+		res, err := runbook.ReplayDead(ctx, pool, tbl, runbook.DeadFilter{Topic: topicA}, false)
+		done <- result{res.Rows, err}
+	}()
+	// The replay's statement waits for the skip's lock (or, without the
+	// lock, is already done).
+	waitUntil(t, 20*time.Second, "the bulk replay waiting for the skip, or done", func() bool {
+		if len(done) > 0 {
+			return true
+		}
+		var waiting bool
+		err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%lh AS MATERIALIZED%')`).Scan(&waiting)
+		return err == nil && waiting
+	})
+	if err := skip.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the bulk replay did not return")
+	}
+	if r.err != nil || r.rows != 0 {
+		t.Fatalf("bulk replay beside a skip of the held row: %d rows, %v; want 0 (the hold is skip_requested)", r.rows, r.err)
+	}
+	if st := state(t, pool, tbl, x); !st.Dead {
+		t.Fatalf("the held row was reset beside the skip: %+v", st)
+	}
+}

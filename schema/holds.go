@@ -141,12 +141,30 @@ func WALReplayAllowsSQL(t Table, row, held, others string) string {
 	return WALHoldStateSQL(t) + ` = ANY(CASE WHEN h.event_id = ` + row + `.event_id THEN ` + held + ` ELSE ` + others + ` END)`
 }
 
-// walReplayGuard is the condition, on row o of a dead row's selection,
-// that the hold of its key (if any) accepts its replay (WALReplayAllowsSQL),
-// its rule's arrays passed through arg.
-func (r WALReplayRule) guard(arg func(v any, cast string) string) string {
-	return `NOT EXISTS (SELECT 1 FROM ` + r.Table.WALHoldsTable() + ` AS h WHERE h.ordering_key = o.ordering_key
+// guard is the condition, on row o of a dead row's selection, that the
+// hold of its key (if any) accepts its replay (WALReplayAllowsSQL), its
+// rule's arrays passed through arg. With locked, the holds are read from
+// the statement's CTE lh (lockHolds): as locked, not as of the
+// statement's snapshot.
+func (r WALReplayRule) guard(arg func(v any, cast string) string, locked bool) string {
+	holds := r.Table.WALHoldsTable()
+	if locked {
+		holds = "lh"
+	}
+	return `NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key
       AND NOT (` + WALReplayAllowsSQL(r.Table, "o", arg(r.Held, "::text[]"), arg(r.Others, "::text[]")) + `))`
+}
+
+// lockHolds is the CTE lh of a bulk replay's statement: the holds of the
+// keys with dead rows, locked (FOR SHARE) and read as locked, so that a
+// concurrent skip, replay or relay write of a hold is ordered before or
+// after the replay, never beside it (as WALReplayEvent's lock).
+func (r WALReplayRule) lockHolds() string {
+	return `lh AS MATERIALIZED (
+  SELECT h.* FROM ` + r.Table.WALHoldsTable() + ` AS h
+  WHERE h.ordering_key IN (SELECT d.ordering_key FROM ` + r.Table.Sanitize() + ` AS d WHERE d.published_at IS NULL AND d.dead_at IS NOT NULL)
+  FOR SHARE
+), `
 }
 
 // WALReplayEvent is RunbookQueries.ReplayEvent for the WAL table t (with
