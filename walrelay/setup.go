@@ -209,9 +209,9 @@ func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names
 	var active, lost bool
 	err := pool.QueryRow(ctx, schema.WALSlotState, n.Slot).Scan(&plugin, &active, &confirmed, &lost)
 	if errors.Is(err, pgx.ErrNoRows) {
-		// A slot that streamed before (it has a progress record) and is
-		// gone is recreated by the relay, which reads what it missed from
-		// the table; one that never streamed needs Setup.
+		// A slot that streamed before, or that Setup created (either has a
+		// progress record), and is gone is recreated by the relay, which
+		// reads what it missed from the table; one never set up needs Setup.
 		var recorded bool
 		if err := pool.QueryRow(ctx, schema.WALProgressTableExists(t)).Scan(&recorded); err != nil {
 			return fmt.Errorf("walrelay: look up the progress table of %s: %w", t, err)

@@ -789,9 +789,10 @@ func (s *Subscriber) ensureSlot(ctx context.Context) error {
 // start reads where the slot and the progress record stand. A slot ahead
 // of the recorded position was recreated (by this relay or another one
 // that stopped before it finished), or was never read since Setup (which
-// records 0/0: the rows committed before the slot): the rows it never
-// streamed are read from the table, from the recorded horizon on, and
-// delivered first, as one transaction ending where the slot begins.
+// records the slot's start minus one: the rows written before Setup are
+// not in the stream): the rows it never streamed are read from the table
+// (schema.WALBackfill) and delivered first, as one transaction ending
+// where the slot begins.
 func (st *stream) start(ctx context.Context) (*txn, error) {
 	s := st.s
 	var slotText, recorded string
