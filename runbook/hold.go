@@ -243,6 +243,38 @@ func (s HoldState) Allowed() []HoldOp {
 	return out
 }
 
+// walReplayRule is the one hold rule of a replay in a WAL table, which
+// every replay path applies (ReplayEvent, and so the CLI and the console's
+// ticked rows; ReplayDead by topic, by cause or with a preview's snapshot,
+// through the guard of its statement, walReplayGuard): a row whose key
+// has a hold in state s may be replayed when the hold's state allows a
+// replay (Allows) if the row is the held one (held), and otherwise unless
+// the hold drains: its key's parked rows are being delivered from the
+// table, and the relay would take the row's replay for the stream's copy
+// of a drained row (docs/WAL.md, "Hold states"). It refuses with Allows'
+// error.
+func walReplayRule(s HoldState, held bool) error {
+	if !held && s != HoldDraining {
+		return nil
+	}
+	return s.Allows(OpReplay)
+}
+
+// walReplayGuard is walReplayRule as the states a replay statement of the
+// WAL table t accepts (schema.WALReplayRule).
+func walReplayGuard(t schema.Table) schema.WALReplayRule {
+	r := schema.WALReplayRule{Table: t}
+	for _, s := range HoldStates {
+		if walReplayRule(s, true) == nil {
+			r.Held = append(r.Held, s.String())
+		}
+		if walReplayRule(s, false) == nil {
+			r.Others = append(r.Others, s.String())
+		}
+	}
+	return r
+}
+
 // statesAllowing lists the words of the states that accept op, for the
 // guards of the statements that apply it.
 func statesAllowing(op HoldOp) []string {

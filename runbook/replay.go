@@ -155,21 +155,16 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 	if keyed, ok, err := replayKeyed(ctx, db, t, eventID, opts.DryRun); ok || err != nil {
 		return keyed, err
 	}
-	// In a WAL table, a dead keyed row may hold its key: its hold's state
-	// decides, and the statement keeps it while it resets the row.
-	wal, err := walHolds(ctx, db, t)
+	// In a WAL table, the hold of a keyed row's key decides, by the one
+	// rule of every replay path (walReplayRule), and the statement keeps
+	// it while it resets the row.
+	wal, err := walReplayApplies(ctx, db, t)
 	if err != nil {
 		return EventReplay{}, err
 	}
 	if wal {
-		h, err := walHoldOf(ctx, db, t, eventID)
-		if err != nil {
+		if err := walReplayRefused(ctx, db, t, eventID); err != nil {
 			return EventReplay{}, err
-		}
-		if h != nil {
-			if err := h.state.Allows(OpReplay); err != nil {
-				return EventReplay{}, refusal(OpReplay, eventID, t, err)
-			}
 		}
 	}
 	res, err := inspectEvent(ctx, db, q, eventID, lockTTL)
@@ -178,7 +173,7 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 	}
 	res.Statement = q.ReplayEvent(id, lockTTL)
 	if wal {
-		res.Statement = schema.WALReplayEvent(t, id, lockTTL, statesAllowing(OpReplay))
+		res.Statement = schema.WALReplayEvent(walReplayGuard(t), id, lockTTL)
 	}
 	if opts.DryRun {
 		res.DryRun = true
@@ -228,6 +223,46 @@ func inspectEvent(ctx context.Context, db DB, q schema.RunbookQueries, eventID u
 	return EventReplay{Table: q.Table.String(), Row: row, Dead: dead}, nil
 }
 
+// walReplayApplies reports whether the WAL hold rule applies to the
+// replays of t: t has WAL holds and an ordering_key column.
+func walReplayApplies(ctx context.Context, db DB, t schema.Table) (bool, error) {
+	wal, err := walHolds(ctx, db, t)
+	if err != nil || !wal {
+		return false, err
+	}
+	cols, err := schema.DetectColumns(ctx, db, t)
+	if err != nil {
+		return false, fmt.Errorf("runbook: %w", err)
+	}
+	return cols.OrderingKey, nil
+}
+
+// walReplayRefused returns the refusal of walReplayRule for the row of
+// the WAL table t whose event_id is eventID, given the hold of its key;
+// nil when the rule allows the replay (or the key holds nothing).
+func walReplayRefused(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) error {
+	var (
+		key, word string
+		seq       int64
+		held      bool
+	)
+	err := db.QueryRow(ctx, schema.WALHoldOfKeyOfEvent(t), eventID.String()).Scan(&key, &seq, &word, &held)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil
+	}
+	if err != nil {
+		return dbError(t, "look up the hold of the key of event "+eventID.String()+" in", err)
+	}
+	s, err := ParseHoldState(word)
+	if err != nil {
+		return err
+	}
+	if err := walReplayRule(s, held); err != nil {
+		return refusal(OpReplay, eventID, t, err)
+	}
+	return nil
+}
+
 // wake notifies the table's relays that rows are due. A failure is ignored:
 // the rows are already due and the relays find them at their next poll.
 func wake(ctx context.Context, db DB, q schema.RunbookQueries) {
@@ -257,7 +292,9 @@ type BulkReplay struct {
 }
 
 // ReplayDeadStatement returns the statement ReplayDead runs for f, after
-// the same checks, without touching the database.
+// the same checks, without touching the database. In a WAL table ReplayDead
+// adds the hold rule's guard (walReplayRule), which this statement, built
+// without looking at the table, does not carry.
 func ReplayDeadStatement(t schema.Table, f DeadFilter) (schema.Statement, error) {
 	sf, err := replayFilter(t, f)
 	if err != nil {
@@ -288,7 +325,10 @@ func replayFilter(t schema.Table, f DeadFilter) (schema.RunbookFilter, error) {
 // ReplayDead resets every dead row of t that matches f (in sequence order,
 // at most f.Limit when it is positive) so that the relay delivers them
 // again, and wakes the table's relays. Rows leased by a relay less than
-// f.LockTTL ago are left alone. f must name a Topic or set AllTopics.
+// f.LockTTL ago are left alone, and so, in a WAL table, are the rows whose
+// key's hold refuses their replay: the rule ReplayEvent applies (a replay
+// while the key's hold drains is refused; HoldState.Allows for the held
+// row). f must name a Topic or set AllTopics.
 //
 // With dryRun it changes nothing and returns in Rows the number of rows the
 // statement would change now, and their Snapshot. Otherwise Rows is the
@@ -299,6 +339,17 @@ func ReplayDead(ctx context.Context, db DB, t schema.Table, f DeadFilter, dryRun
 	sf, err := replayFilter(t, f)
 	if err != nil {
 		return BulkReplay{}, err
+	}
+	// In a WAL table, the rows whose key's hold refuses their replay (the
+	// one rule of every replay path, walReplayRule) are left alone, in the
+	// preview too.
+	wal, err := walReplayApplies(ctx, db, t)
+	if err != nil {
+		return BulkReplay{}, err
+	}
+	if wal {
+		g := walReplayGuard(t)
+		sf.WALReplay = &g
 	}
 	q := schema.NewRunbookQueries(t)
 	res := BulkReplay{Table: t.String(), Statement: q.ReplayDead(sf), DryRun: dryRun}

@@ -120,22 +120,82 @@ func WALSkipHoldIn(t Table) string {
 WHERE h.event_id = $1::uuid AND ` + WALHoldStateSQL(t) + ` = ANY($2::text[]) RETURNING h.ordering_key, h.sequence`
 }
 
-// WALReplayEvent is RunbookQueries.ReplayEvent for the WAL table t: it
-// resets row $1 (event_id) as that statement does, and when the row holds
-// its key, only while the hold's state is one of $3 (text array). The hold
-// row is locked in the same statement, so that a concurrent skip or drain
-// of the hold is ordered before or after the replay, never beside it.
-// Returns: sequence, no row when nothing was reset.
-func WALReplayEvent(t Table, eventID string, lockTTL time.Duration, states []string) Statement {
+// WALReplayRule is the hold rule of a replay in a WAL table, as the states
+// (words) in which the hold of a row's key accepts the replay of the row:
+// Held when the row is the hold's own (held) row, Others for another row
+// of the key. The runbook derives both from its one rule
+// (runbook.HoldState.Allows); every replay statement of a WAL table applies
+// them through WALReplayAllowsSQL: ReplayEvent (WALReplayEvent) and the
+// bulk replays (RunbookFilter.WALReplay).
+type WALReplayRule struct {
+	Table  Table
+	Held   []string
+	Others []string
+}
+
+// WALReplayAllowsSQL is the condition that the WAL hold h (a row of
+// <table>_wal_holds aliased h, the hold of row's key) accepts a replay of
+// row (an alias of a row of t): its state (WALHoldStateSQL) is one of held
+// (a text array expression) when row is the held row, else one of others.
+func WALReplayAllowsSQL(t Table, row, held, others string) string {
+	return WALHoldStateSQL(t) + ` = ANY(CASE WHEN h.event_id = ` + row + `.event_id THEN ` + held + ` ELSE ` + others + ` END)`
+}
+
+// guard is the condition, on row o of a dead row's selection, that the
+// hold of its key (if any) accepts its replay (WALReplayAllowsSQL), its
+// rule's arrays passed through arg. With locked, the holds are read from
+// the statement's CTE lh (lockHolds): as locked, not as of the
+// statement's snapshot.
+func (r WALReplayRule) guard(arg func(v any, cast string) string, locked bool) string {
+	holds := r.Table.WALHoldsTable()
+	if locked {
+		holds = "lh"
+	}
+	return `NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key
+      AND NOT (` + WALReplayAllowsSQL(r.Table, "o", arg(r.Held, "::text[]"), arg(r.Others, "::text[]")) + `))`
+}
+
+// lockHolds is the CTE lh of a bulk replay's statement: the holds of the
+// keys with dead rows, locked (FOR SHARE) and read as locked, so that a
+// concurrent skip, replay or relay write of a hold is ordered before or
+// after the replay, never beside it (as WALReplayEvent's lock).
+func (r WALReplayRule) lockHolds() string {
+	return `lh AS MATERIALIZED (
+  SELECT h.* FROM ` + r.Table.WALHoldsTable() + ` AS h
+  WHERE h.ordering_key IN (SELECT d.ordering_key FROM ` + r.Table.Sanitize() + ` AS d WHERE d.published_at IS NULL AND d.dead_at IS NOT NULL)
+  FOR SHARE
+), `
+}
+
+// WALReplayEvent is RunbookQueries.ReplayEvent for the WAL table t (with
+// an ordering_key column): it resets row $1 (event_id) as that statement
+// does, and when the row's key has a hold, only while the hold accepts the
+// replay by the rule (WALReplayAllowsSQL: held states $3 when the row is
+// the held one, others $4). The hold row is locked in the same statement,
+// and its state checked on the row as locked, so that a concurrent skip or
+// drain of the hold is ordered before or after the replay, never beside
+// it. Returns: sequence, no row when nothing was reset.
+func WALReplayEvent(r WALReplayRule, eventID string, lockTTL time.Duration) Statement {
+	t := r.Table
 	holds := t.WALHoldsTable()
 	return Statement{SQL: `WITH g AS (
-  UPDATE ` + holds + ` AS h SET held_at = h.held_at WHERE h.event_id = $1::uuid AND ` + WALHoldStateSQL(t) + ` = ANY($3::text[]) RETURNING 1
+  UPDATE ` + holds + ` AS h SET held_at = h.held_at FROM ` + t.Sanitize() + ` AS r
+  WHERE r.event_id = $1::uuid AND h.ordering_key = r.ordering_key AND ` + WALReplayAllowsSQL(t, "r", "$3::text[]", "$4::text[]") + ` RETURNING 1
 )
-UPDATE ` + t.Sanitize() + ` SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
-WHERE event_id = $1::uuid
-  AND published_at IS NULL
-  AND (dead_at IS NOT NULL OR last_error IS NOT NULL)
+UPDATE ` + t.Sanitize() + ` AS o SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
+WHERE o.event_id = $1::uuid
+  AND o.published_at IS NULL
+  AND (o.dead_at IS NOT NULL OR o.last_error IS NOT NULL)
   AND NOT ` + LeaseLiveWithin("$2::float8") + `
-  AND (EXISTS (SELECT 1 FROM g) OR NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.event_id = $1::uuid))
-RETURNING sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL), states}}
+  AND (EXISTS (SELECT 1 FROM g) OR NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key))
+RETURNING o.sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL), r.Held, r.Others}}
+}
+
+// WALHoldOfKeyOfEvent finds the hold of the key of the row of the WAL
+// table t whose event_id is $1, released ones included: ordering_key,
+// sequence, state, and whether the row is the held one. No row when the
+// key holds nothing.
+func WALHoldOfKeyOfEvent(t Table) string {
+	return `SELECT h.ordering_key, h.sequence, ` + WALHoldStateSQL(t) + `, h.event_id = r.event_id
+FROM ` + t.WALHoldsTable() + ` AS h JOIN ` + t.Sanitize() + ` AS r ON h.ordering_key = r.ordering_key WHERE r.event_id = $1::uuid`
 }

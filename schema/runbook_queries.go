@@ -145,8 +145,24 @@ type RunbookFilter struct {
 	// LockTTL ago (a relay is handling them right now) are left alone.
 	// Values below 1ns mean LockTTLDefault.
 	LockTTL time.Duration
+	// WALReplay, for a WAL table with an ordering_key column, makes the
+	// replay statements (ReplayDead, ReplayDeadExpecting, CountReplayDead)
+	// leave alone the dead rows whose key's hold refuses their replay by
+	// the rule (WALReplayAllowsSQL). ReplayDead and ReplayDeadExpecting
+	// lock the holds they read (FOR SHARE) and decide on them as locked.
+	// Nil: no hold rule (other tables).
+	WALReplay *WALReplayRule
 
 	capped bool // apply MaxSequence even when 0
+}
+
+// lockHolds is the CTE that locks the WAL holds of a replay statement
+// (WALReplayRule.lockHolds), "" without a hold rule.
+func (f RunbookFilter) lockHolds() string {
+	if f.WALReplay == nil {
+		return ""
+	}
+	return f.WALReplay.lockHolds()
 }
 
 func lockTTLSeconds(d time.Duration) float64 {
@@ -216,7 +232,7 @@ func (f RunbookFilter) conds(prefix string, arg func(v any, cast string) string)
 // deadWhere renders the predicate of the dead rows matching f, appending
 // the values to args, one condition a line after indent. With replay it also
 // skips rows under a live lease.
-func deadWhere(f RunbookFilter, args []any, replay bool, indent string) (string, []any) {
+func deadWhere(f RunbookFilter, args []any, replay, lock bool, indent string) (string, []any) {
 	arg := func(v any, cast string) string {
 		args = append(args, v)
 		return "$" + strconv.Itoa(len(args)) + cast
@@ -229,6 +245,9 @@ func deadWhere(f RunbookFilter, args []any, replay bool, indent string) (string,
 	if f.MaxSequence > 0 || f.capped {
 		conds = append(conds, "sequence <= "+arg(f.MaxSequence, "::bigint"))
 	}
+	if replay && f.WALReplay != nil {
+		conds = append(conds, f.WALReplay.guard(arg, lock))
+	}
 	return strings.Join(conds, "\n"+indent+"AND "), args
 }
 
@@ -237,8 +256,8 @@ func deadWhere(f RunbookFilter, args []any, replay bool, indent string) (string,
 // With replay, rows whose lease has not expired are left out; with lock, the
 // selected rows are locked FOR UPDATE.
 func deadTarget(tbl string, f RunbookFilter, cols string, replay, lock bool) (string, []any) {
-	where, args := deadWhere(f, nil, replay, "    ")
-	sql := `SELECT ` + cols + ` FROM ` + tbl + `
+	where, args := deadWhere(f, nil, replay, lock, "    ")
+	sql := `SELECT ` + cols + ` FROM ` + tbl + ` AS o
   WHERE ` + where + `
   ORDER BY sequence`
 	if f.Limit > 0 {
@@ -289,7 +308,7 @@ func (q RunbookQueries) ReplayDeadExpecting(f RunbookFilter, maxSequence, rows i
 	args = append(args, rows, digest)
 	n := strconv.Itoa(len(args))
 	m := strconv.Itoa(len(args) - 1)
-	return Statement{SQL: `WITH target AS (
+	return Statement{SQL: `WITH ` + f.lockHolds() + `target AS (
   ` + target + `
 ), snap AS (
   SELECT count(*) AS n, ` + sequenceDigest + ` AS digest FROM target
@@ -309,7 +328,7 @@ SELECT snap.n, snap.digest, (SELECT count(*) FROM upd), ARRAY(SELECT event_id::t
 func (q RunbookQueries) ReplayDead(f RunbookFilter) Statement {
 	tbl := q.Table.Sanitize()
 	target, args := deadTarget(tbl, f, "id", true, true)
-	return Statement{SQL: `WITH target AS (
+	return Statement{SQL: `WITH ` + f.lockHolds() + `target AS (
   ` + target + `
 )
 UPDATE ` + tbl + ` AS o SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL

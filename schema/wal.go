@@ -154,6 +154,74 @@ func WALProgressTableExists(t Table) string {
 	return `SELECT to_regclass(` + quoteLiteral(t.WALProgressTable()) + `) IS NOT NULL`
 }
 
+// WALProgressBeforeSetup records, for slot $1 when it has no progress
+// record yet, the position $2 (text: the slot's start minus one, see
+// WALBackfill) and no horizon: the relay's first session finds its slot
+// just ahead of the record and delivers first, from the table, the rows
+// the slot never streamed (those written before Setup), as after a lost
+// slot. Until the relay records a horizon, no row counts as streamed (the
+// cleaner deletes none).
+func WALProgressBeforeSetup(t Table) string {
+	return `INSERT INTO ` + t.WALProgressTable() + ` (slot, confirmed_lsn) VALUES ($1, $2::pg_lsn) ON CONFLICT (slot) DO NOTHING`
+}
+
+// WALCommitTimestamps reads whether the server tracks commit timestamps
+// (track_commit_timestamp): then WALBackfill can read unkeyed rows in
+// commit order.
+const WALCommitTimestamps = `SELECT current_setting('track_commit_timestamp')::bool`
+
+// WALBackfill reads the rows of t that slot $1 never streamed, for the
+// relay to deliver before its stream, with the columns ClaimedRow.ScanKeyed
+// reads (ordering_key NULL without the column): the rows not published and
+// not dead and, after a lost slot (beforeSetup false), not below the
+// slot's recorded horizon (every such row when none was recorded); at the
+// first start after Setup (beforeSetup), those created up to Setup's
+// progress record (the rows written later were streamed; a later record
+// of a session that did not finish the backfill only widens the read).
+//
+// Order: keyed rows by sequence (keyed writers serialise per key, so that
+// is their commit order within a key). Unkeyed rows are ordered by topic,
+// where sequence order need not be commit order (unkeyed writers do not
+// serialise): with commitTimestamps (the server's track_commit_timestamp)
+// they are read in the order of their transactions' commit timestamps,
+// then by sequence (rows of one transaction, or older than the tracking);
+// without it, by sequence.
+func WALBackfill(t Table, c Columns, beforeSetup, commitTimestamps bool) string {
+	cols := walClaimColumns(c)
+	key := `NULL::text`
+	unkeyed := `true`
+	if c.OrderingKey {
+		key = `ordering_key`
+		unkeyed = `(o.ordering_key IS NULL OR o.ordering_key = '')`
+	}
+	prog := t.WALProgressTable()
+	bound := `NOT COALESCE(age(o.xmin) > (SELECT age((horizon::text::numeric % 4294967296)::text::xid) FROM ` + prog + ` WHERE slot = $1), false)`
+	if beforeSetup {
+		bound = `o.created_at <= (SELECT updated_at FROM ` + prog + ` WHERE slot = $1)`
+	}
+	order := `ORDER BY sequence`
+	if commitTimestamps {
+		order = `ORDER BY CASE WHEN ` + unkeyed + ` THEN pg_xact_commit_timestamp(o.xmin) END NULLS FIRST, sequence`
+	}
+	return `SELECT ` + cols + `, ` + key + ` FROM ` + t.Sanitize() + ` AS o
+WHERE published_at IS NULL AND dead_at IS NULL
+  AND ` + bound + `
+` + order
+}
+
+// walClaimColumns are the columns ClaimedRow.Scan reads, for a table with
+// columns c.
+func walClaimColumns(c Columns) string {
+	cols := `id::text, event_id::text, tenant_id::text, topic, payload::text, sequence, attempts, COALESCE(locked_at, now()), created_at`
+	if c.TraceContext {
+		cols += `, traceparent, tracestate`
+	}
+	if c.Headers {
+		cols += `, headers::text`
+	}
+	return cols
+}
+
 // WALProgressRecorded tells whether slot $1 has a progress record in t's
 // progress table (it streamed before).
 func WALProgressRecorded(t Table) string {
@@ -255,8 +323,9 @@ type WALQueries struct {
 	// the skip with Drain). Returns: holds changed, fence ok.
 	RetryDrain string
 	// Parked reads the rows of key $1 after sequence $2 that are not
-	// published and not dead, in sequence order: what a hold kept back.
-	// The columns ClaimedRow.ScanKeyed reads.
+	// published and not dead, in sequence order, at most $3 of them: what
+	// a hold kept back, in bounded batches. The columns
+	// ClaimedRow.ScanKeyed reads.
 	Parked string
 	// Release turns the drained hold of key $1 at sequence $2 into a
 	// tombstone: released, through $3 (the stream's copies of the rows up
@@ -278,7 +347,8 @@ type WALQueries struct {
 	// and not below the slot's recorded horizon (every such row when no
 	// horizon was recorded): what a recreated slot did not stream. The
 	// columns ClaimedRow.ScanKeyed reads (ordering_key NULL without the
-	// column).
+	// column). It is WALBackfill(t, c, false, false); the relay runs
+	// WALBackfill itself.
 	Unsettled string
 	// Row reads row $1 (id) as a claim does (the columns of
 	// ClaimedRow.Scan), for a replay whose UPDATE did not carry every
@@ -310,18 +380,8 @@ func newWALQueries(t Table, c Columns, retrying bool) WALQueries {
 	if !retrying {
 		notRetrying, retryingCol = ``, `false`
 	}
-	cols := `id::text, event_id::text, tenant_id::text, topic, payload::text, sequence, attempts, COALESCE(locked_at, now()), created_at`
-	if c.TraceContext {
-		cols += `, traceparent, tracestate`
-	}
-	if c.Headers {
-		cols += `, headers::text`
-	}
+	cols := walClaimColumns(c)
 	prog := t.WALProgressTable()
-	key := `NULL::text`
-	if c.OrderingKey {
-		key = `ordering_key`
-	}
 	holds := t.WALHoldsTable()
 	q := WALQueries{
 		MarkDeadHold: `WITH ` + walFence(5) + `, d AS (
@@ -342,7 +402,7 @@ SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM h), (SELECT ok FROM f)`,
   WHERE ordering_key = $1 AND sequence = $2 AND NOT released AND (SELECT ok FROM f) RETURNING 1
 )
 SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
-		Parked: `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence`,
+		Parked: `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence LIMIT $3::int`,
 		Release: `WITH ` + walFence(4) + `, u AS (
   UPDATE ` + holds + ` SET released = true, draining = false, through = GREATEST(through, $3)
   WHERE ordering_key = $1 AND sequence = $2 AND (SELECT ok FROM f) RETURNING 1
@@ -355,10 +415,7 @@ SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
 		InsertPosition: `SELECT pg_current_wal_insert_lsn()::text`,
 		Start: `SELECT COALESCE((SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1), ''),
   COALESCE((SELECT confirmed_lsn::text FROM ` + prog + ` WHERE slot = $1), '')`,
-		Unsettled: `SELECT ` + cols + `, ` + key + ` FROM ` + tbl + ` AS o
-WHERE published_at IS NULL AND dead_at IS NULL
-  AND NOT COALESCE(age(o.xmin) > (SELECT age((horizon::text::numeric % 4294967296)::text::xid) FROM ` + prog + ` WHERE slot = $1), false)
-ORDER BY sequence`,
+		Unsettled: WALBackfill(t, c, false, false),
 		Progress: `WITH ` + walFence(4) + `, up AS (
   INSERT INTO ` + prog + ` AS p (slot, confirmed_lsn, horizon, updated_at) SELECT $1, $2::pg_lsn, $3::xid8, now() WHERE (SELECT ok FROM f)
   ON CONFLICT (slot) DO UPDATE SET confirmed_lsn = GREATEST(p.confirmed_lsn, EXCLUDED.confirmed_lsn), updated_at = now(),

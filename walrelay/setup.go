@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -76,10 +77,11 @@ func privilegeHint(err error, what string) error {
 // Setup creates the publication and the logical replication slot of table
 // t (names n, defaults when empty), unless they exist, and the progress
 // table (schema.Table.WALProgressTable) the cleaner and the runbook read. The slot starts at
-// the current WAL position: rows committed before Setup are not streamed;
-// relay them with the table relay (package subscriber) first, or enqueue
-// after Setup. It needs wal_level = logical and a role with the REPLICATION
-// attribute.
+// the current WAL position; the rows committed before it and still pending
+// (not published, not dead) are read from the table by the relay's first
+// session and delivered before the stream (a backfill, as after a lost
+// slot): nothing committed before Setup is lost. It needs wal_level =
+// logical and a role with the REPLICATION attribute. It is idempotent.
 func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Names, error) {
 	n, err := n.withDefaults(t)
 	if err != nil {
@@ -117,8 +119,7 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	err = pool.QueryRow(ctx, schema.WALSlotState, n.Slot).Scan(&plugin, &active, &confirmed, &lost)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		var lsn string
-		if err := pool.QueryRow(ctx, schema.WALCreateSlot, n.Slot).Scan(&lsn); err != nil {
+		if err := pool.QueryRow(ctx, schema.WALCreateSlot, n.Slot).Scan(&confirmed); err != nil {
 			return n, privilegeHint(err, "create replication slot "+n.Slot)
 		}
 	case err != nil:
@@ -126,8 +127,31 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	case plugin != "pgoutput":
 		return n, fmt.Errorf("walrelay: replication slot %s exists with plugin %q, not pgoutput; drop it or name another slot", n.Slot, plugin)
 	}
+	// The rows committed before the slot are not in its stream: a
+	// progress record just behind it (its start minus one: setupRecord)
+	// makes the first session deliver them from the table (start), and
+	// counts none of them streamed until then.
+	if confirmed == "" {
+		return n, nil // a slot without a position (invalidated): the relay recreates it and backfills
+	}
+	start, err := pglogrepl.ParseLSN(confirmed)
+	if err != nil {
+		return n, fmt.Errorf("walrelay: replication slot %s: read its position %q: %w", n.Slot, confirmed, err)
+	}
+	if start == 0 {
+		return n, fmt.Errorf("walrelay: replication slot %s has no confirmed position; drop it and run Setup again", n.Slot)
+	}
+	if _, err := pool.Exec(ctx, schema.WALProgressBeforeSetup(t), n.Slot, setupRecord(start).String()); err != nil {
+		return n, fmt.Errorf("walrelay: record the start of slot %s: %w", n.Slot, err)
+	}
 	return n, nil
 }
+
+// setupRecord is the position Setup records for a slot that starts at
+// start: one before it. A slot found exactly one ahead of its record was
+// never read since Setup (start then reads the rows written before
+// Setup); one further ahead was recreated after a loss.
+func setupRecord(start pglogrepl.LSN) pglogrepl.LSN { return start - 1 }
 
 // Teardown drops the slot, the publication and the progress table of t (names n, defaults when
 // empty). A dropped slot retains no WAL; events committed after it are no
@@ -185,9 +209,9 @@ func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names
 	var active, lost bool
 	err := pool.QueryRow(ctx, schema.WALSlotState, n.Slot).Scan(&plugin, &active, &confirmed, &lost)
 	if errors.Is(err, pgx.ErrNoRows) {
-		// A slot that streamed before (it has a progress record) and is
-		// gone is recreated by the relay, which reads what it missed from
-		// the table; one that never streamed needs Setup.
+		// A slot that streamed before, or that Setup created (either has a
+		// progress record), and is gone is recreated by the relay, which
+		// reads what it missed from the table; one never set up needs Setup.
 		var recorded bool
 		if err := pool.QueryRow(ctx, schema.WALProgressTableExists(t)).Scan(&recorded); err != nil {
 			return fmt.Errorf("walrelay: look up the progress table of %s: %w", t, err)

@@ -147,6 +147,17 @@ type Config struct {
 	// CloseTimeout bounds how long Close waits for messages in flight.
 	// Defaults to CloseTimeoutDefault.
 	CloseTimeout time.Duration
+	// DispatchTimeout is how long a handler may keep a message: the
+	// message's context ends DispatchTimeout after it was handed over (or
+	// earlier, at its ack or nack or the session's end). A handler that
+	// returns when its context ends and nacks has its row retried after
+	// Backoff, as for any nack; the relay does not hand the key's message
+	// out again before the verdict (one copy per key), so a handler that
+	// ignores its context keeps its key until it answers or its session
+	// ends. Set it to the router's dispatch timeout, as for
+	// subscriber.Config.DispatchTimeout. Defaults to
+	// subscriber.DispatchTimeoutDefault.
+	DispatchTimeout time.Duration
 	// LastErrorMaxBytes bounds last_error. Defaults to
 	// subscriber.LastErrorMaxBytesDefault.
 	LastErrorMaxBytes int
@@ -177,6 +188,9 @@ func (c *Config) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = CloseTimeoutDefault
 	}
+	if c.DispatchTimeout == 0 {
+		c.DispatchTimeout = subscriber.DispatchTimeoutDefault
+	}
 	if c.LastErrorMaxBytes == 0 {
 		c.LastErrorMaxBytes = subscriber.LastErrorMaxBytesDefault
 	}
@@ -190,6 +204,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("walrelay: invalid config: MaxAttempts %d; use at least 1", c.MaxAttempts)
 	case c.MaxInFlight < 1, c.StatusInterval < 0, c.ElectionInterval < 0, c.CloseTimeout < 0, c.LastErrorMaxBytes < 0:
 		return errors.New("walrelay: invalid config: MaxInFlight must be positive and the intervals not negative")
+	case c.DispatchTimeout < 0:
+		return fmt.Errorf("walrelay: invalid config: DispatchTimeout %s is negative; leave it 0 for the default (%s) or set a positive value", c.DispatchTimeout, subscriber.DispatchTimeoutDefault)
 	}
 	return nil
 }
@@ -477,7 +493,11 @@ type hold struct {
 	wantDrain bool          // a drain was asked for and its statements failed
 	maxRead   int64         // draining: the last sequence read from the table
 	left      int           // draining: rows read and not settled yet
-	unseen    int           // the drain waits for streamed rows to be visible: its tries so far (visible.go)
+	// more: the drain's last batch was full; the key's rows after maxRead
+	// are read from the table in the next batch once this one is settled
+	// (drained), and their streamed copies are parked meanwhile.
+	more   bool
+	unseen int // the drain waits for streamed rows to be visible: its tries so far (visible.go)
 	// acked is the held row's replay, acked and not settled until the
 	// drain it starts is written (invariant R): the confirmed position
 	// does not pass the replay's UPDATE before the hold says draining, so
@@ -494,7 +514,8 @@ type hold struct {
 // settled before a server restart (settledThrough) is buffered whole
 // instead (buffered, items) and decided at its COMMIT by its end.
 type txn struct {
-	xid       uint32 // the transaction id (BEGIN): its rows are visible once it is (visible.go)
+	xid       uint32        // the transaction id (BEGIN): its rows are visible once it is (visible.go)
+	final     pglogrepl.LSN // its commit record's position (BEGIN)
 	end       pglogrepl.LSN
 	commit    time.Time
 	pending   int
@@ -561,13 +582,21 @@ type stream struct {
 	// under MaxInFlight (a retrying key does not stop the other keys), up
 	// to backoffReadAhead x MaxInFlight rows in all.
 	behind int
+	// fromTable counts the rows drains read from the table (items without
+	// a transaction) and not settled yet.
+	fromTable int
 	// spillPause: a spill failed (a database error); none is tried again
 	// before it.
 	spillPause time.Time
 	// settledThrough: transactions ending at or before it were settled by
 	// an earlier session (the slot moved back after a server restart).
 	settledThrough pglogrepl.LSN
-	oid            uint32 // the outbox table's relation id
+	// backfillIDs are the ids of the rows the session's backfill read,
+	// until the confirmed position passes backfillUntil (the WAL position
+	// after the read): their streamed inserts are not delivered again.
+	backfillIDs   map[string]struct{}
+	backfillUntil pglogrepl.LSN
+	oid           uint32 // the outbox table's relation id
 	// The session's write fence: its walsender's pid and the slot's fence
 	// lock key (schema.WALQueries); fencedOut once a write was refused (the
 	// session no longer holds the slot: it ends).
@@ -744,9 +773,11 @@ func (s *Subscriber) ensureSlot(ctx context.Context) error {
 
 // start reads where the slot and the progress record stand. A slot ahead
 // of the recorded position was recreated (by this relay or another one
-// that stopped before it finished): the rows it never streamed are read
-// from the table, from the recorded horizon on, and delivered first, as
-// one transaction ending where the slot begins.
+// that stopped before it finished), or was never read since Setup (which
+// records the slot's start minus one: the rows written before Setup are
+// not in the stream): the rows it never streamed are read from the table
+// (schema.WALBackfill) and delivered first, as one transaction ending
+// where the slot begins.
 func (st *stream) start(ctx context.Context) (*txn, error) {
 	s := st.s
 	var slotText, recorded string
@@ -782,16 +813,43 @@ func (st *stream) start(ctx context.Context) (*txn, error) {
 		return nil, nil
 	}
 	st.confirmed = rec
-	items, err := st.readItems(ctx, s.q.Unsettled, s.cfg.Names.Slot)
+	// The slot Setup created, never read, is one ahead of Setup's record:
+	// the rows written before Setup; otherwise the slot was recreated.
+	beforeSetup := slot == rec+1
+	var commitTS bool
+	if err := s.pool.QueryRow(ctx, schema.WALCommitTimestamps).Scan(&commitTS); err != nil {
+		return nil, fmt.Errorf("read track_commit_timestamp: %w", err)
+	}
+	items, err := st.readItems(ctx, schema.WALBackfill(s.cfg.Table, s.cols, beforeSetup, commitTS), s.cfg.Names.Slot)
 	if err != nil {
-		return nil, fmt.Errorf("read the rows the recreated slot missed: %w", err)
+		return nil, fmt.Errorf("read the rows the slot did not stream: %w", err)
+	}
+	// The rows read that the stream brings too (committed after the slot
+	// began and before the read) are not delivered twice: their streamed
+	// inserts, of transactions that committed before this position, are
+	// settled without delivery (backfilledCopy).
+	var untilText string
+	if err := s.pool.QueryRow(ctx, s.q.InsertPosition).Scan(&untilText); err != nil {
+		return nil, fmt.Errorf("read the WAL position after the backfill: %w", err)
+	}
+	if st.backfillUntil, err = pglogrepl.ParseLSN(untilText); err != nil {
+		return nil, fmt.Errorf("WAL position %q: %w", untilText, err)
 	}
 	tx := &txn{end: slot, commit: time.Now(), items: items}
+	st.backfillIDs = make(map[string]struct{}, len(items))
 	for _, it := range items {
 		it.tx = tx
+		st.backfillIDs[it.row.ID] = struct{}{}
 	}
 	s.backfilled.Add(int64(len(tx.items)))
-	s.logger.Info("Backfill from the table after a lost slot", watermill.LogFields{"rows": len(tx.items), "from": rec.String(), "slot_starts": slot.String()})
+	why := "Backfill from the table after a lost slot"
+	if beforeSetup {
+		why = "Backfill from the table at the first start: rows written before Setup"
+	}
+	if !commitTS {
+		s.logger.Debug("track_commit_timestamp is off: the backfill reads unkeyed rows in sequence order", nil)
+	}
+	s.logger.Info(why, watermill.LogFields{"rows": len(tx.items), "from": rec.String(), "slot_starts": slot.String()})
 	return tx, nil
 }
 
@@ -1136,7 +1194,7 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 	case *pglogrepl.RelationMessage:
 		st.rels[m.RelationID] = newRelation(m)
 	case *pglogrepl.BeginMessage:
-		st.cur = &txn{commit: m.CommitTime, xid: m.Xid}
+		st.cur = &txn{commit: m.CommitTime, xid: m.Xid, final: m.FinalLSN}
 		if st.settledThrough != 0 && m.FinalLSN <= st.settledThrough {
 			// Perhaps settled before the server restarted: its end, read
 			// at its COMMIT, tells.
@@ -1181,7 +1239,7 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 // dispatches the key; the row of a held key is parked (settled without
 // delivery).
 func (st *stream) queue(ctx context.Context, it *item) {
-	if st.parks(it) {
+	if st.parks(it) || st.backfilledCopy(it) {
 		return
 	}
 	st.replayed(it)
@@ -1203,6 +1261,18 @@ func (st *stream) queue(ctx context.Context, it *item) {
 	st.dispatch(ctx, it.key)
 }
 
+// backfilledCopy reports whether a streamed row is the insert of a row
+// the session's backfill read from the table (it committed after the slot
+// began and before the read): settled without delivery, the backfill
+// delivers it.
+func (st *stream) backfilledCopy(it *item) bool {
+	if st.backfillIDs == nil || it.replay || it.tx.final >= st.backfillUntil {
+		return false
+	}
+	_, ok := st.backfillIDs[it.row.ID]
+	return ok
+}
+
 // replayed: an operator's replay of the held row of a retrying hold is
 // delivered now, as the replay of a dead held row is; the hold no longer
 // retries on its own (its drain follows the replay's ack).
@@ -1215,7 +1285,7 @@ func (st *stream) replayed(it *item) {
 // peakRows records the most rows the session held read and not settled
 // (buffered transactions included), for the tests.
 func (st *stream) peakRows() {
-	n := int64(st.unsettled)
+	n := int64(st.unsettled + st.fromTable)
 	if st.cur != nil && st.cur.buffered {
 		n += int64(len(st.cur.items))
 	}
@@ -1419,10 +1489,17 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 		for _, c := range tuple.Columns {
 			unchanged = unchanged || c.DataType == 'u'
 		}
+		if !unchanged {
+			// The replay of an earlier row of a held key is delivered if
+			// the row is still reset: read it, as below (earlierOfHeld).
+			seq, serr := r.int(tuple, r.sequence)
+			unchanged = serr == nil && st.earlierOfHeld(get(r.orderingKey), seq)
+		}
 	}
 	var row schema.ClaimedRow
 	if update && unchanged {
-		// The payload was not in the UPDATE: read the row.
+		// The payload was not in the UPDATE (or the replay is of an
+		// earlier row of a held key): read the row.
 		id := str(r.id)
 		if err != nil {
 			return err
@@ -1465,6 +1542,20 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 	}
 	st.queue(ctx, it)
 	return nil
+}
+
+// earlierOfHeld reports whether a replayed row of key (its sequence seq)
+// comes before the row that holds its key (a hold not resolved): parks
+// delivers such a replay as new work, so the row reads the row from the
+// table first and drops the replay when the row is no longer reset (dead
+// again, or skipped since: the stream carries an old replay again after a
+// session's end).
+func (st *stream) earlierOfHeld(key *string, seq int64) bool {
+	if key == nil || *key == "" {
+		return false
+	}
+	h := st.holds[*key]
+	return h != nil && !h.released && seq < h.seq
 }
 
 // dispatchAll delivers the head of every key that is free and due, with
@@ -1609,7 +1700,8 @@ type waiting struct {
 	delivery
 	msg      *message.Message
 	recorded func() error
-	cp       *term.Copy // the message's copy in the relay's ledger
+	cp       *term.Copy         // the message's copy in the relay's ledger
+	cancel   context.CancelFunc // ends the DispatchTimeout of the message's context
 }
 
 // waiterIdle is how long a waiter goroutine stays for the next message
@@ -1658,9 +1750,12 @@ func (st *stream) handOver(d delivery) {
 	}
 	// The message's context carries the session's values; the term sets
 	// it, cancelled when the session ends or the copy does (term I2).
+	// It also ends at DispatchTimeout (cancelled with the copy, below).
 	mctx, recorded := subscriber.ContextWithErrorRecorder(context.WithoutCancel(d.ctx))
+	mctx, cancel := context.WithTimeout(mctx, st.s.cfg.DispatchTimeout)
 	cp, err := st.term.Hand(mctx, d.it.key, msg)
 	if err != nil {
+		cancel()
 		if errors.Is(err, term.ErrKeyOut) {
 			// Not expected: dispatch asked the ledger, and a key has one
 			// delivery at a time in a session.
@@ -1674,11 +1769,12 @@ func (st *stream) handOver(d delivery) {
 	case st.out <- msg:
 	case <-d.ctx.Done():
 		cp.End(term.Withdrawn)
+		cancel()
 		st.send(settle{it: d.it, stopped: true})
 		st.inFlight.Done()
 		return
 	}
-	w := waiting{delivery: d, msg: msg, recorded: recorded, cp: cp}
+	w := waiting{delivery: d, msg: msg, recorded: recorded, cp: cp, cancel: cancel}
 	select {
 	case st.waits <- w: // an idle waiter took it
 	default:
@@ -1718,6 +1814,7 @@ func (st *stream) waiter(w waiting) {
 			// stop: I1, I3, I4).
 			st.send(settle{it: w.it, stopped: true})
 		}
+		w.cancel()
 		st.inFlight.Done()
 		idle.Reset(waiterIdle)
 		select {
@@ -1779,7 +1876,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		it.lastErr = redact.Summary(v.err.Error(), it.row.Payload, st.s.cfg.LastErrorMaxBytes)
 		st.backingOff(q)
 		st.s.logger.Debug("Nacked: key held until the retry", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
-		if len(q.items) > st.s.cfg.MaxInFlight && st.spill(ctx, it.key, q) {
+		if (len(q.items) > st.s.cfg.MaxInFlight || st.moreInTable(it)) && st.spill(ctx, it.key, q) {
 			return
 		}
 		st.dispatch(ctx, it.key)
@@ -1849,6 +1946,7 @@ func (st *stream) settled(it *item) {
 		it.tx.pending--
 		return
 	}
+	st.fromTable--
 	if h := st.holdOf(it); h != nil && h.draining {
 		h.left--
 	}
@@ -1895,12 +1993,19 @@ func (st *stream) parks(it *item) bool {
 		// An operator's replay after the hold was resolved (of the skipped
 		// row, say) is new work, not a copy of a drained row.
 		return false
+	case it.replay && seq < h.seq:
+		// An operator's replay of an earlier row of the key (a dead row the
+		// key went past): new work too. The hold's own drains read only
+		// rows after its row; an earlier drain that read this row after
+		// the replay delivered it already, and this is a copy (at least
+		// once). Parked, it was lost: no drain reads it again.
+		return false
 	case seq <= h.through:
 		return true
 	case h.released:
 		return false
 	case h.draining:
-		return seq <= h.maxRead
+		return seq <= h.maxRead || h.more
 	}
 	return seq >= h.seq
 }
@@ -1936,13 +2041,35 @@ func (st *stream) afterAck(ctx context.Context, it *item) {
 	case h.replayedBy(it):
 		st.startDrain(ctx, key, h)
 	case h.draining && h.left == 0:
-		st.release(ctx, key, h)
+		st.drained(ctx, key, h)
 	}
 }
 
+// drained follows a drain whose rows read so far are all settled: it
+// reads the next batch when the last one was full, and releases the hold
+// otherwise.
+func (st *stream) drained(ctx context.Context, key string, h *hold) {
+	if h.more {
+		st.drainFrom(ctx, key, h, drainNext)
+		return
+	}
+	st.release(ctx, key, h)
+}
+
+// drainMode is what drainFrom reads: the rows after the held row (a
+// replay's ack or a skip), the held row and those after it (the retry of a
+// retrying hold), or the batch after the last one read (a drain under way).
+type drainMode uint8
+
+const (
+	drainStart drainMode = iota
+	drainRetry
+	drainNext
+)
+
 // startDrain reads the rows the hold kept back and queues them first.
 func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
-	st.drainFrom(ctx, key, h, false)
+	st.drainFrom(ctx, key, h, drainStart)
 }
 
 // startRetry retries a retrying hold: it reads the key's rows from the
@@ -1950,13 +2077,19 @@ func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
 // When a skip was requested meanwhile (RetryDrain changes nothing), the
 // skip is applied instead (startDrain).
 func (st *stream) startRetry(ctx context.Context, key string, h *hold) {
-	st.drainFrom(ctx, key, h, true)
+	st.drainFrom(ctx, key, h, drainRetry)
 }
 
 // drainFrom reads the rows of the hold's key after its row (and, for a
-// retry, the held row too) and queues them in sequence order before the
-// key's rows streamed after the read.
-func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool) {
+// retry, the held row too; for drainNext, after the last row read) and
+// queues them in sequence order before the key's rows streamed after the
+// read. It reads at most MaxInFlight rows (a batch): when the batch is
+// full (more), the key's streamed rows stay parked and the next batch is
+// read once this one is settled (drained), so a drain holds at most
+// MaxInFlight rows read from the table and not settled, however long the
+// key's backlog.
+func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drainMode) {
+	retry := mode == drainRetry
 	s := st.s
 	h.wantDrain = true
 	// The drain reads the rows parked behind the hold from the table: it
@@ -1973,10 +2106,14 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool
 	}
 	h.unseen = 0
 	after, sql, op := h.seq, s.q.Drain, "drain"
-	if retry {
+	switch mode {
+	case drainRetry:
 		after, sql, op = h.seq-1, s.q.RetryDrain, "retry"
+	case drainNext:
+		after = h.maxRead
 	}
-	items, err := st.readItems(ctx, s.q.Parked, key, after)
+	batch := s.cfg.MaxInFlight
+	items, err := st.readItems(ctx, s.q.Parked, key, after, batch)
 	if err != nil {
 		s.logger.Error("Could not read the rows of a held key; retrying at the next tick", err, nil)
 		return
@@ -1994,6 +2131,9 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool
 		return
 	}
 	maxRead := h.seq
+	if mode == drainNext {
+		maxRead = h.maxRead
+	}
 	if len(items) > 0 {
 		maxRead = max(maxRead, items[len(items)-1].row.Sequence)
 	}
@@ -2014,14 +2154,20 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool
 	if retry && len(items) > 0 && items[0].row.Sequence == h.seq {
 		items[0].attempts = max(h.attempts, int(items[0].row.Attempts))
 	}
-	h.retrying = h.retrying && retry // a drain after the held row's ack or skip: it retries no more
+	// A drain after the held row's ack or skip retries no more; nor does
+	// a retry's next batch (its held row was acked: the batch before it
+	// is settled).
+	h.retrying = h.retrying && retry
 	h.draining, h.wantDrain, h.maxRead, h.left, h.untilLSN = true, false, maxRead, len(items), lsn
+	h.more = len(items) == batch
 	if h.acked != nil {
 		st.settleAcked(h) // the hold says draining: the replay's position may pass
 		st.advance()
 	}
-	s.logger.Info("Hold drains: the key's parked rows are delivered", watermill.LogFields{"rows": len(items), "retry": retry})
-	s.logger.Trace("Drain", watermill.LogFields{"key": key, "sequence": h.seq, "rows": len(items), "max_read": h.maxRead, "retry": retry})
+	if mode != drainNext {
+		s.logger.Info("Hold drains: the key's parked rows are delivered", watermill.LogFields{"rows": len(items), "retry": retry, "more": h.more})
+	}
+	s.logger.Trace("Drain", watermill.LogFields{"key": key, "sequence": h.seq, "rows": len(items), "max_read": h.maxRead, "retry": retry, "more": h.more})
 	if len(items) == 0 {
 		st.release(ctx, key, h)
 		return
@@ -2033,6 +2179,8 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, retry bool
 		st.keys[k] = q
 	}
 	q.items = mergeDrained(q, items)
+	st.fromTable += len(items)
+	st.peakRows()
 	st.dispatch(ctx, k)
 }
 
@@ -2070,9 +2218,11 @@ func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
 	st.backedOff(q)
 	rows := len(q.items)
 	for _, it := range q.items {
-		if it.tx != nil { // a drained row (tx nil) is read again at the retry
+		if it.tx != nil {
 			st.unsettled--
 			it.tx.pending--
+		} else {
+			st.fromTable-- // a drained row is read again at the retry
 		}
 	}
 	h := &hold{seq: head.row.Sequence, through: through, retrying: true, retryAt: q.retryAt, attempts: head.attempts}
@@ -2085,6 +2235,15 @@ func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
 	st.advance()
 	st.dispatch(ctx, key) // drops the empty queue
 	return true
+}
+
+// moreInTable reports whether the key of it drains a backlog longer than
+// the batch it read (hold.more): the key's backlog is in the table, and
+// its head that waits for a retry is spilled again rather than kept in
+// memory with the batch.
+func (st *stream) moreInTable(it *item) bool {
+	h := st.holdOf(it)
+	return h != nil && h.draining && h.more
 }
 
 // spillable reports whether q's backlog can be spilled: the relay is not
@@ -2138,6 +2297,10 @@ func (st *stream) retryHolds(ctx context.Context) {
 	}
 	now := time.Now()
 	for key, h := range st.holds {
+		if h.draining && h.left == 0 && h.more && h.wantDrain {
+			st.drainFrom(ctx, key, h, drainNext) // its next batch waited for the stream's rows to be visible
+			continue
+		}
 		if h.draining || h.released {
 			continue
 		}
@@ -2343,7 +2506,7 @@ func (st *stream) tickHolds(ctx context.Context) {
 		case !h.draining && (r.skipd || r.draining || h.wantDrain):
 			st.startDrain(ctx, r.key, h)
 		case h.draining && h.left == 0:
-			st.release(ctx, r.key, h) // a release that failed before
+			st.drained(ctx, r.key, h) // a next batch or a release that failed before
 		}
 	}
 }
@@ -2372,6 +2535,9 @@ func (st *stream) advance() {
 	}
 	if n > 0 {
 		st.txns = append(st.txns[:0], st.txns[n:]...)
+	}
+	if st.backfillIDs != nil && st.confirmed >= st.backfillUntil {
+		st.backfillIDs = nil // the stream is past every copy
 	}
 	st.markOldest()
 }

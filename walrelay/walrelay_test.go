@@ -58,6 +58,13 @@ func clusterPG(t *testing.T) (*pgxpool.Pool, schema.Table, *pgtest.Cluster) {
 // clusterWith is clusterPG with more server settings.
 func clusterWith(t *testing.T, extra map[string]string) (*pgxpool.Pool, schema.Table, *pgtest.Cluster) {
 	t.Helper()
+	return startCluster(t, extra, true)
+}
+
+// startCluster is clusterWith; without setup, the table is migrated but
+// walrelay.Setup is left to the test.
+func startCluster(t *testing.T, extra map[string]string, setup bool) (*pgxpool.Pool, schema.Table, *pgtest.Cluster) {
+	t.Helper()
 	clusterSlots <- struct{}{}
 	t.Cleanup(func() { <-clusterSlots })
 	settings := map[string]string{
@@ -80,8 +87,10 @@ func clusterWith(t *testing.T, extra map[string]string) (*pgxpool.Pool, schema.T
 	if err := schema.Migrate(ctx, pool, tbl, schema.WithAllColumns()); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := walrelay.Setup(ctx, pool, tbl, walrelay.Names{}); err != nil {
-		t.Fatal(err)
+	if setup {
+		if _, err := walrelay.Setup(ctx, pool, tbl, walrelay.Names{}); err != nil {
+			t.Fatal(err)
+		}
 	}
 	return pool, tbl, pg
 }
