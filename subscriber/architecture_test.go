@@ -46,7 +46,7 @@ func TestArchitectureStatesTheConstants(t *testing.T) {
 // using the core.
 func TestOrderedRelayUsesTheTermCore(t *testing.T) {
 	t.Parallel()
-	termcheck.Expect(t, ".", "ordered.go")
+	termcheck.Expect(t, ".", "ordered.go", "ordered_keys.go", "ordered_lease.go", "ordered_scan.go")
 }
 
 // TestOrderedTermOverrun: a message that an ended term left in a handler

@@ -35,7 +35,7 @@ func TestArchitectureStatesTheConstants(t *testing.T) {
 // using the core.
 func TestWALRelayUsesTheTermCore(t *testing.T) {
 	t.Parallel()
-	termcheck.Expect(t, ".", "walrelay.go")
+	termcheck.Expect(t, ".", "walrelay.go", "session.go", "rows.go", "dispatch.go", "holds.go")
 }
 
 // TestWALTermOverrun: a message that a session's end left in a handler holds

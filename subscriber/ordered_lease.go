@@ -1,0 +1,256 @@
+package subscriber
+
+import (
+	"context"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5"
+)
+
+// tick heartbeats, releases partitions no longer assigned, renews leases and
+// persists floors, cleans resolved holds below the written floors, and takes
+// assigned partitions that are free.
+func (r *orderedRelay) tick(ctx context.Context) {
+	cfg := r.s.cfg
+	ttl := cfg.LockTTL.Seconds()
+	qctx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	var live []string
+	if err := r.s.pool.QueryRow(qctx, r.oq.Heartbeat, r.id, ttl).Scan(&live); err != nil {
+		if ctx.Err() == nil {
+			r.logger.Error("Ordered relay heartbeat failed", err, nil)
+		}
+		r.fence()
+		return
+	}
+	mine := r.assigned(live)
+	now := time.Now()
+
+	r.mu.Lock()
+	var relIDs []int32
+	var relFloors, relEpochs []int64
+	var renIDs []int32
+	var renFloors, renEpochs []int64
+	for id, p := range r.parts {
+		if !mine[id] && !p.releasing {
+			p.releasing = true
+			r.dropQueuesLocked(p)
+		}
+		r.advanceFloorLocked(p)
+		if p.releasing && !r.partBusyLocked(p) {
+			relIDs, relFloors, relEpochs = append(relIDs, int32(id)), append(relFloors, p.floor), append(relEpochs, p.term.Epoch()) //nolint:gosec // partition < 64
+			r.dropPartLocked(id)
+			continue
+		}
+		// A floor that moved is written at most every floorEvery, with
+		// the lease, so that the progress of a busy relay leaves a
+		// bounded number of row versions (a pinned xmin horizon keeps
+		// them all): 64 partitions every 6 s at the default LockTTL.
+		if (p.floor != p.persisted && now.Sub(p.renewed) >= r.floorEvery()) || now.Sub(p.renewed) >= cfg.LockTTL/3 {
+			renIDs, renFloors, renEpochs = append(renIDs, int32(id)), append(renFloors, p.floor), append(renEpochs, p.term.Epoch()) //nolint:gosec // partition < 64
+		}
+	}
+	var want []int32
+	for id := range mine {
+		// A partition whose earlier term still has a message in a
+		// handler is not taken again before that copy ends (its verdict,
+		// its overrun): one copy of a key in a handler at a time (term
+		// I1, I5).
+		if r.parts[id] == nil && r.terms.Quiesced(id) {
+			want = append(want, int32(id)) //nolint:gosec // partition < 64
+		}
+	}
+	r.mu.Unlock()
+
+	if len(relIDs) > 0 {
+		if _, err := r.s.pool.Exec(qctx, r.oq.Release, r.id, relIDs, relFloors, relEpochs); err != nil && ctx.Err() == nil {
+			r.logger.Error("Could not give partitions back; they pass to other relays after the lock TTL", err, nil)
+		}
+	}
+	if len(renIDs) > 0 {
+		t0 := time.Now()
+		rows, err := r.s.pool.Query(qctx, r.oq.Renew, r.id, renIDs, renFloors, ttl, renEpochs)
+		var ok []int
+		if err == nil {
+			ok, err = pgx.CollectRows(rows, pgx.RowTo[int])
+		}
+		r.mu.Lock()
+		if err != nil {
+			if ctx.Err() == nil {
+				r.logger.Error("Could not renew partition leases", err, nil)
+			}
+		} else {
+			got := map[int]bool{}
+			for _, id := range ok {
+				got[id] = true
+			}
+			for i, id32 := range renIDs {
+				id := int(id32)
+				p := r.parts[id]
+				if p == nil || p.term.Epoch() != renEpochs[i] {
+					continue
+				}
+				if !got[id] {
+					r.logger.Info("Partition lease lost; another relay took it", watermill.LogFields{"partition": id})
+					r.s.fenceRejected("renew")
+					r.dropPartLocked(id)
+					continue
+				}
+				p.persisted = max(p.persisted, renFloors[i])
+				p.renewed = t0
+				p.deadline = t0.Add(cfg.LockTTL - r.margin())
+			}
+		}
+		clean := r.resolvedBelowPersistedLocked()
+		r.mu.Unlock()
+		if clean && err == nil {
+			if _, err := r.s.pool.Exec(qctx, r.oq.CleanResolved, r.id); err != nil && ctx.Err() == nil {
+				r.logger.Error("Could not clean resolved holds; retrying next tick", err, nil)
+			}
+		}
+	}
+	r.fence()
+	if len(want) > 0 {
+		t0 := time.Now()
+		rows, err := r.s.pool.Query(qctx, r.oq.Acquire, r.id, want, ttl)
+		if err != nil {
+			if ctx.Err() == nil {
+				r.logger.Error("Could not take partitions", err, nil)
+			}
+			return
+		}
+		type taken struct {
+			id           int
+			floor, epoch int64
+		}
+		got, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (taken, error) {
+			var t taken
+			err := row.Scan(&t.id, &t.floor, &t.epoch)
+			return t, err
+		})
+		if err != nil {
+			if ctx.Err() == nil {
+				r.logger.Error("Could not take partitions", err, nil)
+			}
+			return
+		}
+		r.mu.Lock()
+		for _, t := range got {
+			if old := r.parts[t.id]; old != nil {
+				r.dropPartLocked(t.id) // not expected: want has no owned partition
+			}
+			p := &partState{id: t.id, floor: t.floor, persisted: t.floor, seen: t.floor, fresh: true,
+				open: map[int64]struct{}{}, renewed: t0, deadline: t0.Add(cfg.LockTTL - r.margin()),
+				term: r.terms.Begin(context.Background(), t.id, t.epoch)}
+			p.expiry = time.AfterFunc(time.Until(p.deadline), func() { r.expire(p) })
+			r.parts[t.id] = p
+			r.logger.Info("Partition taken", watermill.LogFields{"partition": t.id, "term": t.epoch, "floor": t.floor})
+		}
+		r.mu.Unlock()
+		if len(got) > 0 {
+			r.signal()
+		}
+	}
+}
+
+// resolvedBelowPersistedLocked reports whether a resolved hold of an owned
+// partition is at or below its written floor (CleanResolved has work).
+func (r *orderedRelay) resolvedBelowPersistedLocked() bool {
+	for name, k := range r.keys {
+		if h := k.hold; h != nil && h.resolved && h.seq <= k.p.persisted && r.parts[k.p.id] == k.p {
+			k.hold = nil
+			r.pruneKeyLocked(name, k)
+			return true
+		}
+	}
+	return false
+}
+
+// expire ends p's term when its deadline passed without a renewal, between
+// ticks: its messages' contexts are cancelled at the deadline, a margin
+// before the lease ends in the database and another relay may take it.
+func (r *orderedRelay) expire(p *partState) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.parts[p.id] != p {
+		return
+	}
+	if !r.expireLocked(p) {
+		p.expiry.Reset(time.Until(p.deadline)) // renewed meanwhile
+	}
+}
+
+// fence drops the partitions whose lease may have ended by the local clock
+// (at a tick: the expiry timers do it between ticks).
+func (r *orderedRelay) fence() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, p := range r.parts {
+		r.expireLocked(p)
+	}
+}
+
+// expireLocked ends p's term if its deadline passed, and reports whether it
+// did.
+func (r *orderedRelay) expireLocked(p *partState) bool {
+	if time.Now().Before(p.deadline) {
+		return false
+	}
+	r.logger.Info("Partition lease not renewed in time; stopping its deliveries", watermill.LogFields{"partition": p.id, "term": p.term.Epoch()})
+	r.dropPartLocked(p.id)
+	return true
+}
+
+// partBusyLocked reports whether a runner works on a key of p.
+func (r *orderedRelay) partBusyLocked(p *partState) bool {
+	for _, k := range r.keys {
+		if k.p == p && k.busy {
+			return true
+		}
+	}
+	return false
+}
+
+// dropQueuesLocked stops the deliveries of p's keys; their rows stay open,
+// so the floor stays below them.
+func (r *orderedRelay) dropQueuesLocked(p *partState) {
+	for _, k := range r.keys {
+		if k.p == p {
+			k.queue = nil
+		}
+	}
+}
+
+// dropPartLocked ends a partition's term and forgets it and its keys: the
+// contexts of its messages in handlers are cancelled (term I2), runners of
+// its keys stop, the ledger follows the copies left in handlers (their
+// verdicts are written nowhere: I3), and the partition is not taken again
+// until those have ended (I1, I5).
+func (r *orderedRelay) dropPartLocked(id int) {
+	p := r.parts[id]
+	delete(r.parts, id)
+	if p == nil {
+		return
+	}
+	p.term.End()
+	p.expiry.Stop()
+	for name, k := range r.keys {
+		if k.p == p {
+			k.queue = nil
+			delete(r.keys, name)
+		}
+	}
+}
+
+// refreshHeldKeys sets outbox_held_keys.
+func (s *Subscriber) refreshHeldKeys(ctx context.Context) {
+	var all, dead int64
+	if err := s.pool.QueryRow(ctx, s.oq.HeldKeys).Scan(&all, &dead); err != nil {
+		if ctx.Err() == nil {
+			s.logger.Error("Could not count held keys", err, nil)
+		}
+		return
+	}
+	s.cfg.Metrics.HeldKeys.WithLabelValues(s.label).Set(float64(all))
+}
