@@ -79,7 +79,7 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 //     (written here, or read from the table) removes them from the open set,
 //     the row in flight included. Every keyed row at or below the floor is
 //     done: acked, or at or above its key's hold. Floors only rise and are
-//     written each tick.
+//     written at most every floorEvery (LockTTL/10), with the lease.
 //   - Holds: a hold (key, sequence) is written before the rows it covers
 //     leave the open set: every row of the key at or above its sequence.
 //     Rows of the key below an active hold are done; the relay delivers the
