@@ -2,16 +2,20 @@ package subscriber_test
 
 import (
 	"context"
+	"encoding/json"
 
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/metrics"
+	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -243,4 +247,33 @@ func TestBoundedClaimAdvancesDuringADrain(t *testing.T) {
 			at.Format(time.RFC3339Nano), row200.Format(time.RFC3339Nano))
 	}
 	waitFor(t, "the backlog to drain", time.Minute, func() bool { return got.Load() >= 1000 })
+}
+
+// TestKeyedRowWakesIdleDefaultRelay: a row with an ordering key, enqueued
+// into a table with the ordering columns, wakes an idle default relay at
+// once, with a poll interval of a minute, as an unkeyed row does. Before,
+// a keyed commit tried only the ordered relays' idle lock and the default
+// relay found the row at its next poll.
+func TestKeyedRowWakesIdleDefaultRelay(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	ctx := context.Background()
+	tbl := testdb.Table(t, "keyed_wake_outbox", schema.WithAllColumns())
+	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: time.Minute})
+	d := consumeAll(t, s)
+	d.wait(t, enqueue(t, pool, tbl, "org.keyed.v1", 1), 5*time.Second)
+	for i := range 3 {
+		waitFor(t, "the relay to go idle", 10*time.Second, func() bool { return idleHeld(t, pool, tbl) })
+		id := uuid.New()
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := publisher.Enqueue(ctx, tx, tbl, publisher.Message{TenantID: tenant, Topic: "org.keyed.v1", EventID: id,
+				Payload: json.RawMessage(`{}`), OrderingKey: "key-" + string(rune('a'+i))})
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		if took := d.wait(t, []string{id.String()}, 90*time.Second); took > 5*time.Second {
+			t.Fatalf("a keyed row reached the idle default relay after %s (PollInterval 1m): its commit did not wake it", took)
+		}
+	}
 }

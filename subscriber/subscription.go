@@ -136,8 +136,17 @@ func (sub *subscription) run() {
 		misses   int    // empty claims in a row without the idle lock
 		rate     rateMeter
 	)
+	// A default relay on a table with the ordering_key column sleeps on the
+	// ordered relays' idle lock too: writers of keyed rows try that one
+	// (so that an ordered table's idle claim loop, which claims unkeyed
+	// rows only, does not make every keyed commit notify), and this relay
+	// claims keyed rows as well.
+	keyedToo := s.oq == nil && s.q.Columns.OrderingKey
 	release := func() {
 		if holding {
+			if keyedToo {
+				s.oidle.leave(idleGen, false)
+			}
 			s.idle.leave(idleGen, !notified)
 			holding = false
 		}
@@ -271,6 +280,21 @@ func (sub *subscription) run() {
 			s.beforeIdle()
 		}
 		gen, st := s.idle.enter(sub.ctx)
+		if st == idleHeld && keyedToo {
+			// Both locks or neither: a lock held alone would leave one
+			// kind of writer silent.
+			kgen, kst := s.oidle.enter(sub.ctx)
+			if kst != idleHeld || kgen != gen {
+				if kst == idleHeld {
+					s.oidle.leave(kgen, false)
+				}
+				s.idle.leave(gen, true)
+				st = kst
+				if kst == idleHeld {
+					st = idleMissed // the session changed between the two
+				}
+			}
+		}
 		switch st {
 		case idleHeld:
 			// Claim once more: rows committed before the lock was granted
