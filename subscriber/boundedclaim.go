@@ -137,15 +137,23 @@ func newBoundedClaims(ctx context.Context, s *Subscriber) (*boundedClaims, error
 	claim = strings.Replace(claim, last, ", parked, due_at FROM claimed", 1)
 	return &boundedClaims{
 		// B2, B3: NULL when a lock holder's start cannot be read.
-		// A lock holder (l.locktype set) whose start is hidden makes it NULL;
-		// no holder at all leaves min(xact_start) NULL, which LEAST skips.
+		// A lock holder (l.locktype set) whose start is hidden makes it NULL:
+		// a prepared transaction (no pid), or another role's session seen
+		// without pg_read_all_stats (its row shows neither state nor
+		// xact_start). A holder whose transaction ended between the reading
+		// of pg_locks and of pg_stat_activity (no row, or an idle one) is
+		// not waited for: its rows committed before the claim's snapshot.
+		// No holder at all leaves min(xact_start) NULL, which LEAST skips.
+		// (Treating every NULL xact_start as hidden made a draining relay's
+		// cuts NULL whenever an ack ended in between, and its bound stay.)
 		// B6: the second column tells whether available_at still has the
 		// default the cut relies on.
-		cutSQL: `SELECT CASE WHEN bool_or(l.locktype IS NOT NULL AND (l.pid IS NULL OR a.xact_start IS NULL)) THEN NULL
+		cutSQL: `SELECT CASE WHEN bool_or(l.locktype IS NOT NULL AND (l.pid IS NULL OR (a.pid IS NOT NULL AND a.xact_start IS NULL AND a.state IS NULL))) THEN NULL
   ELSE LEAST(statement_timestamp() - make_interval(secs => $2::float8), min(a.xact_start)) END,
   (SELECT COALESCE(pg_get_expr(d.adbin, d.adrelid), '') = $3::text
     FROM pg_attribute AS pa LEFT JOIN pg_attrdef AS d ON d.adrelid = pa.attrelid AND d.adnum = pa.attnum
-    WHERE pa.attrelid = $1::text::regclass AND pa.attname = 'available_at' AND NOT pa.attisdropped)
+    WHERE pa.attrelid = $1::text::regclass AND pa.attname = 'available_at' AND NOT pa.attisdropped),
+  ` + claimPlanSettings + `
 FROM (SELECT 1) AS one
 LEFT JOIN pg_locks AS l ON l.locktype = 'relation' AND l.relation = $1::text::regclass AND l.mode = 'RowExclusiveLock'
   AND l.granted AND l.pid IS DISTINCT FROM pg_backend_pid()
@@ -162,6 +170,18 @@ LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid`,
 	}, nil
 }
 
+// claimPlanSettings, sent before every bounded claim in its batch (one
+// implicit transaction: set_config(..., true) lasts until its end, in every
+// pgx QueryExecMode), make the claim's plan an ordered scan of the pending
+// index that stops after its LIMIT, joined to the table by primary key.
+// Without them the planner, which estimates few pending rows (the pending
+// rows are a small part of the table, and a table never analysed gets the
+// default estimates), picks a bitmap scan and a sort, which reads every
+// entry from the bound up to now(): under a pinned horizon, every dead
+// entry of a backlog, for every claim of its drain.
+const claimPlanSettings = `set_config('enable_bitmapscan', 'off', true), set_config('enable_sort', 'off', true),
+  set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true)`
+
 // before reports whether (at1, seq1) < (at2, seq2), the claim index's order.
 func before(at1 time.Time, seq1 int64, at2 time.Time, seq2 int64) bool {
 	return at1.Before(at2) || (at1.Equal(at2) && seq1 < seq2)
@@ -174,18 +194,20 @@ func (b *boundedClaims) claim(ctx context.Context, s *Subscriber, n int) ([]*cla
 	// claim in boundedCutEvery carries a cut; the others use the last cut
 	// read, which was read before their snapshot too.
 	var (
-		cut *time.Time    // NULL: a lock holder's start is hidden (B3)
-		on  bool          // the table has the default the bound needs (B6)
-		pre *claimPrelude // the cut, when this claim carries one
+		cut     *time.Time // NULL: a lock holder's start is hidden (B3)
+		on      bool       // the table has the default the bound needs (B6)
+		withCut bool       // this claim carries a cut
 	)
+	pre := &claimPrelude{sql: `SELECT ` + claimPlanSettings, scan: func(r pgx.Row) error { return r.Scan(nil, nil, nil, nil) }}
 	args := []any{s.cfg.MaxAttempts, s.cfg.LockTTL.Seconds(), n}
 	query := b.claimSQL
 	b.mu.Lock()
 	now := time.Now()
-	if (b.on && !b.set) || now.Sub(b.lastCut) >= b.cutEvery && b.on || now.Sub(b.lastCut) >= b.offCutEvery {
-		b.lastCut = now
+	since := now.Sub(b.lastCut)
+	if b.on && (!b.set || since >= b.cutEvery) || since >= b.offCutEvery {
+		b.lastCut, withCut = now, true
 		pre = &claimPrelude{sql: b.cutSQL, args: []any{s.cfg.Table.Sanitize(), b.margin.Seconds(), b.defaultCheck},
-			scan: func(r pgx.Row) error { return r.Scan(&cut, &on) }}
+			scan: func(r pgx.Row) error { return r.Scan(&cut, &on, nil, nil, nil, nil) }}
 	}
 	if b.on && b.set {
 		query, args = b.boundSQL, append(args, b.at, b.seq)
@@ -201,7 +223,7 @@ func (b *boundedClaims) claim(ctx context.Context, s *Subscriber, n int) ([]*cla
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if pre != nil {
+	if withCut {
 		if on != b.on {
 			if on {
 				s.logger.Info("available_at defaults to "+b.defaultCheck+" again: claiming with a bound", nil)
