@@ -16,8 +16,9 @@ import (
 // The bounded claim (docs/XMIN.md, option c) is the default relay's claim
 // for Subscribe(ctx, AllTopics) on a table whose available_at defaults to
 // clock_timestamp() (schema.AvailableAtDefault, migration 000009), unless
-// Config.DisableBoundedClaim is set. Tables with the older default, ordered
-// relays, per-topic subscriptions and paused topics claim without a bound.
+// Config.DisableBoundedClaim is set. Ordered relays, per-topic
+// subscriptions, paused topics and tables with another default claim
+// without a bound.
 //
 // Under a pinned xmin horizon the unbounded claim's index scan over
 // (available_at, sequence) starts at the oldest entry and walks every dead
@@ -26,36 +27,45 @@ import (
 // near the head. Its invariants:
 //
 //   - (B1) every row a bounded claim skips because it is below the bound
-//     is found by the sweep (the unbounded claim, every sweepEvery) or by a
-//     later claim: the bound moves only to a cut, never above it;
+//     is found by the sweep (the claim of the rows below the bound, every
+//     sweepEvery) or by a later claim: the bound moves only to a cut or to
+//     a claimed row below it, never above the cut;
 //   - (B2) a cut is read in the round trip of one claim in every
-//     boundedCutEvery, before that claim's snapshot (the claims between
-//     keep the bound): LEAST(statement_timestamp() - margin, the xact_start of
-//     every other transaction holding RowExclusiveLock on the table). A
-//     writer holds that lock from before its row is formed until it ends,
-//     and the row's available_at is clock_timestamp() when it is formed;
-//     so a row the claim cannot see yet has available_at at or above the
+//     boundedCutEvery, before that claim's snapshot: LEAST(
+//     statement_timestamp() - margin, the xact_start of every other
+//     transaction holding RowExclusiveLock on the table). A writer holds
+//     that lock from before its row is formed until it ends, and the row's
+//     available_at is clock_timestamp() when it is formed; so a row that a
+//     claim sent after the cut cannot see has available_at at or above the
 //     cut (its writer held the lock at the cut: the bound is at most its
-//     start; or it took the lock after the cut);
+//     start; or it took the lock after the cut). The claims between cuts
+//     use the last cut read before they were sent;
 //   - (B3) a cut that cannot see a lock holder's start (a prepared
 //     transaction, or another role's session while the relay's role is not
-//     a member of pg_read_all_stats) is NULL: the bound does not move;
-//   - (B4) a claim with a cut that returned fewer rows than it asked for
-//     left no due row at or above the bound unclaimed (SKIP LOCKED aside,
-//     B1), so the next bound is that claim's cut; a full claim keeps the
-//     bound (lowered to the cut if that is lower);
+//     a member of pg_read_all_stats) is NULL: the bound does not move until
+//     a cut that can;
+//   - (B4) a claim that returned fewer rows than it asked for left no due
+//     row at or above the bound unclaimed (SKIP LOCKED aside, B1), so the
+//     next bound is the cut; a full claim took, in index order, every due
+//     row it could see up to its last one, so the next bound is the lower
+//     of that row's (available_at, sequence) and the cut;
 //   - (B5) retries, replays and a new leader's take-back set available_at
 //     to now() or later: above any bound cut before their statement began,
 //     and above a cut read while it ran unless the statement took the
-//     table's lock more than the margin after it began (then B1).
+//     table's lock more than the margin after it began (then B1);
+//   - (B6) every cut also reads available_at's default: when it is not
+//     clock_timestamp() (the down migration of 000009) the relay drops the
+//     bound and claims without one (B2 does not hold for rows formed at
+//     their transaction's start); when it is again, the next claim's cut
+//     sets a bound.
 //
 // What the bound can miss (expired leases of rows below it, rows skipped by
 // SKIP LOCKED, a now() row whose statement took the lock beyond the margin,
 // a step of the clock back by more than the margin, other relays' rows with
-// DisableSingleActive) is found
-// by the sweep, run beside the claim loop every sweepEvery on a pool
-// connection, off the latency path, and counted in
-// outbox_sweep_claimed_total. Nothing is lost; what the bound misses is
+// DisableSingleActive) is found by the sweep, run beside the claim loop
+// every sweepEvery on a pool connection, off the latency path: it claims
+// only rows below the bound, so that outbox_sweep_claimed_total counts
+// only what the bound missed. Nothing is lost; what the bound misses is
 // delivered up to sweepEvery late.
 type boundedClaims struct {
 	cutSQL       string // the cut and whether available_at has the default the bound needs
