@@ -129,12 +129,20 @@ func TestSweepKeepsMaxInFlight(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	first := <-ch
-	first.Ack()
+	next := func() *message.Message {
+		t.Helper()
+		select {
+		case msg := <-ch:
+			return msg
+		case <-time.After(time.Minute):
+			t.Fatal("no delivery within a minute")
+			return nil
+		}
+	}
+	next().Ack()
 	enqueue(t, pool, tbl, "org.inflight.v1", 200)
-	var held []*message.Message
-	held = append(held, <-ch)   // one read, then the consumer is slow
-	time.Sleep(3 * time.Second) // three sweeps
+	held := []*message.Message{next()} // one read, then the consumer is slow
+	time.Sleep(3 * time.Second)        // three sweeps
 	leased := func() int {
 		var n int
 		if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE locked_at IS NOT NULL`).Scan(&n); err != nil {
@@ -177,8 +185,8 @@ func TestDownMigrationTurnsTheBoundOff(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The sweep every 10 s: a delivery within 2 s is the claim loop's.
-	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 40 * time.Second, Metrics: m})
+	// The sweep every 60 s: a delivery within 10 s is the claim loop's.
+	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 4 * time.Minute, Metrics: m})
 	d := consumeAll(t, s)
 	d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 3), 5*time.Second)
 	if _, err := pool.Exec(ctx, schema.AvailableAtDownSQL(tbl)); err != nil {
@@ -190,7 +198,7 @@ func TestDownMigrationTurnsTheBoundOff(t *testing.T) {
 		d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 1), 5*time.Second)
 	}
 	id := late()
-	if took := d.wait(t, []string{id}, 20*time.Second); took > 2*time.Second {
+	if took := d.wait(t, []string{id}, 90*time.Second); took > 10*time.Second {
 		t.Fatalf("after the down migration a late writer's row was delivered %s after its commit (by the sweep): the relay kept the bound", took)
 	}
 	// And back up: the relay takes the bound again.
@@ -259,7 +267,9 @@ func TestKeyedRowWakesIdleDefaultRelay(t *testing.T) {
 	pool := testdb.Pool(t)
 	ctx := context.Background()
 	tbl := testdb.Table(t, "keyed_wake_outbox", schema.WithAllColumns())
-	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: time.Minute})
+	// The sweep every 60 s, the poll every minute: a delivery within 10 s
+	// is the wake-up's.
+	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: time.Minute, LockTTL: 4 * time.Minute})
 	d := consumeAll(t, s)
 	d.wait(t, enqueue(t, pool, tbl, "org.keyed.v1", 1), 5*time.Second)
 	for i := range 3 {
@@ -272,7 +282,7 @@ func TestKeyedRowWakesIdleDefaultRelay(t *testing.T) {
 		}); err != nil {
 			t.Fatal(err)
 		}
-		if took := d.wait(t, []string{id.String()}, 90*time.Second); took > 5*time.Second {
+		if took := d.wait(t, []string{id.String()}, 90*time.Second); took > 10*time.Second {
 			t.Fatalf("a keyed row reached the idle default relay after %s (PollInterval 1m): its commit did not wake it", took)
 		}
 	}
