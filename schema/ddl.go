@@ -337,7 +337,7 @@ func Migrate(ctx context.Context, db DB, t Table, opts ...MigrateOption) error {
 	if wait <= 0 {
 		wait = MigrateLockWaitDefault
 	}
-	return retryLocks(ctx, db, t, wait, func(ctx context.Context) error { return migrateOnce(ctx, db, t, opts) })
+	return migrateTx(ctx, db, t, wait, opts)
 }
 
 // LockWaitError is returned by Migrate when it gave up waiting for a lock
@@ -384,37 +384,11 @@ func (e *LockWaitError) Error() string {
 
 func (e *LockWaitError) Unwrap() error { return e.Err }
 
-// retryLocks runs try until it does not fail on lock_timeout, backing off
-// with jitter between tries, for at most wait (and ctx).
-func retryLocks(ctx context.Context, db DB, t Table, wait time.Duration, try func(context.Context) error) error {
-	start := time.Now()
-	deadline := start.Add(wait)
-	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
-		deadline = d
-	}
-	backoff := 50 * time.Millisecond
-	for n := 1; ; n++ {
-		err := try(ctx)
-		var pgErr *pgconn.PgError
-		lockWait := errors.As(err, &pgErr) && pgErr.Code == "55P03" // lock_not_available
-		if err == nil || (!lockWait && ctx.Err() == nil) {
-			return err
-		}
-		// Back off by 50 ms doubling to 2 s, with a jitter of up to half of it.
-		sleep := backoff + time.Duration(rand.Int64N(int64(backoff/2)+1))
-		backoff = min(2*backoff, 2*time.Second)
-		if ctx.Err() != nil || time.Now().Add(sleep+migrateLockTimeout).After(deadline) {
-			if ctx.Err() != nil {
-				err = errors.Join(err, ctx.Err())
-			}
-			return &LockWaitError{Table: t, Tries: n, Waited: time.Since(start), Holders: lockHolders(ctx, db, t), Err: err}
-		}
-		select {
-		case <-ctx.Done():
-			return &LockWaitError{Table: t, Tries: n, Waited: time.Since(start), Holders: lockHolders(ctx, db, t), Err: errors.Join(err, ctx.Err())}
-		case <-time.After(sleep):
-		}
-	}
+// lockBackoff is the pause after the n-th try (1-based) that gave up
+// waiting for a lock: 50 ms doubling to 2 s, plus a jitter of up to half.
+func lockBackoff(n int) time.Duration {
+	d := min(50*time.Millisecond<<min(n-1, 6), 2*time.Second)
+	return d + time.Duration(rand.Int64N(int64(d/2)+1))
 }
 
 // lockHolders reads the sessions that hold a granted lock on t, for the
@@ -459,13 +433,27 @@ LIMIT 10`, t.Sanitize())
 	return out
 }
 
-func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err error) {
+// migrateTx runs the migration in one transaction that holds the table's
+// migration lock (advisory) throughout: each try runs under a savepoint,
+// waits at most migrateLockTimeout for a lock, and is rolled back to the
+// savepoint when it gives up (releasing what it took); the backoff between
+// tries is spent holding the migration lock and no lock on the table, so
+// writers proceed, and other processes that migrate at the same moment
+// wait for the migration lock instead of queueing their own tries behind
+// this one's (which would stall writers for several tries in a row).
+func migrateTx(ctx context.Context, db DB, t Table, wait time.Duration, opts []MigrateOption) (err error) {
+	start := time.Now()
+	deadline := start.Add(wait)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("migrate %s: begin: %w", t, err)
 	}
+	rolledBack := false
 	defer func() {
-		if err != nil {
+		if err != nil && !rolledBack {
 			if rbErr := tx.Rollback(ctx); rbErr != nil && !errors.Is(rbErr, pgx.ErrTxClosed) {
 				err = errors.Join(err, fmt.Errorf("rollback: %w", rbErr))
 			}
@@ -477,6 +465,47 @@ func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err
 	if _, err = tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", migrateLockTimeout.Milliseconds())); err != nil {
 		return fmt.Errorf("migrate %s: set lock_timeout: %w", t, err)
 	}
+	for n := 1; ; n++ {
+		if _, err = tx.Exec(ctx, `SAVEPOINT outbox_migrate_try`); err != nil {
+			return fmt.Errorf("migrate %s: savepoint: %w", t, err)
+		}
+		err = migrateTry(ctx, tx, t, opts)
+		var pgErr *pgconn.PgError
+		if err == nil {
+			if err = tx.Commit(ctx); err != nil {
+				return fmt.Errorf("migrate %s: commit: %w", t, err)
+			}
+			return nil
+		}
+		if !(errors.As(err, &pgErr) && pgErr.Code == "55P03") && ctx.Err() == nil { // lock_not_available
+			return err
+		}
+		sleep := lockBackoff(n)
+		if ctx.Err() == nil && time.Now().Add(sleep+migrateLockTimeout).Before(deadline) {
+			if _, rerr := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT outbox_migrate_try`); rerr != nil {
+				return errors.Join(err, fmt.Errorf("migrate %s: rollback to savepoint: %w", t, rerr))
+			}
+			select {
+			case <-ctx.Done():
+			case <-time.After(sleep):
+				continue
+			}
+		}
+		// Give up: end the transaction first (a *pgx.Conn cannot begin
+		// another), then read who holds the table.
+		if ctx.Err() != nil {
+			err = errors.Join(err, ctx.Err())
+		}
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		_ = tx.Rollback(rctx)
+		cancel()
+		rolledBack = true
+		return &LockWaitError{Table: t, Tries: n, Waited: time.Since(start), Holders: lockHolders(ctx, db, t), Err: err}
+	}
+}
+
+// migrateTry plans and runs the statements of one try in tx.
+func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (err error) {
 	if err = ensureSchema(ctx, tx, t, optionsOf(opts).createSchema, "migrate"); err != nil {
 		return err
 	}
@@ -556,9 +585,6 @@ func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err
 		if _, err = tx.Exec(ctx, stmt); err != nil {
 			return fmt.Errorf("migrate %s: %w", t, err)
 		}
-	}
-	if err = tx.Commit(ctx); err != nil {
-		return fmt.Errorf("migrate %s: commit: %w", t, err)
 	}
 	return nil
 }

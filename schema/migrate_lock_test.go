@@ -24,7 +24,8 @@ import (
 // migration that needs ACCESS EXCLUSIVE (here 000009's ALTER) queues behind
 // it, and every writer queues behind the migration while it waits. Each
 // try of Migrate waits at most 200 ms for a lock, then backs off, so the
-// writers keep committing; when it gives up (here at its context's
+// writers keep committing, also when three processes migrate at once; when
+// it gives up (here at its context's
 // deadline) the error names the session that holds it back. It prints the
 // worst writer stall. Before, each try waited 5 s (lock_timeout) with every
 // writer blocked behind it, and the error said only "lock timeout".
@@ -74,10 +75,21 @@ func TestMigrateBehindALongReaderDoesNotStallWriters(t *testing.T) {
 	}
 	time.Sleep(500 * time.Millisecond)
 	baseline := time.Duration(worst.Swap(0)) // the writers' worst commit with no migration
+	// Three processes migrate at once (each one at its start), one of them
+	// the call below.
 	mctx, cancel := context.WithTimeout(ctx, 4*time.Second)
+	var others sync.WaitGroup
+	for range 2 {
+		others.Add(1)
+		go func() {
+			defer others.Done()
+			_ = schema.Migrate(mctx, pool, tbl)
+		}()
+	}
 	start := time.Now()
 	err = schema.Migrate(mctx, pool, tbl)
 	took := time.Since(start)
+	others.Wait()
 	cancel()
 	time.Sleep(300 * time.Millisecond)
 	close(stop)
