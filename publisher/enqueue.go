@@ -113,7 +113,11 @@ type Config struct {
 	// MaxPayloadBytes limits the size of one payload. Defaults to 1 MiB.
 	MaxPayloadBytes int
 	// DisableNotify stops the NOTIFY that wakes relays at commit; relays then
-	// learn of events at their next poll. Defaults to false.
+	// learn of events at their next poll. Set it for transactions that are
+	// prepared (PREPARE TRANSACTION, two-phase commit): PostgreSQL refuses to
+	// prepare a transaction that has executed NOTIFY ("cannot PREPARE a
+	// transaction that has executed LISTEN, UNLISTEN, or NOTIFY"), which
+	// Enqueue does while a relay is idle. Defaults to false.
 	DisableNotify bool
 	// Columns, when set, is used instead of detecting the table's optional
 	// columns at first use. Defaults to detection.
@@ -153,6 +157,10 @@ var defaultEnqueuer, _ = NewEnqueuer(Config{})
 // same tenant, topic and payload (compared as JSONB) returns the existing
 // row's sequence, writes nothing and does not lock the row; with another
 // tenant, topic or payload it returns a *ConflictError.
+//
+// It sends NOTIFY when a relay is idle, so a transaction that will be
+// prepared (two-phase commit) must enqueue through an Enqueuer with
+// Config.DisableNotify instead.
 func Enqueue(ctx context.Context, tx Tx, table schema.Table, msg Message) (sequence int64, err error) {
 	return defaultEnqueuer.Enqueue(ctx, tx, table, msg)
 }

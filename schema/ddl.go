@@ -5,6 +5,7 @@ import (
 	"embed"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"time"
 
@@ -44,6 +45,24 @@ type migrateOptions struct {
 	columns      Columns
 	createSchema bool
 	rewrite      bool
+	lockWait     time.Duration // 0: MigrateLockWaitDefault
+}
+
+// MigrateLockWaitDefault is how long Migrate keeps trying to take the locks
+// it needs, by default (WithLockWait).
+const MigrateLockWaitDefault = time.Minute
+
+// migrateLockTimeout bounds each try's wait for a lock: while a statement
+// of Migrate waits for its lock, every writer of the table queues behind it.
+const migrateLockTimeout = 200 * time.Millisecond
+
+// WithLockWait bounds how long Migrate keeps trying, in tries that each
+// wait at most 200 ms for a lock, when a long transaction holds the table
+// (a REPEATABLE READ report that has read it, an idle transaction). Between
+// tries writers proceed. Defaults to MigrateLockWaitDefault (1 minute); the
+// context's deadline also ends it.
+func WithLockWait(d time.Duration) MigrateOption {
+	return func(o *migrateOptions) { o.lockWait = d }
 }
 
 // ErrSchemaNotFound is returned by Migrate and MigrateInbox when the table's
@@ -293,10 +312,17 @@ type DB interface {
 // is missing, including the dead_at column (marking dead the rows older
 // versions considered dead, see DeadAtUpSQL). It is idempotent and safe when
 // several processes call it at once: the statements run in one transaction
-// serialised by a transaction-level advisory lock on the table. Statements
-// that lock an existing table wait at most 5s for the lock (lock_timeout),
-// so that a long transaction on the table does not queue live traffic
-// behind the migration; Migrate then retries, up to 5 times.
+// serialised by a transaction-level advisory lock on the table.
+//
+// A statement that locks an existing table (ALTER TABLE, CREATE INDEX)
+// waits for its lock behind every transaction that holds the table, and
+// every writer of the table waits behind it meanwhile. So each try waits
+// at most 200 ms for a lock (lock_timeout) and gives up; Migrate tries
+// again after a backoff with jitter (writers proceed in between) until
+// WithLockWait's bound (1 minute by default) or ctx's deadline. When it
+// gives up, its error is a *LockWaitError naming the sessions that held
+// the table (pid, application_name, state, transaction age): end them, or
+// migrate when they are done.
 //
 // gen_random_uuid() is built in from PostgreSQL 13; on PostgreSQL 12 run
 // CREATE EXTENSION pgcrypto first.
@@ -307,31 +333,127 @@ func Migrate(ctx context.Context, db DB, t Table, opts ...MigrateOption) error {
 	if db == nil {
 		return errors.New("migrate: nil DB; pass a *pgxpool.Pool or *pgx.Conn")
 	}
-	var err error
-	for try := 1; ; try++ {
-		err = migrateOnce(ctx, db, t, opts)
-		var pgErr *pgconn.PgError
-		if try == migrateTries || !errors.As(err, &pgErr) || pgErr.Code != "55P03" { // lock_not_available
-			return err
-		}
-		select {
-		case <-ctx.Done():
-			return errors.Join(err, ctx.Err())
-		case <-time.After(time.Duration(try) * time.Second):
-		}
+	wait := optionsOf(opts).lockWait
+	if wait <= 0 {
+		wait = MigrateLockWaitDefault
 	}
+	return migrateTx(ctx, db, t, wait, opts)
 }
 
-// migrateTries bounds the attempts of Migrate that fail on lock_timeout.
-const migrateTries = 5
+// LockWaitError is returned by Migrate when it gave up waiting for a lock
+// on the table: Holders are the sessions that held a lock on it when it
+// gave up (none when they ended meanwhile).
+type LockWaitError struct {
+	Table   Table
+	Tries   int
+	Waited  time.Duration
+	Holders []LockHolder
+	Err     error // the last try's error, or the context's
+}
 
-func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err error) {
+// LockHolder is a session that holds a lock on a table.
+type LockHolder struct {
+	PID             int
+	ApplicationName string
+	User            string
+	State           string        // pg_stat_activity.state: "active", "idle in transaction", ...
+	Mode            string        // the lock held: AccessShareLock, RowExclusiveLock, ...
+	XactAge         time.Duration // how long its transaction has been open (0: unknown)
+}
+
+func (e *LockWaitError) Error() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "migrate %s: gave up after %d tries in %s: each try waits at most %s for the table's lock, so as not to stall its writers",
+		e.Table, e.Tries, e.Waited.Round(time.Millisecond), migrateLockTimeout)
+	if len(e.Holders) == 0 {
+		b.WriteString("; no session holds the table now (try again)")
+	} else {
+		b.WriteString("; held by ")
+		for i, h := range e.Holders {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			fmt.Fprintf(&b, "pid %d (application_name %q, user %q, state %q, %s, transaction open %s)",
+				h.PID, h.ApplicationName, h.User, h.State, h.Mode, h.XactAge.Round(time.Millisecond))
+		}
+		b.WriteString("; end those transactions (pg_terminate_backend) or migrate once they are done")
+	}
+	fmt.Fprintf(&b, ": %v", e.Err)
+	return b.String()
+}
+
+func (e *LockWaitError) Unwrap() error { return e.Err }
+
+// lockBackoff is the pause after the n-th try (1-based) that gave up
+// waiting for a lock: 50 ms doubling to 2 s, plus a jitter of up to half.
+func lockBackoff(n int) time.Duration {
+	d := min(50*time.Millisecond<<min(n-1, 6), 2*time.Second)
+	return d + time.Duration(rand.Int64N(int64(d/2)+1))
+}
+
+// lockHolders reads the sessions that hold a granted lock on t, for the
+// error of a migration that gave up (best effort: nil when it cannot).
+func lockHolders(ctx context.Context, db DB, t Table) []LockHolder {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return nil
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	rows, err := tx.Query(ctx, `SELECT l.pid, COALESCE(a.application_name, ''), COALESCE(a.usename::text, ''), COALESCE(a.state, ''),
+  string_agg(DISTINCT l.mode, '+'), COALESCE(extract(epoch FROM now() - a.xact_start)::float8, 0)
+FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'relation' AND l.relation = to_regclass($1) AND l.granted AND l.pid IS DISTINCT FROM pg_backend_pid()
+GROUP BY l.pid, a.application_name, a.usename, a.state, a.xact_start
+ORDER BY a.xact_start NULLS FIRST
+LIMIT 10`, t.Sanitize())
+	if err != nil {
+		return nil
+	}
+	defer rows.Close()
+	var out []LockHolder
+	for rows.Next() {
+		var (
+			h   LockHolder
+			pid *int32
+			age float64
+		)
+		if err := rows.Scan(&pid, &h.ApplicationName, &h.User, &h.State, &h.Mode, &age); err != nil {
+			return out
+		}
+		if pid != nil {
+			h.PID = int(*pid)
+		} else {
+			h.State = "prepared transaction"
+		}
+		h.XactAge = time.Duration(age * float64(time.Second))
+		out = append(out, h)
+	}
+	return out
+}
+
+// migrateTx runs the migration in one transaction that holds the table's
+// migration lock (advisory) throughout: each try runs under a savepoint,
+// waits at most migrateLockTimeout for a lock, and is rolled back to the
+// savepoint when it gives up (releasing what it took); the backoff between
+// tries is spent holding the migration lock and no lock on the table, so
+// writers proceed, and other processes that migrate at the same moment
+// wait for the migration lock instead of queueing their own tries behind
+// this one's (which would stall writers for several tries in a row).
+func migrateTx(ctx context.Context, db DB, t Table, wait time.Duration, opts []MigrateOption) (err error) {
+	start := time.Now()
+	deadline := start.Add(wait)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("migrate %s: begin: %w", t, err)
 	}
+	rolledBack := false
 	defer func() {
-		if err != nil {
+		if err != nil && !rolledBack {
 			if rbErr := tx.Rollback(ctx); rbErr != nil && !errors.Is(rbErr, pgx.ErrTxClosed) {
 				err = errors.Join(err, fmt.Errorf("rollback: %w", rbErr))
 			}
@@ -340,9 +462,50 @@ func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err
 	if _, err = tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, t.migrateLockKey()); err != nil {
 		return fmt.Errorf("migrate %s: lock: %w", t, err)
 	}
-	if _, err = tx.Exec(ctx, `SET LOCAL lock_timeout = '5s'`); err != nil {
+	if _, err = tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", migrateLockTimeout.Milliseconds())); err != nil {
 		return fmt.Errorf("migrate %s: set lock_timeout: %w", t, err)
 	}
+	for n := 1; ; n++ {
+		if _, err = tx.Exec(ctx, `SAVEPOINT outbox_migrate_try`); err != nil {
+			return fmt.Errorf("migrate %s: savepoint: %w", t, err)
+		}
+		err = migrateTry(ctx, tx, t, opts)
+		var pgErr *pgconn.PgError
+		if err == nil {
+			if err = tx.Commit(ctx); err != nil {
+				return fmt.Errorf("migrate %s: commit: %w", t, err)
+			}
+			return nil
+		}
+		if !(errors.As(err, &pgErr) && pgErr.Code == "55P03") && ctx.Err() == nil { // lock_not_available
+			return err
+		}
+		sleep := lockBackoff(n)
+		if ctx.Err() == nil && time.Now().Add(sleep+migrateLockTimeout).Before(deadline) {
+			if _, rerr := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT outbox_migrate_try`); rerr != nil {
+				return errors.Join(err, fmt.Errorf("migrate %s: rollback to savepoint: %w", t, rerr))
+			}
+			select {
+			case <-ctx.Done():
+			case <-time.After(sleep):
+				continue
+			}
+		}
+		// Give up: end the transaction first (a *pgx.Conn cannot begin
+		// another), then read who holds the table.
+		if ctx.Err() != nil {
+			err = errors.Join(err, ctx.Err())
+		}
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		_ = tx.Rollback(rctx)
+		cancel()
+		rolledBack = true
+		return &LockWaitError{Table: t, Tries: n, Waited: time.Since(start), Holders: lockHolders(ctx, db, t), Err: err}
+	}
+}
+
+// migrateTry plans and runs the statements of one try in tx.
+func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (err error) {
 	if err = ensureSchema(ctx, tx, t, optionsOf(opts).createSchema, "migrate"); err != nil {
 		return err
 	}
@@ -422,9 +585,6 @@ func migrateOnce(ctx context.Context, db DB, t Table, opts []MigrateOption) (err
 		if _, err = tx.Exec(ctx, stmt); err != nil {
 			return fmt.Errorf("migrate %s: %w", t, err)
 		}
-	}
-	if err = tx.Commit(ctx); err != nil {
-		return fmt.Errorf("migrate %s: commit: %w", t, err)
 	}
 	return nil
 }

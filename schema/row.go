@@ -71,7 +71,10 @@ func (r *ClaimedRow) dest(c Columns) []any {
 // ScanClaim reads a row produced by Queries.ClaimAll, ClaimTopic,
 // ClaimAllUnkeyed or ClaimTopicUnkeyed: the columns Scan reads, then
 // Parked.
-func (r *ClaimedRow) ScanClaim(s Scanner, c Columns) error {
+//
+// extra receives the columns a caller appended after parked (the default
+// relay's bounded claim appends the rows' available_at).
+func (r *ClaimedRow) ScanClaim(s Scanner, c Columns, extra ...any) error {
 	var lockedAt *time.Time // NULL for a parked row
 	dest := []any{&r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.Attempts, &lockedAt, &r.CreatedAt}
 	if c.TraceContext {
@@ -81,6 +84,7 @@ func (r *ClaimedRow) ScanClaim(s Scanner, c Columns) error {
 		dest = append(dest, &r.Headers)
 	}
 	dest = append(dest, &r.Parked)
+	dest = append(dest, extra...)
 	if err := s.Scan(dest...); err != nil {
 		return fmt.Errorf("scan claimed outbox row: %w", err)
 	}

@@ -40,7 +40,9 @@ type Config struct {
 	// BatchSize is how many rows one claim leases. Defaults to 100.
 	BatchSize int
 	// MaxInFlight bounds the messages delivered and not yet acked or nacked,
-	// per subscription. Defaults to 2 * BatchSize.
+	// per subscription, counting the rows already claimed for it and not
+	// yet delivered (the batch in hand, the pre-claimed next batch, the
+	// bounded claim's sweep). Defaults to 2 * BatchSize.
 	MaxInFlight int
 	// PollInterval is how often an idle subscriber looks for due rows (retries
 	// coming due, missed notifications). Defaults to 1s.
@@ -71,8 +73,9 @@ type Config struct {
 	// at a bound near the head of the queue instead of at the oldest entry,
 	// so that a long-open transaction elsewhere (a pinned xmin horizon) does
 	// not make every claim walk the dead entries of the rows relayed since
-	// (docs/XMIN.md); an unbounded sweep every LockTTL/4 finds what the
-	// bound can miss (expired leases, outbox_sweep_claimed_total). The
+	// (docs/XMIN.md); a sweep every LockTTL/4 claims the rows below the
+	// bound, which the bound missed (expired leases,
+	// outbox_sweep_claimed_total). The
 	// relay's role should be a member of pg_read_all_stats, or the bound
 	// stays put while another role's writer is open. Defaults to false.
 	DisableBoundedClaim bool

@@ -188,8 +188,17 @@ func OrderedOpenRows(s *Subscriber) int {
 	return n
 }
 
-// Bounded reports whether s claims AllTopics with the bounded claim.
-func Bounded(s *Subscriber) bool { return s.bounded != nil }
+// Bounded reports whether s claims AllTopics with the bounded claim now:
+// not disabled, and the table's available_at has the default it needs.
+func Bounded(s *Subscriber) bool {
+	b := s.bounded
+	if b == nil {
+		return false
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.on
+}
 
 // BoundOf returns the bounded claim's bound (its available_at part) and
 // whether one is set.

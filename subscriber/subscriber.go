@@ -259,8 +259,19 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 	if s.bounded != nil && topic == AllTopics && s.oq == nil && paused == nil {
 		return s.bounded.claim(ctx, s, n) // boundedclaim.go
 	}
-	out, _, err := s.claimQuery(ctx, query, args, false, nil)
+	out, _, err := s.claimQuery(ctx, query, args, claimOpts{}, nil)
 	return out, err
+}
+
+// claimOpts says where a claim runs and what it returns besides the
+// claimed columns.
+type claimOpts struct {
+	// onPool runs the claim on the pool even when single-active (the
+	// bounded claim's sweep), else it runs on the leader's connection.
+	onPool bool
+	// dueAt reads one more column after parked, the row's available_at
+	// before the claim, into claimed.dueAt (the bounded claim's).
+	dueAt bool
 }
 
 // claimPrelude is a statement sent with a claim in one round trip, before
@@ -273,10 +284,9 @@ type claimPrelude struct {
 
 // claimQuery runs one claim statement (query with args) and returns the rows
 // it leased, sorted by sequence, after counting and logging the rows it
-// parked dead, and how many it parked. onPool runs it on the pool even when
-// single-active (the bounded claim's sweep), else it runs on the leader's
-// connection. pre, when set, is sent in the same batch before the claim.
-func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, onPool bool, pre *claimPrelude) ([]*claimed, int, error) {
+// parked dead, and how many it parked (see claimOpts). pre, when set, is
+// sent in the same batch before the claim.
+func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, opts claimOpts, pre *claimPrelude) ([]*claimed, int, error) {
 	// The claim commits its leases as it runs: cancelled between its UPDATE
 	// and the reading of its rows, it would orphan the batch until LockTTL.
 	// So it runs on a context of its own, detached from ctx's cancellation
@@ -315,7 +325,11 @@ func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, o
 		}
 		for rows.Next() {
 			c := &claimed{}
-			if err := c.row.ScanClaim(rows, s.q.Columns); err != nil {
+			var extra []any
+			if opts.dueAt {
+				extra = []any{&c.dueAt}
+			}
+			if err := c.row.ScanClaim(rows, s.q.Columns, extra...); err != nil {
 				return err
 			}
 			if c.row.Parked {
@@ -327,7 +341,7 @@ func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, o
 		return rows.Err()
 	}
 	var err error
-	if s.leader != nil && !onPool {
+	if s.leader != nil && !opts.onPool {
 		err = s.leader.withConn(qctx, func(ctx context.Context, conn *pgx.Conn) error { return run(ctx, conn) })
 	} else {
 		err = run(qctx, s.pool)
@@ -351,6 +365,7 @@ type claimed struct {
 	msg       *message.Message
 	slot      *errorSlot
 	delivered time.Time
+	dueAt     time.Time // available_at before the claim (bounded claims only)
 }
 
 func (c *claimed) fence() (string, int32, time.Time) { return c.row.ID, c.row.Attempts, c.row.LockedAt }

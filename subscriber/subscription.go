@@ -24,11 +24,44 @@ type subscription struct {
 
 	ordered *orderedRelay // keyed rows, in ordered mode
 
+	// inflight counts the rows this subscription holds against
+	// MaxInFlight: reserved for a claim under way, claimed and not yet
+	// handed over (the batch in hand, the pre-claimed batch, the sweep's),
+	// and delivered and not yet acked or nacked.
 	inflight  atomic.Int64
 	slotted   chan struct{} // a slot was freed
 	watchers  sync.WaitGroup
 	stopOnce  sync.Once
 	stoppedCh chan struct{}
+}
+
+// reserve takes up to want of the subscription's MaxInFlight slots for a
+// claim and returns how many (0: none free). Give back what the claim did
+// not fill with unreserve.
+func (sub *subscription) reserve(want int) int {
+	limit := int64(sub.s.cfg.MaxInFlight)
+	for {
+		cur := sub.inflight.Load()
+		k := min(int64(want), limit-cur)
+		if k <= 0 {
+			return 0
+		}
+		if sub.inflight.CompareAndSwap(cur, cur+k) {
+			return int(k)
+		}
+	}
+}
+
+// unreserve gives n slots back.
+func (sub *subscription) unreserve(n int) {
+	if n <= 0 {
+		return
+	}
+	sub.inflight.Add(-int64(n))
+	select {
+	case sub.slotted <- struct{}{}:
+	default:
+	}
 }
 
 // stopped is closed when the subscription must end: its context is done or
@@ -103,8 +136,17 @@ func (sub *subscription) run() {
 		misses   int    // empty claims in a row without the idle lock
 		rate     rateMeter
 	)
+	// A default relay on a table with the ordering_key column sleeps on the
+	// ordered relays' idle lock too: writers of keyed rows try that one
+	// (so that an ordered table's idle claim loop, which claims unkeyed
+	// rows only, does not make every keyed commit notify), and this relay
+	// claims keyed rows as well.
+	keyedToo := s.oq == nil && s.q.Columns.OrderingKey
 	release := func() {
 		if holding {
+			if keyedToo {
+				s.oidle.leave(idleGen, false)
+			}
 			s.idle.leave(idleGen, !notified)
 			holding = false
 		}
@@ -124,6 +166,7 @@ func (sub *subscription) run() {
 			r := <-pre
 			pre = nil
 			s.release(r.batch, 1) // not delivered: the attempt does not count
+			sub.unreserve(len(r.batch))
 		}
 	}
 	defer dropPre()
@@ -151,8 +194,10 @@ func (sub *subscription) run() {
 			pre = nil
 			batch, err, n = r.batch, r.err, r.n
 		} else {
-			free := s.cfg.MaxInFlight - int(sub.inflight.Load())
-			if free <= 0 {
+			// The slots of the batch are taken before the claim, so that
+			// the sweep's claims and this loop's (with the batch in hand
+			// and the pre-claimed one) never exceed MaxInFlight together.
+			if n = sub.reserve(s.cfg.BatchSize); n == 0 {
 				select {
 				case <-stop:
 					return
@@ -160,8 +205,8 @@ func (sub *subscription) run() {
 				}
 				continue
 			}
-			n = min(s.cfg.BatchSize, free)
 			batch, err = s.claim(sub.ctx, sub.topic, n)
+			sub.unreserve(n - len(batch))
 		}
 		if err != nil {
 			if sub.ctx.Err() != nil {
@@ -177,11 +222,11 @@ func (sub *subscription) run() {
 		errDelay = 100 * time.Millisecond
 		rate.add(len(batch))
 		if len(batch) == n {
-			if free := s.cfg.MaxInFlight - int(sub.inflight.Load()) - len(batch); free > 0 {
-				n2 := min(s.cfg.BatchSize, free)
+			if n2 := sub.reserve(s.cfg.BatchSize); n2 > 0 {
 				pre = make(chan claimResult, 1)
 				go func(ch chan claimResult) {
 					b, err := s.claim(sub.ctx, sub.topic, n2)
+					sub.unreserve(n2 - len(b))
 					ch <- claimResult{b, err, n2}
 				}(pre)
 			}
@@ -235,6 +280,21 @@ func (sub *subscription) run() {
 			s.beforeIdle()
 		}
 		gen, st := s.idle.enter(sub.ctx)
+		if st == idleHeld && keyedToo {
+			// Both locks or neither: a lock held alone would leave one
+			// kind of writer silent.
+			kgen, kst := s.oidle.enter(sub.ctx)
+			if kst != idleHeld || kgen != gen {
+				if kst == idleHeld {
+					s.oidle.leave(kgen, false)
+				}
+				s.idle.leave(gen, true)
+				st = kst
+				if kst == idleHeld {
+					st = idleMissed // the session changed between the two
+				}
+			}
+		}
 		switch st {
 		case idleHeld:
 			// Claim once more: rows committed before the lock was granted
@@ -287,7 +347,8 @@ func (m *rateMeter) perSecond() float64 { return m.v / rateWindow.Seconds() }
 
 // deliver sends the batch to the consumer, one watcher per message; it
 // returns false when the subscription stopped, after giving back the leases
-// of the messages not sent.
+// of the messages not sent. The batch's rows are counted in inflight
+// already (reserve); each keeps its slot until its verdict.
 func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 	s := sub.s
 	for i, c := range batch {
@@ -297,6 +358,7 @@ func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 			c.slot = &errorSlot{err: Permanent(err)}
 			c.delivered = time.Now()
 			s.nack(c)
+			sub.unreserve(1)
 			continue
 		}
 		c.slot = &errorSlot{}
@@ -306,7 +368,6 @@ func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 		msgCtx, cancel := context.WithCancel(withErrorSlot(context.WithoutCancel(sub.ctx), c.slot))
 		msg.SetContext(msgCtx)
 		c.msg = msg
-		sub.inflight.Add(1)
 		select {
 		case sub.out <- msg:
 			c.delivered = time.Now()
@@ -314,8 +375,8 @@ func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 			go sub.watch(c, cancel)
 		case <-stop:
 			cancel()
-			sub.inflight.Add(-1)
 			s.release(batch[i:], 1)
+			sub.unreserve(len(batch) - i)
 			return false
 		}
 	}
