@@ -27,8 +27,11 @@ func (r *orderedRelay) startRunnersLocked() {
 		if k.busy || !r.deliverableLocked(k) || r.nextActionLocked(k) == actNone {
 			continue
 		}
+		if r.sub.reserve(1) == 0 { // the claim loop took the last slot meanwhile
+			r.starved = true
+			return
+		}
 		k.busy = true
-		r.sub.inflight.Add(1)
 		r.runWg.Add(1)
 		go r.runKey(k)
 	}
@@ -201,7 +204,7 @@ func (r *orderedRelay) freedLocked(p *partState) {
 
 func (r *orderedRelay) endRunLocked(k *keyState) {
 	k.busy = false
-	r.sub.freeSlot()
+	r.sub.unreserve(1)
 	if r.keys[k.name] == k {
 		r.pruneKeyLocked(k.name, k)
 	}

@@ -388,7 +388,7 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 	s := sub.s
 	defer func() {
 		cancel()
-		sub.freeSlot()
+		sub.unreserve(1)
 		if sub.ordered != nil {
 			sub.ordered.slotFreed()
 		}
@@ -442,15 +442,5 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 			s.release([]*claimed{c}, 0)
 			return
 		}
-	}
-}
-
-// freeSlot counts one message of the subscription out of MaxInFlight and
-// wakes the claim loop if it waits for a slot.
-func (sub *subscription) freeSlot() {
-	sub.inflight.Add(-1)
-	select {
-	case sub.slotted <- struct{}{}:
-	default:
 	}
 }
