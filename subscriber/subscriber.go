@@ -31,15 +31,18 @@ type Subscriber struct {
 	logger watermill.LoggerAdapter
 	label  string // table label for metrics
 
-	startOnce sync.Once
-	bgCtx     context.Context
-	bgCancel  context.CancelFunc
-	bgWg      sync.WaitGroup // elector, listener, stats
-	leader    *elector
-	wake      broadcaster
-	notifier  *notifier
-	idle      idleSignal // the claim loop's (unkeyed rows)
-	oidle     idleSignal // the ordered relay's (keyed rows)
+	// The background (acker, elector, listener, stats) runs while at least
+	// one subscription does: start and stopBackground, under closeMu.
+	active   int  // subscriptions running
+	running  bool // the background runs
+	bgCtx    context.Context
+	bgCancel context.CancelFunc
+	bgWg     sync.WaitGroup // elector, stats
+	leader   *elector
+	wake     broadcaster
+	notifier *notifier
+	idle     idleSignal // the claim loop's (unkeyed rows)
+	oidle    idleSignal // the ordered relay's (keyed rows)
 
 	acks      chan ackReq
 	ackStop   chan struct{}
@@ -62,10 +65,12 @@ type Subscriber struct {
 var _ message.Subscriber = (*Subscriber)(nil)
 
 // New returns a Subscriber for cfg.Table on pool. It checks that the table
-// exists and detects its optional columns. Once subscribed, a single-active
-// subscriber holds one connection of the pool for its life (the leader's),
+// exists and detects its optional columns. While a subscription runs, a
+// single-active subscriber holds one connection of the pool (the leader's),
 // and all subscribers on a pool share one listening connection: size the
-// pool for them.
+// pool for them. When the context of every subscription has ended, the
+// subscriber holds no connection (a deferred pool.Close returns) until it
+// is subscribed again; Close is still needed to end it.
 func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	if pool == nil {
 		return nil, errors.New("subscriber: nil pool; pass a *pgxpool.Pool")
@@ -106,38 +111,67 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		logger:       logger.With(watermill.LogFields{"table": cfg.Table.String()}),
 		label:        cfg.Table.Qualified(),
 		acks:         make(chan ackReq, 4*cfg.BatchSize),
-		ackStop:      make(chan struct{}),
 		closing:      make(chan struct{}),
 		writeTimeout: opTimeout,
 		closeDone:    make(chan struct{}),
 	}
 	s.idle.s, s.idle.key = s, cfg.Table.IdleLockKey()
 	s.oidle.s, s.oidle.key = s, cfg.Table.OrderedIdleLockKey()
-	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
 	if s.bounded, err = newBoundedClaims(ctx, s); err != nil {
 		return nil, fmt.Errorf("subscriber: %w", err)
 	}
 	return s, nil
 }
 
+// start starts the background a subscription needs, unless it runs; the
+// caller holds closeMu.
 func (s *Subscriber) start() {
-	s.startOnce.Do(func() {
-		s.ackerWg.Add(1)
-		go s.runAcker()
-		if !s.cfg.DisableSingleActive && !s.cfg.Ordered {
+	if s.running {
+		return
+	}
+	s.running = true
+	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
+	s.ackStop = make(chan struct{})
+	s.ackerWg.Add(1)
+	go s.runAcker()
+	if !s.cfg.DisableSingleActive && !s.cfg.Ordered {
+		if s.leader == nil {
 			s.leader = &elector{s: s}
-			s.bgWg.Add(1)
-			go s.leader.run(s.bgCtx)
 		}
-		if !s.cfg.DisableNotify {
-			s.notifier = acquireNotifier(s.pool, s.logger)
-			s.notifier.add(s.cfg.Table.NotifyChannel(), &s.wake)
-		}
-		if s.cfg.Metrics != nil {
-			s.bgWg.Add(1)
-			go s.runStats(s.bgCtx)
-		}
-	})
+		s.bgWg.Add(1)
+		go s.leader.run(s.bgCtx)
+	}
+	if !s.cfg.DisableNotify {
+		s.notifier = acquireNotifier(s.pool, s.logger)
+		s.notifier.add(s.cfg.Table.NotifyChannel(), &s.wake)
+	}
+	if s.cfg.Metrics != nil {
+		s.bgWg.Add(1)
+		go s.runStats(s.bgCtx)
+	}
+}
+
+// stopBackground stops what start started, once no subscription runs: the
+// pending acks are written, the leader resigns (a standby stops trying), the
+// listening connection is given back, so the subscriber holds no
+// connection of the pool and a deferred pool.Close returns even when no one
+// closes the subscriber (a Watermill router closes its subscribers only in
+// Router.Close, not when Run's context ends). The next Subscribe starts it
+// again. The caller holds closeMu.
+func (s *Subscriber) stopBackground() {
+	if !s.running {
+		return
+	}
+	s.running = false
+	close(s.ackStop)
+	s.ackerWg.Wait()
+	s.bgCancel()
+	s.bgWg.Wait()
+	if s.notifier != nil {
+		s.notifier.remove(s.cfg.Table.NotifyChannel(), &s.wake)
+		s.notifier.release()
+		s.notifier = nil
+	}
 }
 
 // IsLeader reports whether this subscriber holds the table's single-active
@@ -178,10 +212,16 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		sub.ordered = newOrderedRelay(sub)
 		s.ordered = append(s.ordered, sub.ordered)
 	}
+	s.active++
 	s.subsWg.Add(1)
 	go func() {
 		defer s.subsWg.Done()
 		sub.run()
+		s.closeMu.Lock()
+		defer s.closeMu.Unlock()
+		if s.active--; s.active == 0 {
+			s.stopBackground()
+		}
 	}()
 	return sub.out, nil
 }
@@ -203,14 +243,9 @@ func (s *Subscriber) Close() error {
 	s.closeMu.Unlock()
 
 	s.subsWg.Wait()
-	close(s.ackStop)
-	s.ackerWg.Wait()
-	s.bgCancel()
-	s.bgWg.Wait()
-	if s.notifier != nil {
-		s.notifier.remove(s.cfg.Table.NotifyChannel(), &s.wake)
-		s.notifier.release()
-	}
+	s.closeMu.Lock()
+	s.stopBackground()
+	s.closeMu.Unlock()
 	return s.closeErr
 }
 
