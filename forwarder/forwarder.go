@@ -308,7 +308,7 @@ func (f *Forwarder) Handle(msg *message.Message) (err error) {
 // handler) is logged, counted (RefusedAcks) and turned into a nack with
 // the handler's error, so the row is retried and in the end goes dead.
 func (f *Forwarder) AddTo(r *message.Router) *message.Handler {
-	h := r.AddConsumerHandler(f.cfg.HandlerName, f.cfg.SubscribeTopic, newConfirmingSubscriber(f.sub, f.logger, &f.refused), f.Handle)
+	h := r.AddConsumerHandler(f.cfg.HandlerName, f.cfg.SubscribeTopic, newConfirmingSubscriber(f.sub, f.logger, &f.refused, f.maxAttempts), f.Handle)
 	for _, m := range f.cfg.Middleware {
 		h.AddMiddleware(m)
 	}
