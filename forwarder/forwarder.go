@@ -46,7 +46,11 @@ type Config struct {
 	// the row goes dead at once (there is no route for it).
 	DestinationTopic func(msg *message.Message) (string, error)
 	// PartitionKey chooses the partition key, stored in metadata
-	// router.MetadataPartitionKey for the Kafka backend. Defaults to
+	// router.MetadataPartitionKey. It becomes the Kafka record key only
+	// with a publisher whose marshaler reads that entry: kafkabackend's, or
+	// watermill-kafka's with kafka.NewWithPartitioningMarshaler(
+	// kafkabackend.PartitionKey); watermill-kafka's DefaultMarshaler
+	// writes no key. Defaults to
 	// PartitionByOrderingKey: the row's ordering key when it has one, so a
 	// key stays in one Kafka partition, else its event_id.
 	PartitionKey func(msg *message.Message) (string, error)
