@@ -264,7 +264,7 @@ func TestUpgradeDefaultTableToOrdered(t *testing.T) {
 		}
 	}()
 	want := append([]uuid.UUID{old[1], old[2], old[4]}, fresh...)
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		s, err = runbook.Stats(ctx, pool, tbl)
 		if err != nil {
