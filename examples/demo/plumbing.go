@@ -36,7 +36,7 @@ func databaseURL() string {
 }
 
 // connect opens a pool and checks the database is reachable. The relay holds
-// two connections for its life (the single-active leader's and the
+// two connections while it relays (the single-active leader's and the
 // LISTEN/NOTIFY one): size the pool for them plus your own traffic.
 func connect(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(dbURL)
