@@ -16,13 +16,8 @@ up: ## Check PostgreSQL and RabbitMQ and start whichever is down (fails loudly i
 wait: ## Wait until PostgreSQL and RabbitMQ accept connections.
 	@./scripts/services.sh wait
 
-test: up ## Run every test against the real services (the command CI runs), then the partition test (root), the fault-injection test at CI size ordered relays and WAL relays SIGKILLed while producers commit.
-	go test -count=1 -timeout 30m ./...
-	./scripts/docker-build-check.sh && cd deploy/kubernetes/check && go test -count=1 ./...
-	go test -count=1 -timeout 10m -tags fault -run TestFaultPartition -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -15; exit $${PIPESTATUS[0]}
-	go test -count=1 -timeout 15m -tags fault -run TestFaultInjection -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -25; exit $${PIPESTATUS[0]}
-	go test -count=1 -timeout 10m -tags fault -run TestFaultOrderedKills -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -10; exit $${PIPESTATUS[0]}
-	go test -count=1 -timeout 10m -tags fault -run TestFaultWALKills -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -10; exit $${PIPESTATUS[0]}
+test: up ## Run every suite against the real services (the command CI runs): go test ./..., the Docker build and Kubernetes checks, the partition test (root) and the fault-injection tests (default, ordered and WAL relays SIGKILLed while producers commit). A failing suite does not stop the others; the end lists each suite's verdict and time.
+	./scripts/test.sh
 
 fault: ## The fault-injection test at full size (100,000 events, 12 relay kills); restarts its own private PostgreSQL and RabbitMQ, not the shared ones.
 	FAULT_EVENTS=100000 FAULT_KILLS=12 FAULT_SUMMARY_FILE=$(CURDIR)/docs/fault-summary.txt \

@@ -24,6 +24,15 @@ import (
 // chromiumPath is Debian's Chromium, which `make up` installs.
 const chromiumPath = "/usr/bin/chromium"
 
+// The browser tests wait on conditions, never on how fast the machine is:
+// these bounds are generous, so that only a page that never gets there
+// fails, also on a loaded 2-core machine running other suites beside them.
+const (
+	browserTimeout = 5 * time.Minute // one test's browser, from start to end
+	stepTimeout    = time.Minute     // one browser action (navigate, wait, click)
+	pollTimeout    = time.Minute     // a condition on the page or in the table
+)
+
 // browser starts a headless Chromium for one test; the context ends it.
 func browser(t *testing.T) context.Context {
 	t.Helper()
@@ -45,7 +54,7 @@ func browser(t *testing.T) context.Context {
 	)
 	actx, acancel := chromedp.NewExecAllocator(context.Background(), opts...)
 	bctx, bcancel := chromedp.NewContext(actx)
-	ctx, cancel := context.WithTimeout(bctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(bctx, browserTimeout)
 	t.Cleanup(func() {
 		cancel()
 		bcancel()
@@ -63,7 +72,7 @@ func browser(t *testing.T) context.Context {
 func steps(t *testing.T, ctx context.Context, what string, actions ...chromedp.Action[chromedp.Void]) {
 	t.Helper()
 	for i, step := range actions {
-		sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
+		sctx, scancel := context.WithTimeout(ctx, stepTimeout)
 		err := chromedp.Do(sctx, step)
 		scancel()
 		if err != nil {
@@ -167,7 +176,7 @@ func TestBrowserReplayDeadRow(t *testing.T) {
 	if strings.TrimSpace(deadBefore) != "1" || !strings.Contains(flash, "replayed") {
 		t.Fatalf("dead count before %q, flash %q", deadBefore, flash)
 	}
-	waitDelivered := time.Now().Add(10 * time.Second)
+	waitDelivered := time.Now().Add(pollTimeout)
 	for !delivered(id.String()) {
 		if time.Now().After(waitDelivered) {
 			t.Fatal("the replayed event was not delivered by the relay")
@@ -182,7 +191,7 @@ func TestBrowserReplayDeadRow(t *testing.T) {
 		t.Fatalf("browser, overview after the replay: %v", err)
 	}
 	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`document.querySelector('td[data-count="dead"]').textContent.trim() === "0"`,
-		chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+		chromedp.WithPollingTimeout(pollTimeout))); err != nil {
 		t.Fatalf("browser: the overview's dead count did not reach 0: %v", err)
 	}
 	deadAfter, err := chromedp.Run(ctx, chromedp.Text(`td[data-count="dead"]`))
@@ -193,7 +202,7 @@ func TestBrowserReplayDeadRow(t *testing.T) {
 	stopRelay()
 	deadRow(t, pool, tbl)
 	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`document.querySelector('td[data-count="dead"]').textContent.trim() === "1"`,
-		chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+		chromedp.WithPollingTimeout(pollTimeout))); err != nil {
 		t.Fatalf("browser: the open overview did not show the new dead row without a reload: %v", err)
 	}
 	shot, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
@@ -226,6 +235,30 @@ func (s *swappable) set(h http.Handler) {
 	s.mu.Lock()
 	s.h = h
 	s.mu.Unlock()
+}
+
+// waitIdle waits until no progress call is under way, and then as long
+// again as one takes, for a call the browser sent just before to arrive.
+func (s *swappable) waitIdle(t *testing.T) {
+	t.Helper()
+	for deadline := time.Now().Add(pollTimeout); ; time.Sleep(20 * time.Millisecond) {
+		s.mu.Lock()
+		n := s.inFlight
+		s.mu.Unlock()
+		if n == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a progress call still under way after %s", pollTimeout)
+		}
+	}
+	time.Sleep(s.slow + 100*time.Millisecond)
+	s.mu.Lock()
+	n := s.inFlight
+	s.mu.Unlock()
+	if n != 0 {
+		s.waitIdle(t)
+	}
 }
 
 func (s *swappable) progressCalls() (calls, maxAtOnce int) {
@@ -313,7 +346,7 @@ func TestBrowserBulkReplay(t *testing.T) {
 	// The header's toggle holds the following too: paused, no progress
 	// call goes out.
 	steps(t, ctx, "pause the following", chromedp.WaitVisible(`#refresh-toggle`), chromedp.Click(`#refresh-toggle`))
-	time.Sleep(1600 * time.Millisecond) // a call under way when paused ends
+	sw.waitIdle(t) // a call under way when paused ends
 	pausedCalls, _ := sw.progressCalls()
 	time.Sleep(2500 * time.Millisecond)
 	if later, _ := sw.progressCalls(); later != pausedCalls {
@@ -322,7 +355,7 @@ func TestBrowserBulkReplay(t *testing.T) {
 	steps(t, ctx, "resume the following", chromedp.Click(`#refresh-toggle`))
 	delivered, _ := relay(t, pool, tbl)
 	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`document.querySelector('[data-progress="published"]').textContent.trim() === "3" && !document.getElementById("job-done").hidden`,
-		chromedp.WithPollingTimeout(15*time.Second))); err != nil {
+		chromedp.WithPollingTimeout(pollTimeout))); err != nil {
 		html, _ := chromedp.Run(ctx, chromedp.InnerHTML(`body`))
 		t.Fatalf("browser: the progress page did not reach 3 delivered and say it is finished: %v\n%s", err, html)
 	}

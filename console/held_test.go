@@ -105,7 +105,7 @@ func TestHeldKeysFilterAndBulkSkip(t *testing.T) {
 	auth := login(t, srv.URL, token)
 	held := srv.URL + "/t/" + tbl.String() + "/held"
 	var page resp
-	for deadline := time.Now().Add(15 * time.Second); ; {
+	for deadline := time.Now().Add(2 * time.Minute); ; {
 		page = do(t, "GET", held+"?dead=1", nil, auth)
 		if strings.Count(page.body, `class="pick"`) == 3 {
 			break
@@ -148,7 +148,7 @@ func TestHeldKeysFilterAndBulkSkip(t *testing.T) {
 	if r.code != 200 || !strings.Contains(r.body, "2 skips requested") {
 		t.Fatalf("bulk skip: %d\n%s", r.code, r.body)
 	}
-	for deadline := time.Now().Add(15 * time.Second); !acked(second[0]) || !acked(second[1]); {
+	for deadline := time.Now().Add(2 * time.Minute); !acked(second[0]) || !acked(second[1]); {
 		if time.Now().After(deadline) {
 			t.Fatal("the skipped keys did not go on")
 		}
@@ -158,7 +158,7 @@ func TestHeldKeysFilterAndBulkSkip(t *testing.T) {
 		t.Fatal("the key that was not ticked went on")
 	}
 	// The relay resolves the holds of the delivered rows at a later tick.
-	for deadline := time.Now().Add(15 * time.Second); ; {
+	for deadline := time.Now().Add(2 * time.Minute); ; {
 		p := do(t, "GET", held, nil, auth)
 		if strings.Contains(p.body, `data-key="beta-1"`) && !strings.Contains(p.body, `data-key="alpha-1"`) && !strings.Contains(p.body, `data-key="alpha-2"`) {
 			break
@@ -198,7 +198,7 @@ func TestHeldKeysFilterAndBulkSkip(t *testing.T) {
 		!strings.Contains(r.body, `<a href="/t/`+tbl.String()+`/dead" id="back">`) {
 		t.Fatalf("replay of the ticked held row: %d\n%s", r.code, r.body)
 	}
-	for deadline := time.Now().Add(15 * time.Second); !deadSince().After(before); {
+	for deadline := time.Now().Add(2 * time.Minute); !deadSince().After(before); {
 		if time.Now().After(deadline) {
 			t.Fatal("the replayed held row was not tried again")
 		}

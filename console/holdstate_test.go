@@ -99,7 +99,7 @@ func TestHeldPageOffersOnlyAllowedActions(t *testing.T) {
 		}
 		return m
 	}
-	for deadline := time.Now().Add(15 * time.Second); ; {
+	for deadline := time.Now().Add(2 * time.Minute); ; {
 		s := states()
 		mu.Lock()
 		acked := delivered[replay] > 0

@@ -104,7 +104,7 @@ func TestBrowserIncidentWalk(t *testing.T) {
 		chromedp.WaitVisible(`#overview`),
 	)
 	poll(t, ctx, "the overview's dead count before the replay is 12",
-		`document.querySelector('td[data-count="dead"]').textContent.trim() === "12"`, 10*time.Second)
+		`document.querySelector('td[data-count="dead"]').textContent.trim() === "12"`, pollTimeout)
 
 	// The dead rows page: three causes, of 5, 4 and 3 rows.
 	steps(t, ctx, "the dead rows",
@@ -199,7 +199,7 @@ func TestBrowserIncidentWalk(t *testing.T) {
 	defer stopRelay()
 	poll(t, ctx, "the progress page reaches 3 delivered and says it finished",
 		`document.querySelector('[data-progress="published"]').textContent.trim() === "3" && !document.getElementById("job-done").hidden && document.getElementById("job-following").hidden`,
-		15*time.Second)
+		pollTimeout)
 	doneText, err := chromedp.Run(ctx, chromedp.Text(`#job-done`))
 	if err != nil || !strings.Contains(doneText, "3 delivered") || !strings.Contains(doneText, "0 dead again") {
 		t.Fatalf("the finished line says %q (%v)", doneText, err)
@@ -251,7 +251,7 @@ func TestBrowserIncidentWalk(t *testing.T) {
 		chromedp.WaitVisible(`#overview`),
 	)
 	poll(t, ctx, "the overview's dead count after the replay is 9",
-		`document.querySelector('td[data-count="dead"]').textContent.trim() === "9"`, 10*time.Second)
+		`document.querySelector('td[data-count="dead"]').textContent.trim() === "9"`, pollTimeout)
 	apiDead, err := chromedp.Run(ctx, chromedp.Evaluate[float64](
 		`fetch("/api/counts", {credentials: "same-origin"}).then(function (r) { return r.json(); }).then(function (c) { return c[`+fmt.Sprintf("%q", name)+`].stats.dead; })`,
 		chromedp.EvalAwaitPromise))

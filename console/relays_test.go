@@ -38,7 +38,7 @@ func TestRelaysSayWhoTheyAre(t *testing.T) {
 	srv := server(t, pool, tbl, "")
 	page := srv.URL + "/t/" + tbl.String() + "/relays"
 	var body string
-	for deadline := time.Now().Add(10 * time.Second); ; {
+	for deadline := time.Now().Add(2 * time.Minute); ; {
 		body = do(t, "GET", page, nil, nil).body
 		if strings.Contains(body, `<tr class="relay leader"><td class="app">`+name+`</td>`) {
 			break
@@ -59,7 +59,7 @@ func TestRelaysSayWhoTheyAre(t *testing.T) {
 	heldKeys(t, pool, otbl, "k")
 	osrv := server(t, pool, otbl, "")
 	host, _ := os.Hostname()
-	for deadline := time.Now().Add(10 * time.Second); ; {
+	for deadline := time.Now().Add(2 * time.Minute); ; {
 		body = do(t, "GET", osrv.URL+"/t/"+otbl.String()+"/relays", nil, nil).body
 		if strings.Contains(body, `<td class="owner">`+host+"-") && strings.Contains(body, "<td>live</td>") {
 			break

@@ -73,7 +73,7 @@ func TestChartsFill(t *testing.T) {
 
 	waitSeries := func(what string, ok func(last int64, n int) bool) seriesAnswer {
 		t.Helper()
-		for deadline := time.Now().Add(10 * time.Second); ; {
+		for deadline := time.Now().Add(2 * time.Minute); ; {
 			s := series(t, srv.URL)
 			ss := s.Tables[name]
 			if len(ss) > 0 && ok(ss[len(ss)-1].Dead, len(ss)) {

@@ -4,12 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
+	"github.com/outboxkit/watermill-outbox/internal/redact"
+	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
@@ -28,8 +33,11 @@ type outcomeKey struct{}
 // publish that succeeded, else the last error.
 type outcome struct {
 	published atomic.Bool
-	mu        sync.Mutex
-	err       error
+	// final is set when a failure of this delivery sends the row dead: it is
+	// the row's last allowed attempt.
+	final bool
+	mu    sync.Mutex
+	err   error
 }
 
 func (o *outcome) failure() error {
@@ -62,9 +70,10 @@ func recordOutcome(msg *message.Message, err error) {
 // the user's router middleware does with the handler's error cannot mark a
 // row published that was not.
 type confirmingSubscriber struct {
-	sub     message.Subscriber
-	logger  watermill.LoggerAdapter
-	refused *atomic.Int64
+	sub         message.Subscriber
+	logger      watermill.LoggerAdapter
+	refused     *atomic.Int64
+	maxAttempts int
 
 	closing   chan struct{}
 	closeOnce sync.Once
@@ -72,8 +81,18 @@ type confirmingSubscriber struct {
 	wg        sync.WaitGroup // pumps and watchers
 }
 
-func newConfirmingSubscriber(sub message.Subscriber, logger watermill.LoggerAdapter, refused *atomic.Int64) *confirmingSubscriber {
-	return &confirmingSubscriber{sub: sub, logger: logger, refused: refused, closing: make(chan struct{})}
+func newConfirmingSubscriber(sub message.Subscriber, logger watermill.LoggerAdapter, refused *atomic.Int64, maxAttempts int) *confirmingSubscriber {
+	return &confirmingSubscriber{sub: sub, logger: logger, refused: refused, maxAttempts: maxAttempts, closing: make(chan struct{})}
+}
+
+// String is the name a router gives the handler's subscriber (in logs and
+// in the subscriber_poisoned metadata of Watermill's poison queue): the
+// outbox subscriber's, not this wrapper's.
+func (c *confirmingSubscriber) String() string {
+	if s, ok := c.sub.(fmt.Stringer); ok {
+		return s.String()
+	}
+	return strings.TrimLeft(fmt.Sprintf("%T", c.sub), "*")
 }
 
 // Subscribe subscribes to the outbox subscriber and returns the channel of
@@ -94,7 +113,8 @@ func (c *confirmingSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 		defer c.wg.Done()
 		defer close(out)
 		for orig := range in {
-			o := &outcome{}
+			attempts, _ := strconv.Atoi(orig.Metadata.Get(schema.MetadataAttempts))
+			o := &outcome{final: attempts >= c.maxAttempts}
 			cp := message.NewMessage(orig.UUID, orig.Payload)
 			for k, v := range orig.Metadata {
 				cp.Metadata[k] = v
@@ -126,13 +146,26 @@ func (c *confirmingSubscriber) watch(orig, cp *message.Message, o *outcome) {
 		}
 		c.refused.Add(1)
 		reason := ErrNotPublished
+		poisoned := cp.Metadata.Get(middleware.ReasonForPoisonedKey)
 		if err := o.failure(); err != nil {
 			// Wrapped, so that a Permanent failure still sends the row dead.
 			reason = fmt.Errorf("%w: %w", ErrNotPublished, err)
+		} else if poisoned != "" {
+			// A middleware failed before the forwarder's handler ran (or
+			// without its error reaching it), and Watermill's poison queue
+			// kept only its text.
+			reason = fmt.Errorf("%w: %s", ErrNotPublished, poisoned)
 		}
-		c.logger.Error("Outbox message acked without a confirmed publish; nacking it instead of marking the row published. "+
-			"A router middleware swallowed the forwarder's error or skipped its handler (Watermill's PoisonQueue does); "+
-			"see the README's router section", reason, watermill.LogFields{"event_id": orig.UUID})
+		fields := watermill.LogFields{"event_id": orig.UUID}
+		if poisoned != "" {
+			// Expected with Watermill's poison queue: it acks what it copied.
+			c.logger.Info("Outbox message copied to a poison queue, which acked it; nacking the row with the failure instead of marking it published "+
+				"(forwarder.PoisonQueue copies a dead event once and does not ack)", fields.Add(watermill.LogFields{"reason": redact.Summary(reason.Error(), orig.Payload, 0)}))
+		} else {
+			c.logger.Error("Outbox message acked without a confirmed publish; nacking it instead of marking the row published. "+
+				"A router middleware swallowed the forwarder's error or skipped its handler; "+
+				"see the README's router section", reason, fields)
+		}
 		subscriber.RecordError(orig, reason)
 		orig.Nack()
 	case <-cp.Nacked():
@@ -172,11 +205,16 @@ func (e *handlerError) Unwrap() error { return e.err }
 // poison topic. For an error of the forwarder's handler it is true only
 // when the error sends the row dead (a Permanent error, or a failure on the
 // row's last allowed attempt): earlier failures are retried by the outbox
-// itself. Any other handler's error reports true. Give it to Watermill's
-// middleware.PoisonQueueWithFilter, so that a router-wide poison queue
-// receives one copy per dead event instead of one per failed attempt:
+// itself. Any other error reports true: a filter sees the error, not the
+// message, so it cannot tell a retried attempt of another middleware (a
+// check that refuses an event) from its last one. With Watermill's
 //
 //	pq, err := middleware.PoisonQueueWithFilter(pub, "poison", forwarder.PoisonFilter)
+//
+// the forwarder's own failures are copied once per dead event, but another
+// middleware's failure is copied at every attempt (and acked, which the
+// forwarder refuses: see AddTo). PoisonQueue copies once per dead event
+// whatever failed; prefer it.
 func PoisonFilter(err error) bool {
 	var he *handlerError
 	if errors.As(err, &he) {

@@ -58,7 +58,11 @@ type Config struct {
 	// the row goes dead at once (there is no route for it).
 	DestinationTopic func(msg *message.Message) (string, error)
 	// PartitionKey chooses the partition key, stored in metadata
-	// router.MetadataPartitionKey for the Kafka backend. Defaults to
+	// router.MetadataPartitionKey. It becomes the Kafka record key only
+	// with a publisher whose marshaler reads that entry: kafkabackend's, or
+	// watermill-kafka's with kafka.NewWithPartitioningMarshaler(
+	// kafkabackend.PartitionKey); watermill-kafka's DefaultMarshaler
+	// writes no key. Defaults to
 	// PartitionByOrderingKey: the row's ordering key when it has one, so a
 	// key stays in one Kafka partition, else its event_id.
 	PartitionKey func(msg *message.Message) (string, error)
@@ -320,7 +324,7 @@ func (f *Forwarder) Handle(msg *message.Message) (err error) {
 // handler) is logged, counted (RefusedAcks) and turned into a nack with
 // the handler's error, so the row is retried and in the end goes dead.
 func (f *Forwarder) AddTo(r *message.Router) *message.Handler {
-	h := r.AddConsumerHandler(f.cfg.HandlerName, f.cfg.SubscribeTopic, newConfirmingSubscriber(f.sub, f.logger, &f.refused), f.Handle)
+	h := r.AddConsumerHandler(f.cfg.HandlerName, f.cfg.SubscribeTopic, newConfirmingSubscriber(f.sub, f.logger, &f.refused, f.maxAttempts), f.Handle)
 	for _, m := range f.cfg.Middleware {
 		h.AddMiddleware(m)
 	}

@@ -147,7 +147,7 @@ func TestForwarderFailures(t *testing.T) {
 
 func waitRow(t *testing.T, tbl schema.Table, eventID string, ok func(published, dead bool, attempts int) bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		var published, dead bool
 		var attempts int

@@ -30,6 +30,7 @@ type poisonRig struct {
 	dest    *router.InProcess
 	copies  atomic.Int64
 	reasons chan string
+	metas   chan message.Metadata // each poison copy's metadata
 }
 
 // downPublisher is a broker that is down: every publish fails, transiently.
@@ -41,7 +42,12 @@ func (downPublisher) Publish(string, ...*message.Message) error {
 
 func newPoisonRig(t *testing.T, name string, routerWide func(poison message.Publisher) []message.HandlerMiddleware, consumer message.NoPublishHandlerFunc, down bool) *poisonRig {
 	t.Helper()
-	rig := &poisonRig{tbl: testdb.Table(t, name, schema.WithAllColumns()), dest: router.NewInProcess(), reasons: make(chan string, 100)}
+	return newPoisonRigAttempts(t, name, routerWide, consumer, down, poisonMaxAttempts)
+}
+
+func newPoisonRigAttempts(t *testing.T, name string, routerWide func(poison message.Publisher) []message.HandlerMiddleware, consumer message.NoPublishHandlerFunc, down bool, maxAttempts int) *poisonRig {
+	t.Helper()
+	rig := &poisonRig{tbl: testdb.Table(t, name, schema.WithAllColumns()), dest: router.NewInProcess(), reasons: make(chan string, 100), metas: make(chan message.Metadata, 100)}
 	t.Cleanup(func() { _ = rig.dest.Close() })
 	poison := newGoChannel(t)
 	copies, err := poison.Subscribe(context.Background(), "poison")
@@ -56,10 +62,14 @@ func newPoisonRig(t *testing.T, name string, routerWide func(poison message.Publ
 			case rig.reasons <- reason:
 			default:
 			}
+			select {
+			case rig.metas <- m.Metadata:
+			default:
+			}
 			m.Ack()
 		}
 	}()
-	sub, err := subscriber.New(testdb.Pool(t), subscriber.Config{Table: rig.tbl, PollInterval: 50 * time.Millisecond, MaxAttempts: poisonMaxAttempts,
+	sub, err := subscriber.New(testdb.Pool(t), subscriber.Config{Table: rig.tbl, PollInterval: 50 * time.Millisecond, MaxAttempts: maxAttempts,
 		Backoff: func(int) time.Duration { return 10 * time.Millisecond }}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
@@ -237,5 +247,90 @@ func TestOutboxPoisonCopyOnceRouterWide(t *testing.T) {
 	}
 	if reason := <-rig.reasons; !strings.Contains(reason, "malformed organization_id") {
 		t.Fatalf("poison reason %q, want the consumer's", reason)
+	}
+}
+
+// fraudCheck is a user's router middleware that refuses flagged orders
+// before the forwarder's handler runs.
+func fraudCheck(permanent bool) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			if strings.Contains(string(msg.Payload), "flagged") {
+				err := errors.New("fraud check: order flagged")
+				if permanent {
+					err = subscriber.Permanent(err)
+				}
+				return nil, err
+			}
+			return h(msg)
+		}
+	}
+}
+
+// TestPoisonQueueOneCopyWhateverMiddlewareFailed: the issue's router, a
+// middleware that refuses flagged orders inside a router-wide poison queue,
+// MaxAttempts 5. With forwarder.PoisonQueue the dead event is copied once
+// (at once for a Permanent refusal), its last_error is the refusal, no ack
+// is refused, and the copy names the outbox subscriber, not the
+// forwarder's wrapper; an order that is not flagged is relayed. With
+// Watermill's PoisonQueueWithFilter and forwarder.PoisonFilter (which sees
+// the error, not the message) every attempt is copied, as PoisonFilter's
+// documentation says, but last_error still names the refusal.
+func TestPoisonQueueOneCopyWhateverMiddlewareFailed(t *testing.T) {
+	t.Parallel()
+	const maxAttempts = 5
+	outboxPQ := func(permanent bool) func(message.Publisher) []message.HandlerMiddleware {
+		return func(pub message.Publisher) []message.HandlerMiddleware {
+			pq, err := forwarder.PoisonQueue(pub, "poison")
+			if err != nil {
+				t.Fatal(err)
+			}
+			return []message.HandlerMiddleware{subscriber.CaptureError, pq, fraudCheck(permanent)}
+		}
+	}
+	watermillPQ := func(pub message.Publisher) []message.HandlerMiddleware {
+		return append(poisonQueue(t, forwarder.PoisonFilter)(pub), fraudCheck(false))
+	}
+	for _, tc := range []struct {
+		name         string
+		stack        func(message.Publisher) []message.HandlerMiddleware
+		wantAttempts int
+		wantCopies   int64
+		wantRefused  int64
+	}{
+		{"PoisonQueue", outboxPQ(false), maxAttempts, 1, 0},
+		{"PoisonQueue/Permanent", outboxPQ(true), 1, 1, 0},
+		{"PoisonQueueWithFilter", watermillPQ, maxAttempts, maxAttempts, maxAttempts},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			rig := newPoisonRigAttempts(t, "fwd_pq_mw_outbox", tc.stack, func(*message.Message) error { return nil }, false, maxAttempts)
+			flagged := enqueueIn(t, rig.tbl, producerSpan(t), `{"order":"flagged"}`)
+			fine := enqueueIn(t, rig.tbl, producerSpan(t), `{"order":"fine"}`)
+			published, dead, attempts, lastError := rig.settle(t, flagged.String())
+			if published || !dead || attempts != tc.wantAttempts {
+				t.Fatalf("flagged order: published %v dead %v attempts %d, want dead after %d attempts", published, dead, attempts, tc.wantAttempts)
+			}
+			if !strings.Contains(lastError, "fraud check: order flagged") {
+				t.Errorf("last_error %q, want the refusal", lastError)
+			}
+			waitRow(t, rig.tbl, fine.String(), func(published, _ bool, _ int) bool { return published })
+			if got := rig.copies.Load(); got != tc.wantCopies {
+				t.Errorf("%d poison copies, want %d", got, tc.wantCopies)
+			}
+			if got := rig.fwd.RefusedAcks(); got != tc.wantRefused {
+				t.Errorf("RefusedAcks %d, want %d", got, tc.wantRefused)
+			}
+			md := <-rig.metas
+			if got := md.Get(middleware.ReasonForPoisonedKey); !strings.Contains(got, "fraud check: order flagged") {
+				t.Errorf("poison copy reason %q, want the refusal", got)
+			}
+			if got := md.Get(middleware.PoisonedSubscriberKey); got != "subscriber.Subscriber" {
+				t.Errorf("poison copy %s = %q, want subscriber.Subscriber", middleware.PoisonedSubscriberKey, got)
+			}
+			if got := md.Get("event_id"); got != flagged.String() {
+				t.Errorf("poison copy event_id %q, want %s", got, flagged)
+			}
+		})
 	}
 }

@@ -91,7 +91,7 @@ func receive(t *testing.T, msgs <-chan *message.Message) *message.Message {
 	case m := <-msgs:
 		m.Ack()
 		return m
-	case <-time.After(20 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("no message relayed")
 		return nil
 	}
@@ -108,7 +108,7 @@ func outgoing(m *message.Message) trace.SpanContext {
 // waitSpans waits until rec holds n ended spans.
 func waitSpans(t *testing.T, rec *tracetest.SpanRecorder, n int) []sdktrace.ReadOnlySpan {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for len(rec.Ended()) < n {
 		if time.Now().After(deadline) {
 			t.Fatalf("%d spans ended, want %d", len(rec.Ended()), n)

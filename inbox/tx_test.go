@@ -163,7 +163,7 @@ func TestTxConnectionsGoBack(t *testing.T) {
 				_, _ = panicking(newMsg())
 			}()
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		var held []*pgxpool.Conn
 		for range 2 {
 			c, err := pool.Acquire(ctx)

@@ -25,8 +25,8 @@ func receive(t *testing.T, ch <-chan *message.Message, what string) *message.Mes
 			t.Fatalf("%s: subscription closed", what)
 		}
 		return msg
-	case <-time.After(10 * time.Second):
-		t.Fatalf("%s: nothing delivered in 10s", what)
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("%s: nothing delivered in 2 minutes", what)
 	}
 	return nil
 }
@@ -35,7 +35,7 @@ func waitPublished(t *testing.T, pool interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }, tbl schema.Table, ids []uuid.UUID) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		var n int
 		err := pool.QueryRow(context.Background(), replaceTable(`SELECT count(*) FROM %s WHERE published_at IS NOT NULL AND event_id = ANY($1::uuid[])`, tbl), uuidStrings(ids)).Scan(&n)
@@ -46,7 +46,7 @@ func waitPublished(t *testing.T, pool interface {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d rows published after 10s", n, len(ids))
+			t.Fatalf("%d of %d rows published after 2 minutes", n, len(ids))
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

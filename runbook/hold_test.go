@@ -287,7 +287,7 @@ func TestHoldLifecycleOrdered(t *testing.T) {
 	})
 	select {
 	case <-inReplay:
-	case <-time.After(10 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("the replay of the acked row was not delivered")
 	}
 	want["p"] = runbook.HoldReplay

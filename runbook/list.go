@@ -120,8 +120,10 @@ func ListRows(ctx context.Context, db DB, t schema.Table, f ListFilter) (RowPage
 // grouped by application_name (the `outbox relay` daemon names its
 // sessions "outbox-relay <host> <pid> <version>").
 type RelayProcess struct {
-	// ApplicationName is the sessions' application_name; "" for a relay
-	// that does not name itself (one embedded in an application).
+	// ApplicationName is the sessions' application_name. A relay embedded
+	// in an application names its leader session "outbox-relay <host>
+	// <pid>" unless the pool's connections have a name of their own; ""
+	// for a session without any.
 	ApplicationName string `json:"application_name"`
 	// Sessions counts its database sessions.
 	Sessions int `json:"sessions"`

@@ -129,7 +129,7 @@ func TestReplayEvent(t *testing.T) {
 // deliver at once rather than at their next poll.
 func TestReplayWakesRelays(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "wake_outbox")
@@ -146,7 +146,7 @@ func TestReplayWakesRelays(t *testing.T) {
 	}
 	wait := func(what string) {
 		t.Helper()
-		wctx, wcancel := context.WithTimeout(ctx, 5*time.Second)
+		wctx, wcancel := context.WithTimeout(ctx, 2*time.Minute)
 		defer wcancel()
 		n, err := conn.WaitForNotification(wctx)
 		if err != nil {

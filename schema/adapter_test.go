@@ -80,7 +80,7 @@ func TestAdapterWithStockWatermillSQL(t *testing.T) {
 		t.Fatalf("non-JSON payload accepted: %v", err)
 	}
 
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	msgs, err := sub.Subscribe(ctx, topic)
 	if err != nil {
@@ -111,7 +111,7 @@ func TestAdapterWithStockWatermillSQL(t *testing.T) {
 		}
 	}
 	pool := testdb.Pool(t)
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		var published, locked, pending int
 		err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE published_at IS NOT NULL), count(*) FILTER (WHERE locked_at IS NOT NULL),

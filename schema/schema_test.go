@@ -291,7 +291,7 @@ func TestMigrateSetsAvailableAtDefaultOfAnOldTable(t *testing.T) {
 	if _, err := reader.Exec(ctx, `SELECT count(*) FROM `+tbl.Sanitize()); err != nil {
 		t.Fatal(err)
 	}
-	mctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	mctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
 	if err := schema.Migrate(mctx, pool, tbl); err != nil {
 		t.Fatalf("Migrate of an up-to-date table while the table is read: %v", err)

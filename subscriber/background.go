@@ -184,6 +184,9 @@ type elector struct {
 	// standing is set while this relay stands by: it logs that once, and
 	// its next election is a takeover.
 	standing bool
+	// named is set when the leader session took the relay's default name
+	// (session.go), to be reset when the connection goes back to the pool.
+	named bool
 }
 
 func (e *elector) run(ctx context.Context) {
@@ -263,6 +266,7 @@ func (e *elector) tick(ctx context.Context) {
 		return
 	}
 	e.conn = conn
+	e.named = nameSession(sctx, conn)
 	s.setLeaderGauge(1) // the gauge first: whoever sees IsLeader sees the gauge agree
 	e.isLeader.Store(true)
 	fields := watermill.LogFields{"leases_taken_back": taken}
@@ -377,6 +381,9 @@ func (e *elector) resign() {
 	}
 	e.s.setLeaderGauge(0)
 	e.isLeader.Store(false)
+	if e.named {
+		unnameSession(ctx, e.conn)
+	}
 	e.conn.Release()
 	e.conn = nil
 }

@@ -31,16 +31,22 @@ type Subscriber struct {
 	logger watermill.LoggerAdapter
 	label  string // table label for metrics
 
-	startOnce sync.Once
-	bgCtx     context.Context
-	bgCancel  context.CancelFunc
-	bgWg      sync.WaitGroup // elector, listener, stats
-	leader    *elector
-	wake      broadcaster
-	notifier  *notifier // nil with DisableNotify
+	// The background (acker, elector, listener, stats) runs while at least
+	// one subscription does (or is being set up): start and stopBackground,
+	// under closeMu.
+	active   int  // subscriptions running or being set up
+	running  bool // the background runs
+	bgCtx    context.Context
+	bgCancel context.CancelFunc
+	bgWg     sync.WaitGroup // elector, stats
+	leader   *elector
+	wake     broadcaster
+	notifier *notifier // nil with DisableNotify
 	// modeLock holds the relay-mode lock of the table (modelock.go) on the
-	// pool's notifier connection; modeHeld under closeMu.
+	// pool's notifier connection while the background runs; modeHeld says
+	// it was taken (under modeMu).
 	modeLock *notifier
+	modeMu   sync.Mutex
 	modeHeld bool
 	idle     idleSignal // the claim loop's (unkeyed rows)
 	oidle    idleSignal // the ordered relay's (keyed rows)
@@ -66,10 +72,12 @@ type Subscriber struct {
 var _ message.Subscriber = (*Subscriber)(nil)
 
 // New returns a Subscriber for cfg.Table on pool. It checks that the table
-// exists and detects its optional columns. Once subscribed, a single-active
-// subscriber holds one connection of the pool for its life (the leader's),
+// exists and detects its optional columns. While a subscription runs, a
+// single-active subscriber holds one connection of the pool (the leader's),
 // and all subscribers on a pool share one listening connection: size the
-// pool for them.
+// pool for them. When the context of every subscription has ended, the
+// subscriber holds no connection (a deferred pool.Close returns) until it
+// is subscribed again; Close is still needed to end it.
 func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	if pool == nil {
 		return nil, errors.New("subscriber: nil pool; pass a *pgxpool.Pool")
@@ -110,39 +118,75 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		logger:       logger.With(watermill.LogFields{"table": cfg.Table.String()}),
 		label:        cfg.Table.Qualified(),
 		acks:         make(chan ackReq, 4*cfg.BatchSize),
-		ackStop:      make(chan struct{}),
 		closing:      make(chan struct{}),
 		writeTimeout: opTimeout,
 		closeDone:    make(chan struct{}),
 	}
 	s.idle.s, s.idle.key = s, cfg.Table.IdleLockKey()
 	s.oidle.s, s.oidle.key = s, cfg.Table.OrderedIdleLockKey()
-	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
 	if s.bounded, err = newBoundedClaims(ctx, s); err != nil {
 		return nil, fmt.Errorf("subscriber: %w", err)
 	}
 	return s, nil
 }
 
+// start starts the background a subscription needs, unless it runs; the
+// caller holds closeMu.
 func (s *Subscriber) start() {
-	s.startOnce.Do(func() {
-		s.ackerWg.Add(1)
-		go s.runAcker()
-		if !s.cfg.DisableSingleActive && !s.cfg.Ordered {
+	if s.running {
+		return
+	}
+	s.running = true
+	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
+	s.ackStop = make(chan struct{})
+	s.ackerWg.Add(1)
+	go s.runAcker()
+	if !s.cfg.DisableSingleActive && !s.cfg.Ordered {
+		if s.leader == nil {
 			s.leader = &elector{s: s}
-			s.bgWg.Add(1)
-			go s.leader.run(s.bgCtx)
 		}
-		s.modeLock = acquireNotifier(s.pool, s.logger)
-		if !s.cfg.DisableNotify {
-			s.notifier = s.modeLock
-			s.notifier.add(s.cfg.Table.NotifyChannel(), &s.wake)
-		}
-		if s.cfg.Metrics != nil {
-			s.bgWg.Add(1)
-			go s.runStats(s.bgCtx)
-		}
-	})
+		s.bgWg.Add(1)
+		go s.leader.run(s.bgCtx)
+	}
+	s.modeLock = acquireNotifier(s.pool, s.logger)
+	if !s.cfg.DisableNotify {
+		s.notifier = s.modeLock
+		s.notifier.add(s.cfg.Table.NotifyChannel(), &s.wake)
+	}
+	if s.cfg.Metrics != nil {
+		s.bgWg.Add(1)
+		go s.runStats(s.bgCtx)
+	}
+}
+
+// stopBackground stops what start started, once no subscription runs: the
+// pending acks are written, the leader resigns (a standby stops trying), the
+// relay-mode lock and the listening connection are given back, so the
+// subscriber holds no connection of the pool and a deferred pool.Close
+// returns even when no one closes the subscriber (a Watermill router closes
+// its subscribers only in Router.Close, not when Run's context ends). The
+// next Subscribe starts it again. The caller holds closeMu.
+func (s *Subscriber) stopBackground() {
+	if !s.running {
+		return
+	}
+	s.running = false
+	close(s.ackStop)
+	s.ackerWg.Wait()
+	s.bgCancel()
+	s.bgWg.Wait()
+	if s.notifier != nil {
+		s.notifier.remove(s.cfg.Table.NotifyChannel(), &s.wake)
+		s.notifier = nil
+	}
+	s.modeMu.Lock()
+	if s.modeHeld {
+		s.modeLock.leaveMode(s)
+		s.modeHeld = false
+	}
+	s.modeMu.Unlock()
+	s.modeLock.release()
+	s.modeLock = nil
 }
 
 // IsLeader reports whether this subscriber holds the table's single-active
@@ -156,28 +200,40 @@ func (s *Subscriber) IsLeader() bool {
 // channel is closed. Ack marks the row published; Nack schedules a retry or
 // marks it dead (see package doc).
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	s.closeMu.Lock()
-	defer s.closeMu.Unlock()
-	if s.closed.Load() {
-		return nil, ErrSubscriberClosed
-	}
 	if topic == "" {
 		return nil, errors.New("subscriber: empty topic; pass a topic or subscriber.AllTopics")
 	}
 	if s.cfg.Ordered && topic != AllTopics {
 		return nil, errors.New("subscriber: ordered mode relays every topic of the table in key order; subscribe with subscriber.AllTopics")
 	}
+	s.closeMu.Lock()
+	if s.closed.Load() {
+		s.closeMu.Unlock()
+		return nil, ErrSubscriberClosed
+	}
 	s.start()
-	if !s.modeHeld {
-		// Held until Close, so that no relay of the other mode starts on
-		// the table while this one may deliver (schema.CheckRelayMode).
-		mctx, mcancel := context.WithTimeout(ctx, 30*time.Second)
-		err := s.modeLock.enterMode(mctx, s)
-		mcancel()
-		if err != nil {
-			return nil, err
+	s.active++ // the background stays up while the mode lock is taken
+	s.closeMu.Unlock()
+
+	err := s.holdMode(ctx)
+
+	s.closeMu.Lock()
+	defer s.closeMu.Unlock()
+	if err != nil || s.closed.Load() {
+		if s.active--; s.active == 0 {
+			s.stopBackground()
 		}
-		s.modeHeld = true
+		switch {
+		case s.closed.Load():
+			return nil, ErrSubscriberClosed
+		case ctx.Err() != nil:
+			// Ended by its context before it began: a closed channel,
+			// as for a subscription whose context ends later.
+			out := make(chan *message.Message)
+			close(out)
+			return out, nil
+		}
+		return nil, err
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	sub := &subscription{
@@ -198,8 +254,39 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	go func() {
 		defer s.subsWg.Done()
 		sub.run()
+		s.closeMu.Lock()
+		defer s.closeMu.Unlock()
+		if s.active--; s.active == 0 {
+			s.stopBackground()
+		}
 	}()
 	return sub.out, nil
+}
+
+// holdMode takes the relay-mode lock of the table for s, unless it holds
+// it (modelock.go): so no relay of the other mode starts on the table while
+// this one may deliver (schema.CheckRelayMode). It waits for the notifier's
+// connection until ctx ends or s is closed.
+func (s *Subscriber) holdMode(ctx context.Context) error {
+	s.modeMu.Lock()
+	defer s.modeMu.Unlock()
+	if s.modeHeld {
+		return nil
+	}
+	mctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-s.closing:
+			cancel()
+		case <-mctx.Done():
+		}
+	}()
+	if err := s.modeLock.enterMode(mctx, s); err != nil {
+		return err
+	}
+	s.modeHeld = true
+	return nil
 }
 
 // Close stops every subscription: claims stop, messages in flight get up to
@@ -219,19 +306,9 @@ func (s *Subscriber) Close() error {
 	s.closeMu.Unlock()
 
 	s.subsWg.Wait()
-	close(s.ackStop)
-	s.ackerWg.Wait()
-	s.bgCancel()
-	s.bgWg.Wait()
-	if s.notifier != nil {
-		s.notifier.remove(s.cfg.Table.NotifyChannel(), &s.wake)
-	}
-	if s.modeLock != nil {
-		if s.modeHeld {
-			s.modeLock.leaveMode(s)
-		}
-		s.modeLock.release()
-	}
+	s.closeMu.Lock()
+	s.stopBackground()
+	s.closeMu.Unlock()
 	return s.closeErr
 }
 

@@ -142,7 +142,7 @@ func checkMessage(t *testing.T, tbl schema.Table, want sent, got *message.Messag
 // fails on a repeated or unknown message and after 30s.
 func receiveAll(t *testing.T, sub message.Subscriber, topic string, tbl schema.Table, want map[string]sent, extra func(*message.Message)) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	ch, err := sub.Subscribe(ctx, topic)
 	if err != nil {
@@ -169,7 +169,7 @@ func receiveAll(t *testing.T, sub message.Subscriber, topic string, tbl schema.T
 
 func waitAllPublished(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, n int) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		var published, locked int
 		if err := pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE published_at IS NOT NULL), count(*) FILTER (WHERE locked_at IS NOT NULL) FROM `+tbl.Sanitize()).Scan(&published, &locked); err != nil {
@@ -267,7 +267,7 @@ FROM `+tbl.Sanitize()+` WHERE published_at IS NULL`)
 		}
 		return out
 	}
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		errs := lastErrors()
 		if len(errs) == 5 && strings.Contains(errs[0], "no subscribers") && strings.HasSuffix(errs[0], "[dead at attempt 1]") &&
@@ -308,7 +308,7 @@ FROM `+tbl.Sanitize()+` WHERE published_at IS NULL`)
 		t.Fatalf("replay: %+v, %v", res, err)
 	}
 
-	deadline = time.Now().Add(20 * time.Second)
+	deadline = time.Now().Add(2 * time.Minute)
 	sawConsumerError := false
 	for {
 		for _, e := range lastErrors() {

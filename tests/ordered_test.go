@@ -154,7 +154,7 @@ func TestDaemonOrderedNeedsMigration(t *testing.T) {
 	go func() { out, err = cmd.CombinedOutput(); close(done) }()
 	select {
 	case <-done:
-	case <-time.After(30 * time.Second):
+	case <-time.After(2 * time.Minute):
 		_ = cmd.Process.Kill()
 		<-done
 		t.Fatalf("the daemon did not stop on an unmigrated ordered table:\n%s", out)

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"text/tabwriter"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -182,6 +183,7 @@ func runConsole(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	fs := flag.NewFlagSet("console", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	readOnly := fs.Bool("read-only", false, "no actions (OUTBOX_CONSOLE_READ_ONLY); a set OUTBOX_CONSOLE_TOKEN still guards the reads; without a token, required to listen on a non-loopback address")
+	fs.Usage = func() { consoleUsage(stdout, fs) }
 	if err := fs.Parse(args); err != nil {
 		return fmt.Errorf("%w: %w", errUsage, err)
 	}
@@ -215,4 +217,41 @@ func runConsole(ctx context.Context, env Env, args []string, stdout, stderr io.W
 		return fmt.Errorf("console: shut down: %w", err)
 	}
 	return nil
+}
+
+// consoleVars lists the environment `outbox console` reads, for its --help:
+// the database, the tables and every OUTBOX_CONSOLE_* variable of the relay
+// daemon's list (relayVars), with the defaults of the standalone console.
+func consoleVars() [][3]string {
+	vars := [][3]string{
+		{"OUTBOX_DATABASE_URL", "(required)", "PostgreSQL URL or DSN"},
+		{"OUTBOX_RELAY_TABLES", "(none)", "the tables shown when OUTBOX_CONSOLE_TABLES is unset"},
+	}
+	for _, v := range relayVars {
+		if !strings.HasPrefix(v[0], "OUTBOX_CONSOLE_") {
+			continue
+		}
+		switch v[0] {
+		case "OUTBOX_CONSOLE_ADDR":
+			v[1], v[2] = consoleAddrDefault, "the address the console listens on"
+		case "OUTBOX_CONSOLE_TABLES":
+			v[1] = "OUTBOX_RELAY_TABLES"
+		}
+		vars = append(vars, v)
+	}
+	return vars
+}
+
+func consoleUsage(w io.Writer, fs *flag.FlagSet) {
+	fmt.Fprintln(w, "usage: outbox console [--read-only]\n\nServes the web console until SIGTERM.\n\nflags:")
+	fs.SetOutput(w)
+	fs.PrintDefaults()
+	fmt.Fprintln(w, "\nIt reads the environment:")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "\n  VARIABLE\tDEFAULT\tMEANING")
+	for _, v := range consoleVars() {
+		fmt.Fprintf(tw, "  %s\t%s\t%s\n", v[0], v[1], v[2])
+	}
+	_ = tw.Flush()
+	fmt.Fprintln(w, "\nA bad value stops the console with exit code 2 and the variable's name.")
 }

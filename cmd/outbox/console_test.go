@@ -62,7 +62,7 @@ func TestConsoleServes(t *testing.T) {
 	}()
 	addr := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)`)
 	var m []string
-	for deadline := time.Now().Add(10 * time.Second); m == nil; m = addr.FindStringSubmatch(stdout.String()) {
+	for deadline := time.Now().Add(2 * time.Minute); m == nil; m = addr.FindStringSubmatch(stdout.String()) {
 		if time.Now().After(deadline) {
 			cancel()
 			t.Fatalf("no address printed; stderr %s", stderr.String())
@@ -111,7 +111,7 @@ func TestRelayDaemonServesConsole(t *testing.T) {
 	env["OUTBOX_CONSOLE_TOKEN"] = "daemon-console-token"
 	d := startDaemon(t, env)
 	var m []string
-	for deadline := time.Now().Add(10 * time.Second); m == nil; m = consoleAddrLog.FindStringSubmatch(d.stderr.String()) {
+	for deadline := time.Now().Add(2 * time.Minute); m == nil; m = consoleAddrLog.FindStringSubmatch(d.stderr.String()) {
 		if time.Now().After(deadline) {
 			t.Fatalf("no console address logged; stderr %s", d.stderr.String())
 		}
@@ -142,7 +142,7 @@ func TestRelayDaemonServesConsole(t *testing.T) {
 // table for its charts every 10 s over the last hour, the first at once.
 func chartsEvery10s(t *testing.T, base string, hdr map[string]string, table string) {
 	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); ; {
+	for deadline := time.Now().Add(2 * time.Minute); ; {
 		code, body := get(t, base+"/api/series", hdr)
 		var s struct {
 			IntervalSeconds float64                     `json:"interval_seconds"`

@@ -63,7 +63,7 @@ func startDaemon(t *testing.T, env map[string]string) *daemon {
 		d.exit <- run(ctx, []string{"relay"}, func(k string) string { return env[k] }, io.Discard, d.stderr)
 	}()
 	t.Cleanup(func() { d.stop(t) })
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		if m := healthAddrLog.FindStringSubmatch(d.stderr.String()); m != nil {
 			d.addr = m[1]
@@ -89,7 +89,7 @@ func (d *daemon) stop(t *testing.T) {
 		if code != 0 {
 			t.Errorf("daemon exit code %d; stderr:\n%s", code, d.stderr.String())
 		}
-	case <-time.After(30 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Errorf("daemon did not stop; stderr:\n%s", d.stderr.String())
 	}
 }
@@ -112,7 +112,7 @@ func (d *daemon) get(t *testing.T, path string) (int, string) {
 // waitReady polls path until it answers code with a body satisfying ok.
 func (d *daemon) wait(t *testing.T, path string, code int, ok func(string) bool) string {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		c, body := d.get(t, path)
 		if c == code && ok(body) {
@@ -252,7 +252,7 @@ func TestHealthReadiness(t *testing.T) {
 	a.wait(t, readinessPath, http.StatusOK, oneLineBody("ready: "))
 	b := startDaemon(t, relayEnv(testdb.URL(), tbl))
 	// One leads the table, the other stands by; both are ready.
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		ca, bodyA := a.get(t, readinessPath)
 		cb, bodyB := b.get(t, readinessPath)
@@ -321,7 +321,7 @@ func TestReadinessFollowsEveryTable(t *testing.T) {
 	<-r.Running()
 	waitReason := func(want func(bool, string) bool) string {
 		t.Helper()
-		deadline := time.Now().Add(20 * time.Second)
+		deadline := time.Now().Add(2 * time.Minute)
 		for {
 			ok, reason := h.ready(ctx)
 			if want(ok, reason) {

@@ -40,7 +40,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
 	"github.com/outboxkit/watermill-outbox/router/amqpbackend"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -73,7 +72,7 @@ var (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, exampleutil.DatabaseURL())
+	err := run(ctx, os.Stdout, databaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "amqp:", err)
@@ -110,20 +109,20 @@ func (t topics) all() []string { return []string{t.organizationCreated, t.member
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out := &exampleutil.SyncWriter{W: w}
-	logger := exampleutil.NewLogger()
+	out := &syncWriter{W: w}
+	logger := newLogger()
 	brokerURL := amqpURL()
 	tp, err := newTopics()
 	if err != nil {
 		return err
 	}
 
-	pool, err := exampleutil.Connect(ctx, dbURL)
+	pool, err := connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := exampleutil.CreateSchema(ctx, pool)
+	ns, dropSchema, err := createSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -169,7 +168,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 		consumer.AddConsumerHandler("print_"+topic, topic, amqpSubscriber, printer.Handle)
 		fmt.Fprintf(out, "consumer group %s reads %s from queue %s\n", consumerGroup, topic, consumerAMQP.Queue.GenerateName(topic))
 	}
-	stopConsumer, err := exampleutil.StartRouter(ctx, consumer)
+	stopConsumer, err := startRouter(ctx, consumer)
 	if err != nil {
 		return fmt.Errorf("consumer: %w", err)
 	}
@@ -223,7 +222,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	if err != nil {
 		return err
 	}
-	stopRelay, err := exampleutil.StartForwarder(ctx, fwd)
+	stopRelay, err := startForwarder(ctx, fwd)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
@@ -236,7 +235,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 			return fmt.Errorf("waiting for RabbitMQ deliveries: %w", ctx.Err())
 		}
 	}
-	if err := exampleutil.WaitAllPublished(ctx, pool, outbox); err != nil {
+	if err := waitAllPublished(ctx, pool, outbox); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "received %d events from RabbitMQ; all %d outbox rows published\n", len(events), len(events))

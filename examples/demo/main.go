@@ -2,7 +2,7 @@
 // PostgreSQL to an in-process Kafka cluster, printing what arrived on Kafka.
 //
 // It starts a one-broker Kafka-protocol cluster inside the process
-// (internal/kafkatest, franz-go's kfake; Watermill's Kafka backend talks to
+// (franz-go's kfake, startKafka in plumbing.go; Watermill's Kafka backend talks to
 // it over the network as to any Kafka), creates an outbox table in a fresh
 // schema, commits five events for two tenants in two transactions, relays
 // them with forwarder.New(sub, kafkaPublisher, forwarder.Config{}, logger),
@@ -29,18 +29,17 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
-	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
-
+	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/outboxkit/watermill-outbox/forwarder"
-	"github.com/outboxkit/watermill-outbox/internal/kafkatest"
 	"github.com/outboxkit/watermill-outbox/publisher"
+	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -60,7 +59,7 @@ var (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, exampleutil.DatabaseURL())
+	err := run(ctx, os.Stdout, databaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
@@ -72,10 +71,10 @@ func main() {
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	logger := exampleutil.NewLogger()
+	logger := newLogger()
 
 	// Kafka: an in-process cluster, 3 partitions per topic.
-	cluster, err := kafkatest.Start(3, 0)
+	cluster, err := startKafka()
 	if err != nil {
 		return err
 	}
@@ -83,12 +82,12 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 
 	// PostgreSQL: an outbox table (with the optional trace and headers
 	// columns) in a fresh schema.
-	pool, err := exampleutil.Connect(ctx, dbURL)
+	pool, err := connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := exampleutil.CreateSchema(ctx, pool)
+	ns, dropSchema, err := createSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -128,7 +127,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	// The relay: outbox subscriber -> forwarder -> Kafka publisher. The zero
 	// forwarder.Config sends each row to the Kafka topic named by its topic
 	// column, keyed by event_id, with every metadata entry as a header.
-	kafkaPublisher, err := kafkabackend.NewPublisher(cluster.Brokers(), logger)
+	kafkaPublisher, err := kafkabackend.NewPublisher(cluster.ListenAddrs(), logger)
 	if err != nil {
 		return err
 	}
@@ -142,18 +141,18 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	if err != nil {
 		return err
 	}
-	stopRelay, err := exampleutil.StartForwarder(ctx, fwd)
+	stopRelay, err := startForwarder(ctx, fwd)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
 	defer func() { err = errors.Join(err, stopRelay()) }()
-	if err := exampleutil.WaitAllPublished(ctx, pool, table); err != nil {
+	if err := waitAllPublished(ctx, pool, table); err != nil {
 		return err
 	}
 	if err := stopRelay(); err != nil {
 		return fmt.Errorf("stop relay: %w", err)
 	}
-	fmt.Fprintf(w, "relayed to Kafka at %s\n\n", strings.Join(cluster.Brokers(), ","))
+	fmt.Fprintf(w, "relayed to Kafka at %s\n\n", strings.Join(cluster.ListenAddrs(), ","))
 
 	// Read them back, as a consumer would.
 	got, err := readBack(ctx, cluster, logger, len(msgs), TopicOrganizationCreated, TopicMemberInvited)
@@ -202,9 +201,9 @@ type record struct {
 
 // readBack reads n messages from the topics, from the oldest offset, and
 // returns them in outbox sequence order.
-func readBack(ctx context.Context, cluster *kafkatest.Cluster, logger watermill.LoggerAdapter, n int, topics ...string) ([]record, error) {
+func readBack(ctx context.Context, cluster *kfake.Cluster, logger watermill.LoggerAdapter, n int, topics ...string) ([]record, error) {
 	// No consumer group: read every partition from the oldest offset.
-	kafkaSubscriber, err := cluster.NewSubscriber("", logger)
+	kafkaSubscriber, err := newKafkaSubscriber(cluster.ListenAddrs(), logger)
 	if err != nil {
 		return nil, err
 	}
@@ -287,4 +286,17 @@ func printRecord(w io.Writer, i, n int, r record) error {
 	}
 	fmt.Fprintf(w, "  payload:   %s\n\n", r.msg.Payload)
 	return nil
+}
+
+// newKafkaSubscriber returns a subscriber without a consumer group: it reads
+// every partition from the oldest offset.
+func newKafkaSubscriber(brokers []string, logger watermill.LoggerAdapter) (*kafka.Subscriber, error) {
+	sc := kafka.DefaultSaramaSubscriberConfig()
+	sc.Version = sarama.V2_8_0_0
+	sc.Consumer.Offsets.Initial = sarama.OffsetOldest
+	return kafka.NewSubscriber(kafka.SubscriberConfig{
+		Brokers:               brokers,
+		Unmarshaler:           kafka.DefaultMarshaler{},
+		OverwriteSaramaConfig: sc,
+	}, logger)
 }

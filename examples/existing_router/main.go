@@ -36,8 +36,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
-
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -63,7 +61,7 @@ type OrganizationCreated struct {
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, exampleutil.DatabaseURL())
+	err := run(ctx, os.Stdout, databaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "existing_router:", err)
@@ -83,15 +81,15 @@ type tables struct {
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out := &exampleutil.SyncWriter{W: w}
-	logger := exampleutil.NewLogger()
+	out := &syncWriter{W: w}
+	logger := newLogger()
 
-	pool, err := exampleutil.Connect(ctx, dbURL)
+	pool, err := connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := exampleutil.CreateSchema(ctx, pool)
+	ns, dropSchema, err := createSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -142,7 +140,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	sort.Strings(names)
 	fmt.Fprintf(out, "router handlers: %s\n", strings.Join(names, ", "))
 
-	stopRouter, err := exampleutil.StartRouter(ctx, r)
+	stopRouter, err := startRouter(ctx, r)
 	if err != nil {
 		return fmt.Errorf("router: %w", err)
 	}

@@ -37,7 +37,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/inbox"
 	"github.com/outboxkit/watermill-outbox/publisher"
@@ -63,7 +62,7 @@ type OrderPlaced struct {
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, exampleutil.DatabaseURL())
+	err := run(ctx, os.Stdout, databaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "inbox:", err)
@@ -82,15 +81,15 @@ type tables struct {
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out := &exampleutil.SyncWriter{W: w}
-	logger := exampleutil.NewLogger()
+	out := &syncWriter{W: w}
+	logger := newLogger()
 
-	pool, err := exampleutil.Connect(ctx, dbURL)
+	pool, err := connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := exampleutil.CreateSchema(ctx, pool)
+	ns, dropSchema, err := createSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -117,7 +116,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	// turns a panic (re-raised by the inbox after its rollback) into a nack.
 	r.AddMiddleware(subscriber.CaptureError, middleware.Recoverer, ib.Middleware)
 	r.AddConsumerHandler("billing.create-invoice", TopicOrderPlaced, bus, billing.Handle)
-	stopRouter, err := exampleutil.StartRouter(ctx, r)
+	stopRouter, err := startRouter(ctx, r)
 	if err != nil {
 		return fmt.Errorf("consumer: %w", err)
 	}
@@ -141,12 +140,12 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	if err != nil {
 		return err
 	}
-	stopRelay, err := exampleutil.StartForwarder(ctx, fwd)
+	stopRelay, err := startForwarder(ctx, fwd)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
 	defer func() { err = errors.Join(err, stopRelay()) }()
-	if err := exampleutil.WaitAllPublished(ctx, pool, t.shopOutbox); err != nil {
+	if err := waitAllPublished(ctx, pool, t.shopOutbox); err != nil {
 		return err
 	}
 

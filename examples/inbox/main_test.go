@@ -9,8 +9,6 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
-
-	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
 )
 
 func TestMain(m *testing.M) {
@@ -25,7 +23,7 @@ func testDatabaseURL() string {
 	if u := os.Getenv("TEST_DATABASE_URL"); u != "" {
 		return u
 	}
-	return exampleutil.DatabaseURL()
+	return databaseURL()
 }
 
 const uuidRE = `[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}`

@@ -14,7 +14,7 @@
 //
 // Brokers come from OUTBOX_KAFKA_BROKERS (host:port,...). When it is unset
 // the example starts an in-process Kafka-protocol cluster
-// (internal/kafkatest); in your service, delete that fallback. The database
+// (startKafka in plumbing.go); in your service, delete that fallback. The database
 // is OUTBOX_DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test).
 package main
 
@@ -32,7 +32,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
 	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
 
 	"github.com/IBM/sarama"
@@ -45,7 +44,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/forwarder"
-	"github.com/outboxkit/watermill-outbox/internal/kafkatest"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/router"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -70,7 +68,7 @@ var (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, exampleutil.DatabaseURL())
+	err := run(ctx, os.Stdout, databaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "kafka:", err)
@@ -90,8 +88,8 @@ type tables struct {
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out := &exampleutil.SyncWriter{W: w}
-	logger := exampleutil.NewLogger()
+	out := &syncWriter{W: w}
+	logger := newLogger()
 
 	brokers, topicPrefix, stopKafka, err := kafkaBrokers(out)
 	if err != nil {
@@ -100,12 +98,12 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	defer stopKafka()
 	topic := topicPrefix + TopicMemberInvited // the Kafka topic
 
-	pool, err := exampleutil.Connect(ctx, dbURL)
+	pool, err := connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := exampleutil.CreateSchema(ctx, pool)
+	ns, dropSchema, err := createSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -154,7 +152,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	)
 	billing := &seatBilling{pool: pool, tables: t, out: out, handled: make(chan handled, 2*len(invites))}
 	consumer.AddConsumerHandler("seat_billing", topic, kafkaSubscriber, billing.Handle)
-	stopConsumer, err := exampleutil.StartRouter(ctx, consumer)
+	stopConsumer, err := startRouter(ctx, consumer)
 	if err != nil {
 		return fmt.Errorf("consumer: %w", err)
 	}
@@ -180,7 +178,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	if err != nil {
 		return err
 	}
-	stopRelay, err := exampleutil.StartForwarder(ctx, fwd)
+	stopRelay, err := startForwarder(ctx, fwd)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
@@ -216,7 +214,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 		return err
 	}
 	fmt.Fprintf(out, "seats: Acme=%d Globex=%d (%d invitations, %d deliveries)\n", acme, globex, len(invites), len(invites)+1)
-	if err := exampleutil.WaitAllPublished(ctx, pool, t.outbox); err != nil {
+	if err := waitAllPublished(ctx, pool, t.outbox); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "all %d outbox rows published\n", len(invites))
@@ -241,12 +239,12 @@ func kafkaBrokers(w io.Writer) (brokers []string, topicPrefix string, stop func(
 		fmt.Fprintf(w, "kafka: %s (topics prefixed %q)\n", strings.Join(brokers, ","), topicPrefix)
 		return brokers, topicPrefix, func() {}, nil
 	}
-	cluster, err := kafkatest.Start(3, 0)
+	cluster, err := startKafka()
 	if err != nil {
 		return nil, "", nil, err
 	}
 	fmt.Fprintln(w, "kafka: in-process cluster (set OUTBOX_KAFKA_BROKERS=host:port,... to use yours)")
-	return cluster.Brokers(), "", cluster.Close, nil
+	return cluster.ListenAddrs(), "", cluster.Close, nil
 }
 
 // newKafkaSubscriber returns a consumer-group subscriber. A group seen for

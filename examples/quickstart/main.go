@@ -31,8 +31,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/outboxkit/watermill-outbox/examples/internal/exampleutil"
-
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
@@ -58,7 +56,7 @@ type OrganizationCreated struct {
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, exampleutil.DatabaseURL())
+	err := run(ctx, os.Stdout, databaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "quickstart:", err)
@@ -78,15 +76,15 @@ type tables struct {
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out := &exampleutil.SyncWriter{W: w}
-	logger := exampleutil.NewLogger()
+	out := &syncWriter{W: w}
+	logger := newLogger()
 
-	pool, err := exampleutil.Connect(ctx, dbURL)
+	pool, err := connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := exampleutil.CreateSchema(ctx, pool)
+	ns, dropSchema, err := createSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -145,7 +143,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	consumer.AddMiddleware(subscriber.CaptureError, middleware.Recoverer)
 	onboarding := &onboardingHandler{pool: pool, tables: t, out: out}
 	consumer.AddConsumerHandler("org_onboarding", TopicOrganizationCreated, bus, onboarding.Handle)
-	stopConsumer, err := exampleutil.StartRouter(ctx, consumer)
+	stopConsumer, err := startRouter(ctx, consumer)
 	if err != nil {
 		return fmt.Errorf("consumer: %w", err)
 	}
@@ -161,7 +159,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	if err != nil {
 		return err
 	}
-	stopRelay, err := exampleutil.StartForwarder(ctx, fwd)
+	stopRelay, err := startForwarder(ctx, fwd)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}

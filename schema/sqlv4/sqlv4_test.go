@@ -130,7 +130,7 @@ func roundTrip(t *testing.T, db wsql.Beginner) {
 		t.Fatalf("non-JSON payload accepted: %v", err)
 	}
 
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	msgs, err := sub.Subscribe(ctx, topic)
 	if err != nil {
@@ -163,7 +163,7 @@ func roundTrip(t *testing.T, db wsql.Beginner) {
 		t.Fatal("the first message never arrived")
 	}
 	pool := testdb.Pool(t)
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		var published, locked, pending int
 		err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE published_at IS NOT NULL), count(*) FILTER (WHERE locked_at IS NOT NULL),

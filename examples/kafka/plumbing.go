@@ -1,8 +1,8 @@
-// Package exampleutil holds the plumbing every example shares (connecting,
-// a throw-away schema, starting and stopping routers), so that each example's
-// main.go shows only the outbox. Copying an example into your service, replace
-// these calls with your own connection and lifecycle code.
-package exampleutil
+package main
+
+// The plumbing every example has (connecting, a throw-away schema, starting
+// and stopping routers), kept apart so that main.go shows the outbox. Copy it
+// with the example, or replace it with your own connection and lifecycle code.
 
 import (
 	"context"
@@ -20,26 +20,27 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// DefaultDatabaseURL is used when OUTBOX_DATABASE_URL is not set.
-const DefaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+// defaultDatabaseURL is used when OUTBOX_DATABASE_URL is not set.
+const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
 
-// DatabaseURL is OUTBOX_DATABASE_URL, or the local test database.
-func DatabaseURL() string {
+// databaseURL is OUTBOX_DATABASE_URL, or the local test database.
+func databaseURL() string {
 	if u := os.Getenv("OUTBOX_DATABASE_URL"); u != "" {
 		return u
 	}
-	return DefaultDatabaseURL
+	return defaultDatabaseURL
 }
 
-// Connect opens a pool and checks the database is reachable. The relay holds
-// two connections for its life (the single-active leader's and the
+// connect opens a pool and checks the database is reachable. The relay holds
+// two connections while it relays (the single-active leader's and the
 // LISTEN/NOTIFY one): size the pool for them plus your own traffic.
-func Connect(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
+func connect(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(dbURL)
 	if err != nil {
 		return nil, fmt.Errorf("parse database URL: %w", err)
@@ -59,9 +60,9 @@ func Connect(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
-// CreateSchema creates a fresh schema example_<random hex>, so that runs do
+// createSchema creates a fresh schema example_<random hex>, so that runs do
 // not see each other, and returns the function that drops it.
-func CreateSchema(ctx context.Context, pool *pgxpool.Pool) (string, func() error, error) {
+func createSchema(ctx context.Context, pool *pgxpool.Pool) (string, func() error, error) {
 	var b [6]byte
 	if _, err := rand.Read(b[:]); err != nil {
 		return "", nil, err
@@ -81,16 +82,16 @@ func CreateSchema(ctx context.Context, pool *pgxpool.Pool) (string, func() error
 	return ns, drop, nil
 }
 
-// NewLogger logs warnings and errors of the relay, routers and clients to
+// newLogger logs warnings and errors of the relay, routers and clients to
 // stderr.
-func NewLogger() watermill.LoggerAdapter {
+func newLogger() watermill.LoggerAdapter {
 	return watermill.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
 }
 
-// StartRouter runs r in the background until its handlers are subscribed,
+// startRouter runs r in the background until its handlers are subscribed,
 // and returns the function that stops it and reports how Run ended (safe to
 // call more than once).
-func StartRouter(ctx context.Context, r *message.Router) (stop func() error, err error) {
+func startRouter(ctx context.Context, r *message.Router) (stop func() error, err error) {
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
 	select {
@@ -104,8 +105,8 @@ func StartRouter(ctx context.Context, r *message.Router) (stop func() error, err
 	return sync.OnceValue(func() error { return errors.Join(r.Close(), <-done) }), nil
 }
 
-// StartForwarder runs the relay in the background, like StartRouter.
-func StartForwarder(ctx context.Context, f *forwarder.Forwarder) (stop func() error, err error) {
+// startForwarder runs the relay in the background, like startRouter.
+func startForwarder(ctx context.Context, f *forwarder.Forwarder) (stop func() error, err error) {
 	done := make(chan error, 1)
 	go func() { done <- f.Run(ctx) }()
 	select {
@@ -119,8 +120,8 @@ func StartForwarder(ctx context.Context, f *forwarder.Forwarder) (stop func() er
 	return sync.OnceValue(func() error { return errors.Join(f.Close(), <-done) }), nil
 }
 
-// WaitAllPublished waits until every row of t is published.
-func WaitAllPublished(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
+// waitAllPublished waits until every row of t is published.
+func waitAllPublished(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
 	for {
@@ -139,16 +140,28 @@ func WaitAllPublished(ctx context.Context, pool *pgxpool.Pool, t schema.Table) e
 	}
 }
 
-// SyncWriter serialises writes to W: handlers print from their own
+// syncWriter serialises writes to W: handlers print from their own
 // goroutines.
-type SyncWriter struct {
+type syncWriter struct {
 	mu sync.Mutex
 	W  io.Writer
 }
 
 // Write writes p to the underlying writer, one call at a time.
-func (s *SyncWriter) Write(p []byte) (int, error) {
+func (s *syncWriter) Write(p []byte) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.W.Write(p)
+}
+
+// startKafka starts a one-broker Kafka-protocol cluster inside the process
+// (franz-go's kfake), topics created on first use with three partitions;
+// Watermill's Kafka backend talks to it over the network as to any Kafka.
+// In your service, use your brokers instead.
+func startKafka() (*kfake.Cluster, error) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.AllowAutoTopicCreation(), kfake.DefaultNumPartitions(3))
+	if err != nil {
+		return nil, fmt.Errorf("start in-process Kafka cluster: %w", err)
+	}
+	return c, nil
 }
