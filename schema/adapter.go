@@ -9,7 +9,6 @@ import (
 	"strings"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 )
@@ -25,23 +24,25 @@ const (
 // the rows of every topic.
 const AllTopics = "*"
 
-// Adapter lets watermill-sql v3's stock NewPublisher and NewSubscriber work on
-// an outbox table. It implements both sql.SchemaAdapter and
-// sql.OffsetsAdapter; pass the same value as both. For watermill-sql v4 use
-// package schema/sqlv4, configured with the same fields; both render their
-// statements with the Statement methods of Adapter (InsertStatement,
-// ClaimStatement, AckStatement, SchemaStatements, ScanClaimed).
+// Adapter is the configuration of the watermill-sql adapters, and renders
+// their statements: package schema/sqlv3 (watermill-sql v3) and package
+// schema/sqlv4 (watermill-sql v4) declare their adapters as Adapter's type
+// and run the SQL of its Statement methods (InsertStatement, ClaimStatement,
+// ScanClaimed, AckStatement, SchemaStatements), so both run the same SQL.
+// Adapter itself implements no watermill-sql interface, so package schema
+// does not depend on watermill-sql; convert it, as sqlv3.Adapter(a) or
+// sqlv4.Adapter(a).
 //
-// InsertQuery writes one row per message: msg.UUID must be a UUID (it becomes
-// event_id), metadata tenant_id is required, the payload must be JSON and
-// the remaining metadata goes to the headers column when the table has one.
-// SelectQuery is the subscriber's lease claim; AckMessageQuery marks the rows
-// the same transaction claimed as published.
+// InsertStatement writes one row per message: msg.UUID must be a UUID (it
+// becomes event_id), metadata tenant_id is required, the payload must be
+// JSON and the remaining metadata goes to the headers column when the table
+// has one. ClaimStatement is the stock subscriber's lease claim;
+// AckStatement marks the rows the same transaction claimed as published.
 //
-// The stock subscriber is weaker than package subscriber: it keeps the claim
-// transaction open while the handler runs, resends a nacked message
+// The stock subscribers are weaker than package subscriber: they keep the
+// claim transaction open while the handler runs, resend a nacked message
 // in-process without backoff, last_error or dead state, and cannot extend a
-// lease. Use it for interop; use package subscriber for the relay.
+// lease. Use them for interop; use package subscriber for the relay.
 type Adapter struct {
 	// Table is the outbox table. Required.
 	Table Table
@@ -58,11 +59,6 @@ type Adapter struct {
 	// BatchSize is the claim's LIMIT. Defaults to 100.
 	BatchSize int
 }
-
-var (
-	_ wsql.SchemaAdapter  = Adapter{}
-	_ wsql.OffsetsAdapter = Adapter{}
-)
 
 func (a Adapter) queries() *Queries { return NewQueries(a.Table, a.Columns) }
 
@@ -89,7 +85,7 @@ func (a Adapter) batchSize() int {
 
 // InsertStatement renders one multi-row INSERT of msgs, idempotent on
 // event_id, with topic stored in the topic column. It is the insert of both
-// watermill-sql adapters (v3 here, v4 in package schema/sqlv4), and it takes
+// watermill-sql adapters (packages schema/sqlv3 and schema/sqlv4), and it takes
 // part in the wake-up handshake as publisher.Enqueue does: a sleeping relay
 // is woken within milliseconds.
 func (a Adapter) InsertStatement(topic string, msgs message.Messages) (Statement, error) {
@@ -213,61 +209,7 @@ func (a Adapter) SchemaStatements() []Statement {
 	return out
 }
 
-func v3Query(s Statement) wsql.Query { return wsql.Query{Query: s.SQL, Args: s.Args} }
-
-// InsertQuery implements sql.SchemaAdapter with InsertStatement.
-func (a Adapter) InsertQuery(topic string, msgs message.Messages) (wsql.Query, error) {
-	s, err := a.InsertStatement(topic, msgs)
-	if err != nil {
-		return wsql.Query{}, err
-	}
-	return v3Query(s), nil
-}
-
-// SelectQuery implements sql.SchemaAdapter with ClaimStatement.
-func (a Adapter) SelectQuery(topic string, _ string, _ wsql.OffsetsAdapter) wsql.Query {
-	return v3Query(a.ClaimStatement(topic))
-}
-
-// UnmarshalMessage implements sql.SchemaAdapter with ScanClaimed: the
-// message has UUID = event_id and the outbox metadata; Row.Offset is the
-// sequence.
-func (a Adapter) UnmarshalMessage(row wsql.Scanner) (wsql.Row, error) {
-	seq, msg, err := a.ScanClaimed(row)
-	if err != nil {
-		return wsql.Row{}, err
-	}
-	return wsql.Row{Offset: seq, UUID: []byte(msg.UUID), Payload: msg.Payload, Msg: msg}, nil
-}
-
-// SchemaInitializingQueries implements sql.SchemaAdapter with
-// SchemaStatements.
-func (a Adapter) SchemaInitializingQueries(string) []wsql.Query {
-	var qs []wsql.Query
-	for _, s := range a.SchemaStatements() {
-		qs = append(qs, v3Query(s))
-	}
-	return qs
-}
-
-// SubscribeIsolationLevel implements sql.SchemaAdapter: READ COMMITTED, which
-// SKIP LOCKED needs to let concurrent subscribers share a table.
+// SubscribeIsolationLevel is the isolation level of the adapters'
+// SubscribeIsolationLevel: READ COMMITTED, which SKIP LOCKED needs to let
+// concurrent subscribers share a table.
 func (a Adapter) SubscribeIsolationLevel() stdsql.IsolationLevel { return stdsql.LevelReadCommitted }
-
-// AckMessageQuery implements sql.OffsetsAdapter with AckStatement.
-func (a Adapter) AckMessageQuery(_ string, row wsql.Row, _ string) wsql.Query {
-	return v3Query(a.AckStatement(row.Offset))
-}
-
-// ConsumedMessageQuery implements sql.OffsetsAdapter; the claim already
-// recorded the lease, so there is nothing to do.
-func (a Adapter) ConsumedMessageQuery(string, wsql.Row, string, []byte) wsql.Query {
-	return wsql.Query{}
-}
-
-// NextOffsetQuery implements sql.OffsetsAdapter; the outbox has no offsets
-// table (rows carry their own state), so it is empty.
-func (a Adapter) NextOffsetQuery(string, string) wsql.Query { return wsql.Query{} }
-
-// BeforeSubscribingQueries implements sql.OffsetsAdapter; nothing is needed.
-func (a Adapter) BeforeSubscribingQueries(string, string) []wsql.Query { return nil }

@@ -2,7 +2,6 @@ package subscriber_test
 
 import (
 	"context"
-	"database/sql"
 	"encoding/json"
 	"math/rand/v2"
 	"sort"
@@ -11,13 +10,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	_ "github.com/jackc/pgx/v5/stdlib" // database/sql driver "pgx"
 
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
@@ -481,50 +476,4 @@ func TestWakeUpKeyedAndUnkeyedLocks(t *testing.T) {
 		_ = holder.Close(ctx)
 	}
 	expect("nobody asleep, mixed batch", 0, "k1", "")
-}
-
-// TestWakeUpWatermillSQLPublisher: rows inserted through watermill-sql's
-// stock publisher with schema.Adapter (the interop path) wake a sleeping
-// relay within moments, with a poll interval of a minute.
-func TestWakeUpWatermillSQLPublisher(t *testing.T) {
-	t.Parallel()
-	pool := testdb.Pool(t)
-	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
-	db, err := sql.Open("pgx", testdb.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	pub, err := wsql.NewPublisher(db, wsql.PublisherConfig{SchemaAdapter: schema.Adapter{Table: tbl}}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: time.Minute})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := range 3 {
-		waitFor(t, "the relay asleep on the idle lock", 5*time.Second, func() bool { return idleHeld(t, pool, tbl) })
-		m := message.NewMessage(uuid.NewString(), []byte(`{"n":1}`))
-		m.Metadata.Set(schema.MetadataTenantID, tenant.String())
-		start := time.Now()
-		if err := pub.Publish("org.thing.changed.v1", m); err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case got := <-ch:
-			got.Ack()
-			if got.UUID != m.UUID {
-				t.Fatalf("got %s, want %s", got.UUID, m.UUID)
-			}
-			if d := time.Since(start); d > 2*time.Second {
-				t.Fatalf("message %d took %s (poll interval 1 min)", i, d)
-			}
-		case <-ctx.Done():
-			t.Fatalf("message %d inserted through watermill-sql never woke the relay", i)
-		}
-	}
 }

@@ -1,5 +1,5 @@
 // Package sqlv4 lets watermill-sql v4's stock NewPublisher and NewSubscriber
-// work on an outbox table, as schema.Adapter does for watermill-sql v3.
+// work on an outbox table, as package schema/sqlv3 does for watermill-sql v3.
 //
 // Adapter implements v4's SchemaAdapter and OffsetsAdapter implements its
 // OffsetsAdapter (v4 declares SchemaInitializingQueries in both with

@@ -27,6 +27,7 @@ import (
 
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/schema/sqlv3"
 	"github.com/outboxkit/watermill-outbox/schema/sqlv4"
 )
 
@@ -181,11 +182,11 @@ func roundTrip(t *testing.T, db wsql.Beginner) {
 	}
 }
 
-// TestSameSQLAsV3: the v4 adapters render exactly the statements of
-// schema.Adapter's watermill-sql v3 methods.
+// TestSameSQLAsV3: the v4 adapters render exactly the statements of the
+// watermill-sql v3 adapter, sqlv3.Adapter.
 func TestSameSQLAsV3(t *testing.T) {
 	t.Parallel()
-	v3 := schema.Adapter{Table: schema.MustParseTable("app.org_outbox"), Columns: schema.Columns{Headers: true, TraceContext: true}, BatchSize: 7}
+	v3 := sqlv3.Adapter{Table: schema.MustParseTable("app.org_outbox"), Columns: schema.Columns{Headers: true, TraceContext: true}, BatchSize: 7}
 	v4 := sqlv4.Adapter(v3)
 	m := message.NewMessage(uuid.NewString(), []byte(`{"a":1}`))
 	m.Metadata.Set(schema.MetadataTenantID, uuid.NewString())
