@@ -26,12 +26,12 @@ test: up ## Run every test against the real services (the command CI runs), then
 	go test -count=1 -timeout 10m -tags fault -run TestFaultWALKills -v ./tests/fault/ 2>&1 | grep -v '^\[watermill\]' | tail -10; exit $${PIPESTATUS[0]}
 
 fuzz: ## Fuzz every FuzzXxx target of the module for FUZZTIME each (default 30s; make fuzz FUZZTIME=5m), one at a time (go test -fuzz takes one target per run); needs PostgreSQL. Prints each target's executions; a failing input lands in the package's testdata/fuzz.
-	@set -o pipefail; for file in $$(git grep -l '^func Fuzz' -- '*_test.go'); do \
+	@set -o pipefail; logs=$$(mktemp -d); trap 'rm -rf "$$logs"' EXIT; for file in $$(git grep -l '^func Fuzz' -- '*_test.go'); do \
 		for target in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$file); do \
 			printf '%-24s %-18s ' $$target ./$$(dirname $$file); \
-			go test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) ./$$(dirname $$file) > /tmp/outbox-fuzz-$$target.log 2>&1 \
-				|| { echo FAIL; grep -v '^fuzz: ' /tmp/outbox-fuzz-$$target.log; exit 1; }; \
-			{ grep -o 'execs: [0-9]*' /tmp/outbox-fuzz-$$target.log || echo 'execs: 0 (FUZZTIME ended in the baseline)'; } | tail -1; \
+			go test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) ./$$(dirname $$file) > $$logs/$$target.log 2>&1 \
+				|| { echo FAIL; grep -v '^fuzz: ' $$logs/$$target.log; exit 1; }; \
+			{ grep -o 'execs: [0-9]*' $$logs/$$target.log || echo 'execs: 0 (FUZZTIME ended in the baseline)'; } | tail -1; \
 		done; \
 	done
 
