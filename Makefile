@@ -3,9 +3,10 @@ SHELL := /bin/bash
 GOLANGCI_LINT_VERSION ?= v2.15.0
 GOBIN ?= $(shell go env GOPATH)/bin
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
+FUZZTIME ?= 30s
 export TEST_DATABASE_URL
 
-.PHONY: help up wait test fault partition ordered_history wal_history test_short test_race test_stress lint fmt vet bench bench-wal demo
+.PHONY: help up wait test fuzz fault partition ordered_history wal_history test_short test_race test_stress lint fmt vet bench bench-wal demo
 
 help: ## List the targets.
 	@grep -E '^[a-z_]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -18,6 +19,16 @@ wait: ## Wait until PostgreSQL and RabbitMQ accept connections.
 
 test: up ## Run every suite against the real services (the command CI runs): go test ./..., the Docker build and Kubernetes checks, the partition test (root) and the fault-injection tests (default, ordered and WAL relays SIGKILLed while producers commit). A failing suite does not stop the others; the end lists each suite's verdict and time.
 	./scripts/test.sh
+
+fuzz: ## Fuzz every FuzzXxx target of the module for FUZZTIME each (default 30s; make fuzz FUZZTIME=5m), one at a time (go test -fuzz takes one target per run); needs PostgreSQL. Prints each target's executions; a failing input lands in the package's testdata/fuzz.
+	@set -o pipefail; logs=$$(mktemp -d); trap 'rm -rf "$$logs"' EXIT; for file in $$(git grep -l '^func Fuzz' -- '*_test.go'); do \
+		for target in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$file); do \
+			printf '%-24s %-18s ' $$target ./$$(dirname $$file); \
+			go test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) ./$$(dirname $$file) > $$logs/$$target.log 2>&1 \
+				|| { echo FAIL; grep -v '^fuzz: ' $$logs/$$target.log; exit 1; }; \
+			{ grep -o 'execs: [0-9]*' $$logs/$$target.log || echo 'execs: 0 (FUZZTIME ended in the baseline)'; } | tail -1; \
+		done; \
+	done
 
 fault: ## The fault-injection test at full size (100,000 events, 12 relay kills); restarts its own private PostgreSQL and RabbitMQ, not the shared ones.
 	FAULT_EVENTS=100000 FAULT_KILLS=12 FAULT_SUMMARY_FILE=$(CURDIR)/docs/fault-summary.txt \

@@ -45,7 +45,7 @@ func FuzzPayloadValidation(f *testing.F) {
 		switch {
 		case err == nil:
 		case errors.As(err, &ve):
-			if len(payload) >= 4 && containsBytes(err.Error(), payload) {
+			if len(payload) >= 4 && strings.Contains(err.Error(), string(payload)) {
 				t.Fatalf("the error quotes the payload: %v", err)
 			}
 			if ve.Field == "Payload" && json.Valid(payload) && len(payload) <= publisher.DefaultMaxPayloadBytes && storable(ctx, tx, payload) {
@@ -71,8 +71,4 @@ func storable(ctx context.Context, tx pgx.Tx, p []byte) bool {
 	defer func() { _ = sp.Rollback(ctx) }()
 	var n int
 	return sp.QueryRow(ctx, `SELECT length($1::text::jsonb::text)`, string(p)).Scan(&n) == nil
-}
-
-func containsBytes(s string, b []byte) bool {
-	return len(b) > 0 && len(s) >= len(b) && strings.Index(s, string(b)) >= 0
 }

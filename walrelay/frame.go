@@ -96,7 +96,7 @@ func decodeLogical(src []byte) (pglogrepl.Message, error) {
 		if len(body) < 5 {
 			return nil, fmt.Errorf("a Truncate message needs 5 bytes after its kind, has %d", len(body))
 		}
-		if n := uint64(binary.BigEndian.Uint32(body)); n*4 > uint64(len(body)-5) {
+		if n := int64(binary.BigEndian.Uint32(body)); n*4 > int64(len(body)-5) {
 			return nil, fmt.Errorf("a Truncate message declares %d relations in %d bytes", n, len(body)-5)
 		}
 	case pglogrepl.MessageTypeMessage:
@@ -109,7 +109,7 @@ func decodeLogical(src []byte) (pglogrepl.Message, error) {
 			return nil, errors.New("a logical decoding message's prefix has no terminating NUL")
 		}
 		rest := body[9+end+1:]
-		if len(rest) < 4 || uint64(binary.BigEndian.Uint32(rest)) > uint64(len(rest)-4) {
+		if len(rest) < 4 || int64(binary.BigEndian.Uint32(rest)) > int64(len(rest)-4) {
 			return nil, errors.New("a logical decoding message's content length is past the bytes that follow")
 		}
 	case pglogrepl.MessageTypeBegin:
@@ -250,7 +250,7 @@ func (r *reader) tuple(which string) *pglogrepl.TupleData {
 		switch c.DataType {
 		case pglogrepl.TupleDataTypeText, pglogrepl.TupleDataTypeBinary:
 			c.Length = r.uint32(fmt.Sprintf("the length of column %d of the %s", i, which))
-			if r.err == nil && uint64(c.Length) > uint64(len(r.src)-r.off) {
+			if r.err == nil && int64(c.Length) > int64(len(r.src)-r.off) {
 				r.fail("column %d of the %s declares %d bytes, %d are left", i, which, c.Length, len(r.src)-r.off)
 			}
 			if r.err == nil {
