@@ -388,7 +388,7 @@ func (e *LockWaitError) Unwrap() error { return e.Err }
 // waiting for a lock: 50 ms doubling to 2 s, plus a jitter of up to half.
 func lockBackoff(n int) time.Duration {
 	d := min(50*time.Millisecond<<min(n-1, 6), 2*time.Second)
-	return d + time.Duration(rand.Int64N(int64(d/2)+1))
+	return d + time.Duration(rand.Int64N(int64(d/2)+1)) //nolint:gosec // jitter, not a secret
 }
 
 // lockHolders reads the sessions that hold a granted lock on t, for the
@@ -477,7 +477,7 @@ func migrateTx(ctx context.Context, db DB, t Table, wait time.Duration, opts []M
 			}
 			return nil
 		}
-		if !(errors.As(err, &pgErr) && pgErr.Code == "55P03") && ctx.Err() == nil { // lock_not_available
+		if (!errors.As(err, &pgErr) || pgErr.Code != "55P03") && ctx.Err() == nil { // not lock_not_available
 			return err
 		}
 		sleep := lockBackoff(n)

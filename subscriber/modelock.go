@@ -104,7 +104,10 @@ func (n *notifier) leaveMode(s *Subscriber) {
 	// Wait, so that a relay of the other mode started after Close returns
 	// does not see this lock; a session that ends meanwhile ends it too.
 	select {
-	case <-op.reply:
+	case err := <-op.reply:
+		if err != nil {
+			n.logger.Error("Could not give back the relay-mode lock; it ends with the connection", err, nil)
+		}
 	case <-n.done:
 	case <-time.After(opTimeout):
 	}

@@ -25,7 +25,7 @@ const (
 	quietSpell = 1500 * time.Millisecond // a window for a row that must not be delivered to show up
 )
 
-// TestOrderThroughHandoverAndRestart: rows sharing an ordering key are
+// TestOrderThroughHandoverAndRestart checks that rows sharing an ordering key are
 // first delivered in sequence order while handlers nack some rows, a
 // relay closes (its keys pass to the other relay: a handover) and a new
 // relay starts (a restart). README "Which relay?", docs/ORDERING.md
@@ -70,7 +70,7 @@ func TestOrderThroughHandoverAndRestart(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestOneCopyPerKey: a relay has at most one copy of a key in its
+// TestOneCopyPerKey checks that a relay has at most one copy of a key in its
 // handlers, also when a handler ignores its context and keeps a message
 // past the end of its term (Relay.EndTerm: the ordered relay's leases
 // lost, the WAL relay's session ended): within the documented overrun the
@@ -132,7 +132,7 @@ func TestOneCopyPerKey(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestPauseAndResume: a paused topic's rows stay pending, with no attempt
+// TestPauseAndResume checks that a paused topic's rows stay pending, with no attempt
 // counted, while other topics flow; in a keyed mode a key whose next row
 // is paused waits whatever its later rows' topics; after the resume they
 // are delivered (in order, per key). docs/OPERATIONS.md "Pausing a
@@ -182,7 +182,7 @@ func TestPauseAndResume(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestSkipHeld: a dead row holds its key (its later rows wait, other keys
+// TestSkipHeld checks that a dead row holds its key (its later rows wait, other keys
 // flow); SkipEvent drops it: the key goes on with its next rows, in
 // order, and the skipped row is never delivered again. docs/ORDERING.md
 // "Operating held keys", docs/WAL.md "Skip".
@@ -216,7 +216,7 @@ func TestSkipHeld(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestReplayDead: a row that failed for good is dead (kept, never retried
+// TestReplayDead checks that a row that failed for good is dead (kept, never retried
 // on its own); ReplayEvent delivers it again, and in a keyed mode before
 // the rest of its key. README "Dead rows", docs/ORDERING.md, docs/WAL.md
 // "Replay".
@@ -261,7 +261,7 @@ func TestReplayDead(t *testing.T, r Relay) {
 	}
 }
 
-// TestBulkReplayWhileHoldDrains: a bulk replay (runbook.ReplayDead) that
+// TestBulkReplayWhileHoldDrains checks that a bulk replay (runbook.ReplayDead) that
 // catches a held key's skipped dead row while the key's next rows are
 // being delivered (WAL: the hold drains) is refused or delivered, never
 // lost: the row ends delivered, or still dead — never "not dead and never
@@ -341,7 +341,7 @@ func TestBulkReplayWhileHoldDrains(t *testing.T, r Relay) {
 	}
 }
 
-// TestCleanerRacingReplays: the cleaner, with a tiny retention, deletes
+// TestCleanerRacingReplays checks that the cleaner, with a tiny retention, deletes
 // relayed rows while an operator replays the same old rows; no key is
 // stranded: the key's next row is delivered. docs/ORDERING.md "Replay
 // works on keyed rows", the cleaner's doc.
@@ -457,7 +457,7 @@ func TestCleanerRacingReplays(t *testing.T, r Relay) {
 	})
 }
 
-// TestMaxInFlight: never more than MaxInFlight messages of a subscription
+// TestMaxInFlight checks that never more than MaxInFlight messages of a subscription
 // are in handlers, keyed rows and unkeyed rows together; all are delivered
 // once handlers answer. subscriber.Config.MaxInFlight,
 // walrelay.Config.MaxInFlight.
@@ -489,7 +489,7 @@ func TestMaxInFlight(t *testing.T, r Relay) {
 	}
 }
 
-// TestBacklogBeforeSetUp: rows committed before the relay is set up are
+// TestBacklogBeforeSetUp checks that rows committed before the relay is set up are
 // delivered, or the set-up refuses with an error saying what to do; they
 // are never counted delivered and deleted. README "Nothing committed is
 // lost", docs/WAL.md.
@@ -529,7 +529,7 @@ func TestBacklogBeforeSetUp(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestSwitchFromDefault: a table (every optional column) that a default
+// TestSwitchFromDefault checks that a table (every optional column) that a default
 // relay ran on is switched to the relay under test: its dead rows stay
 // dead and its published rows are not delivered again; new rows flow.
 // docs/ORDERING.md "Switching modes".
@@ -583,7 +583,7 @@ func TestSwitchFromDefault(t *testing.T, r Relay) {
 	}
 }
 
-// TestTwoModesOnOneTable: a default relay and an ordered relay do not run
+// TestTwoModesOnOneTable checks that a default relay and an ordered relay do not run
 // on one table at once: whichever starts second is refused for as long as
 // both could run (an idle default relay with DisableSingleActive
 // included), so that no key is delivered out of order nor twice at once;
