@@ -218,7 +218,7 @@ var holdRefusals = map[HoldState]map[HoldOp]holdRule{
 // A state a mode does not have is never read there. An allowed action can
 // still be refused for a reason of the row's own (ReplayEvent: a row a
 // relay leases; ordered mode: a resolved hold above its partition's
-// written floor, ErrNotRelayedYet, for up to LockTTL/10).
+// written floor, ErrNotRelayedYet, for up to LockTTL/10 and a tick).
 func (s HoldState) Allows(op HoldOp) error {
 	if !s.valid() {
 		return &HoldRuleError{State: s, Op: op, Why: "the state is unknown", Do: "upgrade the outbox command or library"}
