@@ -36,6 +36,25 @@ start_amqp() {
 	rabbitmq-server -detached
 }
 
+# Two `make test` runs side by side (and the fault tests' relays) open more
+# connections than PostgreSQL's default max_connections (100).
+PG_MIN_CONNECTIONS=${PG_MIN_CONNECTIONS:-300}
+
+ensure_pg_connections() {
+	local cur v
+	cur=$(psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -tAc "SHOW max_connections")
+	if [ "$cur" -ge "$PG_MIN_CONNECTIONS" ]; then
+		echo "PostgreSQL: max_connections $cur"
+		return 0
+	fi
+	v=$(ls /etc/postgresql 2>/dev/null | sort -V | tail -n1)
+	[ -n "$v" ] || { echo "PostgreSQL: max_connections $cur < $PG_MIN_CONNECTIONS and the server is not a local cluster this script can restart; raise it by hand" >&2; return 1; }
+	echo "PostgreSQL: max_connections $cur < $PG_MIN_CONNECTIONS: raising it (ALTER SYSTEM) and restarting the server"
+	psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -qc "ALTER SYSTEM SET max_connections = $PG_MIN_CONNECTIONS"
+	pg_ctlcluster --skip-systemctl-redirect "$v" main restart
+	wait_for PostgreSQL pg_up 60
+}
+
 ensure_test_db() {
 	# Not `psql | grep -q`: under pipefail an early-exiting grep can SIGPIPE psql.
 	[ "$(psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'")" = 1 ] ||
@@ -57,6 +76,7 @@ up)
 	ensure_chromium
 	pg_up || start_pg
 	wait_for PostgreSQL pg_up 60
+	ensure_pg_connections
 	ensure_test_db
 	amqp_up || start_amqp
 	wait_for RabbitMQ amqp_up 120

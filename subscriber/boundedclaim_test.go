@@ -130,7 +130,7 @@ func TestBoundedClaimBoundFollowsTheHead(t *testing.T) {
 	s := newSub(t, pool, subscriber.Config{Table: tbl})
 	d := consumeAll(t, s)
 	for range 30 {
-		d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 1), 5*time.Second)
+		d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 1), time.Minute)
 		time.Sleep(3 * time.Millisecond)
 	}
 	var newest time.Time
@@ -205,7 +205,7 @@ func TestBoundedClaimSweepFindsWhatTheBoundMissed(t *testing.T) {
 	d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 5), 5*time.Second)
 	for range 3 { // the bound moves on
 		time.Sleep(200 * time.Millisecond)
-		d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 1), 5*time.Second)
+		d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 1), time.Minute)
 	}
 	id := uuid.New()
 	if _, err := pool.Exec(context.Background(), `INSERT INTO `+tbl.Sanitize()+` (tenant_id, topic, payload, event_id, available_at)
