@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -48,7 +49,7 @@ func TestRelayModeRefusalHoldsWhileBothCouldRun(t *testing.T) {
 	if err := def.Close(); err != nil {
 		t.Fatal(err)
 	}
-	o := orderedSub(t, pool, orderedCfg(tbl))
+	o := subOnceOtherModeGone(t, pool, orderedCfg(tbl))
 	rec := newRecorder()
 	consume(t, o, rec, nil)
 	events := enqueueKeyed(t, pool, tbl, "k", "k", "k")
@@ -82,4 +83,24 @@ func TestRelayModeStaleLeaseProvesNothing(t *testing.T) {
 	consume(t, o, rec, func(*message.Message) bool { return true })
 	rec.waitAcked(t, events, 30*time.Second)
 	rec.checkOrder(t)
+}
+
+// subOnceOtherModeGone is orderedSub for a relay that replaces one of the
+// other mode: the old relay's session may end on the server a moment after
+// its Close returned (a connection closed rather than unlocked), so New is
+// tried again while it refuses with schema.ErrRelayModeMix, for up to 30 s.
+func subOnceOtherModeGone(t *testing.T, pool *pgxpool.Pool, cfg subscriber.Config) *subscriber.Subscriber {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		s, err := subscriber.New(pool, cfg, nil)
+		if err == nil {
+			t.Cleanup(func() { _ = s.Close() })
+			return s
+		}
+		if !errors.Is(err, schema.ErrRelayModeMix) || time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }

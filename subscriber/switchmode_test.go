@@ -40,7 +40,7 @@ func TestSwitchToOrderedKeepsDeadAndPublished(t *testing.T) {
 	}
 
 	later := enqueueKeyed(t, pool, tbl, "k", "k")
-	o := orderedSub(t, pool, orderedCfg(tbl))
+	o := subOnceOtherModeGone(t, pool, orderedCfg(tbl))
 	rec := newRecorder()
 	consume(t, o, rec, nil)
 	rec.waitAcked(t, later, 30*time.Second)

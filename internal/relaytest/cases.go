@@ -561,7 +561,7 @@ func TestSwitchFromDefault(t *testing.T, r Relay) {
 	bad.fix(dead...) // a delivery of a dead row would now be acked, and seen
 	e.setUp()
 	before := e.rec.deliveriesBy("old")
-	e.start("new", Options{}, nil)
+	e.startOnceOtherModeGone("new", Options{}, nil, within)
 	fresh := e.enqueue(topicA, "w1", "w2", "w3", "n1", "")
 	e.waitAcked(within, fresh...)
 	e.wait(quietSpell)

@@ -286,6 +286,25 @@ func (e *env) start(name string, o Options, h handler) *relay {
 	return rl
 }
 
+// startOnceOtherModeGone is start for a relay that replaces one of the
+// other mode: the old relay's session may end on the server a moment after
+// its Close returned (a connection closed rather than unlocked), so a
+// refusal with schema.ErrRelayModeMix is tried again until within passes.
+func (e *env) startOnceOtherModeGone(name string, o Options, h handler, within time.Duration) *relay {
+	e.t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		rl, err := e.tryStart(name, o, h)
+		if err == nil {
+			return rl
+		}
+		if !errors.Is(err, schema.ErrRelayModeMix) || time.Now().After(deadline) {
+			e.t.Fatalf("start the %s relay %s: %v", e.r.Name, name, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
 // tryStart is start that returns New's and Subscribe's errors.
 func (e *env) tryStart(name string, o Options, h handler) (*relay, error) {
 	e.t.Helper()
