@@ -555,31 +555,25 @@ func CheckRelayMode(ctx context.Context, q Querier, t Table, ordered bool, leade
 	if inProcess > 0 {
 		return fmt.Errorf("%d relay(s) of the other mode run on %s in this process; %s: %w", inProcess, t, relayModeFix(ordered), ErrRelayModeMix)
 	}
-	var holder, app string
-	err := q.QueryRow(ctx, `SELECT l.pid::text, coalesce(a.application_name, '') FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid <> pg_backend_pid()
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint
-LIMIT 1`, t.RelayModeLockKey(!ordered)).Scan(&holder, &app)
-	switch {
-	case err == nil:
-		return fmt.Errorf("%s relay is subscribed to %s (session pid %s%s); %s: %w", modeName(!ordered), t, holder, appSuffix(app), relayModeFix(ordered), ErrRelayModeMix)
-	case !errors.Is(err, pgx.ErrNoRows):
+	holder, err := advisoryHolder(ctx, q, t.RelayModeLockKey(!ordered))
+	if err != nil {
 		return fmt.Errorf("look up the relays of %s: %w", t, err)
 	}
+	if holder != "" {
+		return fmt.Errorf("%s relay is subscribed to %s (%s); %s: %w", modeName(!ordered), t, holder, relayModeFix(ordered), ErrRelayModeMix)
+	}
 	if ordered {
-		var leader, leaseAge *float64
-		err := q.QueryRow(ctx, `SELECT (SELECT l.pid::float8 FROM pg_locks AS l WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
-    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-    AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint AND l.pid <> pg_backend_pid() LIMIT 1),
-  (SELECT extract(epoch FROM now() - max(GREATEST(locked_at, available_at)))::float8 FROM `+t.Sanitize()+`
-    WHERE ordering_key IS NOT NULL AND published_at IS NULL AND `+LeaseLiveWithin("$2::float8")+`)`,
-			leaderKey, lockTTL.Seconds()).Scan(&leader, &leaseAge)
-		if err != nil {
+		if holder, err = advisoryHolder(ctx, q, leaderKey); err != nil {
 			return fmt.Errorf("look up the relays of %s: %w", t, err)
 		}
-		if leader != nil {
-			return fmt.Errorf("a default-mode relay holds the single-active lock of %s (session pid %.0f); %s: %w", t, *leader, relayModeFix(ordered), ErrRelayModeMix)
+		if holder != "" {
+			return fmt.Errorf("a default-mode relay holds the single-active lock of %s (%s); %s: %w", t, holder, relayModeFix(ordered), ErrRelayModeMix)
+		}
+		var leaseAge *float64
+		err := q.QueryRow(ctx, `SELECT extract(epoch FROM now() - max(GREATEST(locked_at, available_at)))::float8 FROM `+t.Sanitize()+`
+WHERE ordering_key IS NOT NULL AND published_at IS NULL AND `+LeaseLiveWithin("$1::float8"), lockTTL.Seconds()).Scan(&leaseAge)
+		if err != nil {
+			return fmt.Errorf("look up the relays of %s: %w", t, err)
 		}
 		if leaseAge != nil {
 			return fmt.Errorf("a default-mode relay leased keyed rows of %s %.1fs ago (a lease lasts LockTTL %s; an expired lease would not count); %s: %w",
@@ -611,11 +605,25 @@ func modeName(ordered bool) string {
 	return "a default-mode"
 }
 
-func appSuffix(app string) string {
-	if app == "" {
-		return ""
+// advisoryHolder names another session holding the session-level advisory
+// lock key of the current database ("session pid N, application_name X"),
+// or returns "" when none does.
+func advisoryHolder(ctx context.Context, q Querier, key int64) (string, error) {
+	var pid, app string
+	err := q.QueryRow(ctx, `SELECT l.pid::text, coalesce(a.application_name, '') FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid <> pg_backend_pid()
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint
+LIMIT 1`, key).Scan(&pid, &app)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return "", nil
+	case err != nil:
+		return "", err
+	case app == "":
+		return "session pid " + pid, nil
 	}
-	return fmt.Sprintf(", application_name %q", app)
+	return fmt.Sprintf("session pid %s, application_name %q", pid, app), nil
 }
 
 // relayModeFix says what the operator of a refused relay does.
