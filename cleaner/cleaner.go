@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/state"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -112,13 +113,20 @@ func (c *Cleaner) CleanOnce(ctx context.Context) (published, dead int64, err err
 	if err != nil {
 		return published, 0, err
 	}
-	keyed, err := c.cleanKeyed(ctx)
-	published += keyed
+	// What else is done depends on where the table's mode keeps a row's
+	// state: the one state reader every reader uses (internal/state).
+	st, err := state.Of(ctx, c.pool, c.cfg.Table)
 	if err != nil {
-		return published, 0, err
+		return published, 0, fmt.Errorf("clean %s: %w", c.cfg.Table, err)
 	}
-	streamed, err := c.cleanWAL(ctx)
-	published += streamed
+	var done int64
+	switch st.Mode {
+	case schema.ModeOrdered:
+		done, err = c.cleanKeyed(ctx, st.StateQueries)
+	case schema.ModeWAL:
+		done, err = c.cleanWAL(ctx, st.StateQueries)
+	}
+	published += done
 	if err != nil {
 		return published, 0, err
 	}
@@ -164,38 +172,18 @@ func (c *Cleaner) deleteAll(ctx context.Context, kind, query string, args ...any
 // partition's floor (relayed; such rows are never marked published) that are
 // older than Retention, never a row a held key still waits for or any row
 // after it (docs/ORDERING.md).
-func (c *Cleaner) cleanKeyed(ctx context.Context) (int64, error) {
-	ok, err := schema.OrderedTablesExist(ctx, c.pool, c.cfg.Table)
-	if err != nil || !ok {
-		return 0, err
-	}
-	oq := schema.NewOrderedQueries(c.cfg.Table, schema.Columns{OrderingKey: true})
+func (c *Cleaner) cleanKeyed(ctx context.Context, sq schema.StateQueries) (int64, error) {
+	oq := schema.NewOrderedQueries(c.cfg.Table, sq.Columns)
 	return c.deleteAll(ctx, "published", oq.DeleteDone, c.cfg.Retention.Seconds(), c.cfg.BatchSize)
 }
 
-// cleanWAL deletes, in a table the WAL relay streams (it has a progress
-// table), the rows the relay delivered (it never marks them published) that
-// are older than Retention: those written by transactions older than the
-// horizon every slot has recorded in the last schema.WALStaleAfter
-// (docs/WAL.md, "Retention"), except the rows parked behind a held key,
-// which the relay delivers once the key's dead row is replayed or skipped
+// cleanWAL deletes, in a table the WAL relay streams, the rows the relay
+// delivered (it never marks them published) that are older than
+// Retention: those written by transactions older than the horizon every
+// slot has recorded in the last schema.WALStaleAfter (docs/WAL.md,
+// "Retention"), except the rows parked behind a held key, which the relay
+// delivers once the key's dead row is replayed or skipped
 // (schema.StateQueries.DeleteStreamed).
-func (c *Cleaner) cleanWAL(ctx context.Context) (int64, error) {
-	var ok bool
-	if err := c.pool.QueryRow(ctx, schema.WALProgressTableExists(c.cfg.Table)).Scan(&ok); err != nil || !ok {
-		return 0, err
-	}
-	cols, err := schema.DetectColumns(ctx, c.pool, c.cfg.Table)
-	if err != nil {
-		return 0, fmt.Errorf("clean %s: %w", c.cfg.Table, err)
-	}
-	if cols.OrderingKey {
-		// Holds exist only where walrelay.Setup created their table.
-		if err := c.pool.QueryRow(ctx, schema.WALHoldsTableExists(c.cfg.Table)).Scan(&ok); err != nil {
-			return 0, fmt.Errorf("clean %s: look up the WAL holds table: %w", c.cfg.Table, err)
-		}
-		cols.OrderingKey = ok
-	}
-	sq := schema.NewStateQueries(c.cfg.Table, schema.ModeWAL, cols)
+func (c *Cleaner) cleanWAL(ctx context.Context, sq schema.StateQueries) (int64, error) {
 	return c.deleteAll(ctx, "published", sq.DeleteStreamed(), c.cfg.Retention.Seconds(), c.cfg.BatchSize)
 }

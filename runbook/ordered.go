@@ -61,29 +61,13 @@ func (h HeldKey) CanSkip() bool { return h.EventID != "" && h.Allows(OpSkip) == 
 func (h HeldKey) CanReplay() bool { return h.EventID != "" && h.Allows(OpReplay) == nil }
 
 // orderedQueries returns the ordered-mode statements of t, or nil when t
-// is not relayed in ordered mode: it has no ordered-mode tables, or it is
-// streamed by the WAL relay (named in a publication), whose keyed rows
-// live in the outbox table alone.
+// is not relayed in ordered mode (its state reader's mode: stateOf).
 func orderedQueries(ctx context.Context, db DB, t schema.Table) (*schema.OrderedQueries, error) {
-	ok, err := schema.OrderedTablesExist(ctx, db, t)
-	if err != nil {
-		return nil, dbError(t, "look up the ordered-mode tables of", err)
+	sq, err := stateOf(ctx, db, t)
+	if err != nil || sq.Mode != schema.ModeOrdered {
+		return nil, err
 	}
-	if !ok {
-		return nil, nil
-	}
-	var wal bool
-	if err := db.QueryRow(ctx, schema.WALPublished, t.Sanitize()).Scan(&wal); err != nil {
-		return nil, dbError(t, "look up the publications of", err)
-	}
-	if wal {
-		return nil, nil
-	}
-	cols, err := schema.DetectColumns(ctx, db, t)
-	if err != nil {
-		return nil, dbError(t, "detect the columns of", err)
-	}
-	return schema.NewOrderedQueries(t, cols), nil
+	return schema.NewOrderedQueries(t, sq.Columns), nil
 }
 
 // HeldKeys lists up to limit (DefaultLimit when 0) held keys of the keyed
@@ -423,14 +407,15 @@ func OrderedRelays(ctx context.Context, db DB, t schema.Table) (int, error) {
 	return n, nil
 }
 
-// walHolds tells whether t is streamed by the WAL relay (it has a WAL
-// holds table).
+// walHolds tells whether t is streamed by the WAL relay with keyed holds
+// (its state reader's mode is WAL, and it has the ordering column and the
+// WAL holds table).
 func walHolds(ctx context.Context, db DB, t schema.Table) (bool, error) {
-	var ok bool
-	if err := db.QueryRow(ctx, schema.WALHoldsTableExists(t)).Scan(&ok); err != nil {
-		return false, dbError(t, "look up the WAL holds table of", err)
+	sq, err := stateOf(ctx, db, t)
+	if err != nil {
+		return false, err
 	}
-	return ok, nil
+	return sq.Mode == schema.ModeWAL && sq.Columns.OrderingKey, nil
 }
 
 // skipWAL is SkipEvent for a table the WAL relay streams: it records the

@@ -224,17 +224,9 @@ func inspectEvent(ctx context.Context, db DB, q schema.RunbookQueries, eventID u
 }
 
 // walReplayApplies reports whether the WAL hold rule applies to the
-// replays of t: t has WAL holds and an ordering_key column.
+// replays of t: t is streamed by the WAL relay with keyed holds.
 func walReplayApplies(ctx context.Context, db DB, t schema.Table) (bool, error) {
-	wal, err := walHolds(ctx, db, t)
-	if err != nil || !wal {
-		return false, err
-	}
-	cols, err := schema.DetectColumns(ctx, db, t)
-	if err != nil {
-		return false, fmt.Errorf("runbook: %w", err)
-	}
-	return cols.OrderingKey, nil
+	return walHolds(ctx, db, t)
 }
 
 // walReplayRefused returns the refusal of walReplayRule for the row of

@@ -5,34 +5,34 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/outboxkit/watermill-outbox/internal/state"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // stateOf returns the state statements of t in the mode it is relayed in
-// (schema.StateQueries, the one place that knows each mode's state).
+// (internal/state: the recorded mode, or for a table without a record the
+// inferred one; schema.StateQueries, the one place that knows each mode's
+// state).
 func stateOf(ctx context.Context, db DB, t schema.Table) (schema.StateQueries, error) {
-	var walProgress, published, ordered, walHolds bool
-	if err := db.QueryRow(ctx, schema.ModeProbe(t)).Scan(&walProgress, &published, &ordered, &walHolds); err != nil {
-		return schema.StateQueries{}, dbError(t, "find the relay mode of", err)
-	}
-	cols, err := schema.DetectColumns(ctx, db, t)
-	if errors.Is(err, schema.ErrTableNotFound) {
+	r, err := state.Of(ctx, db, t)
+	switch {
+	case errors.Is(err, schema.ErrTableNotFound):
 		return schema.StateQueries{}, fmt.Errorf("runbook: read %s: %w: check the table name, or create it with schema.Migrate or `outbox migrate --table=%s`",
 			t, schema.ErrTableNotFound, t)
+	case errors.Is(err, state.ErrModeTablesMissing):
+		return schema.StateQueries{}, fmt.Errorf("runbook: %w", err)
+	case err != nil:
+		return schema.StateQueries{}, dbError(t, "find the relay mode of", err)
 	}
-	if err != nil {
-		return schema.StateQueries{}, dbError(t, "detect the columns of", err)
-	}
-	mode := schema.DecideMode(walProgress, published, ordered, cols)
-	if mode == schema.ModeWAL && !walHolds {
-		cols.OrderingKey = false // a WAL set-up without a holds table: no key is held
-	}
-	return schema.NewStateQueries(t, mode, cols), nil
+	return r.StateQueries, nil
 }
 
-// Mode tells how t is relayed: schema.ModeWAL for a table the WAL relay
-// streams, schema.ModeOrdered for a table with ordered mode's column and
-// companion tables, schema.ModeDefault otherwise.
+// Mode tells how t is relayed: the mode recorded for it (by `outbox
+// migrate --ordered|--wal|--mode`, schema.WithMode, or the relay that
+// started on it last) or, for a table without a record, the mode inferred
+// from what exists: schema.ModeWAL for a table the WAL relay streams,
+// schema.ModeOrdered for a table with ordered mode's column and companion
+// tables, schema.ModeDefault otherwise.
 func Mode(ctx context.Context, db DB, t schema.Table) (schema.Mode, error) {
 	if err := checkTable(t); err != nil {
 		return "", err

@@ -46,6 +46,7 @@ type migrateOptions struct {
 	createSchema bool
 	rewrite      bool
 	lockWait     time.Duration // 0: MigrateLockWaitDefault
+	mode         Mode          // "": not asked (WithMode)
 }
 
 // MigrateLockWaitDefault is how long Migrate keeps trying to take the locks
@@ -124,8 +125,31 @@ func OrderedUpgradeSQL(t Table) string {
 	return joinStatements(append(orderedColumnStatements(t), orderedCompanionStatements(t)...))
 }
 
+// WithMode records m as the relay mode of the table (in <table>_mode,
+// migration 000010): the explicit step that chooses or switches a table's
+// mode (`outbox migrate --ordered`, `--mode=default`). ModeOrdered also
+// adds what WithOrderingKeyColumn adds. When the recorded mode changes,
+// Migrate first checks that no relay of another mode works on the table
+// (CheckModeSwitch) and refuses with ErrRelayModeMix otherwise. ModeWAL is
+// recorded by walrelay.Setup (`outbox migrate --wal`), which creates the
+// WAL relay's objects; Migrate refuses it.
+//
+// Without WithMode, Migrate records ModeDefault for a table it creates and
+// leaves the record of an existing table as it is; a relay that starts on
+// the table records its own mode.
+func WithMode(m Mode) MigrateOption {
+	return func(o *migrateOptions) {
+		o.mode = m
+		if m == ModeOrdered {
+			o.columns.OrderingKey = true
+		}
+	}
+}
+
 // WithAllColumns adds every optional column, and the companion tables of
-// ordered mode.
+// ordered mode. It does not choose the table's mode (WithMode): a table
+// Migrate creates is recorded as a default-mode table, and the relay that
+// starts on it records its own mode.
 func WithAllColumns() MigrateOption {
 	return func(o *migrateOptions) {
 		o.columns.TraceContext, o.columns.Headers, o.columns.OrderingKey = true, true, true
@@ -226,7 +250,7 @@ func upStatements(t Table, c Columns) []string {
 	for _, ix := range indexes(t) {
 		stmts = append(stmts, ix.stmt)
 	}
-	stmts = append(stmts, pausedTopicsStatement(t), replayJobsStatement(t), availableAtStatement(t))
+	stmts = append(stmts, pausedTopicsStatement(t), replayJobsStatement(t), availableAtStatement(t), modeStatement(t))
 	return append(stmts, optionalColumnStatements(t, c)...)
 }
 
@@ -281,20 +305,26 @@ func optionalColumnStatements(t Table, c Columns) []string {
 }
 
 // UpSQL returns the idempotent DDL that creates t (and the optional columns
-// opts ask for) as one script, for migration tools.
+// opts ask for) as one script, for migration tools. With WithMode it also
+// records the mode (unchecked: stop the relays of another mode first).
 func UpSQL(t Table, opts ...MigrateOption) string {
 	o := optionsOf(opts)
 	var stmts []string
 	if o.createSchema {
 		stmts = createSchemaStatement(t)
 	}
-	return joinStatements(append(stmts, upStatements(t, o.columns)...))
+	stmts = append(stmts, upStatements(t, o.columns)...)
+	if o.mode == ModeDefault || o.mode == ModeOrdered {
+		stmts = append(stmts, recordModeStatement(t, o.mode))
+	}
+	return joinStatements(stmts)
 }
 
 // DownSQL returns the DDL that drops t. It is destructive: every event in the
 // table, published or not, is lost.
 func DownSQL(t Table) string {
-	drops := append(orderedCompanionDrops(t), `DROP TABLE IF EXISTS `+t.PausedTopicsTable(), `DROP TABLE IF EXISTS `+t.ReplayJobsTable())
+	drops := append(orderedCompanionDrops(t), `DROP TABLE IF EXISTS `+t.PausedTopicsTable(), `DROP TABLE IF EXISTS `+t.ReplayJobsTable(),
+		`DROP TABLE IF EXISTS `+t.modeTable())
 	return joinStatements(append(drops, `DROP TABLE IF EXISTS `+t.Sanitize()))
 }
 
@@ -517,10 +547,29 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 		err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, name).Scan(&ok)
 		return ok, err
 	}
+	o := optionsOf(opts)
+	switch {
+	case o.mode == ModeWAL:
+		return fmt.Errorf("migrate %s: the WAL relay's mode is recorded by walrelay.Setup (`outbox migrate --wal`), which creates its publication and slot; nothing changed", t)
+	case o.mode != "" && !o.mode.Valid():
+		return fmt.Errorf("migrate %s: unknown mode %q; use %s or %s (%s: walrelay.Setup); nothing changed", t, o.mode, ModeDefault, ModeOrdered, ModeWAL)
+	}
 	var stmts []string
 	ok, err := exists(t.Sanitize())
 	if err != nil {
 		return fmt.Errorf("migrate %s: look up table: %w", t, err)
+	}
+	created := !ok
+	if o.mode != "" && !created {
+		// Refuse a switch before changing anything (adding the ordering
+		// columns rewrites the table).
+		if rec, recorded, err := RecordedMode(ctx, tx, t); err != nil {
+			return fmt.Errorf("migrate %s: %w", t, err)
+		} else if !recorded || rec.Mode != o.mode {
+			if err := CheckModeSwitch(ctx, tx, t, o.mode); err != nil {
+				return fmt.Errorf("migrate %s: cannot record mode %s: %w; nothing changed", t, o.mode, err)
+			}
+		}
 	}
 	if !ok {
 		stmts = upStatements(t, columnsOf(opts))
@@ -554,6 +603,13 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 		if !ok {
 			stmts = append(stmts, replayJobsStatement(t))
 		}
+		// The mode table (migration 000010) does not lock t either.
+		if ok, err = modeTableExists(ctx, tx, t); err != nil {
+			return fmt.Errorf("migrate %s: %w", t, err)
+		}
+		if !ok {
+			stmts = append(stmts, modeStatement(t))
+		}
 		// The default the bounded claim needs (migration 000009): set only
 		// when it differs, since the ALTER locks t.
 		def, err := AvailableAtDefaultOf(ctx, tx, t)
@@ -584,6 +640,15 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 	for _, stmt := range stmts {
 		if _, err = tx.Exec(ctx, stmt); err != nil {
 			return fmt.Errorf("migrate %s: %w", t, err)
+		}
+	}
+	mode := o.mode
+	if mode == "" && created {
+		mode = ModeDefault
+	}
+	if mode != "" {
+		if err := RecordMode(ctx, tx, t, mode, "migrate"); err != nil {
+			return fmt.Errorf("migrate %s: cannot record mode %s: %w; nothing changed", t, mode, err)
 		}
 	}
 	return nil
@@ -658,6 +723,11 @@ const availableAtNote = "-- Makes available_at default to clock_timestamp(), the
 const replayJobsNote = "-- Adds <table>_replay_jobs, the console's record of its last bulk replays (their filter and\n" +
 	"-- event ids), so that a replay's progress page survives a restart of the console.\n"
 
+// modeNote heads the mode migration.
+const modeNote = "-- Adds <table>_mode, the relay mode the table is relayed in (default, ordered or wal), written by\n" +
+	"-- outbox migrate --ordered|--wal|--mode and by every relay that starts on the table, and read by the\n" +
+	"-- runbook, the console, the cleaner and the gauges. Without a record they infer the mode from what exists.\n"
+
 // migrationFiles renders the shipped migration files for table t, by path
 // under Migrations.
 func migrationFiles(t Table) map[string]string {
@@ -684,6 +754,8 @@ func migrationFiles(t Table) map[string]string {
 	down8 := ReplayJobsDownSQL(t)
 	up9 := AvailableAtUpSQL(t)
 	down9 := AvailableAtDownSQL(t)
+	up10 := ModeUpSQL(t)
+	down10 := ModeDownSQL(t)
 	return map[string]string{
 		"migrations/000001_create_" + name + ".up.sql":                     h("UpSQL") + "\n" + up1,
 		"migrations/000001_create_" + name + ".down.sql":                   h("DownSQL") + destructive + "\n" + down1,
@@ -703,6 +775,8 @@ func migrationFiles(t Table) map[string]string {
 		"migrations/000008_add_" + name + "_replay_jobs.down.sql":          h("ReplayJobsDownSQL") + "\n" + down8,
 		"migrations/000009_set_" + name + "_available_at_default.up.sql":   h("AvailableAtUpSQL") + availableAtNote + "\n" + up9,
 		"migrations/000009_set_" + name + "_available_at_default.down.sql": h("AvailableAtDownSQL") + "\n" + down9,
+		"migrations/000010_add_" + name + "_mode.up.sql":                   h("ModeUpSQL") + modeNote + "\n" + up10,
+		"migrations/000010_add_" + name + "_mode.down.sql":                 h("ModeDownSQL") + "\n" + down10,
 		"migrations/goose/00001_create_" + name + ".sql": h("UpSQL") + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
 		"migrations/goose/00002_add_" + name + "_dead_at.sql": h("DeadAtUpSQL") + deadAtNote + "\n-- +goose Up\n" + up4 +
@@ -717,5 +791,7 @@ func migrationFiles(t Table) map[string]string {
 			"\n-- +goose Down\n" + down8,
 		"migrations/goose/00007_set_" + name + "_available_at_default.sql": h("AvailableAtUpSQL") + availableAtNote + "\n-- +goose Up\n" + up9 +
 			"\n-- +goose Down\n" + down9,
+		"migrations/goose/00008_add_" + name + "_mode.sql": h("ModeUpSQL") + modeNote + "\n-- +goose Up\n" + up10 +
+			"\n-- +goose Down\n" + down10,
 	}
 }

@@ -425,10 +425,10 @@ func (s *Subscriber) refreshStats(ctx context.Context) {
 		pending, locked, dead int64
 		oldest                float64
 	)
-	stats := s.q.Stats
+	// The state reader of the relay's own mode (the mode it recorded),
+	// as the runbook reads it, so that the gauges and `outbox stats` agree.
+	stats := schema.NewStateQueries(s.cfg.Table, schema.ModeDefault, s.q.Columns).Gauges()
 	if s.oq != nil {
-		// The runbook's reading of ordered mode (floors and holds), so
-		// that the gauges and `outbox stats` agree.
 		stats = schema.NewStateQueries(s.cfg.Table, schema.ModeOrdered, s.oq.Columns).Gauges()
 		s.refreshHeldKeys(qctx)
 	}

@@ -2,6 +2,7 @@ package subscriber
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -216,4 +217,30 @@ func failModeOps(ops []modeOp, err error) {
 	for _, op := range ops {
 		op.reply <- fmt.Errorf("subscriber: the relay-mode lock of %s: %w", op.want.table, err)
 	}
+}
+
+// recordMode records the mode of s as its table's relay mode
+// (schema.RecordMode), once s holds its mode's lock: every reader of the
+// table's state reads it. A WAL relay streaming the table refuses it
+// (schema.ErrRelayModeMix). A table without the mode table (migrated by an
+// earlier version), or a record that cannot be written, leaves readers
+// inferring the mode; the relay runs all the same.
+func (s *Subscriber) recordMode(ctx context.Context) error {
+	mode, by := schema.ModeDefault, "default relay"
+	if s.cfg.Ordered {
+		mode, by = schema.ModeOrdered, "ordered relay"
+	}
+	rctx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	err := schema.RecordMode(rctx, s.pool, s.cfg.Table, mode, by)
+	switch {
+	case err == nil, errors.Is(err, schema.ErrNoModeTable):
+		return nil
+	case errors.Is(err, schema.ErrRelayModeMix):
+		return fmt.Errorf("subscriber: %w", err)
+	case ctx.Err() != nil:
+		return fmt.Errorf("subscriber: record the relay mode of %s: %w", s.cfg.Table, ctx.Err())
+	}
+	s.logger.Error("Could not record the table's relay mode; readers infer it from the tables that exist", err, nil)
+	return nil
 }

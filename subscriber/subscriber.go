@@ -285,6 +285,10 @@ func (s *Subscriber) holdMode(ctx context.Context) error {
 	if err := s.modeLock.enterMode(mctx, s); err != nil {
 		return err
 	}
+	if err := s.recordMode(mctx); err != nil {
+		s.modeLock.leaveMode(s)
+		return err
+	}
 	s.modeHeld = true
 	return nil
 }

@@ -131,6 +131,9 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	// progress record just behind it (its start minus one: setupRecord)
 	// makes the first session deliver them from the table (start), and
 	// counts none of them streamed until then.
+	if err := recordMode(ctx, pool, t, "walrelay.Setup"); err != nil {
+		return n, err
+	}
 	if confirmed == "" {
 		return n, nil // a slot without a position (invalidated): the relay recreates it and backfills
 	}
@@ -145,6 +148,20 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 		return n, fmt.Errorf("walrelay: record the start of slot %s: %w", n.Slot, err)
 	}
 	return n, nil
+}
+
+// recordMode records the WAL relay's mode as t's relay mode
+// (schema.RecordMode; every reader of t's state reads it), refusing with
+// schema.ErrRelayModeMix while default or ordered relays work on t. A table
+// without the mode table (migrated by an earlier version) is left to
+// readers that infer its mode; another failure to write the record does
+// not stop the relay either (readers infer the mode, as before).
+func recordMode(ctx context.Context, pool *pgxpool.Pool, t schema.Table, by string) error {
+	err := schema.RecordMode(ctx, pool, t, schema.ModeWAL, by)
+	if errors.Is(err, schema.ErrRelayModeMix) {
+		return fmt.Errorf("walrelay: %w", err)
+	}
+	return nil
 }
 
 // setupRecord is the position Setup records for a slot that starts at
@@ -223,6 +240,9 @@ func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names
 			}
 		}
 		if recorded {
+			if err := recordMode(ctx, pool, t, "WAL relay"); err != nil {
+				return err
+			}
 			return checkSequence(ctx, pool, t)
 		}
 		return fmt.Errorf("%w: replication slot %s does not exist; run walrelay.Setup (outbox migrate --wal)", ErrNotSetUp, n.Slot)
@@ -232,6 +252,9 @@ func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names
 	}
 	if plugin != "pgoutput" {
 		return fmt.Errorf("walrelay: replication slot %s uses plugin %q, not pgoutput", n.Slot, plugin)
+	}
+	if err := recordMode(ctx, pool, t, "WAL relay"); err != nil {
+		return err
 	}
 	return checkSequence(ctx, pool, t)
 }
