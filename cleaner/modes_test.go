@@ -35,6 +35,10 @@ func TestCleanerKeepsRowsParkedBehindAWALHold(t *testing.T) {
 		}
 	}
 	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), schema.WALDropPublication(pub)) })
+	// What walrelay.Setup records.
+	if err := schema.RecordMode(ctx, pool, tbl, schema.ModeWAL, "test"); err != nil {
+		t.Fatal(err)
+	}
 
 	keys := []string{"held", "held", "held", "ok", ""}
 	ids := make([]uuid.UUID, len(keys))
@@ -119,7 +123,7 @@ func TestCleanerKeepsUndeliveredKeyedRows(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t)
-	tbl := testdb.Table(t, "ord_outbox", schema.WithOrderingKeyColumn())
+	tbl := testdb.Table(t, "ord_outbox", schema.WithMode(schema.ModeOrdered))
 	keys := []string{"done", "held", "held", "held", "above"}
 	ids := make([]uuid.UUID, len(keys))
 	msgs := make([]publisher.Message, len(keys))

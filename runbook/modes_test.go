@@ -72,7 +72,7 @@ func TestOrderedTableStateIsTrue(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t)
-	tbl := testdb.Table(t, "ord_outbox", schema.WithOrderingKeyColumn())
+	tbl := testdb.Table(t, "ord_outbox", schema.WithMode(schema.ModeOrdered))
 
 	// Relayed before the floors: done x3; the dead key's first row is
 	// acked, its second is dead, its third waits; the retrying key's first
@@ -213,10 +213,11 @@ func assertSet(t *testing.T, what string, got []uuid.UUID, want ...uuid.UUID) {
 
 // TestUpgradeDefaultTableToOrdered: a default-mode table with rows in every
 // state (published, pending, retrying, dead) is migrated to ordered mode
-// with schema.Migrate(..., WithOrderingKeyColumn()), gets keyed and unkeyed
-// rows, and is relayed by an ordered relay: every row not yet delivered is
-// delivered, nothing published before is delivered again, the dead row
-// stays dead, and Stats is true before and after.
+// with schema.Migrate(..., WithMode(ModeOrdered)) (outbox migrate
+// --ordered: it records the switch), gets keyed and unkeyed rows, and is
+// relayed by an ordered relay: every row not yet delivered is delivered,
+// nothing published before is delivered again, the dead row stays dead,
+// and Stats is true before and after.
 func TestUpgradeDefaultTableToOrdered(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -232,7 +233,7 @@ func TestUpgradeDefaultTableToOrdered(t *testing.T) {
 		t.Fatalf("before the upgrade: %+v, %v", s, err)
 	}
 
-	if err := schema.Migrate(ctx, pool, tbl, schema.WithOrderingKeyColumn()); err != nil {
+	if err := schema.Migrate(ctx, pool, tbl, schema.WithMode(schema.ModeOrdered)); err != nil {
 		t.Fatalf("upgrade to ordered mode: %v", err)
 	}
 	s, err = runbook.Stats(ctx, pool, tbl)

@@ -186,6 +186,10 @@ func TestPauseTopicRefusals(t *testing.T) {
 	t.Cleanup(func() {
 		_, _ = pool.Exec(context.Background(), `DROP PUBLICATION IF EXISTS `+pgx.Identifier{pub}.Sanitize())
 	})
+	// walrelay.Setup records the mode so.
+	if err := schema.RecordMode(ctx, pool, tbl, schema.ModeWAL, "test"); err != nil {
+		t.Fatal(err)
+	}
 	if m, err := runbook.Mode(ctx, pool, tbl); err != nil || m != schema.ModeWAL {
 		t.Fatalf("mode %q (%v), want wal", m, err)
 	}

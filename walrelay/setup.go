@@ -76,7 +76,9 @@ func privilegeHint(err error, what string) error {
 
 // Setup creates the publication and the logical replication slot of table
 // t (names n, defaults when empty), unless they exist, and the progress
-// table (schema.Table.WALProgressTable) the cleaner and the runbook read. The slot starts at
+// table (schema.Table.WALProgressTable) the cleaner and the runbook read,
+// and records the WAL relay as the table's relay mode (schema.RecordMode:
+// refused while default or ordered relays work on it). The slot starts at
 // the current WAL position; the rows committed before it and still pending
 // (not published, not dead) are read from the table by the relay's first
 // session and delivered before the stream (a backfill, as after a lost
@@ -98,6 +100,11 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	}
 	if _, err := pool.Exec(ctx, schema.WALCreateHoldsTable(t)); err != nil {
 		return n, fmt.Errorf("walrelay: create the holds table of %s: %w", t, err)
+	}
+	// Before the publication and the slot, so that a refusal leaves no
+	// slot retaining WAL.
+	if err := recordMode(ctx, pool, t, "walrelay.Setup"); err != nil {
+		return n, err
 	}
 	var exists, hasTable, ins, upd bool
 	var others []string
@@ -131,9 +138,6 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	// progress record just behind it (its start minus one: setupRecord)
 	// makes the first session deliver them from the table (start), and
 	// counts none of them streamed until then.
-	if err := recordMode(ctx, pool, t, "walrelay.Setup"); err != nil {
-		return n, err
-	}
 	if confirmed == "" {
 		return n, nil // a slot without a position (invalidated): the relay recreates it and backfills
 	}

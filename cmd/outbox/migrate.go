@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -15,7 +16,7 @@ import (
 )
 
 func init() {
-	registerCommand("migrate", "create outbox tables (--table or OUTBOX_RELAY_TABLES); --print shows the up SQL only (--down adds the down SQL, commented out); --create-schema for a new schema; --wal sets up the WAL relay", runMigrate)
+	registerCommand("migrate", "create outbox tables (--table or OUTBOX_RELAY_TABLES); --print shows the up SQL only (--down adds the down SQL, commented out); --create-schema for a new schema; --ordered or --wal set the table up for that relay mode and record it, --mode=default records the default mode", runMigrate)
 }
 
 func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
@@ -24,8 +25,9 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	table := fs.String("table", "", "outbox table, such as public.org_outbox (default: OUTBOX_RELAY_TABLES)")
 	trace := fs.Bool("trace", false, "add the optional traceparent and tracestate columns")
 	headers := fs.Bool("headers", false, "add the optional headers column")
-	ordered := fs.Bool("ordered", false, "add the ordering_key column and the companion tables of ordered mode (default: OUTBOX_RELAY_ORDERED)")
-	wal := fs.Bool("wal", false, "also create the WAL relay's publication, replication slot and progress table (needs wal_level = logical and a REPLICATION role; default: OUTBOX_RELAY_SOURCE=wal)")
+	ordered := fs.Bool("ordered", false, "add the ordering_key column and the companion tables of ordered mode, and record ordered mode as the table's mode unless relays of another mode run (default: OUTBOX_RELAY_ORDERED)")
+	wal := fs.Bool("wal", false, "also create the WAL relay's publication, replication slot and progress table, and record wal as the table's mode (needs wal_level = logical and a REPLICATION role; default: OUTBOX_RELAY_SOURCE=wal)")
+	modeFlag := fs.String("mode", "", "record the table's relay mode: default, ordered (as --ordered) or wal (as --wal); refused while relays of another mode run. A new table is recorded as default; a relay records its own mode when it starts")
 	rewrite := fs.Bool("rewrite", false, "with --ordered on an existing table of more than 10,000 rows: allow the table rewrite that adding the ordering columns needs (it blocks the table meanwhile)")
 	createSchema := fs.Bool("create-schema", false, "create the table's schema if it does not exist (otherwise a missing schema is an error)")
 	printSQL := fs.Bool("print", false, "print the up migration's SQL instead of running it (safe to pipe into psql)")
@@ -64,13 +66,32 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 		return fmt.Errorf("%w: %w", errUsage, err)
 	}
 	wantOrdered := *ordered || envOrdered
+	mode := schema.Mode(*modeFlag)
+	switch {
+	case mode != "" && !mode.Valid():
+		return fmt.Errorf("%w: --mode=%q: use default, ordered or wal", errUsage, *modeFlag)
+	case mode == schema.ModeDefault && (*ordered || *wal):
+		return fmt.Errorf("%w: --mode=default excludes --ordered and --wal; keep one", errUsage)
+	case mode == schema.ModeOrdered && *wal:
+		return fmt.Errorf("%w: --mode=ordered excludes --wal; keep one", errUsage)
+	case mode == schema.ModeWAL && *ordered:
+		return fmt.Errorf("%w: --mode=wal excludes --ordered; keep one", errUsage)
+	case mode == schema.ModeOrdered:
+		wantOrdered = true
+		opts = append(opts, schema.WithMode(schema.ModeOrdered))
+	case mode == schema.ModeDefault:
+		wantOrdered = false
+		opts = append(opts, schema.WithMode(schema.ModeDefault))
+	case mode == schema.ModeWAL:
+		*wal = true
+	}
 	if wantOrdered {
 		opts = append(opts, schema.WithOrderingKeyColumn())
 	}
 	if *rewrite {
 		opts = append(opts, schema.WithTableRewrite())
 	}
-	if env.String("OUTBOX_RELAY_SOURCE", "") == "wal" {
+	if env.String("OUTBOX_RELAY_SOURCE", "") == "wal" && mode == "" {
 		*wal = true
 	}
 	if *down && !*printSQL {
@@ -134,15 +155,28 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 			}
 			fmt.Fprintf(stdout, "migrated %s (ordered mode: ordering_key column, its indexes and the companion tables %s, %s, %s in place)\n",
 				t, t.PartitionsTable(), t.RelaysTable(), t.HoldsTable())
+			if mode == "" && !*wal {
+				// --ordered records the mode unless default relays still
+				// run: they are stopped after the columns are added.
+				err := schema.RecordMode(mctx, pool, t, schema.ModeOrdered, "outbox migrate --ordered")
+				if errors.Is(err, schema.ErrRelayModeMix) {
+					fmt.Fprintf(stdout, "mode of %s not recorded as ordered yet: %v\nthe first ordered relay records it once they are stopped (or run `outbox migrate --mode=ordered --table=%s` then)\n", t, err, t)
+				} else if err != nil && !errors.Is(err, schema.ErrNoModeTable) {
+					return err
+				}
+			}
 		} else {
 			fmt.Fprintf(stdout, "migrated %s\n", t)
+		}
+		if mode != "" && mode != schema.ModeWAL {
+			fmt.Fprintf(stdout, "recorded %s as relayed in %s mode\n", t, mode)
 		}
 		if *wal {
 			n, err := walrelay.Setup(mctx, pool, t, walrelay.Names{})
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(stdout, "set up the WAL relay of %s: publication %s, slot %s, progress table %s\n", t, n.Publication, n.Slot, t.WALProgressTable())
+			fmt.Fprintf(stdout, "set up the WAL relay of %s: publication %s, slot %s, progress table %s; recorded as relayed in wal mode\n", t, n.Publication, n.Slot, t.WALProgressTable())
 		}
 	}
 	return nil

@@ -23,7 +23,7 @@ import (
 func TestKeysHeldAndDeadSkip(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
-	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns(), schema.WithMode(schema.ModeOrdered))
 	ctx := context.Background()
 	id := uuid.New()
 	var seq int64
