@@ -7,7 +7,6 @@ import (
 	"net/http"
 	"net/url"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -20,13 +19,14 @@ import (
 
 // The dead rows page groups the dead rows by a normalised cause
 // (schema.CauseOf their last_error), counted over every dead row in SQL,
-// and lists them a page at a time. The replay of a cause selects its rows
-// by the same expression (runbook.DeadFilter.Cause), so its preview counts
-// and replays exactly the group's rows. The expression costs some 20 µs a
+// and lists them a page at a time. Both read the table through the
+// runbook's state reader (runbook.DeadCausesOf, runbook.ListRows with the
+// dead state), so that they show the rows runbook.Dead, `outbox dead list`
+// and the counts show, in every mode: in an ordered table the keyed rows
+// a dead hold holds too. The replay of a cause selects its rows by the
+// same expression (runbook.DeadFilter.Cause), so its preview counts and
+// replays exactly the group's rows. The expression costs some 20 µs a
 // row, so both run under causesTimeout.
-
-// causeOfLastError is the normalised cause of a row.
-var causeOfLastError = schema.CauseOf("last_error")
 
 // causesTimeoutDefault bounds the time the grouping of the dead rows by
 // cause may take.
@@ -41,26 +41,6 @@ const deadPageSize = 100
 // deadQuery is the filter of the dead rows page.
 type deadQuery struct {
 	Topic, Error, Cause string
-}
-
-// where renders the conditions of q after the dead rows' own, appending
-// its arguments to args.
-func (q deadQuery) where(args []any) (string, []any) {
-	conds := []string{"published_at IS NULL", "dead_at IS NOT NULL"}
-	arg := func(v any) string {
-		args = append(args, v)
-		return "$" + strconv.Itoa(len(args)) + "::text"
-	}
-	if q.Topic != "" {
-		conds = append(conds, "topic = "+arg(q.Topic))
-	}
-	if q.Error != "" {
-		conds = append(conds, "strpos(lower(last_error), lower("+arg(q.Error)+")) > 0")
-	}
-	if q.Cause != "" {
-		conds = append(conds, causeOfLastError+" = "+arg(q.Cause))
-	}
-	return strings.Join(conds, " AND "), args
 }
 
 // cause is one group of dead rows: those whose last_error normalises
@@ -79,51 +59,34 @@ type cause struct {
 // causes groups the dead rows matching q (the Cause of q aside) and returns
 // the largest groups, the number of groups and of rows.
 func (h *handler) causes(ctx context.Context, t schema.Table, q deadQuery) (list []cause, groups, rows int64, err error) {
-	q.Cause = ""
-	where, args := q.where(nil)
-	args = append(args, maxCausesShown)
-	tbl := t.Sanitize()
-	sql := `WITH g AS (
-  SELECT ` + causeOfLastError + ` AS cause, count(*) AS n, min(dead_at) AS first, max(dead_at) AS last,
-    (array_agg(event_id ORDER BY sequence DESC))[1] AS latest,
-    count(*) OVER () AS groups, (sum(count(*)) OVER ())::bigint AS total
-  FROM ` + tbl + `
-  WHERE ` + where + `
-  GROUP BY 1
-  ORDER BY n DESC, cause
-  LIMIT $` + strconv.Itoa(len(args)) + `::int
-)
-SELECT g.cause, g.n, g.first, g.last, g.groups, g.total, g.latest::text, o.topic, COALESCE(o.last_error, '')
-FROM g JOIN ` + tbl + ` AS o ON o.event_id = g.latest
-ORDER BY g.n DESC, g.cause`
-	tx, err := h.pool.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+	var res runbook.DeadCauses
+	err = h.bounded(ctx, func(db runbook.DB) error {
+		var err error
+		res, err = runbook.DeadCausesOf(ctx, db, t, runbook.DeadFilter{Topic: q.Topic, ErrorContains: q.Error}, maxCausesShown)
+		return err
+	})
 	if err != nil {
 		return nil, 0, 0, fmt.Errorf("group the dead rows of %s: %w", t, err)
 	}
-	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true)`, strconv.FormatInt(h.causesTimeout.Milliseconds(), 10)); err != nil {
-		return nil, 0, 0, fmt.Errorf("group the dead rows of %s: %w", t, err)
-	}
-	res, err := tx.Query(ctx, sql, args...)
-	if err != nil {
-		return nil, 0, 0, fmt.Errorf("group the dead rows of %s: %w", t, err)
-	}
-	defer res.Close()
-	for res.Next() {
-		var c cause
-		if err := res.Scan(&c.Cause, &c.Count, &c.First, &c.Last, &groups, &rows, &c.EventID, &c.Topic, &c.LastError); err != nil {
-			return nil, 0, 0, fmt.Errorf("group the dead rows of %s: %w", t, err)
-		}
-		c.Key = c.Cause
+	for _, g := range res.Causes {
+		c := cause{Cause: g.Cause, Key: g.Cause, Count: g.Rows, First: g.FirstDeadAt, Last: g.LastDeadAt,
+			EventID: g.LatestEventID.String(), Topic: g.LatestTopic, LastError: g.LatestError}
 		if c.Cause == "" {
 			c.Cause = "(no error recorded)"
 		}
 		list = append(list, c)
 	}
-	if err := res.Err(); err != nil {
-		return nil, 0, 0, fmt.Errorf("group the dead rows of %s: %w", t, err)
-	}
-	return list, groups, rows, nil
+	return list, res.Groups, res.Rows, nil
+}
+
+// bounded runs read in a read-only transaction under causesTimeout.
+func (h *handler) bounded(ctx context.Context, read func(db runbook.DB) error) error {
+	return pgx.BeginTxFunc(ctx, h.pool, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true)`, strconv.FormatInt(h.causesTimeout.Milliseconds(), 10)); err != nil {
+			return fmt.Errorf("bound the statement time: %w", err)
+		}
+		return read(tx)
+	})
 }
 
 // errCauseTimeout: selecting the rows of one cause took longer than the
@@ -173,8 +136,8 @@ type deadRow struct {
 	Sequence  int64
 	EventID   string
 	Topic     string
-	Attempts  int32
-	DeadAt    time.Time
+	Attempts  int
+	DeadAt    *time.Time
 	LastError string
 }
 
@@ -198,12 +161,9 @@ func (h *handler) deadRows(ctx context.Context, t schema.Table, q deadQuery, aft
 		return deadRowsOf(ctx, h.pool, t, q, after, before)
 	}
 	var p deadPage
-	err := pgx.BeginTxFunc(ctx, h.pool, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true)`, strconv.FormatInt(h.causesTimeout.Milliseconds(), 10)); err != nil {
-			return fmt.Errorf("list the dead rows of %s: %w", t, err)
-		}
+	err := h.bounded(ctx, func(db runbook.DB) error {
 		var err error
-		p, err = deadRowsOf(ctx, tx, t, q, after, before)
+		p, err = deadRowsOf(ctx, db, t, q, after, before)
 		return err
 	})
 	if isTimeout(ctx, err) {
@@ -212,61 +172,20 @@ func (h *handler) deadRows(ctx context.Context, t schema.Table, q deadQuery, aft
 	return p, err
 }
 
-// deadRowsOf is deadRows on db.
+// deadRowsOf is deadRows on db: runbook.ListRows of the dead rows.
 func deadRowsOf(ctx context.Context, db runbook.DB, t schema.Table, q deadQuery, after, before int64) (deadPage, error) {
-	var p deadPage
-	where, args := q.where(nil)
-	tbl := t.Sanitize()
-	order := "ASC"
-	switch {
-	case before > 0:
-		args = append(args, before)
-		where += " AND sequence < $" + strconv.Itoa(len(args)) + "::bigint"
-		order = "DESC"
-	case after > 0:
-		args = append(args, after)
-		where += " AND sequence > $" + strconv.Itoa(len(args)) + "::bigint"
-	}
-	args = append(args, deadPageSize+1)
-	res, err := db.Query(ctx, `SELECT sequence, event_id::text, topic, attempts, dead_at, COALESCE(last_error, '')
-FROM `+tbl+` WHERE `+where+` ORDER BY sequence `+order+` LIMIT $`+strconv.Itoa(len(args))+`::int`, args...)
+	rp, err := runbook.ListRows(ctx, db, t, runbook.ListFilter{State: schema.ListDead, Topic: q.Topic, ErrorContains: q.Error, Cause: q.Cause,
+		After: after, Before: before, Limit: deadPageSize})
 	if err != nil {
-		return p, fmt.Errorf("list the dead rows of %s: %w", t, err)
+		return deadPage{}, fmt.Errorf("list the dead rows of %s: %w", t, err)
 	}
-	defer res.Close()
-	for res.Next() {
-		var r deadRow
-		if err := res.Scan(&r.Sequence, &r.EventID, &r.Topic, &r.Attempts, &r.DeadAt, &r.LastError); err != nil {
-			return p, fmt.Errorf("list the dead rows of %s: %w", t, err)
+	p := deadPage{Total: rp.Total, Before: rp.Before, Next: rp.Next, Prev: rp.Prev}
+	for _, r := range rp.Rows {
+		d := deadRow{Sequence: r.Sequence, EventID: r.EventID.String(), Topic: r.Topic, Attempts: r.Attempts, DeadAt: r.DeadAt}
+		if r.LastError != nil {
+			d.LastError = *r.LastError
 		}
-		p.Rows = append(p.Rows, r)
-	}
-	if err := res.Err(); err != nil {
-		return p, fmt.Errorf("list the dead rows of %s: %w", t, err)
-	}
-	more := len(p.Rows) > deadPageSize
-	if more {
-		p.Rows = p.Rows[:deadPageSize]
-	}
-	if before > 0 {
-		for i, j := 0, len(p.Rows)-1; i < j; i, j = i+1, j-1 {
-			p.Rows[i], p.Rows[j] = p.Rows[j], p.Rows[i]
-		}
-	}
-	if len(p.Rows) > 0 {
-		first, last := p.Rows[0].Sequence, p.Rows[len(p.Rows)-1].Sequence
-		if before > 0 || more {
-			p.Next = last
-		}
-		if after > 0 || (before > 0 && more) {
-			p.Prev = first
-		}
-		cwhere, cargs := q.where(nil)
-		cargs = append(cargs, first)
-		if err := db.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE sequence < $`+strconv.Itoa(len(cargs))+`::bigint) FROM `+tbl+
-			` WHERE `+cwhere, cargs...).Scan(&p.Total, &p.Before); err != nil {
-			return p, fmt.Errorf("count the dead rows of %s: %w", t, err)
-		}
+		p.Rows = append(p.Rows, d)
 	}
 	return p, nil
 }

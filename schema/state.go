@@ -311,6 +311,37 @@ LIMIT ` + arg(f.Limit, "::int")
 	return Statement{SQL: sql, Args: args}
 }
 
+// DeadCauses groups the dead rows matching f (its Topic, TenantID,
+// ErrorContains and AfterSequence; not its Cause) by their normalised
+// cause (CauseOf their last_error: a held row's is its hold's), the
+// largest groups first, at most limit groups. Returns per group: the
+// cause ("" for the rows without an error), its rows, the first and last
+// dead_at, the number of groups and of rows in all (the same on every
+// line), and the event_id (text), topic and last_error ("" when none) of
+// its latest row (the highest sequence).
+func (q StateQueries) DeadCauses(f RunbookFilter, limit int) Statement {
+	var args []any
+	arg := func(v any, cast string) string {
+		args = append(args, v)
+		return "$" + strconv.Itoa(len(args)) + cast
+	}
+	f.Cause = ""
+	conds := append([]string{"s.dead"}, f.conds("s.", arg)...)
+	lim := arg(limit, "::int")
+	return Statement{SQL: `WITH s AS (
+  ` + q.open() + `
+), d AS (
+  SELECT s.*, ` + CauseOf("s.last_error") + ` AS cause FROM s WHERE ` + strings.Join(conds, " AND ") + `
+)
+SELECT d.cause, count(*) AS n, min(d.dead_at), max(d.dead_at), count(*) OVER (), (sum(count(*)) OVER ())::bigint,
+  (array_agg(d.event_id::text ORDER BY d.sequence DESC))[1], (array_agg(d.topic ORDER BY d.sequence DESC))[1],
+  (array_agg(COALESCE(d.last_error, '') ORDER BY d.sequence DESC))[1]
+FROM d
+GROUP BY d.cause
+ORDER BY n DESC, d.cause
+LIMIT ` + lim, Args: args}
+}
+
 // TopicBacklog counts, per topic, the pending rows, the retrying ones, the
 // dead ones and the age in seconds of the oldest pending row, the largest
 // backlog first, at most $1 topics.
