@@ -97,17 +97,18 @@ func ListHolds(ctx context.Context, db DB, t schema.Table, f HoldsFilter) ([]Hel
 	if err != nil {
 		return nil, err
 	}
-	oq, err := orderedQueries(ctx, db, t)
+	sq, err := stateOf(ctx, db, t)
 	if err != nil {
 		return nil, err
 	}
-	list := ""
-	if oq != nil {
-		list = oq.HoldList()
-	} else if wal, err := walHolds(ctx, db, t); err != nil || !wal {
-		return nil, err
-	} else {
+	var list string
+	switch {
+	case sq.Mode == schema.ModeOrdered:
+		list = schema.NewOrderedQueries(t, sq.Columns).HoldList()
+	case walKeyed(sq):
 		list = schema.WALHoldList(t)
+	default:
+		return nil, nil
 	}
 	rows, err := db.Query(ctx, list, limit, f.Resolved)
 	if err != nil {
@@ -147,38 +148,30 @@ type eventHold struct {
 	state HoldState
 }
 
-// holdOf returns the ordered-mode queries of t (nil when t is not ordered)
-// and the hold at the event's row (nil when the row holds no key),
-// resolved holds included.
-func holdOf(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (*schema.OrderedQueries, *eventHold, error) {
-	oq, err := orderedQueries(ctx, db, t)
-	if err != nil || oq == nil {
-		return nil, nil, err
-	}
+// holdOf returns the hold at the event's row of an ordered table (nil
+// when the row holds no key), resolved holds included.
+func holdOf(ctx context.Context, db DB, oq *schema.OrderedQueries, eventID uuid.UUID) (*eventHold, error) {
 	var (
 		h    eventHold
 		word string
 	)
-	err = db.QueryRow(ctx, oq.HoldOfEvent(), eventID.String()).Scan(&h.key, &h.seq, &h.dead, &word)
+	err := db.QueryRow(ctx, oq.HoldOfEvent(), eventID.String()).Scan(&h.key, &h.seq, &h.dead, &word)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return oq, nil, nil
+		return nil, nil
 	}
 	if err != nil {
-		return nil, nil, dbError(t, "look up the hold of event "+eventID.String()+" in", err)
+		return nil, dbError(oq.Table, "look up the hold of event "+eventID.String()+" in", err)
 	}
 	if h.state, err = ParseHoldState(word); err != nil {
-		return nil, nil, err
-	}
-	return oq, &h, nil
-}
-
-// walHoldOf returns the WAL relay's hold of the event's row (released
-// ones included), or nil when t has no WAL holds table or the row holds
-// no key.
-func walHoldOf(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (*eventHold, error) {
-	if wal, err := walHolds(ctx, db, t); err != nil || !wal {
 		return nil, err
 	}
+	return &h, nil
+}
+
+// walHoldOf returns the WAL relay's hold of the event's row of a WAL
+// table with keyed holds (walKeyed; released ones included), or nil when
+// the row holds no key.
+func walHoldOf(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (*eventHold, error) {
 	var (
 		h    eventHold
 		word string
@@ -205,8 +198,15 @@ func HoldOfEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) 
 	if err := checkTable(t); err != nil {
 		return 0, false, err
 	}
-	_, h, err := holdOf(ctx, db, t, eventID)
-	if err == nil && h == nil {
+	sq, err := stateOf(ctx, db, t)
+	if err != nil {
+		return 0, false, err
+	}
+	var h *eventHold
+	switch {
+	case sq.Mode == schema.ModeOrdered:
+		h, err = holdOf(ctx, db, schema.NewOrderedQueries(t, sq.Columns), eventID)
+	case walKeyed(sq):
 		h, err = walHoldOf(ctx, db, t, eventID)
 	}
 	if err != nil || h == nil {
@@ -225,8 +225,9 @@ func refusal(op HoldOp, eventID uuid.UUID, t schema.Table, err error) error {
 // hold's dead_at and attempts and makes it due, so that the relay delivers
 // the row first and the rest of its key after it. ok is false when the row
 // holds no key or its hold is resolved (replayKeyed then decides).
-func replayHeld(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
-	oq, h, err := holdOf(ctx, db, t, eventID)
+func replayHeld(ctx context.Context, db DB, oq *schema.OrderedQueries, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
+	t := oq.Table
+	h, err := holdOf(ctx, db, oq, eventID)
 	if err != nil || h == nil || h.state == HoldResolved {
 		return EventReplay{}, false, err
 	}
@@ -280,11 +281,8 @@ var ErrNotRelayedYet = errors.New("runbook: keyed event not relayed yet")
 // its partition's written floor) becomes a replay hold, delivered once more
 // before the key's next row. ok is false when the row is not keyed or the
 // table is not ordered.
-func replayKeyed(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
-	oq, err := orderedQueries(ctx, db, t)
-	if err != nil || oq == nil {
-		return EventReplay{}, false, err
-	}
+func replayKeyed(ctx context.Context, db DB, oq *schema.OrderedQueries, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
+	t := oq.Table
 	var keyed bool
 	if err := db.QueryRow(ctx, oq.Keyed, eventID.String()).Scan(&keyed); errors.Is(err, pgx.ErrNoRows) || (err == nil && !keyed) {
 		return EventReplay{}, false, nil
@@ -299,18 +297,25 @@ func replayKeyed(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 		return EventReplay{}, true, err
 	}
 	res := EventReplay{Table: t.String(), Row: row, Statement: schema.Statement{SQL: oq.ReplayDone, Args: []any{eventID.String()}}}
-	if dryRun {
-		res.DryRun = true
-		return res, true, nil
-	}
 	var (
 		inserted, above bool
 		held            *int64
 	)
-	if err := db.QueryRow(ctx, oq.ReplayDone, eventID.String()).Scan(&inserted, &above, &held); err != nil {
+	if dryRun {
+		// What ReplayDone decides on, read without writing: the dry run
+		// refuses what the replay would.
+		var done, free bool
+		if err := db.QueryRow(ctx, keyedReplayCheck(t), eventID.String()).Scan(&done, &free, &held); err != nil {
+			return EventReplay{}, true, dbError(t, "look up event "+eventID.String()+" in", err)
+		}
+		inserted, above = done && free, !done
+		res.DryRun = true
+	} else if err := db.QueryRow(ctx, oq.ReplayDone, eventID.String()).Scan(&inserted, &above, &held); err != nil {
 		return EventReplay{}, true, dbError(t, "replay event "+eventID.String()+" of", err)
 	}
 	switch {
+	case inserted && dryRun:
+		return res, true, nil
 	case inserted:
 		res.Changed = 1
 		wake(ctx, db, q)
@@ -325,6 +330,20 @@ func replayKeyed(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 		return EventReplay{}, true, fmt.Errorf("runbook: cannot replay event %s of %s: its key's last hold is not cleaned yet; try again in a few seconds (the relay writes its floors every LockTTL/10); nothing changed: %w",
 			eventID, t, ErrNotRelayedYet)
 	}
+}
+
+// keyedReplayCheck reads, for the keyed row of the ordered table t whose
+// event_id is $1, what schema.OrderedQueries.ReplayDone decides on, without
+// writing: whether the row is at or below its partition's written floor
+// (done), whether its key is free (no hold but a resolved one at or below
+// that floor), and the sequence its key is held at (NULL when none).
+func keyedReplayCheck(t schema.Table) string {
+	return `SELECT COALESCE(o.sequence <= p.floor_sequence, false),
+  p.partition IS NOT NULL AND NOT EXISTS (SELECT 1 FROM ` + t.HoldsTable() + ` AS h WHERE h.ordering_key = o.ordering_key
+    AND NOT (h.resolved_at IS NOT NULL AND h.sequence <= p.floor_sequence)),
+  (SELECT h.sequence FROM ` + t.HoldsTable() + ` AS h WHERE h.ordering_key = o.ordering_key AND h.resolved_at IS NULL)
+FROM ` + t.Sanitize() + ` AS o LEFT JOIN ` + t.PartitionsTable() + ` AS p ON p.partition = o.ordering_partition
+WHERE o.event_id = $1::uuid AND o.ordering_key IS NOT NULL`
 }
 
 // EventSkip reports a SkipEvent.
@@ -355,14 +374,22 @@ func SkipEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dr
 	if err := checkTable(t); err != nil {
 		return EventSkip{}, err
 	}
-	if wal, err := walHolds(ctx, db, t); err != nil {
-		return EventSkip{}, err
-	} else if wal {
-		return skipWAL(ctx, db, t, eventID, dryRun)
-	}
-	oq, h, err := holdOf(ctx, db, t, eventID)
+	sq, err := stateOf(ctx, db, t)
 	if err != nil {
 		return EventSkip{}, err
+	}
+	if walKeyed(sq) {
+		return skipWAL(ctx, db, t, eventID, dryRun)
+	}
+	var (
+		oq *schema.OrderedQueries
+		h  *eventHold
+	)
+	if sq.Mode == schema.ModeOrdered {
+		oq = schema.NewOrderedQueries(t, sq.Columns)
+		if h, err = holdOf(ctx, db, oq, eventID); err != nil {
+			return EventSkip{}, err
+		}
 	}
 	if h == nil {
 		return EventSkip{}, fmt.Errorf("runbook: cannot skip event %s of %s: %w (skip applies to the row a held key waits for; list them with `outbox keys held`); nothing changed",
@@ -407,15 +434,11 @@ func OrderedRelays(ctx context.Context, db DB, t schema.Table) (int, error) {
 	return n, nil
 }
 
-// walHolds tells whether t is streamed by the WAL relay with keyed holds
-// (its state reader's mode is WAL, and it has the ordering column and the
-// WAL holds table).
-func walHolds(ctx context.Context, db DB, t schema.Table) (bool, error) {
-	sq, err := stateOf(ctx, db, t)
-	if err != nil {
-		return false, err
-	}
-	return sq.Mode == schema.ModeWAL && sq.Columns.OrderingKey, nil
+// walKeyed tells whether the table of sq is streamed by the WAL relay
+// with keyed holds (its mode is WAL, and it has the ordering column and
+// the WAL holds table: internal/state).
+func walKeyed(sq schema.StateQueries) bool {
+	return sq.Mode == schema.ModeWAL && sq.Columns.OrderingKey
 }
 
 // skipWAL is SkipEvent for a table the WAL relay streams: it records the

@@ -2,8 +2,11 @@ package runbook
 
 import (
 	"context"
+	"crypto/md5" //nolint:gosec // the snapshot's digest is the SQL's md5 of a row set, not a secret
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -144,24 +147,36 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 	case lockTTL == 0:
 		lockTTL = schema.LockTTLDefault
 	}
+	sq, err := stateOf(ctx, db, t)
+	if err != nil {
+		return EventReplay{}, err
+	}
+	return replayEvent(ctx, db, sq, eventID, lockTTL, opts.DryRun)
+}
+
+// replayEvent is ReplayEvent on the table of the state reader sq: the one
+// rule of a replay in each mode, which ReplayDead applies to each row of
+// an ordered table too. A dry run refuses what the replay would refuse.
+func replayEvent(ctx context.Context, db DB, sq schema.StateQueries, eventID uuid.UUID, lockTTL time.Duration, dryRun bool) (EventReplay, error) {
+	t := sq.Table
 	q := schema.NewRunbookQueries(t)
 	id := eventID.String()
 
 	// In an ordered table, a keyed row that failed is recorded as its key's
 	// hold (docs/ORDERING.md).
-	if held, ok, err := replayHeld(ctx, db, t, eventID, opts.DryRun); ok || err != nil {
-		return held, err
-	}
-	if keyed, ok, err := replayKeyed(ctx, db, t, eventID, opts.DryRun); ok || err != nil {
-		return keyed, err
+	if sq.Mode == schema.ModeOrdered {
+		oq := schema.NewOrderedQueries(t, sq.Columns)
+		if held, ok, err := replayHeld(ctx, db, oq, eventID, dryRun); ok || err != nil {
+			return held, err
+		}
+		if keyed, ok, err := replayKeyed(ctx, db, oq, eventID, dryRun); ok || err != nil {
+			return keyed, err
+		}
 	}
 	// In a WAL table, the hold of a keyed row's key decides, by the one
 	// rule of every replay path (walReplayRule), and the statement keeps
 	// it while it resets the row.
-	wal, err := walReplayApplies(ctx, db, t)
-	if err != nil {
-		return EventReplay{}, err
-	}
+	wal := walKeyed(sq)
 	if wal {
 		if err := walReplayRefused(ctx, db, t, eventID); err != nil {
 			return EventReplay{}, err
@@ -175,7 +190,7 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 	if wal {
 		res.Statement = schema.WALReplayEvent(walReplayGuard(t), id, lockTTL)
 	}
-	if opts.DryRun {
+	if dryRun {
 		res.DryRun = true
 		return res, nil
 	}
@@ -221,12 +236,6 @@ func inspectEvent(ctx context.Context, db DB, q schema.RunbookQueries, eventID u
 		return refuse(ErrLocked, &row)
 	}
 	return EventReplay{Table: q.Table.String(), Row: row, Dead: dead}, nil
-}
-
-// walReplayApplies reports whether the WAL hold rule applies to the
-// replays of t: t is streamed by the WAL relay with keyed holds.
-func walReplayApplies(ctx context.Context, db DB, t schema.Table) (bool, error) {
-	return walHolds(ctx, db, t)
 }
 
 // walReplayRefused returns the refusal of walReplayRule for the row of
@@ -281,6 +290,12 @@ type BulkReplay struct {
 	// EventIDs are the event_ids of the rows a replay with Expect changed,
 	// for ReplayProgress; nil otherwise.
 	EventIDs []uuid.UUID `json:"-"`
+	// LeftAlone counts, in an ordered table, the dead rows matching the
+	// filter that the rule of ReplayEvent refuses now (such as a keyed row
+	// whose key is held by another row, or one its relay has not recorded
+	// as done): the bulk replay leaves them alone, as ReplayEvent would.
+	// Elsewhere the statement leaves such rows out uncounted (0).
+	LeftAlone int64 `json:"left_alone,omitempty"`
 }
 
 // ReplayDeadStatement returns the statement ReplayDead runs for f, after
@@ -316,11 +331,16 @@ func replayFilter(t schema.Table, f DeadFilter) (schema.RunbookFilter, error) {
 
 // ReplayDead resets every dead row of t that matches f (in sequence order,
 // at most f.Limit when it is positive) so that the relay delivers them
-// again, and wakes the table's relays. Rows leased by a relay less than
-// f.LockTTL ago are left alone, and so, in a WAL table, are the rows whose
-// key's hold refuses their replay: the rule ReplayEvent applies (a replay
-// while the key's hold drains is refused; HoldState.Allows for the held
-// row). f must name a Topic or set AllTopics.
+// again, and wakes the table's relays. It replays exactly what ReplayEvent
+// would, row by row, and leaves alone what ReplayEvent refuses: rows
+// leased by a relay less than f.LockTTL ago; in a WAL table the rows whose
+// key's hold refuses their replay (a replay while the key's hold drains;
+// HoldState.Allows for the held row); in an ordered table every dead row
+// the state reader lists (Dead: keyed rows a dead hold holds included)
+// goes through ReplayEvent's own rule and is replayed as it replays it (a
+// held row's hold is retried, a keyed row that died before the switch and
+// is below its floor becomes a replay hold), and the refused ones are
+// counted in LeftAlone. f must name a Topic or set AllTopics.
 //
 // With dryRun it changes nothing and returns in Rows the number of rows the
 // statement would change now, and their Snapshot. Otherwise Rows is the
@@ -332,14 +352,17 @@ func ReplayDead(ctx context.Context, db DB, t schema.Table, f DeadFilter, dryRun
 	if err != nil {
 		return BulkReplay{}, err
 	}
-	// In a WAL table, the rows whose key's hold refuses their replay (the
-	// one rule of every replay path, walReplayRule) are left alone, in the
-	// preview too.
-	wal, err := walReplayApplies(ctx, db, t)
+	sq, err := stateOf(ctx, db, t)
 	if err != nil {
 		return BulkReplay{}, err
 	}
-	if wal {
+	if sq.Mode == schema.ModeOrdered {
+		return replayDeadOrdered(ctx, db, sq, f, sf, dryRun)
+	}
+	// In a WAL table, the rows whose key's hold refuses their replay (the
+	// one rule of every replay path, walReplayRule) are left alone, in the
+	// preview too.
+	if walKeyed(sq) {
 		g := walReplayGuard(t)
 		sf.WALReplay = &g
 	}
@@ -394,12 +417,132 @@ func ReplayDead(ctx context.Context, db DB, t schema.Table, f DeadFilter, dryRun
 	return res, nil
 }
 
+// replayDeadOrdered is ReplayDead for the ordered table of sq: each dead
+// row matching f (sf) that replayEvent's rule accepts, in sequence order,
+// up to f.Limit, is replayed by replayEvent. With f.Expect it runs in one
+// transaction (when db can begin one: *pgxpool.Pool, *pgx.Conn, pgx.Tx)
+// and changes exactly the previewed rows or none.
+func replayDeadOrdered(ctx context.Context, db DB, sq schema.StateQueries, f DeadFilter, sf schema.RunbookFilter, dryRun bool) (BulkReplay, error) {
+	t := sq.Table
+	lockTTL := f.LockTTL
+	if lockTTL <= 0 {
+		lockTTL = schema.LockTTLDefault
+	}
+	sel := sf
+	sel.Limit = 0
+	res := BulkReplay{Table: t.String(), DryRun: dryRun, Statement: sq.Dead(sel)}
+	res.Statement.SQL = "-- ordered mode: each dead row this lists is replayed as `outbox dead replay --event-id` replays it (runbook.ReplayEvent),\n" +
+		"-- and left alone when that refuses it\n" + res.Statement.SQL
+	// plan lists the rows the rule accepts now, up to maxSeq when capped.
+	plan := func(db DB, maxSeq int64, capped bool) (ids []uuid.UUID, seqs []int64, left int64, err error) {
+		rows, err := queryStateRows(ctx, db, t, "list the dead rows to replay of", sq.Dead(sel))
+		if err != nil {
+			return nil, nil, 0, err
+		}
+		for _, r := range rows {
+			if (capped && r.Sequence > maxSeq) || (f.Limit > 0 && len(ids) == f.Limit) {
+				break
+			}
+			if _, err := replayEvent(ctx, db, sq, r.EventID, lockTTL, true); isRefusal(err) {
+				left++
+				continue
+			} else if err != nil {
+				return nil, nil, 0, err
+			}
+			ids, seqs = append(ids, r.EventID), append(seqs, r.Sequence)
+		}
+		return ids, seqs, left, nil
+	}
+	if dryRun || f.Expect == nil {
+		ids, seqs, left, err := plan(db, 0, false)
+		if err != nil {
+			return BulkReplay{}, err
+		}
+		res.LeftAlone = left
+		if dryRun {
+			res.Snapshot = snapshotOf(seqs)
+			res.Rows = res.Snapshot.Rows
+			return res, nil
+		}
+		for _, id := range ids {
+			_, err := replayEvent(ctx, db, sq, id, lockTTL, false)
+			switch {
+			case isRefusal(err):
+				res.LeftAlone++ // it changed since the plan
+			case err != nil:
+				return res, err
+			default:
+				res.Rows++
+			}
+		}
+		return res, nil
+	}
+	e := f.Expect
+	apply := func(db DB) error {
+		ids, seqs, left, err := plan(db, e.MaxSequence, true)
+		if err != nil {
+			return err
+		}
+		res.Snapshot, res.LeftAlone = snapshotOf(seqs), left
+		res.Snapshot.MaxSequence = e.MaxSequence
+		if res.Snapshot.Rows != e.Rows || res.Snapshot.Digest != e.Digest {
+			return fmt.Errorf("runbook: replay dead rows of %s: %w: the preview counted %d rows up to sequence %d, %d match now; nothing changed, preview again",
+				t, ErrReplaySetChanged, e.Rows, e.MaxSequence, res.Snapshot.Rows)
+		}
+		for _, id := range ids {
+			if _, err := replayEvent(ctx, db, sq, id, lockTTL, false); err != nil {
+				return fmt.Errorf("runbook: replay dead rows of %s: %w: event %s changed since the preview (%w); nothing changed, preview again",
+					t, ErrReplaySetChanged, id, err)
+			}
+		}
+		res.Rows, res.EventIDs = int64(len(ids)), ids
+		return nil
+	}
+	b, ok := db.(interface {
+		Begin(ctx context.Context) (pgx.Tx, error)
+	})
+	if !ok {
+		return res, apply(db)
+	}
+	err := pgx.BeginFunc(ctx, b, func(tx pgx.Tx) error { return apply(tx) })
+	if err != nil {
+		res.Rows, res.EventIDs = 0, nil
+		return res, err
+	}
+	return res, nil
+}
+
+// isRefusal tells whether err is a refusal of replayEvent's rule (the row
+// is left as it is), not a failure.
+func isRefusal(err error) bool {
+	var nr *NotReplayableError
+	return err != nil && (errors.As(err, &nr) || errors.Is(err, ErrHoldRefused) || errors.Is(err, ErrNotHeld) || errors.Is(err, ErrNotRelayedYet))
+}
+
+// snapshotOf is the snapshot of the rows with sequences seqs (ascending),
+// as schema.RunbookQueries.CountReplayDead computes it.
+func snapshotOf(seqs []int64) ReplaySnapshot {
+	s := ReplaySnapshot{Rows: int64(len(seqs))}
+	if len(seqs) == 0 {
+		return s
+	}
+	parts := make([]string, len(seqs))
+	for i, n := range seqs {
+		parts[i] = strconv.FormatInt(n, 10)
+	}
+	s.MaxSequence = seqs[len(seqs)-1]
+	s.Digest = fmt.Sprintf("%x", md5.Sum([]byte(strings.Join(parts, ",")))) //nolint:gosec // a digest of a row set, as the SQL's md5, not a secret
+	return s
+}
+
 // Progress is how far the relay got with the rows of a bulk replay.
 type Progress struct {
 	// Rows counts the replayed rows still in the table (the cleaner may
 	// have deleted published ones).
 	Rows int64 `json:"rows"`
-	// Published counts those delivered since.
+	// Published counts those delivered since (in the table's mode: in an
+	// ordered or WAL table, also those delivered without published_at, and
+	// those an operator skipped).
 	Published int64 `json:"published"`
 	// Dead counts those dead again.
 	Dead int64 `json:"dead"`
@@ -417,7 +560,11 @@ func ReplayProgress(ctx context.Context, db DB, t schema.Table, eventIDs []uuid.
 	for i, id := range eventIDs {
 		ids[i] = id.String()
 	}
-	st := schema.NewRunbookQueries(t).ReplayProgress(ids)
+	sq, err := stateOf(ctx, db, t)
+	if err != nil {
+		return Progress{}, err
+	}
+	st := sq.Progress(ids)
 	var p Progress
 	if err := db.QueryRow(ctx, st.SQL, st.Args...).Scan(&p.Rows, &p.Published, &p.Dead, &p.Pending); err != nil {
 		return Progress{}, dbError(t, "read the replay progress of", err)

@@ -371,6 +371,18 @@ SELECT ` + StateColumns + `, s.dead, ` + LeaseLiveWithin("$2::float8") + ` FROM 
 		Args: []any{eventID, lockTTLSeconds}}
 }
 
+// Progress counts, among the rows whose event_ids are ids (canonical UUID
+// text), those done (delivered, or skipped), those dead and those pending
+// (neither), as the mode classifies them. Returns: rows found, done, dead,
+// pending.
+func (q StateQueries) Progress(ids []string) Statement {
+	return Statement{SQL: `WITH s AS (
+  ` + q.classified(`SELECT k.*, k.xmin AS row_xmin FROM `+q.Table.Sanitize()+` AS k WHERE k.event_id = ANY($1::uuid[])`) + `
+)
+SELECT count(*), count(*) FILTER (WHERE s.done), count(*) FILTER (WHERE s.dead), count(*) FILTER (WHERE NOT s.done AND NOT s.dead) FROM s`,
+		Args: []any{ids}}
+}
+
 // ModeProbe reads what decides a table's mode. No args. Returns: the WAL
 // progress table exists, the table is named in a publication, the ordered
 // companion tables (with this version's hold states) exist, the WAL holds
