@@ -341,7 +341,8 @@ func (h *handler) preview(w http.ResponseWriter, r *http.Request) {
 		Table               string
 		Topic, Error, Cause string
 		Snapshot            runbook.ReplaySnapshot
-	}{t.String(), f.Topic, f.ErrorContains, f.Cause, p.Snapshot})
+		LeftAlone           int64
+	}{t.String(), f.Topic, f.ErrorContains, f.Cause, p.Snapshot, p.LeftAlone})
 }
 
 // job is one bulk replay whose progress the console follows: recorded in

@@ -643,13 +643,12 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	noReplay := whyNoReplay(mode, row)
-	// A row that holds its key is replayable only when its hold's state
-	// allows it (the runbook's rule); the page says why not instead.
-	if st, held, err := runbook.HoldOfEvent(r.Context(), h.pool, t, id); err != nil {
-		h.logger.Error("Console could not read an event's hold", err, watermill.LogFields{"table": t.String()})
-	} else if held {
-		if rerr := st.Allows(runbook.OpReplay); rerr != nil {
-			noReplay = "Not replayable now: " + rerr.Error() + "."
+	// The Replay button shows only when the runbook's own rule accepts the
+	// replay now (a dry run of it: a hold's state, a keyed row its relay
+	// has not recorded as done, a lease); the page says why not instead.
+	if noReplay == "" {
+		if _, err := runbook.ReplayEvent(r.Context(), h.pool, t, id, runbook.ReplayOptions{DryRun: true}); err != nil {
+			noReplay = "Not replayable now: " + strings.TrimPrefix(err.Error(), "runbook: ") + "."
 		}
 	}
 	h.render(w, r, "event.html", "Event "+id.String(), struct {

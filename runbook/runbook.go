@@ -269,6 +269,11 @@ type TableStats struct {
 	Table string `json:"table"`
 	// Mode is the table's relay mode: default, ordered or wal.
 	Mode schema.Mode `json:"mode"`
+	// ModeInferred is true when no mode is recorded for the table (a table
+	// migrated by an earlier version, on which no relay of this version
+	// started yet): Mode is then inferred from the tables that exist.
+	// `outbox migrate --mode=...` records it.
+	ModeInferred bool `json:"mode_inferred,omitempty"`
 	// Pending counts the rows not delivered and not dead, rows waiting
 	// behind a held key included.
 	Pending int64 `json:"pending"`
@@ -335,11 +340,11 @@ func Stats(ctx context.Context, db DB, t schema.Table) (TableStats, error) {
 	if err := checkTable(t); err != nil {
 		return TableStats{}, err
 	}
-	sq, err := stateOf(ctx, db, t)
+	sq, err := readerOf(ctx, db, t)
 	if err != nil {
 		return TableStats{}, err
 	}
-	s := TableStats{Table: t.String(), Mode: sq.Mode, DeliveryTimesKnown: sq.Mode == schema.ModeDefault}
+	s := TableStats{Table: t.String(), Mode: sq.Mode, ModeInferred: sq.Record == nil, DeliveryTimesKnown: sq.Mode == schema.ModeDefault}
 	err = db.QueryRow(ctx, sq.Stats()).Scan(&s.Pending, &s.Retrying, &s.Locked, &s.Dead,
 		&s.OldestPendingCreatedAt, &s.OldestPendingAgeSeconds, &s.WaitingBehindHeldKeys, &s.StreamedUnpublished,
 		&s.PublishedLastHour, &s.PublishedLastMinute, &s.HeldKeys, &s.DeadHeldKeys, &s.ReplaysDue, &s.SkipsRequested)

@@ -14,17 +14,23 @@ import (
 // inferred one; schema.StateQueries, the one place that knows each mode's
 // state).
 func stateOf(ctx context.Context, db DB, t schema.Table) (schema.StateQueries, error) {
+	r, err := readerOf(ctx, db, t)
+	return r.StateQueries, err
+}
+
+// readerOf is stateOf with the mode's record (nil when inferred).
+func readerOf(ctx context.Context, db DB, t schema.Table) (state.Reader, error) {
 	r, err := state.Of(ctx, db, t)
 	switch {
 	case errors.Is(err, schema.ErrTableNotFound):
-		return schema.StateQueries{}, fmt.Errorf("runbook: read %s: %w: check the table name, or create it with schema.Migrate or `outbox migrate --table=%s`",
+		return state.Reader{}, fmt.Errorf("runbook: read %s: %w: check the table name, or create it with schema.Migrate or `outbox migrate --table=%s`",
 			t, schema.ErrTableNotFound, t)
 	case errors.Is(err, state.ErrModeTablesMissing):
-		return schema.StateQueries{}, fmt.Errorf("runbook: %w", err)
+		return state.Reader{}, fmt.Errorf("runbook: %w", err)
 	case err != nil:
-		return schema.StateQueries{}, dbError(t, "find the relay mode of", err)
+		return state.Reader{}, dbError(t, "find the relay mode of", err)
 	}
-	return r.StateQueries, nil
+	return r, nil
 }
 
 // Mode tells how t is relayed: the mode recorded for it (by `outbox

@@ -176,7 +176,11 @@ func runStats(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(tw, "table\t%s\n", t)
-	fmt.Fprintf(tw, "mode\t%s\tdocs/OPERATIONS.md says what each number means in each mode\n", s.Mode)
+	inferred := ""
+	if s.ModeInferred {
+		inferred = " (inferred: none recorded; `outbox migrate --mode=` records it, as does a relay when it starts)"
+	}
+	fmt.Fprintf(tw, "mode\t%s\tdocs/OPERATIONS.md says what each number means in each mode%s\n", s.Mode, inferred)
 	fmt.Fprintf(tw, "pending\t%d\tnot delivered, not dead (%d waiting behind a held key)\n", s.Pending, s.WaitingBehindHeldKeys)
 	fmt.Fprintf(tw, "retrying\t%d\tpending, last attempt failed\n", s.Retrying)
 	fmt.Fprintf(tw, "locked\t%d\tleased by a relay\n", s.Locked)
@@ -327,6 +331,9 @@ type replayReport struct {
 	Refused   string       `json:"refused,omitempty"`
 	// Expect is the --expect value that replays exactly the previewed rows.
 	Expect string `json:"expect,omitempty"`
+	// LeftAlone counts the matching dead rows a single replay refuses now
+	// (ordered tables): the bulk replay leaves them alone.
+	LeftAlone int64 `json:"left_alone,omitempty"`
 }
 
 func runDeadReplay(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
@@ -479,10 +486,14 @@ func replayBulk(ctx context.Context, env Env, t schema.Table, filter runbook.Dea
 	}
 	desc := describeFilter(filter, true)
 	rep := replayReport{Table: t.String(), Filter: desc, Statement: p.Statement.SQL, Args: p.Statement.Args,
-		Rows: p.Rows, DryRun: mode.dryRun, Expect: formatSnapshot(p.Snapshot)}
+		Rows: p.Rows, DryRun: mode.dryRun, Expect: formatSnapshot(p.Snapshot), LeftAlone: p.LeftAlone}
 	if !mode.json {
 		fmt.Fprintf(stdout, "Replay dead rows of %s\n  filter  %s\n", t, desc)
 		printStatement(stdout, p.Statement, p.Rows)
+		if p.LeftAlone > 0 {
+			fmt.Fprintf(stdout, "Left alone: %s matching the filter, which a single replay refuses now (`outbox dead replay --event-id=E --dry-run` says why).\n",
+				plural(p.LeftAlone, "dead row"))
+		}
 		fmt.Fprintf(stdout, "Snapshot: --expect=%s replays exactly these rows, or nothing if they change.\n", rep.Expect)
 	}
 	if expect != nil && *expect != p.Snapshot {
