@@ -61,7 +61,7 @@ func TestDeadListAndBulkReplayInOrderedMode(t *testing.T) {
 	if m, err := runbook.Mode(ctx, pool, tbl); err != nil || m != schema.ModeOrdered {
 		t.Fatalf("after migrate --ordered: mode %q, %v", m, err)
 	}
-	var held, above uuid.UUID = uuid.New(), uuid.New()
+	held, above := uuid.New(), uuid.New()
 	var seq int64
 	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		var err error
