@@ -25,8 +25,6 @@ func readerOf(ctx context.Context, db DB, t schema.Table) (state.Reader, error) 
 	case errors.Is(err, schema.ErrTableNotFound):
 		return state.Reader{}, fmt.Errorf("runbook: read %s: %w: check the table name, or create it with schema.Migrate or `outbox migrate --table=%s`",
 			t, schema.ErrTableNotFound, t)
-	case errors.Is(err, state.ErrModeTablesMissing):
-		return state.Reader{}, fmt.Errorf("runbook: %w", err)
 	case err != nil:
 		return state.Reader{}, dbError(t, "find the relay mode of", err)
 	}

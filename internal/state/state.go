@@ -13,16 +13,10 @@ package state
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/outboxkit/watermill-outbox/schema"
 )
-
-// ErrModeTablesMissing is matched (errors.Is) by the error of Of when the
-// recorded mode's tables are missing (an ordered table without its
-// companion tables, a WAL table without its progress table).
-var ErrModeTablesMissing = errors.New("the tables of the recorded relay mode are missing")
 
 // Reader is the state reader of one table.
 type Reader struct {
@@ -32,8 +26,11 @@ type Reader struct {
 }
 
 // Of returns the state reader of t in its mode. It fails with
-// schema.ErrTableNotFound (wrapped) when t does not exist, and with
-// ErrModeTablesMissing when the recorded mode's tables are missing.
+// schema.ErrTableNotFound (wrapped) when t does not exist. A recorded mode
+// whose tables are gone (an ordered table whose companion tables were
+// dropped, a WAL table after walrelay.Teardown) is not read: the mode is
+// then inferred, as for a table without a record, until a relay or
+// migrate records another.
 func Of(ctx context.Context, q schema.Querier, t schema.Table) (Reader, error) {
 	cols, err := schema.DetectColumns(ctx, q, t)
 	if err != nil {
@@ -50,15 +47,15 @@ func Of(ctx context.Context, q schema.Querier, t schema.Table) (Reader, error) {
 	mode := schema.DecideMode(walProgress, published, ordered, cols)
 	var r Reader
 	if recorded {
-		mode, r.Record = rec.Mode, &rec
-		switch {
-		case mode == schema.ModeOrdered && (!ordered || !cols.OrderingKey):
-			return Reader{}, fmt.Errorf("%s is recorded as relayed in ordered mode (by %s at %s), but its ordering column or companion tables are missing: %w; run `outbox migrate --ordered --table=%s`",
-				t, rec.RecordedBy, rec.RecordedAt.UTC().Format("2006-01-02 15:04:05Z"), ErrModeTablesMissing, t)
-		case mode == schema.ModeWAL && !walProgress:
-			return Reader{}, fmt.Errorf("%s is recorded as relayed by the WAL relay (by %s at %s), but its progress table is missing: %w; run `outbox migrate --wal --table=%s`",
-				t, rec.RecordedBy, rec.RecordedAt.UTC().Format("2006-01-02 15:04:05Z"), ErrModeTablesMissing, t)
+		switch rec.Mode {
+		case schema.ModeOrdered:
+			recorded = ordered && cols.OrderingKey
+		case schema.ModeWAL:
+			recorded = walProgress
 		}
+	}
+	if recorded {
+		mode, r.Record = rec.Mode, &rec
 	}
 	if mode == schema.ModeWAL && !walHolds {
 		cols.OrderingKey = false // a WAL set-up without a holds table: no key is held
