@@ -301,7 +301,8 @@ type BulkReplay struct {
 // ReplayDeadStatement returns the statement ReplayDead runs for f, after
 // the same checks, without touching the database. In a WAL table ReplayDead
 // adds the hold rule's guard (walReplayRule), which this statement, built
-// without looking at the table, does not carry.
+// without looking at the table, does not carry; in an ordered table
+// ReplayDead replays row by row instead (its BulkReplay.Statement says so).
 func ReplayDeadStatement(t schema.Table, f DeadFilter) (schema.Statement, error) {
 	sf, err := replayFilter(t, f)
 	if err != nil {

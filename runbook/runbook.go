@@ -14,9 +14,10 @@
 // least once, so consumers dedup on event_id. Rows that a relay is handling
 // right now (leased less than the lock TTL ago) are never replayed.
 //
-// Every statement lives in package schema (schema.RunbookQueries); the table
-// name is always rendered with schema.Table.Sanitize and every value is a
-// parameter.
+// The statements live in package schema (schema.RunbookQueries, and
+// schema.StateQueries for the table's state in the mode it is relayed in,
+// the one state reader internal/state chooses); the table name is always
+// rendered with schema.Table.Sanitize and every value is a parameter.
 package runbook
 
 import (

@@ -340,7 +340,10 @@ type DB interface {
 // Migrate creates the outbox table t with its constraints and indexes, and
 // the optional columns that opts ask for; on an existing table it adds what
 // is missing, including the dead_at column (marking dead the rows older
-// versions considered dead, see DeadAtUpSQL). It is idempotent and safe when
+// versions considered dead, see DeadAtUpSQL). It records the relay mode of
+// a table it creates (ModeDefault, or WithMode's) in <table>_mode, which
+// every reader of the table's state reads, and leaves the record of an
+// existing table alone unless WithMode asks. It is idempotent and safe when
 // several processes call it at once: the statements run in one transaction
 // serialised by a transaction-level advisory lock on the table.
 //

@@ -37,7 +37,7 @@ const SkippedErrorPrefix = "skipped by an operator"
 // which rows are delivered, pending, retrying, dead, held or waiting behind
 // a held key. It is the one place that knows each mode's state: the
 // runbook's Stats, Backlog, Dead, Topics and Event, the cleaner's rules for
-// keyed and streamed rows, and (proposed) the relay's gauges read through
+// keyed and streamed rows, and the relay's gauges read through
 // it, so that they cannot disagree.
 //
 // Every statement classifies rows with the same expressions (classified);
