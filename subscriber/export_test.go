@@ -60,7 +60,7 @@ func DumpOrderedMemory(s *Subscriber, parts ...int) string {
 	for _, r := range relays {
 		r.mu.Lock()
 		fmt.Fprintf(&b, "relay %s: in flight %d starved %v needHolds %v holdsRead %s ago gen %d\n",
-			r.id, r.sub.inflight.Load(), r.starved, r.needHolds, time.Since(r.holdsRead).Round(time.Millisecond), r.gen)
+			r.id, r.sub.slots.InUse(), r.starved, r.needHolds, time.Since(r.holdsRead).Round(time.Millisecond), r.gen)
 		for id, p := range r.parts {
 			if len(want) > 0 && !want[id] {
 				continue

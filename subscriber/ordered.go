@@ -350,7 +350,8 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 		case <-r.kick:
 		case <-r.terms.Freed():
 			// A copy of an ended term ended: a runner it kept out of
-			// MaxInFlight may start.
+			// MaxInFlight may start, and so may the claim loop.
+			r.sub.slots.Signal()
 		case <-r.wake:
 			r.mu.Lock()
 			r.needHolds = true // an operator's change notifies too

@@ -7,27 +7,22 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
-	"github.com/outboxkit/watermill-outbox/internal/redact"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// startRunnersLocked starts a runner for every key with work, up to
-// MaxInFlight in all: the subscription's messages (its runners, each with
-// at most one message, and the unkeyed rows of its claim loop: one count,
-// sub.inflight) and the copies left in handlers by ended terms.
+// startRunnersLocked starts a runner for every key with work, while the
+// subscription's MaxInFlight slots (keyed.Slots: its runners, each with at
+// most one message, the unkeyed rows of its claim loop, and the copies left
+// in handlers by ended terms) have room.
 func (r *orderedRelay) startRunnersLocked() {
 	r.starved = false
 	for _, k := range r.keys {
-		if int(r.sub.inflight.Load())+r.terms.StaleCount() >= r.s.cfg.MaxInFlight {
-			r.starved = true
-			return
-		}
 		if k.busy || !r.deliverableLocked(k) || r.nextActionLocked(k) == actNone {
 			continue
 		}
-		if r.sub.reserve(1) == 0 { // the claim loop took the last slot meanwhile
+		if r.sub.slots.Reserve(1) == 0 {
 			r.starved = true
 			return
 		}
@@ -347,14 +342,11 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 	s := r.s
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
-	err := c.slot.get()
-	text := "handler nacked the message without an error (add the subscriber.CaptureError middleware to record it)"
-	if err != nil {
-		text = err.Error()
-	}
-	summary := redact.Summary(text, row.Payload, s.cfg.LastErrorMaxBytes)
 	attempts := int(row.Attempts)
-	backoff := s.cfg.Backoff(attempts)
+	f := s.cfg.policy().Judge(c.slot.get(), attempts, row.Payload)
+	summary := f.Summary
+	// The statement decides dead with the same rule, on the hold's count.
+	backoff := f.RetryIn
 	var (
 		dead, skip bool
 		n          int
@@ -367,7 +359,7 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 	qerr := pgx.ErrNoRows
 	if live {
 		qerr = s.pool.QueryRow(ctx, r.oq.Fail, r.id, row.Partition, k.name, row.Sequence, summary, s.cfg.MaxAttempts,
-			IsPermanent(err), backoff.Seconds(), k.p.term.Epoch()).Scan(&dead, &n, &skip)
+			f.Permanent, backoff.Seconds(), k.p.term.Epoch()).Scan(&dead, &n, &skip)
 	}
 	s.observeDispatch(c, metrics.ResultFailure)
 	if qerr != nil && !errors.Is(qerr, pgx.ErrNoRows) {

@@ -7,7 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/outboxkit/watermill-outbox/internal/redact"
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -17,7 +17,6 @@ type keyQueue struct {
 	items    []*item
 	inFlight bool
 	retryAt  time.Time
-	waiting  bool // in stream.waiting: ready, held back by MaxInFlight
 	backoff  bool // the head failed and waits for its retry: the queue's streamed rows count in stream.behind
 }
 
@@ -57,7 +56,10 @@ func (st *stream) dispatch(ctx context.Context, key string) {
 		st.schedule(q.retryAt)
 		return
 	}
-	if st.full(key, q) {
+	if st.slots.Reserve(1) == 0 {
+		// MaxInFlight messages are out: the key waits for a settle
+		// (unwait), in order.
+		st.waiters.Add(key)
 		return
 	}
 	st.deliver(ctx, q, q.items[0])
@@ -103,39 +105,20 @@ func (st *stream) readable() bool {
 	return st.unsettled-st.behind < limit && st.unsettled < backoffReadAhead*limit
 }
 
-// full reports whether MaxInFlight messages are handed out already; the
-// key then waits for a settle (unwait).
-func (st *stream) full(key string, q *keyQueue) bool {
-	if st.delivering < st.s.cfg.MaxInFlight {
-		return false
-	}
-	if !q.waiting {
-		q.waiting = true
-		st.waiting = append(st.waiting, key)
-	}
-	return true
-}
-
 // unwait dispatches the keys that waited for room, oldest first, while
 // there is room.
 func (st *stream) unwait(ctx context.Context) {
-	n := 0
-	for n < len(st.waiting) && st.delivering < st.s.cfg.MaxInFlight {
-		key := st.waiting[n]
-		n++
-		if q := st.keys[key]; q != nil {
-			q.waiting = false
-			st.dispatch(ctx, key)
+	for !st.slots.Full() {
+		key, ok := st.waiters.Pop()
+		if !ok {
+			return
 		}
-	}
-	if n > 0 {
-		st.waiting = append(st.waiting[:0], st.waiting[n:]...)
+		st.dispatch(ctx, key)
 	}
 }
 
 func (st *stream) deliver(ctx context.Context, q *keyQueue, it *item) {
-	q.inFlight = true
-	st.delivering++
+	q.inFlight = true // its slot is reserved (dispatch)
 	st.backedOff(q)
 	it.attempts++
 	it.row.Attempts = int32(it.attempts) //nolint:gosec // bounded by MaxAttempts
@@ -264,11 +247,7 @@ func (st *stream) waiter(w waiting) {
 				st.send(settle{it: w.it, stopped: true}) // term I3
 				break
 			}
-			err := w.recorded()
-			if err == nil {
-				err = errors.New("nacked")
-			}
-			st.send(settle{it: w.it, err: err})
+			st.send(settle{it: w.it, err: w.recorded()}) // nil: nacked without an error (keyed.NoErrorText)
 		case <-w.ctx.Done():
 			// The session ended with the message in a handler: its
 			// context is cancelled (term I2), and the ledger follows the
@@ -297,12 +276,16 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		return
 	}
 	q.inFlight = false
-	st.delivering--
 	if v.stopped {
+		st.slots.Unreserve(1)
 		return // stopping: the row stays unsettled, the next relay delivers it
 	}
 	defer st.unwait(ctx)
-	if dead := !v.ack && (subscriber.IsPermanent(v.err) || it.attempts >= st.s.cfg.MaxAttempts); dead && it.tx != nil {
+	var f keyed.Failure // a nack's outcome: retry or dead
+	if !v.ack {
+		f = st.s.policy().Judge(v.err, it.attempts, it.row.Payload)
+	}
+	if !v.ack && f.Dead && it.tx != nil {
 		// The dead write must find the row (invariant V): it waits for the
 		// row's transaction to be visible, the verdict kept, the row not
 		// delivered again.
@@ -311,8 +294,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			st.s.logger.Error("Could not tell whether a rejected row is visible; trying again", err, watermill.LogFields{"sequence": it.row.Sequence})
 		}
 		if err != nil || !ok {
-			q.inFlight = true
-			st.delivering++
+			q.inFlight = true // it keeps its slot until the settle comes back
 			st.inFlight.Add(1)
 			time.AfterFunc(visibleDelay(it.unseen), func() {
 				defer st.inFlight.Done()
@@ -323,6 +305,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			return
 		}
 	}
+	st.slots.Unreserve(1)
 	if m := st.s.cfg.Metrics; m != nil {
 		label := st.s.cfg.Table.Qualified()
 		result := metrics.ResultFailure
@@ -334,9 +317,9 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		}
 		m.DispatchTotal.WithLabelValues(label, it.row.Topic, result).Inc()
 	}
-	if !v.ack && !subscriber.IsPermanent(v.err) && it.attempts < st.s.cfg.MaxAttempts {
-		q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
-		it.lastErr = redact.Summary(v.err.Error(), it.row.Payload, st.s.cfg.LastErrorMaxBytes)
+	if !v.ack && !f.Dead {
+		q.retryAt = time.Now().Add(f.RetryIn)
+		it.lastErr = f.Summary
 		st.backingOff(q)
 		st.s.logger.Debug("Nacked: key held until the retry", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
 		if (len(q.items) > st.s.cfg.MaxInFlight || st.moreInTable(it)) && st.spill(ctx, it.key, q) {
@@ -347,7 +330,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	}
 	deadChanged := false
 	if !v.ack {
-		last := redact.Summary(v.err.Error(), it.row.Payload, st.s.cfg.LastErrorMaxBytes)
+		last := f.Summary
 		var key *string
 		if k := it.row.OrderingKey; k != nil && *k != "" && st.s.cols.OrderingKey {
 			key = k

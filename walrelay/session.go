@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -88,11 +89,12 @@ type stream struct {
 	// unseen are the transactions the stream read rows of that a snapshot
 	// has not shown visible yet (visible.go).
 	unseen []uint32
-	// delivering counts the keys with a message handed out and not
-	// settled: at most MaxInFlight, however many keys one transaction
-	// brings. Keys ready beyond it wait in waiting, in order.
-	delivering int
-	waiting    []string
+	// slots counts the keys with a message handed out and not settled,
+	// with the copies ended sessions left in handlers: at most
+	// MaxInFlight, however many keys one transaction brings. Keys ready
+	// beyond it wait in waiters, in order.
+	slots   *keyed.Slots
+	waiters keyed.Waiters
 	// behind counts the streamed rows queued on keys whose head waits for
 	// its retry: the stream is read on while the other unsettled rows are
 	// under MaxInFlight (a retrying key does not stop the other keys), up
@@ -214,7 +216,8 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	defer s.oldestUnsettled.Store(0)
 	s.logger.Info("WAL relay active", nil)
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*relation{}, keys: map[string]*keyQueue{},
-		settles: make(chan settle, 1024), gone: make(chan struct{}), readyWake: make(chan struct{}, 1), waits: make(chan waiting)}
+		settles: make(chan settle, 1024), gone: make(chan struct{}), readyWake: make(chan struct{}, 1), waits: make(chan waiting),
+		slots: keyed.NewSlots(s.cfg.MaxInFlight, s.terms.StaleCount)}
 	if err := s.pool.QueryRow(ctx, schema.WALTableOID, s.cfg.Table.Sanitize()).Scan(&st.oid); err != nil {
 		return fmt.Errorf("look up the relation id of %s: %w", s.cfg.Table, err)
 	}

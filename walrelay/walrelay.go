@@ -92,6 +92,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -450,4 +451,10 @@ func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 		case <-time.After(s.cfg.ElectionInterval):
 		}
 	}
+}
+
+// policy is the decision about failed attempts, the same as the ordered
+// and default relays' (keyed.Policy).
+func (s *Subscriber) policy() keyed.Policy {
+	return keyed.Policy{MaxAttempts: s.cfg.MaxAttempts, Backoff: s.cfg.Backoff, LastErrorMaxBytes: s.cfg.LastErrorMaxBytes, Permanent: subscriber.IsPermanent}
 }
