@@ -15,12 +15,12 @@ func TestMakes(t *testing.T) {
 		t.Fatalf("Constants = %q, want %q", got, want)
 	}
 	for doc, want := range map[string]bool{
-		"A woken relay waits 1 ms (`wakeCoalesce`: more commits land), then after 20 such retries": true,
-		"After a wake-up the relay waits 1 ms (`wakeCoalesce`) for more commits; 20 retries later": true,
-		"After a wake-up the relay waits 2 ms (`wakeCoalesce`) for more commits; 20 retries later": false,
+		"A woken relay waits 1 ms (`wakeCoalesce`: more commits land), then after 20 such retries":  true,
+		"After a wake-up the relay waits 1 ms (`wakeCoalesce`) for more commits; 20 retries later":  true,
+		"After a wake-up the relay waits 2 ms (`wakeCoalesce`) for more commits; 20 retries later":  false,
 		"After a wake-up the relay waits 1 ms (`wakeCoalesce`) for more commits; 200 retries later": false,
 		"After a wake-up the relay waits 1 ms (`wakeCoalesce`) for more commits; 2,020 retries":     false,
-		"`wakeCoalesce` is 1 ms; 20 retries":                                                       false,
+		"`wakeCoalesce` is 1 ms; 20 retries":                                                        false,
 	} {
 		if got := Makes(Normalize(doc), statement); got != want {
 			t.Errorf("Makes(%q) = %v, want %v", doc, got, want)
