@@ -221,7 +221,7 @@ VALUES ($1, 'org.bounded.v1', '{}', $2, now() - interval '1 minute')`, tenant, i
 
 // TestBoundedClaimHiddenWriter: a relay whose role cannot read other
 // roles' transaction starts (not a member of pg_read_all_stats) must not
-// move the bound past an open writer of another role (B3): the writer's
+// move the bound past an open writer of another role (a hidden lock holder stops the bound): the writer's
 // late row, formed before the cut, is delivered at once, not by the sweep.
 // Before, pg_stat_activity's NULL xact_start was ignored and the bound
 // passed the row.

@@ -91,19 +91,19 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 //     (package internal/term, the core the WAL relay uses too; scope: the
 //     partition, epoch: the one Acquire increments). A message is handed
 //     out only as a copy registered under its partition's live term
-//     (term.Term.Hand), so the core's invariants hold here: (I1) at most
+//     (term.Term.Hand), so the core's invariants hold here: (one copy per key) at most
 //     one copy of a key is out in the relay, and the relay takes a
 //     partition again only once its ended terms have quiesced (every copy
 //     ended, every write entered under them done: term.Ledger.Quiesced,
-//     I5); (I2) the term's end (lease lost, deadline passed, released,
-//     relay stopping) cancels its messages' contexts; (I3) a verdict
+//     quiescence); (a term's end cancels its messages) the term's end (lease lost, deadline passed, released,
+//     relay stopping) cancels its messages' contexts; (a verdict of an ended term is not progress) a verdict
 //     counts only if its copy ended under the live term (term.Copy.End); a
 //     nack's or a hold's write (Fail, Advance) runs inside
 //     term.Term.Enter, so not after the term ended nor beside the
 //     partition's next term here; and every write of progress or holds
 //     (Renew, Release, Fail, Advance) is fenced on owner and epoch, so
 //     nothing done under an ended term is written, whoever owns the
-//     partition now; (I4) a copy left in a handler by an ended term ends
+//     partition now; (nothing waits forever) a copy left in a handler by an ended term ends
 //     at its verdict, DispatchTimeout + LockTTL/2 after the term ended, or
 //     the relay's stop.
 
@@ -387,7 +387,7 @@ func (r *orderedRelay) nextDue() time.Time {
 func (r *orderedRelay) shutdown() {
 	defer r.s.wake.unregister(r.wake)
 	// Last: the copies left in handlers by ended terms no longer hold
-	// anything back, and the goroutines that follow them end (term I4).
+	// anything back, and the goroutines that follow them end (nothing waits forever).
 	defer r.terms.Close()
 	r.runWg.Wait()
 	if r.abandon || r.s.abandon.Load() {

@@ -263,7 +263,7 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 	}
 	// As in the default mode, the message outlives the Subscribe context
 	// until CloseTimeout after the relay stopped. Its term's end cancels it
-	// (term I2): the handler is told that its partition lease ended.
+	// (a term's end cancels its messages): the handler is told that its partition lease ended.
 	cp, err := t.Hand(withErrorSlot(context.WithoutCancel(r.sub.ctx), c.slot), k.name, msg)
 	if err != nil {
 		if errors.Is(err, term.ErrKeyOut) {
@@ -296,7 +296,7 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 			// message's context.
 			c.slot.set(s.overrunError())
 			if !cp.End(term.Overran) {
-				return verdictNone // the term ended first: nothing is written (I3)
+				return verdictNone // the term ended first: nothing is written (a verdict of an ended term is not progress)
 			}
 			r.logger.Error("Handler overran its dispatch timeout; counting a failed attempt", s.overrunError(),
 				watermill.LogFields{"event_id": row.EventID})
@@ -304,7 +304,7 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 			return verdictNack
 		case <-msg.Acked():
 			if !cp.End(term.Acked) {
-				return verdictNone // a verdict of an ended term is not progress (I3)
+				return verdictNone // a verdict of an ended term is not progress (a verdict of an ended term is not progress)
 			}
 			s.observeDispatch(c, metrics.ResultSuccess)
 			if m := s.cfg.Metrics; m != nil {
@@ -313,15 +313,15 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 			return verdictAck
 		case <-msg.Nacked():
 			if !cp.End(term.Nacked) {
-				return verdictNone // I3
+				return verdictNone // a verdict of an ended term is not progress
 			}
 			r.fail(k, row, c)
 			return verdictNack
 		case <-t.Done():
 			// The term ended with the message in the handler: its context
-			// is cancelled (I2), and the ledger follows the copy until its
-			// verdict (recorded nowhere, I3), its overrun or the relay's
-			// stop; the partition is not taken again before (I1).
+			// is cancelled (a term's end cancels its messages), and the ledger follows the copy until its
+			// verdict (recorded nowhere, a verdict of an ended term is not progress), its overrun or the relay's
+			// stop; the partition is not taken again before (one copy per key).
 			return verdictNone
 		case <-stop:
 			stop = nil
@@ -351,7 +351,7 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 		dead, skip bool
 		n          int
 	)
-	// The write is work under the term (term I3): it is not made once the
+	// The write is work under the term (a verdict of an ended term is not progress): it is not made once the
 	// term has ended, and the partition is not taken again while it runs;
 	// the statement is fenced on owner and epoch besides.
 	leave, live := k.p.term.Enter()
@@ -430,7 +430,7 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 		r.mu.Unlock()
 		return
 	}
-	// Work under the term (term I3): the key is still owned, so the term
+	// Work under the term (a verdict of an ended term is not progress): the key is still owned, so the term
 	// is live (dropPartLocked ends it and forgets the key together).
 	leave, live := k.p.term.Enter()
 	defer leave()

@@ -50,7 +50,7 @@ func (st *stream) dispatch(ctx context.Context, key string) {
 		return
 	}
 	if q.inFlight || st.draining || st.s.terms.Stale(key) {
-		return // a stale copy's end dispatches again (terms.Freed); term I1
+		return // a stale copy's end dispatches again (terms.Freed); one copy per key
 	}
 	if q.retryAt.After(time.Now()) {
 		st.schedule(q.retryAt)
@@ -195,7 +195,7 @@ func (st *stream) handOver(d delivery) {
 		return
 	}
 	// The message's context carries the session's values; the term sets
-	// it, cancelled when the session ends or the copy does (term I2).
+	// it, cancelled when the session ends or the copy does (a term's end cancels its messages).
 	// It also ends at DispatchTimeout (cancelled with the copy, below).
 	mctx, recorded := subscriber.ContextWithErrorRecorder(context.WithoutCancel(d.ctx))
 	mctx, cancel := context.WithTimeout(mctx, st.s.cfg.DispatchTimeout)
@@ -240,20 +240,20 @@ func (st *stream) waiter(w waiting) {
 			if w.cp.End(term.Acked) {
 				st.send(settle{it: w.it, ack: true})
 			} else {
-				st.send(settle{it: w.it, stopped: true}) // the session ended first: not recorded (term I3)
+				st.send(settle{it: w.it, stopped: true}) // the session ended first: not recorded (a verdict of an ended term is not progress)
 			}
 		case <-w.msg.Nacked():
 			if !w.cp.End(term.Nacked) {
-				st.send(settle{it: w.it, stopped: true}) // term I3
+				st.send(settle{it: w.it, stopped: true}) // a verdict of an ended term is not progress
 				break
 			}
 			st.send(settle{it: w.it, err: w.recorded()}) // nil: nacked without an error (keyed.NoErrorText)
 		case <-w.ctx.Done():
 			// The session ended with the message in a handler: its
-			// context is cancelled (term I2), and the ledger follows the
+			// context is cancelled (a term's end cancels its messages), and the ledger follows the
 			// copy; no later session delivers its key until the copy ends
 			// (its verdict, recorded nowhere, CloseTimeout, or the relay's
-			// stop: I1, I3, I4).
+			// stop: one copy per key, a verdict of an ended term is not progress, nothing waits forever).
 			st.send(settle{it: w.it, stopped: true})
 		}
 		w.cancel()
@@ -286,7 +286,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		f = st.s.policy().Judge(v.err, it.attempts, it.row.Payload)
 	}
 	if !v.ack && f.Dead && it.tx != nil {
-		// The dead write must find the row (invariant V): it waits for the
+		// The dead write must find the row (a dead write waits for its row to be visible): it waits for the
 		// row's transaction to be visible, the verdict kept, the row not
 		// delivered again.
 		ok, err := st.visible(ctx, it.tx.xid)
@@ -370,7 +370,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	q.retryAt = time.Time{}
 	if h := st.holdOf(it); v.ack && it.tx != nil && h.replayedBy(it) {
 		// The held row's replay: settled once its drain is written
-		// (invariant R, hold.acked).
+		// (a replay's ack waits for its drain, hold.acked).
 		st.settleAcked(h)
 		h.acked = it
 	} else {

@@ -20,7 +20,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/walrelay"
 )
 
-// The tests of this file check the WAL relay's write fence (invariant F,
+// The tests of this file check the WAL relay's write fence (the write fence,
 // walrelay.go; docs/WAL.md, "Sessions are terms"): a write of a session
 // that no longer holds the slot changes nothing, and a write that passed
 // the fence before the session ended commits before the next session reads

@@ -40,7 +40,7 @@ type hold struct {
 	more   bool
 	unseen int // the drain waits for streamed rows to be visible: its tries so far (visible.go)
 	// acked is the held row's replay, acked and not settled until the
-	// drain it starts is written (invariant R): the confirmed position
+	// drain it starts is written (a replay's ack waits for its drain): the confirmed position
 	// does not pass the replay's UPDATE before the hold says draining, so
 	// a session that ends first leaves the replay to be streamed again.
 	acked *item
@@ -187,7 +187,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 	s := st.s
 	h.wantDrain = true
 	// The drain reads the rows parked behind the hold from the table: it
-	// waits until every row the stream parked is visible (invariant V).
+	// waits until every row the stream parked is visible (a dead write waits for its row to be visible).
 	if ok, err := st.visible(ctx); err != nil || !ok {
 		if err != nil {
 			s.logger.Error("Could not tell whether the streamed rows are visible; retrying at the next tick", err, nil)
@@ -279,7 +279,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 }
 
 // spill spills the backlog of q, whose head waits for its retry, to a
-// retrying hold (invariant S): the hold is written first, at the head
+// retrying hold (a spill loses nothing): the hold is written first, at the head
 // (schema.WALQueries.Spill, fenced, with the head's attempts and last
 // error on its row); then the key's rows leave memory, settled in the
 // stream as parked rows, and the hold retries at the head's retry time.

@@ -225,10 +225,10 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	// The session is a term of the relay's ledger; its context is the
 	// deliveries' context, the backfill's included. Every return of the
 	// stream ends the term (the contexts of its messages still in handlers
-	// are cancelled: term I2) and waits for the deliveries first (deferred
+	// are cancelled: a term's end cancels its messages) and waits for the deliveries first (deferred
 	// calls run in reverse): none outlives the stream, so none is handed to
 	// out once it may be closed, and a copy the term's end left in a
-	// handler holds its key back from the next sessions (I1).
+	// handler holds its key back from the next sessions (one copy per key).
 	st.term = s.terms.Begin(ctx, 0, s.sessions.Add(1))
 	dctx := st.term.Context()
 	defer st.stop()
@@ -550,7 +550,7 @@ func (st *stream) drain(recv chan received) error {
 // would block on it while the loop waits. A dropped verdict leaves its row
 // unsettled (the next relay delivers it again); the position recorded does
 // not pass it. The loop applies verdicts only before it calls stop: no
-// verdict of an ended term is recorded (term I3). It is idempotent.
+// verdict of an ended term is recorded (a verdict of an ended term is not progress). It is idempotent.
 func (st *stream) stop() {
 	st.term.End()
 	done := make(chan struct{})

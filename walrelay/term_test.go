@@ -110,7 +110,7 @@ func terminateWalsender(t *testing.T, pool *pgxpool.Pool) {
 // cancelled; the next session does not hand out X (or anything of its key)
 // while the first copy is in the handler; after its verdict X comes again
 // (its ack was not recorded) and then X+1. The context of each message of
-// the live session ends with its ack (the copy ends: term core I2).
+// the live session ends with its ack (the copy ends: term core a term's end cancels its messages).
 func TestWALCutSessionKeepsOneCopyPerKey(t *testing.T) {
 	t.Parallel()
 	pool, tbl := cluster(t)
