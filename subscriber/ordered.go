@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -190,14 +191,11 @@ type keyState struct {
 	lastDone int64 // highest sequence acked or skipped here, to check order
 }
 
+// holdState is a key's hold (keyed.Hold: the held row, its attempts, when
+// it is due, its lifecycle state) and what the ordered relay adds.
 type holdState struct {
-	seq       int64
-	attempts  int
-	dueAt     time.Time // local clock
-	dead      bool
-	skip      bool
-	replay    bool
-	resolved  bool // tombstone: rows <= seq are done
+	keyed.Hold
+	replay    bool // a replay hold: the replay of a row already relayed; it covers no later row
 	advancing bool // an Advance statement is running
 	inflight  bool // the held row is being delivered
 }
@@ -373,11 +371,11 @@ func (r *orderedRelay) nextDue() time.Time {
 	var due time.Time
 	for _, k := range r.keys {
 		h := k.hold
-		if h == nil || h.resolved || h.dead || h.inflight || h.advancing || k.busy {
+		if h == nil || !h.Open() || h.State == keyed.Dead || h.inflight || h.advancing || k.busy {
 			continue
 		}
-		if due.IsZero() || h.dueAt.Before(due) {
-			due = h.dueAt
+		if due.IsZero() || h.DueAt.Before(due) {
+			due = h.DueAt
 		}
 	}
 	return due

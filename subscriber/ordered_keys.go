@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -42,13 +43,13 @@ const (
 )
 
 func (r *orderedRelay) nextActionLocked(k *keyState) action {
-	if h := k.hold; h != nil && !h.resolved {
+	if h := k.hold; h != nil && h.Open() {
 		switch {
 		case h.inflight || h.advancing:
 			return actNone
-		case h.skip:
+		case h.State == keyed.SkipRequested:
 			return actAdvance
-		case h.dead || time.Now().Before(h.dueAt):
+		case !h.Due(time.Now()):
 			return actNone
 		default:
 			return actHeld
@@ -102,7 +103,7 @@ func (r *orderedRelay) runKey(k *keyState) {
 		case actHeld:
 			h := k.hold
 			h.inflight = true
-			seq, attempts := h.seq, h.attempts
+			seq, attempts := h.Seq, h.Attempts
 			r.mu.Unlock()
 			row, err := r.rowAt(k.name, seq)
 			if errors.Is(err, pgx.ErrNoRows) && r.rowGone(k.name, seq) {
@@ -135,7 +136,7 @@ func (r *orderedRelay) runKey(k *keyState) {
 				r.logger.Error("Could not read a held row; retrying shortly", err, watermill.LogFields{"sequence": seq})
 				r.mu.Lock()
 				h.inflight = false
-				h.dueAt = time.Now().Add(100 * time.Millisecond)
+				h.DueAt = time.Now().Add(100 * time.Millisecond)
 				r.endRunLocked(k)
 				r.mu.Unlock()
 				return
@@ -145,7 +146,7 @@ func (r *orderedRelay) runKey(k *keyState) {
 				// row is looked at again at the next poll.
 				r.mu.Lock()
 				h.inflight = false
-				h.dueAt = time.Now().Add(r.s.cfg.PollInterval)
+				h.DueAt = time.Now().Add(r.s.cfg.PollInterval)
 				r.endRunLocked(k)
 				r.mu.Unlock()
 				return
@@ -183,7 +184,7 @@ func (r *orderedRelay) runKey(k *keyState) {
 
 // refreshLaterLocked makes the next holds read replace k's hold.
 func (r *orderedRelay) refreshLaterLocked(k *keyState) {
-	k.hold.dueAt = time.Now().Add(time.Second)
+	k.hold.DueAt = time.Now().Add(time.Second)
 	k.holdGen = 0
 	r.needHolds = true
 }
@@ -390,8 +391,8 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 			k.holdGen = 0
 			r.needHolds = true
 		}
-		if h != nil && h.seq == row.Sequence {
-			h.dueAt = time.Now().Add(backoff)
+		if h != nil && h.Seq == row.Sequence {
+			h.DueAt = time.Now().Add(backoff)
 			return
 		}
 		if _, open := k.p.open[row.Sequence]; open {
@@ -402,13 +403,13 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 	// The hold is written: the row and the key's queued rows are covered
 	// (the hold reaches them), also when a holds read applied it first.
 	delete(k.p.open, row.Sequence)
-	if h == nil || h.seq != row.Sequence || h.resolved {
-		r.setHoldLocked(k, &holdState{seq: row.Sequence})
+	if h == nil || h.Seq != row.Sequence || !h.Open() {
+		r.setHoldLocked(k, &holdState{Hold: keyed.Hold{Seq: row.Sequence, State: keyed.Retrying}})
 		h = k.hold
 	}
 	r.freedLocked(k.p)
-	h.attempts, h.dead, h.skip = n, dead, skip
-	h.dueAt = time.Now().Add(backoff)
+	h.Attempts, h.State = n, keyed.StateOf(dead, skip, h.replay, false)
+	h.DueAt = time.Now().Add(backoff)
 	if dead {
 		delete(fields, "error")
 		r.logger.Error("Outbox message is dead and holds its ordering key; replay or skip it once the cause is fixed", errors.New(summary), fields)
@@ -440,7 +441,7 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 	}
 	h.advancing = true
 	bound := k.p.seen
-	seq := h.seq
+	seq := h.Seq
 	r.gen++
 	k.holdGen = r.gen
 	r.mu.Unlock()
@@ -462,18 +463,18 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 	switch {
 	case err != nil:
 		r.logger.Error("Could not move a hold on; retrying", err, watermill.LogFields{"sequence": seq})
-		h.skip = true // retried as a skip: the row was handled
-		h.dueAt = time.Now().Add(100 * time.Millisecond)
+		h.State = keyed.SkipRequested // retried as a skip: the row was handled
+		h.DueAt = time.Now().Add(100 * time.Millisecond)
 		time.AfterFunc(100*time.Millisecond, r.signal)
 	case !owned:
 		r.s.fenceRejected("ack")
 	case next != nil:
 		k.lastDone = max(k.lastDone, seq)
-		r.setHoldLocked(k, &holdState{seq: *next, dueAt: time.Now()})
+		r.setHoldLocked(k, &holdState{Hold: keyed.Hold{Seq: *next, DueAt: time.Now(), State: keyed.Retrying}})
 		r.freedLocked(k.p)
 	case resolved:
 		k.lastDone = max(k.lastDone, seq)
-		r.setHoldLocked(k, &holdState{seq: seq, resolved: true})
+		r.setHoldLocked(k, &holdState{Hold: keyed.Hold{Seq: seq, State: keyed.Resolved}})
 	case deleted:
 		k.hold = nil
 	default:

@@ -158,7 +158,7 @@ func (r *orderedRelay) tick(ctx context.Context) {
 // partition is at or below its written floor (CleanResolved has work).
 func (r *orderedRelay) resolvedBelowPersistedLocked() bool {
 	for name, k := range r.keys {
-		if h := k.hold; h != nil && h.resolved && h.seq <= k.p.persisted && r.parts[k.p.id] == k.p {
+		if h := k.hold; h != nil && !h.Open() && h.Seq <= k.p.persisted && r.parts[k.p.id] == k.p {
 			k.hold = nil
 			r.pruneKeyLocked(name, k)
 			return true

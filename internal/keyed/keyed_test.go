@@ -123,3 +123,44 @@ func TestJudge(t *testing.T) {
 		}
 	}
 }
+
+func TestHoldStates(t *testing.T) {
+	t.Parallel()
+	// The words and their order are runbook.HoldState's (checked there
+	// against these by TestHoldStateWordsAreTheCore's words).
+	want := []string{"retrying", "dead", "skip_requested", "replay", "draining", "resolved"}
+	for i, s := range []HoldState{Retrying, Dead, SkipRequested, Replayed, Draining, Resolved} {
+		if int(s) != i+1 || s.String() != want[i] {
+			t.Errorf("state %d is %q, want %d %q", s, s, i+1, want[i])
+		}
+	}
+	cases := []struct {
+		dead, skip, replay, resolved bool
+		want                         HoldState
+	}{
+		{false, false, false, false, Retrying},
+		{true, false, false, false, Dead},
+		{true, true, false, false, SkipRequested},
+		{true, true, true, true, Resolved},
+		{false, false, true, false, Replayed},
+		{true, false, true, false, Dead},
+	}
+	for _, c := range cases {
+		if got := StateOf(c.dead, c.skip, c.replay, c.resolved); got != c.want {
+			t.Errorf("StateOf(dead %v, skip %v, replay %v, resolved %v) = %s, want %s", c.dead, c.skip, c.replay, c.resolved, got, c.want)
+		}
+	}
+	now := time.Now()
+	h := Hold{State: Retrying, DueAt: now.Add(time.Second)}
+	if h.Due(now) || !h.Due(now.Add(time.Second)) || !h.Open() {
+		t.Fatal("a retrying hold is due at its DueAt and open")
+	}
+	h.State = Dead
+	if h.Due(now.Add(time.Hour)) {
+		t.Fatal("a dead hold is never due")
+	}
+	h.State = Resolved
+	if h.Open() {
+		t.Fatal("a resolved hold is not open")
+	}
+}
