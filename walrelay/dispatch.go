@@ -393,7 +393,7 @@ func (st *stream) settled(it *item) {
 		return
 	}
 	st.fromTable--
-	if h := st.holdOf(it); h != nil && h.draining {
+	if h := st.holdOf(it); h != nil && h.State == keyed.Draining {
 		h.left--
 	}
 }

@@ -247,8 +247,8 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	}
 	st.retry = time.NewTimer(time.Hour)
 	for _, h := range st.holds {
-		if h.retrying {
-			st.schedule(h.retryAt) // a retrying hold of an earlier session: due at once
+		if h.State == keyed.Retrying {
+			st.schedule(h.DueAt) // a retrying hold of an earlier session: due at once
 		}
 	}
 	if backfill != nil {
