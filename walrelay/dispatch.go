@@ -289,7 +289,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		// The dead write must find the row (a dead write waits for its row to be visible): it waits for the
 		// row's transaction to be visible, the verdict kept, the row not
 		// delivered again.
-		ok, err := st.visible(ctx, it.tx.xid)
+		ok, err := st.vis.visible(ctx, it.tx.xid)
 		if err != nil {
 			st.s.logger.Error("Could not tell whether a rejected row is visible; trying again", err, watermill.LogFields{"sequence": it.row.Sequence})
 		}

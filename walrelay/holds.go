@@ -191,7 +191,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 	h.wantDrain = true
 	// The drain reads the rows parked behind the hold from the table: it
 	// waits until every row the stream parked is visible (a dead write waits for its row to be visible).
-	if ok, err := st.visible(ctx); err != nil || !ok {
+	if ok, err := st.vis.visible(ctx); err != nil || !ok {
 		if err != nil {
 			s.logger.Error("Could not tell whether the streamed rows are visible; retrying at the next tick", err, nil)
 			return

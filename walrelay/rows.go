@@ -333,7 +333,7 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 		}
 		// The read must see the replay, not the row before it.
 		wctx, cancel := context.WithTimeout(ctx, replayReadTimeout)
-		err = st.waitVisible(wctx, st.cur.xid)
+		err = st.vis.waitVisible(wctx, st.cur.xid)
 		cancel()
 		if err != nil {
 			return err
@@ -360,7 +360,7 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 		return err
 	}
 	it := &item{row: row, key: keyOf(row), tx: st.cur, replay: replay}
-	st.saw(st.cur.xid)
+	st.vis.saw(st.cur.xid)
 	st.cur.rows++
 	if st.cur.buffered {
 		st.cur.items = append(st.cur.items, it)

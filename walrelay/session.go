@@ -86,9 +86,7 @@ type stream struct {
 	// first; one becomes the horizon once the confirmed position passes it.
 	candidates []candidate
 	holds      map[string]*hold // by ordering key
-	// unseen are the transactions the stream read rows of that a snapshot
-	// has not shown visible yet (visible.go).
-	unseen []uint32
+	vis        visibility // which transactions read are visible yet (visible.go)
 	// slots counts the keys with a message handed out and not settled,
 	// with the copies ended sessions left in handlers: at most
 	// MaxInFlight, however many keys one transaction brings. Keys ready
@@ -217,7 +215,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	s.logger.Info("WAL relay active", nil)
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*relation{}, keys: map[string]*keyQueue{},
 		settles: make(chan settle, 1024), gone: make(chan struct{}), readyWake: make(chan struct{}, 1), waits: make(chan waiting),
-		slots: keyed.NewSlots(s.cfg.MaxInFlight, s.terms.StaleCount)}
+		slots: keyed.NewSlots(s.cfg.MaxInFlight, s.terms.StaleCount), vis: visibility{pool: s.pool, waits: &s.unseen}}
 	if err := s.pool.QueryRow(ctx, schema.WALTableOID, s.cfg.Table.Sanitize()).Scan(&st.oid); err != nil {
 		return fmt.Errorf("look up the relation id of %s: %w", s.cfg.Table, err)
 	}
@@ -635,7 +633,7 @@ func (st *stream) progress(pos pglogrepl.LSN) bool {
 	}
 	st.candidates = st.candidates[n:]
 	if xmin, err := strconv.ParseUint(c.xid, 10, 64); err == nil {
-		st.pruneBefore(xmin) // older transactions are visible
+		st.vis.pruneBefore(xmin) // older transactions are visible
 	}
 	kept := len(st.candidates) < maxCandidates
 	if kept {

@@ -44,8 +44,8 @@
 //     the term from quiescing until the write is done, and, for the ordered
 //     relay, in statements fenced on owner and epoch (the WAL relay's
 //     session loop applies verdicts only before it ends its term, in
-//     statements fenced on the session's walsender: walrelay's invariant
-//     F). The verdicts of stale copies reach the ledger only.
+//     statements fenced on the session's walsender: walrelay's write
+//     fence). The verdicts of stale copies reach the ledger only.
 //     TestVerdictOfAnEndedTermIsNotLive, TestEnterHoldsQuiescence.
 //   - Nothing waits forever: a stale copy ends by its verdict, by
 //     Config.Overrun after its term ended, or by Close; each end signals
