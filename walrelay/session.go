@@ -86,7 +86,7 @@ type stream struct {
 	// first; one becomes the horizon once the confirmed position passes it.
 	candidates []candidate
 	holds      map[string]*hold // by ordering key
-	vis        visibility // which transactions read are visible yet (visible.go)
+	vis        visibility       // which transactions read are visible yet (visible.go)
 	// slots counts the keys with a message handed out and not settled,
 	// with the copies ended sessions left in handlers: at most
 	// MaxInFlight, however many keys one transaction brings. Keys ready
