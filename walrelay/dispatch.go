@@ -2,15 +2,11 @@ package walrelay
 
 import (
 	"context"
-	"errors"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
-	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/metrics"
-	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
 type keyQueue struct {
@@ -125,148 +121,7 @@ func (st *stream) deliver(ctx context.Context, q *keyQueue, it *item) {
 	st.inFlight.Add(1)
 	// The message is built by the pump, off the loop: the row is not
 	// written again until the delivery settles.
-	st.readyMu.Lock()
-	st.ready = append(st.ready, delivery{ctx: ctx, it: it})
-	st.readyMu.Unlock()
-	select {
-	case st.readyWake <- struct{}{}:
-	default:
-	}
-}
-
-// delivery is one delivery of an item, queued for the pump.
-type delivery struct {
-	ctx context.Context //nolint:containedctx // the delivery's own context, queued with it
-	it  *item
-}
-
-// waiting is a message handed to the subscriber's channel, waiting for its
-// ack or nack.
-type waiting struct {
-	delivery
-	msg      *message.Message
-	recorded func() error
-	cp       *term.Copy         // the message's copy in the relay's ledger
-	cancel   context.CancelFunc // ends the DispatchTimeout of the message's context
-}
-
-// waiterIdle is how long a waiter goroutine stays for the next message
-// before it ends.
-const waiterIdle = time.Second
-
-// pump hands the queued deliveries to the subscriber's channel one by one,
-// in the order the loop queued them, and each handed message to a waiter.
-// One goroutine blocks on the channel, where a goroutine per delivery had a
-// goroutine per key in flight parked on it (a fifth of the relay's CPU in a
-// drain went to waking them). It ends with the stream.
-func (st *stream) pump() {
-	var batch []delivery
-	for {
-		select {
-		case <-st.readyWake:
-		case <-st.gone:
-			return
-		}
-		st.readyMu.Lock()
-		batch, st.ready = st.ready, batch[:0]
-		st.readyMu.Unlock()
-		for i, d := range batch {
-			st.handOver(d)
-			batch[i] = delivery{}
-		}
-	}
-}
-
-// handOver builds d's message, hands it to the subscriber's channel and then
-// to a waiter, or settles d when it cannot.
-func (st *stream) handOver(d delivery) {
-	if d.ctx.Err() != nil {
-		// Stopped: not handed over (a select with out ready too would
-		// pick at random).
-		st.send(settle{it: d.it, stopped: true})
-		st.inFlight.Done()
-		return
-	}
-	msg, err := d.it.row.Message(st.s.cfg.Table)
-	if err != nil {
-		// A row that cannot become a message (bad headers) is dead at once.
-		st.send(settle{it: d.it, err: subscriber.Permanent(err)})
-		st.inFlight.Done()
-		return
-	}
-	// The message's context carries the session's values; the term sets
-	// it, cancelled when the session ends or the copy does (a term's end cancels its messages).
-	// It also ends at DispatchTimeout (cancelled with the copy, below).
-	mctx, recorded := subscriber.ContextWithErrorRecorder(context.WithoutCancel(d.ctx))
-	mctx, cancel := context.WithTimeout(mctx, st.s.cfg.DispatchTimeout)
-	cp, err := st.term.Hand(mctx, d.it.key, msg)
-	if err != nil {
-		cancel()
-		if errors.Is(err, term.ErrKeyOut) {
-			// Not expected: dispatch asked the ledger, and a key has one
-			// delivery at a time in a session.
-			st.s.logger.Error("A copy of the key is still in a handler; not delivering it again", err, watermill.LogFields{"sequence": d.it.row.Sequence})
-		}
-		st.send(settle{it: d.it, stopped: true})
-		st.inFlight.Done()
-		return
-	}
-	select {
-	case st.out <- msg:
-	case <-d.ctx.Done():
-		cp.End(term.Withdrawn)
-		cancel()
-		st.send(settle{it: d.it, stopped: true})
-		st.inFlight.Done()
-		return
-	}
-	w := waiting{delivery: d, msg: msg, recorded: recorded, cp: cp, cancel: cancel}
-	select {
-	case st.waits <- w: // an idle waiter took it
-	default:
-		go st.waiter(w)
-	}
-}
-
-// waiter waits for w's verdict, sends it to the loop, then waits for the
-// messages handed to it while it is idle, up to waiterIdle: a goroutine
-// grows its stack once, not once per message. It ends with the stream.
-func (st *stream) waiter(w waiting) {
-	idle := time.NewTimer(waiterIdle)
-	defer idle.Stop()
-	for {
-		select {
-		case <-w.msg.Acked():
-			if w.cp.End(term.Acked) {
-				st.send(settle{it: w.it, ack: true})
-			} else {
-				st.send(settle{it: w.it, stopped: true}) // the session ended first: not recorded (a verdict of an ended term is not progress)
-			}
-		case <-w.msg.Nacked():
-			if !w.cp.End(term.Nacked) {
-				st.send(settle{it: w.it, stopped: true}) // a verdict of an ended term is not progress
-				break
-			}
-			st.send(settle{it: w.it, err: w.recorded()}) // nil: nacked without an error (keyed.NoErrorText)
-		case <-w.ctx.Done():
-			// The session ended with the message in a handler: its
-			// context is cancelled (a term's end cancels its messages), and the ledger follows the
-			// copy; no later session delivers its key until the copy ends
-			// (its verdict, recorded nowhere, CloseTimeout, or the relay's
-			// stop: one copy per key, a verdict of an ended term is not progress, nothing waits forever).
-			st.send(settle{it: w.it, stopped: true})
-		}
-		w.cancel()
-		st.inFlight.Done()
-		idle.Reset(waiterIdle)
-		select {
-		case w = <-st.waits:
-		case <-idle.C:
-			return
-		case <-st.gone:
-			return
-		}
-	}
+	st.hand.queue(delivery{ctx: ctx, it: it})
 }
 
 func (st *stream) onSettle(ctx context.Context, v settle) {

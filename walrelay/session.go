@@ -78,14 +78,11 @@ type stream struct {
 	retry     *time.Timer
 	retryAt   time.Time      // when retry fires; zero when it is not armed
 	inFlight  sync.WaitGroup // deliveries under way
-	readyMu   sync.Mutex
-	ready     []delivery    // queued by the loop for the pump, oldest first
-	readyWake chan struct{} // capacity 1: the pump has deliveries
-	waits     chan waiting  // to an idle waiter
 	// horizon candidates (xid8 text, the WAL position after it), oldest
 	// first; one becomes the horizon once the confirmed position passes it.
 	candidates []candidate
 	holds      map[string]*hold // by ordering key
+	hand       *handoff         // hands the deliveries to out and their verdicts back (handoff.go)
 	vis        visibility       // which transactions read are visible yet (visible.go)
 	// slots counts the keys with a message handed out and not settled,
 	// with the copies ended sessions left in handlers: at most
@@ -214,7 +211,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	defer s.oldestUnsettled.Store(0)
 	s.logger.Info("WAL relay active", nil)
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*relation{}, keys: map[string]*keyQueue{},
-		settles: make(chan settle, 1024), gone: make(chan struct{}), readyWake: make(chan struct{}, 1), waits: make(chan waiting),
+		settles: make(chan settle, 1024), gone: make(chan struct{}),
 		slots: keyed.NewSlots(s.cfg.MaxInFlight, s.terms.StaleCount), vis: visibility{pool: s.pool, waits: &s.unseen}}
 	if err := s.pool.QueryRow(ctx, schema.WALTableOID, s.cfg.Table.Sanitize()).Scan(&st.oid); err != nil {
 		return fmt.Errorf("look up the relation id of %s: %w", s.cfg.Table, err)
@@ -230,7 +227,8 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	st.term = s.terms.Begin(ctx, 0, s.sessions.Add(1))
 	dctx := st.term.Context()
 	defer st.stop()
-	go st.pump()
+	st.hand = newHandoff(st)
+	go st.hand.pump()
 	// The session's writes are fenced by its walsender (the fence
 	// invariant, at the top of this file): it holds the slot now; every
 	// write of an earlier session either committed before the holds are
