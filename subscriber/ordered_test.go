@@ -330,7 +330,10 @@ func TestOrderedLateCommit(t *testing.T) {
 }
 
 // TestOrderedUnrelatedLongTransaction: an open transaction that wrote to
-// another table holds nothing back; the floor passes the new rows.
+// another table holds nothing back; the floor passes the new rows. The
+// transaction stays open until the test ends, so a relay that waited on it
+// would deliver nothing and hold the floor: the deadlines only bound a
+// loaded machine's slowness.
 func TestOrderedUnrelatedLongTransaction(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -353,20 +356,22 @@ func TestOrderedUnrelatedLongTransaction(t *testing.T) {
 	consume(t, s, rec, nil)
 	start := time.Now()
 	evs := enqueueKeyed(t, pool, tbl, "a", "b", "a", "c")
-	rec.waitAcked(t, evs, 5*time.Second)
-	if d := time.Since(start); d > 2*time.Second {
-		t.Fatalf("keys took %s while an unrelated transaction was open", d)
-	}
+	rec.waitAcked(t, evs, 2*time.Minute)
+	t.Logf("keys delivered in %s while an unrelated transaction was open", time.Since(start).Round(time.Millisecond))
 	var last int64
 	if err := pool.QueryRow(ctx, `SELECT max(sequence) FROM `+tbl.Sanitize()+` WHERE ordering_key = 'a'`).Scan(&last); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for partitionFloor(t, pool, tbl, "a") < last {
 		if time.Now().After(deadline) {
 			t.Fatalf("floor of key a's partition stays below %d while an unrelated transaction is open", last)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+	// The unrelated transaction was open all along.
+	if _, err := tx.Exec(ctx, `SELECT 1`); err != nil {
+		t.Fatalf("the unrelated transaction ended before the test did: %v", err)
 	}
 }
 
