@@ -418,6 +418,12 @@ func TestOrderedBadInput(t *testing.T) {
 
 // TestOrderedHandover: a relay that closes hands its partitions over at
 // once, one that is killed within LockTTL; a joining relay takes a share.
+// "At once" is read from the table, not the clock: when Close returns, the
+// closed relay holds no lease and has left the membership, so nothing
+// keeps its partitions from the other relay. The killed relay's partitions
+// pass after its heartbeat is LockTTL old, and LockTTL is 15 s so that a
+// loaded machine's late ticks (10 s allowed) stay apart from a takeover
+// that waits a second LockTTL.
 func TestOrderedHandover(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -457,32 +463,45 @@ func TestOrderedHandover(t *testing.T) {
 	}
 	rec := newRecorder()
 	cfg := orderedCfg(tbl)
+	cfg.LockTTL = 15 * time.Second
+	const lateTicks = 10 * time.Second // a loaded machine's
 	a := orderedSub(t, pool, cfg)
 	consume(t, a, rec, nil)
-	waitOwners(1, 5*time.Second)
+	waitOwners(1, 2*time.Minute)
+	var aID string
+	for id := range owners() {
+		aID = id
+	}
 	b := orderedSub(t, pool, cfg)
 	consume(t, b, rec, nil)
-	waitOwners(2, 5*time.Second)
+	waitOwners(2, 2*time.Minute)
 	evs := enqueueKeyed(t, pool, tbl, "h1", "h2", "h3", "h4", "h1", "h2")
-	rec.waitAcked(t, evs, 5*time.Second)
+	rec.waitAcked(t, evs, 2*time.Minute)
 
 	if err := a.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if d := waitOwners(1, 5*time.Second); d > cfg.LockTTL {
-		t.Errorf("closed relay's partitions taken over after %s, want well within LockTTL %s", d, cfg.LockTTL)
+	var leased, member int
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+tbl.PartitionsTable()+` WHERE owner = $1 AND lease_until > now()),
+  (SELECT count(*) FROM `+tbl.RelaysTable()+` WHERE relay_id = $1)`, aID).Scan(&leased, &member); err != nil {
+		t.Fatal(err)
 	}
+	if leased != 0 || member != 0 {
+		t.Fatalf("after Close the closed relay still leases %d partitions (member: %v): they pass only after LockTTL", leased, member == 1)
+	}
+	d := waitOwners(1, 2*time.Minute)
+	t.Logf("closed relay's partitions taken over after %s", d)
 	c := orderedSub(t, pool, cfg)
 	consume(t, c, rec, nil)
-	waitOwners(2, 5*time.Second)
+	waitOwners(2, 2*time.Minute)
 	subscriber.Abandon(b)
 	_ = b.Close()
-	d := waitOwners(1, 5*time.Second)
-	if d > cfg.LockTTL+500*time.Millisecond {
-		t.Errorf("killed relay's partitions taken over after %s, want within LockTTL %s (plus a tick)", d, cfg.LockTTL)
+	d = waitOwners(1, 2*time.Minute)
+	if d > cfg.LockTTL+lateTicks {
+		t.Errorf("killed relay's partitions taken over after %s, want within LockTTL %s (plus %s of late ticks)", d, cfg.LockTTL, lateTicks)
 	}
 	evs = enqueueKeyed(t, pool, tbl, "h1", "h2", "h3", "h4", "h5")
-	rec.waitAcked(t, evs, 5*time.Second)
+	rec.waitAcked(t, evs, 2*time.Minute)
 	rec.checkOrder(t)
 	t.Logf("killed relay's partitions taken over after %s", d)
 }
