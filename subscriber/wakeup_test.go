@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"math/rand/v2"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -40,27 +41,71 @@ func idleKeyHeld(t *testing.T, pool *pgxpool.Pool, key int64) bool {
 	return held
 }
 
+// notifications counts the notifications on a table's channel, from a
+// connection of its own, until the test ends.
+type notifications struct {
+	n             atomic.Int64
+	markerChannel string // a channel of the test's own, for settle's markers
+	mu            sync.Mutex
+	marked        map[string]bool
+}
+
+// Load is the number of notifications on the table's channel so far.
+func (c *notifications) Load() int64 { return c.n.Load() }
+
+// settle returns once every notification committed before it was called has
+// been counted: PostgreSQL delivers notifications to a listener in commit
+// order, so once a marker committed now has arrived, so has everything
+// committed before it. No sleep guesses when a late notification is in.
+func (c *notifications) settle(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	marker := uuid.NewString()
+	if _, err := pool.Exec(context.Background(), `SELECT pg_notify($1, $2)`, c.markerChannel, marker); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(5 * time.Millisecond) {
+		c.mu.Lock()
+		in := c.marked[marker]
+		c.mu.Unlock()
+		if in {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a notification did not reach the test's listener within 2 minutes")
+		}
+	}
+}
+
 // countNotifications LISTENs on the table's channel from a connection of its
 // own and counts what arrives until the test ends.
-func countNotifications(t *testing.T, tbl schema.Table) *atomic.Int64 {
+func countNotifications(t *testing.T, tbl schema.Table) *notifications {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	conn, err := pgx.Connect(ctx, testdb.URL())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := conn.Exec(ctx, schema.ListenStatement(tbl.NotifyChannel())); err != nil {
-		t.Fatal(err)
+	c := &notifications{markerChannel: "test_sync_" + strings.ReplaceAll(uuid.NewString(), "-", ""), marked: map[string]bool{}}
+	for _, ch := range []string{tbl.NotifyChannel(), c.markerChannel} {
+		if _, err := conn.Exec(ctx, schema.ListenStatement(ch)); err != nil {
+			t.Fatal(err)
+		}
 	}
-	var n atomic.Int64
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		for {
-			if _, err := conn.WaitForNotification(ctx); err != nil {
+			msg, err := conn.WaitForNotification(ctx)
+			if err != nil {
 				return
 			}
-			n.Add(1)
+			if msg.Channel == c.markerChannel {
+				c.mu.Lock()
+				c.marked[msg.Payload] = true
+				c.mu.Unlock()
+				continue
+			}
+			c.n.Add(1)
 		}
 	}()
 	t.Cleanup(func() {
@@ -68,7 +113,7 @@ func countNotifications(t *testing.T, tbl schema.Table) *atomic.Int64 {
 		<-done
 		_ = conn.Close(context.Background())
 	})
-	return &n
+	return c
 }
 
 // TestWakeUpHandshake: an idle relay holds the idle lock and an enqueue wakes
@@ -439,12 +484,10 @@ func TestWakeUpKeyedAndUnkeyedLocks(t *testing.T) {
 	}
 	expect := func(what string, want int64, keys ...string) {
 		t.Helper()
+		n.settle(t, pool)
 		before := n.Load()
 		enqueue(keys...)
-		for deadline := time.Now().Add(2 * time.Second); n.Load()-before < want && time.Now().Before(deadline); {
-			time.Sleep(10 * time.Millisecond)
-		}
-		time.Sleep(200 * time.Millisecond) // and nothing more arrives
+		n.settle(t, pool) // every notification of the enqueue is in
 		if got := n.Load() - before; got != want {
 			t.Errorf("%s: %d notifications, want %d", what, got, want)
 		}
