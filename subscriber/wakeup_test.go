@@ -433,21 +433,23 @@ func TestWakeUpRace(t *testing.T) {
 
 // TestOrderedWakeUp: an idle ordered subscriber holds both idle locks (its
 // claim loop's and its ordered relay's), so keyed and unkeyed events
-// enqueued while it waits wake it, with a poll interval of a minute.
+// enqueued while it waits wake it, with a poll interval of 10 minutes: a
+// delivery within the 2-minute wait is not the poll's, however slow the
+// machine.
 func TestOrderedWakeUp(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
 	cfg := orderedCfg(tbl)
-	cfg.PollInterval = time.Minute
+	cfg.PollInterval = 10 * time.Minute
 	s := orderedSub(t, pool, cfg)
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the idle locks to be held", 5*time.Second, func() bool {
+	waitFor(t, "the idle locks to be held", 2*time.Minute, func() bool {
 		return idleHeld(t, pool, tbl) && idleKeyHeld(t, pool, tbl.OrderedIdleLockKey())
 	})
 	time.Sleep(300 * time.Millisecond) // partitions assigned, first cycles done
@@ -466,11 +468,9 @@ func TestOrderedWakeUp(t *testing.T) {
 				t.Fatalf("got %s, want %s", msg.UUID, m.EventID)
 			}
 			msg.Ack()
-			if d := time.Since(start); d > 2*time.Second {
-				t.Fatalf("event %d (key %q) took %s", i, key, d)
-			}
-		case <-ctx.Done():
-			t.Fatalf("event %d (key %q) not delivered: the wake-up was lost", i, key)
+			t.Logf("event %d (key %q) delivered %s after its enqueue began", i, key, time.Since(start).Round(time.Millisecond))
+		case <-time.After(2 * time.Minute):
+			t.Fatalf("event %d (key %q) not delivered within 2 minutes (PollInterval %s): the wake-up was lost", i, key, cfg.PollInterval)
 		}
 	}
 }
