@@ -645,7 +645,7 @@ func TestWALRetryingKeyDoesNotStopOthers(t *testing.T) {
 	coldID = cold[0].String()
 	mu.Unlock()
 	rec.waitAcked(t, cold, 2*time.Minute)
-	t.Logf("another key's row delivered %s after its commit, during the hot key's %s backoff", time.Since(start).Round(time.Millisecond), backoff)
+	t.Logf("another key's row delivered %s after its commit (the hot key's backoff: %s)", time.Since(start).Round(time.Millisecond), backoff)
 	rec.waitAcked(t, ids, 2*time.Minute)
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
