@@ -63,12 +63,13 @@ func pauseWrite(t *testing.T, op, phase string) (hook func(string, string), reac
 	}, reached, release
 }
 
+// waitClosed waits until c is closed, for at most liveness.
 func waitClosed(t *testing.T, c chan struct{}, what string) {
 	t.Helper()
 	select {
 	case <-c:
-	case <-time.After(15 * time.Second):
-		t.Fatalf("%s: not within 15s", what)
+	case <-time.After(liveness):
+		t.Fatalf("%s: not within %s", what, liveness)
 	}
 }
 

@@ -73,9 +73,11 @@ func (h *handLog) count(id uuid.UUID) int {
 	return n
 }
 
-// waitFor polls cond until it holds or fails the test after within.
+// waitFor polls cond until it holds or fails the test after within (at
+// least liveness).
 func waitFor(t *testing.T, within time.Duration, what string, cond func() bool) {
 	t.Helper()
+	within = max(within, liveness)
 	for deadline := time.Now().Add(within); !cond(); {
 		if time.Now().After(deadline) {
 			t.Fatalf("%s: not within %s", what, within)
