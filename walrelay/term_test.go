@@ -95,9 +95,14 @@ func terminateWalsender(t *testing.T, pool *pgxpool.Pool) {
 	t.Helper()
 	ctx := context.Background()
 	var pids []int32
-	if err := pool.QueryRow(ctx, `SELECT array_agg(pid) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_replication WHERE application_name = 'outbox-walrelay'`).Scan(&pids); err != nil || len(pids) != 1 {
-		t.Fatalf("terminate the walsender: %v terminated, %v", pids, err)
-	}
+	// A session that has not started yet (the relay's next one, on a
+	// loaded machine) is waited for.
+	waitFor(t, liveness, "a walsender to terminate", func() bool {
+		if err := pool.QueryRow(ctx, `SELECT array_agg(pid) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_replication WHERE application_name = 'outbox-walrelay'`).Scan(&pids); err != nil || len(pids) > 1 {
+			t.Fatalf("terminate the walsender: %v terminated, %v", pids, err)
+		}
+		return len(pids) == 1
+	})
 	waitFor(t, 10*time.Second, "the terminated walsender to let go of its slot", func() bool {
 		var holding bool
 		if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE active_pid = $1)`, pids[0]).Scan(&holding); err != nil {
