@@ -166,7 +166,7 @@ func TestWALHandoverWaitsForAWriteThatPassedTheFence(t *testing.T) {
 	rb.consume(t, b, nil)
 	waitFor(t, 15*time.Second, "B holds the slot", b.Active)
 	waited := false
-	for deadline := time.Now().Add(3 * time.Second); !waited && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+	for deadline := time.Now().Add(liveness); !waited && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 		var n int
 		err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted`).Scan(&n)
 		waited = err == nil && n == 1

@@ -149,7 +149,7 @@ func TestWALCutSessionKeepsOneCopyPerKey(t *testing.T) {
 				select {
 				case <-msg.Context().Done():
 					ctxEnded <- true
-				case <-time.After(2 * time.Second):
+				case <-time.After(liveness):
 					ctxEnded <- false
 				}
 			}(msg)
@@ -159,13 +159,13 @@ func TestWALCutSessionKeepsOneCopyPerKey(t *testing.T) {
 	var x *message.Message
 	select {
 	case x = <-first:
-	case <-time.After(10 * time.Second):
+	case <-time.After(liveness):
 		t.Fatal("row X not delivered")
 	}
 	terminateWalsender(t, pool)
 	select {
 	case <-x.Context().Done():
-	case <-time.After(5 * time.Second):
+	case <-time.After(liveness):
 		t.Error("the held message's context was not cancelled when its session ended")
 	}
 	// The next session starts (ElectionInterval 100 ms) and streams X again.
@@ -179,9 +179,9 @@ func TestWALCutSessionKeepsOneCopyPerKey(t *testing.T) {
 		select {
 		case ok := <-ctxEnded:
 			if !ok {
-				t.Error("a message's context still live 2 s after its ack")
+				t.Errorf("a message's context still live %s after its ack", liveness)
 			}
-		case <-time.After(5 * time.Second):
+		case <-time.After(liveness + time.Minute):
 			t.Fatal("the acked messages' contexts were not checked")
 		}
 	}
@@ -193,6 +193,26 @@ func TestWALCutSessionKeepsOneCopyPerKey(t *testing.T) {
 	if want := []string{ids[0].String(), ids[0].String(), ids[1].String()}; strings.Join(hand.log, ",") != strings.Join(want, ",") {
 		t.Errorf("deliveries %v, want X, X again, X+1", hand.log)
 	}
+}
+
+// waitRecorded waits until the relay of tbl has recorded (in its progress
+// table, which a restart starts from) a position at or past the WAL
+// written so far.
+func waitRecorded(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) {
+	t.Helper()
+	ctx := context.Background()
+	var target string
+	if err := pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&target); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, liveness, "the relay's progress recorded past "+target, func() bool {
+		var past bool
+		if err := pool.QueryRow(ctx, `SELECT COALESCE((SELECT confirmed_lsn >= $2::pg_lsn FROM `+tbl.WALProgressTable()+` WHERE slot = $1), false)`,
+			schema.WALSlotName(tbl), target).Scan(&past); err != nil {
+			t.Fatal(err)
+		}
+		return past
+	})
 }
 
 // heldBy waits until key is held by event id in the WAL holds table.
@@ -246,7 +266,7 @@ func TestWALSkipWhileReplayInFlight(t *testing.T) {
 	}
 	select {
 	case <-inReply:
-	case <-time.After(10 * time.Second):
+	case <-time.After(liveness):
 		t.Fatal("the replay was not delivered")
 	}
 	if _, err := pool.Exec(ctx, schema.WALSkipHold(tbl), ids[0].String()); err != nil {
@@ -397,7 +417,7 @@ func TestWALCrashRestartKeepsSkip(t *testing.T) {
 		err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.WALHoldsTable()).Scan(&n)
 		return err == nil && n == 0
 	})
-	time.Sleep(500 * time.Millisecond) // progress recorded past everything
+	waitRecorded(t, pool, tbl) // progress recorded past everything
 	mu.Lock()
 	poison = false // a delivery of the skipped row would be acked, and seen
 	mu.Unlock()
