@@ -463,7 +463,7 @@ func TestWALHistory(t *testing.T) {
 				_ = os.WriteFile(path, []byte(strings.Join(trace.lines, "\n")), 0o600)
 				trace.mu.Unlock()
 			}
-			t.Fatalf("rule 1: %d events neither acked nor skipped after 60 s; holds %+v", left, held)
+			t.Fatalf("rule 1: %d events neither acked nor skipped after %s; holds %+v", left, liveness, held)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
