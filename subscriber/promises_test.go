@@ -48,16 +48,16 @@ func TestSweepSkipsPausedTopic(t *testing.T) {
 	}
 	log := consumePaused(t, msgs)
 	enqueue(t, pool, tbl, topicB, 1)
-	waitFor(t, "the first row of B", 5*time.Second, func() bool { return log.count(topicB) == 1 })
+	waitFor(t, "the first row of B", 2*time.Minute, func() bool { return log.count(topicB) == 1 })
 	if res, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "broken consumer", false); err != nil || !res.Paused {
 		t.Fatalf("PauseTopic: %+v, %v", res, err)
 	}
-	waitFor(t, "the relay to see the pause", 5*time.Second, func() bool {
+	waitFor(t, "the relay to see the pause", 2*time.Minute, func() bool {
 		return testutil.ToFloat64(m.PausedTopics.WithLabelValues(tbl.Qualified())) == 1
 	})
 	idsA := enqueue(t, pool, tbl, topicA, 5)
 	enqueue(t, pool, tbl, topicB, 1)
-	waitFor(t, "B's row while A is paused", 5*time.Second, func() bool { return log.count(topicB) == 2 })
+	waitFor(t, "B's row while A is paused", 2*time.Minute, func() bool { return log.count(topicB) == 2 })
 	time.Sleep(3500 * time.Millisecond) // three sweeps
 	if n := log.count(topicA); n != 0 {
 		t.Fatalf("%d rows of paused topic A delivered (by the sweep)", n)
@@ -70,7 +70,7 @@ func TestSweepSkipsPausedTopic(t *testing.T) {
 	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "A's rows after the resume", 10*time.Second, func() bool { return log.count(topicA) == 5 })
+	waitFor(t, "A's rows after the resume", 2*time.Minute, func() bool { return log.count(topicA) == 5 })
 }
 
 // TestSweepCountsOnlyMissedRows: draining an ordinary backlog (no crash, no
@@ -78,7 +78,9 @@ func TestSweepSkipsPausedTopic(t *testing.T) {
 // outbox_sweep_claimed_total: the sweep claims only rows below the bound,
 // which the bounded claim cannot see. Before, the sweep ran the unbounded
 // claim and took (and counted) backlog rows the bounded claim would have
-// taken anyway.
+// taken anyway. LockTTL is 20 s (a sweep every 5 s), so that a row claimed
+// and waiting for the slow consumer on a loaded machine does not see its
+// lease expire (the sweep would rightly take it back, and count it).
 func TestSweepCountsOnlyMissedRows(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -87,7 +89,7 @@ func TestSweepCountsOnlyMissedRows(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 4 * time.Second, Metrics: m})
+	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 20 * time.Second, Metrics: m})
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
@@ -97,16 +99,18 @@ func TestSweepCountsOnlyMissedRows(t *testing.T) {
 	var got atomic.Int64
 	go func() {
 		for msg := range ch {
-			time.Sleep(2 * time.Millisecond) // the drain lasts at least 4 s: four sweeps
+			time.Sleep(6 * time.Millisecond) // the drain lasts at least 12 s: two sweeps or more
 			msg.Ack()
 			got.Add(1)
 		}
 	}()
 	enqueue(t, pool, tbl, "org.sweep.v1", 1)
-	waitFor(t, "the first row", 5*time.Second, func() bool { return got.Load() == 1 })
+	waitFor(t, "the first row", 2*time.Minute, func() bool { return got.Load() == 1 })
 	const n = 2000
 	enqueue(t, pool, tbl, "org.sweep.v1", n)
-	waitFor(t, "the backlog to drain", 2*time.Minute, func() bool { return got.Load() >= n+1 })
+	start := time.Now()
+	waitFor(t, "the backlog to drain", 5*time.Minute, func() bool { return got.Load() >= n+1 })
+	t.Logf("the backlog drained in %s (a sweep every 5 s)", time.Since(start).Round(time.Millisecond))
 	if c := testutil.ToFloat64(m.SweepClaimed.WithLabelValues(tbl.Qualified())); c != 0 {
 		t.Fatalf("outbox_sweep_claimed_total = %v after an ordinary backlog, want 0", c)
 	}
