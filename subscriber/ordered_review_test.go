@@ -150,7 +150,7 @@ func TestOrderedOpenWriterStallsOnlyItsKey(t *testing.T) {
 	rec := newRecorder()
 	cfg := orderedCfg(tbl)
 	cfg.BatchSize = 5
-	cfg.PollInterval = time.Minute
+	cfg.PollInterval = 10 * time.Minute // a delivery within the 2-minute waits is not the poll's
 	var stmts atomic.Int64
 	relayPool := testdb.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = statementCounter{&stmts} })
 	s := orderedSub(t, relayPool, cfg)
@@ -160,7 +160,7 @@ func TestOrderedOpenWriterStallsOnlyItsKey(t *testing.T) {
 	for i := 0; i < 20; i++ {
 		evs = append(evs, enqueueKeyed(t, pool, tbl, keys...)...)
 	}
-	rec.waitAcked(t, evs, 5*time.Second)
+	rec.waitAcked(t, evs, 2*time.Minute)
 	rec.checkOrder(t)
 	// Waiting for the open writer, the relay does not spin: it polls the
 	// cut (no table read) every few milliseconds at most. Statements are
@@ -179,7 +179,7 @@ func TestOrderedOpenWriterStallsOnlyItsKey(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	rec.waitAcked(t, []keyed{{k, openEv}}, 5*time.Second)
+	rec.waitAcked(t, []keyed{{k, openEv}}, 2*time.Minute)
 }
 
 // TestOrderedResolvedHoldBelowFloor (item 2): key K is nacked once then
@@ -209,21 +209,21 @@ func TestOrderedResolvedHoldBelowFloor(t *testing.T) {
 		}
 		return true
 	})
-	rec.waitAcked(t, failOnce, 5*time.Second)
+	rec.waitAcked(t, failOnce, 2*time.Minute)
 	var later []keyed
 	for i := 0; i < 12; i++ {
 		later = append(later, enqueueKeyed(t, pool, tbl, k)...)
 	}
-	rec.waitAcked(t, later, 5*time.Second)
+	rec.waitAcked(t, later, 2*time.Minute)
 	close(release)
-	rec.waitAcked(t, slow, 5*time.Second)
+	rec.waitAcked(t, slow, 2*time.Minute)
 	rec.checkOrder(t)
 	var last int64
 	if err := pool.QueryRow(context.Background(), `SELECT max(sequence) FROM `+tbl.Sanitize()).Scan(&last); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "floor reaches the last row", 5*time.Second, func() bool { return partitionFloor(t, pool, tbl, k) >= last })
-	waitFor(t, "no hold left", 5*time.Second, func() bool { return holdCount(t, pool, tbl, "true") == 0 })
+	waitFor(t, "floor reaches the last row", 2*time.Minute, func() bool { return partitionFloor(t, pool, tbl, k) >= last })
+	waitFor(t, "no hold left", 2*time.Minute, func() bool { return holdCount(t, pool, tbl, "true") == 0 })
 }
 
 // TestOrderedSkipSurvivesHandover (item 3): a row skipped while an earlier
@@ -252,16 +252,16 @@ func TestOrderedSkipSurvivesHandover(t *testing.T) {
 		}
 		return msg.UUID != bad[0].event.String()
 	})
-	waitFor(t, "dead hold", 5*time.Second, func() bool { return holdCount(t, pool, tbl, "dead_at IS NOT NULL") == 1 })
+	waitFor(t, "dead hold", 2*time.Minute, func() bool { return holdCount(t, pool, tbl, "dead_at IS NOT NULL") == 1 })
 	sk, err := runbook.SkipEvent(ctx, pool, tbl, bad[0].event, false)
 	if err != nil || sk.Changed != 1 {
 		t.Fatalf("skip: %+v %v", sk, err)
 	}
-	waitFor(t, "skip applied", 5*time.Second, func() bool {
+	waitFor(t, "skip applied", 2*time.Minute, func() bool {
 		return holdCount(t, pool, tbl, "skip_requested_at IS NOT NULL OR dead_at IS NOT NULL") == 0
 	})
 	after := enqueueKeyed(t, pool, tbl, k)
-	recA.waitAcked(t, after, 5*time.Second)
+	recA.waitAcked(t, after, 2*time.Minute)
 	if f := partitionFloor(t, pool, tbl, k); f >= slowSeq(t, pool, tbl, slow[0]) {
 		t.Fatalf("floor %d passed the row in flight", f)
 	}
@@ -272,7 +272,7 @@ func TestOrderedSkipSurvivesHandover(t *testing.T) {
 	b := orderedSub(t, pool, cfg)
 	consumeAsync(t, b, recB, nil)
 	more := enqueueKeyed(t, pool, tbl, k)
-	recB.waitAcked(t, append(slow, more...), 10*time.Second)
+	recB.waitAcked(t, append(slow, more...), 2*time.Minute)
 	recB.mu.Lock()
 	again := recB.seen[bad[0].event.String()]
 	recB.mu.Unlock()
@@ -322,7 +322,7 @@ func TestOrderedSkipDuringRetryInFlight(t *testing.T) {
 	})
 	select {
 	case <-inSecond:
-	case <-time.After(5 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("no retry")
 	}
 	sk, err := runbook.SkipEvent(ctx, pool, tbl, evs[0].event, false)
@@ -330,12 +330,12 @@ func TestOrderedSkipDuringRetryInFlight(t *testing.T) {
 		t.Fatalf("skip while the retry is in flight: %+v %v", sk, err)
 	}
 	close(proceed) // the retry fails
-	rec.waitAcked(t, evs[1:], 5*time.Second)
+	rec.waitAcked(t, evs[1:], 2*time.Minute)
 	time.Sleep(300 * time.Millisecond)
 	if n := attempts.Load(); n != 2 {
 		t.Fatalf("the skipped row was tried %d times, want 2 (no retry after the skip)", n)
 	}
-	waitFor(t, "no active hold", 5*time.Second, func() bool { return holdCount(t, pool, tbl, "resolved_at IS NULL") == 0 })
+	waitFor(t, "no active hold", 2*time.Minute, func() bool { return holdCount(t, pool, tbl, "resolved_at IS NULL") == 0 })
 }
 
 // TestOrderedNackAfterHandover (item 5): the old owner acked K's first row
@@ -368,8 +368,8 @@ func TestOrderedNackAfterHandover(t *testing.T) {
 		}
 		return true
 	})
-	recA.waitAcked(t, kEvs[:1], 5*time.Second)
-	waitFor(t, "hold at K's second row", 5*time.Second, func() bool { return holdCount(t, pool, tbl, "attempts >= 1") == 1 })
+	recA.waitAcked(t, kEvs[:1], 2*time.Minute)
+	waitFor(t, "hold at K's second row", 2*time.Minute, func() bool { return holdCount(t, pool, tbl, "attempts >= 1") == 1 })
 	subscriber.Abandon(a)
 	_ = a.Close()
 
@@ -382,7 +382,7 @@ func TestOrderedNackAfterHandover(t *testing.T) {
 		}
 		return true
 	})
-	recB.waitAcked(t, append(slow, kEvs[1:]...), 10*time.Second)
+	recB.waitAcked(t, append(slow, kEvs[1:]...), 2*time.Minute)
 	recB.checkOrder(t)
 	recB.mu.Lock()
 	trace := recB.trace[k]
@@ -404,7 +404,7 @@ func TestOrderedNackAfterHandover(t *testing.T) {
 	if err := pool.QueryRow(context.Background(), `SELECT max(sequence) FROM `+tbl.Sanitize()).Scan(&last); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "floor reaches the last row", 5*time.Second, func() bool { return partitionFloor(t, pool, tbl, k) >= last })
+	waitFor(t, "floor reaches the last row", 2*time.Minute, func() bool { return partitionFloor(t, pool, tbl, k) >= last })
 }
 
 // TestOrderedReplayKeyedRow (item 6): a replay of a keyed row that was
@@ -429,12 +429,12 @@ func TestOrderedReplayKeyedRow(t *testing.T) {
 		_, bad := failing.Load(msg.UUID)
 		return !bad
 	})
-	rec.waitAcked(t, evs[2:], 5*time.Second)
-	waitFor(t, "dead hold", 5*time.Second, func() bool { return holdCount(t, pool, tbl, "dead_at IS NOT NULL") == 1 })
+	rec.waitAcked(t, evs[2:], 2*time.Minute)
+	waitFor(t, "dead hold", 2*time.Minute, func() bool { return holdCount(t, pool, tbl, "dead_at IS NOT NULL") == 1 })
 	if _, err := runbook.SkipEvent(ctx, pool, tbl, evs[0].event, false); err != nil {
 		t.Fatal(err)
 	}
-	rec.waitAcked(t, evs[1:2], 5*time.Second)
+	rec.waitAcked(t, evs[1:2], 2*time.Minute)
 	failing.Delete(evs[0].event.String())
 	count := func(e keyed) int32 {
 		v, ok := deliveries.Load(e.event.String())
@@ -446,7 +446,7 @@ func TestOrderedReplayKeyedRow(t *testing.T) {
 	// The skipped row's tombstone goes once the floor passes it; until
 	// then the replay is refused with a reason.
 	var rep runbook.EventReplay
-	waitFor(t, "replay of the skipped row accepted", 15*time.Second, func() bool {
+	waitFor(t, "replay of the skipped row accepted", 2*time.Minute, func() bool {
 		var err error
 		rep, err = runbook.ReplayEvent(ctx, pool, tbl, evs[0].event, runbook.ReplayOptions{})
 		return err == nil
@@ -454,14 +454,14 @@ func TestOrderedReplayKeyedRow(t *testing.T) {
 	if rep.Changed != 1 {
 		t.Fatalf("replay of the skipped row: %+v", rep)
 	}
-	waitFor(t, "skipped row delivered after its replay", 5*time.Second, func() bool { return rec.isAcked(evs[0].event) })
+	waitFor(t, "skipped row delivered after its replay", 2*time.Minute, func() bool { return rec.isAcked(evs[0].event) })
 	before := count(evs[2])
 	rep, err := runbook.ReplayEvent(ctx, pool, tbl, evs[2].event, runbook.ReplayOptions{})
 	if err != nil || rep.Changed != 1 {
 		t.Fatalf("replay of an acked keyed row: %+v %v", rep, err)
 	}
-	waitFor(t, "acked row delivered once more", 5*time.Second, func() bool { return count(evs[2]) == before+1 })
-	waitFor(t, "no hold left", 5*time.Second, func() bool { return holdCount(t, pool, tbl, "true") == 0 })
+	waitFor(t, "acked row delivered once more", 2*time.Minute, func() bool { return count(evs[2]) == before+1 })
+	waitFor(t, "no hold left", 2*time.Minute, func() bool { return holdCount(t, pool, tbl, "true") == 0 })
 
 	// A row above the floor (its transaction still open elsewhere keeps the
 	// floor below it) is refused: it has not been relayed yet.
@@ -479,7 +479,7 @@ func TestOrderedReplayKeyedRow(t *testing.T) {
 	if err == nil {
 		// It may have been relayed already if the floor passed it: q is
 		// another key, and only p waits for the open writer.
-		waitFor(t, "replayed row delivered", 5*time.Second, func() bool { return count(later[0]) >= 1 })
+		waitFor(t, "replayed row delivered", 2*time.Minute, func() bool { return count(later[0]) >= 1 })
 		return
 	}
 	if !errors.Is(err, runbook.ErrNotRelayedYet) {
