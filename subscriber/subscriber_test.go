@@ -209,7 +209,12 @@ func TestConcurrentSubscribersDrainExactlyOnce(t *testing.T) {
 }
 
 // TestLeaseRecovery: a row claimed and abandoned comes back after LockTTL, and
-// the old holder's late ack is rejected by the fence.
+// the old holder's late ack is rejected by the fence. Each relay takes one
+// message at a time (MaxInFlight 1), so the holders of the two leases
+// cannot claim anything more, and the first is closed once its stale ack
+// is rejected: the second lease cannot expire and pass on while the test
+// looks at it, however slow the machine. LockTTL is measured between the
+// two leases' locked_at, in the database's clock.
 func TestLeaseRecovery(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -217,10 +222,18 @@ func TestLeaseRecovery(t *testing.T) {
 	ids := enqueue(t, pool, tbl, "org.lease.taken.v1", 1)
 	reg, m := newMetrics(t)
 	_ = reg
-	cfg := subscriber.Config{Table: tbl, DisableSingleActive: true, LockTTL: 500 * time.Millisecond,
+	const lockTTL = 5 * time.Second
+	cfg := subscriber.Config{Table: tbl, DisableSingleActive: true, LockTTL: lockTTL, BatchSize: 1, MaxInFlight: 1,
 		PollInterval: 50 * time.Millisecond, DisableLeaseExtension: true, CloseTimeout: 100 * time.Millisecond, Metrics: m}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
+	lockedAt := func() time.Time {
+		var at time.Time
+		if err := pool.QueryRow(ctx, `SELECT locked_at FROM `+tbl.Sanitize()+` WHERE event_id = $1`, ids[0]).Scan(&at); err != nil {
+			t.Fatal(err)
+		}
+		return at
+	}
 
 	first := newSub(t, pool, cfg)
 	ch1, err := first.Subscribe(ctx, subscriber.AllTopics)
@@ -231,12 +244,12 @@ func TestLeaseRecovery(t *testing.T) {
 	if old.UUID != ids[0] || old.Metadata.Get(schema.MetadataAttempts) != "1" {
 		t.Fatalf("first delivery %s attempts %s", old.UUID, old.Metadata.Get(schema.MetadataAttempts))
 	}
+	firstLease := lockedAt()
 	second := newSub(t, pool, cfg)
 	ch2, err := second.Subscribe(ctx, subscriber.AllTopics)
 	if err != nil {
 		t.Fatal(err)
 	}
-	start := time.Now()
 	var again *message.Message
 	select {
 	case again = <-ch2:
@@ -244,8 +257,8 @@ func TestLeaseRecovery(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("abandoned row was not claimed again")
 	}
-	if time.Since(start) < 300*time.Millisecond {
-		t.Fatalf("row re-claimed after %s, before its lease expired", time.Since(start))
+	if d := lockedAt().Sub(firstLease); d < lockTTL {
+		t.Fatalf("row re-claimed %s after its first lease, before the lease (%s) expired", d, lockTTL)
 	}
 	if again.UUID != ids[0] || again.Metadata.Get(schema.MetadataAttempts) != "2" {
 		t.Fatalf("second delivery %s attempts %s", again.UUID, again.Metadata.Get(schema.MetadataAttempts))
@@ -255,14 +268,17 @@ func TestLeaseRecovery(t *testing.T) {
 	}
 	// The old holder wakes up and acks: the fence rejects it.
 	old.Ack()
-	waitFor(t, "the stale ack to be rejected", 5*time.Second, func() bool {
+	waitFor(t, "the stale ack to be rejected", 2*time.Minute, func() bool {
 		return testutil.ToFloat64(m.FenceRejected.WithLabelValues(tbl.Qualified(), "ack")) == 1
 	})
+	if err := first.Close(); err != nil {
+		t.Fatal(err)
+	}
 	if st := state(t, pool, tbl, ids[0]); st.published || !st.locked || st.attempts != 2 {
 		t.Fatalf("stale ack changed the row: %+v", st)
 	}
 	again.Ack()
-	waitFor(t, "the current holder's ack", 5*time.Second, func() bool {
+	waitFor(t, "the current holder's ack", 2*time.Minute, func() bool {
 		st := state(t, pool, tbl, ids[0])
 		return st.published && !st.locked
 	})
