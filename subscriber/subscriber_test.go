@@ -576,17 +576,20 @@ func TestWakeUpWithoutPolling(t *testing.T) {
 }
 
 // TestLeaseExtendedForSlowHandler: a handler slower than LockTTL keeps its
-// lease; the message is not delivered twice.
+// lease; the message is not delivered twice. LockTTL is 3 s, renewed every
+// 1.5 s: a renewal on a loaded machine may come 1.5 s late before the
+// other subscriber could take the row.
 func TestLeaseExtendedForSlowHandler(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "slow_outbox")
 	ids := enqueue(t, pool, tbl, "org.slow.v1", 1)
 	_, m := newMetrics(t)
-	cfg := subscriber.Config{Table: tbl, DisableSingleActive: true, LockTTL: 300 * time.Millisecond, PollInterval: 20 * time.Millisecond, Metrics: m}
+	const lockTTL = 3 * time.Second
+	cfg := subscriber.Config{Table: tbl, DisableSingleActive: true, LockTTL: lockTTL, PollInterval: 20 * time.Millisecond, Metrics: m}
 	a := newSub(t, pool, cfg)
 	b := newSub(t, pool, cfg)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cha, _ := a.Subscribe(ctx, subscriber.AllTopics)
 	chb, _ := b.Subscribe(ctx, subscriber.AllTopics)
@@ -595,16 +598,16 @@ func TestLeaseExtendedForSlowHandler(t *testing.T) {
 	case msg = <-cha:
 	case msg = <-chb:
 	}
-	// Hold it for four lease lengths while the other subscriber polls.
+	// Hold it for three lease lengths while the other subscriber polls.
 	select {
 	case dup := <-cha:
 		t.Fatalf("delivered twice: %s", dup.UUID)
 	case dup := <-chb:
 		t.Fatalf("delivered twice: %s", dup.UUID)
-	case <-time.After(1200 * time.Millisecond):
+	case <-time.After(3 * lockTTL):
 	}
 	msg.Ack()
-	waitFor(t, "ack", 5*time.Second, func() bool { return state(t, pool, tbl, ids[0]).published })
+	waitFor(t, "ack", 2*time.Minute, func() bool { return state(t, pool, tbl, ids[0]).published })
 	if st := state(t, pool, tbl, ids[0]); st.attempts != 1 {
 		t.Fatalf("attempts %d, want 1", st.attempts)
 	}
