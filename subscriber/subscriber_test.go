@@ -202,7 +202,7 @@ func TestConcurrentSubscribersDrainExactlyOnce(t *testing.T) {
 		t.Fatalf("%d distinct events, want %d", len(seen), total)
 	}
 	var published int
-	waitFor(t, "all rows published", 10*time.Second, func() bool {
+	waitFor(t, "all rows published", 2*time.Minute, func() bool {
 		_ = pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE published_at IS NOT NULL AND locked_at IS NULL`).Scan(&published)
 		return published == total
 	})
@@ -313,7 +313,7 @@ func TestRetryBackoffThenDead(t *testing.T) {
 			mu.Unlock()
 			return time.Duration(n) * 200 * time.Millisecond
 		}})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
 	if err != nil {
@@ -331,7 +331,7 @@ func TestRetryBackoffThenDead(t *testing.T) {
 		nacked := time.Now()
 		msg.Nack()
 		if attempt < 3 {
-			waitFor(t, "the nack", 5*time.Second, func() bool { return !state(t, pool, tbl, ids[0]).locked })
+			waitFor(t, "the nack", 2*time.Minute, func() bool { return !state(t, pool, tbl, ids[0]).locked })
 			st := state(t, pool, tbl, ids[0])
 			// The nack set available_at = (its time) + backoff, its time
 			// after nacked: due plus the time since nacked is at least the
@@ -344,7 +344,7 @@ func TestRetryBackoffThenDead(t *testing.T) {
 	if d := deliveredAt[2].Sub(deliveredAt[1]); d < 350*time.Millisecond {
 		t.Fatalf("third attempt %s after the second; backoff not applied", d)
 	}
-	waitFor(t, "dead", 5*time.Second, func() bool {
+	waitFor(t, "dead", 2*time.Minute, func() bool {
 		st := state(t, pool, tbl, ids[0])
 		return !st.locked && st.attempts == 3
 	})
@@ -425,12 +425,12 @@ func TestPoisonMessagesDoNotBlock(t *testing.T) {
 	go func() { _ = r.Run(ctx) }()
 	<-r.Running()
 	defer func() { _ = r.Close() }()
-	waitFor(t, "healthy messages", 30*time.Second, func() bool {
+	waitFor(t, "healthy messages", 2*time.Minute, func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(done) == len(healthy)
 	})
-	waitFor(t, "bad messages dead", 30*time.Second, func() bool {
+	waitFor(t, "bad messages dead", 2*time.Minute, func() bool {
 		var dead int
 		_ = pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE published_at IS NULL AND dead_at IS NOT NULL AND locked_at IS NULL`).Scan(&dead)
 		return dead == 3
@@ -459,7 +459,7 @@ func TestSingleActive(t *testing.T) {
 	cfg := subscriber.Config{Table: tbl, PollInterval: 20 * time.Millisecond, ElectionInterval: 50 * time.Millisecond, Metrics: m}
 	a := newSub(t, testdb.NewPool(t, nil), cfg)
 	b := newSub(t, testdb.NewPool(t, nil), cfg)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	var counts [2]atomic.Int64
 	for i, s := range []*subscriber.Subscriber{a, b} {
@@ -474,7 +474,7 @@ func TestSingleActive(t *testing.T) {
 			}
 		}()
 	}
-	waitFor(t, "a leader", 5*time.Second, func() bool { return a.IsLeader() || b.IsLeader() })
+	waitFor(t, "a leader", 2*time.Minute, func() bool { return a.IsLeader() || b.IsLeader() })
 	time.Sleep(200 * time.Millisecond)
 	if a.IsLeader() == b.IsLeader() {
 		t.Fatalf("leaders: a=%v b=%v", a.IsLeader(), b.IsLeader())
@@ -484,7 +484,7 @@ func TestSingleActive(t *testing.T) {
 		leader, standby = 1, 0
 	}
 	enqueue(t, pool, tbl, "org.single.v1", 300)
-	waitFor(t, "300 deliveries", 20*time.Second, func() bool { return counts[0].Load()+counts[1].Load() == 300 })
+	waitFor(t, "300 deliveries", 2*time.Minute, func() bool { return counts[0].Load()+counts[1].Load() == 300 })
 	if counts[standby].Load() != 0 {
 		t.Fatalf("standby dispatched %d messages", counts[standby].Load())
 	}
@@ -551,13 +551,13 @@ func TestWakeUpWithoutPolling(t *testing.T) {
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "wake_outbox")
 	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: time.Hour})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	ch, err := s.Subscribe(ctx, "org.wake.v1")
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "leadership", 5*time.Second, s.IsLeader)
+	waitFor(t, "leadership", 2*time.Minute, s.IsLeader)
 	time.Sleep(200 * time.Millisecond) // let the first (empty) claim pass
 	for i := range 3 {
 		start := time.Now()
@@ -633,7 +633,7 @@ func TestCloseWhileBlockedGivesLeasesBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	first := <-ch // delivered, never answered
-	waitFor(t, "the claim", 5*time.Second, func() bool {
+	waitFor(t, "the claim", 2*time.Minute, func() bool {
 		var locked int
 		_ = pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE locked_at IS NOT NULL`).Scan(&locked)
 		return locked == 50
@@ -645,7 +645,7 @@ func TestCloseWhileBlockedGivesLeasesBack(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-	case <-time.After(10 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("Close blocked")
 	}
 	if err := s.Close(); err != nil {
@@ -675,17 +675,17 @@ func TestMetricsAfterKnownRun(t *testing.T) {
 	enqueue(t, pool, tbl, "org.metrics.ok.v1", 10)
 	_, m := newMetrics(t)
 	s := newSub(t, pool, subscriber.Config{Table: tbl, Metrics: m, StatsInterval: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	ch, _ := s.Subscribe(ctx, "org.metrics.ok.v1")
 	for range 10 {
 		(<-ch).Ack()
 	}
 	label := tbl.Qualified()
-	waitFor(t, "success count", 5*time.Second, func() bool {
+	waitFor(t, "success count", 2*time.Minute, func() bool {
 		return testutil.ToFloat64(m.DispatchTotal.WithLabelValues(label, "org.metrics.ok.v1", metrics.ResultSuccess)) == 10
 	})
-	waitFor(t, "gauges", 5*time.Second, func() bool {
+	waitFor(t, "gauges", 2*time.Minute, func() bool {
 		return testutil.ToFloat64(m.Pending.WithLabelValues(label)) == 0 && testutil.ToFloat64(m.Locked.WithLabelValues(label)) == 0
 	})
 	if n := testutil.CollectAndCount(m.DeliveryLag); n != 1 {
@@ -695,7 +695,7 @@ func TestMetricsAfterKnownRun(t *testing.T) {
 		t.Fatalf("dispatch latency series %d", n)
 	}
 	enqueue(t, pool, tbl, "org.metrics.later.v1", 3)
-	waitFor(t, "pending gauge", 5*time.Second, func() bool { return testutil.ToFloat64(m.Pending.WithLabelValues(label)) == 3 })
+	waitFor(t, "pending gauge", 2*time.Minute, func() bool { return testutil.ToFloat64(m.Pending.WithLabelValues(label)) == 3 })
 	if testutil.ToFloat64(m.RelayLeader.WithLabelValues(label)) != 1 {
 		t.Fatal("leader gauge")
 	}
