@@ -123,9 +123,13 @@ func (r *recorder) checkOrder(t *testing.T) {
 	}
 }
 
-// waitAcked waits until every event is acked.
+// waitAcked waits until every event is acked, for within but at least 2
+// minutes: the deadline only bounds how slow a loaded machine may be (the
+// ordered tests' polls, leases and backoffs are a second or less, or, where
+// a test tells a wake-up from a poll, 10 minutes).
 func (r *recorder) waitAcked(t *testing.T, events []keyed, within time.Duration, onFail ...func()) {
 	t.Helper()
+	within = max(within, 2*time.Minute)
 	deadline := time.After(within)
 	for {
 		missing := 0
