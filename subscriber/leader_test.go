@@ -52,7 +52,7 @@ func TestLeaderSessionKeepalive(t *testing.T) {
 	if _, err := s.Subscribe(ctx, subscriber.AllTopics); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "leadership", 5*time.Second, s.IsLeader)
+	waitFor(t, "leadership", 2*time.Minute, s.IsLeader)
 	want := map[string]string{"tcp_keepalives_idle": "5", "tcp_keepalives_interval": "2", "tcp_keepalives_count": "5", "tcp_user_timeout": "15000"}
 	for name, w := range want {
 		got, ok, err := subscriber.LeaderSetting(ctx, s, name)

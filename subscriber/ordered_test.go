@@ -540,7 +540,7 @@ func TestOrderedDeadKeyReplayAndSkip(t *testing.T) {
 	flow := enqueueKeyed(t, pool, tbl, "free", "free", "free")
 	rec.waitAcked(t, flow, 10*time.Second)
 	// Wait for both holds to be dead.
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		var n int
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.HoldsTable()+` WHERE dead_at IS NOT NULL`).Scan(&n); err != nil {
@@ -564,7 +564,7 @@ func TestOrderedDeadKeyReplayAndSkip(t *testing.T) {
 	// Stats read the persisted floors: wait for them to pass the free key.
 	var pending, leased, dead int64
 	var oldest float64
-	for deadline := time.Now().Add(5 * time.Second); ; {
+	for deadline := time.Now().Add(2 * time.Minute); ; {
 		if err := pool.QueryRow(ctx, oq.Stats).Scan(&pending, &leased, &dead, &oldest); err != nil {
 			t.Fatal(err)
 		}
@@ -611,7 +611,7 @@ func TestOrderedDeadKeyReplayAndSkip(t *testing.T) {
 	// floors are written once per tick, later on a loaded machine (make
 	// test runs every package at once).
 	var holds int
-	for deadline := time.Now().Add(20 * time.Second); ; {
+	for deadline := time.Now().Add(2 * time.Minute); ; {
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.HoldsTable()).Scan(&holds); err != nil {
 			t.Fatal(err)
 		}
@@ -622,7 +622,7 @@ func TestOrderedDeadKeyReplayAndSkip(t *testing.T) {
 	}
 	if holds != 0 {
 		dumpOrdered(t, pool, tbl)
-		t.Fatalf("%d holds left after 20 s, want none", holds)
+		t.Fatalf("%d holds left after 2 minutes, want none", holds)
 	}
 }
 
@@ -666,7 +666,7 @@ func TestOrderedCleaner(t *testing.T) {
 	if err := pool.QueryRow(ctx, `SELECT max(sequence) FROM `+tbl.Sanitize()).Scan(&last); err != nil {
 		t.Fatal(err)
 	}
-	for deadline := time.Now().Add(5 * time.Second); partitionFloor(t, pool, tbl, "c1") < last || partitionFloor(t, pool, tbl, "c2") < last; {
+	for deadline := time.Now().Add(2 * time.Minute); partitionFloor(t, pool, tbl, "c1") < last || partitionFloor(t, pool, tbl, "c2") < last; {
 		if time.Now().After(deadline) {
 			t.Fatal("floors did not pass the rows")
 		}
