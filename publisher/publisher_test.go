@@ -555,7 +555,7 @@ func TestNotifyAtCommitOnly(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "org_outbox")
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	conn, err := pgx.Connect(ctx, testdb.URL())
 	if err != nil {
@@ -601,7 +601,7 @@ func TestNotifyOnlyWhileRelayIdle(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "org_outbox")
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	relay, err := pgx.Connect(ctx, testdb.URL())
 	if err != nil {
@@ -905,12 +905,13 @@ func TestReenqueueDoesNotBlockRelayAck(t *testing.T) {
 // TestReenqueueRacingCommit: a re-enqueue that waits on a concurrent,
 // uncommitted insert of the same event_id returns that row's sequence once it
 // commits (or a conflict when its payload differs), for Enqueue and
-// EnqueueBatch.
+// EnqueueBatch. The first transaction commits once the re-enqueue waits on
+// it (pg_blocking_pids), not after a guess of 200 ms.
 func TestReenqueueRacingCommit(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "org_outbox")
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	for _, batch := range []bool{false, true} {
 		for _, otherPayload := range []bool{false, true} {
@@ -921,6 +922,10 @@ func TestReenqueueRacingCommit(t *testing.T) {
 			}
 			want, err := publisher.Enqueue(ctx, first, tbl, m)
 			if err != nil {
+				t.Fatal(err)
+			}
+			var firstPID int32
+			if err := first.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&firstPID); err != nil {
 				t.Fatal(err)
 			}
 			again := m
@@ -948,7 +953,19 @@ func TestReenqueueRacingCommit(t *testing.T) {
 				})
 				done <- r
 			}()
-			time.Sleep(200 * time.Millisecond) // the second insert waits on the first
+			// The second insert waits on the first.
+			for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(10 * time.Millisecond) {
+				var waiting bool
+				if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid)))`, firstPID).Scan(&waiting); err != nil {
+					t.Fatal(err)
+				}
+				if waiting {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the re-enqueue did not wait on the uncommitted insert within 2 minutes")
+				}
+			}
 			if err := first.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
