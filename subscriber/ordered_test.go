@@ -425,9 +425,9 @@ func TestOrderedBadInput(t *testing.T) {
 // "At once" is read from the table, not the clock: when Close returns, the
 // closed relay holds no lease and has left the membership, so nothing
 // keeps its partitions from the other relay. The killed relay's partitions
-// pass after its heartbeat is LockTTL old, and LockTTL is 15 s so that a
-// loaded machine's late ticks (10 s allowed) stay apart from a takeover
-// that waits a second LockTTL.
+// pass after its heartbeat is LockTTL old, and LockTTL is 8 s so that a
+// loaded machine's late ticks (6 s allowed) stay apart from a takeover that
+// waits a second LockTTL.
 func TestOrderedHandover(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -467,8 +467,8 @@ func TestOrderedHandover(t *testing.T) {
 	}
 	rec := newRecorder()
 	cfg := orderedCfg(tbl)
-	cfg.LockTTL = 15 * time.Second
-	const lateTicks = 10 * time.Second // a loaded machine's
+	cfg.LockTTL = 8 * time.Second
+	const lateTicks = 6 * time.Second // a loaded machine's
 	a := orderedSub(t, pool, cfg)
 	consume(t, a, rec, nil)
 	waitOwners(1, 2*time.Minute)

@@ -78,7 +78,7 @@ func TestSweepSkipsPausedTopic(t *testing.T) {
 // outbox_sweep_claimed_total: the sweep claims only rows below the bound,
 // which the bounded claim cannot see. Before, the sweep ran the unbounded
 // claim and took (and counted) backlog rows the bounded claim would have
-// taken anyway. LockTTL is 20 s (a sweep every 5 s), so that a row claimed
+// taken anyway. LockTTL is 12 s (a sweep every 3 s), so that a row claimed
 // and waiting for the slow consumer on a loaded machine does not see its
 // lease expire (the sweep would rightly take it back, and count it).
 func TestSweepCountsOnlyMissedRows(t *testing.T) {
@@ -89,7 +89,7 @@ func TestSweepCountsOnlyMissedRows(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 20 * time.Second, Metrics: m})
+	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 12 * time.Second, Metrics: m})
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
@@ -99,7 +99,7 @@ func TestSweepCountsOnlyMissedRows(t *testing.T) {
 	var got atomic.Int64
 	go func() {
 		for msg := range ch {
-			time.Sleep(6 * time.Millisecond) // the drain lasts at least 12 s: two sweeps or more
+			time.Sleep(4 * time.Millisecond) // the drain lasts at least 8 s: two sweeps or more
 			msg.Ack()
 			got.Add(1)
 		}
@@ -110,7 +110,7 @@ func TestSweepCountsOnlyMissedRows(t *testing.T) {
 	enqueue(t, pool, tbl, "org.sweep.v1", n)
 	start := time.Now()
 	waitFor(t, "the backlog to drain", 5*time.Minute, func() bool { return got.Load() >= n+1 })
-	t.Logf("the backlog drained in %s (a sweep every 5 s)", time.Since(start).Round(time.Millisecond))
+	t.Logf("the backlog drained in %s (a sweep every 3 s)", time.Since(start).Round(time.Millisecond))
 	if c := testutil.ToFloat64(m.SweepClaimed.WithLabelValues(tbl.Qualified())); c != 0 {
 		t.Fatalf("outbox_sweep_claimed_total = %v after an ordinary backlog, want 0", c)
 	}

@@ -222,7 +222,7 @@ func TestLeaseRecovery(t *testing.T) {
 	ids := enqueue(t, pool, tbl, "org.lease.taken.v1", 1)
 	reg, m := newMetrics(t)
 	_ = reg
-	const lockTTL = 5 * time.Second
+	const lockTTL = 3 * time.Second
 	cfg := subscriber.Config{Table: tbl, DisableSingleActive: true, LockTTL: lockTTL, BatchSize: 1, MaxInFlight: 1,
 		PollInterval: 50 * time.Millisecond, DisableLeaseExtension: true, CloseTimeout: 100 * time.Millisecond, Metrics: m}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -576,8 +576,8 @@ func TestWakeUpWithoutPolling(t *testing.T) {
 }
 
 // TestLeaseExtendedForSlowHandler: a handler slower than LockTTL keeps its
-// lease; the message is not delivered twice. LockTTL is 3 s, renewed every
-// 1.5 s: a renewal on a loaded machine may come 1.5 s late before the
+// lease; the message is not delivered twice. LockTTL is 2 s, renewed every
+// second: a renewal on a loaded machine may come a second late before the
 // other subscriber could take the row.
 func TestLeaseExtendedForSlowHandler(t *testing.T) {
 	t.Parallel()
@@ -585,7 +585,7 @@ func TestLeaseExtendedForSlowHandler(t *testing.T) {
 	tbl := testdb.Table(t, "slow_outbox")
 	ids := enqueue(t, pool, tbl, "org.slow.v1", 1)
 	_, m := newMetrics(t)
-	const lockTTL = 3 * time.Second
+	const lockTTL = 2 * time.Second
 	cfg := subscriber.Config{Table: tbl, DisableSingleActive: true, LockTTL: lockTTL, PollInterval: 20 * time.Millisecond, Metrics: m}
 	a := newSub(t, pool, cfg)
 	b := newSub(t, pool, cfg)

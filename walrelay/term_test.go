@@ -625,12 +625,12 @@ func TestWALMaxInFlightBoundsATransaction(t *testing.T) {
 // does not stop the relay reading the stream: another key's row is
 // delivered before the backoff ends (it waited for the backoff). "Before"
 // is read from the order of the deliveries, not from the clock: the cold
-// row is acked before the hot head comes back; the backoff is 20 s so that
+// row is acked before the hot head comes back; the backoff is 10 s so that
 // a loaded machine has time to read and deliver one row.
 func TestWALRetryingKeyDoesNotStopOthers(t *testing.T) {
 	t.Parallel()
 	pool, tbl := cluster(t)
-	const backoff = 20 * time.Second
+	const backoff = 10 * time.Second
 	var mu sync.Mutex
 	failed, retried := false, false
 	var coldID string
