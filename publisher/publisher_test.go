@@ -555,7 +555,7 @@ func TestNotifyAtCommitOnly(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "org_outbox")
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	conn, err := pgx.Connect(ctx, testdb.URL())
 	if err != nil {
@@ -601,7 +601,7 @@ func TestNotifyOnlyWhileRelayIdle(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "org_outbox")
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	relay, err := pgx.Connect(ctx, testdb.URL())
 	if err != nil {
@@ -826,12 +826,15 @@ func TestReenqueueWithAnotherPayload(t *testing.T) {
 
 // TestReenqueueDoesNotBlockRelayAck: a producer transaction that re-enqueues
 // an event the relay holds leased, and stays open, must not hold the row: the
-// relay's ack completes at once, not when the producer ends.
+// relay's ack completes while the producer is open, not when it ends. The
+// verdict does not depend on the machine's speed: the test fails as soon as
+// any session waits on the producer's locks (pg_blocking_pids), and the ack
+// has 2 minutes to complete while the producer stays open.
 func TestReenqueueDoesNotBlockRelayAck(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "org_outbox")
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	m := newMsg("org.organization.created.v1")
 	inTx(t, pool, func(tx pgx.Tx) {
@@ -866,6 +869,10 @@ func TestReenqueueDoesNotBlockRelayAck(t *testing.T) {
 	if _, err := publisher.EnqueueBatch(ctx, tx, tbl, []publisher.Message{m}); err != nil {
 		t.Fatal(err)
 	}
+	var producer int32
+	if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&producer); err != nil {
+		t.Fatal(err)
+	}
 	start := time.Now()
 	got.Ack()
 	for {
@@ -876,22 +883,35 @@ func TestReenqueueDoesNotBlockRelayAck(t *testing.T) {
 		if published {
 			break
 		}
-		if time.Since(start) > 2*time.Second {
-			t.Fatal("the relay's ack waited on the producer's open transaction for 2s")
+		var blocked []string
+		if err := pool.QueryRow(ctx, `SELECT COALESCE(array_agg(left(query, 200)), '{}') FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, producer).Scan(&blocked); err != nil {
+			t.Fatal(err)
+		}
+		if len(blocked) > 0 {
+			t.Fatalf("the relay's ack waits on the producer's open transaction: %q", blocked)
+		}
+		if time.Since(start) > 2*time.Minute {
+			t.Fatal("the relay's ack did not complete within 2 minutes while the producer's transaction was open")
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+	// The producer was open all along: the ack did not wait for its end.
+	if _, err := tx.Exec(ctx, `SELECT 1`); err != nil {
+		t.Fatalf("the producer's transaction ended before the ack completed: %v", err)
+	}
+	t.Logf("the ack completed %s after Ack, the producer's transaction open", time.Since(start).Round(time.Millisecond))
 }
 
 // TestReenqueueRacingCommit: a re-enqueue that waits on a concurrent,
 // uncommitted insert of the same event_id returns that row's sequence once it
 // commits (or a conflict when its payload differs), for Enqueue and
-// EnqueueBatch.
+// EnqueueBatch. The first transaction commits once the re-enqueue waits on
+// it (pg_blocking_pids), not after a guess of 200 ms.
 func TestReenqueueRacingCommit(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "org_outbox")
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	for _, batch := range []bool{false, true} {
 		for _, otherPayload := range []bool{false, true} {
@@ -902,6 +922,10 @@ func TestReenqueueRacingCommit(t *testing.T) {
 			}
 			want, err := publisher.Enqueue(ctx, first, tbl, m)
 			if err != nil {
+				t.Fatal(err)
+			}
+			var firstPID int32
+			if err := first.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&firstPID); err != nil {
 				t.Fatal(err)
 			}
 			again := m
@@ -929,7 +953,19 @@ func TestReenqueueRacingCommit(t *testing.T) {
 				})
 				done <- r
 			}()
-			time.Sleep(200 * time.Millisecond) // the second insert waits on the first
+			// The second insert waits on the first.
+			for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(10 * time.Millisecond) {
+				var waiting bool
+				if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid)))`, firstPID).Scan(&waiting); err != nil {
+					t.Fatal(err)
+				}
+				if waiting {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the re-enqueue did not wait on the uncommitted insert within 2 minutes")
+				}
+			}
 			if err := first.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}

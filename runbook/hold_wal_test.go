@@ -124,7 +124,7 @@ func TestHoldLifecycleWAL(t *testing.T) {
 		select {
 		case id := <-inHandler:
 			got[id] = true
-		case <-time.After(15 * time.Second):
+		case <-time.After(2 * time.Minute):
 			t.Fatalf("in the handlers: %v; want the replay of p and g's parked row", got)
 		}
 	}

@@ -94,7 +94,7 @@ func TestWALBulkReplayWhileDraining(t *testing.T) {
 	}
 	select {
 	case <-inHandler:
-	case <-time.After(20 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("x4 not in its handler: the hold did not drain")
 	}
 	waitUntil(t, 20*time.Second, "k's hold draining", heldAt(x3, runbook.HoldDraining))
@@ -259,7 +259,7 @@ func TestWALBulkReplayWaitsForAConcurrentSkip(t *testing.T) {
 	var r result
 	select {
 	case r = <-done:
-	case <-time.After(20 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("the bulk replay did not return")
 	}
 	if r.err != nil || r.rows != 0 {

@@ -42,5 +42,5 @@ func TestAckRetryHasItsOwnTimeout(t *testing.T) {
 	if err := tx.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the ack written by a retry", 3*time.Second, func() bool { return state(t, pool, tbl, ids[0]).published })
+	waitFor(t, "the ack written by a retry", 2*time.Minute, func() bool { return state(t, pool, tbl, ids[0]).published })
 }

@@ -26,11 +26,11 @@ import (
 // lower bound, (available_at, sequence) >= bound, so that the scan starts
 // near the head. Its invariants:
 //
-//   - (B1) every row a bounded claim skips because it is below the bound
+//   - The sweep finds what the bound skips: every row a bounded claim skips because it is below the bound
 //     is found by the sweep (the claim of the rows below the bound, every
 //     sweepEvery) or by a later claim: the bound moves only to a cut or to
 //     a claimed row below it, never above the cut;
-//   - (B2) a cut is read in the round trip of one claim in every
+//   - The cut: a cut is read in the round trip of one claim in every
 //     boundedCutEvery, before that claim's snapshot: LEAST(
 //     statement_timestamp() - margin, the xact_start of every other
 //     transaction holding RowExclusiveLock on the table). A writer holds
@@ -40,22 +40,22 @@ import (
 //     cut (its writer held the lock at the cut: the bound is at most its
 //     start; or it took the lock after the cut). The claims between cuts
 //     use the last cut read before they were sent;
-//   - (B3) a cut that cannot see a lock holder's start (a prepared
+//   - A hidden lock holder stops the bound: a cut that cannot see a lock holder's start (a prepared
 //     transaction, or another role's session while the relay's role is not
 //     a member of pg_read_all_stats) is NULL: the bound does not move until
 //     a cut that can;
-//   - (B4) a claim that returned fewer rows than it asked for left no due
-//     row at or above the bound unclaimed (SKIP LOCKED aside, B1), so the
+//   - How the bound moves: a claim that returned fewer rows than it asked for left no due
+//     row at or above the bound unclaimed (SKIP LOCKED aside, the sweep finds what the bound skips), so the
 //     next bound is the cut; a full claim took, in index order, every due
 //     row it could see up to its last one, so the next bound is the lower
 //     of that row's (available_at, sequence) and the cut;
-//   - (B5) retries, replays and a new leader's take-back set available_at
+//   - Retries land above the bound: retries, replays and a new leader's take-back set available_at
 //     to now() or later: above any bound cut before their statement began,
 //     and above a cut read while it ran unless the statement took the
-//     table's lock more than the margin after it began (then B1);
-//   - (B6) every cut also reads available_at's default: when it is not
+//     table's lock more than the margin after it began (then the sweep finds what the bound skips);
+//   - The column default decides the bound: every cut also reads available_at's default: when it is not
 //     clock_timestamp() (the down migration of 000009) the relay drops the
-//     bound and claims without one (B2 does not hold for rows formed at
+//     bound and claims without one (the cut does not hold for rows formed at
 //     their transaction's start); when it is again, the next claim's cut
 //     sets a bound.
 //
@@ -81,7 +81,7 @@ type boundedClaims struct {
 	mu sync.Mutex
 	// on: available_at defaults to clock_timestamp(), read at New and by
 	// every cut since, so that a running relay follows migration 000009
-	// up and down (B6).
+	// up and down (the column default decides the bound).
 	on      bool
 	set     bool // no bound before the first claim with a cut
 	at      time.Time
@@ -96,10 +96,10 @@ const (
 	// stays: room for a statement that writes available_at = now() (a
 	// release, a take-back) and began just before the cut but took the
 	// table's lock just after it, and for small steps of the clock. A row
-	// the margin does not cover is found by the sweep (B1).
+	// the margin does not cover is found by the sweep (the sweep finds what the bound skips).
 	boundedMargin = 50 * time.Millisecond
 	// boundedCutEvery is how often a claim carries a cut. Claims between
-	// cuts use the last cut read (B2 holds for any claim sent after it);
+	// cuts use the last cut read (the cut holds for any claim sent after it);
 	// the bound then trails the head by at most boundedCutEvery plus
 	// boundedMargin of rows, which is all a claim walks under a pinned
 	// horizon, and most claims of a busy relay save the cut's reading of
@@ -141,12 +141,12 @@ func newBoundedClaims(ctx context.Context, s *Subscriber) (*boundedClaims, error
 			"; apply migration 000009 (schema.Migrate or `outbox migrate`) so that a pinned xmin horizon does not slow the claim", nil)
 	}
 	// The claim returns each row's available_at before the claim (due.due_at), from
-	// which a full claim moves the bound (B4).
+	// which a full claim moves the bound (how the bound moves).
 	claim := strings.Replace(q, dueHead, "WITH due AS (\n  SELECT id, available_at AS due_at FROM ", 1)
 	claim = strings.Replace(claim, parked, ", o.dead_at IS NOT NULL AS parked, due.due_at\n)", 1)
 	claim = strings.Replace(claim, last, ", parked, due_at FROM claimed", 1)
 	return &boundedClaims{
-		// B2, B3: NULL when a lock holder's start cannot be read.
+		// the cut, a hidden lock holder stops the bound: NULL when a lock holder's start cannot be read.
 		// A lock holder (l.locktype set) whose start is hidden makes it NULL:
 		// a prepared transaction (no pid), or another role's session seen
 		// without pg_read_all_stats (its row shows neither state nor
@@ -156,7 +156,7 @@ func newBoundedClaims(ctx context.Context, s *Subscriber) (*boundedClaims, error
 		// No holder at all leaves min(xact_start) NULL, which LEAST skips.
 		// (Treating every NULL xact_start as hidden made a draining relay's
 		// cuts NULL whenever an ack ended in between, and its bound stay.)
-		// B6: the second column tells whether available_at still has the
+		// the column default decides the bound: the second column tells whether available_at still has the
 		// default the cut relies on.
 		cutSQL: `SELECT CASE WHEN bool_or(l.locktype IS NOT NULL AND (l.pid IS NULL OR (a.pid IS NOT NULL AND a.xact_start IS NULL AND a.state IS NULL))) THEN NULL
   ELSE LEAST(statement_timestamp() - make_interval(secs => $2::float8), min(a.xact_start)) END,
@@ -204,8 +204,8 @@ func (b *boundedClaims) claim(ctx context.Context, s *Subscriber, n int) ([]*cla
 	// claim in boundedCutEvery carries a cut; the others use the last cut
 	// read, which was read before their snapshot too.
 	var (
-		cut     *time.Time // NULL: a lock holder's start is hidden (B3)
-		on      bool       // the table has the default the bound needs (B6)
+		cut     *time.Time // NULL: a lock holder's start is hidden (a hidden lock holder stops the bound)
+		on      bool       // the table has the default the bound needs (the column default decides the bound)
 		withCut bool       // this claim carries a cut
 	)
 	pre := &claimPrelude{sql: `SELECT ` + claimPlanSettings, scan: func(r pgx.Row) error { return r.Scan(nil, nil, nil, nil) }}
@@ -224,7 +224,7 @@ func (b *boundedClaims) claim(ctx context.Context, s *Subscriber, n int) ([]*cla
 	}
 	// The last cut known when this claim is sent was read before its
 	// snapshot: a row this claim cannot see has available_at at or above
-	// it (B2).
+	// it (the cut).
 	known, haveKnown := b.cut, b.haveCut && b.on
 	b.mu.Unlock()
 	out, parked, err := s.claimQuery(ctx, query, args, claimOpts{dueAt: true}, pre)
@@ -249,18 +249,18 @@ func (b *boundedClaims) claim(ctx context.Context, s *Subscriber, n int) ([]*cla
 		known, haveKnown = b.cut, b.haveCut && on
 	}
 	if !b.on {
-		b.set = false // B6: the cut's rule does not hold for rows formed at their transaction's start
+		b.set = false // the column default decides the bound: the cut's rule does not hold for rows formed at their transaction's start
 		return out, nil
 	}
 	if !haveKnown {
-		return out, nil // B3 (or no cut read yet): the bound stays where it is
+		return out, nil // a hidden lock holder stops the bound (or no cut read yet): the bound stays where it is
 	}
 	if len(out)+parked < n {
-		// B4: no due row at or above the bound was left unclaimed.
+		// how the bound moves: no due row at or above the bound was left unclaimed.
 		b.at, b.seq, b.set = known, 0, true
 		return out, nil
 	}
-	// B4: a full claim took, in index order, every due row it could see
+	// how the bound moves: a full claim took, in index order, every due row it could see
 	// up to its last one, K; the rows it could not see lie at or above the
 	// cut. So the next bound is the lower of K and the cut (parked rows
 	// are not in out: K may be lower than it could be, never higher).
@@ -291,7 +291,7 @@ func (b *boundedClaims) sweepBound() (time.Time, int64, bool) {
 }
 
 // sweep claims, every sweepEvery while the subscription lasts, the due rows
-// below the bound (what the bound missed, B1: expired leases, rows skipped
+// below the bound (what the bound missed, the sweep finds what the bound skips: expired leases, rows skipped
 // by SKIP LOCKED, other relays' rows), delivers them and counts them in
 // outbox_sweep_claimed_total, until a claim is not full. It claims nothing
 // while a topic is paused (the claim loop then claims without a bound,

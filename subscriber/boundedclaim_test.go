@@ -50,8 +50,18 @@ func consumeAll(t *testing.T, s *subscriber.Subscriber) *deliveries {
 // wait returns how long the events ids took to be delivered from now.
 func (d *deliveries) wait(t *testing.T, ids []string, within time.Duration) time.Duration {
 	t.Helper()
+	took, ok := d.within(ids, within)
+	if !ok {
+		t.Fatalf("%d events not delivered within %s", len(ids), within)
+	}
+	return took
+}
+
+// within is wait that reports false, instead of failing the test, when
+// the events ids were not all delivered within limit.
+func (d *deliveries) within(ids []string, limit time.Duration) (time.Duration, bool) {
 	start := time.Now()
-	for time.Since(start) < within {
+	for {
 		d.mu.Lock()
 		n := 0
 		for _, id := range ids {
@@ -61,12 +71,13 @@ func (d *deliveries) wait(t *testing.T, ids []string, within time.Duration) time
 		}
 		d.mu.Unlock()
 		if n == len(ids) {
-			return time.Since(start)
+			return time.Since(start), true
+		}
+		if time.Since(start) >= limit {
+			return time.Since(start), false
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	t.Fatalf("%d events not delivered within %s", len(ids), within)
-	return 0
 }
 
 // lateWriter begins a transaction on pool now that writes one event to tbl
@@ -155,6 +166,12 @@ func TestBoundedClaimBoundFollowsTheHead(t *testing.T) {
 // the bound. With available_at = now() (the transaction's start, the
 // default before migration 000009) the bound would pass it and only the
 // sweep would find it, LockTTL/4 later.
+//
+// The verdict does not depend on the machine's speed: the sweep runs every
+// 5 minutes (LockTTL 20 minutes), its first run long after the test's
+// 2-minute wait, and only the sweep claims a row below the bound; so a
+// delivery within the wait is the bounded claim's, and
+// outbox_sweep_claimed_total stays 0.
 func TestBoundedClaimLateLockTaker(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -163,27 +180,26 @@ func TestBoundedClaimLateLockTaker(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The sweep every 10 s: a delivery within 2 s is the bounded claim's.
-	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 40 * time.Second, Metrics: m})
+	const lockTTL = 20 * time.Minute
+	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: lockTTL, Metrics: m})
 	d := consumeAll(t, s)
-	d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 5), 5*time.Second)
+	d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 5), time.Minute)
 	late := lateWriter(t, pool, tbl)
 	// Meanwhile short transactions flow, and the bound moves past the late
 	// transaction's start.
 	for range 5 {
 		time.Sleep(200 * time.Millisecond)
-		if took := d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 3), 5*time.Second); took > 2*time.Second {
-			t.Errorf("short transactions' events delivered after %s", took)
-		}
+		took := d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 3), time.Minute)
+		t.Logf("short transactions' events delivered %s after their commit", took.Round(time.Millisecond))
 	}
 	id := late()
-	took := d.wait(t, []string{id}, 10*time.Second)
-	if took > 2*time.Second {
-		t.Fatalf("the late writer's event was delivered %s after its commit: the bound passed it and the sweep found it", took)
+	took, ok := d.within([]string{id}, 2*time.Minute)
+	if !ok {
+		t.Fatalf("the late writer's event was not delivered within %s of its commit (the sweep runs every %s): the bound passed it", took.Round(time.Second), lockTTL/4)
 	}
 	t.Logf("late writer's event delivered %s after its commit", took.Round(time.Millisecond))
 	if n := testutil.ToFloat64(m.SweepClaimed.WithLabelValues(tbl.Qualified())); n != 0 {
-		t.Fatalf("the sweep claimed %v rows, want 0", n)
+		t.Fatalf("the sweep claimed %v rows, want 0: the bound passed them", n)
 	}
 }
 
@@ -221,15 +237,22 @@ VALUES ($1, 'org.bounded.v1', '{}', $2, now() - interval '1 minute')`, tenant, i
 
 // TestBoundedClaimHiddenWriter: a relay whose role cannot read other
 // roles' transaction starts (not a member of pg_read_all_stats) must not
-// move the bound past an open writer of another role (B3): the writer's
+// move the bound past an open writer of another role (a hidden lock holder stops the bound): the writer's
 // late row, formed before the cut, is delivered at once, not by the sweep.
 // Before, pg_stat_activity's NULL xact_start was ignored and the bound
-// passed the row.
+// passed the row. As in TestBoundedClaimLateLockTaker, the sweep runs every
+// 5 minutes, so a delivery within the test's 2-minute wait is the bounded
+// claim's whatever the machine's speed, and outbox_sweep_claimed_total
+// stays 0.
 func TestBoundedClaimHiddenWriter(t *testing.T) {
 	t.Parallel()
 	admin := testdb.Pool(t)
 	ctx := context.Background()
 	tbl := testdb.Table(t, "bounded_hidden_outbox")
+	m, err := metrics.New(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	role := fmt.Sprintf("outbox_relay_%d", time.Now().UnixNano()%1_000_000_000)
 	for _, stmt := range []string{
 		`CREATE ROLE ` + role + ` LOGIN`,
@@ -259,7 +282,8 @@ func TestBoundedClaimHiddenWriter(t *testing.T) {
 	if err := relayPool.QueryRow(ctx, `SELECT pg_has_role('pg_read_all_stats', 'member')`).Scan(&member); err != nil || member {
 		t.Fatalf("the relay's role reads all stats (%v, %v): the test needs one that does not", member, err)
 	}
-	s, err := subscriber.New(relayPool, subscriber.Config{Table: tbl, LockTTL: 40 * time.Second}, watermill.NopLogger{})
+	const lockTTL = 20 * time.Minute
+	s, err := subscriber.New(relayPool, subscriber.Config{Table: tbl, LockTTL: lockTTL, Metrics: m}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -268,7 +292,7 @@ func TestBoundedClaimHiddenWriter(t *testing.T) {
 		t.Fatal("the relay claims without the bound")
 	}
 	d := consumeAll(t, s)
-	d.wait(t, enqueue(t, admin, tbl, "org.bounded.v1", 3), 5*time.Second)
+	d.wait(t, enqueue(t, admin, tbl, "org.bounded.v1", 3), time.Minute)
 	// Another role's writer forms its row now, holds the table's lock and
 	// commits only after the bound would have moved past the row.
 	tx, err := admin.Begin(ctx)
@@ -282,12 +306,17 @@ func TestBoundedClaimHiddenWriter(t *testing.T) {
 	}
 	for range 5 {
 		time.Sleep(200 * time.Millisecond)
-		d.wait(t, enqueue(t, relayPool, tbl, "org.bounded.v1", 1), 5*time.Second)
+		d.wait(t, enqueue(t, relayPool, tbl, "org.bounded.v1", 1), time.Minute)
 	}
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if took := d.wait(t, []string{id.String()}, 15*time.Second); took > 2*time.Second {
-		t.Fatalf("the hidden writer's row was delivered %s after its commit: the bound passed it", took)
+	took, ok := d.within([]string{id.String()}, 2*time.Minute)
+	if !ok {
+		t.Fatalf("the hidden writer's row was not delivered within %s of its commit (the sweep runs every %s): the bound passed it", took.Round(time.Second), lockTTL/4)
+	}
+	t.Logf("the hidden writer's row delivered %s after its commit", took.Round(time.Millisecond))
+	if n := testutil.ToFloat64(m.SweepClaimed.WithLabelValues(tbl.Qualified())); n != 0 {
+		t.Fatalf("the sweep claimed %v rows, want 0: the bound passed them", n)
 	}
 }

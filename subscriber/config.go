@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/redact"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -246,3 +247,9 @@ var defaultBackoff = &Backoff{Base: time.Second, Max: 60 * time.Second, Jitter: 
 
 // DefaultBackoff is min(1s * 2^(n-1), 60s) + jitter(0..200ms).
 func DefaultBackoff(n int) time.Duration { return defaultBackoff.Delay(n) }
+
+// policy is the decision about failed attempts that the configuration
+// makes, the same in the default and ordered modes (keyed.Policy).
+func (c *Config) policy() keyed.Policy {
+	return keyed.Policy{MaxAttempts: c.MaxAttempts, Backoff: c.Backoff, LastErrorMaxBytes: c.LastErrorMaxBytes, Permanent: IsPermanent}
+}

@@ -5,7 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -49,7 +48,7 @@ func conformanceRelay(ordered bool) relaytest.Relay {
 		if o.MaxInFlight > 0 && o.MaxInFlight < subscriber.BatchSizeDefault {
 			cfg.BatchSize = o.MaxInFlight
 		}
-		return subscriber.New(pool, cfg, watermill.NopLogger{})
+		return subscriber.New(pool, cfg, o.Logger)
 	}
 	return r
 }

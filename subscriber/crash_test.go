@@ -60,11 +60,15 @@ func crashRelay(table string) int {
 
 // TestCrashedRelayRecovery: a relay process holding in-flight rows is
 // killed (SIGKILL); with the default Config (single-active, LockTTL 60s,
-// ElectionInterval 1s) its rows are delivered again within 2s, by a standby
-// that was waiting and by a relay started after the kill (a restart). The
-// lock taken after the dead session proves the leases orphaned, so the new
-// leader takes them back at once instead of waiting LockTTL (60s before).
-// The attempt counts, and last_error says why.
+// ElectionInterval 1s) its rows are delivered again at once (about a
+// second), by a standby that was waiting and by a relay started after the
+// kill (a restart). The lock taken after the dead session proves the
+// leases orphaned, so the new leader takes them back at once instead of
+// waiting LockTTL (60s before). The attempt counts, and last_error says
+// why: "taken back", which is the verdict (a lease that expired says
+// "expired"); the time is bounded by half of LockTTL only, so that a
+// loaded machine is not read as a relay that waited for the leases to
+// expire.
 func TestCrashedRelayRecovery(t *testing.T) {
 	t.Parallel()
 	for _, standby := range []bool{true, false} {
@@ -107,7 +111,7 @@ func TestCrashedRelayRecovery(t *testing.T) {
 			}()
 			select {
 			case <-holding:
-			case <-time.After(30 * time.Second):
+			case <-time.After(2 * time.Minute):
 				t.Fatalf("the relay process did not receive the %d rows", inFlight)
 			}
 
@@ -150,15 +154,15 @@ func TestCrashedRelayRecovery(t *testing.T) {
 			if !standby {
 				subscribe()
 			}
-			waitFor(t, "the killed relay's rows delivered again", 90*time.Second, func() bool {
+			waitFor(t, "the killed relay's rows delivered again", 2*time.Minute, func() bool {
 				mu.Lock()
 				defer mu.Unlock()
 				return len(got) == inFlight
 			})
 			recovery := time.Since(kill)
 			t.Logf("%d in-flight rows of the killed relay delivered again %s after the kill", inFlight, recovery.Round(time.Millisecond))
-			if recovery > 2*time.Second {
-				t.Errorf("recovery took %s, want within 2s", recovery.Round(time.Millisecond))
+			if recovery > subscriber.LockTTLDefault/2 {
+				t.Errorf("recovery took %s, want well within LockTTL %s", recovery.Round(time.Millisecond), subscriber.LockTTLDefault)
 			}
 			for _, id := range ids {
 				st := state(t, pool, tbl, id)
@@ -175,7 +179,7 @@ func TestCrashedRelayRecovery(t *testing.T) {
 				m.Ack()
 			}
 			mu.Unlock()
-			waitFor(t, "the rows published", 10*time.Second, func() bool {
+			waitFor(t, "the rows published", 2*time.Minute, func() bool {
 				var n int
 				if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE published_at IS NOT NULL`).Scan(&n); err != nil {
 					t.Fatal(err)
@@ -219,7 +223,7 @@ func TestTakeBackOnLastAttemptGoesDead(t *testing.T) {
 			t.Fatalf("delivered %s on attempt %s, want %s on attempt 3", msg.UUID, msg.Metadata.Get(schema.MetadataAttempts), ids[1])
 		}
 		msg.Ack()
-	case <-time.After(10 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("the orphaned lease was not taken back")
 	}
 	t.Logf("orphaned lease taken back and delivered %s after Subscribe", time.Since(start).Round(time.Millisecond))

@@ -75,7 +75,7 @@ func TestLeaseExpiredOnLastAttemptGoesDead(t *testing.T) {
 			t.Fatalf("delivered %s, want only the row below max attempts (%s)", msg.UUID, ids[1])
 		}
 		msg.Ack()
-	case <-time.After(10 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("the abandoned row below max attempts was not re-claimed")
 	}
 	select {
@@ -90,7 +90,7 @@ func TestLeaseExpiredOnLastAttemptGoesDead(t *testing.T) {
 	if got := testutil.ToFloat64(m.DeadTotal.WithLabelValues(tbl.Qualified(), topic)); got != 1 {
 		t.Fatalf("outbox_dead_total = %v, want 1", got)
 	}
-	waitFor(t, "outbox_dead gauge", 5*time.Second, func() bool {
+	waitFor(t, "outbox_dead gauge", 2*time.Minute, func() bool {
 		return testutil.ToFloat64(m.Dead.WithLabelValues(tbl.Qualified())) == 1 &&
 			testutil.ToFloat64(m.Pending.WithLabelValues(tbl.Qualified())) == 0
 	})
@@ -132,7 +132,7 @@ func TestDeadDoesNotDependOnMaxAttempts(t *testing.T) {
 			case msg := <-ch:
 				subscriber.RecordError(msg, errors.New("broker down"))
 				msg.Nack()
-			case <-time.After(10 * time.Second):
+			case <-time.After(2 * time.Minute):
 				t.Fatalf("max %d: delivery %d of %d missing", max, i+1, want)
 			}
 		}
@@ -188,7 +188,7 @@ func TestReleaseAtLastAttemptGoesDead(t *testing.T) {
 	var held *message.Message
 	select {
 	case held = <-ch:
-	case <-time.After(10 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("not delivered")
 	}
 	if err := s.Close(); err != nil {

@@ -60,7 +60,7 @@ func DumpOrderedMemory(s *Subscriber, parts ...int) string {
 	for _, r := range relays {
 		r.mu.Lock()
 		fmt.Fprintf(&b, "relay %s: in flight %d starved %v needHolds %v holdsRead %s ago gen %d\n",
-			r.id, r.sub.inflight.Load(), r.starved, r.needHolds, time.Since(r.holdsRead).Round(time.Millisecond), r.gen)
+			r.id, r.sub.slots.InUse(), r.starved, r.needHolds, time.Since(r.holdsRead).Round(time.Millisecond), r.gen)
 		for id, p := range r.parts {
 			if len(want) > 0 && !want[id] {
 				continue
@@ -78,7 +78,7 @@ func DumpOrderedMemory(s *Subscriber, parts ...int) string {
 			fmt.Fprintf(&b, "  key %s part %d (current %v): queue %d busy %v lastDone %d holdGen %d action %d",
 				name, k.p.id, r.parts[k.p.id] == k.p, len(k.queue), k.busy, k.lastDone, k.holdGen, r.nextActionLocked(k))
 			if h := k.hold; h != nil {
-				fmt.Fprintf(&b, " hold %+v due in %s", *h, time.Until(h.dueAt).Round(time.Millisecond))
+				fmt.Fprintf(&b, " hold %+v due in %s", *h, time.Until(h.DueAt).Round(time.Millisecond))
 			}
 			b.WriteString("\n")
 		}
@@ -140,7 +140,7 @@ func (r *orderedRelay) check() error {
 			}
 			// Rows above an active hold load while it moves on (advancing)
 			// and stay until it has; rows at or below a hold are done.
-			if h := k.hold; h != nil && !h.replay && seq <= h.seq {
+			if h := k.hold; h != nil && !h.replay && seq <= h.Seq {
 				return fmt.Errorf("key %s: queued row %d is covered by its hold %+v", name, seq, *h)
 			}
 			if err := claim(seq, "queued on "+name); err != nil {

@@ -133,7 +133,7 @@ END $$`,
 			m.Ack()
 		}
 	}()
-	waitFor(t, "the relay to lead", 10*time.Second, s.IsLeader)
+	waitFor(t, "the relay to lead", 2*time.Minute, s.IsLeader)
 	events := offer(tbl)
 	waitFor(t, "every event delivered", time.Minute, func() bool {
 		mu.Lock()

@@ -52,7 +52,7 @@ func TestLeaderSessionKeepalive(t *testing.T) {
 	if _, err := s.Subscribe(ctx, subscriber.AllTopics); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "leadership", 5*time.Second, s.IsLeader)
+	waitFor(t, "leadership", 2*time.Minute, s.IsLeader)
 	want := map[string]string{"tcp_keepalives_idle": "5", "tcp_keepalives_interval": "2", "tcp_keepalives_count": "5", "tcp_user_timeout": "15000"}
 	for name, w := range want {
 		got, ok, err := subscriber.LeaderSetting(ctx, s, name)
@@ -67,6 +67,12 @@ func TestLeaderSessionKeepalive(t *testing.T) {
 // LeaderTimeout/3 + ElectionInterval: it stops claiming and reports
 // outbox_relay_leader 0. Once its connection is gone, a standby takes over
 // and every event is delivered.
+//
+// The step-down's bound is the only timed verdict: 1.1 s by design,
+// against the 10 s a ping waited before it was bounded by LeaderTimeout/3
+// (opTimeout; a timer that cannot fire early, and the proxy's kernel keeps
+// the silent connection alive, so nothing else ends it sooner). The limit
+// is 8 s: a loaded machine gets 7 s, and the two stay apart.
 func TestLeaderStepsDownWhenSilent(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -82,7 +88,7 @@ func TestLeaderStepsDownWhenSilent(t *testing.T) {
 	cfg := subscriber.Config{Table: tbl, PollInterval: 20 * time.Millisecond, ElectionInterval: 100 * time.Millisecond,
 		LeaderTimeout: 3 * time.Second, Metrics: m}
 	a := newSub(t, viaProxy, cfg)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	var counts [2]atomic.Int64
 	consume := func(i int, s *subscriber.Subscriber) {
@@ -98,19 +104,20 @@ func TestLeaderStepsDownWhenSilent(t *testing.T) {
 		}()
 	}
 	consume(0, a)
-	waitFor(t, "a to lead", 5*time.Second, a.IsLeader)
+	waitFor(t, "a to lead", 2*time.Minute, a.IsLeader)
 	enqueue(t, pool, tbl, "org.silent.v1", 50)
-	waitFor(t, "50 deliveries by a", 10*time.Second, func() bool { return counts[0].Load() == 50 })
+	waitFor(t, "50 deliveries by a", 2*time.Minute, func() bool { return counts[0].Load() == 50 })
 
 	// The network goes silent: nothing passes either way, nothing is closed.
 	cut := time.Now()
 	proxy.cut()
-	waitFor(t, "a to step down", 5*time.Second, func() bool { return !a.IsLeader() })
+	waitFor(t, "a to step down", 2*time.Minute, func() bool { return !a.IsLeader() })
 	stepDown := time.Since(cut)
-	// Ping timeout (1s) + election tick (100ms) + slack for a loaded machine;
-	// before the bound, the ping waited 10s.
-	if limit := cfg.LeaderTimeout/3 + cfg.ElectionInterval + 1500*time.Millisecond; stepDown > limit {
-		t.Errorf("stepped down after %s, want within %s", stepDown.Round(time.Millisecond), limit)
+	// Ping timeout (1s) + election tick (100ms) + slack for a loaded
+	// machine, below the 10s an unbounded ping waited.
+	if limit := 8 * time.Second; stepDown > limit {
+		t.Errorf("stepped down after %s, want within %s (LeaderTimeout/3 %s + ElectionInterval %s, on a loaded machine; an unbounded ping waits 10s)",
+			stepDown.Round(time.Millisecond), limit, cfg.LeaderTimeout/3, cfg.ElectionInterval)
 	}
 	if got := testutil.ToFloat64(m.RelayLeader.WithLabelValues(tbl.Qualified())); got != 0 {
 		t.Errorf("outbox_relay_leader = %v after stepping down, want 0", got)
@@ -122,10 +129,10 @@ func TestLeaderStepsDownWhenSilent(t *testing.T) {
 	proxy.closeAll()
 	b := newSub(t, testdb.NewPool(t, nil), cfg)
 	consume(1, b)
-	waitFor(t, "b to lead", 10*time.Second, b.IsLeader)
+	waitFor(t, "b to lead", 2*time.Minute, b.IsLeader)
 	t.Logf("b leads %s after the cut", time.Since(cut).Round(time.Millisecond))
 	enqueue(t, pool, tbl, "org.silent.v1", 50)
-	waitFor(t, "50 more deliveries by b", 20*time.Second, func() bool { return counts[1].Load() >= 50 })
+	waitFor(t, "50 more deliveries by b", 2*time.Minute, func() bool { return counts[1].Load() >= 50 })
 	if a.IsLeader() {
 		t.Error("a leads again although b holds the lock")
 	}

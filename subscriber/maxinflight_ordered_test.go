@@ -69,7 +69,7 @@ func TestOrderedMaxInFlightCountsOnce(t *testing.T) {
 			}
 		}
 	}()
-	deadline := time.After(60 * time.Second)
+	deadline := time.After(2 * time.Minute)
 	for {
 		mu.Lock()
 		done := len(acked) == len(msgs)

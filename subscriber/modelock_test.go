@@ -91,7 +91,7 @@ func TestRelayModeStaleLeaseProvesNothing(t *testing.T) {
 // tried again while it refuses with schema.ErrRelayModeMix, for up to 30 s.
 func subOnceOtherModeGone(t *testing.T, pool *pgxpool.Pool, cfg subscriber.Config) *subscriber.Subscriber {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		s, err := subscriber.New(pool, cfg, nil)
 		if err == nil {

@@ -2,22 +2,51 @@ package subscriber_test
 
 import (
 	"context"
+	"fmt"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
+// reconnectLog keeps the retry_in of every "LISTEN connection lost;
+// reconnecting" the relay logs.
+type reconnectLog struct {
+	mu      sync.Mutex
+	retries []string
+}
+
+func (l *reconnectLog) Error(msg string, _ error, fields watermill.LogFields) {
+	if msg == "LISTEN connection lost; reconnecting" {
+		l.mu.Lock()
+		l.retries = append(l.retries, fmt.Sprint(fields["retry_in"]))
+		l.mu.Unlock()
+	}
+}
+func (l *reconnectLog) Info(string, watermill.LogFields)                 {}
+func (l *reconnectLog) Debug(string, watermill.LogFields)                {}
+func (l *reconnectLog) Trace(string, watermill.LogFields)                {}
+func (l *reconnectLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+func (l *reconnectLog) logged() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.retries...)
+}
+
 // TestListenerReconnectsFastAfterEachLoss: the LISTEN connection, which
 // holds the idle lock of the sleeping relay, is killed (pg_terminate_backend)
 // six times in a row; each time the listener is back, with the idle lock,
-// within a second (its reconnect backoff starts again after every successful
-// connection instead of growing to seconds), and afterwards a commit still
-// wakes the relay at once, with polling every hour: a relay never sleeps on
-// an idle lock whose session is gone.
+// after the first reconnect delay (100 ms: its reconnect backoff starts
+// again after every successful connection instead of growing to seconds;
+// the delay is read from the relay's log, not timed), and afterwards a
+// commit still wakes the relay at once, with polling every hour: a relay
+// never sleeps on an idle lock whose session is gone.
 func TestListenerReconnectsFastAfterEachLoss(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -25,7 +54,12 @@ func TestListenerReconnectsFastAfterEachLoss(t *testing.T) {
 	tbl := testdb.Table(t, "relisten_outbox")
 	app := "relisten_" + tbl.Schema()
 	own := testdb.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["application_name"] = app })
-	s := newSub(t, own, subscriber.Config{Table: tbl, PollInterval: time.Hour})
+	logs := &reconnectLog{}
+	s, err := subscriber.New(own, subscriber.Config{Table: tbl, PollInterval: time.Hour}, logs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	ch, err := s.Subscribe(sctx, subscriber.AllTopics)
@@ -40,16 +74,19 @@ WHERE a.application_name = $1 AND l.locktype = 'advisory' AND l.granted AND ((l.
 			app, tbl.IdleLockKey()).Scan(&pid)
 		return pid
 	}
-	waitFor(t, "the listener", 10*time.Second, func() bool { return listener() != 0 })
+	waitFor(t, "the listener", 2*time.Minute, func() bool { return listener() != 0 })
 	for round := 1; round <= 6; round++ {
 		old := listener()
+		before := len(logs.logged())
 		if _, err := pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, old); err != nil {
 			t.Fatal(err)
 		}
 		killed := time.Now()
-		waitFor(t, "the listener back", 10*time.Second, func() bool { p := listener(); return p != 0 && p != old })
-		if d := time.Since(killed); d > time.Second {
-			t.Fatalf("round %d: the listener came back %s after its connection was killed; the backoff did not start again", round, d)
+		waitFor(t, "the listener back", 2*time.Minute, func() bool { p := listener(); return p != 0 && p != old })
+		retries := logs.logged()[before:]
+		t.Logf("round %d: the listener came back %s after its connection was killed (retries in %v)", round, time.Since(killed).Round(time.Millisecond), retries)
+		if len(retries) == 0 || retries[0] != "100ms" {
+			t.Fatalf("round %d: the relay reconnected after %v, want 100ms first: the backoff did not start again", round, retries)
 		}
 	}
 	ids := enqueue(t, pool, tbl, "org.relisten.v1", 1)
@@ -59,17 +96,18 @@ WHERE a.application_name = $1 AND l.locktype = 'advisory' AND l.granted AND ((l.
 			t.Fatalf("delivered %s, want %s", msg.UUID, ids[0])
 		}
 		msg.Ack()
-	case <-time.After(2 * time.Second):
+	case <-time.After(2 * time.Minute): // the poll is an hour away
 		t.Fatal("a NOTIFY after the reconnections did not wake the relay")
 	}
 }
 
 // TestWakeUpAfterAllSessionsTerminated: two relays share a table
-// (DisableSingleActive, polling every minute) and sleep; every session of
-// both is terminated (a server restart, a proxy dropping them); an event
-// committed afterwards is delivered within seconds, not at the next poll,
-// and so is one committed while the relays are idle again. Two idle relays
-// cost at most 20 scans of the table a second.
+// (DisableSingleActive, polling every 10 minutes) and sleep; every session
+// of both is terminated (a server restart, a proxy dropping them); an event
+// committed afterwards is delivered at once, not at the next poll, and so
+// is one committed while the relays are idle again: a delivery within the
+// 2-minute wait is not the poll's, however slow the machine. Two idle
+// relays cost at most 20 scans of the table a second.
 func TestWakeUpAfterAllSessionsTerminated(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -79,7 +117,7 @@ func TestWakeUpAfterAllSessionsTerminated(t *testing.T) {
 	got := make(chan string, 16)
 	for i := 0; i < 2; i++ {
 		own := testdb.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["application_name"] = app })
-		s := newSub(t, own, subscriber.Config{Table: tbl, PollInterval: time.Minute, DisableSingleActive: true})
+		s := newSub(t, own, subscriber.Config{Table: tbl, PollInterval: 10 * time.Minute, DisableSingleActive: true})
 		ch, err := s.Subscribe(ctx, subscriber.AllTopics)
 		if err != nil {
 			t.Fatal(err)
@@ -101,13 +139,13 @@ func TestWakeUpAfterAllSessionsTerminated(t *testing.T) {
 				if u == id {
 					return time.Since(start)
 				}
-			case <-time.After(5 * time.Second):
-				t.Fatalf("%s: not delivered within 5s (poll interval 1 min): a relay slept on a lost idle lock", what)
+			case <-time.After(2 * time.Minute):
+				t.Fatalf("%s: not delivered within 2 minutes (poll interval 10 min): a relay slept on a lost idle lock", what)
 			}
 		}
 	}
 	holder := func() bool { return idleHeld(t, pool, tbl) }
-	waitFor(t, "a relay asleep on the idle lock", 5*time.Second, holder)
+	waitFor(t, "a relay asleep on the idle lock", 2*time.Minute, holder)
 	rate := scanRate(t, pool, 4*time.Second, tbl.String())
 	t.Logf("two idle relays: %.1f scans/s", rate)
 	if rate > 20 {
@@ -118,7 +156,7 @@ func TestWakeUpAfterAllSessionsTerminated(t *testing.T) {
 		t.Fatalf("terminated %d sessions: %v", n, err)
 	}
 	d := deliver("after every session was terminated")
-	waitFor(t, "a relay asleep on the idle lock again", 5*time.Second, holder)
+	waitFor(t, "a relay asleep on the idle lock again", 2*time.Minute, holder)
 	d2 := deliver("idle again")
 	t.Logf("%d sessions terminated; delivered %s after, then %s once idle again", n, d, d2)
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -91,19 +92,19 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 //     (package internal/term, the core the WAL relay uses too; scope: the
 //     partition, epoch: the one Acquire increments). A message is handed
 //     out only as a copy registered under its partition's live term
-//     (term.Term.Hand), so the core's invariants hold here: (I1) at most
+//     (term.Term.Hand), so the core's invariants hold here: (one copy per key) at most
 //     one copy of a key is out in the relay, and the relay takes a
 //     partition again only once its ended terms have quiesced (every copy
 //     ended, every write entered under them done: term.Ledger.Quiesced,
-//     I5); (I2) the term's end (lease lost, deadline passed, released,
-//     relay stopping) cancels its messages' contexts; (I3) a verdict
+//     quiescence); (a term's end cancels its messages) the term's end (lease lost, deadline passed, released,
+//     relay stopping) cancels its messages' contexts; (a verdict of an ended term is not progress) a verdict
 //     counts only if its copy ended under the live term (term.Copy.End); a
 //     nack's or a hold's write (Fail, Advance) runs inside
 //     term.Term.Enter, so not after the term ended nor beside the
 //     partition's next term here; and every write of progress or holds
 //     (Renew, Release, Fail, Advance) is fenced on owner and epoch, so
 //     nothing done under an ended term is written, whoever owns the
-//     partition now; (I4) a copy left in a handler by an ended term ends
+//     partition now; (nothing waits forever) a copy left in a handler by an ended term ends
 //     at its verdict, DispatchTimeout + LockTTL/2 after the term ended, or
 //     the relay's stop.
 
@@ -190,14 +191,11 @@ type keyState struct {
 	lastDone int64 // highest sequence acked or skipped here, to check order
 }
 
+// holdState is a key's hold (keyed.Hold: the held row, its attempts, when
+// it is due, its lifecycle state) and what the ordered relay adds.
 type holdState struct {
-	seq       int64
-	attempts  int
-	dueAt     time.Time // local clock
-	dead      bool
-	skip      bool
-	replay    bool
-	resolved  bool // tombstone: rows <= seq are done
+	keyed.Hold
+	replay    bool // a replay hold: the replay of a row already relayed; it covers no later row
 	advancing bool // an Advance statement is running
 	inflight  bool // the held row is being delivered
 }
@@ -350,7 +348,8 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 		case <-r.kick:
 		case <-r.terms.Freed():
 			// A copy of an ended term ended: a runner it kept out of
-			// MaxInFlight may start.
+			// MaxInFlight may start, and so may the claim loop.
+			r.sub.slots.Signal()
 		case <-r.wake:
 			r.mu.Lock()
 			r.needHolds = true // an operator's change notifies too
@@ -372,11 +371,11 @@ func (r *orderedRelay) nextDue() time.Time {
 	var due time.Time
 	for _, k := range r.keys {
 		h := k.hold
-		if h == nil || h.resolved || h.dead || h.inflight || h.advancing || k.busy {
+		if h == nil || !h.Open() || h.State == keyed.Dead || h.inflight || h.advancing || k.busy {
 			continue
 		}
-		if due.IsZero() || h.dueAt.Before(due) {
-			due = h.dueAt
+		if due.IsZero() || h.DueAt.Before(due) {
+			due = h.DueAt
 		}
 	}
 	return due
@@ -386,7 +385,7 @@ func (r *orderedRelay) nextDue() time.Time {
 func (r *orderedRelay) shutdown() {
 	defer r.s.wake.unregister(r.wake)
 	// Last: the copies left in handlers by ended terms no longer hold
-	// anything back, and the goroutines that follow them end (term I4).
+	// anything back, and the goroutines that follow them end (nothing waits forever).
 	defer r.terms.Close()
 	r.runWg.Wait()
 	if r.abandon || r.s.abandon.Load() {

@@ -7,27 +7,23 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
-	"github.com/outboxkit/watermill-outbox/internal/redact"
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// startRunnersLocked starts a runner for every key with work, up to
-// MaxInFlight in all: the subscription's messages (its runners, each with
-// at most one message, and the unkeyed rows of its claim loop: one count,
-// sub.inflight) and the copies left in handlers by ended terms.
+// startRunnersLocked starts a runner for every key with work, while the
+// subscription's MaxInFlight slots (keyed.Slots: its runners, each with at
+// most one message, the unkeyed rows of its claim loop, and the copies left
+// in handlers by ended terms) have room.
 func (r *orderedRelay) startRunnersLocked() {
 	r.starved = false
 	for _, k := range r.keys {
-		if int(r.sub.inflight.Load())+r.terms.StaleCount() >= r.s.cfg.MaxInFlight {
-			r.starved = true
-			return
-		}
 		if k.busy || !r.deliverableLocked(k) || r.nextActionLocked(k) == actNone {
 			continue
 		}
-		if r.sub.reserve(1) == 0 { // the claim loop took the last slot meanwhile
+		if r.sub.slots.Reserve(1) == 0 {
 			r.starved = true
 			return
 		}
@@ -47,13 +43,13 @@ const (
 )
 
 func (r *orderedRelay) nextActionLocked(k *keyState) action {
-	if h := k.hold; h != nil && !h.resolved {
+	if h := k.hold; h != nil && h.Open() {
 		switch {
 		case h.inflight || h.advancing:
 			return actNone
-		case h.skip:
+		case h.State == keyed.SkipRequested:
 			return actAdvance
-		case h.dead || time.Now().Before(h.dueAt):
+		case !h.Due(time.Now()):
 			return actNone
 		default:
 			return actHeld
@@ -107,7 +103,7 @@ func (r *orderedRelay) runKey(k *keyState) {
 		case actHeld:
 			h := k.hold
 			h.inflight = true
-			seq, attempts := h.seq, h.attempts
+			seq, attempts := h.Seq, h.Attempts
 			r.mu.Unlock()
 			row, err := r.rowAt(k.name, seq)
 			if errors.Is(err, pgx.ErrNoRows) && r.rowGone(k.name, seq) {
@@ -140,7 +136,7 @@ func (r *orderedRelay) runKey(k *keyState) {
 				r.logger.Error("Could not read a held row; retrying shortly", err, watermill.LogFields{"sequence": seq})
 				r.mu.Lock()
 				h.inflight = false
-				h.dueAt = time.Now().Add(100 * time.Millisecond)
+				h.DueAt = time.Now().Add(100 * time.Millisecond)
 				r.endRunLocked(k)
 				r.mu.Unlock()
 				return
@@ -150,7 +146,7 @@ func (r *orderedRelay) runKey(k *keyState) {
 				// row is looked at again at the next poll.
 				r.mu.Lock()
 				h.inflight = false
-				h.dueAt = time.Now().Add(r.s.cfg.PollInterval)
+				h.DueAt = time.Now().Add(r.s.cfg.PollInterval)
 				r.endRunLocked(k)
 				r.mu.Unlock()
 				return
@@ -188,7 +184,7 @@ func (r *orderedRelay) runKey(k *keyState) {
 
 // refreshLaterLocked makes the next holds read replace k's hold.
 func (r *orderedRelay) refreshLaterLocked(k *keyState) {
-	k.hold.dueAt = time.Now().Add(time.Second)
+	k.hold.DueAt = time.Now().Add(time.Second)
 	k.holdGen = 0
 	r.needHolds = true
 }
@@ -268,7 +264,7 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 	}
 	// As in the default mode, the message outlives the Subscribe context
 	// until CloseTimeout after the relay stopped. Its term's end cancels it
-	// (term I2): the handler is told that its partition lease ended.
+	// (a term's end cancels its messages): the handler is told that its partition lease ended.
 	cp, err := t.Hand(withErrorSlot(context.WithoutCancel(r.sub.ctx), c.slot), k.name, msg)
 	if err != nil {
 		if errors.Is(err, term.ErrKeyOut) {
@@ -301,7 +297,7 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 			// message's context.
 			c.slot.set(s.overrunError())
 			if !cp.End(term.Overran) {
-				return verdictNone // the term ended first: nothing is written (I3)
+				return verdictNone // the term ended first: nothing is written (a verdict of an ended term is not progress)
 			}
 			r.logger.Error("Handler overran its dispatch timeout; counting a failed attempt", s.overrunError(),
 				watermill.LogFields{"event_id": row.EventID})
@@ -309,7 +305,7 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 			return verdictNack
 		case <-msg.Acked():
 			if !cp.End(term.Acked) {
-				return verdictNone // a verdict of an ended term is not progress (I3)
+				return verdictNone // a verdict of an ended term is not progress (a verdict of an ended term is not progress)
 			}
 			s.observeDispatch(c, metrics.ResultSuccess)
 			if m := s.cfg.Metrics; m != nil {
@@ -318,15 +314,15 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 			return verdictAck
 		case <-msg.Nacked():
 			if !cp.End(term.Nacked) {
-				return verdictNone // I3
+				return verdictNone // a verdict of an ended term is not progress
 			}
 			r.fail(k, row, c)
 			return verdictNack
 		case <-t.Done():
 			// The term ended with the message in the handler: its context
-			// is cancelled (I2), and the ledger follows the copy until its
-			// verdict (recorded nowhere, I3), its overrun or the relay's
-			// stop; the partition is not taken again before (I1).
+			// is cancelled (a term's end cancels its messages), and the ledger follows the copy until its
+			// verdict (recorded nowhere, a verdict of an ended term is not progress), its overrun or the relay's
+			// stop; the partition is not taken again before (one copy per key).
 			return verdictNone
 		case <-stop:
 			stop = nil
@@ -347,19 +343,16 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 	s := r.s
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
-	err := c.slot.get()
-	text := "handler nacked the message without an error (add the subscriber.CaptureError middleware to record it)"
-	if err != nil {
-		text = err.Error()
-	}
-	summary := redact.Summary(text, row.Payload, s.cfg.LastErrorMaxBytes)
 	attempts := int(row.Attempts)
-	backoff := s.cfg.Backoff(attempts)
+	f := s.cfg.policy().Judge(c.slot.get(), attempts, row.Payload)
+	summary := f.Summary
+	// The statement decides dead with the same rule, on the hold's count.
+	backoff := f.RetryIn
 	var (
 		dead, skip bool
 		n          int
 	)
-	// The write is work under the term (term I3): it is not made once the
+	// The write is work under the term (a verdict of an ended term is not progress): it is not made once the
 	// term has ended, and the partition is not taken again while it runs;
 	// the statement is fenced on owner and epoch besides.
 	leave, live := k.p.term.Enter()
@@ -367,7 +360,7 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 	qerr := pgx.ErrNoRows
 	if live {
 		qerr = s.pool.QueryRow(ctx, r.oq.Fail, r.id, row.Partition, k.name, row.Sequence, summary, s.cfg.MaxAttempts,
-			IsPermanent(err), backoff.Seconds(), k.p.term.Epoch()).Scan(&dead, &n, &skip)
+			f.Permanent, backoff.Seconds(), k.p.term.Epoch()).Scan(&dead, &n, &skip)
 	}
 	s.observeDispatch(c, metrics.ResultFailure)
 	if qerr != nil && !errors.Is(qerr, pgx.ErrNoRows) {
@@ -398,8 +391,8 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 			k.holdGen = 0
 			r.needHolds = true
 		}
-		if h != nil && h.seq == row.Sequence {
-			h.dueAt = time.Now().Add(backoff)
+		if h != nil && h.Seq == row.Sequence {
+			h.DueAt = time.Now().Add(backoff)
 			return
 		}
 		if _, open := k.p.open[row.Sequence]; open {
@@ -410,13 +403,13 @@ func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
 	// The hold is written: the row and the key's queued rows are covered
 	// (the hold reaches them), also when a holds read applied it first.
 	delete(k.p.open, row.Sequence)
-	if h == nil || h.seq != row.Sequence || h.resolved {
-		r.setHoldLocked(k, &holdState{seq: row.Sequence})
+	if h == nil || h.Seq != row.Sequence || !h.Open() {
+		r.setHoldLocked(k, &holdState{Hold: keyed.Hold{Seq: row.Sequence, State: keyed.Retrying}})
 		h = k.hold
 	}
 	r.freedLocked(k.p)
-	h.attempts, h.dead, h.skip = n, dead, skip
-	h.dueAt = time.Now().Add(backoff)
+	h.Attempts, h.State = n, keyed.StateOf(dead, skip, h.replay, false)
+	h.DueAt = time.Now().Add(backoff)
 	if dead {
 		delete(fields, "error")
 		r.logger.Error("Outbox message is dead and holds its ordering key; replay or skip it once the cause is fixed", errors.New(summary), fields)
@@ -438,7 +431,7 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 		r.mu.Unlock()
 		return
 	}
-	// Work under the term (term I3): the key is still owned, so the term
+	// Work under the term (a verdict of an ended term is not progress): the key is still owned, so the term
 	// is live (dropPartLocked ends it and forgets the key together).
 	leave, live := k.p.term.Enter()
 	defer leave()
@@ -448,7 +441,7 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 	}
 	h.advancing = true
 	bound := k.p.seen
-	seq := h.seq
+	seq := h.Seq
 	r.gen++
 	k.holdGen = r.gen
 	r.mu.Unlock()
@@ -470,18 +463,18 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 	switch {
 	case err != nil:
 		r.logger.Error("Could not move a hold on; retrying", err, watermill.LogFields{"sequence": seq})
-		h.skip = true // retried as a skip: the row was handled
-		h.dueAt = time.Now().Add(100 * time.Millisecond)
+		h.State = keyed.SkipRequested // retried as a skip: the row was handled
+		h.DueAt = time.Now().Add(100 * time.Millisecond)
 		time.AfterFunc(100*time.Millisecond, r.signal)
 	case !owned:
 		r.s.fenceRejected("ack")
 	case next != nil:
 		k.lastDone = max(k.lastDone, seq)
-		r.setHoldLocked(k, &holdState{seq: *next, dueAt: time.Now()})
+		r.setHoldLocked(k, &holdState{Hold: keyed.Hold{Seq: *next, DueAt: time.Now(), State: keyed.Retrying}})
 		r.freedLocked(k.p)
 	case resolved:
 		k.lastDone = max(k.lastDone, seq)
-		r.setHoldLocked(k, &holdState{seq: seq, resolved: true})
+		r.setHoldLocked(k, &holdState{Hold: keyed.Hold{Seq: seq, State: keyed.Resolved}})
 	case deleted:
 		k.hold = nil
 	default:

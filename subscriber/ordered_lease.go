@@ -56,7 +56,7 @@ func (r *orderedRelay) tick(ctx context.Context) {
 		// A partition whose earlier term still has a message in a
 		// handler is not taken again before that copy ends (its verdict,
 		// its overrun): one copy of a key in a handler at a time (term
-		// I1, I5).
+		// one copy per key, quiescence).
 		if r.parts[id] == nil && r.terms.Quiesced(id) {
 			want = append(want, int32(id)) //nolint:gosec // partition < 64
 		}
@@ -158,7 +158,7 @@ func (r *orderedRelay) tick(ctx context.Context) {
 // partition is at or below its written floor (CleanResolved has work).
 func (r *orderedRelay) resolvedBelowPersistedLocked() bool {
 	for name, k := range r.keys {
-		if h := k.hold; h != nil && h.resolved && h.seq <= k.p.persisted && r.parts[k.p.id] == k.p {
+		if h := k.hold; h != nil && !h.Open() && h.Seq <= k.p.persisted && r.parts[k.p.id] == k.p {
 			k.hold = nil
 			r.pruneKeyLocked(name, k)
 			return true
@@ -223,10 +223,10 @@ func (r *orderedRelay) dropQueuesLocked(p *partState) {
 }
 
 // dropPartLocked ends a partition's term and forgets it and its keys: the
-// contexts of its messages in handlers are cancelled (term I2), runners of
+// contexts of its messages in handlers are cancelled (a term's end cancels its messages), runners of
 // its keys stop, the ledger follows the copies left in handlers (their
-// verdicts are written nowhere: I3), and the partition is not taken again
-// until those have ended (I1, I5).
+// verdicts are written nowhere: a verdict of an ended term is not progress), and the partition is not taken again
+// until those have ended (one copy per key, quiescence).
 func (r *orderedRelay) dropPartLocked(id int) {
 	p := r.parts[id]
 	delete(r.parts, id)

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -314,18 +315,18 @@ func (r *orderedRelay) applyHoldsLocked(holds []dbHold, g0 int64, read []int32) 
 		}
 		cur := k.hold
 		if cur != nil && (cur.inflight || cur.advancing) {
-			if cur.seq == h.seq && h.skip {
-				cur.skip = true // honoured once the attempt in flight ends
+			if cur.Seq == h.seq && h.skip && cur.Open() {
+				cur.State = keyed.SkipRequested // honoured once the attempt in flight ends
 			}
 			continue
 		}
-		if cur != nil && cur.seq == h.seq && cur.replay == h.replay && cur.resolved == h.resolved {
-			cur.attempts, cur.dead, cur.skip = h.attempts, h.dead, h.skip
-			cur.dueAt = time.Now().Add(time.Duration(h.dueIn * float64(time.Second)))
+		state := keyed.StateOf(h.dead, h.skip, h.replay, h.resolved)
+		due := time.Now().Add(time.Duration(h.dueIn * float64(time.Second)))
+		if cur != nil && cur.Seq == h.seq && cur.replay == h.replay && cur.Open() == !h.resolved {
+			cur.Attempts, cur.State, cur.DueAt = h.attempts, state, due
 			continue
 		}
-		r.setHoldLocked(k, &holdState{seq: h.seq, attempts: h.attempts, dead: h.dead, skip: h.skip, replay: h.replay,
-			resolved: h.resolved, dueAt: time.Now().Add(time.Duration(h.dueIn * float64(time.Second)))})
+		r.setHoldLocked(k, &holdState{Hold: keyed.Hold{Seq: h.seq, Attempts: h.attempts, DueAt: due, State: state}, replay: h.replay})
 	}
 	inRead := map[int]bool{}
 	for _, id := range read {
@@ -350,7 +351,7 @@ func (r *orderedRelay) setHoldLocked(k *keyState, h *holdState) {
 	}
 	kept := k.queue[:0]
 	for _, e := range k.queue {
-		if h.resolved && e.row.Sequence > h.seq {
+		if !h.Open() && e.row.Sequence > h.Seq {
 			kept = append(kept, e)
 			continue
 		}
@@ -358,7 +359,7 @@ func (r *orderedRelay) setHoldLocked(k *keyState, h *holdState) {
 	}
 	clear(k.queue[len(kept):])
 	k.queue = kept
-	if k.flying != 0 && (!h.resolved || k.flying <= h.seq) {
+	if k.flying != 0 && (h.Open() || k.flying <= h.Seq) {
 		// The row in flight is covered too: its verdict no longer decides
 		// the floor (an ack is a duplicate of done work, a nack finds the
 		// hold).
@@ -401,10 +402,10 @@ func (r *orderedRelay) loadLocked(p *partState, row *schema.OrderedRow) bool {
 		return false
 	}
 	if h := k.hold; h != nil && !h.replay {
-		if row.Sequence <= h.seq {
+		if row.Sequence <= h.Seq {
 			return false // done, or the held row itself
 		}
-		if !h.resolved && !h.advancing {
+		if h.Open() && !h.advancing {
 			return false // covered: the hold reaches it (it is at or below seen)
 		}
 	}

@@ -92,6 +92,9 @@ func (s *Subscriber) pausedTopics(ctx context.Context) *pausedSet {
 			next.m[t] = struct{}{}
 		}
 	}
+	// The set first, then the log: a claim that ends after the log gives
+	// back what it leased of a topic paused here (Subscriber.unpaused).
+	p.set.Store(next)
 	for _, t := range topics {
 		if !old.has(t) {
 			s.logger.Info("Topic paused: its rows are not relayed until it is resumed", watermill.LogFields{"paused_topic": t})
@@ -104,7 +107,6 @@ func (s *Subscriber) pausedTopics(ctx context.Context) *pausedSet {
 			}
 		}
 	}
-	p.set.Store(next)
 	if m := s.cfg.Metrics; m != nil {
 		m.PausedTopics.WithLabelValues(s.label).Set(float64(len(topics)))
 	}

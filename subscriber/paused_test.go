@@ -108,7 +108,13 @@ func enqueueTopics(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, pairs ...
 // delivers B's rows and none of A's for more than two poll intervals; A's
 // rows stay pending, untouched (attempts 0). Resumed, A's rows are
 // delivered at the wake-up that ResumeTopic sends, well before the next
-// poll; none is lost, none delivered twice. The relay's gauge follows.
+// poll, and a pause is read at its wake-up too; none is lost, none
+// delivered twice. The relay's gauge follows.
+//
+// The wake-ups are shown by a second relay that polls every 10 minutes: a
+// delivery (a read) within the 2-minute wait is not the poll's, however
+// slow the machine. The first polls every 2 s, for the polls that must
+// not deliver A.
 func TestPausedTopicDefaultRelay(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -119,28 +125,33 @@ func TestPausedTopicDefaultRelay(t *testing.T) {
 		t.Fatal(err)
 	}
 	const poll = 2 * time.Second
-	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: poll, Metrics: m})
-	msgs, err := s.Subscribe(ctx, subscriber.AllTopics)
+	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: poll, Metrics: m}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sctx, stop := context.WithCancel(ctx)
+	msgs, err := s.Subscribe(sctx, subscriber.AllTopics)
 	if err != nil {
 		t.Fatal(err)
 	}
 	log := consumePaused(t, msgs)
-	gauge := func() float64 { return testutil.ToFloat64(m.PausedTopics.WithLabelValues(tbl.Qualified())) }
+	gauge := func(m *metrics.Metrics) float64 {
+		return testutil.ToFloat64(m.PausedTopics.WithLabelValues(tbl.Qualified()))
+	}
 
 	// A first claim, so the relay is running and idle.
 	enqueue(t, pool, tbl, topicB, 1)
-	waitFor(t, "the first row of B was not delivered", 5*time.Second, func() bool { return log.count(topicB) == 1 })
+	waitFor(t, "the first row of B was not delivered", 2*time.Minute, func() bool { return log.count(topicB) == 1 })
 
 	res, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "consumer of A broken", false)
 	if err != nil || res.Changed != 1 || !res.Paused {
 		t.Fatalf("PauseTopic: %+v, %v", res, err)
 	}
-	// The pause's wake-up makes the relay read it (well before a poll).
-	waitFor(t, "the relay did not see the pause at its wake-up", poll/2, func() bool { return gauge() == 1 })
+	waitFor(t, "the relay did not see the pause", 2*time.Minute, func() bool { return gauge(m) == 1 })
 
 	idsA := enqueue(t, pool, tbl, topicA, 10)
 	enqueue(t, pool, tbl, topicB, 10)
-	waitFor(t, "B's rows were not delivered while A is paused", 5*time.Second, func() bool { return log.count(topicB) == 11 })
+	waitFor(t, "B's rows were not delivered while A is paused", 2*time.Minute, func() bool { return log.count(topicB) == 11 })
 	time.Sleep(2*poll + poll/4)
 	if n := log.count(topicA); n != 0 {
 		t.Fatalf("%d rows of paused topic A delivered", n)
@@ -158,21 +169,48 @@ func TestPausedTopicDefaultRelay(t *testing.T) {
 		t.Fatalf("Topics while A is paused: %+v", bl)
 	}
 
+	// The relay that polls every 10 minutes takes over.
+	stop()
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	const slowPoll = 10 * time.Minute
+	m2, err := metrics.New(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s2 := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: slowPoll, Metrics: m2})
+	msgs2, err := s2.Subscribe(ctx, subscriber.AllTopics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	log2 := consumePaused(t, msgs2)
+	enqueue(t, pool, tbl, topicB, 1)
+	waitFor(t, "the second relay did not deliver B's row", 2*time.Minute, func() bool { return log2.count(topicB) == 1 })
+	if n := log2.count(topicA); n != 0 || gauge(m2) != 1 {
+		t.Fatalf("the second relay delivered %d rows of paused topic A, outbox_paused_topics %v", n, gauge(m2))
+	}
+
 	start := time.Now()
 	if res, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil || res.Changed != 1 {
 		t.Fatalf("ResumeTopic: %+v, %v", res, err)
 	}
-	waitFor(t, "A's rows not delivered at the resume's wake-up", poll/2, func() bool { return log.count(topicA) == 10 })
-	t.Logf("A's 10 rows delivered %s after the resume (PollInterval %s)", time.Since(start).Round(time.Millisecond), poll)
-	if gauge() != 0 {
-		t.Fatalf("outbox_paused_topics = %v after the resume, want 0", gauge())
+	waitFor(t, "A's rows not delivered at the resume's wake-up", 2*time.Minute, func() bool { return log2.count(topicA) == 10 })
+	t.Logf("A's 10 rows delivered %s after the resume (PollInterval %s)", time.Since(start).Round(time.Millisecond), slowPoll)
+	if gauge(m2) != 0 {
+		t.Fatalf("outbox_paused_topics = %v after the resume, want 0", gauge(m2))
 	}
 	for _, id := range idsA {
-		waitFor(t, "row of A not published", 5*time.Second, func() bool { return state(t, pool, tbl, id).published })
+		waitFor(t, "row of A not published", 2*time.Minute, func() bool { return state(t, pool, tbl, id).published })
 	}
-	if d := log.duplicates(); d != 0 {
+	if d := log.duplicates() + log2.duplicates(); d != 0 {
 		t.Fatalf("%d duplicate deliveries", d)
 	}
+	// A pause is read at its wake-up too.
+	if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "again", false); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the relay did not see the pause at its wake-up", 2*time.Minute, func() bool { return gauge(m2) == 1 })
 }
 
 // TestPausedTopicTopicSubscription: a subscription to a paused topic claims
@@ -200,7 +238,7 @@ func TestPausedTopicTopicSubscription(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, id := range ids {
-		waitFor(t, "row not delivered after the resume", 5*time.Second, func() bool { return log.delivered(id) })
+		waitFor(t, "row not delivered after the resume", 2*time.Minute, func() bool { return log.delivered(id) })
 	}
 }
 
@@ -239,7 +277,7 @@ func TestPausedTopicOrderedRelay(t *testing.T) {
 	}
 	log := consumePaused(t, msgs)
 	for _, id := range ids[2:5] {
-		waitFor(t, "L's rows were not delivered while A is paused", 10*time.Second, func() bool { return log.delivered(id) })
+		waitFor(t, "L's rows were not delivered while A is paused", 2*time.Minute, func() bool { return log.delivered(id) })
 	}
 	time.Sleep(5 * cfg.PollInterval)
 	for _, id := range []string{a1, b2, unkeyedA} {
@@ -263,7 +301,7 @@ func TestPausedTopicOrderedRelay(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, id := range []string{a1, b2, unkeyedA} {
-		waitFor(t, "K's rows or the unkeyed A row not delivered after the resume", 10*time.Second, func() bool { return log.delivered(id) })
+		waitFor(t, "K's rows or the unkeyed A row not delivered after the resume", 2*time.Minute, func() bool { return log.delivered(id) })
 	}
 	log.mu.Lock()
 	var k []string
@@ -326,12 +364,12 @@ func TestPausedTopicsReadAtPollAndLoggedOnce(t *testing.T) {
 	if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "token "+secret, false); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the relay read the pause at a poll", 3*time.Second, func() bool { return gauge() == 1 })
+	waitFor(t, "the relay read the pause at a poll", 2*time.Minute, func() bool { return gauge() == 1 })
 	time.Sleep(time.Second) // five more polls
 	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the relay read the resume at a poll", 3*time.Second, func() bool { return gauge() == 0 })
+	waitFor(t, "the relay read the resume at a poll", 2*time.Minute, func() bool { return gauge() == 0 })
 	time.Sleep(500 * time.Millisecond)
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
@@ -366,7 +404,7 @@ func TestPausedTopicsTableMissing(t *testing.T) {
 	log := consumePaused(t, msgs)
 	ids := enqueue(t, pool, tbl, topicA, 3)
 	for _, id := range ids {
-		waitFor(t, "row delivered without the paused topics' table", 5*time.Second, func() bool { return log.delivered(id) })
+		waitFor(t, "row delivered without the paused topics' table", 2*time.Minute, func() bool { return log.delivered(id) })
 	}
 	time.Sleep(300 * time.Millisecond)
 	if err := s.Close(); err != nil {
@@ -397,17 +435,17 @@ func TestPausedTopicInFlightFinishes(t *testing.T) {
 	var msg *message.Message
 	select {
 	case msg = <-msgs:
-	case <-time.After(5 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("the row was not delivered")
 	}
 	if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "", false); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the relay read the pause", 3*time.Second, func() bool {
+	waitFor(t, "the relay read the pause", 2*time.Minute, func() bool {
 		return testutil.ToFloat64(m.PausedTopics.WithLabelValues(tbl.Qualified())) == 1
 	})
 	msg.Ack()
-	waitFor(t, "the in-flight row published after the pause", 5*time.Second, func() bool { return state(t, pool, tbl, id).published })
+	waitFor(t, "the in-flight row published after the pause", 2*time.Minute, func() bool { return state(t, pool, tbl, id).published })
 	go func() { // ends when the subscriber closes the channel
 		for m := range msgs {
 			m.Ack()
@@ -425,7 +463,12 @@ func TestPausedTopicHeldRowWaits(t *testing.T) {
 	tbl := testdb.Table(t, "paused_held", schema.WithAllColumns())
 	ids := enqueueTopics(t, pool, tbl, [2]string{"K", topicA}, [2]string{"K", topicB})
 	a1, b2 := ids[0], ids[1]
+	m, err := metrics.New(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	cfg := orderedCfg(tbl)
+	cfg.Metrics = m
 	cfg.Backoff = func(int) time.Duration { return 500 * time.Millisecond }
 	s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
 	if err != nil {
@@ -449,9 +492,16 @@ func TestPausedTopicHeldRowWaits(t *testing.T) {
 			first := len(got) == 1
 			mu.Unlock()
 			if first {
-				// Pause A, then fail A1: its retry is due in 500 ms.
+				// Pause A and, once the relay has read the pause, fail A1:
+				// its retry is due in 500 ms.
 				if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "", false); err != nil {
 					t.Error(err)
+				}
+				for deadline := time.Now().Add(2 * time.Minute); testutil.ToFloat64(m.PausedTopics.WithLabelValues(tbl.Qualified())) != 1; time.Sleep(10 * time.Millisecond) {
+					if time.Now().After(deadline) {
+						t.Error("the relay did not read the pause within 2 minutes")
+						break
+					}
 				}
 				msg.Nack()
 				continue
@@ -464,7 +514,7 @@ func TestPausedTopicHeldRowWaits(t *testing.T) {
 		defer mu.Unlock()
 		return append([]string(nil), got...)
 	}
-	waitFor(t, "A1 delivered once", 10*time.Second, func() bool { return len(deliveries()) >= 1 })
+	waitFor(t, "A1 delivered once", 2*time.Minute, func() bool { return len(deliveries()) >= 1 })
 	time.Sleep(2 * time.Second) // four times the retry's backoff
 	if d := deliveries(); len(d) != 1 || !strings.HasPrefix(d[0], a1+"/") {
 		t.Fatalf("deliveries while A is paused: %v; want A1's first only", d)
@@ -472,7 +522,7 @@ func TestPausedTopicHeldRowWaits(t *testing.T) {
 	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "A1 retried and B2 delivered after the resume", 10*time.Second, func() bool { return len(deliveries()) >= 3 })
+	waitFor(t, "A1 retried and B2 delivered after the resume", 2*time.Minute, func() bool { return len(deliveries()) >= 3 })
 	d := deliveries()
 	if !strings.HasPrefix(d[1], a1+"/") || !strings.HasPrefix(d[2], b2+"/") {
 		t.Fatalf("deliveries after the resume: %v; want A1 again, then B2", d)

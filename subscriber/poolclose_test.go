@@ -53,7 +53,7 @@ func TestRouterRunEndsThenPoolCloses(t *testing.T) {
 	runDone := make(chan error, 1)
 	go func() { runDone <- r.Run(ctx) }()
 	<-r.Running()
-	waitFor(t, "every row published", 60*time.Second, func() bool {
+	waitFor(t, "every row published", 2*time.Minute, func() bool {
 		for _, id := range ids {
 			if !state(t, pool, tbl, id).published {
 				return false
@@ -61,7 +61,7 @@ func TestRouterRunEndsThenPoolCloses(t *testing.T) {
 		}
 		return true
 	})
-	waitFor(t, "one leader and one standby", 60*time.Second, func() bool { return leader.IsLeader() != standby.IsLeader() })
+	waitFor(t, "one leader and one standby", 2*time.Minute, func() bool { return leader.IsLeader() != standby.IsLeader() })
 
 	cancel() // SIGTERM
 	select {
@@ -69,7 +69,7 @@ func TestRouterRunEndsThenPoolCloses(t *testing.T) {
 		if err != nil {
 			t.Fatalf("router run: %v", err)
 		}
-	case <-time.After(60 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("Router.Run did not return within 60s of its context ending")
 	}
 
@@ -80,7 +80,7 @@ func TestRouterRunEndsThenPoolCloses(t *testing.T) {
 	}()
 	select {
 	case <-closed:
-	case <-time.After(60 * time.Second):
+	case <-time.After(2 * time.Minute):
 		st := pool.Stat()
 		t.Fatalf("pool.Close still waits 60s after Router.Run returned: the subscribers hold %d connections", st.AcquiredConns())
 	}
@@ -117,13 +117,13 @@ func TestSubscribeAgainAfterEveryContextEnded(t *testing.T) {
 				t.Fatalf("round %d: got %s, want %s", round, msg.UUID, id)
 			}
 			msg.Ack()
-		case <-time.After(60 * time.Second):
+		case <-time.After(2 * time.Minute):
 			t.Fatalf("round %d: no message within 60s", round)
 		}
-		waitFor(t, "the row published", 60*time.Second, func() bool { return state(t, pool, tbl, id).published })
+		waitFor(t, "the row published", 2*time.Minute, func() bool { return state(t, pool, tbl, id).published })
 		cancel()
 		for range ch {
 		}
-		waitFor(t, "no connection held", 60*time.Second, func() bool { return pool.Stat().AcquiredConns() == 0 })
+		waitFor(t, "no connection held", 2*time.Minute, func() bool { return pool.Stat().AcquiredConns() == 0 })
 	}
 }

@@ -48,16 +48,16 @@ func TestSweepSkipsPausedTopic(t *testing.T) {
 	}
 	log := consumePaused(t, msgs)
 	enqueue(t, pool, tbl, topicB, 1)
-	waitFor(t, "the first row of B", 5*time.Second, func() bool { return log.count(topicB) == 1 })
+	waitFor(t, "the first row of B", 2*time.Minute, func() bool { return log.count(topicB) == 1 })
 	if res, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "broken consumer", false); err != nil || !res.Paused {
 		t.Fatalf("PauseTopic: %+v, %v", res, err)
 	}
-	waitFor(t, "the relay to see the pause", 5*time.Second, func() bool {
+	waitFor(t, "the relay to see the pause", 2*time.Minute, func() bool {
 		return testutil.ToFloat64(m.PausedTopics.WithLabelValues(tbl.Qualified())) == 1
 	})
 	idsA := enqueue(t, pool, tbl, topicA, 5)
 	enqueue(t, pool, tbl, topicB, 1)
-	waitFor(t, "B's row while A is paused", 5*time.Second, func() bool { return log.count(topicB) == 2 })
+	waitFor(t, "B's row while A is paused", 2*time.Minute, func() bool { return log.count(topicB) == 2 })
 	time.Sleep(3500 * time.Millisecond) // three sweeps
 	if n := log.count(topicA); n != 0 {
 		t.Fatalf("%d rows of paused topic A delivered (by the sweep)", n)
@@ -70,7 +70,7 @@ func TestSweepSkipsPausedTopic(t *testing.T) {
 	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "A's rows after the resume", 10*time.Second, func() bool { return log.count(topicA) == 5 })
+	waitFor(t, "A's rows after the resume", 2*time.Minute, func() bool { return log.count(topicA) == 5 })
 }
 
 // TestSweepCountsOnlyMissedRows: draining an ordinary backlog (no crash, no
@@ -78,7 +78,9 @@ func TestSweepSkipsPausedTopic(t *testing.T) {
 // outbox_sweep_claimed_total: the sweep claims only rows below the bound,
 // which the bounded claim cannot see. Before, the sweep ran the unbounded
 // claim and took (and counted) backlog rows the bounded claim would have
-// taken anyway.
+// taken anyway. LockTTL is 12 s (a sweep every 3 s), so that a row claimed
+// and waiting for the slow consumer on a loaded machine does not see its
+// lease expire (the sweep would rightly take it back, and count it).
 func TestSweepCountsOnlyMissedRows(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -87,7 +89,7 @@ func TestSweepCountsOnlyMissedRows(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 4 * time.Second, Metrics: m})
+	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 12 * time.Second, Metrics: m})
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
@@ -97,16 +99,18 @@ func TestSweepCountsOnlyMissedRows(t *testing.T) {
 	var got atomic.Int64
 	go func() {
 		for msg := range ch {
-			time.Sleep(2 * time.Millisecond) // the drain lasts at least 4 s: four sweeps
+			time.Sleep(4 * time.Millisecond) // the drain lasts at least 8 s: two sweeps or more
 			msg.Ack()
 			got.Add(1)
 		}
 	}()
 	enqueue(t, pool, tbl, "org.sweep.v1", 1)
-	waitFor(t, "the first row", 5*time.Second, func() bool { return got.Load() == 1 })
+	waitFor(t, "the first row", 2*time.Minute, func() bool { return got.Load() == 1 })
 	const n = 2000
 	enqueue(t, pool, tbl, "org.sweep.v1", n)
-	waitFor(t, "the backlog to drain", 2*time.Minute, func() bool { return got.Load() >= n+1 })
+	start := time.Now()
+	waitFor(t, "the backlog to drain", 5*time.Minute, func() bool { return got.Load() >= n+1 })
+	t.Logf("the backlog drained in %s (a sweep every 3 s)", time.Since(start).Round(time.Millisecond))
 	if c := testutil.ToFloat64(m.SweepClaimed.WithLabelValues(tbl.Qualified())); c != 0 {
 		t.Fatalf("outbox_sweep_claimed_total = %v after an ordinary backlog, want 0", c)
 	}
@@ -176,6 +180,12 @@ read:
 // work first and writes the outbox last (its row's available_at is its
 // transaction's start under the old default) is delivered at once, not by
 // the sweep. Before, the default was read once, at New.
+//
+// The verdict does not depend on the machine's speed: the sweep runs every
+// 5 minutes (LockTTL 20 minutes), its first run long after the test's
+// 2-minute wait, and only the sweep claims a row below a kept bound; so a
+// delivery within the wait is the claim loop's, and
+// outbox_sweep_claimed_total stays 0.
 func TestDownMigrationTurnsTheBoundOff(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -185,28 +195,33 @@ func TestDownMigrationTurnsTheBoundOff(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The sweep every 60 s: a delivery within 10 s is the claim loop's.
-	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: 4 * time.Minute, Metrics: m})
+	const lockTTL = 20 * time.Minute
+	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: lockTTL, Metrics: m})
 	d := consumeAll(t, s)
-	d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 3), 5*time.Second)
+	d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 3), time.Minute)
 	if _, err := pool.Exec(ctx, schema.AvailableAtDownSQL(tbl)); err != nil {
 		t.Fatal(err)
 	}
 	late := lateWriter(t, pool, tbl)
 	for range 5 {
 		time.Sleep(200 * time.Millisecond)
-		d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 1), 5*time.Second)
+		d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 1), time.Minute)
 	}
 	id := late()
-	if took := d.wait(t, []string{id}, 90*time.Second); took > 10*time.Second {
-		t.Fatalf("after the down migration a late writer's row was delivered %s after its commit (by the sweep): the relay kept the bound", took)
+	took, ok := d.within([]string{id}, 2*time.Minute)
+	if !ok {
+		t.Fatalf("after the down migration a late writer's row was not delivered within %s of its commit (the sweep runs every %s): the relay kept the bound", took.Round(time.Second), lockTTL/4)
+	}
+	t.Logf("after the down migration a late writer's row was delivered %s after its commit", took.Round(time.Millisecond))
+	if n := testutil.ToFloat64(m.SweepClaimed.WithLabelValues(tbl.Qualified())); n != 0 {
+		t.Fatalf("the sweep claimed %v rows, want 0: the relay kept the bound", n)
 	}
 	// And back up: the relay takes the bound again.
 	if _, err := pool.Exec(ctx, schema.AvailableAtUpSQL(tbl)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the bound after the up migration", 10*time.Second, func() bool {
-		d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 1), 5*time.Second)
+	waitFor(t, "the bound after the up migration", 2*time.Minute, func() bool {
+		d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 1), time.Minute)
 		_, set := subscriber.BoundOf(s)
 		return set
 	})
@@ -259,7 +274,7 @@ func TestBoundedClaimAdvancesDuringADrain(t *testing.T) {
 
 // TestKeyedRowWakesIdleDefaultRelay: a row with an ordering key, enqueued
 // into a table with the ordering columns, wakes an idle default relay at
-// once, with a poll interval of a minute, as an unkeyed row does. Before,
+// once, with a poll interval of 10 minutes, as an unkeyed row does. Before,
 // a keyed commit tried only the ordered relays' idle lock and the default
 // relay found the row at its next poll.
 func TestKeyedRowWakesIdleDefaultRelay(t *testing.T) {
@@ -267,13 +282,14 @@ func TestKeyedRowWakesIdleDefaultRelay(t *testing.T) {
 	pool := testdb.Pool(t)
 	ctx := context.Background()
 	tbl := testdb.Table(t, "keyed_wake_outbox", schema.WithAllColumns())
-	// The sweep every 60 s, the poll every minute: a delivery within 10 s
-	// is the wake-up's.
-	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: time.Minute, LockTTL: 4 * time.Minute})
+	// The poll and the sweep every 10 minutes: a delivery within the
+	// 2-minute wait is the wake-up's, however slow the machine.
+	const poll = 10 * time.Minute
+	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: poll, LockTTL: 4 * poll})
 	d := consumeAll(t, s)
-	d.wait(t, enqueue(t, pool, tbl, "org.keyed.v1", 1), 5*time.Second)
+	d.wait(t, enqueue(t, pool, tbl, "org.keyed.v1", 1), time.Minute)
 	for i := range 3 {
-		waitFor(t, "the relay to go idle", 10*time.Second, func() bool { return idleHeld(t, pool, tbl) })
+		waitFor(t, "the relay to go idle", 2*time.Minute, func() bool { return idleHeld(t, pool, tbl) })
 		id := uuid.New()
 		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 			_, err := publisher.Enqueue(ctx, tx, tbl, publisher.Message{TenantID: tenant, Topic: "org.keyed.v1", EventID: id,
@@ -282,8 +298,10 @@ func TestKeyedRowWakesIdleDefaultRelay(t *testing.T) {
 		}); err != nil {
 			t.Fatal(err)
 		}
-		if took := d.wait(t, []string{id.String()}, 90*time.Second); took > 10*time.Second {
-			t.Fatalf("a keyed row reached the idle default relay after %s (PollInterval 1m): its commit did not wake it", took)
+		took, ok := d.within([]string{id.String()}, 2*time.Minute)
+		if !ok {
+			t.Fatalf("a keyed row did not reach the idle default relay within %s (PollInterval %s): its commit did not wake it", took.Round(time.Second), poll)
 		}
+		t.Logf("keyed row %d delivered %s after its commit", i, took.Round(time.Millisecond))
 	}
 }

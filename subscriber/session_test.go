@@ -50,7 +50,7 @@ func TestLeaderSessionNamed(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			waitFor(t, "leadership", 60*time.Second, s.IsLeader)
+			waitFor(t, "leadership", 2*time.Minute, s.IsLeader)
 			name, ok := leaderSessionName(t, pool, tbl)
 			if !ok || name != tc.want[:min(len(tc.want), 63)] {
 				t.Fatalf("the leader session is named %q (found %v), want %q", name, ok, tc.want)
@@ -58,7 +58,7 @@ func TestLeaderSessionNamed(t *testing.T) {
 			cancel()
 			for range ch {
 			}
-			waitFor(t, "the leader connection back in the pool", 60*time.Second, func() bool { return pool.Stat().AcquiredConns() == 0 })
+			waitFor(t, "the leader connection back in the pool", 2*time.Minute, func() bool { return pool.Stat().AcquiredConns() == 0 })
 			for _, c := range pool.AcquireAllIdle(context.Background()) {
 				var got string
 				err := c.QueryRow(context.Background(), `SELECT current_setting('application_name')`).Scan(&got)

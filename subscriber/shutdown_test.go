@@ -43,7 +43,7 @@ func TestRouterCloseLetsInFlightMessagesFinish(t *testing.T) {
 	})
 	go func() { _ = r.Run(context.Background()) }()
 	<-r.Running()
-	waitFor(t, "5 messages in flight", 10*time.Second, func() bool { return started.Load() == 5 })
+	waitFor(t, "5 messages in flight", 2*time.Minute, func() bool { return started.Load() == 5 })
 	if err := r.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -92,7 +92,7 @@ func TestCloseCancelsInFlightAfterCloseTimeout(t *testing.T) {
 		if d := time.Since(begin); d < closeTimeout-50*time.Millisecond {
 			t.Fatalf("message context cancelled after %s, before CloseTimeout %s", d, closeTimeout)
 		}
-	case <-time.After(5 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("message context never cancelled after CloseTimeout")
 	}
 	if err := s.Close(); err != nil {
@@ -136,7 +136,7 @@ func TestClaimNotCancelledBetweenUpdateAndRows(t *testing.T) {
 	}
 	<-hooked
 	// Nothing reads the channel: no message is in flight.
-	waitFor(t, "leases given back", 5*time.Second, func() bool {
+	waitFor(t, "leases given back", 2*time.Minute, func() bool {
 		for _, id := range ids {
 			if st := state(t, pool, tbl, id); st.locked || st.attempts != 0 {
 				return false

@@ -14,7 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outboxkit/watermill-outbox/internal/redact"
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -237,19 +237,21 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	sub := &subscription{
-		s:       s,
-		topic:   topic,
-		out:     make(chan *message.Message),
-		ctx:     ctx,
-		cancel:  cancel,
-		slotted: make(chan struct{}, 1),
-		wake:    s.wake.register(),
-		logger:  s.logger.With(watermill.LogFields{"topic": topic}),
+		s:      s,
+		topic:  topic,
+		out:    make(chan *message.Message),
+		ctx:    ctx,
+		cancel: cancel,
+		wake:   s.wake.register(),
+		logger: s.logger.With(watermill.LogFields{"topic": topic}),
 	}
+	var stale func() int
 	if s.cfg.Ordered {
 		sub.ordered = newOrderedRelay(sub)
 		s.ordered = append(s.ordered, sub.ordered)
+		stale = sub.ordered.terms.StaleCount
 	}
+	sub.slots = keyed.NewSlots(s.cfg.MaxInFlight, stale)
 	s.subsWg.Add(1)
 	go func() {
 		defer s.subsWg.Done()
@@ -437,7 +439,30 @@ func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, o
 			watermill.LogFields{"event_id": c.row.EventID, "tenant_id": c.row.TenantID, "sequence": c.row.Sequence, "attempts": c.row.Attempts})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].row.Sequence < out[j].row.Sequence })
-	return out, len(parked), nil
+	return s.unpaused(out), len(parked), nil
+}
+
+// unpaused gives back, untouched (the claim's attempt undone), the rows of
+// out whose topic is paused now: a claim that chose its statement before
+// the relay read a pause may still have leased them. Once the relay has
+// logged a pause (pausedTopics stores the set first), no claim hands out
+// a row of the topic.
+func (s *Subscriber) unpaused(out []*claimed) []*claimed {
+	set := s.paused.set.Load()
+	if set == nil {
+		return out
+	}
+	var back []*claimed
+	kept := out[:0]
+	for _, c := range out {
+		if set.has(c.row.Topic) {
+			back = append(back, c)
+			continue
+		}
+		kept = append(kept, c)
+	}
+	s.release(back, 1)
+	return kept
 }
 
 // claimed is one leased row and its delivery state.
@@ -455,17 +480,13 @@ func (c *claimed) fence() (string, int32, time.Time) { return c.row.ID, c.row.At
 func (s *Subscriber) nack(c *claimed) {
 	ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
 	defer cancel()
-	err := c.slot.get()
-	text := "handler nacked the message without an error (add the subscriber.CaptureError middleware to record it)"
-	if err != nil {
-		text = err.Error()
-	}
-	summary := redact.Summary(text, c.row.Payload, s.cfg.LastErrorMaxBytes)
-	permanent := IsPermanent(err)
-	backoff := s.cfg.Backoff(int(c.row.Attempts))
+	f := s.cfg.policy().Judge(c.slot.get(), int(c.row.Attempts), c.row.Payload)
+	summary := f.Summary
+	// The statement decides dead with the same rule, on the row's count.
+	backoff := f.RetryIn
 	id, attempts, lockedAt := c.fence()
 	var dead bool
-	qerr := s.pool.QueryRow(ctx, s.q.Nack, id, attempts, lockedAt, summary, s.cfg.MaxAttempts, permanent, backoff.Seconds()).Scan(&dead)
+	qerr := s.pool.QueryRow(ctx, s.q.Nack, id, attempts, lockedAt, summary, s.cfg.MaxAttempts, f.Permanent, backoff.Seconds()).Scan(&dead)
 	s.observeDispatch(c, metrics.ResultFailure)
 	fields := watermill.LogFields{"event_id": c.row.EventID, "tenant_id": c.row.TenantID, "sequence": c.row.Sequence,
 		"attempts": c.row.Attempts, "error": summary}

@@ -202,14 +202,19 @@ func TestConcurrentSubscribersDrainExactlyOnce(t *testing.T) {
 		t.Fatalf("%d distinct events, want %d", len(seen), total)
 	}
 	var published int
-	waitFor(t, "all rows published", 10*time.Second, func() bool {
+	waitFor(t, "all rows published", 2*time.Minute, func() bool {
 		_ = pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE published_at IS NOT NULL AND locked_at IS NULL`).Scan(&published)
 		return published == total
 	})
 }
 
 // TestLeaseRecovery: a row claimed and abandoned comes back after LockTTL, and
-// the old holder's late ack is rejected by the fence.
+// the old holder's late ack is rejected by the fence. Each relay takes one
+// message at a time (MaxInFlight 1), so the holders of the two leases
+// cannot claim anything more, and the first is closed once its stale ack
+// is rejected: the second lease cannot expire and pass on while the test
+// looks at it, however slow the machine. LockTTL is measured between the
+// two leases' locked_at, in the database's clock.
 func TestLeaseRecovery(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -217,10 +222,18 @@ func TestLeaseRecovery(t *testing.T) {
 	ids := enqueue(t, pool, tbl, "org.lease.taken.v1", 1)
 	reg, m := newMetrics(t)
 	_ = reg
-	cfg := subscriber.Config{Table: tbl, DisableSingleActive: true, LockTTL: 500 * time.Millisecond,
+	const lockTTL = 3 * time.Second
+	cfg := subscriber.Config{Table: tbl, DisableSingleActive: true, LockTTL: lockTTL, BatchSize: 1, MaxInFlight: 1,
 		PollInterval: 50 * time.Millisecond, DisableLeaseExtension: true, CloseTimeout: 100 * time.Millisecond, Metrics: m}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
+	lockedAt := func() time.Time {
+		var at time.Time
+		if err := pool.QueryRow(ctx, `SELECT locked_at FROM `+tbl.Sanitize()+` WHERE event_id = $1`, ids[0]).Scan(&at); err != nil {
+			t.Fatal(err)
+		}
+		return at
+	}
 
 	first := newSub(t, pool, cfg)
 	ch1, err := first.Subscribe(ctx, subscriber.AllTopics)
@@ -231,12 +244,12 @@ func TestLeaseRecovery(t *testing.T) {
 	if old.UUID != ids[0] || old.Metadata.Get(schema.MetadataAttempts) != "1" {
 		t.Fatalf("first delivery %s attempts %s", old.UUID, old.Metadata.Get(schema.MetadataAttempts))
 	}
+	firstLease := lockedAt()
 	second := newSub(t, pool, cfg)
 	ch2, err := second.Subscribe(ctx, subscriber.AllTopics)
 	if err != nil {
 		t.Fatal(err)
 	}
-	start := time.Now()
 	var again *message.Message
 	select {
 	case again = <-ch2:
@@ -244,8 +257,8 @@ func TestLeaseRecovery(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("abandoned row was not claimed again")
 	}
-	if time.Since(start) < 300*time.Millisecond {
-		t.Fatalf("row re-claimed after %s, before its lease expired", time.Since(start))
+	if d := lockedAt().Sub(firstLease); d < lockTTL {
+		t.Fatalf("row re-claimed %s after its first lease, before the lease (%s) expired", d, lockTTL)
 	}
 	if again.UUID != ids[0] || again.Metadata.Get(schema.MetadataAttempts) != "2" {
 		t.Fatalf("second delivery %s attempts %s", again.UUID, again.Metadata.Get(schema.MetadataAttempts))
@@ -255,14 +268,17 @@ func TestLeaseRecovery(t *testing.T) {
 	}
 	// The old holder wakes up and acks: the fence rejects it.
 	old.Ack()
-	waitFor(t, "the stale ack to be rejected", 5*time.Second, func() bool {
+	waitFor(t, "the stale ack to be rejected", 2*time.Minute, func() bool {
 		return testutil.ToFloat64(m.FenceRejected.WithLabelValues(tbl.Qualified(), "ack")) == 1
 	})
+	if err := first.Close(); err != nil {
+		t.Fatal(err)
+	}
 	if st := state(t, pool, tbl, ids[0]); st.published || !st.locked || st.attempts != 2 {
 		t.Fatalf("stale ack changed the row: %+v", st)
 	}
 	again.Ack()
-	waitFor(t, "the current holder's ack", 5*time.Second, func() bool {
+	waitFor(t, "the current holder's ack", 2*time.Minute, func() bool {
 		st := state(t, pool, tbl, ids[0])
 		return st.published && !st.locked
 	})
@@ -297,7 +313,7 @@ func TestRetryBackoffThenDead(t *testing.T) {
 			mu.Unlock()
 			return time.Duration(n) * 200 * time.Millisecond
 		}})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
 	if err != nil {
@@ -315,7 +331,7 @@ func TestRetryBackoffThenDead(t *testing.T) {
 		nacked := time.Now()
 		msg.Nack()
 		if attempt < 3 {
-			waitFor(t, "the nack", 5*time.Second, func() bool { return !state(t, pool, tbl, ids[0]).locked })
+			waitFor(t, "the nack", 2*time.Minute, func() bool { return !state(t, pool, tbl, ids[0]).locked })
 			st := state(t, pool, tbl, ids[0])
 			// The nack set available_at = (its time) + backoff, its time
 			// after nacked: due plus the time since nacked is at least the
@@ -328,7 +344,7 @@ func TestRetryBackoffThenDead(t *testing.T) {
 	if d := deliveredAt[2].Sub(deliveredAt[1]); d < 350*time.Millisecond {
 		t.Fatalf("third attempt %s after the second; backoff not applied", d)
 	}
-	waitFor(t, "dead", 5*time.Second, func() bool {
+	waitFor(t, "dead", 2*time.Minute, func() bool {
 		st := state(t, pool, tbl, ids[0])
 		return !st.locked && st.attempts == 3
 	})
@@ -409,12 +425,12 @@ func TestPoisonMessagesDoNotBlock(t *testing.T) {
 	go func() { _ = r.Run(ctx) }()
 	<-r.Running()
 	defer func() { _ = r.Close() }()
-	waitFor(t, "healthy messages", 30*time.Second, func() bool {
+	waitFor(t, "healthy messages", 2*time.Minute, func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(done) == len(healthy)
 	})
-	waitFor(t, "bad messages dead", 30*time.Second, func() bool {
+	waitFor(t, "bad messages dead", 2*time.Minute, func() bool {
 		var dead int
 		_ = pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE published_at IS NULL AND dead_at IS NOT NULL AND locked_at IS NULL`).Scan(&dead)
 		return dead == 3
@@ -443,7 +459,7 @@ func TestSingleActive(t *testing.T) {
 	cfg := subscriber.Config{Table: tbl, PollInterval: 20 * time.Millisecond, ElectionInterval: 50 * time.Millisecond, Metrics: m}
 	a := newSub(t, testdb.NewPool(t, nil), cfg)
 	b := newSub(t, testdb.NewPool(t, nil), cfg)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	var counts [2]atomic.Int64
 	for i, s := range []*subscriber.Subscriber{a, b} {
@@ -458,7 +474,7 @@ func TestSingleActive(t *testing.T) {
 			}
 		}()
 	}
-	waitFor(t, "a leader", 5*time.Second, func() bool { return a.IsLeader() || b.IsLeader() })
+	waitFor(t, "a leader", 2*time.Minute, func() bool { return a.IsLeader() || b.IsLeader() })
 	time.Sleep(200 * time.Millisecond)
 	if a.IsLeader() == b.IsLeader() {
 		t.Fatalf("leaders: a=%v b=%v", a.IsLeader(), b.IsLeader())
@@ -468,7 +484,7 @@ func TestSingleActive(t *testing.T) {
 		leader, standby = 1, 0
 	}
 	enqueue(t, pool, tbl, "org.single.v1", 300)
-	waitFor(t, "300 deliveries", 20*time.Second, func() bool { return counts[0].Load()+counts[1].Load() == 300 })
+	waitFor(t, "300 deliveries", 2*time.Minute, func() bool { return counts[0].Load()+counts[1].Load() == 300 })
 	if counts[standby].Load() != 0 {
 		t.Fatalf("standby dispatched %d messages", counts[standby].Load())
 	}
@@ -535,13 +551,13 @@ func TestWakeUpWithoutPolling(t *testing.T) {
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "wake_outbox")
 	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: time.Hour})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	ch, err := s.Subscribe(ctx, "org.wake.v1")
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "leadership", 5*time.Second, s.IsLeader)
+	waitFor(t, "leadership", 2*time.Minute, s.IsLeader)
 	time.Sleep(200 * time.Millisecond) // let the first (empty) claim pass
 	for i := range 3 {
 		start := time.Now()
@@ -560,17 +576,20 @@ func TestWakeUpWithoutPolling(t *testing.T) {
 }
 
 // TestLeaseExtendedForSlowHandler: a handler slower than LockTTL keeps its
-// lease; the message is not delivered twice.
+// lease; the message is not delivered twice. LockTTL is 2 s, renewed every
+// second: a renewal on a loaded machine may come a second late before the
+// other subscriber could take the row.
 func TestLeaseExtendedForSlowHandler(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "slow_outbox")
 	ids := enqueue(t, pool, tbl, "org.slow.v1", 1)
 	_, m := newMetrics(t)
-	cfg := subscriber.Config{Table: tbl, DisableSingleActive: true, LockTTL: 300 * time.Millisecond, PollInterval: 20 * time.Millisecond, Metrics: m}
+	const lockTTL = 2 * time.Second
+	cfg := subscriber.Config{Table: tbl, DisableSingleActive: true, LockTTL: lockTTL, PollInterval: 20 * time.Millisecond, Metrics: m}
 	a := newSub(t, pool, cfg)
 	b := newSub(t, pool, cfg)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cha, _ := a.Subscribe(ctx, subscriber.AllTopics)
 	chb, _ := b.Subscribe(ctx, subscriber.AllTopics)
@@ -579,16 +598,16 @@ func TestLeaseExtendedForSlowHandler(t *testing.T) {
 	case msg = <-cha:
 	case msg = <-chb:
 	}
-	// Hold it for four lease lengths while the other subscriber polls.
+	// Hold it for three lease lengths while the other subscriber polls.
 	select {
 	case dup := <-cha:
 		t.Fatalf("delivered twice: %s", dup.UUID)
 	case dup := <-chb:
 		t.Fatalf("delivered twice: %s", dup.UUID)
-	case <-time.After(1200 * time.Millisecond):
+	case <-time.After(3 * lockTTL):
 	}
 	msg.Ack()
-	waitFor(t, "ack", 5*time.Second, func() bool { return state(t, pool, tbl, ids[0]).published })
+	waitFor(t, "ack", 2*time.Minute, func() bool { return state(t, pool, tbl, ids[0]).published })
 	if st := state(t, pool, tbl, ids[0]); st.attempts != 1 {
 		t.Fatalf("attempts %d, want 1", st.attempts)
 	}
@@ -614,7 +633,7 @@ func TestCloseWhileBlockedGivesLeasesBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	first := <-ch // delivered, never answered
-	waitFor(t, "the claim", 5*time.Second, func() bool {
+	waitFor(t, "the claim", 2*time.Minute, func() bool {
 		var locked int
 		_ = pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.Sanitize()+` WHERE locked_at IS NOT NULL`).Scan(&locked)
 		return locked == 50
@@ -626,7 +645,7 @@ func TestCloseWhileBlockedGivesLeasesBack(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-	case <-time.After(10 * time.Second):
+	case <-time.After(2 * time.Minute):
 		t.Fatal("Close blocked")
 	}
 	if err := s.Close(); err != nil {
@@ -656,17 +675,17 @@ func TestMetricsAfterKnownRun(t *testing.T) {
 	enqueue(t, pool, tbl, "org.metrics.ok.v1", 10)
 	_, m := newMetrics(t)
 	s := newSub(t, pool, subscriber.Config{Table: tbl, Metrics: m, StatsInterval: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	ch, _ := s.Subscribe(ctx, "org.metrics.ok.v1")
 	for range 10 {
 		(<-ch).Ack()
 	}
 	label := tbl.Qualified()
-	waitFor(t, "success count", 5*time.Second, func() bool {
+	waitFor(t, "success count", 2*time.Minute, func() bool {
 		return testutil.ToFloat64(m.DispatchTotal.WithLabelValues(label, "org.metrics.ok.v1", metrics.ResultSuccess)) == 10
 	})
-	waitFor(t, "gauges", 5*time.Second, func() bool {
+	waitFor(t, "gauges", 2*time.Minute, func() bool {
 		return testutil.ToFloat64(m.Pending.WithLabelValues(label)) == 0 && testutil.ToFloat64(m.Locked.WithLabelValues(label)) == 0
 	})
 	if n := testutil.CollectAndCount(m.DeliveryLag); n != 1 {
@@ -676,7 +695,7 @@ func TestMetricsAfterKnownRun(t *testing.T) {
 		t.Fatalf("dispatch latency series %d", n)
 	}
 	enqueue(t, pool, tbl, "org.metrics.later.v1", 3)
-	waitFor(t, "pending gauge", 5*time.Second, func() bool { return testutil.ToFloat64(m.Pending.WithLabelValues(label)) == 3 })
+	waitFor(t, "pending gauge", 2*time.Minute, func() bool { return testutil.ToFloat64(m.Pending.WithLabelValues(label)) == 3 })
 	if testutil.ToFloat64(m.RelayLeader.WithLabelValues(label)) != 1 {
 		t.Fatal("leader gauge")
 	}

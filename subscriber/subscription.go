@@ -4,11 +4,11 @@ import (
 	"context"
 	"math"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 )
 
 // subscription is one Subscribe call: a claim loop and one watcher per
@@ -24,12 +24,12 @@ type subscription struct {
 
 	ordered *orderedRelay // keyed rows, in ordered mode
 
-	// inflight counts the rows this subscription holds against
-	// MaxInFlight: reserved for a claim under way, claimed and not yet
+	// slots counts the rows this subscription holds against MaxInFlight
+	// (keyed.Slots): reserved for a claim under way, claimed and not yet
 	// handed over (the batch in hand, the pre-claimed batch, the sweep's),
-	// and delivered and not yet acked or nacked.
-	inflight  atomic.Int64
-	slotted   chan struct{} // a slot was freed
+	// delivered and not yet acked or nacked, the ordered relay's keyed
+	// runners, and the copies ended terms left in handlers.
+	slots     *keyed.Slots
 	watchers  sync.WaitGroup
 	stopOnce  sync.Once
 	stoppedCh chan struct{}
@@ -38,31 +38,10 @@ type subscription struct {
 // reserve takes up to want of the subscription's MaxInFlight slots for a
 // claim and returns how many (0: none free). Give back what the claim did
 // not fill with unreserve.
-func (sub *subscription) reserve(want int) int {
-	limit := int64(sub.s.cfg.MaxInFlight)
-	for {
-		cur := sub.inflight.Load()
-		k := min(int64(want), limit-cur)
-		if k <= 0 {
-			return 0
-		}
-		if sub.inflight.CompareAndSwap(cur, cur+k) {
-			return int(k)
-		}
-	}
-}
+func (sub *subscription) reserve(want int) int { return sub.slots.Reserve(want) }
 
 // unreserve gives n slots back.
-func (sub *subscription) unreserve(n int) {
-	if n <= 0 {
-		return
-	}
-	sub.inflight.Add(-int64(n))
-	select {
-	case sub.slotted <- struct{}{}:
-	default:
-	}
-}
+func (sub *subscription) unreserve(n int) { sub.slots.Unreserve(n) }
 
 // stopped is closed when the subscription must end: its context is done or
 // the subscriber is closing.
@@ -201,7 +180,7 @@ func (sub *subscription) run() {
 				select {
 				case <-stop:
 					return
-				case <-sub.slotted:
+				case <-sub.slots.Freed():
 				}
 				continue
 			}

@@ -60,7 +60,7 @@ func TestBoundedClaimWalkUnderAPin(t *testing.T) {
 	}()
 	for i := range 20 { // caught up, the bound near the head
 		enqueue(t, pool, tbl, "org.walk.v1", 1)
-		waitFor(t, "a delivery", 10*time.Second, func() bool { return got.Load() == int64(i+1) })
+		waitFor(t, "a delivery", 2*time.Minute, func() bool { return got.Load() == int64(i+1) })
 	}
 	pin, err := pgx.Connect(ctx, testdb.URL())
 	if err != nil {

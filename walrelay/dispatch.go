@@ -2,22 +2,17 @@ package walrelay
 
 import (
 	"context"
-	"errors"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/outboxkit/watermill-outbox/internal/redact"
-	"github.com/outboxkit/watermill-outbox/internal/term"
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/metrics"
-	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
 type keyQueue struct {
 	items    []*item
 	inFlight bool
 	retryAt  time.Time
-	waiting  bool // in stream.waiting: ready, held back by MaxInFlight
 	backoff  bool // the head failed and waits for its retry: the queue's streamed rows count in stream.behind
 }
 
@@ -51,13 +46,16 @@ func (st *stream) dispatch(ctx context.Context, key string) {
 		return
 	}
 	if q.inFlight || st.draining || st.s.terms.Stale(key) {
-		return // a stale copy's end dispatches again (terms.Freed); term I1
+		return // a stale copy's end dispatches again (terms.Freed); one copy per key
 	}
 	if q.retryAt.After(time.Now()) {
 		st.schedule(q.retryAt)
 		return
 	}
-	if st.full(key, q) {
+	if st.slots.Reserve(1) == 0 {
+		// MaxInFlight messages are out: the key waits for a settle
+		// (unwait), in order.
+		st.waiters.Add(key)
 		return
 	}
 	st.deliver(ctx, q, q.items[0])
@@ -103,191 +101,27 @@ func (st *stream) readable() bool {
 	return st.unsettled-st.behind < limit && st.unsettled < backoffReadAhead*limit
 }
 
-// full reports whether MaxInFlight messages are handed out already; the
-// key then waits for a settle (unwait).
-func (st *stream) full(key string, q *keyQueue) bool {
-	if st.delivering < st.s.cfg.MaxInFlight {
-		return false
-	}
-	if !q.waiting {
-		q.waiting = true
-		st.waiting = append(st.waiting, key)
-	}
-	return true
-}
-
 // unwait dispatches the keys that waited for room, oldest first, while
 // there is room.
 func (st *stream) unwait(ctx context.Context) {
-	n := 0
-	for n < len(st.waiting) && st.delivering < st.s.cfg.MaxInFlight {
-		key := st.waiting[n]
-		n++
-		if q := st.keys[key]; q != nil {
-			q.waiting = false
-			st.dispatch(ctx, key)
+	for !st.slots.Full() {
+		key, ok := st.waiters.Pop()
+		if !ok {
+			return
 		}
-	}
-	if n > 0 {
-		st.waiting = append(st.waiting[:0], st.waiting[n:]...)
+		st.dispatch(ctx, key)
 	}
 }
 
 func (st *stream) deliver(ctx context.Context, q *keyQueue, it *item) {
-	q.inFlight = true
-	st.delivering++
+	q.inFlight = true // its slot is reserved (dispatch)
 	st.backedOff(q)
 	it.attempts++
 	it.row.Attempts = int32(it.attempts) //nolint:gosec // bounded by MaxAttempts
 	st.inFlight.Add(1)
 	// The message is built by the pump, off the loop: the row is not
 	// written again until the delivery settles.
-	st.readyMu.Lock()
-	st.ready = append(st.ready, delivery{ctx: ctx, it: it})
-	st.readyMu.Unlock()
-	select {
-	case st.readyWake <- struct{}{}:
-	default:
-	}
-}
-
-// delivery is one delivery of an item, queued for the pump.
-type delivery struct {
-	ctx context.Context //nolint:containedctx // the delivery's own context, queued with it
-	it  *item
-}
-
-// waiting is a message handed to the subscriber's channel, waiting for its
-// ack or nack.
-type waiting struct {
-	delivery
-	msg      *message.Message
-	recorded func() error
-	cp       *term.Copy         // the message's copy in the relay's ledger
-	cancel   context.CancelFunc // ends the DispatchTimeout of the message's context
-}
-
-// waiterIdle is how long a waiter goroutine stays for the next message
-// before it ends.
-const waiterIdle = time.Second
-
-// pump hands the queued deliveries to the subscriber's channel one by one,
-// in the order the loop queued them, and each handed message to a waiter.
-// One goroutine blocks on the channel, where a goroutine per delivery had a
-// goroutine per key in flight parked on it (a fifth of the relay's CPU in a
-// drain went to waking them). It ends with the stream.
-func (st *stream) pump() {
-	var batch []delivery
-	for {
-		select {
-		case <-st.readyWake:
-		case <-st.gone:
-			return
-		}
-		st.readyMu.Lock()
-		batch, st.ready = st.ready, batch[:0]
-		st.readyMu.Unlock()
-		for i, d := range batch {
-			st.handOver(d)
-			batch[i] = delivery{}
-		}
-	}
-}
-
-// handOver builds d's message, hands it to the subscriber's channel and then
-// to a waiter, or settles d when it cannot.
-func (st *stream) handOver(d delivery) {
-	if d.ctx.Err() != nil {
-		// Stopped: not handed over (a select with out ready too would
-		// pick at random).
-		st.send(settle{it: d.it, stopped: true})
-		st.inFlight.Done()
-		return
-	}
-	msg, err := d.it.row.Message(st.s.cfg.Table)
-	if err != nil {
-		// A row that cannot become a message (bad headers) is dead at once.
-		st.send(settle{it: d.it, err: subscriber.Permanent(err)})
-		st.inFlight.Done()
-		return
-	}
-	// The message's context carries the session's values; the term sets
-	// it, cancelled when the session ends or the copy does (term I2).
-	// It also ends at DispatchTimeout (cancelled with the copy, below).
-	mctx, recorded := subscriber.ContextWithErrorRecorder(context.WithoutCancel(d.ctx))
-	mctx, cancel := context.WithTimeout(mctx, st.s.cfg.DispatchTimeout)
-	cp, err := st.term.Hand(mctx, d.it.key, msg)
-	if err != nil {
-		cancel()
-		if errors.Is(err, term.ErrKeyOut) {
-			// Not expected: dispatch asked the ledger, and a key has one
-			// delivery at a time in a session.
-			st.s.logger.Error("A copy of the key is still in a handler; not delivering it again", err, watermill.LogFields{"sequence": d.it.row.Sequence})
-		}
-		st.send(settle{it: d.it, stopped: true})
-		st.inFlight.Done()
-		return
-	}
-	select {
-	case st.out <- msg:
-	case <-d.ctx.Done():
-		cp.End(term.Withdrawn)
-		cancel()
-		st.send(settle{it: d.it, stopped: true})
-		st.inFlight.Done()
-		return
-	}
-	w := waiting{delivery: d, msg: msg, recorded: recorded, cp: cp, cancel: cancel}
-	select {
-	case st.waits <- w: // an idle waiter took it
-	default:
-		go st.waiter(w)
-	}
-}
-
-// waiter waits for w's verdict, sends it to the loop, then waits for the
-// messages handed to it while it is idle, up to waiterIdle: a goroutine
-// grows its stack once, not once per message. It ends with the stream.
-func (st *stream) waiter(w waiting) {
-	idle := time.NewTimer(waiterIdle)
-	defer idle.Stop()
-	for {
-		select {
-		case <-w.msg.Acked():
-			if w.cp.End(term.Acked) {
-				st.send(settle{it: w.it, ack: true})
-			} else {
-				st.send(settle{it: w.it, stopped: true}) // the session ended first: not recorded (term I3)
-			}
-		case <-w.msg.Nacked():
-			if !w.cp.End(term.Nacked) {
-				st.send(settle{it: w.it, stopped: true}) // term I3
-				break
-			}
-			err := w.recorded()
-			if err == nil {
-				err = errors.New("nacked")
-			}
-			st.send(settle{it: w.it, err: err})
-		case <-w.ctx.Done():
-			// The session ended with the message in a handler: its
-			// context is cancelled (term I2), and the ledger follows the
-			// copy; no later session delivers its key until the copy ends
-			// (its verdict, recorded nowhere, CloseTimeout, or the relay's
-			// stop: I1, I3, I4).
-			st.send(settle{it: w.it, stopped: true})
-		}
-		w.cancel()
-		st.inFlight.Done()
-		idle.Reset(waiterIdle)
-		select {
-		case w = <-st.waits:
-		case <-idle.C:
-			return
-		case <-st.gone:
-			return
-		}
-	}
+	st.hand.queue(delivery{ctx: ctx, it: it})
 }
 
 func (st *stream) onSettle(ctx context.Context, v settle) {
@@ -297,22 +131,25 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		return
 	}
 	q.inFlight = false
-	st.delivering--
 	if v.stopped {
+		st.slots.Unreserve(1)
 		return // stopping: the row stays unsettled, the next relay delivers it
 	}
 	defer st.unwait(ctx)
-	if dead := !v.ack && (subscriber.IsPermanent(v.err) || it.attempts >= st.s.cfg.MaxAttempts); dead && it.tx != nil {
-		// The dead write must find the row (invariant V): it waits for the
+	var f keyed.Failure // a nack's outcome: retry or dead
+	if !v.ack {
+		f = st.s.policy().Judge(v.err, it.attempts, it.row.Payload)
+	}
+	if !v.ack && f.Dead && it.tx != nil {
+		// The dead write must find the row (a dead write waits for its row to be visible): it waits for the
 		// row's transaction to be visible, the verdict kept, the row not
 		// delivered again.
-		ok, err := st.visible(ctx, it.tx.xid)
+		ok, err := st.vis.visible(ctx, it.tx.xid)
 		if err != nil {
 			st.s.logger.Error("Could not tell whether a rejected row is visible; trying again", err, watermill.LogFields{"sequence": it.row.Sequence})
 		}
 		if err != nil || !ok {
-			q.inFlight = true
-			st.delivering++
+			q.inFlight = true // it keeps its slot until the settle comes back
 			st.inFlight.Add(1)
 			time.AfterFunc(visibleDelay(it.unseen), func() {
 				defer st.inFlight.Done()
@@ -323,6 +160,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			return
 		}
 	}
+	st.slots.Unreserve(1)
 	if m := st.s.cfg.Metrics; m != nil {
 		label := st.s.cfg.Table.Qualified()
 		result := metrics.ResultFailure
@@ -334,9 +172,9 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		}
 		m.DispatchTotal.WithLabelValues(label, it.row.Topic, result).Inc()
 	}
-	if !v.ack && !subscriber.IsPermanent(v.err) && it.attempts < st.s.cfg.MaxAttempts {
-		q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
-		it.lastErr = redact.Summary(v.err.Error(), it.row.Payload, st.s.cfg.LastErrorMaxBytes)
+	if !v.ack && !f.Dead {
+		q.retryAt = time.Now().Add(f.RetryIn)
+		it.lastErr = f.Summary
 		st.backingOff(q)
 		st.s.logger.Debug("Nacked: key held until the retry", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
 		if (len(q.items) > st.s.cfg.MaxInFlight || st.moreInTable(it)) && st.spill(ctx, it.key, q) {
@@ -347,7 +185,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	}
 	deadChanged := false
 	if !v.ack {
-		last := redact.Summary(v.err.Error(), it.row.Payload, st.s.cfg.LastErrorMaxBytes)
+		last := f.Summary
 		var key *string
 		if k := it.row.OrderingKey; k != nil && *k != "" && st.s.cols.OrderingKey {
 			key = k
@@ -387,7 +225,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	q.retryAt = time.Time{}
 	if h := st.holdOf(it); v.ack && it.tx != nil && h.replayedBy(it) {
 		// The held row's replay: settled once its drain is written
-		// (invariant R, hold.acked).
+		// (a replay's ack waits for its drain, hold.acked).
 		st.settleAcked(h)
 		h.acked = it
 	} else {
@@ -410,7 +248,7 @@ func (st *stream) settled(it *item) {
 		return
 	}
 	st.fromTable--
-	if h := st.holdOf(it); h != nil && h.draining {
+	if h := st.holdOf(it); h != nil && h.State == keyed.Draining {
 		h.left--
 	}
 }

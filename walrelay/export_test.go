@@ -18,5 +18,5 @@ func PeakRows(s *Subscriber) int64 { return s.peakRows.Load() }
 func Spilled(s *Subscriber) int64 { return s.spilled.Load() }
 
 // Unseen is the number of times s put a statement off until a streamed
-// transaction was visible (invariant V).
+// transaction was visible (a dead write waits for its row to be visible).
 func Unseen(s *Subscriber) int64 { return s.unseen.Load() }

@@ -20,7 +20,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/walrelay"
 )
 
-// The tests of this file check the WAL relay's write fence (invariant F,
+// The tests of this file check the WAL relay's write fence (the write fence,
 // walrelay.go; docs/WAL.md, "Sessions are terms"): a write of a session
 // that no longer holds the slot changes nothing, and a write that passed
 // the fence before the session ended commits before the next session reads
@@ -63,12 +63,13 @@ func pauseWrite(t *testing.T, op, phase string) (hook func(string, string), reac
 	}, reached, release
 }
 
+// waitClosed waits until c is closed, for at most liveness.
 func waitClosed(t *testing.T, c chan struct{}, what string) {
 	t.Helper()
 	select {
 	case <-c:
-	case <-time.After(15 * time.Second):
-		t.Fatalf("%s: not within 15s", what)
+	case <-time.After(liveness):
+		t.Fatalf("%s: not within %s", what, liveness)
 	}
 }
 
@@ -165,7 +166,7 @@ func TestWALHandoverWaitsForAWriteThatPassedTheFence(t *testing.T) {
 	rb.consume(t, b, nil)
 	waitFor(t, 15*time.Second, "B holds the slot", b.Active)
 	waited := false
-	for deadline := time.Now().Add(3 * time.Second); !waited && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+	for deadline := time.Now().Add(liveness); !waited && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 		var n int
 		err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted`).Scan(&n)
 		waited = err == nil && n == 1

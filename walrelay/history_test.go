@@ -91,7 +91,7 @@ func TestWALHistory(t *testing.T) {
 	// the crash the pool's connections fail once each.
 	retry := func(what string, f func() error) {
 		var err error
-		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		for deadline := time.Now().Add(liveness); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 			if err = f(); err == nil {
 				return
 			}
@@ -430,7 +430,7 @@ func TestWALHistory(t *testing.T) {
 	produced.Wait()
 
 	// Settle: every event acked or skipped.
-	deadline := time.Now().Add(60 * time.Second)
+	deadline := time.Now().Add(liveness)
 	for {
 		mu.Lock()
 		left := 0
@@ -463,7 +463,7 @@ func TestWALHistory(t *testing.T) {
 				_ = os.WriteFile(path, []byte(strings.Join(trace.lines, "\n")), 0o600)
 				trace.mu.Unlock()
 			}
-			t.Fatalf("rule 1: %d events neither acked nor skipped after 60 s; holds %+v", left, held)
+			t.Fatalf("rule 1: %d events neither acked nor skipped after %s; holds %+v", left, liveness, held)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -714,7 +714,7 @@ func enqueueLate(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, keys []stri
 	}
 	// The commit failed (the crash): which rows were committed?
 	missing := map[string]bool{}
-	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+	for deadline := time.Now().Add(liveness); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 		found := map[string]bool{}
 		rows, err := pool.Query(ctx, `SELECT event_id::text FROM `+tbl.Sanitize()+` WHERE event_id = ANY($1)`, ids)
 		if err != nil {

@@ -8,6 +8,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pglogrepl"
+
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 )
 
 // hold is an ordering key held back by a dead row (persisted in the holds
@@ -23,13 +25,14 @@ import (
 // retryAt the relay reads the key's rows from the held row on and delivers
 // them (startRetry), the held row first, with its attempts.
 type hold struct {
-	retrying  bool      // the held row is not dead: it is retried at retryAt
-	retryAt   time.Time // retrying: when the held row is due
-	attempts  int       // retrying: the held row's attempts so far
-	seq       int64     // the held row's sequence
-	through   int64     // rows of the key up to it went through a drain (or were skipped): park their copies
-	draining  bool
-	released  bool          // a tombstone
+	// keyed.Hold: the held row (Seq), its attempts so far, when a
+	// retrying hold's row is due (DueAt), and the state: Dead (also after
+	// an operator's replay of it, until its ack), Retrying (spilled: its
+	// retry reads the key's rows from the table), Replayed (a retrying
+	// hold's row replayed by an operator), Draining (the parked rows are
+	// delivered from the table), Resolved (a tombstone).
+	keyed.Hold
+	through   int64         // rows of the key up to it went through a drain (or were skipped): park their copies
 	untilLSN  pglogrepl.LSN // the WAL position after the last drain's read
 	wantDrain bool          // a drain was asked for and its statements failed
 	maxRead   int64         // draining: the last sequence read from the table
@@ -40,7 +43,7 @@ type hold struct {
 	more   bool
 	unseen int // the drain waits for streamed rows to be visible: its tries so far (visible.go)
 	// acked is the held row's replay, acked and not settled until the
-	// drain it starts is written (invariant R): the confirmed position
+	// drain it starts is written (a replay's ack waits for its drain): the confirmed position
 	// does not pass the replay's UPDATE before the hold says draining, so
 	// a session that ends first leaves the replay to be streamed again.
 	acked *item
@@ -49,7 +52,7 @@ type hold struct {
 // replayedBy reports whether it, acked, is the held row delivered again
 // (a replay): its ack starts the hold's drain. A nil hold holds nothing.
 func (h *hold) replayedBy(it *item) bool {
-	return h != nil && !h.draining && !h.released && it.row.Sequence == h.seq
+	return h != nil && h.State != keyed.Draining && h.Open() && it.row.Sequence == h.Seq
 }
 
 // settleAcked settles the held row's acked replay that waited for its
@@ -79,15 +82,15 @@ func (st *stream) parks(it *item) bool {
 		return false
 	}
 	seq := it.row.Sequence
-	replayOfHeld := it.replay && seq == h.seq && !h.draining && !h.released
+	replayOfHeld := it.replay && seq == h.Seq && h.State != keyed.Draining && h.Open()
 	switch {
 	case replayOfHeld:
 		return false
-	case it.replay && h.released:
+	case it.replay && h.State == keyed.Resolved:
 		// An operator's replay after the hold was resolved (of the skipped
 		// row, say) is new work, not a copy of a drained row.
 		return false
-	case it.replay && seq < h.seq:
+	case it.replay && seq < h.Seq:
 		// An operator's replay of an earlier row of the key (a dead row the
 		// key went past): new work too. The hold's own drains read only
 		// rows after its row; an earlier drain that read this row after
@@ -96,12 +99,12 @@ func (st *stream) parks(it *item) bool {
 		return false
 	case seq <= h.through:
 		return true
-	case h.released:
+	case h.State == keyed.Resolved:
 		return false
-	case h.draining:
+	case h.State == keyed.Draining:
 		return seq <= h.maxRead || h.more
 	}
-	return seq >= h.seq
+	return seq >= h.Seq
 }
 
 // holdKey holds the key of a row that went dead: its queued rows are
@@ -109,7 +112,7 @@ func (st *stream) parks(it *item) bool {
 // drain's through is kept.
 func (st *stream) holdKey(key string, seq int64, q *keyQueue) {
 	st.backedOff(q)
-	h := &hold{seq: seq}
+	h := &hold{Hold: keyed.Hold{Seq: seq, State: keyed.Dead}}
 	if old := st.holds[key]; old != nil {
 		h.through = max(old.through, old.maxRead)
 		st.settleAcked(old)
@@ -134,7 +137,7 @@ func (st *stream) afterAck(ctx context.Context, it *item) {
 	switch {
 	case h.replayedBy(it):
 		st.startDrain(ctx, key, h)
-	case h.draining && h.left == 0:
+	case h.State == keyed.Draining && h.left == 0:
 		st.drained(ctx, key, h)
 	}
 }
@@ -187,8 +190,8 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 	s := st.s
 	h.wantDrain = true
 	// The drain reads the rows parked behind the hold from the table: it
-	// waits until every row the stream parked is visible (invariant V).
-	if ok, err := st.visible(ctx); err != nil || !ok {
+	// waits until every row the stream parked is visible (a dead write waits for its row to be visible).
+	if ok, err := st.vis.visible(ctx); err != nil || !ok {
 		if err != nil {
 			s.logger.Error("Could not tell whether the streamed rows are visible; retrying at the next tick", err, nil)
 			return
@@ -199,10 +202,10 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 		return
 	}
 	h.unseen = 0
-	after, sql, op := h.seq, s.q.Drain, "drain"
+	after, sql, op := h.Seq, s.q.Drain, "drain"
 	switch mode {
 	case drainRetry:
-		after, sql, op = h.seq-1, s.q.RetryDrain, "retry"
+		after, sql, op = h.Seq-1, s.q.RetryDrain, "retry"
 	case drainNext:
 		after = h.maxRead
 	}
@@ -224,7 +227,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 		s.logger.Error("Could not read the WAL position; retrying at the next tick", err, nil)
 		return
 	}
-	maxRead := h.seq
+	maxRead := h.Seq
 	if mode == drainNext {
 		maxRead = h.maxRead
 	}
@@ -232,7 +235,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 		maxRead = max(maxRead, items[len(items)-1].row.Sequence)
 	}
 	var n int
-	if ok, err := st.write(ctx, op, sql, []any{&n}, key, h.seq, maxRead, lsnText); err != nil || !ok {
+	if ok, err := st.write(ctx, op, sql, []any{&n}, key, h.Seq, maxRead, lsnText); err != nil || !ok {
 		if err != nil {
 			s.logger.Error("Could not mark a hold draining; retrying at the next tick", err, nil)
 		}
@@ -241,18 +244,17 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 	if retry && n == 0 {
 		// A skip was requested while the hold was retrying: the held row
 		// is not delivered, the rows behind it are.
-		h.retrying = false
+		h.State = keyed.SkipRequested
 		st.startDrain(ctx, key, h)
 		return
 	}
-	if retry && len(items) > 0 && items[0].row.Sequence == h.seq {
-		items[0].attempts = max(h.attempts, int(items[0].row.Attempts))
+	if retry && len(items) > 0 && items[0].row.Sequence == h.Seq {
+		items[0].attempts = max(h.Attempts, int(items[0].row.Attempts))
 	}
 	// A drain after the held row's ack or skip retries no more; nor does
 	// a retry's next batch (its held row was acked: the batch before it
 	// is settled).
-	h.retrying = h.retrying && retry
-	h.draining, h.wantDrain, h.maxRead, h.left, h.untilLSN = true, false, maxRead, len(items), lsn
+	h.State, h.wantDrain, h.maxRead, h.left, h.untilLSN = keyed.Draining, false, maxRead, len(items), lsn
 	h.more = len(items) == batch
 	if h.acked != nil {
 		st.settleAcked(h) // the hold says draining: the replay's position may pass
@@ -261,7 +263,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 	if mode != drainNext {
 		s.logger.Info("Hold drains: the key's parked rows are delivered", watermill.LogFields{"rows": len(items), "retry": retry, "more": h.more})
 	}
-	s.logger.Trace("Drain", watermill.LogFields{"key": key, "sequence": h.seq, "rows": len(items), "max_read": h.maxRead, "retry": retry, "more": h.more})
+	s.logger.Trace("Drain", watermill.LogFields{"key": key, "sequence": h.Seq, "rows": len(items), "max_read": h.maxRead, "retry": retry, "more": h.more})
 	if len(items) == 0 {
 		st.release(ctx, key, h)
 		return
@@ -279,7 +281,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 }
 
 // spill spills the backlog of q, whose head waits for its retry, to a
-// retrying hold (invariant S): the hold is written first, at the head
+// retrying hold (a spill loses nothing): the hold is written first, at the head
 // (schema.WALQueries.Spill, fenced, with the head's attempts and last
 // error on its row); then the key's rows leave memory, settled in the
 // stream as parked rows, and the hold retries at the head's retry time.
@@ -319,13 +321,13 @@ func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
 			st.fromTable-- // a drained row is read again at the retry
 		}
 	}
-	h := &hold{seq: head.row.Sequence, through: through, retrying: true, retryAt: q.retryAt, attempts: head.attempts}
+	h := &hold{Hold: keyed.Hold{Seq: head.row.Sequence, State: keyed.Retrying, DueAt: q.retryAt, Attempts: head.attempts}, through: through}
 	st.holds[okey] = h
 	q.items, q.retryAt = nil, time.Time{}
 	st.s.spilled.Add(1)
-	st.schedule(h.retryAt)
-	st.s.logger.Info("A retrying key's rows spilled to its hold: they are delivered from the table at the retry", watermill.LogFields{"sequence": h.seq, "rows": rows})
-	st.s.logger.Trace("Spill", watermill.LogFields{"key": okey, "sequence": h.seq, "rows": rows})
+	st.schedule(h.DueAt)
+	st.s.logger.Info("A retrying key's rows spilled to its hold: they are delivered from the table at the retry", watermill.LogFields{"sequence": h.Seq, "rows": rows})
+	st.s.logger.Trace("Spill", watermill.LogFields{"key": okey, "sequence": h.Seq, "rows": rows})
 	st.advance()
 	st.dispatch(ctx, key) // drops the empty queue
 	return true
@@ -337,7 +339,7 @@ func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
 // memory with the batch.
 func (st *stream) moreInTable(it *item) bool {
 	h := st.holdOf(it)
-	return h != nil && h.draining && h.more
+	return h != nil && h.State == keyed.Draining && h.more
 }
 
 // spillable reports whether q's backlog can be spilled: the relay is not
@@ -360,7 +362,7 @@ func (st *stream) spillable(q *keyQueue) bool {
 		}
 	}
 	h := st.holdOf(head)
-	return h == nil || h.released || h.draining
+	return h == nil || h.State == keyed.Resolved || h.State == keyed.Draining
 }
 
 // relieve spills the retrying keys with the most rows queued while the
@@ -391,21 +393,21 @@ func (st *stream) retryHolds(ctx context.Context) {
 	}
 	now := time.Now()
 	for key, h := range st.holds {
-		if h.draining && h.left == 0 && h.more && h.wantDrain {
+		if h.State == keyed.Draining && h.left == 0 && h.more && h.wantDrain {
 			st.drainFrom(ctx, key, h, drainNext) // its next batch waited for the stream's rows to be visible
 			continue
 		}
-		if h.draining || h.released {
+		if h.State == keyed.Draining || h.State == keyed.Resolved {
 			continue
 		}
-		if !h.retrying {
+		if h.State != keyed.Retrying {
 			if h.unseen > 0 && h.wantDrain {
 				st.startDrain(ctx, key, h) // it waited for the stream's rows to be visible
 			}
 			continue
 		}
-		if h.retryAt.After(now) {
-			st.schedule(h.retryAt)
+		if h.DueAt.After(now) {
+			st.schedule(h.DueAt)
 			continue
 		}
 		st.startRetry(ctx, key, h)
@@ -444,25 +446,25 @@ func mergeDrained(q *keyQueue, drained []*item) []*item {
 func (st *stream) release(ctx context.Context, key string, h *hold) {
 	through := max(h.through, h.maxRead)
 	var n int
-	if ok, err := st.write(ctx, "release", st.s.q.Release, []any{&n}, key, h.seq, through); err != nil || !ok {
+	if ok, err := st.write(ctx, "release", st.s.q.Release, []any{&n}, key, h.Seq, through); err != nil || !ok {
 		if err != nil {
 			st.s.logger.Error("Could not release a hold; retrying at the next tick", err, nil)
 		}
 		return
 	}
-	h.released, h.draining, h.retrying, h.through = true, false, false, through
-	st.s.logger.Trace("Release", watermill.LogFields{"key": key, "sequence": h.seq, "through": through})
+	h.State, h.through = keyed.Resolved, through
+	st.s.logger.Trace("Release", watermill.LogFields{"key": key, "sequence": h.Seq, "through": through})
 	st.forget(ctx, key, h)
 }
 
 // forget deletes a tombstone once the confirmed position passed every copy
 // of the rows it parks.
 func (st *stream) forget(ctx context.Context, key string, h *hold) {
-	if !h.released || h.untilLSN > st.confirmed {
+	if h.Open() || h.untilLSN > st.confirmed {
 		return
 	}
 	var n int
-	if ok, err := st.write(ctx, "forget", st.s.q.Forget, []any{&n}, key, h.seq); err != nil || !ok {
+	if ok, err := st.write(ctx, "forget", st.s.q.Forget, []any{&n}, key, h.Seq); err != nil || !ok {
 		if err != nil {
 			st.s.logger.Error("Could not delete a hold's tombstone; retrying at the next tick", err, nil)
 		}
@@ -507,7 +509,10 @@ func (st *stream) loadHolds(ctx context.Context) error {
 		return err
 	}
 	for _, r := range list {
-		h := &hold{seq: r.seq, through: r.through, released: r.released}
+		h := &hold{Hold: keyed.Hold{Seq: r.seq, State: keyed.Dead}, through: r.through}
+		if r.released {
+			h.State = keyed.Resolved
+		}
 		if r.until != "" {
 			if h.untilLSN, err = pglogrepl.ParseLSN(r.until); err != nil {
 				return fmt.Errorf("read the holds: %w", err)
@@ -517,11 +522,10 @@ func (st *stream) loadHolds(ctx context.Context) error {
 		// first tick): until then its key's rows are parked. A retrying
 		// hold is retried at once, from its held row (draining or not:
 		// its held row's ack was not recorded).
-		h.retrying = r.retrying && !r.released
-		if h.retrying {
-			h.retryAt = time.Now()
+		if r.retrying && !r.released {
+			h.State, h.DueAt = keyed.Retrying, time.Now()
 		}
-		h.wantDrain = r.draining && !r.released && !h.retrying
+		h.wantDrain = r.draining && !r.released && h.State != keyed.Retrying
 		st.holds[r.key] = h
 	}
 	return nil
@@ -542,19 +546,19 @@ func (st *stream) tickHolds(ctx context.Context) {
 	}
 	for _, r := range list {
 		h := st.holds[r.key]
-		if h == nil || h.seq != r.seq {
+		if h == nil || h.Seq != r.seq {
 			continue
 		}
 		switch {
-		case h.released:
+		case h.State == keyed.Resolved:
 			st.forget(ctx, r.key, h)
-		case h.retrying && !h.draining && !r.skipd:
-			if !time.Now().Before(h.retryAt) {
+		case h.State == keyed.Retrying && !r.skipd:
+			if !time.Now().Before(h.DueAt) {
 				st.startRetry(ctx, r.key, h) // a retry whose statements failed before
 			}
-		case !h.draining && (r.skipd || r.draining || h.wantDrain):
+		case h.State != keyed.Draining && (r.skipd || r.draining || h.wantDrain):
 			st.startDrain(ctx, r.key, h)
-		case h.draining && h.left == 0:
+		case h.State == keyed.Draining && h.left == 0:
 			st.drained(ctx, r.key, h) // a next batch or a release that failed before
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -103,8 +104,8 @@ func (st *stream) backfilledCopy(it *item) bool {
 // delivered now, as the replay of a dead held row is; the hold no longer
 // retries on its own (its drain follows the replay's ack).
 func (st *stream) replayed(it *item) {
-	if h := st.holdOf(it); h != nil && h.retrying && !h.draining && it.replay && it.row.Sequence == h.seq {
-		h.retrying = false
+	if h := st.holdOf(it); h != nil && h.State == keyed.Retrying && it.replay && it.row.Sequence == h.Seq {
+		h.State = keyed.Replayed
 	}
 }
 
@@ -332,7 +333,7 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 		}
 		// The read must see the replay, not the row before it.
 		wctx, cancel := context.WithTimeout(ctx, replayReadTimeout)
-		err = st.waitVisible(wctx, st.cur.xid)
+		err = st.vis.waitVisible(wctx, st.cur.xid)
 		cancel()
 		if err != nil {
 			return err
@@ -359,7 +360,7 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 		return err
 	}
 	it := &item{row: row, key: keyOf(row), tx: st.cur, replay: replay}
-	st.saw(st.cur.xid)
+	st.vis.saw(st.cur.xid)
 	st.cur.rows++
 	if st.cur.buffered {
 		st.cur.items = append(st.cur.items, it)
@@ -381,7 +382,7 @@ func (st *stream) earlierOfHeld(key *string, seq int64) bool {
 		return false
 	}
 	h := st.holds[*key]
-	return h != nil && !h.released && seq < h.seq
+	return h != nil && h.Open() && seq < h.Seq
 }
 
 // readItems reads rows from the table (the columns of ClaimedRow.Scan,

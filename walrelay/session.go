@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -77,22 +78,18 @@ type stream struct {
 	retry     *time.Timer
 	retryAt   time.Time      // when retry fires; zero when it is not armed
 	inFlight  sync.WaitGroup // deliveries under way
-	readyMu   sync.Mutex
-	ready     []delivery    // queued by the loop for the pump, oldest first
-	readyWake chan struct{} // capacity 1: the pump has deliveries
-	waits     chan waiting  // to an idle waiter
 	// horizon candidates (xid8 text, the WAL position after it), oldest
 	// first; one becomes the horizon once the confirmed position passes it.
 	candidates []candidate
 	holds      map[string]*hold // by ordering key
-	// unseen are the transactions the stream read rows of that a snapshot
-	// has not shown visible yet (visible.go).
-	unseen []uint32
-	// delivering counts the keys with a message handed out and not
-	// settled: at most MaxInFlight, however many keys one transaction
-	// brings. Keys ready beyond it wait in waiting, in order.
-	delivering int
-	waiting    []string
+	hand       *handoff         // hands the deliveries to out and their verdicts back (handoff.go)
+	vis        visibility       // which transactions read are visible yet (visible.go)
+	// slots counts the keys with a message handed out and not settled,
+	// with the copies ended sessions left in handlers: at most
+	// MaxInFlight, however many keys one transaction brings. Keys ready
+	// beyond it wait in waiters, in order.
+	slots   *keyed.Slots
+	waiters keyed.Waiters
 	// behind counts the streamed rows queued on keys whose head waits for
 	// its retry: the stream is read on while the other unsettled rows are
 	// under MaxInFlight (a retrying key does not stop the other keys), up
@@ -214,7 +211,8 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	defer s.oldestUnsettled.Store(0)
 	s.logger.Info("WAL relay active", nil)
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*relation{}, keys: map[string]*keyQueue{},
-		settles: make(chan settle, 1024), gone: make(chan struct{}), readyWake: make(chan struct{}, 1), waits: make(chan waiting)}
+		settles: make(chan settle, 1024), gone: make(chan struct{}),
+		slots: keyed.NewSlots(s.cfg.MaxInFlight, s.terms.StaleCount), vis: visibility{pool: s.pool, waits: &s.unseen}}
 	if err := s.pool.QueryRow(ctx, schema.WALTableOID, s.cfg.Table.Sanitize()).Scan(&st.oid); err != nil {
 		return fmt.Errorf("look up the relation id of %s: %w", s.cfg.Table, err)
 	}
@@ -222,14 +220,15 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	// The session is a term of the relay's ledger; its context is the
 	// deliveries' context, the backfill's included. Every return of the
 	// stream ends the term (the contexts of its messages still in handlers
-	// are cancelled: term I2) and waits for the deliveries first (deferred
+	// are cancelled: a term's end cancels its messages) and waits for the deliveries first (deferred
 	// calls run in reverse): none outlives the stream, so none is handed to
 	// out once it may be closed, and a copy the term's end left in a
-	// handler holds its key back from the next sessions (I1).
+	// handler holds its key back from the next sessions (one copy per key).
 	st.term = s.terms.Begin(ctx, 0, s.sessions.Add(1))
 	dctx := st.term.Context()
 	defer st.stop()
-	go st.pump()
+	st.hand = newHandoff(st)
+	go st.hand.pump()
 	// The session's writes are fenced by its walsender (the fence
 	// invariant, at the top of this file): it holds the slot now; every
 	// write of an earlier session either committed before the holds are
@@ -244,8 +243,8 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	}
 	st.retry = time.NewTimer(time.Hour)
 	for _, h := range st.holds {
-		if h.retrying {
-			st.schedule(h.retryAt) // a retrying hold of an earlier session: due at once
+		if h.State == keyed.Retrying {
+			st.schedule(h.DueAt) // a retrying hold of an earlier session: due at once
 		}
 	}
 	if backfill != nil {
@@ -547,7 +546,7 @@ func (st *stream) drain(recv chan received) error {
 // would block on it while the loop waits. A dropped verdict leaves its row
 // unsettled (the next relay delivers it again); the position recorded does
 // not pass it. The loop applies verdicts only before it calls stop: no
-// verdict of an ended term is recorded (term I3). It is idempotent.
+// verdict of an ended term is recorded (a verdict of an ended term is not progress). It is idempotent.
 func (st *stream) stop() {
 	st.term.End()
 	done := make(chan struct{})
@@ -632,7 +631,7 @@ func (st *stream) progress(pos pglogrepl.LSN) bool {
 	}
 	st.candidates = st.candidates[n:]
 	if xmin, err := strconv.ParseUint(c.xid, 10, 64); err == nil {
-		st.pruneBefore(xmin) // older transactions are visible
+		st.vis.pruneBefore(xmin) // older transactions are visible
 	}
 	kept := len(st.candidates) < maxCandidates
 	if kept {

@@ -132,7 +132,14 @@ type spillCase struct {
 
 const (
 	spillInFlight = 8
-	spillBackoff  = 3 * time.Second
+	// spillBackoff is long beside everything the test waits for while the
+	// hot head waits (the spill, the held keys, the other keys' rows, which
+	// come within milliseconds on a quiet machine), so that a loaded
+	// machine does not see the backoff end first.
+	spillBackoff = 10 * time.Second
+	// spillOthers is how long the other keys get rows after the hot head's
+	// failure: well within the backoff.
+	spillOthers = 2500 * time.Millisecond
 )
 
 func spillConfig(c *walrelay.Config) {
@@ -140,7 +147,7 @@ func spillConfig(c *walrelay.Config) {
 	c.Backoff = func(int) time.Duration { return spillBackoff }
 }
 
-// runSpill: key hot's head fails once and waits for a 3 s backoff while hot
+// runSpill: key hot's head fails once and waits for a 10 s backoff while hot
 // gets 10 x MaxInFlight more rows and ten other keys get rows every 20 ms.
 // The other keys' rows are delivered within c.latency (p99) of their
 // commit; hot's rows all come after its head succeeds, in order; every row
@@ -172,7 +179,7 @@ func runSpill(t *testing.T, c spillCase) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		for i := 0; time.Since(failedAt) < spillBackoff-500*time.Millisecond; i++ {
+		for i := 0; time.Since(failedAt) < spillOthers; i++ {
 			ids, err := enqueueErr(pool, tbl, false, "c"+strconv.Itoa(i%10), "c"+strconv.Itoa((i+3)%10), "c"+strconv.Itoa((i+6)%10))
 			if err != nil {
 				t.Error(err)
@@ -204,7 +211,7 @@ func runSpill(t *testing.T, c spillCase) {
 		terminateWalsender(t, pool)
 		release()
 	} else {
-		waitFor(t, 5*time.Second, "the hot key spilled", func() bool { return walrelay.Spilled(s) >= 1 })
+		waitFor(t, 2*time.Minute, "the hot key spilled", func() bool { return walrelay.Spilled(s) >= 1 })
 		held, err := runbook.HeldKeys(ctx, pool, tbl, 10)
 		if err != nil {
 			t.Fatal(err)
@@ -229,8 +236,8 @@ func runSpill(t *testing.T, c spillCase) {
 	mu.Lock()
 	all := append(append([]uuid.UUID(nil), hot...), others...)
 	mu.Unlock()
-	waitFor(t, 30*time.Second, "every row acked", func() bool { return l.allAcked(all) })
-	waitFor(t, 10*time.Second, "no hold left", func() bool {
+	waitFor(t, 2*time.Minute, "every row acked", func() bool { return l.allAcked(all) })
+	waitFor(t, 2*time.Minute, "no hold left", func() bool {
 		held, err := runbook.HeldKeys(ctx, pool, tbl, 10)
 		return err == nil && len(held) == 0
 	})
@@ -288,14 +295,15 @@ func runSpill(t *testing.T, c spillCase) {
 	}
 }
 
-// TestWALRetryingKeySpillsItsBacklog (item 14): the other keys' rows are
-// delivered p99 under 500 ms while the hot key waits 3 s with 10 x
-// MaxInFlight rows behind its head (they waited for the backoff: the
+// TestWALRetryingKeySpillsItsBacklog (item 14): the other keys' rows,
+// committed in the first 2.5 s, are delivered p99 under 5 s (milliseconds
+// on a quiet machine) while the hot key waits 10 s with 10 x MaxInFlight
+// rows behind its head (they waited for the backoff, at least 7.5 s: the
 // stream stopped at 4 x MaxInFlight); the hot key is held as retrying, and
 // its rows come in order after its head.
 func TestWALRetryingKeySpillsItsBacklog(t *testing.T) {
 	t.Parallel()
-	runSpill(t, spillCase{name: "spill", latency: 500 * time.Millisecond})
+	runSpill(t, spillCase{name: "spill", latency: spillBackoff / 2})
 }
 
 // TestWALSpillSurvivesASessionCut: the replication session is cut in the

@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // Streamed is not yet visible. The walsender sends a transaction once its
@@ -16,8 +19,8 @@ import (
 // verdict, the read of a held key's parked rows, the read of a replayed row
 // whose payload the UPDATE left out) must not run before the row's
 // transaction is visible: it would find no row (or the row before the
-// replay) and the relay would take "nothing there" for "settled" (invariant
-// V, docs/WAL.md "A streamed row may not be visible yet").
+// replay) and the relay would take "nothing there" for "settled" (a dead
+// write waits for its row to be visible; docs/WAL.md "A streamed row may not be visible yet").
 //
 // The stream keeps the transaction ids of the transactions it read rows of
 // (unseen) until a snapshot shows them visible: every progress record
@@ -96,51 +99,64 @@ func precedes(xid uint32, ref uint64) bool {
 	return int32(xid-uint32(ref)) < 0 //nolint:gosec // modular comparison of transaction ids
 }
 
+// visibility tells whether the transactions a session read rows of are
+// visible to a new snapshot: the stream reads a transaction's rows once it
+// commits, a moment before its commit is visible to other sessions, and a
+// statement about its rows (a dead write, a drain's read) waits for that.
+// The session loop owns it.
+type visibility struct {
+	pool *pgxpool.Pool
+	// unseen are the transactions the stream read rows of that a snapshot
+	// has not shown visible yet, oldest first.
+	unseen []uint32
+	waits  *atomic.Int64 // the relay's count of waits (tests)
+}
+
 // saw records that the stream read rows of transaction xid.
-func (st *stream) saw(xid uint32) {
-	if n := len(st.unseen); n > 0 && st.unseen[n-1] == xid {
+func (v *visibility) saw(xid uint32) {
+	if n := len(v.unseen); n > 0 && v.unseen[n-1] == xid {
 		return
 	}
-	st.unseen = append(st.unseen, xid)
+	v.unseen = append(v.unseen, xid)
 }
 
 // pruneBefore drops the unseen transactions older than xmin, the oldest
 // transaction running in a snapshot: they are visible.
-func (st *stream) pruneBefore(xmin uint64) {
-	kept := st.unseen[:0]
-	for _, x := range st.unseen {
+func (v *visibility) pruneBefore(xmin uint64) {
+	kept := v.unseen[:0]
+	for _, x := range v.unseen {
 		if !precedes(x, xmin) {
 			kept = append(kept, x)
 		}
 	}
-	st.unseen = kept
+	v.unseen = kept
 }
 
 // visible reports whether the transactions xids are visible to a new
 // snapshot, or, with none given, every transaction the stream read rows
 // of. It prunes the unseen transactions the snapshot shows visible; asked
 // about none with none unseen, it asks the server nothing.
-func (st *stream) visible(ctx context.Context, xids ...uint32) (bool, error) {
-	if len(xids) == 0 && len(st.unseen) == 0 {
+func (v *visibility) visible(ctx context.Context, xids ...uint32) (bool, error) {
+	if len(xids) == 0 && len(v.unseen) == 0 {
 		return true, nil
 	}
 	var text string
-	if err := st.s.pool.QueryRow(ctx, `SELECT pg_current_snapshot()::text`).Scan(&text); err != nil {
+	if err := v.pool.QueryRow(ctx, `SELECT pg_current_snapshot()::text`).Scan(&text); err != nil {
 		return false, fmt.Errorf("read a snapshot: %w", err)
 	}
 	snap, err := parseSnapshot(text)
 	if err != nil {
 		return false, err
 	}
-	kept := st.unseen[:0]
-	for _, x := range st.unseen {
+	kept := v.unseen[:0]
+	for _, x := range v.unseen {
 		if !snap.sees(x) {
 			kept = append(kept, x)
 		}
 	}
-	st.unseen = kept
+	v.unseen = kept
 	if len(xids) == 0 {
-		return len(st.unseen) == 0, nil
+		return len(v.unseen) == 0, nil
 	}
 	for _, x := range xids {
 		if !snap.sees(x) {
@@ -153,13 +169,13 @@ func (st *stream) visible(ctx context.Context, xids ...uint32) (bool, error) {
 // waitVisible waits until transaction xid is visible, for a statement that
 // the loop cannot put off (the read of a replayed row). It gives up with
 // ctx.
-func (st *stream) waitVisible(ctx context.Context, xid uint32) error {
+func (v *visibility) waitVisible(ctx context.Context, xid uint32) error {
 	for n := 0; ; n++ {
-		ok, err := st.visible(ctx, xid)
+		ok, err := v.visible(ctx, xid)
 		if err != nil || ok {
 			return err
 		}
-		st.s.unseen.Add(1)
+		v.waits.Add(1)
 		t := time.NewTimer(visibleDelay(n))
 		select {
 		case <-ctx.Done():

@@ -279,7 +279,7 @@ func TestWALReplayOfAnOutOfLineRowWaitsForItToBeVisible(t *testing.T) {
 // the hold as plain dead and never streamed the replay again, so the rows
 // parked behind it were never delivered (found by TestWALHistory's late
 // batches). Now the replay is settled only once the hold says draining
-// (invariant R): the next relay streams the replay again and drains.
+// (a replay's ack waits for its drain): the next relay streams the replay again and drains.
 func TestWALReplayAckedBeforeItsDrainSurvivesClose(t *testing.T) {
 	t.Parallel()
 	pool, tbl := unseenCluster(t)

@@ -33,18 +33,18 @@
 // Sessions are terms of the relay's term ledger (package internal/term, the
 // core the ordered relay uses too; docs/WAL.md, "Sessions are terms"):
 // every message is handed out as a copy registered under the live session
-// (term.Term.Hand), so the core's invariants hold here: (I1) at most one
+// (term.Term.Hand), so the core's invariants hold here: (one copy per key) at most one
 // copy of a key is out in the relay, and a session hands out no key that a
 // copy of an ended session still holds (term.Ledger.Stale; its end wakes
-// the loop through term.Ledger.Freed); (I2) a session's end cancels the
-// contexts of its messages still in handlers; (I3) a verdict counts only
+// the loop through term.Ledger.Freed); (a term's end cancels its messages) a session's end cancels the
+// contexts of its messages still in handlers; (a verdict of an ended term is not progress) a verdict counts only
 // if its copy ended under the live session, and only the session's loop
 // applies verdicts, before it ends its term (the position it confirms at
-// its end covers only those); (I4) a
+// its end covers only those); (nothing waits forever) a
 // copy an ended session left in a handler ends at its verdict, CloseTimeout
 // after the session ended, or the relay's stop.
 //
-// (F) The session fences its writes in the database, across relay
+// The write fence: the session fences its writes in the database, across relay
 // processes: every write of holds, dead rows or progress (the statements
 // of schema.WALQueries: MarkDeadHold, Spill, Drain, which applies skips
 // too, RetryDrain, Release, Forget, Progress) applies only while the session's own
@@ -57,8 +57,8 @@
 // holds, or changes nothing. A refused write is counted
 // (outbox_fence_rejected_total), logged, not retried, and ends the session.
 //
-// (S) A spill never loses a row nor lets a key's later row pass its head:
-// the retrying hold commits (fenced, F) before the key's rows leave
+// A spill loses nothing: a spill never loses a row nor lets a key's later row pass its head:
+// the retrying hold commits (fenced, the write fence) before the key's rows leave
 // memory, so the confirmed position passes a row only once it is settled
 // or covered by a hold in the table; while the hold is retrying, every
 // streamed row of the key from the head on is parked; its retry reads the
@@ -67,10 +67,10 @@
 // session that finds a retrying hold (after a crash, a cut or a restart)
 // retries it at once, from the head.
 //
-// (R) A replay's ack does not outrun its drain: the acked replay of a held
+// A replay's ack waits for its drain: the acked replay of a held
 // row stays unsettled (the confirmed position does not pass its UPDATE)
 // until the drain it starts is written and the hold says draining. A
-// session that ends first (its drain waiting for invariant V, or a failed
+// session that ends first (its drain waiting for its rows to be visible, or a failed
 // write) leaves the replay to be streamed again by the next session, which
 // delivers it again and drains; before, the next session read the hold as
 // plain dead and the rows parked behind it were never delivered.
@@ -92,6 +92,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -429,7 +430,7 @@ func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 	defer close(out)
 	// After the last session: the copies left in handlers by ended
 	// sessions no longer hold anything back, and the goroutines that
-	// follow them end (term I4).
+	// follow them end (nothing waits forever).
 	defer s.terms.Close()
 	for ctx.Err() == nil {
 		err := s.stream(ctx, out)
@@ -450,4 +451,10 @@ func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 		case <-time.After(s.cfg.ElectionInterval):
 		}
 	}
+}
+
+// policy is the decision about failed attempts, the same as the ordered
+// and default relays' (keyed.Policy).
+func (s *Subscriber) policy() keyed.Policy {
+	return keyed.Policy{MaxAttempts: s.cfg.MaxAttempts, Backoff: s.cfg.Backoff, LastErrorMaxBytes: s.cfg.LastErrorMaxBytes, Permanent: subscriber.IsPermanent}
 }

@@ -50,6 +50,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/examples/plumbing"
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -72,7 +73,7 @@ var (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, databaseURL())
+	err := run(ctx, os.Stdout, plumbing.DatabaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "amqp:", err)
@@ -109,20 +110,20 @@ func (t topics) all() []string { return []string{t.organizationCreated, t.member
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out := &syncWriter{W: w}
-	logger := newLogger()
+	out := &plumbing.SyncWriter{W: w}
+	logger := plumbing.NewLogger()
 	brokerURL := amqpURL()
 	tp, err := newTopics()
 	if err != nil {
 		return err
 	}
 
-	pool, err := connect(ctx, dbURL)
+	pool, err := plumbing.Connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := createSchema(ctx, pool)
+	ns, dropSchema, err := plumbing.CreateSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -168,7 +169,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 		consumer.AddConsumerHandler("print_"+topic, topic, amqpSubscriber, printer.Handle)
 		fmt.Fprintf(out, "consumer group %s reads %s from queue %s\n", consumerGroup, topic, consumerAMQP.Queue.GenerateName(topic))
 	}
-	stopConsumer, err := startRouter(ctx, consumer)
+	stopConsumer, err := plumbing.StartRouter(ctx, consumer)
 	if err != nil {
 		return fmt.Errorf("consumer: %w", err)
 	}
@@ -222,7 +223,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	if err != nil {
 		return err
 	}
-	stopRelay, err := startForwarder(ctx, fwd)
+	stopRelay, err := plumbing.StartForwarder(ctx, fwd)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
@@ -235,7 +236,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 			return fmt.Errorf("waiting for RabbitMQ deliveries: %w", ctx.Err())
 		}
 	}
-	if err := waitAllPublished(ctx, pool, outbox); err != nil {
+	if err := plumbing.WaitAllPublished(ctx, pool, outbox); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "received %d events from RabbitMQ; all %d outbox rows published\n", len(events), len(events))

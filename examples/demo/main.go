@@ -2,7 +2,7 @@
 // PostgreSQL to an in-process Kafka cluster, printing what arrived on Kafka.
 //
 // It starts a one-broker Kafka-protocol cluster inside the process
-// (franz-go's kfake, startKafka in plumbing.go; Watermill's Kafka backend talks to
+// (franz-go's kfake, plumbing.StartKafka; Watermill's Kafka backend talks to
 // it over the network as to any Kafka), creates an outbox table in a fresh
 // schema, commits five events for two tenants in two transactions, relays
 // them with forwarder.New(sub, kafkaPublisher, forwarder.Config{}, logger),
@@ -37,6 +37,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kfake"
 
+	"github.com/outboxkit/watermill-outbox/examples/plumbing"
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/router/kafkabackend"
@@ -59,7 +60,7 @@ var (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, databaseURL())
+	err := run(ctx, os.Stdout, plumbing.DatabaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
@@ -71,10 +72,10 @@ func main() {
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	logger := newLogger()
+	logger := plumbing.NewLogger()
 
 	// Kafka: an in-process cluster, 3 partitions per topic.
-	cluster, err := startKafka()
+	cluster, err := plumbing.StartKafka()
 	if err != nil {
 		return err
 	}
@@ -82,12 +83,12 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 
 	// PostgreSQL: an outbox table (with the optional trace and headers
 	// columns) in a fresh schema.
-	pool, err := connect(ctx, dbURL)
+	pool, err := plumbing.Connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := createSchema(ctx, pool)
+	ns, dropSchema, err := plumbing.CreateSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -141,12 +142,12 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	if err != nil {
 		return err
 	}
-	stopRelay, err := startForwarder(ctx, fwd)
+	stopRelay, err := plumbing.StartForwarder(ctx, fwd)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
 	defer func() { err = errors.Join(err, stopRelay()) }()
-	if err := waitAllPublished(ctx, pool, table); err != nil {
+	if err := plumbing.WaitAllPublished(ctx, pool, table); err != nil {
 		return err
 	}
 	if err := stopRelay(); err != nil {

@@ -43,6 +43,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/outboxkit/watermill-outbox/examples/plumbing"
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/router"
@@ -61,7 +62,7 @@ type OrganizationCreated struct {
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, databaseURL())
+	err := run(ctx, os.Stdout, plumbing.DatabaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "existing_router:", err)
@@ -81,15 +82,15 @@ type tables struct {
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out := &syncWriter{W: w}
-	logger := newLogger()
+	out := &plumbing.SyncWriter{W: w}
+	logger := plumbing.NewLogger()
 
-	pool, err := connect(ctx, dbURL)
+	pool, err := plumbing.Connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := createSchema(ctx, pool)
+	ns, dropSchema, err := plumbing.CreateSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -140,7 +141,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	sort.Strings(names)
 	fmt.Fprintf(out, "router handlers: %s\n", strings.Join(names, ", "))
 
-	stopRouter, err := startRouter(ctx, r)
+	stopRouter, err := plumbing.StartRouter(ctx, r)
 	if err != nil {
 		return fmt.Errorf("router: %w", err)
 	}
@@ -184,7 +185,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 			return fmt.Errorf("waiting for the search indexer: %w", ctx.Err())
 		}
 	}
-	if err := waitSettled(ctx, pool, t.outbox); err != nil {
+	if err := plumbing.WaitSettled(ctx, pool, t.outbox); err != nil {
 		return err
 	}
 	var published, indexed int
@@ -362,24 +363,4 @@ CREATE TABLE ` + t.processed + ` (
 		return tables{}, fmt.Errorf("create example tables: %w", err)
 	}
 	return t, nil
-}
-
-// waitSettled waits until every row of t is published or dead.
-func waitSettled(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		var pending int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+t.Sanitize()+` WHERE published_at IS NULL AND dead_at IS NULL`).Scan(&pending); err != nil {
-			return fmt.Errorf("count pending rows: %w", err)
-		}
-		if pending == 0 {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%d rows of %s neither published nor dead in time: %w", pending, t, ctx.Err())
-		case <-tick.C:
-		}
-	}
 }

@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/outboxkit/watermill-outbox/examples/plumbing"
 )
 
 func TestMain(m *testing.M) {
@@ -24,7 +26,7 @@ func testDatabaseURL() string {
 	if u := os.Getenv("TEST_DATABASE_URL"); u != "" {
 		return u
 	}
-	return databaseURL()
+	return plumbing.DatabaseURL()
 }
 
 const uuidRE = `[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}`

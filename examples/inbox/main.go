@@ -37,6 +37,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/examples/plumbing"
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/inbox"
 	"github.com/outboxkit/watermill-outbox/publisher"
@@ -62,7 +63,7 @@ type OrderPlaced struct {
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, databaseURL())
+	err := run(ctx, os.Stdout, plumbing.DatabaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "inbox:", err)
@@ -81,15 +82,15 @@ type tables struct {
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out := &syncWriter{W: w}
-	logger := newLogger()
+	out := &plumbing.SyncWriter{W: w}
+	logger := plumbing.NewLogger()
 
-	pool, err := connect(ctx, dbURL)
+	pool, err := plumbing.Connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := createSchema(ctx, pool)
+	ns, dropSchema, err := plumbing.CreateSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -116,7 +117,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	// turns a panic (re-raised by the inbox after its rollback) into a nack.
 	r.AddMiddleware(subscriber.CaptureError, middleware.Recoverer, ib.Middleware)
 	r.AddConsumerHandler("billing.create-invoice", TopicOrderPlaced, bus, billing.Handle)
-	stopRouter, err := startRouter(ctx, r)
+	stopRouter, err := plumbing.StartRouter(ctx, r)
 	if err != nil {
 		return fmt.Errorf("consumer: %w", err)
 	}
@@ -140,12 +141,12 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	if err != nil {
 		return err
 	}
-	stopRelay, err := startForwarder(ctx, fwd)
+	stopRelay, err := plumbing.StartForwarder(ctx, fwd)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
 	defer func() { err = errors.Join(err, stopRelay()) }()
-	if err := waitAllPublished(ctx, pool, t.shopOutbox); err != nil {
+	if err := plumbing.WaitAllPublished(ctx, pool, t.shopOutbox); err != nil {
 		return err
 	}
 

@@ -14,7 +14,7 @@
 //
 // Brokers come from OUTBOX_KAFKA_BROKERS (host:port,...). When it is unset
 // the example starts an in-process Kafka-protocol cluster
-// (startKafka in plumbing.go); in your service, delete that fallback. The database
+// (plumbing.StartKafka); in your service, delete that fallback. The database
 // is OUTBOX_DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test).
 package main
 
@@ -43,6 +43,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/examples/plumbing"
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/router"
@@ -68,7 +69,7 @@ var (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, databaseURL())
+	err := run(ctx, os.Stdout, plumbing.DatabaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "kafka:", err)
@@ -88,8 +89,8 @@ type tables struct {
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out := &syncWriter{W: w}
-	logger := newLogger()
+	out := &plumbing.SyncWriter{W: w}
+	logger := plumbing.NewLogger()
 
 	brokers, topicPrefix, stopKafka, err := kafkaBrokers(out)
 	if err != nil {
@@ -98,12 +99,12 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	defer stopKafka()
 	topic := topicPrefix + TopicMemberInvited // the Kafka topic
 
-	pool, err := connect(ctx, dbURL)
+	pool, err := plumbing.Connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := createSchema(ctx, pool)
+	ns, dropSchema, err := plumbing.CreateSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -152,7 +153,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	)
 	billing := &seatBilling{pool: pool, tables: t, out: out, handled: make(chan handled, 2*len(invites))}
 	consumer.AddConsumerHandler("seat_billing", topic, kafkaSubscriber, billing.Handle)
-	stopConsumer, err := startRouter(ctx, consumer)
+	stopConsumer, err := plumbing.StartRouter(ctx, consumer)
 	if err != nil {
 		return fmt.Errorf("consumer: %w", err)
 	}
@@ -178,7 +179,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	if err != nil {
 		return err
 	}
-	stopRelay, err := startForwarder(ctx, fwd)
+	stopRelay, err := plumbing.StartForwarder(ctx, fwd)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
@@ -214,7 +215,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 		return err
 	}
 	fmt.Fprintf(out, "seats: Acme=%d Globex=%d (%d invitations, %d deliveries)\n", acme, globex, len(invites), len(invites)+1)
-	if err := waitAllPublished(ctx, pool, t.outbox); err != nil {
+	if err := plumbing.WaitAllPublished(ctx, pool, t.outbox); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "all %d outbox rows published\n", len(invites))
@@ -239,7 +240,7 @@ func kafkaBrokers(w io.Writer) (brokers []string, topicPrefix string, stop func(
 		fmt.Fprintf(w, "kafka: %s (topics prefixed %q)\n", strings.Join(brokers, ","), topicPrefix)
 		return brokers, topicPrefix, func() {}, nil
 	}
-	cluster, err := startKafka()
+	cluster, err := plumbing.StartKafka()
 	if err != nil {
 		return nil, "", nil, err
 	}

@@ -37,6 +37,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/examples/plumbing"
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/router"
@@ -56,7 +57,7 @@ type OrganizationCreated struct {
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Stdout, databaseURL())
+	err := run(ctx, os.Stdout, plumbing.DatabaseURL())
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "quickstart:", err)
@@ -76,15 +77,15 @@ type tables struct {
 func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out := &syncWriter{W: w}
-	logger := newLogger()
+	out := &plumbing.SyncWriter{W: w}
+	logger := plumbing.NewLogger()
 
-	pool, err := connect(ctx, dbURL)
+	pool, err := plumbing.Connect(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ns, dropSchema, err := createSchema(ctx, pool)
+	ns, dropSchema, err := plumbing.CreateSchema(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -143,7 +144,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	consumer.AddMiddleware(subscriber.CaptureError, middleware.Recoverer)
 	onboarding := &onboardingHandler{pool: pool, tables: t, out: out}
 	consumer.AddConsumerHandler("org_onboarding", TopicOrganizationCreated, bus, onboarding.Handle)
-	stopConsumer, err := startRouter(ctx, consumer)
+	stopConsumer, err := plumbing.StartRouter(ctx, consumer)
 	if err != nil {
 		return fmt.Errorf("consumer: %w", err)
 	}
@@ -159,7 +160,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	if err != nil {
 		return err
 	}
-	stopRelay, err := startForwarder(ctx, fwd)
+	stopRelay, err := plumbing.StartForwarder(ctx, fwd)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
@@ -140,9 +141,10 @@ func TestOneCopyPerKey(t *testing.T, r Relay) {
 func TestPauseAndResume(t *testing.T, r Relay) {
 	e := setup(t, r, true)
 	ctx := context.Background()
+	seen := &pauseLog{topic: topicA, ch: make(chan struct{})}
 	if r.Mode != ModeWAL {
 		// The relay is at work (listening for wake-ups) before the pause.
-		e.start("a", Options{}, nil)
+		e.start("a", Options{Logger: seen}, nil)
 		e.waitAcked(within, e.enqueue(topicA, "")...)
 	}
 	_, err := runbook.PauseTopic(ctx, e.pool, e.tbl, topicA, "relaytest", false)
@@ -154,6 +156,13 @@ func TestPauseAndResume(t *testing.T, r Relay) {
 	}
 	if err != nil {
 		t.Fatalf("pause %s: %v", topicA, err)
+	}
+	// The promise holds from the wake-up that tells the relay of the pause
+	// (or its next PollInterval): wait until it has read the pause.
+	select {
+	case <-seen.ch:
+	case <-time.After(within):
+		t.Fatalf("the relay did not read the pause of %s within %s", topicA, within)
 	}
 	const topicB = "org.relaytest.b.v1"
 	heldA := e.enqueue(topicA, "p1", "", "") // p1's first row and two unkeyed rows of A
@@ -723,3 +732,20 @@ func TestTwoModesOnOneTable(t *testing.T, r Relay) {
 		e.rec.checkOrder(t)
 	})
 }
+
+// pauseLog is a relay logger that closes ch when the relay logs that it
+// read the pause of topic.
+type pauseLog struct {
+	watermill.NopLogger
+	topic string
+	once  sync.Once
+	ch    chan struct{}
+}
+
+func (l *pauseLog) Info(msg string, fields watermill.LogFields) {
+	if strings.HasPrefix(msg, "Topic paused") && fields["paused_topic"] == l.topic {
+		l.once.Do(func() { close(l.ch) })
+	}
+}
+
+func (l *pauseLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }

@@ -90,6 +90,10 @@ type Options struct {
 	// DisableSingleActive lets several default relays share the table
 	// (default mode only; ignored by the others).
 	DisableSingleActive bool
+	// Logger is the relay's logger; nil: none. The pause case reads it to
+	// know when the relay has seen a pause (the relays promise to claim no
+	// row of a paused topic from the wake-up that tells them of it).
+	Logger watermill.LoggerAdapter
 }
 
 func (o Options) withDefaults() Options {
@@ -98,6 +102,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.CloseTimeout == 0 {
 		o.CloseTimeout = 2 * time.Second
+	}
+	if o.Logger == nil {
+		o.Logger = watermill.NopLogger{}
 	}
 	return o
 }

@@ -26,34 +26,34 @@
 // tests check that they hold end to end (docs/ARCHITECTURE.md, "The term
 // core").
 //
-//   - I1, one copy per key: at most one copy of a key is out in a ledger at
+//   - One copy per key: at most one copy of a key is out in a ledger at
 //     any time, across all its terms, live or ended. Hand refuses a key that
 //     has a copy out (ErrKeyOut); a relay asks Ledger.Stale before it hands
 //     a key out, and the ordered relay takes a partition again only once the
 //     partition's ended terms have quiesced (Ledger.Quiesced).
 //     TestOneCopyPerKeyAcrossTerms, TestConcurrentHandsKeepOneCopyPerKey.
-//   - I2, a term's end cancels its messages: Term.End (and Ledger.Close, and
+//   - A term's end cancels its messages: Term.End (and Ledger.Close, and
 //     Begin of the same scope) cancels the context of every message handed
 //     out under the term and still out, before it returns, and Hand under an
 //     ended term fails (ErrEnded). A message's context also ends with its
 //     copy. TestEndCancelsEveryCopy, TestBeginEndsThePreviousTermOfItsScope.
-//   - I3, a verdict of an ended term is not progress: Copy.End reports true
+//   - A verdict of an ended term is not progress: Copy.End reports true
 //     only for the call that ended the copy while its term was live; a relay
 //     records a verdict only then, and the write itself is fenced on the
 //     term: inside Term.Enter, which fails once the term has ended and keeps
 //     the term from quiescing until the write is done, and, for the ordered
 //     relay, in statements fenced on owner and epoch (the WAL relay's
 //     session loop applies verdicts only before it ends its term, in
-//     statements fenced on the session's walsender: walrelay's invariant
-//     F). The verdicts of stale copies reach the ledger only.
+//     statements fenced on the session's walsender: walrelay's write
+//     fence). The verdicts of stale copies reach the ledger only.
 //     TestVerdictOfAnEndedTermIsNotLive, TestEnterHoldsQuiescence.
-//   - I4, nothing waits forever: a stale copy ends by its verdict, by
+//   - Nothing waits forever: a stale copy ends by its verdict, by
 //     Config.Overrun after its term ended, or by Close; each end signals
 //     Freed. Close ends every term and copy, releases every waiter and
 //     returns once the ledger's goroutines have ended; it is idempotent.
 //     TestStaleCopyEndsByVerdict, TestStaleCopyEndsByOverrun,
 //     TestCloseEndsEverything, TestWithdrawnCopyFreesItsKey.
-//   - I5, quiescence: a term has quiesced when it ended, every copy handed
+//   - Quiescence: a term has quiesced when it ended, every copy handed
 //     out under it ended and every Enter under it left (Term.Quiesced); a
 //     scope has quiesced when every ended term of it has (Ledger.Quiesced).
 //     TestQuiescence, TestEnterHoldsQuiescence.

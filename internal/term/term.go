@@ -11,11 +11,11 @@ import (
 )
 
 // ErrEnded is returned by Term.Hand under a term that has ended (or a
-// ledger that is closed): nothing is handed out under it any more (I2).
+// ledger that is closed): nothing is handed out under it any more (a term's end cancels its messages).
 var ErrEnded = errors.New("term: the term has ended")
 
 // ErrKeyOut is returned by Term.Hand for a key that has a copy out, under
-// this term or another one (I1).
+// this term or another one (one copy per key).
 var ErrKeyOut = errors.New("term: a copy of the key is out")
 
 // Reason is why a copy ended.
@@ -70,7 +70,7 @@ type Ledger struct {
 	cfg Config
 
 	mu     sync.Mutex
-	out    map[string]*Copy           // by key: every copy not ended (I1: one per key)
+	out    map[string]*Copy           // by key: every copy not ended (one copy per key: one per key)
 	live   map[int]*Term              // by scope: the live term
 	ended  map[int]map[*Term]struct{} // by scope: the ended terms that have not quiesced
 	closed bool
@@ -150,7 +150,7 @@ func (l *Ledger) Begin(parent context.Context, scope int, epoch int64) *Term {
 }
 
 // Stale reports whether a copy of key handed out under a term that has
-// ended is still out: a new term must not deliver the key yet (I1).
+// ended is still out: a new term must not deliver the key yet (one copy per key).
 func (l *Ledger) Stale(key string) bool {
 	if l.stale.Load() == 0 {
 		return false
@@ -166,7 +166,7 @@ func (l *Ledger) StaleCount() int { return int(l.stale.Load()) }
 
 // Quiesced reports whether every ended term of scope has quiesced: no copy
 // handed out under one of them is out and no work entered under one of them
-// is under way (I5).
+// is under way (quiescence).
 func (l *Ledger) Quiesced(scope int) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -298,7 +298,7 @@ func (t *Term) Live() bool {
 }
 
 // End ends the term: the contexts of the term and of every message handed
-// out under it and still out are cancelled before End returns (I2), and
+// out under it and still out are cancelled before End returns (a term's end cancels its messages), and
 // those copies become stale, followed by the ledger. It is idempotent.
 func (t *Term) End() {
 	l := t.l
@@ -313,7 +313,7 @@ func (t *Term) End() {
 }
 
 // Quiesced reports whether the term ended, every copy handed out under it
-// has ended and every Enter has left (I5).
+// has ended and every Enter has left (quiescence).
 func (t *Term) Quiesced() bool {
 	t.l.mu.Lock()
 	defer t.l.mu.Unlock()
@@ -326,7 +326,7 @@ func (t *Term) quiescedLocked() bool { return t.ended && len(t.copies) == 0 && t
 // records a verdict: until leave is called the term does not quiesce, so a
 // relay that waits for quiescence before a new term of the scope never
 // runs that term beside the write. It fails (ok false, nothing to leave)
-// when t has ended: the work must not be done (I3). leave is idempotent.
+// when t has ended: the work must not be done (a verdict of an ended term is not progress). leave is idempotent.
 func (t *Term) Enter() (leave func(), ok bool) {
 	l := t.l
 	l.mu.Lock()
@@ -350,7 +350,7 @@ func (t *Term) Enter() (leave func(), ok bool) {
 // context: parent's values, cancelled when the term ends or the copy ends.
 // Call it before the message reaches the consumer; if it does not after
 // all, end the copy with Withdrawn. It fails with ErrEnded when t has
-// ended and with ErrKeyOut when a copy of key is out (I1, I2).
+// ended and with ErrKeyOut when a copy of key is out (one copy per key, a term's end cancels its messages).
 func (t *Term) Hand(parent context.Context, key string, msg *message.Message) (*Copy, error) {
 	l := t.l
 	l.mu.Lock()
@@ -377,7 +377,7 @@ func (c *Copy) Key() string { return c.key }
 
 // End ends the copy for why and cancels its message's context; it is
 // idempotent. It reports whether this call ended the copy while its term
-// was live: only then may the relay record the verdict (I3), with a write
+// was live: only then may the relay record the verdict (a verdict of an ended term is not progress), with a write
 // fenced on the term.
 func (c *Copy) End(why Reason) bool {
 	l := c.t.l

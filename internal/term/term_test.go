@@ -16,7 +16,7 @@ import (
 )
 
 // TestMain fails the package when a goroutine outlives the tests: every
-// follower of a stale copy ends by Close at the latest (I4).
+// follower of a stale copy ends by Close at the latest (nothing waits forever).
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
@@ -80,7 +80,7 @@ func freed(t *testing.T, l *term.Ledger) {
 
 func done(ctx context.Context) bool { return ctx.Err() != nil }
 
-// TestEndCancelsEveryCopy (I2): End cancels the term's context and the
+// TestEndCancelsEveryCopy (a term's end cancels its messages): End cancels the term's context and the
 // context of every message still out under it before it returns; a message
 // whose copy ended has its context cancelled too; Hand under an ended term
 // fails.
@@ -134,7 +134,7 @@ func TestEndCancelsEveryCopy(t *testing.T) {
 	}
 }
 
-// TestBeginEndsThePreviousTermOfItsScope (I2): a new term of a scope ends
+// TestBeginEndsThePreviousTermOfItsScope (a term's end cancels its messages): a new term of a scope ends
 // the live one first (its messages' contexts are cancelled, its copies
 // stale); other scopes are untouched; the parent's cancellation does not
 // end a term.
@@ -164,7 +164,7 @@ func TestBeginEndsThePreviousTermOfItsScope(t *testing.T) {
 	freed(t, l)
 }
 
-// TestOneCopyPerKeyAcrossTerms (I1): a key with a copy out cannot be handed
+// TestOneCopyPerKeyAcrossTerms (one copy per key): a key with a copy out cannot be handed
 // out again, under its term, another scope's term or a later term of its
 // scope, until the copy ends; a stale copy's key is reported by Stale.
 func TestOneCopyPerKeyAcrossTerms(t *testing.T) {
@@ -203,7 +203,7 @@ func TestOneCopyPerKeyAcrossTerms(t *testing.T) {
 	hand(t, t3, "k", msg())
 }
 
-// TestVerdictOfAnEndedTermIsNotLive (I3): End reports true only for the
+// TestVerdictOfAnEndedTermIsNotLive (a verdict of an ended term is not progress): End reports true only for the
 // call that ended a copy of a live term; a verdict seen after the term
 // ended, or a second End, reports false.
 func TestVerdictOfAnEndedTermIsNotLive(t *testing.T) {
@@ -262,7 +262,7 @@ func TestVerdictOfAnEndedTermIsNotLive(t *testing.T) {
 	t.Logf("%d live verdicts, %d stale ends", liveN, staleN)
 }
 
-// TestStaleCopyEndsByVerdict (I4): a stale copy ends at its message's ack
+// TestStaleCopyEndsByVerdict (nothing waits forever): a stale copy ends at its message's ack
 // or nack, seen by the ledger, which signals Freed.
 func TestStaleCopyEndsByVerdict(t *testing.T) {
 	t.Parallel()
@@ -285,7 +285,7 @@ func TestStaleCopyEndsByVerdict(t *testing.T) {
 	}
 }
 
-// TestStaleCopyEndsByOverrun (I4): a stale copy whose handler never answers
+// TestStaleCopyEndsByOverrun (nothing waits forever): a stale copy whose handler never answers
 // ends Config.Overrun after its term ended, not earlier.
 func TestStaleCopyEndsByOverrun(t *testing.T) {
 	t.Parallel()
@@ -339,7 +339,7 @@ func TestWithdrawnCopyFreesItsKey(t *testing.T) {
 	}
 }
 
-// TestQuiescence (I5): a live term has not quiesced; an ended one has once
+// TestQuiescence (quiescence): a live term has not quiesced; an ended one has once
 // every copy handed out under it ended; scopes are counted apart.
 func TestQuiescence(t *testing.T) {
 	t.Parallel()
@@ -378,7 +378,7 @@ func TestQuiescence(t *testing.T) {
 	}
 }
 
-// TestEnterHoldsQuiescence (I3, I5): work entered under a live term keeps
+// TestEnterHoldsQuiescence (a verdict of an ended term is not progress, quiescence): work entered under a live term keeps
 // the ended term and its scope from quiescing until it leaves; Enter under
 // an ended term fails; leave is idempotent.
 func TestEnterHoldsQuiescence(t *testing.T) {
@@ -433,7 +433,7 @@ func waitFor(t *testing.T, cond func() bool) {
 	}
 }
 
-// TestCloseEndsEverything (I4): Close ends live terms (their messages'
+// TestCloseEndsEverything (nothing waits forever): Close ends live terms (their messages'
 // contexts cancelled) and stale copies whose handlers never answer, frees
 // every key, returns only after the followers ended (goleak in TestMain),
 // and is idempotent; afterwards every term begins ended.
@@ -492,7 +492,7 @@ func TestCloseEndsEverything(t *testing.T) {
 	}
 }
 
-// TestConcurrentHandsKeepOneCopyPerKey (I1, under -race): relays hand keys
+// TestConcurrentHandsKeepOneCopyPerKey (one copy per key, under -race): relays hand keys
 // out under terms of several scopes that end at random while handlers hold
 // messages for random times and answer; no key is ever in two handlers at
 // once, and after Close nothing is out.

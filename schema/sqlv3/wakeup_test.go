@@ -25,7 +25,8 @@ import (
 
 // TestWakeUpWatermillSQLPublisher: rows inserted through watermill-sql's
 // stock publisher with sqlv3.Adapter (the interop path) wake a sleeping
-// relay within moments, with a poll interval of a minute.
+// relay within moments, with a poll interval of 10 minutes: a delivery
+// within the 2-minute wait is not the poll's, however slow the machine.
 func TestWakeUpWatermillSQLPublisher(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -40,7 +41,8 @@ func TestWakeUpWatermillSQLPublisher(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: time.Minute}, watermill.NopLogger{})
+	const poll = 10 * time.Minute
+	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: poll}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -49,14 +51,14 @@ func TestWakeUpWatermillSQLPublisher(t *testing.T) {
 			t.Errorf("close: %v", err)
 		}
 	})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for i := range 3 {
-		waitFor(t, "the relay asleep on the idle lock", 5*time.Second, func() bool { return idleHeld(t, pool, tbl) })
+		waitFor(t, "the relay asleep on the idle lock", 2*time.Minute, func() bool { return idleHeld(t, pool, tbl) })
 		m := message.NewMessage(uuid.NewString(), []byte(`{"n":1}`))
 		m.Metadata.Set(schema.MetadataTenantID, tenant.String())
 		start := time.Now()
@@ -69,11 +71,9 @@ func TestWakeUpWatermillSQLPublisher(t *testing.T) {
 			if got.UUID != m.UUID {
 				t.Fatalf("got %s, want %s", got.UUID, m.UUID)
 			}
-			if d := time.Since(start); d > 2*time.Second {
-				t.Fatalf("message %d took %s (poll interval 1 min)", i, d)
-			}
-		case <-ctx.Done():
-			t.Fatalf("message %d inserted through watermill-sql never woke the relay", i)
+			t.Logf("message %d delivered %s after its publish began", i, time.Since(start).Round(time.Millisecond))
+		case <-time.After(2 * time.Minute):
+			t.Fatalf("message %d inserted through watermill-sql did not wake the relay within 2 minutes (poll interval %s)", i, poll)
 		}
 	}
 }

@@ -1,0 +1,27 @@
+// Package keyed holds the parts of per-key delivery that every relay of the
+// module shares, so that each rule is written once:
+//
+//   - Slots: MaxInFlight, counted once per subscription. Everything a
+//     subscription has out counts against it: a claim loop's batches, the
+//     keyed runners of ordered mode, the keys the WAL relay delivers, and
+//     the copies that ended terms left in handlers (internal/term).
+//   - Waiters: the keys that are ready and wait for a slot, served oldest
+//     first, each key once.
+//   - Policy and Failure: what a failed attempt leads to (the last_error
+//     summary, retry with backoff, or dead), the same decision in the
+//     default relay, ordered mode and the WAL relay.
+//
+// The delivery of one copy under a term (one copy per key, its context
+// cancelled when its term ends, no write after the term) is internal/term.
+//
+// # Invariants
+//
+//   - Slots never hands out more than the limit, whatever mix of callers
+//     reserves: Reserve takes what is free, at once, or nothing
+//     (TestSlotsNeverExceedTheLimit).
+//   - A waiting key is served once per Add, in the order keys were added
+//     (TestWaitersOldestFirstOnce).
+//   - A failure is dead exactly when it is permanent or its attempts reached
+//     MaxAttempts; the backoff is asked once per failed attempt; the
+//     summary never holds the payload's text (TestJudge).
+package keyed
