@@ -238,6 +238,10 @@ func TestBoundedClaimAdvancesDuringADrain(t *testing.T) {
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "bounded_drain_outbox")
 	ids := enqueue(t, pool, tbl, "org.drain.v1", 1000)
+	// The backlog is older than the cut's margin (50 ms) before the relay
+	// starts: on a fast machine 300 rows can be claimed within the margin
+	// of their insert, and a bound at the cut is then rightly below them.
+	time.Sleep(200 * time.Millisecond)
 	s := newSub(t, pool, subscriber.Config{Table: tbl, BatchSize: 50})
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
