@@ -150,6 +150,7 @@ type partState struct {
 	id        int
 	floor     int64 // in memory; every keyed row <= floor is done
 	persisted int64
+	ticked    int64              // the floor at the previous tick: a floor that did not move since is quiet
 	seen      int64              // every committed row <= seen is loaded, or in a watch
 	open      map[int64]struct{} // loaded rows neither acked nor covered by a hold
 	watches   []*watch
@@ -231,11 +232,12 @@ func (r *orderedRelay) tickInterval() time.Duration {
 	return min(r.s.cfg.ElectionInterval, r.s.cfg.LockTTL/3)
 }
 
-// floorEvery is how often at most a partition's moved floor is written.
-// Written floors lag the relay's by up to this much: the cleaner, the
-// runbook's replay of a delivered row and the state readers see a row as
-// done that much later, and a new owner delivers again up to that much of
-// acked rows.
+// floorEvery is how often at most the floor of a partition whose floor
+// keeps moving is written; a floor that stopped moving is written at the
+// next tick (tick). While rows flow, written floors lag the relay's by up
+// to this much: the cleaner, the runbook's replay of a delivered row and
+// the state readers see a row as done that much later, and a new owner
+// delivers again up to that much of acked rows.
 func (r *orderedRelay) floorEvery() time.Duration { return r.s.cfg.LockTTL / 10 }
 
 // margin is how long before its lease ends a relay stops delivering.
