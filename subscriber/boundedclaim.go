@@ -315,20 +315,20 @@ func (sub *subscription) sweep(stop <-chan struct{}) {
 			if !ok {
 				break
 			}
-			n := sub.reserve(s.cfg.BatchSize)
+			n := sub.slots.Reserve(s.cfg.BatchSize)
 			if n == 0 {
 				break
 			}
 			batch, parked, err := s.claimQuery(sub.ctx, s.bounded.sweepSQL,
 				[]any{s.cfg.MaxAttempts, s.cfg.LockTTL.Seconds(), n, at, seq}, claimOpts{onPool: true}, nil)
 			if err != nil {
-				sub.unreserve(n)
+				sub.slots.Unreserve(n)
 				if sub.ctx.Err() == nil {
 					sub.logger.Error("Bounded claim: sweep failed; retrying at the next sweep", err, nil)
 				}
 				break
 			}
-			sub.unreserve(n - len(batch))
+			sub.slots.Unreserve(n - len(batch))
 			if len(batch)+parked > 0 {
 				sub.logger.Debug("Bounded claim: the sweep found rows below the bound", watermill.LogFields{"rows": len(batch), "parked": parked})
 				s.cfg.Metrics.Swept(s.label, len(batch))

@@ -200,7 +200,7 @@ func (r *orderedRelay) freedLocked(p *partState) {
 
 func (r *orderedRelay) endRunLocked(k *keyState) {
 	k.busy = false
-	r.sub.unreserve(1)
+	r.sub.slots.Unreserve(1)
 	if r.keys[k.name] == k {
 		r.pruneKeyLocked(k.name, k)
 	}
@@ -305,7 +305,7 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 			return verdictNack
 		case <-msg.Acked():
 			if !cp.End(term.Acked) {
-				return verdictNone // a verdict of an ended term is not progress (a verdict of an ended term is not progress)
+				return verdictNone // a verdict of an ended term is not progress
 			}
 			s.observeDispatch(c, metrics.ResultSuccess)
 			if m := s.cfg.Metrics; m != nil {

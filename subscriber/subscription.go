@@ -35,14 +35,6 @@ type subscription struct {
 	stoppedCh chan struct{}
 }
 
-// reserve takes up to want of the subscription's MaxInFlight slots for a
-// claim and returns how many (0: none free). Give back what the claim did
-// not fill with unreserve.
-func (sub *subscription) reserve(want int) int { return sub.slots.Reserve(want) }
-
-// unreserve gives n slots back.
-func (sub *subscription) unreserve(n int) { sub.slots.Unreserve(n) }
-
 // stopped is closed when the subscription must end: its context is done or
 // the subscriber is closing.
 func (sub *subscription) stopped() <-chan struct{} {
@@ -145,7 +137,7 @@ func (sub *subscription) run() {
 			r := <-pre
 			pre = nil
 			s.release(r.batch, 1) // not delivered: the attempt does not count
-			sub.unreserve(len(r.batch))
+			sub.slots.Unreserve(len(r.batch))
 		}
 	}
 	defer dropPre()
@@ -176,7 +168,7 @@ func (sub *subscription) run() {
 			// The slots of the batch are taken before the claim, so that
 			// the sweep's claims and this loop's (with the batch in hand
 			// and the pre-claimed one) never exceed MaxInFlight together.
-			if n = sub.reserve(s.cfg.BatchSize); n == 0 {
+			if n = sub.slots.Reserve(s.cfg.BatchSize); n == 0 {
 				select {
 				case <-stop:
 					return
@@ -185,7 +177,7 @@ func (sub *subscription) run() {
 				continue
 			}
 			batch, err = s.claim(sub.ctx, sub.topic, n)
-			sub.unreserve(n - len(batch))
+			sub.slots.Unreserve(n - len(batch))
 		}
 		if err != nil {
 			if sub.ctx.Err() != nil {
@@ -201,11 +193,11 @@ func (sub *subscription) run() {
 		errDelay = 100 * time.Millisecond
 		rate.add(len(batch))
 		if len(batch) == n {
-			if n2 := sub.reserve(s.cfg.BatchSize); n2 > 0 {
+			if n2 := sub.slots.Reserve(s.cfg.BatchSize); n2 > 0 {
 				pre = make(chan claimResult, 1)
 				go func(ch chan claimResult) {
 					b, err := s.claim(sub.ctx, sub.topic, n2)
-					sub.unreserve(n2 - len(b))
+					sub.slots.Unreserve(n2 - len(b))
 					ch <- claimResult{b, err, n2}
 				}(pre)
 			}
@@ -337,7 +329,7 @@ func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 			c.slot = &errorSlot{err: Permanent(err)}
 			c.delivered = time.Now()
 			s.nack(c)
-			sub.unreserve(1)
+			sub.slots.Unreserve(1)
 			continue
 		}
 		c.slot = &errorSlot{}
@@ -355,7 +347,7 @@ func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 		case <-stop:
 			cancel()
 			s.release(batch[i:], 1)
-			sub.unreserve(len(batch) - i)
+			sub.slots.Unreserve(len(batch) - i)
 			return false
 		}
 	}
@@ -367,7 +359,7 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 	s := sub.s
 	defer func() {
 		cancel()
-		sub.unreserve(1)
+		sub.slots.Unreserve(1)
 		if sub.ordered != nil {
 			sub.ordered.slotFreed()
 		}

@@ -1,6 +1,10 @@
 package keyed
 
-import "time"
+import (
+	"time"
+
+	"github.com/outboxkit/watermill-outbox/schema"
+)
 
 // HoldState is where a key's hold is in its lifecycle, in both keyed
 // relays. Its values and their order are runbook.HoldState's, which the
@@ -27,9 +31,10 @@ const (
 	Resolved
 )
 
-var holdWords = [...]string{"unknown", "retrying", "dead", "skip_requested", "replay", "draining", "resolved"}
+var holdWords = [...]string{"unknown", schema.HoldWordRetrying, schema.HoldWordDead, schema.HoldWordSkipRequested,
+	schema.HoldWordReplay, schema.HoldWordDraining, schema.HoldWordResolved}
 
-// String is the state's word, as the runbook writes it.
+// String is the state's word (schema.HoldWord*), as the runbook writes it.
 func (s HoldState) String() string {
 	if int(s) < len(holdWords) {
 		return holdWords[s]

@@ -74,6 +74,3 @@ func (s *Slots) InUse() int {
 	}
 	return n
 }
-
-// Limit is the number of slots.
-func (s *Slots) Limit() int { return int(s.limit) }

@@ -35,12 +35,3 @@ func (w *Waiters) Pop() (key string, ok bool) {
 	delete(w.in, key)
 	return key, true
 }
-
-// Waiting reports whether key waits.
-func (w *Waiters) Waiting(key string) bool {
-	_, ok := w.in[key]
-	return ok
-}
-
-// Len is the number of waiting keys.
-func (w *Waiters) Len() int { return len(w.keys) }
