@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/state"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -54,7 +55,7 @@ type Config struct {
 type Cleaner struct {
 	pool   *pgxpool.Pool
 	cfg    Config
-	q      *schema.Queries
+	q      *sqlq.Queries
 	logger watermill.LoggerAdapter
 }
 
@@ -81,7 +82,7 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Clean
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	return &Cleaner{pool: pool, cfg: cfg, q: schema.NewQueries(cfg.Table, schema.Columns{}),
+	return &Cleaner{pool: pool, cfg: cfg, q: sqlq.NewQueries(cfg.Table, schema.Columns{}),
 		logger: logger.With(watermill.LogFields{"table": cfg.Table.String(), "component": "cleaner"})}, nil
 }
 
@@ -144,7 +145,7 @@ func (c *Cleaner) CleanOnce(ctx context.Context) (published, dead int64, err err
 }
 
 func (c *Cleaner) vacuum(ctx context.Context) error {
-	if _, err := c.pool.Exec(ctx, schema.VacuumStatement(c.cfg.Table)); err != nil {
+	if _, err := c.pool.Exec(ctx, sqlq.VacuumStatement(c.cfg.Table)); err != nil {
 		return fmt.Errorf("vacuum %s: %w", c.cfg.Table, err)
 	}
 	return nil
@@ -172,18 +173,18 @@ func (c *Cleaner) deleteAll(ctx context.Context, kind, query string, args ...any
 // partition's floor (relayed; such rows are never marked published) that are
 // older than Retention, never a row a held key still waits for or any row
 // after it (docs/ORDERING.md).
-func (c *Cleaner) cleanKeyed(ctx context.Context, sq schema.StateQueries) (int64, error) {
-	oq := schema.NewOrderedQueries(c.cfg.Table, sq.Columns)
+func (c *Cleaner) cleanKeyed(ctx context.Context, sq sqlq.StateQueries) (int64, error) {
+	oq := sqlq.NewOrderedQueries(c.cfg.Table, sq.Columns)
 	return c.deleteAll(ctx, "published", oq.DeleteDone, c.cfg.Retention.Seconds(), c.cfg.BatchSize)
 }
 
 // cleanWAL deletes, in a table the WAL relay streams, the rows the relay
 // delivered (it never marks them published) that are older than
 // Retention: those written by transactions older than the horizon every
-// slot has recorded in the last schema.WALStaleAfter (docs/WAL.md,
+// slot has recorded in the last sqlq.WALStaleAfter (docs/WAL.md,
 // "Retention"), except the rows parked behind a held key, which the relay
 // delivers once the key's dead row is replayed or skipped
-// (schema.StateQueries.DeleteStreamed).
-func (c *Cleaner) cleanWAL(ctx context.Context, sq schema.StateQueries) (int64, error) {
+// (sqlq.StateQueries.DeleteStreamed).
+func (c *Cleaner) cleanWAL(ctx context.Context, sq sqlq.StateQueries) (int64, error) {
 	return c.deleteAll(ctx, "published", sq.DeleteStreamed(), c.cfg.Retention.Seconds(), c.cfg.BatchSize)
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxkit/watermill-outbox/cleaner"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
@@ -29,12 +30,12 @@ func TestCleanerKeepsRowsParkedBehindAWALHold(t *testing.T) {
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "wal_outbox", schema.WithOrderingKeyColumn())
 	pub := "p_" + tbl.Schema()
-	for _, sql := range []string{schema.WALCreateProgressTable(tbl), schema.WALCreateHoldsTable(tbl), schema.WALCreatePublication(pub, tbl)} {
+	for _, sql := range []string{sqlq.WALCreateProgressTable(tbl), sqlq.WALCreateHoldsTable(tbl), sqlq.WALCreatePublication(pub, tbl)} {
 		if _, err := pool.Exec(ctx, sql); err != nil {
 			t.Fatal(err)
 		}
 	}
-	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), schema.WALDropPublication(pub)) })
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), sqlq.WALDropPublication(pub)) })
 	// What walrelay.Setup records.
 	if err := schema.RecordMode(ctx, pool, tbl, schema.ModeWAL, "test"); err != nil {
 		t.Fatal(err)

@@ -16,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -421,7 +422,7 @@ func (h *handler) bulkReplay(w http.ResponseWriter, r *http.Request) {
 		// The rows are replayed: follow them from memory rather than fail.
 		h.logger.Error("Console could not record a bulk replay; its progress is kept in memory only", err, fields)
 		why := "the console could not write it to " + t.String() + "_replay_jobs (see the console's log)"
-		if errors.Is(err, schema.ErrNoReplayJobs) {
+		if errors.Is(err, sqlq.ErrNoReplayJobs) {
 			why = t.String() + "_replay_jobs does not exist: run `outbox migrate --table=" + t.String() + "` (migration 000008) to keep the next ones across restarts"
 		}
 		id = h.addJob(&job{Table: t.String(), Topic: f.Topic, Error: f.ErrorContains, Cause: f.Cause, Rows: res.Rows, At: time.Now(),
@@ -493,7 +494,7 @@ func (h *handler) findJob(ctx context.Context, id string, only schema.Table) (*j
 	for _, t := range tables {
 		rec, err := runbook.GetReplayJob(ctx, h.pool, t, id)
 		switch {
-		case errors.Is(err, runbook.ErrNoReplayJob), errors.Is(err, schema.ErrNoReplayJobs):
+		case errors.Is(err, runbook.ErrNoReplayJob), errors.Is(err, sqlq.ErrNoReplayJobs):
 			continue
 		case err != nil:
 			return nil, err
@@ -605,5 +606,5 @@ func (h *handler) relays(w http.ResponseWriter, r *http.Request) {
 		List   runbook.RelayList
 		Prefix string
 		Slot   string
-	}{t.String(), list, schema.RelayApplicationPrefix, schema.WALSlotName(t)})
+	}{t.String(), list, sqlq.RelayApplicationPrefix, schema.WALSlotName(t)})
 }

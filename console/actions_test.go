@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/console"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
@@ -184,7 +185,7 @@ WHERE event_id = $1`, broker[1]); err != nil {
 	}
 	var pid int32
 	if err := pool.QueryRow(ctx, `SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted
-  AND ((classid::bigint << 32) | objid::bigint) = $1`, tbl.LockKey()).Scan(&pid); err != nil {
+  AND ((classid::bigint << 32) | objid::bigint) = $1`, sqlq.LockKey(tbl)).Scan(&pid); err != nil {
 		t.Fatalf("the relay holds no single-active lock: %v", err)
 	}
 	if l := counts[name].Leader; l == nil || l.PID != pid {

@@ -13,12 +13,13 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // The dead rows page groups the dead rows by a normalised cause
-// (schema.CauseOf their last_error), counted over every dead row in SQL,
+// (sqlq.CauseOf their last_error), counted over every dead row in SQL,
 // and lists them a page at a time. Both read the table through the
 // runbook's state reader (runbook.DeadCausesOf, runbook.ListRows with the
 // dead state), so that they show the rows runbook.Dead, `outbox dead list`
@@ -174,7 +175,7 @@ func (h *handler) deadRows(ctx context.Context, t schema.Table, q deadQuery, aft
 
 // deadRowsOf is deadRows on db: runbook.ListRows of the dead rows.
 func deadRowsOf(ctx context.Context, db runbook.DB, t schema.Table, q deadQuery, after, before int64) (deadPage, error) {
-	rp, err := runbook.ListRows(ctx, db, t, runbook.ListFilter{State: schema.ListDead, Topic: q.Topic, ErrorContains: q.Error, Cause: q.Cause,
+	rp, err := runbook.ListRows(ctx, db, t, runbook.ListFilter{State: sqlq.ListDead, Topic: q.Topic, ErrorContains: q.Error, Cause: q.Cause,
 		After: after, Before: before, Limit: deadPageSize})
 	if err != nil {
 		return deadPage{}, fmt.Errorf("list the dead rows of %s: %w", t, err)

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/console"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -135,7 +136,7 @@ func TestBulkReplayJobWithoutJobsTable(t *testing.T) {
 	pool := testdb.Pool(t)
 	ctx := context.Background()
 	tbl := testdb.Table(t, "outbox")
-	if _, err := pool.Exec(ctx, schema.ReplayJobsDownSQL(tbl)); err != nil {
+	if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, "000008", "down")); err != nil {
 		t.Fatal(err)
 	}
 	deadWith(t, pool, tbl, "org.a.v1", "publish: broker down", 2)
@@ -195,7 +196,7 @@ func TestBulkReplayJobsBounded(t *testing.T) {
 	}
 	job := bulkReplay(t, srv.URL, tbl, "broker down")
 	var n int
-	if err := pool.QueryRow(ctx, schema.NewReplayJobsQueries(tbl).Count).Scan(&n); err != nil || n != kept {
+	if err := pool.QueryRow(ctx, sqlq.NewReplayJobsQueries(tbl).Count).Scan(&n); err != nil || n != kept {
 		t.Fatalf("%d jobs kept (%v), want %d", n, err, kept)
 	}
 	if r := do(t, "GET", srv.URL+"/t/"+tbl.String()+"/replay/"+oldest, nil, jobsAuth); r.code != 404 {

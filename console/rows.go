@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -17,7 +18,7 @@ import (
 const rowsPageSize = 100
 
 // rowStates are the lists the rows page offers, in its tab order.
-var rowStates = []schema.ListState{schema.ListPending, schema.ListRetrying, schema.ListDead, schema.ListDelivered, schema.ListAll}
+var rowStates = []sqlq.ListState{sqlq.ListPending, sqlq.ListRetrying, sqlq.ListDead, sqlq.ListDelivered, sqlq.ListAll}
 
 // timeLayouts are the forms a time of the search may take: RFC 3339, or a
 // browser's datetime-local value and shorter, read as UTC.
@@ -39,7 +40,7 @@ func parseTime(s string) (time.Time, bool) {
 
 // rowsQuery is the filter of the rows page as the form gave it.
 type rowsQuery struct {
-	State                               schema.ListState
+	State                               sqlq.ListState
 	Topic, Event, Tenant, Key, From, To string
 }
 
@@ -63,10 +64,10 @@ func (h *handler) rows(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	v := r.URL.Query()
-	q := rowsQuery{State: schema.ListState(v.Get("state")), Topic: strings.TrimSpace(v.Get("topic")), Event: strings.TrimSpace(v.Get("event")),
+	q := rowsQuery{State: sqlq.ListState(v.Get("state")), Topic: strings.TrimSpace(v.Get("topic")), Event: strings.TrimSpace(v.Get("event")),
 		Tenant: strings.TrimSpace(v.Get("tenant")), Key: v.Get("key"), From: strings.TrimSpace(v.Get("from")), To: strings.TrimSpace(v.Get("to"))}
 	if q.State == "" {
-		q.State = schema.ListPending
+		q.State = sqlq.ListPending
 	}
 	back := tablePath(t, "rows")
 	f := runbook.ListFilter{State: q.State, Topic: q.Topic, OrderingKey: q.Key, Limit: rowsPageSize}
@@ -114,7 +115,7 @@ func (h *handler) rows(w http.ResponseWriter, r *http.Request) {
 	}
 	mode, _ := runbook.Mode(r.Context(), h.pool, t)
 	type tab struct {
-		State   schema.ListState
+		State   sqlq.ListState
 		Current bool
 		Query   string
 	}
@@ -137,15 +138,15 @@ func (h *handler) rows(w http.ResponseWriter, r *http.Request) {
 }
 
 // stateTitle names a list.
-func stateTitle(s schema.ListState) string {
+func stateTitle(s sqlq.ListState) string {
 	switch s {
-	case schema.ListPending:
+	case sqlq.ListPending:
 		return "Pending rows"
-	case schema.ListRetrying:
+	case sqlq.ListRetrying:
 		return "Retrying rows"
-	case schema.ListDead:
+	case sqlq.ListDead:
 		return "Dead rows"
-	case schema.ListDelivered:
+	case sqlq.ListDelivered:
 		return "Delivered rows"
 	}
 	return "Rows"

@@ -24,6 +24,7 @@ import (
 
 	"github.com/outboxkit/watermill-outbox/console"
 	"github.com/outboxkit/watermill-outbox/internal/pgtest"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -241,7 +242,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 	}
 
 	// Every row list: its total and its rows are runbook.ListRows'.
-	for _, state := range []schema.ListState{schema.ListPending, schema.ListRetrying, schema.ListDead, schema.ListDelivered, schema.ListAll} {
+	for _, state := range []sqlq.ListState{sqlq.ListPending, sqlq.ListRetrying, sqlq.ListDead, sqlq.ListDelivered, sqlq.ListAll} {
 		want, err := runbook.ListRows(ctx, pool, tbl, runbook.ListFilter{State: state, Limit: 100})
 		if err != nil {
 			t.Fatal(err)
@@ -261,7 +262,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 			t.Errorf("rows %s: the console lists %d of %d, runbook %d of %d", state, len(got), total, len(want.Rows), want.Total)
 		}
 	}
-	for state, want := range map[schema.ListState]int64{schema.ListPending: 3, schema.ListDead: 2, schema.ListDelivered: 3, schema.ListAll: 8} {
+	for state, want := range map[sqlq.ListState]int64{sqlq.ListPending: 3, sqlq.ListDead: 2, sqlq.ListDelivered: 3, sqlq.ListAll: 8} {
 		if m := rowsPosition.FindStringSubmatch(get("/t/" + name + "/rows?state=" + string(state))); m == nil || m[3] != strconv.FormatInt(want, 10) {
 			t.Errorf("rows %s: %v, want %d", state, m, want)
 		}

@@ -43,6 +43,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/router"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -253,7 +254,7 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 	if err != nil {
 		return nil, fmt.Errorf("forwarder: %w", err)
 	}
-	f := &Forwarder{sub: sub, pub: pub, cfg: cfg, logger: logger, router: r, tracer: tracerOf(cfg.TracerProvider), maxAttempts: schema.MaxAttemptsDefault}
+	f := &Forwarder{sub: sub, pub: pub, cfg: cfg, logger: logger, router: r, tracer: tracerOf(cfg.TracerProvider), maxAttempts: sqlq.MaxAttemptsDefault}
 	if s, ok := sub.(interface{ MaxAttempts() int }); ok {
 		f.maxAttempts = s.MaxAttempts()
 	}

@@ -60,6 +60,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -212,7 +213,7 @@ func containsNUL(s string) bool {
 type Inbox struct {
 	pool   *pgxpool.Pool
 	cfg    Config
-	q      *schema.InboxQueries
+	q      *sqlq.InboxQueries
 	labels [2]string
 
 	closeOnce sync.Once
@@ -243,7 +244,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Inbox, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	q := schema.NewInboxQueries(cfg.Table)
+	q := sqlq.NewInboxQueries(cfg.Table)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var exists bool

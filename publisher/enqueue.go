@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -135,7 +136,7 @@ type Config struct {
 type Enqueuer struct {
 	cfg    Config
 	v      validator
-	tables sync.Map // schema.Table -> *schema.Queries
+	tables sync.Map // schema.Table -> *sqlq.Queries
 	wal    sync.Map // schema.Table -> bool: the WAL relay streams it (no wake-up)
 }
 
@@ -175,9 +176,9 @@ func EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, msgs []Message
 	return defaultEnqueuer.EnqueueBatch(ctx, tx, table, msgs)
 }
 
-func (e *Enqueuer) queries(ctx context.Context, tx Tx, table schema.Table) (*schema.Queries, error) {
+func (e *Enqueuer) queries(ctx context.Context, tx Tx, table schema.Table) (*sqlq.Queries, error) {
 	if q, ok := e.tables.Load(table); ok {
-		return q.(*schema.Queries), nil
+		return q.(*sqlq.Queries), nil
 	}
 	var cols schema.Columns
 	if e.cfg.Columns != nil {
@@ -191,12 +192,12 @@ func (e *Enqueuer) queries(ctx context.Context, tx Tx, table schema.Table) (*sch
 	// A table the WAL relay streams needs no wake-up: Enqueue takes the
 	// quiet statement there (detected once, like the columns).
 	var wal bool
-	if err := tx.QueryRow(ctx, schema.WALHoldsTableExists(table)).Scan(&wal); err != nil {
+	if err := tx.QueryRow(ctx, sqlq.WALHoldsTableExists(table)).Scan(&wal); err != nil {
 		return nil, fmt.Errorf("publisher: enqueue into %s: look up the WAL relay's tables: %w", table, err)
 	}
 	e.wal.Store(table, wal)
-	q, _ := e.tables.LoadOrStore(table, schema.NewQueries(table, cols))
-	return q.(*schema.Queries), nil
+	q, _ := e.tables.LoadOrStore(table, sqlq.NewQueries(table, cols))
+	return q.(*sqlq.Queries), nil
 }
 
 // quiet reports whether enqueues into t wake no relay: DisableNotify, or a
@@ -264,7 +265,7 @@ func (e *Enqueuer) Enqueue(ctx context.Context, tx Tx, table schema.Table, msg M
 // existingOne reads the row of msg's event_id, which a concurrent or
 // earlier transaction committed, and compares it as Enqueue does: its
 // sequence, or a *ConflictError.
-func (e *Enqueuer) existingOne(ctx context.Context, tx Tx, q *schema.Queries, msg Message) (int64, error) {
+func (e *Enqueuer) existingOne(ctx context.Context, tx Tx, q *sqlq.Queries, msg Message) (int64, error) {
 	found := map[string]int64{}
 	err := e.existing(ctx, tx, q, []string{msg.EventID.String()}, []string{string(msg.Payload)}, []Message{msg}, map[uuid.UUID]int{msg.EventID: 0}, found)
 	if err != nil {
@@ -276,7 +277,7 @@ func (e *Enqueuer) existingOne(ctx context.Context, tx Tx, q *schema.Queries, ms
 // enqueueQuiet writes an unkeyed row with no wake-up: one INSERT ... ON
 // CONFLICT DO NOTHING RETURNING sequence; an existing event_id is then read
 // and compared as Enqueue does.
-func (e *Enqueuer) enqueueQuiet(ctx context.Context, tx Tx, q *schema.Queries, msg Message) (int64, error) {
+func (e *Enqueuer) enqueueQuiet(ctx context.Context, tx Tx, q *sqlq.Queries, msg Message) (int64, error) {
 	args, err := appendOptional(ctx, []any{msg.TenantID.String(), msg.Topic, string(msg.Payload), msg.EventID.String()}, q.Columns, msg.Headers)
 	if err != nil {
 		return 0, err
@@ -431,7 +432,7 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 // existing reads the rows of event_ids that an enqueue skipped because a
 // concurrent transaction committed them, checks them like checkExisting, and
 // fails when one is still missing.
-func (e *Enqueuer) existing(ctx context.Context, tx Tx, q *schema.Queries, ids, payloads []string, msgs []Message, first map[uuid.UUID]int, seqByID map[string]int64) error {
+func (e *Enqueuer) existing(ctx context.Context, tx Tx, q *sqlq.Queries, ids, payloads []string, msgs []Message, first map[uuid.UUID]int, seqByID map[string]int64) error {
 	var resultJSON []byte
 	if err := tx.QueryRow(ctx, q.ExistingEvents, ids, payloads).Scan(&resultJSON); err != nil {
 		return fmt.Errorf("publisher: enqueue into %s: look up existing events: %w", q.Table, err)
@@ -448,9 +449,9 @@ func (e *Enqueuer) existing(ctx context.Context, tx Tx, q *schema.Queries, ids, 
 }
 
 // checkExisting decodes rows that existed before an enqueue (the JSON of
-// schema.Queries.ExistingEvents), checks each against the message with its
+// sqlq.Queries.ExistingEvents), checks each against the message with its
 // event_id, and records their sequences.
-func (e *Enqueuer) checkExisting(q *schema.Queries, resultJSON []byte, msgs []Message, first map[uuid.UUID]int, seqByID map[string]int64) error {
+func (e *Enqueuer) checkExisting(q *sqlq.Queries, resultJSON []byte, msgs []Message, first map[uuid.UUID]int, seqByID map[string]int64) error {
 	var rows [][5]json.RawMessage
 	if err := json.Unmarshal(resultJSON, &rows); err != nil {
 		return fmt.Errorf("publisher: enqueue into %s: decode existing events: %w", q.Table, err)
@@ -540,7 +541,7 @@ func (e *Enqueuer) channel(t schema.Table) string {
 	if e.cfg.DisableNotify {
 		return ""
 	}
-	return t.NotifyChannel()
+	return sqlq.NotifyChannel(t)
 }
 
 func appendOptional(ctx context.Context, args []any, cols schema.Columns, headers map[string]string) ([]any, error) {

@@ -6,6 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -68,7 +69,7 @@ WHERE locktype = 'advisory' AND objsubid = 2 AND pid = pg_backend_pid() ORDER BY
 	}
 	check := func(classes []int32) {
 		t.Helper()
-		want, err := tbl.LookupOrderingLockClass(ctx, pool)
+		want, err := sqlq.LookupOrderingLockClass(ctx, pool, tbl)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -7,9 +7,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
-	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // TestEnqueueInATransactionThatIsPrepared: PostgreSQL refuses to PREPARE
@@ -29,7 +29,7 @@ func TestEnqueueInATransactionThatIsPrepared(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = holder.Close(context.Background()) })
-	if _, err := holder.Exec(ctx, schema.TryIdleLock, tbl.IdleLockKey()); err != nil {
+	if _, err := holder.Exec(ctx, sqlq.TryIdleLock, sqlq.IdleLockKey(tbl)); err != nil {
 		t.Fatal(err)
 	}
 	var maxPrepared int

@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/publisher"
@@ -206,7 +207,7 @@ func TestEnqueueIntoWALTable(t *testing.T) {
 	pool := testdb.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = rec })
 	tbl := testdb.Table(t, "org_outbox", schema.WithOrderingKeyColumn())
 	ctx := context.Background()
-	q := schema.NewQueries(tbl, schema.Columns{OrderingKey: true})
+	q := sqlq.NewQueries(tbl, schema.Columns{OrderingKey: true})
 	enq, err := publisher.NewEnqueuer(publisher.Config{})
 	if err != nil {
 		t.Fatal(err)
@@ -223,10 +224,10 @@ func TestEnqueueIntoWALTable(t *testing.T) {
 	if err := schema.Migrate(ctx, pool, other, schema.WithOrderingKeyColumn()); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := pool.Exec(ctx, schema.WALCreateHoldsTable(other)); err != nil {
+	if _, err := pool.Exec(ctx, sqlq.WALCreateHoldsTable(other)); err != nil {
 		t.Fatal(err)
 	}
-	oq := schema.NewQueries(other, schema.Columns{OrderingKey: true})
+	oq := sqlq.NewQueries(other, schema.Columns{OrderingKey: true})
 	keyed := newMsg("org.organization.created.v1")
 	keyed.OrderingKey = "k"
 	inTx(t, pool, func(tx pgx.Tx) {
@@ -562,12 +563,12 @@ func TestNotifyAtCommitOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(context.Background())
-	if _, err := conn.Exec(ctx, schema.ListenStatement(tbl.NotifyChannel())); err != nil {
+	if _, err := conn.Exec(ctx, sqlq.ListenStatement(sqlq.NotifyChannel(tbl))); err != nil {
 		t.Fatal(err)
 	}
 	// This connection plays an idle relay: it holds the idle lock.
 	var got bool
-	if err := conn.QueryRow(ctx, schema.TryIdleLock, tbl.IdleLockKey()).Scan(&got); err != nil || !got {
+	if err := conn.QueryRow(ctx, sqlq.TryIdleLock, sqlq.IdleLockKey(tbl)).Scan(&got); err != nil || !got {
 		t.Fatalf("idle lock: %v %v", got, err)
 	}
 	tx, err := pool.Begin(ctx)
@@ -589,7 +590,7 @@ func TestNotifyAtCommitOnly(t *testing.T) {
 		}
 	})
 	n, err := conn.WaitForNotification(ctx)
-	if err != nil || n.Channel != tbl.NotifyChannel() {
+	if err != nil || n.Channel != sqlq.NotifyChannel(tbl) {
 		t.Fatalf("no notification after commit: %v %v", n, err)
 	}
 }
@@ -608,7 +609,7 @@ func TestNotifyOnlyWhileRelayIdle(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer relay.Close(context.Background())
-	if _, err := relay.Exec(ctx, schema.ListenStatement(tbl.NotifyChannel())); err != nil {
+	if _, err := relay.Exec(ctx, sqlq.ListenStatement(sqlq.NotifyChannel(tbl))); err != nil {
 		t.Fatal(err)
 	}
 	noNotification := func(what string) {
@@ -647,20 +648,20 @@ func TestNotifyOnlyWhileRelayIdle(t *testing.T) {
 		t.Fatal(err)
 	}
 	var got bool
-	if err := relay.QueryRow(ctx, schema.TryIdleLock, tbl.IdleLockKey()).Scan(&got); err != nil || got {
+	if err := relay.QueryRow(ctx, sqlq.TryIdleLock, sqlq.IdleLockKey(tbl)).Scan(&got); err != nil || got {
 		t.Fatalf("idle lock taken while an enqueueing transaction is open: %v %v", got, err)
 	}
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := relay.QueryRow(ctx, schema.TryIdleLock, tbl.IdleLockKey()).Scan(&got); err != nil || !got {
+	if err := relay.QueryRow(ctx, sqlq.TryIdleLock, sqlq.IdleLockKey(tbl)).Scan(&got); err != nil || !got {
 		t.Fatalf("idle lock after the writer committed: %v %v", got, err)
 	}
 	// Relay idle: every enqueue notifies.
 	for _, batch := range []bool{false, true} {
 		enqueue(batch)
 		n, err := relay.WaitForNotification(ctx)
-		if err != nil || n.Channel != tbl.NotifyChannel() {
+		if err != nil || n.Channel != sqlq.NotifyChannel(tbl) {
 			t.Fatalf("batch %v: no notification while the relay is idle: %v %v", batch, n, err)
 		}
 	}
@@ -684,7 +685,7 @@ func TestNotifyOnlyWhileRelayIdle(t *testing.T) {
 	})
 	noNotification("re-enqueue")
 	// Relay busy again.
-	if _, err := relay.Exec(ctx, schema.IdleUnlock, tbl.IdleLockKey()); err != nil {
+	if _, err := relay.Exec(ctx, sqlq.IdleUnlock, sqlq.IdleLockKey(tbl)); err != nil {
 		t.Fatal(err)
 	}
 	enqueue(false)

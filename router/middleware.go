@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -57,7 +58,7 @@ func (cfg MiddlewareConfig) Validate() error {
 		errs = append(errs, invalidField("DispatchTimeout", "%s is negative; leave it 0 for the default (%s) or set a positive value", cfg.DispatchTimeout, DispatchTimeoutDefault))
 	}
 	if cfg.MaxAttempts < 0 {
-		errs = append(errs, invalidField("MaxAttempts", "%d is negative; leave it 0 for the default (%d) or set the subscriber's MaxAttempts", cfg.MaxAttempts, schema.MaxAttemptsDefault))
+		errs = append(errs, invalidField("MaxAttempts", "%d is negative; leave it 0 for the default (%d) or set the subscriber's MaxAttempts", cfg.MaxAttempts, sqlq.MaxAttemptsDefault))
 	}
 	if cfg.PoisonPublisher != nil && cfg.PoisonTopic == "" {
 		errs = append(errs, invalidField("PoisonTopic", "empty while PoisonPublisher is set; name the topic of the poison copies, or unset PoisonPublisher"))
@@ -109,7 +110,7 @@ func Middlewares(cfg MiddlewareConfig) []message.HandlerMiddleware {
 		cfg.DispatchTimeout = DispatchTimeoutDefault
 	}
 	if cfg.MaxAttempts == 0 {
-		cfg.MaxAttempts = schema.MaxAttemptsDefault
+		cfg.MaxAttempts = sqlq.MaxAttemptsDefault
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}

@@ -8,6 +8,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -28,9 +29,9 @@ func Event(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (Row, 
 }
 
 // eventState reads one event's row through the state statements sq.
-func eventState(ctx context.Context, db DB, sq schema.StateQueries, eventID uuid.UUID) (Row, error) {
+func eventState(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.UUID) (Row, error) {
 	t := sq.Table
-	st := sq.Event(eventID.String(), schema.LockTTLDefault.Seconds())
+	st := sq.Event(eventID.String(), sqlq.LockTTLDefault.Seconds())
 	var dead, leased bool
 	row, err := scanState(db.QueryRow(ctx, st.SQL, st.Args...), &dead, &leased)
 	if errors.Is(err, pgx.ErrNoRows) {

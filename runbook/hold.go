@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -61,12 +62,12 @@ const (
 var HoldStates = []HoldState{HoldRetrying, HoldDead, HoldSkipRequested, HoldReplay, HoldDraining, HoldResolved}
 
 var holdStateWords = map[HoldState]string{
-	HoldRetrying:      schema.HoldWordRetrying,
-	HoldDead:          schema.HoldWordDead,
-	HoldSkipRequested: schema.HoldWordSkipRequested,
-	HoldReplay:        schema.HoldWordReplay,
-	HoldDraining:      schema.HoldWordDraining,
-	HoldResolved:      schema.HoldWordResolved,
+	HoldRetrying:      sqlq.HoldWordRetrying,
+	HoldDead:          sqlq.HoldWordDead,
+	HoldSkipRequested: sqlq.HoldWordSkipRequested,
+	HoldReplay:        sqlq.HoldWordReplay,
+	HoldDraining:      sqlq.HoldWordDraining,
+	HoldResolved:      sqlq.HoldWordResolved,
 }
 
 // String returns the state's lowercase word ("retrying", "dead",
@@ -261,9 +262,9 @@ func walReplayRule(s HoldState, held bool) error {
 }
 
 // walReplayGuard is walReplayRule as the states a replay statement of the
-// WAL table t accepts (schema.WALReplayRule).
-func walReplayGuard(t schema.Table) schema.WALReplayRule {
-	r := schema.WALReplayRule{Table: t}
+// WAL table t accepts (sqlq.WALReplayRule).
+func walReplayGuard(t schema.Table) sqlq.WALReplayRule {
+	r := sqlq.WALReplayRule{Table: t}
 	for _, s := range HoldStates {
 		if walReplayRule(s, true) == nil {
 			r.Held = append(r.Held, s.String())

@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -51,7 +52,7 @@ type ReplayJob struct {
 // oldest jobs beyond the newest keep (ReplayJobsKeptDefault when keep < 1),
 // in one statement. Texts longer than schema.ReplayJobTextMaxBytes are
 // shortened. It returns j with its ID and CreatedAt. A table without the
-// replay jobs' table is refused with schema.ErrNoReplayJobs (run `outbox
+// replay jobs' table is refused with sqlq.ErrNoReplayJobs (run `outbox
 // migrate`); nothing is written then.
 func SaveReplayJob(ctx context.Context, db DB, t schema.Table, j ReplayJob, keep int) (ReplayJob, error) {
 	if err := checkTable(t); err != nil {
@@ -80,7 +81,7 @@ func SaveReplayJob(ctx context.Context, db DB, t schema.Table, j ReplayJob, keep
 	for i, id := range j.EventIDs {
 		ids[i] = id.String()
 	}
-	q := schema.NewReplayJobsQueries(t)
+	q := sqlq.NewReplayJobsQueries(t)
 	if err := db.QueryRow(ctx, q.Insert, j.ID, j.Topic, j.ErrorContains, j.Cause, j.Rows, ids, j.RequestedBy, j.Remote, keep).Scan(&j.CreatedAt); err != nil {
 		return ReplayJob{}, dbError(t, "record a replay job of", err)
 	}
@@ -88,7 +89,7 @@ func SaveReplayJob(ctx context.Context, db DB, t schema.Table, j ReplayJob, keep
 }
 
 // GetReplayJob reads the replay job id of t: ErrNoReplayJob when the table
-// of replay jobs does not hold it, schema.ErrNoReplayJobs when t has no
+// of replay jobs does not hold it, sqlq.ErrNoReplayJobs when t has no
 // such table.
 func GetReplayJob(ctx context.Context, db DB, t schema.Table, id string) (ReplayJob, error) {
 	if err := checkTable(t); err != nil {
@@ -99,7 +100,7 @@ func GetReplayJob(ctx context.Context, db DB, t schema.Table, id string) (Replay
 	}
 	j := ReplayJob{ID: id}
 	var ids []string
-	err := db.QueryRow(ctx, schema.NewReplayJobsQueries(t).Get, id).Scan(&j.CreatedAt, &j.Topic, &j.ErrorContains, &j.Cause, &j.Rows, &ids, &j.RequestedBy, &j.Remote)
+	err := db.QueryRow(ctx, sqlq.NewReplayJobsQueries(t).Get, id).Scan(&j.CreatedAt, &j.Topic, &j.ErrorContains, &j.Cause, &j.Rows, &ids, &j.RequestedBy, &j.Remote)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return ReplayJob{}, fmt.Errorf("runbook: replay job %q of %s: %w", cutText(id, 64), t, ErrNoReplayJob)
 	}
@@ -117,13 +118,13 @@ func GetReplayJob(ctx context.Context, db DB, t schema.Table, id string) (Replay
 
 // replayJobsReady refuses a table without the replay jobs' table.
 func replayJobsReady(ctx context.Context, db DB, t schema.Table, op string) error {
-	ok, err := schema.ReplayJobsExist(ctx, db, t)
+	ok, err := sqlq.ReplayJobsExist(ctx, db, t)
 	if err != nil {
 		return dbError(t, op, err)
 	}
 	if !ok {
 		return fmt.Errorf("runbook: %s %s: %w; run `outbox migrate --table=%s` (or schema.Migrate, or the shipped migration 000008)",
-			op, t, schema.ErrNoReplayJobs, t)
+			op, t, sqlq.ErrNoReplayJobs, t)
 	}
 	return nil
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -17,7 +18,7 @@ import (
 // TestReplayJobs: a recorded replay job reads back whole (its event ids
 // included), only the newest keep jobs are kept, an over-long text is
 // shortened on a rune boundary, and a table without the replay jobs'
-// table is refused with schema.ErrNoReplayJobs.
+// table is refused with sqlq.ErrNoReplayJobs.
 func TestReplayJobs(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -62,13 +63,13 @@ func TestReplayJobs(t *testing.T) {
 		t.Fatalf("a kept job: %v", err)
 	}
 	// A table made before migration 000008.
-	if _, err := pool.Exec(ctx, schema.ReplayJobsDownSQL(tbl)); err != nil {
+	if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, "000008", "down")); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := runbook.SaveReplayJob(ctx, pool, tbl, runbook.ReplayJob{}, 0); !errors.Is(err, schema.ErrNoReplayJobs) || !strings.Contains(err.Error(), "outbox migrate") {
+	if _, err := runbook.SaveReplayJob(ctx, pool, tbl, runbook.ReplayJob{}, 0); !errors.Is(err, sqlq.ErrNoReplayJobs) || !strings.Contains(err.Error(), "outbox migrate") {
 		t.Fatalf("save without the table: %v, want ErrNoReplayJobs naming outbox migrate", err)
 	}
-	if _, err := runbook.GetReplayJob(ctx, pool, tbl, second.ID); !errors.Is(err, schema.ErrNoReplayJobs) {
+	if _, err := runbook.GetReplayJob(ctx, pool, tbl, second.ID); !errors.Is(err, sqlq.ErrNoReplayJobs) {
 		t.Fatalf("read without the table: %v, want ErrNoReplayJobs", err)
 	}
 }

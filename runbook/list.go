@@ -10,6 +10,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -18,7 +19,7 @@ import (
 type ListFilter struct {
 	// State is the rows' state in the table's relay mode: pending,
 	// retrying, dead, delivered (newest first) or all (a search).
-	State schema.ListState
+	State sqlq.ListState
 	// Topic keeps the rows of one topic.
 	Topic string
 	// EventID keeps the row of one event.
@@ -33,7 +34,7 @@ type ListFilter struct {
 	// ErrorContains keeps the rows whose last_error contains it, ignoring
 	// case (a held row's is its hold's).
 	ErrorContains string
-	// Cause keeps the rows whose normalised cause (schema.CauseOf their
+	// Cause keeps the rows whose normalised cause (sqlq.CauseOf their
 	// last_error) equals it, as DeadCauses groups them. It costs some 20 µs
 	// a row: on a large table narrow by State and Topic too, or run under
 	// a statement timeout.
@@ -62,7 +63,7 @@ type RowPage struct {
 }
 
 // ListRows lists a page of the rows of t in state f.State matching f, in
-// the table's relay mode (schema.StateQueries): what is pending, retrying,
+// the table's relay mode (sqlq.StateQueries): what is pending, retrying,
 // dead or delivered, or every row matching a search. The total and the
 // position count every matching row.
 func ListRows(ctx context.Context, db DB, t schema.Table, f ListFilter) (RowPage, error) {
@@ -88,7 +89,7 @@ func ListRows(ctx context.Context, db DB, t schema.Table, f ListFilter) (RowPage
 	if err != nil {
 		return RowPage{}, err
 	}
-	sf := schema.RowListFilter{State: f.State, Topic: f.Topic, OrderingKey: f.OrderingKey, CreatedFrom: f.CreatedFrom, CreatedTo: f.CreatedTo,
+	sf := sqlq.RowListFilter{State: f.State, Topic: f.Topic, OrderingKey: f.OrderingKey, CreatedFrom: f.CreatedFrom, CreatedTo: f.CreatedTo,
 		ErrorContains: f.ErrorContains, Cause: f.Cause}
 	if f.EventID != uuid.Nil {
 		sf.EventID = f.EventID.String()
@@ -126,7 +127,7 @@ func ListRows(ctx context.Context, db DB, t schema.Table, f ListFilter) (RowPage
 }
 
 // DeadCause is one group of dead rows: those whose last_error normalises
-// alike (schema.CauseOf).
+// alike (sqlq.CauseOf).
 type DeadCause struct {
 	// Cause is the normalised cause, "" for the rows without an error.
 	Cause string `json:"cause"`
@@ -281,7 +282,7 @@ func Relays(ctx context.Context, db DB, t schema.Table) (RelayList, error) {
 		return RelayList{}, err
 	}
 	out := RelayList{Mode: sq.Mode}
-	st := schema.RelaySessions(t)
+	st := sqlq.RelaySessions(t)
 	rows, err := db.Query(ctx, st.SQL, st.Args...)
 	if err != nil {
 		return RelayList{}, dbError(t, "list the relay sessions of", err)
@@ -300,7 +301,7 @@ func Relays(ctx context.Context, db DB, t schema.Table) (RelayList, error) {
 	}
 	switch sq.Mode {
 	case schema.ModeOrdered:
-		rows, err := db.Query(ctx, schema.PartitionOwners(t))
+		rows, err := db.Query(ctx, sqlq.PartitionOwners(t))
 		if err != nil {
 			return RelayList{}, dbError(t, "list the partition owners of", err)
 		}
@@ -337,7 +338,7 @@ func WALSlotReader(ctx context.Context, db DB, t schema.Table) (*WALSlot, error)
 		s   WALSlot
 		pid *int32
 	)
-	err := db.QueryRow(ctx, schema.WALSlotReader, schema.WALSlotName(t)).Scan(&s.Name, &s.Active, &pid, &s.ApplicationName, &s.ClientAddr)
+	err := db.QueryRow(ctx, sqlq.WALSlotReader, schema.WALSlotName(t)).Scan(&s.Name, &s.Active, &pid, &s.ApplicationName, &s.ClientAddr)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, nil
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
@@ -83,7 +84,7 @@ func TestOrderedTableStateIsTrue(t *testing.T) {
 	hold(t, pool, tbl, before[4], "dead")
 	hold(t, pool, tbl, before[6], "retrying")
 	hold(t, pool, tbl, before[8], "resolved")
-	exec(t, pool, tbl, `UPDATE %s SET last_error = '`+schema.SkippedErrorPrefix+` at now' WHERE event_id = $1`, before[8])
+	exec(t, pool, tbl, `UPDATE %s SET last_error = '`+sqlq.SkippedErrorPrefix+` at now' WHERE event_id = $1`, before[8])
 	hold(t, pool, tbl, before[9], "replay")
 	hold(t, pool, tbl, after[3], "resolved") // acked, the floor not written yet
 	markDead(t, pool, tbl, "unkeyed boom", after[5])
@@ -164,16 +165,16 @@ func TestOrderedTableStateIsTrue(t *testing.T) {
 	// The gauges' statement agrees with Stats.
 	var pending, locked, deadN int64
 	var oldest float64
-	gq := schema.NewStateQueries(tbl, schema.ModeOrdered, schema.Columns{OrderingKey: true})
+	gq := sqlq.NewStateQueries(tbl, schema.ModeOrdered, schema.Columns{OrderingKey: true})
 	if err := pool.QueryRow(ctx, gq.Gauges()).Scan(&pending, &locked, &deadN, &oldest); err != nil {
 		t.Fatal(err)
 	}
 	if pending != s.Pending || deadN != s.Dead || locked != s.Locked {
 		t.Fatalf("gauges: pending %d dead %d locked %d; stats %+v", pending, deadN, locked, s)
 	}
-	// What the relay's gauges compute today (schema.OrderedQueries.Stats),
+	// What the relay's gauges compute today (sqlq.OrderedQueries.Stats),
 	// for the record: it counts the acked row above the floor as pending.
-	oq := schema.NewOrderedQueries(tbl, schema.Columns{OrderingKey: true})
+	oq := sqlq.NewOrderedQueries(tbl, schema.Columns{OrderingKey: true})
 	if err := pool.QueryRow(ctx, oq.Stats).Scan(&pending, &locked, &deadN, &oldest); err != nil {
 		t.Fatal(err)
 	}

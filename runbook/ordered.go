@@ -9,6 +9,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -62,12 +63,12 @@ func (h HeldKey) CanReplay() bool { return h.EventID != "" && h.Allows(OpReplay)
 
 // orderedQueries returns the ordered-mode statements of t, or nil when t
 // is not relayed in ordered mode (its state reader's mode: stateOf).
-func orderedQueries(ctx context.Context, db DB, t schema.Table) (*schema.OrderedQueries, error) {
+func orderedQueries(ctx context.Context, db DB, t schema.Table) (*sqlq.OrderedQueries, error) {
 	sq, err := stateOf(ctx, db, t)
 	if err != nil || sq.Mode != schema.ModeOrdered {
 		return nil, err
 	}
-	return schema.NewOrderedQueries(t, sq.Columns), nil
+	return sqlq.NewOrderedQueries(t, sq.Columns), nil
 }
 
 // HeldKeys lists up to limit (DefaultLimit when 0) held keys of the keyed
@@ -104,9 +105,9 @@ func ListHolds(ctx context.Context, db DB, t schema.Table, f HoldsFilter) ([]Hel
 	var list string
 	switch {
 	case sq.Mode == schema.ModeOrdered:
-		list = schema.NewOrderedQueries(t, sq.Columns).HoldList()
+		list = sqlq.NewOrderedQueries(t, sq.Columns).HoldList()
 	case walKeyed(sq):
-		list = schema.WALHoldList(t)
+		list = sqlq.WALHoldList(t)
 	default:
 		return nil, nil
 	}
@@ -150,7 +151,7 @@ type eventHold struct {
 
 // holdOf returns the hold at the event's row of an ordered table (nil
 // when the row holds no key), resolved holds included.
-func holdOf(ctx context.Context, db DB, oq *schema.OrderedQueries, eventID uuid.UUID) (*eventHold, error) {
+func holdOf(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uuid.UUID) (*eventHold, error) {
 	var (
 		h    eventHold
 		word string
@@ -176,7 +177,7 @@ func walHoldOf(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (*
 		h    eventHold
 		word string
 	)
-	err := db.QueryRow(ctx, schema.WALHoldOfEvent(t), eventID.String()).Scan(&h.key, &h.seq, &word)
+	err := db.QueryRow(ctx, sqlq.WALHoldOfEvent(t), eventID.String()).Scan(&h.key, &h.seq, &word)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, nil
 	}
@@ -205,7 +206,7 @@ func HoldOfEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) 
 	var h *eventHold
 	switch {
 	case sq.Mode == schema.ModeOrdered:
-		h, err = holdOf(ctx, db, schema.NewOrderedQueries(t, sq.Columns), eventID)
+		h, err = holdOf(ctx, db, sqlq.NewOrderedQueries(t, sq.Columns), eventID)
 	case walKeyed(sq):
 		h, err = walHoldOf(ctx, db, t, eventID)
 	}
@@ -225,7 +226,7 @@ func refusal(op HoldOp, eventID uuid.UUID, t schema.Table, err error) error {
 // hold's dead_at and attempts and makes it due, so that the relay delivers
 // the row first and the rest of its key after it. ok is false when the row
 // holds no key or its hold is resolved (replayKeyed then decides).
-func replayHeld(ctx context.Context, db DB, oq *schema.OrderedQueries, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
+func replayHeld(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
 	t := oq.Table
 	h, err := holdOf(ctx, db, oq, eventID)
 	if err != nil || h == nil || h.state == HoldResolved {
@@ -234,15 +235,15 @@ func replayHeld(ctx context.Context, db DB, oq *schema.OrderedQueries, eventID u
 	if err := h.state.Allows(OpReplay); err != nil {
 		return EventReplay{}, true, refusal(OpReplay, eventID, t, err)
 	}
-	q := schema.NewRunbookQueries(t)
+	q := sqlq.NewRunbookQueries(t)
 	// The row as the state layer reads it: a held row shows its hold's
 	// attempts, last_error and dead_at.
-	row, err := eventState(ctx, db, schema.NewStateQueries(t, schema.ModeOrdered, oq.Columns), eventID)
+	row, err := eventState(ctx, db, sqlq.NewStateQueries(t, schema.ModeOrdered, oq.Columns), eventID)
 	if err != nil {
 		return EventReplay{}, true, err
 	}
 	res := EventReplay{Table: t.String(), Row: row, Dead: h.dead,
-		Statement: schema.Statement{SQL: oq.RetryHoldIn(), Args: []any{h.key, h.seq, statesAllowing(OpReplay)}}}
+		Statement: sqlq.Statement{SQL: oq.RetryHoldIn(), Args: []any{h.key, h.seq, statesAllowing(OpReplay)}}}
 	if dryRun {
 		res.DryRun = true
 		return res, true, nil
@@ -281,7 +282,7 @@ var ErrNotRelayedYet = errors.New("runbook: keyed event not relayed yet")
 // its partition's written floor) becomes a replay hold, delivered once more
 // before the key's next row. ok is false when the row is not keyed or the
 // table is not ordered.
-func replayKeyed(ctx context.Context, db DB, oq *schema.OrderedQueries, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
+func replayKeyed(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
 	t := oq.Table
 	var keyed bool
 	if err := db.QueryRow(ctx, oq.Keyed, eventID.String()).Scan(&keyed); errors.Is(err, pgx.ErrNoRows) || (err == nil && !keyed) {
@@ -289,14 +290,14 @@ func replayKeyed(ctx context.Context, db DB, oq *schema.OrderedQueries, eventID 
 	} else if err != nil {
 		return EventReplay{}, true, dbError(t, "look up event "+eventID.String()+" in", err)
 	}
-	q := schema.NewRunbookQueries(t)
+	q := sqlq.NewRunbookQueries(t)
 	// The row as the state layer reads it: a held row shows its hold's
 	// attempts, last_error and dead_at.
-	row, err := eventState(ctx, db, schema.NewStateQueries(t, schema.ModeOrdered, oq.Columns), eventID)
+	row, err := eventState(ctx, db, sqlq.NewStateQueries(t, schema.ModeOrdered, oq.Columns), eventID)
 	if err != nil {
 		return EventReplay{}, true, err
 	}
-	res := EventReplay{Table: t.String(), Row: row, Statement: schema.Statement{SQL: oq.ReplayDone, Args: []any{eventID.String()}}}
+	res := EventReplay{Table: t.String(), Row: row, Statement: sqlq.Statement{SQL: oq.ReplayDone, Args: []any{eventID.String()}}}
 	var (
 		inserted, above bool
 		held            *int64
@@ -333,7 +334,7 @@ func replayKeyed(ctx context.Context, db DB, oq *schema.OrderedQueries, eventID 
 }
 
 // keyedReplayCheck reads, for the keyed row of the ordered table t whose
-// event_id is $1, what schema.OrderedQueries.ReplayDone decides on, without
+// event_id is $1, what sqlq.OrderedQueries.ReplayDone decides on, without
 // writing: whether the row is at or below its partition's written floor
 // (done), whether its key is free (no hold but a resolved one at or below
 // that floor), and the sequence its key is held at (NULL when none).
@@ -354,7 +355,7 @@ type EventSkip struct {
 	Key      string `json:"ordering_key"`
 	Sequence int64  `json:"sequence"`
 	// Statement is the statement that records the skip.
-	Statement schema.Statement `json:"-"`
+	Statement sqlq.Statement `json:"-"`
 	// Changed is 1, or 0 for a dry run.
 	Changed int64 `json:"changed"`
 	// DryRun is true when nothing was changed on purpose.
@@ -382,11 +383,11 @@ func SkipEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dr
 		return skipWAL(ctx, db, t, eventID, dryRun)
 	}
 	var (
-		oq *schema.OrderedQueries
+		oq *sqlq.OrderedQueries
 		h  *eventHold
 	)
 	if sq.Mode == schema.ModeOrdered {
-		oq = schema.NewOrderedQueries(t, sq.Columns)
+		oq = sqlq.NewOrderedQueries(t, sq.Columns)
 		if h, err = holdOf(ctx, db, oq, eventID); err != nil {
 			return EventSkip{}, err
 		}
@@ -399,7 +400,7 @@ func SkipEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dr
 		return EventSkip{}, refusal(OpSkip, eventID, t, err)
 	}
 	res := EventSkip{Table: t.String(), Key: h.key, Sequence: h.seq,
-		Statement: schema.Statement{SQL: oq.SkipHoldIn(), Args: []any{h.key, h.seq, statesAllowing(OpSkip)}}}
+		Statement: sqlq.Statement{SQL: oq.SkipHoldIn(), Args: []any{h.key, h.seq, statesAllowing(OpSkip)}}}
 	if dryRun {
 		res.DryRun = true
 		return res, nil
@@ -412,7 +413,7 @@ func SkipEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dr
 		return EventSkip{}, movedOn(ctx, db, t, eventID, OpSkip)
 	}
 	res.Changed = 1
-	wake(ctx, db, schema.NewRunbookQueries(t))
+	wake(ctx, db, sqlq.NewRunbookQueries(t))
 	return res, nil
 }
 
@@ -437,7 +438,7 @@ func OrderedRelays(ctx context.Context, db DB, t schema.Table) (int, error) {
 // walKeyed tells whether the table of sq is streamed by the WAL relay
 // with keyed holds (its mode is WAL, and it has the ordering column and
 // the WAL holds table: internal/state).
-func walKeyed(sq schema.StateQueries) bool {
+func walKeyed(sq sqlq.StateQueries) bool {
 	return sq.Mode == schema.ModeWAL && sq.Columns.OrderingKey
 }
 
@@ -456,7 +457,7 @@ func skipWAL(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryR
 	if err := h.state.Allows(OpSkip); err != nil {
 		return EventSkip{}, refusal(OpSkip, eventID, t, err)
 	}
-	st := schema.Statement{SQL: schema.WALSkipHoldIn(t), Args: []any{eventID.String(), statesAllowing(OpSkip)}}
+	st := sqlq.Statement{SQL: sqlq.WALSkipHoldIn(t), Args: []any{eventID.String(), statesAllowing(OpSkip)}}
 	res := EventSkip{Table: t.String(), Key: h.key, Sequence: h.seq, Statement: st, DryRun: dryRun}
 	if dryRun {
 		return res, nil

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxkit/watermill-outbox/internal/redact"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -61,7 +62,7 @@ type TopicPause struct {
 	// DryRun is true when nothing was changed on purpose.
 	DryRun bool `json:"dry_run"`
 	// Statement is the statement that pauses or resumes the topic.
-	Statement schema.Statement `json:"-"`
+	Statement sqlq.Statement `json:"-"`
 }
 
 // checkTopic refuses what no pause can name.
@@ -110,13 +111,13 @@ func pausable(ctx context.Context, db DB, t schema.Table, op, topic string) erro
 			"and the disk fills; nothing changed. Instead let the topic's messages fail until they are dead (they stay in the table; "+
 			"`outbox dead list --topic=%s`), and replay them once the consumer is fixed; or stop the table's relay for a short while (its slot retains WAL meanwhile)", op, t, ErrPauseWAL, topic)
 	}
-	ok, err := schema.PausedTopicsExist(ctx, db, t)
+	ok, err := sqlq.PausedTopicsExist(ctx, db, t)
 	if err != nil {
 		return dbError(t, op+" a topic of", err)
 	}
 	if !ok {
 		return fmt.Errorf("runbook: cannot %s a topic of %s: %w; run `outbox migrate --table=%s` (or schema.Migrate, or the shipped migration 000007) first; nothing changed",
-			op, t, schema.ErrNoPausedTopics, t)
+			op, t, sqlq.ErrNoPausedTopics, t)
 	}
 	return nil
 }
@@ -129,7 +130,7 @@ func pausable(ctx context.Context, db DB, t schema.Table, op, topic string) erro
 // stored with obvious secrets masked. Pausing a topic paused already
 // changes nothing (Changed 0, the first pause's time and reason). A table
 // the WAL relay streams is refused with ErrPauseWAL, a table without the
-// paused topics' table with schema.ErrNoPausedTopics; with dryRun nothing
+// paused topics' table with sqlq.ErrNoPausedTopics; with dryRun nothing
 // is written.
 func PauseTopic(ctx context.Context, db DB, t schema.Table, topic, reason string, dryRun bool) (TopicPause, error) {
 	if err := checkTable(t); err != nil {
@@ -145,9 +146,9 @@ func PauseTopic(ctx context.Context, db DB, t schema.Table, topic, reason string
 		return TopicPause{}, err
 	}
 	reason = redact.Summary(reason, nil, schema.PauseReasonMaxBytes)
-	q := schema.NewPausedTopicsQueries(t)
+	q := sqlq.NewPausedTopicsQueries(t)
 	res := TopicPause{Table: t.String(), Topic: topic, Paused: true, Reason: reason,
-		Statement: schema.Statement{SQL: q.Pause, Args: []any{topic, reason}}}
+		Statement: sqlq.Statement{SQL: q.Pause, Args: []any{topic, reason}}}
 	if dryRun {
 		res.DryRun = true
 		return res, nil
@@ -184,8 +185,8 @@ func ResumeTopic(ctx context.Context, db DB, t schema.Table, topic string, dryRu
 	if err := pausable(ctx, db, t, "resume", topic); err != nil && !errors.Is(err, ErrPauseWAL) {
 		return TopicPause{}, err
 	}
-	q := schema.NewPausedTopicsQueries(t)
-	res := TopicPause{Table: t.String(), Topic: topic, Statement: schema.Statement{SQL: q.Resume, Args: []any{topic}}}
+	q := sqlq.NewPausedTopicsQueries(t)
+	res := TopicPause{Table: t.String(), Topic: topic, Statement: sqlq.Statement{SQL: q.Resume, Args: []any{topic}}}
 	var at time.Time
 	if err := db.QueryRow(ctx, q.Get, topic).Scan(&at, &res.Reason); errors.Is(err, pgx.ErrNoRows) {
 		return TopicPause{}, fmt.Errorf("runbook: cannot resume topic %q of %s: %w (list the paused topics with `outbox topics`); nothing changed", topic, t, ErrNotPaused)
@@ -209,7 +210,7 @@ func ResumeTopic(ctx context.Context, db DB, t schema.Table, topic string, dryRu
 
 // wakePaused notifies t's relays that the paused topics changed. A
 // failure is ignored: the relays read them again at their next poll.
-func wakePaused(ctx context.Context, db DB, q schema.PausedTopicsQueries) {
+func wakePaused(ctx context.Context, db DB, q sqlq.PausedTopicsQueries) {
 	_, _ = db.Exec(ctx, q.Notify)
 }
 
@@ -219,7 +220,7 @@ func PausedTopics(ctx context.Context, db DB, t schema.Table) ([]PausedTopic, er
 	if err := checkTable(t); err != nil {
 		return nil, err
 	}
-	ok, err := schema.PausedTopicsExist(ctx, db, t)
+	ok, err := sqlq.PausedTopicsExist(ctx, db, t)
 	if err != nil {
 		return nil, dbError(t, "list the paused topics of", err)
 	}
@@ -229,7 +230,7 @@ func PausedTopics(ctx context.Context, db DB, t schema.Table) ([]PausedTopic, er
 		}
 		return nil, nil
 	}
-	rows, err := db.Query(ctx, schema.NewPausedTopicsQueries(t).List)
+	rows, err := db.Query(ctx, sqlq.NewPausedTopicsQueries(t).List)
 	if err != nil {
 		return nil, dbError(t, "list the paused topics of", err)
 	}

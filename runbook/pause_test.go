@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -40,14 +41,14 @@ func TestPauseResumeTopic(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Release()
-	if _, err := conn.Exec(ctx, `LISTEN `+pgx.Identifier{tbl.NotifyChannel()}.Sanitize()); err != nil {
+	if _, err := conn.Exec(ctx, `LISTEN `+pgx.Identifier{sqlq.NotifyChannel(tbl)}.Sanitize()); err != nil {
 		t.Fatal(err)
 	}
 	notified := func() bool {
 		wctx, cancel := context.WithTimeout(ctx, 2e9)
 		defer cancel()
 		n, err := conn.Conn().WaitForNotification(wctx)
-		return err == nil && n.Payload == schema.PausedTopicsNotifyPayload
+		return err == nil && n.Payload == sqlq.PausedTopicsNotifyPayload
 	}
 
 	dry, err := runbook.PauseTopic(ctx, pool, tbl, "org.a.v1", "why", true)
@@ -158,7 +159,7 @@ func TestPauseTopicRefusals(t *testing.T) {
 
 	// A table made before migration 000007: relays see nothing paused,
 	// listing works, a pause says which migration to run.
-	if _, err := pool.Exec(ctx, schema.PausedTopicsDownSQL(tbl)); err != nil {
+	if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, "000007", "down")); err != nil {
 		t.Fatal(err)
 	}
 	if l, err := runbook.PausedTopics(ctx, pool, tbl); err != nil || len(l) != 0 {
@@ -168,7 +169,7 @@ func TestPauseTopicRefusals(t *testing.T) {
 		t.Fatalf("Stats without the table: %+v, %v", st, err)
 	}
 	_, err := runbook.PauseTopic(ctx, pool, tbl, "org.a.v1", "", false)
-	if !errors.Is(err, schema.ErrNoPausedTopics) || !strings.Contains(err.Error(), "outbox migrate --table="+tbl.String()) {
+	if !errors.Is(err, sqlq.ErrNoPausedTopics) || !strings.Contains(err.Error(), "outbox migrate --table="+tbl.String()) {
 		t.Fatalf("pause without the table: %v", err)
 	}
 	if err := schema.Migrate(ctx, pool, tbl); err != nil {
@@ -176,11 +177,11 @@ func TestPauseTopicRefusals(t *testing.T) {
 	}
 
 	// A table the WAL relay streams (a progress table and a publication).
-	if _, err := pool.Exec(ctx, schema.WALCreateProgressTable(tbl)); err != nil {
+	if _, err := pool.Exec(ctx, sqlq.WALCreateProgressTable(tbl)); err != nil {
 		t.Fatal(err)
 	}
 	pub := "pause_test_" + tbl.Schema()
-	if _, err := pool.Exec(ctx, schema.WALCreatePublication(pub, tbl)); err != nil {
+	if _, err := pool.Exec(ctx, sqlq.WALCreatePublication(pub, tbl)); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {

@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -98,7 +99,7 @@ func (e *NotReplayableError) Unwrap() error { return e.Reason }
 // ReplayOptions configures ReplayEvent.
 type ReplayOptions struct {
 	// LockTTL is the relay's lease duration: a row leased less than LockTTL
-	// ago is refused with ErrLocked. Defaults to schema.LockTTLDefault.
+	// ago is refused with ErrLocked. Defaults to sqlq.LockTTLDefault.
 	LockTTL time.Duration
 	// DryRun checks the row and returns the statement without changing
 	// anything.
@@ -115,7 +116,7 @@ type EventReplay struct {
 	// failed and still being retried.
 	Dead bool `json:"dead"`
 	// Statement is the UPDATE that resets the row.
-	Statement schema.Statement `json:"-"`
+	Statement sqlq.Statement `json:"-"`
 	// Changed is the number of rows changed: 1, or 0 for a dry run.
 	Changed int64 `json:"changed"`
 	// DryRun is true when nothing was changed on purpose.
@@ -143,9 +144,9 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 	lockTTL := opts.LockTTL
 	switch {
 	case lockTTL < 0:
-		return EventReplay{}, fmt.Errorf("runbook: lock TTL %s is negative; pass 0 for the default (%s)", lockTTL, schema.LockTTLDefault)
+		return EventReplay{}, fmt.Errorf("runbook: lock TTL %s is negative; pass 0 for the default (%s)", lockTTL, sqlq.LockTTLDefault)
 	case lockTTL == 0:
-		lockTTL = schema.LockTTLDefault
+		lockTTL = sqlq.LockTTLDefault
 	}
 	sq, err := stateOf(ctx, db, t)
 	if err != nil {
@@ -157,15 +158,15 @@ func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, 
 // replayEvent is ReplayEvent on the table of the state reader sq: the one
 // rule of a replay in each mode, which ReplayDead applies to each row of
 // an ordered table too. A dry run refuses what the replay would refuse.
-func replayEvent(ctx context.Context, db DB, sq schema.StateQueries, eventID uuid.UUID, lockTTL time.Duration, dryRun bool) (EventReplay, error) {
+func replayEvent(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.UUID, lockTTL time.Duration, dryRun bool) (EventReplay, error) {
 	t := sq.Table
-	q := schema.NewRunbookQueries(t)
+	q := sqlq.NewRunbookQueries(t)
 	id := eventID.String()
 
 	// In an ordered table, a keyed row that failed is recorded as its key's
 	// hold (docs/ORDERING.md).
 	if sq.Mode == schema.ModeOrdered {
-		oq := schema.NewOrderedQueries(t, sq.Columns)
+		oq := sqlq.NewOrderedQueries(t, sq.Columns)
 		if held, ok, err := replayHeld(ctx, db, oq, eventID, dryRun); ok || err != nil {
 			return held, err
 		}
@@ -188,7 +189,7 @@ func replayEvent(ctx context.Context, db DB, sq schema.StateQueries, eventID uui
 	}
 	res.Statement = q.ReplayEvent(id, lockTTL)
 	if wal {
-		res.Statement = schema.WALReplayEvent(walReplayGuard(t), id, lockTTL)
+		res.Statement = sqlq.WALReplayEvent(walReplayGuard(t), id, lockTTL)
 	}
 	if dryRun {
 		res.DryRun = true
@@ -216,7 +217,7 @@ func replayEvent(ctx context.Context, db DB, sq schema.StateQueries, eventID uui
 
 // inspectEvent looks the row up and returns a *NotReplayableError unless it
 // can be replayed.
-func inspectEvent(ctx context.Context, db DB, q schema.RunbookQueries, eventID uuid.UUID, lockTTL time.Duration) (EventReplay, error) {
+func inspectEvent(ctx context.Context, db DB, q sqlq.RunbookQueries, eventID uuid.UUID, lockTTL time.Duration) (EventReplay, error) {
 	st := q.Event(eventID.String(), lockTTL)
 	var dead, leased bool
 	row, err := scanRow(db.QueryRow(ctx, st.SQL, st.Args...), &dead, &leased)
@@ -247,7 +248,7 @@ func walReplayRefused(ctx context.Context, db DB, t schema.Table, eventID uuid.U
 		seq       int64
 		held      bool
 	)
-	err := db.QueryRow(ctx, schema.WALHoldOfKeyOfEvent(t), eventID.String()).Scan(&key, &seq, &word, &held)
+	err := db.QueryRow(ctx, sqlq.WALHoldOfKeyOfEvent(t), eventID.String()).Scan(&key, &seq, &word, &held)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil
 	}
@@ -266,7 +267,7 @@ func walReplayRefused(ctx context.Context, db DB, t schema.Table, eventID uuid.U
 
 // wake notifies the table's relays that rows are due. A failure is ignored:
 // the rows are already due and the relays find them at their next poll.
-func wake(ctx context.Context, db DB, q schema.RunbookQueries) {
+func wake(ctx context.Context, db DB, q sqlq.RunbookQueries) {
 	st := q.Wake()
 	_, _ = db.Exec(ctx, st.SQL, st.Args...)
 }
@@ -277,7 +278,7 @@ type BulkReplay struct {
 	Table string `json:"table"`
 	// Statement is the UPDATE that resets the rows; after a dry run, the
 	// one guarded by its snapshot, which a replay with Expect runs.
-	Statement schema.Statement `json:"-"`
+	Statement sqlq.Statement `json:"-"`
 	// Rows is, for a dry run, the number of rows the statement would
 	// change, and otherwise the number it changed.
 	Rows int64 `json:"rows"`
@@ -303,29 +304,29 @@ type BulkReplay struct {
 // adds the hold rule's guard (walReplayRule), which this statement, built
 // without looking at the table, does not carry; in an ordered table
 // ReplayDead replays row by row instead (its BulkReplay.Statement says so).
-func ReplayDeadStatement(t schema.Table, f DeadFilter) (schema.Statement, error) {
+func ReplayDeadStatement(t schema.Table, f DeadFilter) (sqlq.Statement, error) {
 	sf, err := replayFilter(t, f)
 	if err != nil {
-		return schema.Statement{}, err
+		return sqlq.Statement{}, err
 	}
-	q := schema.NewRunbookQueries(t)
+	q := sqlq.NewRunbookQueries(t)
 	if e := f.Expect; e != nil {
 		return q.ReplayDeadExpecting(sf, e.MaxSequence, e.Rows, e.Digest), nil
 	}
 	return q.ReplayDead(sf), nil
 }
 
-func replayFilter(t schema.Table, f DeadFilter) (schema.RunbookFilter, error) {
+func replayFilter(t schema.Table, f DeadFilter) (sqlq.RunbookFilter, error) {
 	if err := checkTable(t); err != nil {
-		return schema.RunbookFilter{}, err
+		return sqlq.RunbookFilter{}, err
 	}
 	switch {
 	case f.Topic == "" && !f.AllTopics:
-		return schema.RunbookFilter{}, fmt.Errorf("runbook: replay dead rows of %s: %w; set DeadFilter.Topic to one topic, or AllTopics to replay every topic (CLI: --topic or --all)", t, ErrNoReplayFilter)
+		return sqlq.RunbookFilter{}, fmt.Errorf("runbook: replay dead rows of %s: %w; set DeadFilter.Topic to one topic, or AllTopics to replay every topic (CLI: --topic or --all)", t, ErrNoReplayFilter)
 	case f.Topic != "" && f.AllTopics:
-		return schema.RunbookFilter{}, fmt.Errorf("runbook: replay dead rows of %s: both a topic (%q) and AllTopics are set; keep only one", t, f.Topic)
+		return sqlq.RunbookFilter{}, fmt.Errorf("runbook: replay dead rows of %s: both a topic (%q) and AllTopics are set; keep only one", t, f.Topic)
 	case f.Limit < 0:
-		return schema.RunbookFilter{}, fmt.Errorf("runbook: replay dead rows of %s: limit %d is negative; pass 0 to replay every matching row", t, f.Limit)
+		return sqlq.RunbookFilter{}, fmt.Errorf("runbook: replay dead rows of %s: limit %d is negative; pass 0 to replay every matching row", t, f.Limit)
 	}
 	return f.schemaFilter()
 }
@@ -367,7 +368,7 @@ func ReplayDead(ctx context.Context, db DB, t schema.Table, f DeadFilter, dryRun
 		g := walReplayGuard(t)
 		sf.WALReplay = &g
 	}
-	q := schema.NewRunbookQueries(t)
+	q := sqlq.NewRunbookQueries(t)
 	res := BulkReplay{Table: t.String(), Statement: q.ReplayDead(sf), DryRun: dryRun}
 	if dryRun {
 		count := q.CountReplayDead(sf)
@@ -423,11 +424,11 @@ func ReplayDead(ctx context.Context, db DB, t schema.Table, f DeadFilter, dryRun
 // up to f.Limit, is replayed by replayEvent. With f.Expect it runs in one
 // transaction (when db can begin one: *pgxpool.Pool, *pgx.Conn, pgx.Tx)
 // and changes exactly the previewed rows or none.
-func replayDeadOrdered(ctx context.Context, db DB, sq schema.StateQueries, f DeadFilter, sf schema.RunbookFilter, dryRun bool) (BulkReplay, error) {
+func replayDeadOrdered(ctx context.Context, db DB, sq sqlq.StateQueries, f DeadFilter, sf sqlq.RunbookFilter, dryRun bool) (BulkReplay, error) {
 	t := sq.Table
 	lockTTL := f.LockTTL
 	if lockTTL <= 0 {
-		lockTTL = schema.LockTTLDefault
+		lockTTL = sqlq.LockTTLDefault
 	}
 	sel := sf
 	sel.Limit = 0
@@ -521,7 +522,7 @@ func isRefusal(err error) bool {
 }
 
 // snapshotOf is the snapshot of the rows with sequences seqs (ascending),
-// as schema.RunbookQueries.CountReplayDead computes it.
+// as sqlq.RunbookQueries.CountReplayDead computes it.
 func snapshotOf(seqs []int64) ReplaySnapshot {
 	s := ReplaySnapshot{Rows: int64(len(seqs))}
 	if len(seqs) == 0 {

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -141,7 +142,7 @@ func TestReplayWakesRelays(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(context.Background())
-	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{tbl.NotifyChannel()}.Sanitize()); err != nil {
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{sqlq.NotifyChannel(tbl)}.Sanitize()); err != nil {
 		t.Fatal(err)
 	}
 	wait := func(what string) {
@@ -152,7 +153,7 @@ func TestReplayWakesRelays(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: no notification: %v", what, err)
 		}
-		if n.Channel != tbl.NotifyChannel() {
+		if n.Channel != sqlq.NotifyChannel(tbl) {
 			t.Fatalf("%s: notification on %q", what, n.Channel)
 		}
 	}

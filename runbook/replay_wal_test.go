@@ -12,9 +12,9 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
-	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 	"github.com/outboxkit/watermill-outbox/walrelay"
 )
@@ -114,7 +114,7 @@ func TestWALBulkReplayWhileDraining(t *testing.T) {
 		t.Errorf("bulk replay with a snapshot of both rows while k's hold drains: %d rows, %v; want 0", res.Rows, err)
 	}
 	var cause string
-	if err := pool.QueryRow(ctx, `SELECT `+schema.CauseOf("last_error")+` FROM `+tbl.Sanitize()+` WHERE event_id = $1`, x1).Scan(&cause); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT `+sqlq.CauseOf("last_error")+` FROM `+tbl.Sanitize()+` WHERE event_id = $1`, x1).Scan(&cause); err != nil {
 		t.Fatal(err)
 	}
 	if res, err := runbook.ReplayDead(ctx, pool, tbl, runbook.DeadFilter{AllTopics: true, Cause: cause}, false); err != nil || res.Rows != 0 {
@@ -231,7 +231,7 @@ func TestWALBulkReplayWaitsForAConcurrentSkip(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = skip.Rollback(ctx) }()
-	if _, err := skip.Exec(ctx, schema.WALSkipHoldIn(tbl), x, []string{"dead"}); err != nil {
+	if _, err := skip.Exec(ctx, sqlq.WALSkipHoldIn(tbl), x, []string{"dead"}); err != nil {
 		t.Fatal(err)
 	}
 	type result struct {

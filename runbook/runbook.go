@@ -14,8 +14,8 @@
 // least once, so consumers dedup on event_id. Rows that a relay is handling
 // right now (leased less than the lock TTL ago) are never replayed.
 //
-// The statements live in package schema (schema.RunbookQueries, and
-// schema.StateQueries for the table's state in the mode it is relayed in,
+// The statements live in package schema (sqlq.RunbookQueries, and
+// sqlq.StateQueries for the table's state in the mode it is relayed in,
 // the one state reader internal/state chooses); the table name is always
 // rendered with schema.Table.Sanitize and every value is a parameter.
 package runbook
@@ -31,6 +31,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -100,7 +101,7 @@ type Row struct {
 	ReplayDue bool `json:"replay_due,omitempty"`
 }
 
-func scanRow(s schema.Scanner, extra ...any) (Row, error) {
+func scanRow(s sqlq.Scanner, extra ...any) (Row, error) {
 	var (
 		r                 Row
 		eventID, tenantID string
@@ -164,7 +165,7 @@ type BacklogOptions struct {
 }
 
 // Backlog lists the pending rows of t (not delivered, not dead, in the
-// table's mode: schema.StateQueries) oldest first, in the order the relay
+// table's mode: sqlq.StateQueries) oldest first, in the order the relay
 // takes them (available_at, sequence). Rows waiting for a retry, rows
 // leased by a relay and rows waiting behind a held key are included; their
 // last_error, locked_at and WaitingBehind say so.
@@ -193,7 +194,7 @@ type DeadFilter struct {
 	// ErrorContains keeps the rows whose last_error contains it, ignoring
 	// case.
 	ErrorContains string
-	// Cause keeps the rows whose normalised cause (schema.CauseOf their
+	// Cause keeps the rows whose normalised cause (sqlq.CauseOf their
 	// last_error) equals it, as the console groups them. The expression
 	// costs some 20 µs a row: on a large table, narrow by Topic too, or
 	// run under a statement timeout.
@@ -205,7 +206,7 @@ type DeadFilter struct {
 	// sequence of a page to read the next one.
 	AfterSequence int64
 	// LockTTL is the relay's lease duration; ReplayDead leaves alone the
-	// rows leased less than LockTTL ago. Defaults to schema.LockTTLDefault.
+	// rows leased less than LockTTL ago. Defaults to sqlq.LockTTLDefault.
 	LockTTL time.Duration
 	// Expect, for ReplayDead, is the snapshot of its preview (a dry run's
 	// BulkReplay.Snapshot): the replay then changes exactly the rows the
@@ -218,14 +219,14 @@ type DeadFilter struct {
 	AllTopics bool
 }
 
-func (f DeadFilter) schemaFilter() (schema.RunbookFilter, error) {
+func (f DeadFilter) schemaFilter() (sqlq.RunbookFilter, error) {
 	if f.AfterSequence < 0 {
-		return schema.RunbookFilter{}, fmt.Errorf("runbook: after sequence %d is negative; pass 0 to start from the first row", f.AfterSequence)
+		return sqlq.RunbookFilter{}, fmt.Errorf("runbook: after sequence %d is negative; pass 0 to start from the first row", f.AfterSequence)
 	}
 	if f.LockTTL < 0 {
-		return schema.RunbookFilter{}, fmt.Errorf("runbook: lock TTL %s is negative; pass 0 for the default (%s)", f.LockTTL, schema.LockTTLDefault)
+		return sqlq.RunbookFilter{}, fmt.Errorf("runbook: lock TTL %s is negative; pass 0 for the default (%s)", f.LockTTL, sqlq.LockTTLDefault)
 	}
-	sf := schema.RunbookFilter{
+	sf := sqlq.RunbookFilter{
 		Topic:         f.Topic,
 		ErrorContains: f.ErrorContains,
 		Cause:         f.Cause,
@@ -263,7 +264,7 @@ func Dead(ctx context.Context, db DB, t schema.Table, f DeadFilter) ([]Row, erro
 }
 
 // TableStats are the counters of one outbox table, read in the table's
-// relay mode (schema.StateQueries; docs/OPERATIONS.md says what each means
+// relay mode (sqlq.StateQueries; docs/OPERATIONS.md says what each means
 // in each mode).
 type TableStats struct {
 	// Table is the table, as given.
@@ -443,7 +444,7 @@ func Leader(ctx context.Context, db DB, t schema.Table) (*Session, error) {
 	if err := checkTable(t); err != nil {
 		return nil, err
 	}
-	st := schema.NewRunbookQueries(t).Leader()
+	st := sqlq.NewRunbookQueries(t).Leader()
 	var (
 		s         Session
 		app, addr *string

@@ -5,15 +5,16 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/state"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // stateOf returns the state statements of t in the mode it is relayed in
 // (internal/state: the recorded mode, or for a table without a record the
-// inferred one; schema.StateQueries, the one place that knows each mode's
+// inferred one; sqlq.StateQueries, the one place that knows each mode's
 // state).
-func stateOf(ctx context.Context, db DB, t schema.Table) (schema.StateQueries, error) {
+func stateOf(ctx context.Context, db DB, t schema.Table) (sqlq.StateQueries, error) {
 	r, err := readerOf(ctx, db, t)
 	return r.StateQueries, err
 }
@@ -48,8 +49,8 @@ func Mode(ctx context.Context, db DB, t schema.Table) (schema.Mode, error) {
 	return sq.Mode, nil
 }
 
-// scanState reads a row of schema.StateColumns (then extra).
-func scanState(s schema.Scanner, extra ...any) (Row, error) {
+// scanState reads a row of sqlq.StateColumns (then extra).
+func scanState(s sqlq.Scanner, extra ...any) (Row, error) {
 	var (
 		r    Row
 		done bool
@@ -63,7 +64,7 @@ func scanState(s schema.Scanner, extra ...any) (Row, error) {
 	return row, nil
 }
 
-func queryStateRows(ctx context.Context, db DB, t schema.Table, op string, st schema.Statement) ([]Row, error) {
+func queryStateRows(ctx context.Context, db DB, t schema.Table, op string, st sqlq.Statement) ([]Row, error) {
 	rows, err := db.Query(ctx, st.SQL, st.Args...)
 	if err != nil {
 		return nil, dbError(t, op, err)

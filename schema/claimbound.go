@@ -29,11 +29,11 @@ func availableAtStatement(t Table) string {
 // AvailableAtUpSQL returns the DDL that makes available_at default to
 // clock_timestamp() (migration 000009), which the default relay's bounded
 // claim needs.
-func AvailableAtUpSQL(t Table) string { return availableAtStatement(t) + ";\n" }
+func availableAtUpSQL(t Table) string { return availableAtStatement(t) + ";\n" }
 
 // AvailableAtDownSQL reverts AvailableAtUpSQL: relays then claim without a
 // bound.
-func AvailableAtDownSQL(t Table) string {
+func availableAtDownSQL(t Table) string {
 	return `ALTER TABLE ` + t.Sanitize() + ` ALTER COLUMN available_at SET DEFAULT now();` + "\n"
 }
 

@@ -51,7 +51,7 @@ type migrateOptions struct {
 
 // MigrateLockWaitDefault is how long Migrate keeps trying to take the locks
 // it needs, by default (WithLockWait).
-const MigrateLockWaitDefault = time.Minute
+const migrateLockWaitDefault = time.Minute
 
 // migrateLockTimeout bounds each try's wait for a lock: while a statement
 // of Migrate waits for its lock, every writer of the table queues behind it.
@@ -108,7 +108,7 @@ func WithTableRewrite() MigrateOption { return func(o *migrateOptions) { o.rewri
 // OrderedRewriteMaxRows is the largest existing table to which Migrate adds
 // the ordering columns without WithTableRewrite: rewriting it takes well
 // under a second.
-const OrderedRewriteMaxRows = 10000
+const orderedRewriteMaxRows = 10000
 
 // ErrTableRewrite is returned (wrapped) by Migrate when adding the ordering
 // columns to an existing table of more than OrderedRewriteMaxRows rows
@@ -244,8 +244,11 @@ func (t Table) indexRegclass(suffix string) string {
 	return pgx.Identifier{t.schema, t.name + suffix}.Sanitize()
 }
 
-// upStatements is the DDL of the table contract, idempotent (IF NOT EXISTS throughout).
-func upStatements(t Table, c Columns) []string {
+// UpStatements is the DDL that creates table t with the optional columns c,
+// one statement each and idempotent (IF NOT EXISTS throughout): what Migrate
+// runs for a table it creates, and what the watermill-sql adapters (packages
+// schema/sqlv3 and schema/sqlv4) run as their schema initialisation.
+func UpStatements(t Table, c Columns) []string {
 	stmts := []string{createTableStatement(t)}
 	for _, ix := range indexes(t) {
 		stmts = append(stmts, ix.stmt)
@@ -254,14 +257,14 @@ func upStatements(t Table, c Columns) []string {
 	return append(stmts, optionalColumnStatements(t, c)...)
 }
 
-// LegacyDeadAttempts is the attempts count at or above which the migration
+// legacyDeadAttempts is the attempts count at or above which the migration
 // that adds dead_at marks an unpublished, unleased row dead: the default
 // max_attempts of the versions that read dead as attempts >= max_attempts.
 // Rows those versions parked (available_at = 'infinity') are marked dead
 // whatever their attempts. A relay that ran with a higher MaxAttempts should
 // edit the number in the migration file (or run its UPDATE itself) before
 // applying it.
-const LegacyDeadAttempts = MaxAttemptsDefault
+const legacyDeadAttempts = 25
 
 // deadAtStatements add the dead_at column to an existing table (no rewrite:
 // the column is nullable without a default) and mark dead, and park, the
@@ -272,20 +275,20 @@ func deadAtStatements(t Table) []string {
 		`ALTER TABLE ` + tbl + ` ADD COLUMN IF NOT EXISTS dead_at TIMESTAMPTZ NULL`,
 		`UPDATE ` + tbl + ` SET dead_at = now(), available_at = 'infinity', locked_at = NULL
 WHERE published_at IS NULL AND dead_at IS NULL
-  AND (available_at = 'infinity' OR (attempts >= ` + itoa(LegacyDeadAttempts) + ` AND locked_at IS NULL))`,
+  AND (available_at = 'infinity' OR (attempts >= ` + itoa(legacyDeadAttempts) + ` AND locked_at IS NULL))`,
 	}
 }
 
 // DeadAtUpSQL returns the DDL that adds the dead_at column to an existing
 // table t and marks dead the rows that versions without it considered dead
-// (parked at available_at = 'infinity', or attempts >= LegacyDeadAttempts
+// (parked at available_at = 'infinity', or attempts >= legacyDeadAttempts
 // and not leased), idempotently.
-func DeadAtUpSQL(t Table) string { return joinStatements(deadAtStatements(t)) }
+func deadAtUpSQL(t Table) string { return joinStatements(deadAtStatements(t)) }
 
 // DeadAtDownSQL returns the DDL that drops the dead_at column. Dead rows
 // stay parked at available_at = 'infinity' but are no longer marked dead:
 // code that reads dead_at must not run on the table afterwards.
-func DeadAtDownSQL(t Table) string {
+func deadAtDownSQL(t Table) string {
 	return joinStatements([]string{`ALTER TABLE ` + t.Sanitize() + ` DROP COLUMN IF EXISTS dead_at`})
 }
 
@@ -313,7 +316,7 @@ func UpSQL(t Table, opts ...MigrateOption) string {
 	if o.createSchema {
 		stmts = createSchemaStatement(t)
 	}
-	stmts = append(stmts, upStatements(t, o.columns)...)
+	stmts = append(stmts, UpStatements(t, o.columns)...)
 	if o.mode == ModeDefault || o.mode == ModeOrdered {
 		stmts = append(stmts, recordModeStatement(t, o.mode))
 	}
@@ -340,7 +343,7 @@ type DB interface {
 // Migrate creates the outbox table t with its constraints and indexes, and
 // the optional columns that opts ask for; on an existing table it adds what
 // is missing, including the dead_at column (marking dead the rows older
-// versions considered dead, see DeadAtUpSQL). It records the relay mode of
+// versions considered dead, see MigrationFiles, step 000004). It records the relay mode of
 // a table it creates (ModeDefault, or WithMode's) in <table>_mode, which
 // every reader of the table's state reads, and leaves the record of an
 // existing table alone unless WithMode asks. It is idempotent and safe when
@@ -368,7 +371,7 @@ func Migrate(ctx context.Context, db DB, t Table, opts ...MigrateOption) error {
 	}
 	wait := optionsOf(opts).lockWait
 	if wait <= 0 {
-		wait = MigrateLockWaitDefault
+		wait = migrateLockWaitDefault
 	}
 	return migrateTx(ctx, db, t, wait, opts)
 }
@@ -569,13 +572,13 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 		if rec, recorded, err := RecordedMode(ctx, tx, t); err != nil {
 			return fmt.Errorf("migrate %s: %w", t, err)
 		} else if !recorded || rec.Mode != o.mode {
-			if err := CheckModeSwitch(ctx, tx, t, o.mode); err != nil {
+			if err := checkModeSwitch(ctx, tx, t, o.mode); err != nil {
 				return fmt.Errorf("migrate %s: cannot record mode %s: %w; nothing changed", t, o.mode, err)
 			}
 		}
 	}
 	if !ok {
-		stmts = upStatements(t, columnsOf(opts))
+		stmts = UpStatements(t, columnsOf(opts))
 	} else {
 		for _, ix := range indexes(t) {
 			if ok, err = exists(t.indexRegclass(ix.suffix)); err != nil {
@@ -664,27 +667,27 @@ func checkRewrite(ctx context.Context, tx pgx.Tx, t Table, rewrite bool) error {
 		return nil
 	}
 	var n int64
-	if err := tx.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+t.Sanitize()+` LIMIT `+itoa(OrderedRewriteMaxRows+1)+`) AS s`).Scan(&n); err != nil {
+	if err := tx.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+t.Sanitize()+` LIMIT `+itoa(orderedRewriteMaxRows+1)+`) AS s`).Scan(&n); err != nil {
 		return fmt.Errorf("migrate %s: count rows: %w", t, err)
 	}
-	if n <= OrderedRewriteMaxRows {
+	if n <= orderedRewriteMaxRows {
 		return nil
 	}
 	return fmt.Errorf("migrate %s: %w: it has more than %d rows, and adding ordering_key and the stored generated column ordering_partition "+
 		"rewrites it under an ACCESS EXCLUSIVE lock (no reads or writes until it is done); nothing was changed. "+
 		"Pass schema.WithTableRewrite() (outbox migrate --ordered --rewrite) in a quiet moment, or run this SQL yourself:\n%s",
-		t, ErrTableRewrite, OrderedRewriteMaxRows, OrderedUpgradeSQL(t))
+		t, ErrTableRewrite, orderedRewriteMaxRows, OrderedUpgradeSQL(t))
 }
 
 // OptionalColumnsUpSQL returns the DDL that adds the optional columns opts
 // ask for to an existing table t, idempotently.
-func OptionalColumnsUpSQL(t Table, opts ...MigrateOption) string {
+func optionalColumnsUpSQL(t Table, opts ...MigrateOption) string {
 	return joinStatements(optionalColumnStatements(t, columnsOf(opts)))
 }
 
 // OptionalColumnsDownSQL returns the DDL that drops the optional columns opts
 // name. It is destructive: trace context and headers stored in them are lost.
-func OptionalColumnsDownSQL(t Table, opts ...MigrateOption) string {
+func optionalColumnsDownSQL(t Table, opts ...MigrateOption) string {
 	c := columnsOf(opts)
 	var stmts []string
 	if c.TraceContext {
@@ -731,34 +734,37 @@ const modeNote = "-- Adds <table>_mode, the relay mode the table is relayed in (
 	"-- outbox migrate --ordered|--wal|--mode and by every relay that starts on the table, and read by the\n" +
 	"-- runbook, the console, the cleaner and the gauges. Without a record they infer the mode from what exists.\n"
 
-// migrationFiles renders the shipped migration files for table t, by path
-// under Migrations.
-func migrationFiles(t Table) map[string]string {
-	const header = "-- Outbox table %s, generated by schema.%s. Rename %s to your table\n-- (or print the SQL for it with `outbox migrate --print --table=<name>`).\n"
+// MigrationFiles renders the migration files for table t, by path (as
+// Migrations holds them for public.app_outbox): numbered up and down files
+// under migrations/ for golang-migrate and similar tools, and one file per
+// step under migrations/goose/ for goose. Hand them to your migration tool
+// when it, not Migrate, owns the schema.
+func MigrationFiles(t Table) map[string]string {
+	const header = "-- Outbox table %s, generated by schema.MigrationFiles. Rename %s to your table\n-- (or print the SQL for it with `outbox migrate --print --table=<name>`).\n"
 	const destructive = "-- DESTRUCTIVE: this down migration deletes data, published or not.\n"
 	name := t.Name()
-	h := func(fn string) string { return fmt.Sprintf(header, t, fn, name) }
+	h := func(string) string { return fmt.Sprintf(header, t, name) }
 	// 000001 stays as shipped: later objects come with their own files.
-	up1 := joinStatements(upStatements(t, Columns{})[:1+len(indexes(t))])
+	up1 := joinStatements(UpStatements(t, Columns{})[:1+len(indexes(t))])
 	down1 := joinStatements(append(orderedCompanionDrops(t), `DROP TABLE IF EXISTS `+t.Sanitize()))
-	up2 := OptionalColumnsUpSQL(t, WithTraceColumns(), WithHeadersColumn())
-	down2 := OptionalColumnsDownSQL(t, WithTraceColumns(), WithHeadersColumn())
-	up3 := OptionalColumnsUpSQL(t, WithOrderingKeyColumn())
-	down3 := OptionalColumnsDownSQL(t, WithOrderingKeyColumn())
-	up4 := DeadAtUpSQL(t)
-	down4 := DeadAtDownSQL(t)
-	up5 := HoldsStateUpSQL(t)
-	down5 := HoldsStateDownSQL(t)
-	up6 := TermUpSQL(t)
-	down6 := TermDownSQL(t)
-	up7 := PausedTopicsUpSQL(t)
-	down7 := PausedTopicsDownSQL(t)
-	up8 := ReplayJobsUpSQL(t)
-	down8 := ReplayJobsDownSQL(t)
-	up9 := AvailableAtUpSQL(t)
-	down9 := AvailableAtDownSQL(t)
-	up10 := ModeUpSQL(t)
-	down10 := ModeDownSQL(t)
+	up2 := optionalColumnsUpSQL(t, WithTraceColumns(), WithHeadersColumn())
+	down2 := optionalColumnsDownSQL(t, WithTraceColumns(), WithHeadersColumn())
+	up3 := optionalColumnsUpSQL(t, WithOrderingKeyColumn())
+	down3 := optionalColumnsDownSQL(t, WithOrderingKeyColumn())
+	up4 := deadAtUpSQL(t)
+	down4 := deadAtDownSQL(t)
+	up5 := holdsStateUpSQL(t)
+	down5 := holdsStateDownSQL(t)
+	up6 := termUpSQL(t)
+	down6 := termDownSQL(t)
+	up7 := pausedTopicsUpSQL(t)
+	down7 := pausedTopicsDownSQL(t)
+	up8 := replayJobsUpSQL(t)
+	down8 := replayJobsDownSQL(t)
+	up9 := availableAtUpSQL(t)
+	down9 := availableAtDownSQL(t)
+	up10 := modeUpSQL(t)
+	down10 := modeDownSQL(t)
 	return map[string]string{
 		"migrations/000001_create_" + name + ".up.sql":                     h("UpSQL") + "\n" + up1,
 		"migrations/000001_create_" + name + ".down.sql":                   h("DownSQL") + destructive + "\n" + down1,

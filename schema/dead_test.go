@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -53,8 +54,8 @@ func TestClaimSkipsDeadAndParksExpiredLastAttempt(t *testing.T) {
 			err             error
 		)
 		if adapter {
-			a := schema.Adapter{Table: tbl, MaxAttempts: 5}
-			st := a.ClaimStatement(schema.AllTopics)
+			a := sqlq.Adapter{Table: tbl, MaxAttempts: 5}
+			st := a.ClaimStatement(sqlq.AllTopics)
 			rows, qerr := pool.Query(ctx, st.SQL, st.Args...)
 			if qerr != nil {
 				t.Fatal(qerr)
@@ -68,13 +69,13 @@ func TestClaimSkipsDeadAndParksExpiredLastAttempt(t *testing.T) {
 			}
 			err = rows.Err()
 		} else {
-			q := schema.NewQueries(tbl, schema.Columns{})
+			q := sqlq.NewQueries(tbl, schema.Columns{})
 			rows, qerr := pool.Query(ctx, q.ClaimAll, 5, 60.0, 10)
 			if qerr != nil {
 				t.Fatal(qerr)
 			}
 			for rows.Next() {
-				var r schema.ClaimedRow
+				var r sqlq.ClaimedRow
 				if serr := r.ScanClaim(rows, schema.Columns{}); serr != nil {
 					t.Fatal(serr)
 				}

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"unicode/utf8"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -77,7 +78,7 @@ func FuzzParseTable(f *testing.F) {
 // (issue 46); a plain one stays a plain literal.
 func TestStatementStringKeepsArgumentsOnOneLine(t *testing.T) {
 	t.Parallel()
-	st := schema.Statement{SQL: "SELECT $1, $2, $3, $4", Args: []any{"it's plain", "a\nDROP TABLE x; --'\\", "bell\a nel\u0085 ls\u2028", "bad\xff"}}
+	st := sqlq.Statement{SQL: "SELECT $1, $2, $3, $4", Args: []any{"it's plain", "a\nDROP TABLE x; --'\\", "bell\a nel\u0085 ls\u2028", "bad\xff"}}
 	want := "SELECT $1, $2, $3, $4\n-- $1 = 'it''s plain'\n-- $2 = E'a\\nDROP TABLE x; --''\\\\'\n-- $3 = E'bell\\u0007 nel\\u0085 ls\\u2028'\n-- $4 = E'bad\\xff'"
 	if got := st.String(); got != want {
 		t.Fatalf("Statement.String()\n = %s\nwant %s", got, want)
@@ -95,7 +96,7 @@ func FuzzStatementString(f *testing.F) {
 	pool := testdb.Pool(f)
 	ctx := context.Background()
 	f.Fuzz(func(t *testing.T, arg string) {
-		out := schema.Statement{SQL: "SELECT $1", Args: []any{arg}}.String()
+		out := sqlq.Statement{SQL: "SELECT $1", Args: []any{arg}}.String()
 		lit, ok := strings.CutPrefix(out, "SELECT $1\n-- $1 = ")
 		if !ok || strings.ContainsAny(lit, "\n\r\v\f\u0085\u2028\u2029") {
 			t.Fatalf("argument %q shown over several lines:\n%s", arg, out)

@@ -4,6 +4,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -23,7 +24,7 @@ func TestInboxSQL(t *testing.T) {
 	if down := schema.InboxDownSQL(tbl); down != "DROP TABLE IF EXISTS \"billing\".\"app_inbox\";\n" {
 		t.Errorf("InboxDownSQL = %q", down)
 	}
-	q := schema.NewInboxQueries(tbl)
+	q := sqlq.NewInboxQueries(tbl)
 	if !strings.Contains(q.RecordNoWait, `'inbox:billing.app_inbox:'`) || !strings.Contains(q.Record, `INSERT INTO "billing"."app_inbox"`) {
 		t.Errorf("queries not rendered for the table:\n%s\n%s", q.Record, q.RecordNoWait)
 	}

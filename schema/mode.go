@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/outboxkit/watermill-outbox/internal/pgkey"
 )
 
 // A table's relay mode is recorded in a companion table, <table>_mode (one
@@ -50,11 +51,11 @@ func modeStatement(t Table) string {
 // ModeUpSQL returns the DDL that creates the table recording the relay
 // mode of an existing table t (idempotent; the shipped migration 000010).
 // Until a mode is recorded in it, readers infer the mode as before.
-func ModeUpSQL(t Table) string { return modeStatement(t) + ";\n" }
+func modeUpSQL(t Table) string { return modeStatement(t) + ";\n" }
 
 // ModeDownSQL reverts ModeUpSQL: readers infer the table's mode from what
 // exists again.
-func ModeDownSQL(t Table) string { return `DROP TABLE IF EXISTS ` + t.modeTable() + ";\n" }
+func modeDownSQL(t Table) string { return `DROP TABLE IF EXISTS ` + t.modeTable() + ";\n" }
 
 // Valid reports whether m is one of the relay modes.
 func (m Mode) Valid() bool {
@@ -129,7 +130,7 @@ func RecordMode(ctx context.Context, q Querier, t Table, m Mode, by string) erro
 	if recorded && rec.Mode == m {
 		return nil
 	}
-	if err := CheckModeSwitch(ctx, q, t, m); err != nil {
+	if err := checkModeSwitch(ctx, q, t, m); err != nil {
 		return err
 	}
 	if len(by) > modeRecordedByMaxBytes {
@@ -155,17 +156,17 @@ ON CONFLICT (singleton) DO UPDATE SET mode = EXCLUDED.mode, recorded_at = now(),
 
 // CheckModeSwitch fails with ErrRelayModeMix when a relay of a mode other
 // than m may work on t, naming what shows it: a session holding the
-// default or the ordered relays' mode lock (Table.RelayModeLockKey), a
+// default or the ordered relays' mode lock, a
 // live partition lease of an ordered relay, or an active replication slot
 // of the table (the default slot, or one its WAL progress table names).
 // Relays of m itself are not looked for.
-func CheckModeSwitch(ctx context.Context, q Querier, t Table, m Mode) error {
+func checkModeSwitch(ctx context.Context, q Querier, t Table, m Mode) error {
 	fix := "stop them first (then the relay of " + string(m) + " mode may start), or keep the table's mode"
 	for _, ordered := range []bool{false, true} {
 		if (ordered && m == ModeOrdered) || (!ordered && m == ModeDefault) {
 			continue
 		}
-		holder, err := advisoryHolder(ctx, q, t.RelayModeLockKey(ordered))
+		holder, err := pgkey.Holder(ctx, q, pgkey.RelayMode(t.Qualified(), ordered))
 		if err != nil {
 			return fmt.Errorf("look up the relays of %s: %w", t, err)
 		}

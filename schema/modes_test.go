@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -20,7 +21,7 @@ func orderedInPlace(t *testing.T, tbl schema.Table) (cols bool, indexes int, com
 	if err != nil {
 		t.Fatal(err)
 	}
-	if companions, err = schema.OrderedTablesExist(ctx, pool, tbl); err != nil {
+	if companions, err = sqlq.OrderedTablesExist(ctx, pool, tbl); err != nil {
 		t.Fatal(err)
 	}
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 AND indexname IN ($2 || '_keyed_by_part', $2 || '_keyed_by_key', $2 || '_pending_unkeyed')`,

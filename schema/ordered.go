@@ -1,11 +1,7 @@
 package schema
 
 import (
-	"context"
 	"errors"
-	"fmt"
-	"strings"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -17,10 +13,6 @@ const OrderingPartitions = 64
 
 // MaxOrderingKeyBytes is the longest ordering key accepted, in bytes.
 const MaxOrderingKeyBytes = 256
-
-// ColumnOrderingPartition is the stored generated column that maps a row's
-// ordering key to its partition.
-const ColumnOrderingPartition = "ordering_partition"
 
 // Suffixes of the objects ordered mode adds; each fits within longestSuffix
 // so that every name stays within PostgreSQL's identifier limit.
@@ -53,39 +45,6 @@ func (t Table) RelaysTable() string { return t.companion(suffixRelays) }
 // HoldsTable names the table of held keys (a failing, dead or skipped row
 // that holds back its key).
 func (t Table) HoldsTable() string { return t.companion(suffixHolds) }
-
-// OrderingLockClassSQL is the SQL expression of the first key (an int4) of
-// the transaction-level advisory locks that serialise the writers of one
-// ordering key, pg_advisory_xact_lock(class, hashtext(key)): the OID of
-// the table, as int4, resolved from its name as t spells it (through the
-// session's search_path when t has no schema). Every writer and relay of a
-// table agrees on it, however each names the table. The regclass literal is
-// resolved when the statement is parsed and recorded as a dependency of its
-// cached plan, so a prepared statement is re-planned, and the OID looked up
-// again, when the table is dropped and made again.
-func (t Table) OrderingLockClassSQL() string {
-	return quoteLiteral(t.Sanitize()) + `::regclass::oid::int4`
-}
-
-// LookupOrderingLockClass returns the value of OrderingLockClassSQL on q's
-// session: the table's OID as int4. Relays look it up once, at start.
-func (t Table) LookupOrderingLockClass(ctx context.Context, q Querier) (int32, error) {
-	var class int32
-	if err := q.QueryRow(ctx, `SELECT `+t.OrderingLockClassSQL()).Scan(&class); err != nil {
-		return 0, fmt.Errorf("schema: ordering lock class of %s: %w", t, err)
-	}
-	return class, nil
-}
-
-// LegacyOrderingLockClass is the class writers of versions before the OID
-// class took: a hash of the qualified name. Relays watch both classes, so
-// that writers not yet upgraded are still seen by the cut during a rolling
-// upgrade (relays first, then writers).
-func (t Table) LegacyOrderingLockClass() int32 {
-	return int32(fnvSum("outbox-order:"+t.Qualified()) & 0x7fffffff)
-}
-
-const lockKeysStatement = `SELECT count(pg_advisory_xact_lock($1::int4, h)) FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest($2::text[]) AS k ORDER BY 1) AS s`
 
 // orderedColumnStatements add the ordering columns and their indexes to t.
 func orderedColumnStatements(t Table) []string {
@@ -146,10 +105,10 @@ func termStatement(t Table) string {
 // TermUpSQL returns the DDL that adds the partition lease's term to the
 // partitions table of an ordered table t made by an older version
 // (idempotent; the shipped migration 000006).
-func TermUpSQL(t Table) string { return termStatement(t) + ";\n" }
+func termUpSQL(t Table) string { return termStatement(t) + ";\n" }
 
 // TermDownSQL reverts TermUpSQL.
-func TermDownSQL(t Table) string {
+func termDownSQL(t Table) string {
 	return `ALTER TABLE ` + t.PartitionsTable() + ` DROP COLUMN IF EXISTS epoch;` + "\n"
 }
 
@@ -166,10 +125,10 @@ func holdsStateStatement(t Table) string {
 // HoldsStateUpSQL returns the DDL that brings the holds table of an ordered
 // table t made by an older version to this version's hold states
 // (idempotent; the shipped migration 000005).
-func HoldsStateUpSQL(t Table) string { return holdsStateStatement(t) + ";\n" }
+func holdsStateUpSQL(t Table) string { return holdsStateStatement(t) + ";\n" }
 
 // HoldsStateDownSQL reverts HoldsStateUpSQL.
-func HoldsStateDownSQL(t Table) string {
+func holdsStateDownSQL(t Table) string {
 	return `ALTER TABLE ` + t.HoldsTable() + ` DROP COLUMN IF EXISTS resolved_at, DROP COLUMN IF EXISTS replay;` + "\n"
 }
 
@@ -186,464 +145,15 @@ func orderedDownStatements(t Table) []string {
 		`ALTER TABLE `+t.Sanitize()+` DROP COLUMN IF EXISTS ordering_partition, DROP COLUMN IF EXISTS ordering_key`)
 }
 
-// OrderedQueries holds the statements of ordered mode for one table with the
-// ordering columns: partition leases, membership, the keyed-row scan, holds,
-// gauges, cleaning and the runbook. The happy path writes no outbox row:
-// progress is one floor per partition (docs/ORDERING.md).
-type OrderedQueries struct {
-	Table   Table
-	Columns Columns
-
-	// Heartbeat records that relay $1 is alive and returns the ids of the
-	// relays alive within $2 seconds (text array, this one included); it
-	// forgets relays silent for a day (killed without leaving).
-	Heartbeat string
-	// Leave removes relay $1 from the membership.
-	Leave string
-	// LiveOwners counts the relays that own a partition with a lease not
-	// expired: the ordered relays at work (the console's overview).
-	LiveOwners string
-	// Acquire takes the partitions $2 (int array) that are free, expired or
-	// already owned by relay $1, for $3 seconds, each in a new term (its
-	// epoch incremented, also when relay $1 owned it already). Returns:
-	// partition, floor_sequence, epoch.
-	Acquire string
-	// Renew extends the leases of relay $1 on partitions $2 for $4 seconds
-	// and raises their floors to $3 (bigint array, same order), fenced on
-	// a live lease of $1 in the terms $5 (bigint array, same order).
-	// Returns: partition.
-	Renew string
-	// Release gives partitions $2 back with floors $3, fenced like Renew on
-	// the terms $4.
-	Release string
-	// Cut returns the sequence's last value, then the virtual transactions
-	// that hold a key lock of the table (lock class $1, or the legacy class
-	// $2 of writers not yet upgraded) and the lock's key
-	// hash (objid as bigint; its low 6 bits are the key's partition), as two
-	// arrays of the same length. The last value is read before the locks.
-	Cut string
-	// Holds lists the holds of partitions $1 (int array): ordering_key,
-	// partition, sequence, attempts, seconds until due (<= 0: due), dead,
-	// skip requested, replay, resolved.
-	Holds string
-	// Scan reads the keyed rows of partitions $1 (int array) with
-	// sequences in ($2, $3] ($2 a bigint array, same order; $3 one bigint),
-	// at most $4 per partition, in sequence order per partition. Returns
-	// OrderedRow columns.
-	Scan string
-	// Rescan reads the keyed rows of partition $1[i] whose key hash is
-	// $2[i] with sequences in ($3[i], $4[i]], at most $5 for each i, in
-	// sequence order. Returns OrderedRow columns.
-	Rescan string
-	// RowAt reads the row of key $1 at sequence $2 while its key's hold is
-	// at that sequence, not resolved and no skip is requested (OrderedRow
-	// columns; no row otherwise).
-	RowAt string
-	// Fail records a failed attempt of row (key $3, sequence $4) of
-	// partition $2 as its key's hold, fenced on relay $1's lease in term
-	// $9. Args then: last_error $5, max_attempts $6, permanent $7, backoff
-	// seconds $8. A
-	// resolved hold below the row is replaced; a hold at the row counts one
-	// more attempt and keeps a requested skip. Returns: dead, attempts,
-	// skip requested (no row when not owned or the key has another hold).
-	Fail string
-	// Advance moves the hold of key $3 at sequence $4 (partition $2,
-	// relay $1), whose row succeeded or was skipped, to the key's next row
-	// at or below sequence $5, fenced on relay $1's lease in term $6;
-	// without a next row the hold is resolved (kept as a tombstone); a
-	// replay hold is deleted. Returns: owned, next sequence
-	// (NULL when none), resolved, deleted.
-	Advance string
-	// CleanResolved deletes the resolved holds at or below the written
-	// floor of their partition, for the partitions relay $1 owns.
-	CleanResolved string
-	// Stats returns pending (not dead), leased, dead and the oldest pending
-	// age in seconds, for keyed and unkeyed rows together: a row is dead
-	// when its dead_at is set (a keyed row that died in default mode before
-	// the table was switched), or when its key's hold on it has dead_at set.
-	// No args.
-	Stats string
-	// HeldKeys counts the holds that hold a key (not resolved): all, dead.
-	HeldKeys string
-	// DeleteDone deletes up to $2 keyed rows at or below their partition's
-	// floor created more than $1 seconds ago, never a dead row nor a row at
-	// or after the sequence of its key's hold (a replay hold keeps only its
-	// own row), nor a row changed since the statement began: ReplayDone
-	// writes the row it replays, so a replay that commits while the delete
-	// runs keeps its row (the delete compares the row's xmin).
-	DeleteDone string
-	// ReplayDone makes the keyed row whose event_id is $1 a replay hold when
-	// it is at or below its partition's written floor and its key has no
-	// hold (or only a resolved one at or below that floor): the relay
-	// delivers it once more before the key's next row. It writes the row
-	// (dead_at = NULL: a row that died in default mode before the table
-	// was switched is revived), so that DeleteDone racing it keeps the row,
-	// and inserts the hold only when the row is still there. Returns: inserted,
-	// above floor, held sequence (NULL when the key has no hold).
-	ReplayDone string
-	// Keyed reports whether the row whose event_id is $1 has an ordering
-	// key (no row when there is no such event).
-	Keyed string
-}
-
-// orderedReturning lists the columns of an OrderedRow, for row alias o.
-func orderedReturning(c Columns) string {
-	cols := []string{"o.ordering_partition::int", "o.ordering_key", "hashtext(o.ordering_key)", "o.id::text", "o.event_id::text", "o.tenant_id::text", "o.topic",
-		"o.payload::text", "o.sequence", "o.created_at"}
-	if c.TraceContext {
-		cols = append(cols, "o.traceparent", "o.tracestate")
-	}
-	if c.Headers {
-		cols = append(cols, "o.headers::text")
-	}
-	return strings.Join(cols, ", ")
-}
-
-// OrderedRow is one keyed row read by OrderedQueries.Scan, Rescan or RowAt.
-type OrderedRow struct {
-	ClaimedRow
-	Partition int
-	Key       string
-	// KeyHash is hashtext(Key), the second key of the key's writer lock.
-	KeyHash int32
-}
-
-// Scan reads a row produced by Scan, Rescan or RowAt for a table with
-// columns c.
-func (r *OrderedRow) Scan(s Scanner, c Columns) error {
-	dest := []any{&r.Partition, &r.Key, &r.KeyHash, &r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.CreatedAt}
-	if c.TraceContext {
-		dest = append(dest, &r.TraceParent, &r.TraceState)
-	}
-	if c.Headers {
-		dest = append(dest, &r.Headers)
-	}
-	if err := s.Scan(dest...); err != nil {
-		return fmt.Errorf("scan keyed outbox row: %w", err)
-	}
-	r.OrderingKey = &r.Key
-	return nil
-}
-
-// NewOrderedQueries renders the ordered-mode statements for table t with
-// columns c (c.OrderingKey must be true).
-func NewOrderedQueries(t Table, c Columns) *OrderedQueries {
-	tbl, parts, relays, holds := t.Sanitize(), t.PartitionsTable(), t.RelaysTable(), t.HoldsTable()
-	ret := orderedReturning(c)
-	ttl := func(n string) string { return `make_interval(secs => ` + n + `::float8)` }
-	q := &OrderedQueries{Table: t, Columns: c}
-	q.Heartbeat = `WITH hb AS (
-  INSERT INTO ` + relays + ` AS r (relay_id, heartbeat_at) VALUES ($1, now())
-  ON CONFLICT (relay_id) DO UPDATE SET heartbeat_at = now() RETURNING r.relay_id
-), gone AS (
-  DELETE FROM ` + relays + ` WHERE heartbeat_at < now() - interval '1 day'
-)
-SELECT ARRAY(SELECT relay_id FROM ` + relays + ` WHERE heartbeat_at > now() - ` + ttl("$2") + ` UNION SELECT relay_id FROM hb)`
-	q.Leave = `DELETE FROM ` + relays + ` WHERE relay_id = $1`
-	q.LiveOwners = `SELECT count(DISTINCT owner) FROM ` + parts + ` WHERE owner IS NOT NULL AND lease_until > now()`
-	q.Acquire = `UPDATE ` + parts + ` SET owner = $1, lease_until = now() + ` + ttl("$3") + `, epoch = epoch + 1
-WHERE partition = ANY($2::int[]) AND (owner IS NULL OR owner = $1 OR lease_until IS NULL OR lease_until < now())
-RETURNING partition::int, floor_sequence, epoch`
-	q.Renew = `UPDATE ` + parts + ` AS p SET lease_until = now() + ` + ttl("$4") + `, floor_sequence = GREATEST(p.floor_sequence, u.floor)
-FROM unnest($2::int[], $3::bigint[], $5::bigint[]) AS u(part, floor, epoch)
-WHERE p.partition = u.part AND p.owner = $1 AND p.epoch = u.epoch AND p.lease_until > now()
-RETURNING p.partition::int`
-	q.Release = `UPDATE ` + parts + ` AS p SET owner = NULL, lease_until = NULL, floor_sequence = GREATEST(p.floor_sequence, u.floor)
-FROM unnest($2::int[], $3::bigint[], $4::bigint[]) AS u(part, floor, epoch)
-WHERE p.partition = u.part AND p.owner = $1 AND p.epoch = u.epoch AND p.lease_until > now()`
-	// The last value is read in a subquery that runs before the lock list
-	// (OFFSET 0 keeps it from being flattened into it).
-	q.Cut = `SELECT s.last_value, COALESCE(l.vx, '{}'), COALESCE(l.h, '{}')
-FROM (SELECT COALESCE(pg_sequence_last_value(pg_get_serial_sequence(` + quoteLiteral(tbl) + `, 'sequence')::regclass), 0) AS last_value OFFSET 0) AS s
-CROSS JOIN LATERAL (
-  SELECT array_agg(k.virtualtransaction) AS vx, array_agg(k.objid::int8) AS h FROM pg_locks AS k
-  WHERE k.locktype = 'advisory' AND k.classid IN (($1::int4)::oid, ($2::int4)::oid) AND k.objsubid = 2 AND k.granted AND s.last_value IS NOT NULL
-) AS l`
-	// Holds filters on an expression, so that reading the holds of many
-	// partitions is one scan of the (small) holds table, not one index probe
-	// per partition.
-	q.Holds = `SELECT ordering_key, partition::int, sequence, attempts, extract(epoch FROM LEAST(available_at, now() + interval '1 day') - now())::float8,
-  dead_at IS NOT NULL, skip_requested_at IS NOT NULL, replay, resolved_at IS NOT NULL
-FROM ` + holds + ` WHERE partition::int + 0 = ANY($1::int[])`
-	q.Scan = `SELECT ` + ret + `
-FROM unnest($1::int[], $2::bigint[]) AS p(part, lo)
-CROSS JOIN LATERAL (
-  SELECT * FROM ` + tbl + ` AS k
-  WHERE k.ordering_partition = p.part AND k.ordering_key IS NOT NULL AND k.sequence > p.lo AND k.sequence <= $3 AND k.published_at IS NULL AND k.dead_at IS NULL
-  ORDER BY k.sequence LIMIT $4
-) AS o`
-	q.Rescan = `SELECT ` + ret + `
-FROM unnest($1::int[], $2::int4[], $3::bigint[], $4::bigint[]) AS w(part, h, lo, hi)
-CROSS JOIN LATERAL (
-  SELECT * FROM ` + tbl + ` AS k
-  WHERE k.ordering_partition = w.part AND k.ordering_key IS NOT NULL AND k.sequence > w.lo AND k.sequence <= w.hi
-    AND hashtext(k.ordering_key) = w.h AND k.published_at IS NULL AND k.dead_at IS NULL
-  ORDER BY k.sequence LIMIT $5
-) AS o ORDER BY o.sequence`
-	q.RowAt = `SELECT ` + ret + ` FROM ` + tbl + ` AS o JOIN ` + holds + ` AS h ON h.ordering_key = o.ordering_key AND h.sequence = o.sequence
-WHERE o.ordering_key = $1 AND o.sequence = $2 AND h.resolved_at IS NULL AND h.skip_requested_at IS NULL`
-	own := func(epoch string) string {
-		return `SELECT 1 FROM ` + parts + ` WHERE partition = $2 AND owner = $1 AND epoch = ` + epoch + `::bigint AND lease_until > now()`
-	}
-	deadFirst := `$7::bool OR $6::int <= 1`
-	same := `(h.resolved_at IS NULL AND h.sequence = EXCLUDED.sequence)`
-	deadNow := `($7::bool OR (CASE WHEN ` + same + ` THEN h.attempts ELSE 0 END) + 1 >= $6::int)`
-	q.Fail = `INSERT INTO ` + holds + ` AS h (ordering_key, partition, sequence, attempts, available_at, last_error, dead_at)
-SELECT $3, $2, $4, 1,
-  CASE WHEN ` + deadFirst + ` THEN 'infinity'::timestamptz ELSE now() + ` + ttl("$8") + ` END, $5,
-  CASE WHEN ` + deadFirst + ` THEN now() END
-WHERE EXISTS (` + own("$9") + `)
-ON CONFLICT (ordering_key) DO UPDATE SET
-  sequence = EXCLUDED.sequence,
-  attempts = CASE WHEN ` + same + ` THEN h.attempts + 1 ELSE 1 END,
-  last_error = EXCLUDED.last_error,
-  available_at = CASE WHEN ` + deadNow + ` THEN 'infinity'::timestamptz ELSE now() + ` + ttl("$8") + ` END,
-  dead_at = CASE WHEN ` + deadNow + ` THEN now() END,
-  skip_requested_at = CASE WHEN ` + same + ` THEN h.skip_requested_at END,
-  replay = CASE WHEN ` + same + ` THEN h.replay ELSE false END,
-  resolved_at = NULL, created_at = CASE WHEN ` + same + ` THEN h.created_at ELSE now() END
-WHERE ` + same + ` OR (h.resolved_at IS NOT NULL AND h.sequence < EXCLUDED.sequence)
-RETURNING h.dead_at IS NOT NULL, h.attempts, h.skip_requested_at IS NOT NULL`
-	q.Advance = `WITH own AS (` + own("$6") + `),
-h0 AS (SELECT replay FROM ` + holds + ` WHERE ordering_key = $3 AND sequence = $4 AND resolved_at IS NULL AND EXISTS (SELECT 1 FROM own) FOR UPDATE),
-nxt AS (SELECT min(sequence) AS s FROM ` + tbl + ` WHERE ordering_key = $3 AND sequence > $4 AND sequence <= $5 AND published_at IS NULL AND dead_at IS NULL),
-del AS (
-  DELETE FROM ` + holds + ` AS h WHERE h.ordering_key = $3 AND h.sequence = $4 AND (SELECT replay FROM h0)
-  RETURNING 1
-),
-upd AS (
-  UPDATE ` + holds + ` AS h SET sequence = COALESCE((SELECT s FROM nxt), h.sequence), attempts = 0, available_at = now(),
-    last_error = NULL, dead_at = NULL, skip_requested_at = NULL, created_at = now(),
-    resolved_at = CASE WHEN (SELECT s FROM nxt) IS NULL THEN now() END
-  WHERE h.ordering_key = $3 AND h.sequence = $4 AND h.resolved_at IS NULL AND NOT (SELECT replay FROM h0)
-  RETURNING h.sequence, h.resolved_at IS NOT NULL AS resolved
-)
-SELECT EXISTS (SELECT 1 FROM own), (SELECT sequence FROM upd WHERE NOT resolved), EXISTS (SELECT 1 FROM upd WHERE resolved),
-  EXISTS (SELECT 1 FROM del)`
-	q.CleanResolved = `DELETE FROM ` + holds + ` AS h USING ` + parts + ` AS p
-WHERE h.partition = p.partition AND p.owner = $1 AND p.lease_until > now() AND h.resolved_at IS NOT NULL AND h.sequence <= p.floor_sequence`
-	active := `h.resolved_at IS NULL`
-	keyed := `SELECT o.sequence, o.created_at, o.ordering_key
-  FROM ` + parts + ` AS p CROSS JOIN LATERAL (
-    SELECT k.sequence, k.created_at, k.ordering_key FROM ` + tbl + ` AS k
-    WHERE k.ordering_partition = p.partition AND k.ordering_key IS NOT NULL AND k.sequence > p.floor_sequence AND k.published_at IS NULL
-      AND k.dead_at IS NULL
-  ) AS o
-  UNION
-  SELECT o.sequence, o.created_at, o.ordering_key
-  FROM ` + holds + ` AS h JOIN ` + tbl + ` AS o ON o.ordering_key = h.ordering_key AND o.published_at IS NULL AND o.dead_at IS NULL
-    AND (o.sequence = h.sequence OR (o.sequence > h.sequence AND NOT h.replay))
-  WHERE ` + active
-	q.Stats = `WITH keyed AS (` + keyed + `),
-marked AS (
-  SELECT k.created_at, EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = k.ordering_key AND h.sequence = k.sequence AND h.dead_at IS NOT NULL AND ` + active + `) AS dead
-  FROM keyed AS k
-),
-unkeyed AS (
-  SELECT count(*) FILTER (WHERE dead_at IS NULL AND ordering_key IS NULL) AS pending,
-    count(*) FILTER (WHERE locked_at IS NOT NULL AND ordering_key IS NULL) AS locked,
-    count(*) FILTER (WHERE dead_at IS NOT NULL) AS dead, min(created_at) FILTER (WHERE dead_at IS NULL AND ordering_key IS NULL) AS oldest
-  FROM ` + tbl + ` WHERE published_at IS NULL AND (ordering_key IS NULL OR dead_at IS NOT NULL)
-)
-SELECT u.pending + (SELECT count(*) FROM marked WHERE NOT dead), u.locked, u.dead + (SELECT count(*) FROM marked WHERE dead),
-  COALESCE(extract(epoch FROM now() - LEAST(u.oldest, (SELECT min(created_at) FROM marked WHERE NOT dead)))::float8, 0)
-FROM unkeyed AS u`
-	q.HeldKeys = `SELECT count(*), count(*) FILTER (WHERE dead_at IS NOT NULL) FROM ` + holds + ` AS h WHERE ` + active
-	q.DeleteDone = `WITH victims AS (
-  SELECT o.id, o.x FROM ` + parts + ` AS p CROSS JOIN LATERAL (
-    SELECT k.id, k.xmin AS x, k.ordering_key, k.sequence FROM ` + tbl + ` AS k
-    WHERE k.ordering_partition = p.partition AND k.ordering_key IS NOT NULL AND k.sequence <= p.floor_sequence
-      AND k.dead_at IS NULL AND k.created_at < now() - ` + ttl("$1") + `
-    ORDER BY k.sequence LIMIT $2
-  ) AS o
-  WHERE NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key AND ` + active + `
-    AND (o.sequence = h.sequence OR (o.sequence > h.sequence AND NOT h.replay)))
-  LIMIT $2
-)
-DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id AND o.xmin = victims.x`
-	q.ReplayDone = `WITH r AS (
-  SELECT o.ordering_key, o.ordering_partition, o.sequence, o.sequence <= p.floor_sequence AS done, p.floor_sequence AS floor,
-    NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key
-      AND NOT (h.resolved_at IS NOT NULL AND h.sequence <= p.floor_sequence)) AS free
-  FROM ` + tbl + ` AS o JOIN ` + parts + ` AS p ON p.partition = o.ordering_partition
-  WHERE o.event_id = $1::uuid AND o.ordering_key IS NOT NULL
-), touch AS (
-  UPDATE ` + tbl + ` AS o SET dead_at = NULL FROM r WHERE o.event_id = $1::uuid AND r.done AND r.free
-  RETURNING 1
-), ins AS (
-  INSERT INTO ` + holds + ` AS h (ordering_key, partition, sequence, attempts, available_at, replay)
-  SELECT r.ordering_key, r.ordering_partition, r.sequence, 0, now(), true FROM r WHERE r.done AND EXISTS (SELECT 1 FROM touch)
-  ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, partition = EXCLUDED.partition, attempts = 0,
-    available_at = now(), last_error = NULL, dead_at = NULL, skip_requested_at = NULL, replay = true, resolved_at = NULL, created_at = now()
-  WHERE h.resolved_at IS NOT NULL AND h.sequence <= (SELECT floor FROM r)
-  RETURNING 1
-)
-SELECT EXISTS (SELECT 1 FROM ins), NOT COALESCE((SELECT done FROM r), false),
-  (SELECT h.sequence FROM ` + holds + ` AS h, r WHERE h.ordering_key = r.ordering_key AND h.resolved_at IS NULL)`
-	q.Keyed = `SELECT ordering_key IS NOT NULL FROM ` + tbl + ` WHERE event_id = $1::uuid`
-	return q
-}
-
-// OrderedTablesExist reports whether the companion tables of ordered mode
-// exist for t.
-func OrderedTablesExist(ctx context.Context, q Querier, t Table) (bool, error) {
-	var ok bool
-	err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND to_regclass($3) IS NOT NULL
-  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($3) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2`,
-		t.PartitionsTable(), t.RelaysTable(), t.HoldsTable()).Scan(&ok)
-	if err != nil {
-		return false, fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)
-	}
-	return ok, nil
-}
-
-// ErrSequenceCached is matched (errors.Is) by the error of
-// CheckOrderedSequence when the table's sequence hands out values from a
-// per-session cache (CACHE > 1): a session can then take a lower value
-// after a higher one was committed, which breaks the cut of ordered mode
-// and the WAL relay's order.
-var ErrSequenceCached = errors.New("the outbox sequence has CACHE > 1")
-
-// CheckOrderedSequence fails with ErrSequenceCached when the sequence of
-// t's sequence column caches more than one value per session. Ordered mode
-// reads the sequence's last value as the bound of what a writer holding a
-// key lock may still commit; with a cache a session hands out lower values
-// later, so a committed row could fall below the relay's scan position.
-func CheckOrderedSequence(ctx context.Context, q Querier, t Table) error {
-	var seq string
-	var cache int64
-	err := q.QueryRow(ctx, `SELECT s.seqrelid::regclass::text, s.seqcache FROM pg_sequence AS s
-WHERE s.seqrelid = pg_get_serial_sequence($1, 'sequence')::regclass`, t.Sanitize()).Scan(&seq, &cache)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return fmt.Errorf("the sequence column of %s has no owned sequence (BIGSERIAL); recreate it with outbox migrate", t)
-	}
-	if err != nil {
-		return fmt.Errorf("look up the sequence of %s: %w", t, err)
-	}
-	if cache > 1 {
-		return fmt.Errorf("%s has CACHE %d: run `ALTER SEQUENCE %s CACHE 1` (ordered mode and the WAL relay need sequence values handed out in commit-lock order): %w",
-			seq, cache, seq, ErrSequenceCached)
-	}
-	return nil
-}
-
-// ErrRelayModeMix is matched (errors.Is) by the error of CheckRelayMode
-// when relays of the other mode work on the table: a default-mode relay
-// would claim keyed rows out of their order, beside the ordered relays.
+// ErrRelayModeMix is matched (errors.Is) by the error of a relay that refuses
+// to start, and of Migrate refusing to switch a table's mode, because relays
+// of another mode work on the table: a default-mode relay would claim keyed
+// rows out of their order, beside the ordered relays.
 var ErrRelayModeMix = errors.New("relays of the other mode are active on the table")
-
-// RelayModeOthers is how CheckRelayMode learns of relays of the other mode
-// in the caller's own process that share its connection (their locks carry
-// the caller's pid, which the check leaves out): the number of them.
-type RelayModeOthers int
-
-// CheckRelayMode fails with ErrRelayModeMix when a relay of the other mode
-// could work on t, naming what shows it. For an ordered relay (ordered
-// true) that is a session holding the default relays' mode lock
-// (RelayModeLockKey(false): every subscribed default-mode relay, idle or
-// standby, holds it), the table's single-active lock (leaderKey), or a
-// keyed row under a lease younger than lockTTL (a default-mode relay of an
-// earlier version; a lease that expired proves nothing runs). For a
-// default-mode relay it is a session holding the ordered relays' mode lock
-// or a live partition lease. A relay that holds its own mode's lock before
-// it checks (Subscriber does, on its LISTEN connection, for as long as it
-// has a subscription) makes the refusal hold for as long as both could
-// run: of two relays of different modes that start together, at least one
-// sees the other. inProcess counts the relays of the other mode that share
-// the caller's connection (0 when the caller holds no mode lock).
-func CheckRelayMode(ctx context.Context, q Querier, t Table, ordered bool, leaderKey int64, lockTTL time.Duration, inProcess RelayModeOthers) error {
-	if inProcess > 0 {
-		return fmt.Errorf("%d relay(s) of the other mode run on %s in this process; %s: %w", inProcess, t, relayModeFix(ordered), ErrRelayModeMix)
-	}
-	holder, err := advisoryHolder(ctx, q, t.RelayModeLockKey(!ordered))
-	if err != nil {
-		return fmt.Errorf("look up the relays of %s: %w", t, err)
-	}
-	if holder != "" {
-		return fmt.Errorf("%s relay is subscribed to %s (%s); %s: %w", modeName(!ordered), t, holder, relayModeFix(ordered), ErrRelayModeMix)
-	}
-	if ordered {
-		if holder, err = advisoryHolder(ctx, q, leaderKey); err != nil {
-			return fmt.Errorf("look up the relays of %s: %w", t, err)
-		}
-		if holder != "" {
-			return fmt.Errorf("a default-mode relay holds the single-active lock of %s (%s); %s: %w", t, holder, relayModeFix(ordered), ErrRelayModeMix)
-		}
-		var leaseAge *float64
-		err := q.QueryRow(ctx, `SELECT extract(epoch FROM now() - max(GREATEST(locked_at, available_at)))::float8 FROM `+t.Sanitize()+`
-WHERE ordering_key IS NOT NULL AND published_at IS NULL AND `+LeaseLiveWithin("$1::float8"), lockTTL.Seconds()).Scan(&leaseAge)
-		if err != nil {
-			return fmt.Errorf("look up the relays of %s: %w", t, err)
-		}
-		if leaseAge != nil {
-			return fmt.Errorf("a default-mode relay leased keyed rows of %s %.1fs ago (a lease lasts LockTTL %s; an expired lease would not count); %s: %w",
-				t, *leaseAge, lockTTL, relayModeFix(ordered), ErrRelayModeMix)
-		}
-		return nil
-	}
-	var exists bool
-	if err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, t.PartitionsTable()).Scan(&exists); err != nil {
-		return fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)
-	}
-	if !exists {
-		return nil
-	}
-	var live bool
-	if err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+t.PartitionsTable()+` WHERE owner IS NOT NULL AND lease_until > now())`).Scan(&live); err != nil {
-		return fmt.Errorf("look up the ordered relays of %s: %w", t, err)
-	}
-	if live {
-		return fmt.Errorf("ordered relays own partitions of %s; %s: %w", t, relayModeFix(ordered), ErrRelayModeMix)
-	}
-	return nil
-}
 
 func modeName(ordered bool) string {
 	if ordered {
 		return "an ordered-mode"
 	}
 	return "a default-mode"
-}
-
-// advisoryHolder names another session holding the session-level advisory
-// lock key of the current database ("session pid N, application_name X"),
-// or returns "" when none does.
-func advisoryHolder(ctx context.Context, q Querier, key int64) (string, error) {
-	var pid, app string
-	err := q.QueryRow(ctx, `SELECT l.pid::text, coalesce(a.application_name, '') FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid <> pg_backend_pid()
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint
-LIMIT 1`, key).Scan(&pid, &app)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		return "", nil
-	case err != nil:
-		return "", err
-	case app == "":
-		return "session pid " + pid, nil
-	}
-	return fmt.Sprintf("session pid %s, application_name %q", pid, app), nil
-}
-
-// relayModeFix says what the operator of a refused relay does.
-func relayModeFix(ordered bool) string {
-	if ordered {
-		return "stop it first, or start this relay without Ordered"
-	}
-	return "start this relay with Ordered (OUTBOX_RELAY_ORDERED=true), or stop them first"
-}
-
-// OrderedTermExists reports whether the partitions table of t has the
-// lease's term (epoch, migration 000006), which ordered relays of this
-// version fence their writes on. The runbook and the cleaner do not need
-// it: they work on tables an older relay still serves.
-func OrderedTermExists(ctx context.Context, q Querier, t Table) (bool, error) {
-	var ok bool
-	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'epoch' AND NOT attisdropped)`,
-		t.PartitionsTable()).Scan(&ok)
-	if err != nil {
-		return false, fmt.Errorf("look up the partitions' term of %s: %w", t, err)
-	}
-	return ok, nil
 }

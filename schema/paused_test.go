@@ -6,6 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -16,8 +17,8 @@ import (
 func TestMigrateAddsPausedTopicsTable(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool, tbl := migratedCompanion(t, "paused topics", schema.PausedTopicsExist, schema.PausedTopicsDownSQL)
-	q := schema.NewPausedTopicsQueries(tbl)
+	pool, tbl := migratedCompanion(t, "paused topics", sqlq.PausedTopicsExist, schema.PausedTopicsDownSQL)
+	q := sqlq.NewPausedTopicsQueries(tbl)
 	long := make([]byte, schema.PauseReasonMaxBytes+1)
 	for i := range long {
 		long[i] = 'x'

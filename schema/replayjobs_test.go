@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -14,8 +15,8 @@ import (
 func TestMigrateAddsReplayJobsTable(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool, tbl := migratedCompanion(t, "replay jobs", schema.ReplayJobsExist, schema.ReplayJobsDownSQL)
-	q := schema.NewReplayJobsQueries(tbl)
+	pool, tbl := migratedCompanion(t, "replay jobs", sqlq.ReplayJobsExist, schema.ReplayJobsDownSQL)
+	q := sqlq.NewReplayJobsQueries(tbl)
 	const keep = 3
 	for i, id := range []string{"a1", "a2", "a3", "a4", "a5"} {
 		var at any
@@ -40,7 +41,7 @@ func TestMigrateAddsReplayJobsTable(t *testing.T) {
 	if _, err := pool.Exec(ctx, schema.DownSQL(tbl)); err != nil {
 		t.Fatal(err)
 	}
-	if ok, err := schema.ReplayJobsExist(ctx, pool, tbl); err != nil || ok {
+	if ok, err := sqlq.ReplayJobsExist(ctx, pool, tbl); err != nil || ok {
 		t.Fatalf("after DownSQL the replay jobs table exists %v (%v)", ok, err)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -62,14 +63,14 @@ func TestParseTable(t *testing.T) {
 func TestTableKeysAgreeForQualifiedAndUnqualified(t *testing.T) {
 	t.Parallel()
 	a, b := schema.MustParseTable("org_outbox"), schema.MustParseTable("public.org_outbox")
-	if a.LockKey() != b.LockKey() || a.NotifyChannel() != b.NotifyChannel() {
-		t.Fatalf("keys differ: %d/%d %q/%q", a.LockKey(), b.LockKey(), a.NotifyChannel(), b.NotifyChannel())
+	if sqlq.LockKey(a) != sqlq.LockKey(b) || sqlq.NotifyChannel(a) != sqlq.NotifyChannel(b) {
+		t.Fatalf("keys differ: %d/%d %q/%q", sqlq.LockKey(a), sqlq.LockKey(b), sqlq.NotifyChannel(a), sqlq.NotifyChannel(b))
 	}
 	if a.Sanitize() != `"org_outbox"` || b.Sanitize() != `"public"."org_outbox"` {
 		t.Fatalf("Sanitize: %s %s", a.Sanitize(), b.Sanitize())
 	}
 	long := schema.MustParseTable(strings.Repeat("s", 63) + "." + strings.Repeat("t", 42))
-	if ch := long.NotifyChannel(); len(ch) > schema.MaxIdentifierBytes {
+	if ch := sqlq.NotifyChannel(long); len(ch) > schema.MaxIdentifierBytes {
 		t.Fatalf("channel %q is %d bytes", ch, len(ch))
 	}
 }
@@ -79,7 +80,7 @@ func TestTableKeysAgreeForQualifiedAndUnqualified(t *testing.T) {
 // UPDATE_MIGRATIONS=1 go test ./schema -run TestShippedMigrations.
 func TestShippedMigrations(t *testing.T) {
 	t.Parallel()
-	files := schema.MigrationFilesForTest(schema.MustParseTable("public.app_outbox"))
+	files := schema.MigrationFiles(schema.MustParseTable("public.app_outbox"))
 	if os.Getenv("UPDATE_MIGRATIONS") == "1" {
 		for path, body := range files {
 			if err := os.WriteFile(filepath.FromSlash(path), []byte(body), 0o644); err != nil {
@@ -160,21 +161,21 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 		}
 		if strings.Contains(f, "000005_") || strings.Contains(f, "000003_") {
 			// Ordered mode needs the companion tables with the hold states.
-			ok, err := schema.OrderedTablesExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
+			ok, err := sqlq.OrderedTablesExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
 			if want := strings.HasSuffix(f, ".up.sql"); err != nil || ok != want {
 				t.Fatalf("after %s: ordered tables ready %v (%v), want %v", f, ok, err, want)
 			}
 		}
 		if strings.Contains(f, "000007_") || strings.Contains(f, "000001_") {
 			// The paused topics' table: made by 000007 only (000001 is kept as shipped).
-			ok, err := schema.PausedTopicsExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
+			ok, err := sqlq.PausedTopicsExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
 			if want := strings.HasSuffix(f, "000007_add_app_outbox_paused_topics.up.sql"); err != nil || ok != want {
 				t.Fatalf("after %s: paused topics table %v (%v), want %v", f, ok, err, want)
 			}
 		}
 		if strings.Contains(f, "000008_") || strings.Contains(f, "000001_") {
 			// The replay jobs' table: made by 000008 only (000001 is kept as shipped).
-			ok, err := schema.ReplayJobsExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
+			ok, err := sqlq.ReplayJobsExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
 			if want := strings.HasSuffix(f, "000008_add_app_outbox_replay_jobs.up.sql"); err != nil || ok != want {
 				t.Fatalf("after %s: replay jobs table %v (%v), want %v", f, ok, err, want)
 			}

@@ -3,20 +3,20 @@ package schema
 import (
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"strconv"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/outboxkit/watermill-outbox/internal/pgkey"
 )
 
 // MaxIdentifierBytes is PostgreSQL's limit on the length of one identifier
 // (NAMEDATALEN - 1).
-const MaxIdentifierBytes = 63
+const maxIdentifierBytes = 63
 
 // DefaultSchemaName is the schema assumed for an unqualified table name when
 // the relay derives its advisory-lock key and its notification channel.
-const DefaultSchemaName = "public"
+const defaultSchemaName = "public"
 
 // ErrInvalidTable is returned (wrapped) by ParseTable for every name it
 // refuses.
@@ -47,9 +47,9 @@ func ParseTable(s string) (Table, error) {
 		}
 	}
 	name := parts[len(parts)-1]
-	if len(name)+len(longestSuffix) > MaxIdentifierBytes {
+	if len(name)+len(longestSuffix) > maxIdentifierBytes {
 		return Table{}, fmt.Errorf("%w %q: table part is %d bytes; at most %d fit so that its index and constraint names (such as %s) stay within PostgreSQL's %d-byte limit",
-			ErrInvalidTable, s, len(name), MaxIdentifierBytes-len(longestSuffix), name+longestSuffix, MaxIdentifierBytes)
+			ErrInvalidTable, s, len(name), maxIdentifierBytes-len(longestSuffix), name+longestSuffix, maxIdentifierBytes)
 	}
 	if len(parts) == 1 {
 		return Table{name: parts[0], full: parts[0]}, nil
@@ -71,8 +71,8 @@ func validIdentifier(p string) error {
 	if p == "" {
 		return errors.New("empty name part; use \"table\" or \"schema.table\"")
 	}
-	if len(p) > MaxIdentifierBytes {
-		return fmt.Errorf("name part is %d bytes, PostgreSQL allows at most %d", len(p), MaxIdentifierBytes)
+	if len(p) > maxIdentifierBytes {
+		return fmt.Errorf("name part is %d bytes, PostgreSQL allows at most %d", len(p), maxIdentifierBytes)
 	}
 	for i := 0; i < len(p); i++ {
 		c := p[i]
@@ -116,66 +116,17 @@ func (t Table) String() string {
 // and metric labels, so that org_outbox and public.org_outbox agree.
 func (t Table) Qualified() string {
 	if t.schema == "" {
-		return DefaultSchemaName + "." + t.name
+		return defaultSchemaName + "." + t.name
 	}
 	return t.String()
 }
 
-// LockKey is the stable int64 advisory-lock key of the table: FNV-64a of
-// "outbox:" + Qualified().
-func (t Table) LockKey() int64 { return fnvKey("outbox:" + t.Qualified()) }
-
-// IdleLockKey is the advisory-lock key of the table's wake-up handshake
-// (docs/ARCHITECTURE.md, "Wake-up"): a relay with nothing to claim holds it
-// exclusively, and an enqueue sends NOTIFY only when it cannot take it in
-// shared mode. FNV-64a of "outbox-idle:" + Qualified().
-func (t Table) IdleLockKey() int64 { return fnvKey("outbox-idle:" + t.Qualified()) }
-
-// OrderedIdleLockKey is the idle lock of the ordered relays of the table:
-// writers of keyed rows try it instead of IdleLockKey, so that an idle
-// claim loop (for unkeyed rows) does not make every keyed commit notify,
-// and the reverse (docs/ARCHITECTURE.md, "Wake-up").
-func (t Table) OrderedIdleLockKey() int64 { return fnvKey("outbox-idle-ordered:" + t.Qualified()) }
-
-// RelayModeLockKey is the advisory-lock key that every relay of one mode
-// (ordered, or the default mode) holds in shared mode while it has a
-// subscription on the table, so that a relay of the other mode sees it and
-// refuses to start (CheckRelayMode). FNV-64a of "outbox-relay-ordered:" or
-// "outbox-relay-default:" + Qualified().
-func (t Table) RelayModeLockKey(ordered bool) int64 {
-	if ordered {
-		return fnvKey("outbox-relay-ordered:" + t.Qualified())
-	}
-	return fnvKey("outbox-relay-default:" + t.Qualified())
-}
-
 // migrateLockKey serialises concurrent Migrate calls on the same table.
-func (t Table) migrateLockKey() int64 { return fnvKey("outbox-migrate:" + t.Qualified()) }
-
-func fnvKey(s string) int64 {
-	return int64(fnvSum(s)) //nolint:gosec // the key is a bit pattern; wrapping to negative values is intended
-}
-
-func fnvSum(s string) uint64 {
-	h := fnv.New64a()
-	_, _ = h.Write([]byte(s))
-	return h.Sum64()
-}
-
-// NotifyChannel is the LISTEN/NOTIFY channel on which enqueues of this table
-// wake relays: "outbox:" + Qualified(), or, when that exceeds the 63 bytes
-// PostgreSQL allows for a channel, "outbox:" followed by the hexadecimal
-// LockKey.
-func (t Table) NotifyChannel() string {
-	ch := "outbox:" + t.Qualified()
-	if len(ch) <= MaxIdentifierBytes {
-		return ch
-	}
-	return "outbox:" + strconv.FormatUint(fnvSum("outbox:"+t.Qualified()), 16)
-}
+func (t Table) migrateLockKey() int64 { return pgkey.Migrate(t.Qualified()) }
 
 // ident renders a derived object name (index or constraint) of the table:
 // its unqualified name plus suffix, as one sanitized identifier.
 func (t Table) ident(suffix string) string {
 	return pgx.Identifier{t.name + suffix}.Sanitize()
 }
+func itoa(n int) string { return strconv.Itoa(n) }

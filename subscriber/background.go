@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -236,7 +237,7 @@ func (e *elector) tick(ctx context.Context) {
 	}
 	idle, interval, count, userTimeout := leaderKeepalive(s.cfg.LeaderTimeout)
 	var got bool
-	err = conn.QueryRow(sctx, schema.TryLeaderLock, s.cfg.Table.LockKey(), idle, interval, count, userTimeout).Scan(&got, nil, nil, nil, nil)
+	err = conn.QueryRow(sctx, sqlq.TryLeaderLock, sqlq.LockKey(s.cfg.Table), idle, interval, count, userTimeout).Scan(&got, nil, nil, nil, nil)
 	if err != nil {
 		if ctx.Err() == nil {
 			s.logger.Error("Leader election query failed", err, nil)
@@ -255,7 +256,7 @@ func (e *elector) tick(ctx context.Context) {
 		return
 	}
 	// Before any claim of this term: every lease in the table is the
-	// previous holder's, whose session is gone (see schema.Queries.TakeBack).
+	// previous holder's, whose session is gone (see sqlq.Queries.TakeBack).
 	taken, err := e.takeBack(sctx, conn)
 	if err != nil {
 		if ctx.Err() == nil {
@@ -375,7 +376,7 @@ func (e *elector) resign() {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
-	if _, err := e.conn.Exec(ctx, schema.LeaderUnlock, e.s.cfg.Table.LockKey()); err != nil {
+	if _, err := e.conn.Exec(ctx, sqlq.LeaderUnlock, sqlq.LockKey(e.s.cfg.Table)); err != nil {
 		e.dropLocked()
 		return
 	}
@@ -427,9 +428,9 @@ func (s *Subscriber) refreshStats(ctx context.Context) {
 	)
 	// The state reader of the relay's own mode (the mode it recorded),
 	// as the runbook reads it, so that the gauges and `outbox stats` agree.
-	stats := schema.NewStateQueries(s.cfg.Table, schema.ModeDefault, s.q.Columns).Gauges()
+	stats := sqlq.NewStateQueries(s.cfg.Table, schema.ModeDefault, s.q.Columns).Gauges()
 	if s.oq != nil {
-		stats = schema.NewStateQueries(s.cfg.Table, schema.ModeOrdered, s.oq.Columns).Gauges()
+		stats = sqlq.NewStateQueries(s.cfg.Table, schema.ModeOrdered, s.oq.Columns).Gauges()
 		s.refreshHeldKeys(qctx)
 	}
 	if err := s.pool.QueryRow(qctx, stats).Scan(&pending, &locked, &dead, &oldest); err != nil {

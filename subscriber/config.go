@@ -9,19 +9,20 @@ import (
 
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/redact"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // AllTopics as the topic of Subscribe delivers every row of the table.
-const AllTopics = schema.AllTopics
+const AllTopics = sqlq.AllTopics
 
 // Defaults of Config (docs/ARCHITECTURE.md, "The relay").
 const (
-	BatchSizeDefault         = schema.BatchSizeDefault
+	BatchSizeDefault         = sqlq.BatchSizeDefault
 	PollIntervalDefault      = time.Second
-	LockTTLDefault           = schema.LockTTLDefault
-	MaxAttemptsDefault       = schema.MaxAttemptsDefault
+	LockTTLDefault           = sqlq.LockTTLDefault
+	MaxAttemptsDefault       = sqlq.MaxAttemptsDefault
 	ElectionIntervalDefault  = time.Second
 	LeaderTimeoutDefault     = 15 * time.Second
 	CloseTimeoutDefault      = 30 * time.Second

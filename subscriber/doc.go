@@ -25,7 +25,7 @@
 // flight keep a live context for CloseTimeout.
 //
 // A committed enqueue wakes the subscriber through LISTEN/NOTIFY on
-// schema.Table.NotifyChannel; PollInterval is the safety net. With
+// the table's channel ("outbox:" and the qualified name); PollInterval is the safety net. With
 // SingleActive (the default) one process per table dispatches: it holds a
 // session-level advisory lock on a dedicated connection and claims on that
 // connection, so a leader whose connection dropped cannot claim again;

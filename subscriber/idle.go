@@ -5,8 +5,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 )
 
 // The wake-up handshake (docs/ARCHITECTURE.md, "Wake-up").
@@ -108,7 +107,7 @@ func (i *idleSignal) enter(ctx context.Context) (uint64, idleState) {
 	if i.s.notifier == nil {
 		return 0, idleMissed
 	}
-	return i.s.notifier.enterIdle(ctx, i.key, i.s.cfg.Table.NotifyChannel())
+	return i.s.notifier.enterIdle(ctx, i.key, sqlq.NotifyChannel(i.s.cfg.Table))
 }
 
 // valid reports whether a lock taken at gen is still held.
@@ -124,7 +123,7 @@ func (i *idleSignal) leave(gen uint64, announce bool) {
 	if i.s.notifier == nil {
 		return
 	}
-	i.s.notifier.leaveIdle(i.key, i.s.cfg.Table.NotifyChannel(), gen, announce)
+	i.s.notifier.leaveIdle(i.key, sqlq.NotifyChannel(i.s.cfg.Table), gen, announce)
 }
 
 // idleOp is a request to the notifier's session, which runs it on the
@@ -201,7 +200,7 @@ func (n *notifier) runIdleOps(ctx context.Context, conn *pgx.Conn) error {
 			}
 			var got, covered bool
 			qctx, cancel := context.WithTimeout(ctx, opTimeout)
-			err := conn.QueryRow(qctx, schema.TryIdleLockOrHolder, op.key).Scan(&got, &covered)
+			err := conn.QueryRow(qctx, sqlq.TryIdleLockOrHolder, op.key).Scan(&got, &covered)
 			cancel()
 			if err != nil {
 				failIdleOps(ops[i:])
@@ -231,9 +230,9 @@ func (n *notifier) runIdleOps(ctx context.Context, conn *pgx.Conn) error {
 		qctx, cancel := context.WithTimeout(ctx, opTimeout)
 		var err error
 		if op.announce {
-			_, err = conn.Exec(qctx, schema.IdleUnlockNotify, op.key, op.channel)
+			_, err = conn.Exec(qctx, sqlq.IdleUnlockNotify, op.key, op.channel)
 		} else {
-			_, err = conn.Exec(qctx, schema.IdleUnlock, op.key)
+			_, err = conn.Exec(qctx, sqlq.IdleUnlock, op.key)
 		}
 		cancel()
 		op.reply <- idleReply{}

@@ -8,6 +8,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -91,7 +92,7 @@ func TestLostExtendReplyKeepsFence(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(10 * time.Millisecond)
-	q := schema.NewQueries(tbl, schema.Columns{})
+	q := sqlq.NewQueries(tbl, schema.Columns{})
 	tag, err := pool.Exec(ctx, q.Extend, id, attempts, lockedAt)
 	if err != nil || tag.RowsAffected() != 1 {
 		t.Fatalf("the renewal: %v, %d rows", err, tag.RowsAffected())

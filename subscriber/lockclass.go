@@ -1,9 +1,13 @@
 package subscriber
 
-import "context"
+import (
+	"context"
+
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
+)
 
 // lockClass resolves, on the relay's first cut, the class of the writers'
-// per-key locks: the table's OID (schema.Table.LookupOrderingLockClass),
+// per-key locks: the table's OID (sqlq.LookupOrderingLockClass),
 // which writers derive from the table as they name it, so that a writer
 // naming it through its search_path and a relay naming it with its schema
 // agree. The class stays for the relay's life (0 is no OID: not resolved).
@@ -12,7 +16,7 @@ func (r *orderedRelay) lockClass(ctx context.Context) error {
 	if r.class != 0 {
 		return nil
 	}
-	class, err := r.s.cfg.Table.LookupOrderingLockClass(ctx, r.s.pool)
+	class, err := sqlq.LookupOrderingLockClass(ctx, r.s.pool, r.s.cfg.Table)
 	if err != nil {
 		return err
 	}

@@ -9,13 +9,14 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// The relay-mode lock (schema.Table.RelayModeLockKey): every Subscriber
+// The relay-mode lock (sqlq.RelayModeLockKey): every Subscriber
 // with a subscription holds its mode's lock of its table in shared mode on
 // the pool's notifier connection, and checks for the other mode's lock
-// (schema.CheckRelayMode) after taking its own. Of two relays of different
+// (sqlq.CheckRelayMode) after taking its own. Of two relays of different
 // modes that start together, at least one sees the other's lock and
 // refuses, and a running relay, idle, standby or busy, keeps relays of the
 // other mode out for as long as it is subscribed. The lock ends with the
@@ -81,7 +82,7 @@ func (n *notifier) enterMode(ctx context.Context, s *Subscriber) error {
 // leaveMode gives back s's hold on its mode lock; the last holder's
 // session unlocks it.
 func (n *notifier) leaveMode(s *Subscriber) {
-	key := s.cfg.Table.RelayModeLockKey(s.cfg.Ordered)
+	key := sqlq.RelayModeLockKey(s.cfg.Table, s.cfg.Ordered)
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	w, ok := n.modes[key]
@@ -130,18 +131,18 @@ func (n *notifier) runModeOps(ctx context.Context, conn *pgx.Conn) error {
 	}
 	n.mu.Unlock()
 	for _, w := range retake {
-		key := w.table.RelayModeLockKey(w.ordered)
+		key := sqlq.RelayModeLockKey(w.table, w.ordered)
 		if err := n.lockMode(ctx, conn, key); err != nil {
 			failModeOps(ops, err)
 			return err
 		}
-		if err := schema.CheckRelayMode(ctx, conn, w.table, w.ordered, w.table.LockKey(), w.ttl, 0); err != nil {
+		if err := sqlq.CheckRelayMode(ctx, conn, w.table, w.ordered, sqlq.LockKey(w.table), w.ttl, 0); err != nil {
 			n.logger.Error("A relay of the other mode started while this process had lost its connection; stop one of them", err,
 				watermill.LogFields{"table": w.table.String()})
 		}
 	}
 	for i, op := range ops {
-		key := op.want.table.RelayModeLockKey(op.want.ordered)
+		key := sqlq.RelayModeLockKey(op.want.table, op.want.ordered)
 		if !op.enter {
 			err := n.unlockMode(ctx, conn, key)
 			op.reply <- err
@@ -152,14 +153,14 @@ func (n *notifier) runModeOps(ctx context.Context, conn *pgx.Conn) error {
 			continue
 		}
 		n.mu.Lock()
-		others := n.modes[op.want.table.RelayModeLockKey(!op.want.ordered)].holders
+		others := n.modes[sqlq.RelayModeLockKey(op.want.table, !op.want.ordered)].holders
 		n.mu.Unlock()
 		if err := n.lockMode(ctx, conn, key); err != nil {
 			failModeOps(ops[i:], err)
 			return err
 		}
 		cctx, cancel := context.WithTimeout(ctx, opTimeout)
-		err := schema.CheckRelayMode(cctx, conn, op.want.table, op.want.ordered, op.want.table.LockKey(), op.want.ttl, schema.RelayModeOthers(others))
+		err := sqlq.CheckRelayMode(cctx, conn, op.want.table, op.want.ordered, sqlq.LockKey(op.want.table), op.want.ttl, sqlq.RelayModeOthers(others))
 		cancel()
 		n.mu.Lock()
 		w, held := n.modes[key]

@@ -9,7 +9,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 )
 
 // notifier is the one LISTEN connection a pool needs: every Subscriber on the
@@ -189,7 +189,7 @@ func (n *notifier) session(ctx context.Context) (listened bool, err error) {
 		n.mu.Unlock()
 		for ch := range want {
 			if !listening[ch] {
-				if _, err := conn.Exec(ctx, schema.ListenStatement(ch)); err != nil {
+				if _, err := conn.Exec(ctx, sqlq.ListenStatement(ch)); err != nil {
 					return listened, err
 				}
 				listening[ch] = true
@@ -198,7 +198,7 @@ func (n *notifier) session(ctx context.Context) (listened bool, err error) {
 		}
 		for ch := range listening {
 			if !want[ch] {
-				if _, err := conn.Exec(ctx, schema.UnlistenStatement(ch)); err != nil {
+				if _, err := conn.Exec(ctx, sqlq.UnlistenStatement(ch)); err != nil {
 					return listened, err
 				}
 				delete(listening, ch)
@@ -226,7 +226,7 @@ func (n *notifier) session(ctx context.Context) (listened bool, err error) {
 		interrupt()
 		switch {
 		case err == nil:
-			n.notify(msg.Channel, msg.Payload == schema.PausedTopicsNotifyPayload)
+			n.notify(msg.Channel, msg.Payload == sqlq.PausedTopicsNotifyPayload)
 		case ctx.Err() != nil:
 			return listened, ctx.Err()
 		case wctx.Err() != nil && !conn.Conn().IsClosed():

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -71,7 +72,7 @@ func TestListenerReconnectsFastAfterEachLoss(t *testing.T) {
 		var pid int
 		_ = pool.QueryRow(ctx, `SELECT COALESCE(max(a.pid), 0) FROM pg_stat_activity AS a JOIN pg_locks AS l ON l.pid = a.pid
 WHERE a.application_name = $1 AND l.locktype = 'advisory' AND l.granted AND ((l.classid::bigint << 32) | l.objid::bigint) = $2`,
-			app, tbl.IdleLockKey()).Scan(&pid)
+			app, sqlq.IdleLockKey(tbl)).Scan(&pid)
 		return pid
 	}
 	waitFor(t, "the listener", 2*time.Minute, func() bool { return listener() != 0 })

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -33,17 +34,17 @@ import (
 var ErrOrderedNotMigrated = errors.New("table not migrated for ordered mode")
 
 // checkOrdered fails when the table lacks what ordered mode needs.
-func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols schema.Columns) (*schema.OrderedQueries, error) {
+func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols schema.Columns) (*sqlq.OrderedQueries, error) {
 	run := fmt.Sprintf("run `outbox migrate --ordered --table=%s` or schema.Migrate(ctx, pool, table, schema.WithOrderingKeyColumn())", t)
 	if !cols.OrderingKey {
 		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the ordering_key column in %s; %s: %w", t, run, ErrOrderedNotMigrated)
 	}
-	ok, err := schema.OrderedTablesExist(ctx, pool, t)
+	ok, err := sqlq.OrderedTablesExist(ctx, pool, t)
 	if err != nil {
 		return nil, fmt.Errorf("subscriber: %w", err)
 	}
 	if ok {
-		if ok, err = schema.OrderedTermExists(ctx, pool, t); err != nil {
+		if ok, err = sqlq.OrderedTermExists(ctx, pool, t); err != nil {
 			return nil, fmt.Errorf("subscriber: %w", err)
 		}
 	}
@@ -51,10 +52,10 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the tables %s, %s and %s, with the hold states of migration 000005 (resolved_at, replay) and the partitions' term of migration 000006 (epoch); %s: %w",
 			t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), run, ErrOrderedNotMigrated)
 	}
-	if err := schema.CheckOrderedSequence(ctx, pool, t); err != nil {
+	if err := sqlq.CheckOrderedSequence(ctx, pool, t); err != nil {
 		return nil, fmt.Errorf("subscriber: invalid config: Ordered: %w", err)
 	}
-	return schema.NewOrderedQueries(t, cols), nil
+	return sqlq.NewOrderedQueries(t, cols), nil
 }
 
 // Design (docs/ORDERING.md, "How it works"); the invariants the code keeps:
@@ -114,13 +115,13 @@ type orderedRelay struct {
 	sub    *subscription
 	s      *Subscriber
 	wake   chan struct{} // NOTIFY and leadership wake-ups, apart from the claim loop's
-	oq     *schema.OrderedQueries
+	oq     *sqlq.OrderedQueries
 	id     string
 	logger watermill.LoggerAdapter
 	kick   chan struct{}
 	class  int32
 	// legacy is the key-lock class of writers of earlier versions
-	// (schema.Table.LegacyOrderingLockClass), watched beside class.
+	// (sqlq.LegacyOrderingLockClass), watched beside class.
 	legacy int32
 
 	// terms is the relay's term ledger: one term per partition lease, the
@@ -178,7 +179,7 @@ type watch struct {
 }
 
 type entry struct {
-	row *schema.OrderedRow
+	row *sqlq.OrderedRow
 }
 
 type keyState struct {
@@ -215,7 +216,7 @@ func newOrderedRelay(sub *subscription) *orderedRelay {
 		kick:   make(chan struct{}, 1),
 		parts:  map[int]*partState{},
 		keys:   map[string]*keyState{},
-		legacy: sub.s.cfg.Table.LegacyOrderingLockClass(),
+		legacy: sqlq.LegacyOrderingLockClass(sub.s.cfg.Table),
 		terms:  newTermLedger(sub.s),
 	}
 }

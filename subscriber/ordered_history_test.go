@@ -20,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/cleaner"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
@@ -113,7 +114,7 @@ type history struct {
 	events int
 	pool   *pgxpool.Pool
 	tbl    schema.Table
-	oq     *schema.OrderedQueries
+	oq     *sqlq.OrderedQueries
 	cfg    subscriber.Config
 	clock  atomic.Int64
 
@@ -145,7 +146,7 @@ func newHistory(t *testing.T, seed uint64, events int) *history {
 	cfg.PollInterval = time.Second
 	cfg.CloseTimeout = 200 * time.Millisecond
 	return &history{t: t, seed: seed, events: events, pool: pool, tbl: tbl, cfg: cfg,
-		oq:   schema.NewOrderedQueries(tbl, schema.Columns{TraceContext: true, Headers: true, OrderingKey: true}),
+		oq:   sqlq.NewOrderedQueries(tbl, schema.Columns{TraceContext: true, Headers: true, OrderingKey: true}),
 		rnd:  rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)),
 		rows: map[string]*hRow{}, poison: map[string]bool{}, permanent: map[string]bool{}, acked: map[string]bool{},
 		counts: map[string]int{}, inHand: map[string]int{}}

@@ -8,9 +8,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/metrics"
-	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // startRunnersLocked starts a runner for every key with work, while the
@@ -212,10 +212,10 @@ func (r *orderedRelay) endRunLocked(k *keyState) {
 	}
 }
 
-func (r *orderedRelay) rowAt(name string, seq int64) (*schema.OrderedRow, error) {
+func (r *orderedRelay) rowAt(name string, seq int64) (*sqlq.OrderedRow, error) {
 	ctx, cancel := context.WithTimeout(r.sub.ctx, opTimeout)
 	defer cancel()
-	row := &schema.OrderedRow{}
+	row := &sqlq.OrderedRow{}
 	if err := row.Scan(r.s.pool.QueryRow(ctx, r.oq.RowAt, name, seq), r.oq.Columns); err != nil {
 		return nil, err
 	}
@@ -242,7 +242,7 @@ const (
 
 // deliverRow sends one row and waits for its verdict; a nack is recorded by
 // fail before it returns.
-func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts int, stop <-chan struct{}) verdict {
+func (r *orderedRelay) deliverRow(k *keyState, row *sqlq.OrderedRow, attempts int, stop <-chan struct{}) verdict {
 	s := r.s
 	row.Attempts = int32(attempts) //nolint:gosec // attempts are small
 	c := &claimed{row: row.ClaimedRow}
@@ -339,7 +339,7 @@ func (r *orderedRelay) deliverRow(k *keyState, row *schema.OrderedRow, attempts 
 
 // fail records a failed attempt of row as its key's hold. The rows of the
 // key queued behind it are covered once the hold is written.
-func (r *orderedRelay) fail(k *keyState, row *schema.OrderedRow, c *claimed) {
+func (r *orderedRelay) fail(k *keyState, row *sqlq.OrderedRow, c *claimed) {
 	s := r.s
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()

@@ -546,7 +546,7 @@ func TestOrderedNeedsHoldStates(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
-	if _, err := pool.Exec(context.Background(), schema.HoldsStateDownSQL(tbl)); err != nil {
+	if _, err := pool.Exec(context.Background(), testdb.MigrationSQL(t, tbl, "000005", "down")); err != nil {
 		t.Fatal(err)
 	}
 	_, err := subscriber.New(pool, orderedCfg(tbl), nil)
@@ -554,7 +554,7 @@ func TestOrderedNeedsHoldStates(t *testing.T) {
 		!strings.Contains(err.Error(), "outbox migrate --ordered") {
 		t.Fatalf("ordered relay on holds without the hold states: %v", err)
 	}
-	if _, err := pool.Exec(context.Background(), schema.HoldsStateUpSQL(tbl)); err != nil {
+	if _, err := pool.Exec(context.Background(), testdb.MigrationSQL(t, tbl, "000005", "up")); err != nil {
 		t.Fatal(err)
 	}
 	s, err := subscriber.New(pool, orderedCfg(tbl), nil)
@@ -563,7 +563,7 @@ func TestOrderedNeedsHoldStates(t *testing.T) {
 	}
 	_ = s.Close()
 	// The partitions' term (migration 000006) likewise.
-	if _, err := pool.Exec(context.Background(), schema.TermDownSQL(tbl)); err != nil {
+	if _, err := pool.Exec(context.Background(), testdb.MigrationSQL(t, tbl, "000006", "down")); err != nil {
 		t.Fatal(err)
 	}
 	_, err = subscriber.New(pool, orderedCfg(tbl), nil)

@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -133,16 +134,16 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 	br := r.s.pool.SendBatch(qctx, batch)
 	var (
 		holds    []dbHold
-		rescan   []*schema.OrderedRow
-		scanned  []*schema.OrderedRow
-		readRows = func(dst *[]*schema.OrderedRow) error {
+		rescan   []*sqlq.OrderedRow
+		scanned  []*sqlq.OrderedRow
+		readRows = func(dst *[]*sqlq.OrderedRow) error {
 			rows, err := br.Query()
 			if err != nil {
 				return err
 			}
 			defer rows.Close()
 			for rows.Next() {
-				row := &schema.OrderedRow{}
+				row := &sqlq.OrderedRow{}
 				if err := row.Scan(rows, r.oq.Columns); err != nil {
 					return err
 				}
@@ -240,7 +241,7 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 	}
 	// Scans: load, and watch the writers of the partition's keys that held
 	// their lock at the cut, over the range the scan passed.
-	byScan := map[int][]*schema.OrderedRow{}
+	byScan := map[int][]*sqlq.OrderedRow{}
 	for _, row := range scanned {
 		byScan[row.Partition] = append(byScan[row.Partition], row)
 	}
@@ -390,7 +391,7 @@ func (r *orderedRelay) keyLocked(name string, p *partState) *keyState {
 // loadLocked adds a row read by a scan or rescan to its key's queue and its
 // partition's open rows, unless it is done or covered. It reports whether
 // the row was added.
-func (r *orderedRelay) loadLocked(p *partState, row *schema.OrderedRow) bool {
+func (r *orderedRelay) loadLocked(p *partState, row *sqlq.OrderedRow) bool {
 	if row.Sequence <= p.floor {
 		return false
 	}
@@ -439,7 +440,7 @@ func (r *orderedRelay) pruneKeyLocked(name string, k *keyState) {
 
 // parkedLocked reports whether row waits for a watch of its hash: a writer
 // that may still commit a lower row of its key.
-func parkedLocked(p *partState, row *schema.OrderedRow) bool {
+func parkedLocked(p *partState, row *sqlq.OrderedRow) bool {
 	for _, w := range p.watches {
 		if w.hash == row.KeyHash && row.Sequence > w.from {
 			return true

@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/publisher"
@@ -227,7 +228,7 @@ func TestOrderedTermFencesWrites(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	oq := schema.NewOrderedQueries(tbl, cols)
+	oq := sqlq.NewOrderedQueries(tbl, cols)
 	evs := enqueueKeyed(t, pool, tbl, "fence-k", "fence-k")
 	seq := seqOf(t, pool, tbl, evs[0].event.String())
 	var part int
@@ -295,7 +296,7 @@ func TestOrderedRefusesCachedSequence(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err := subscriber.New(pool, orderedCfg(tbl), nil)
-	if !errors.Is(err, schema.ErrSequenceCached) || !strings.Contains(err.Error(), "CACHE 1") {
+	if !errors.Is(err, sqlq.ErrSequenceCached) || !strings.Contains(err.Error(), "CACHE 1") {
 		t.Fatalf("New with a cached sequence: %v, want ErrSequenceCached naming ALTER SEQUENCE ... CACHE 1", err)
 	}
 }
@@ -482,7 +483,7 @@ func TestOrderedCutSeesLegacyWriters(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1::int4, hashtext($2))`, tbl.LegacyOrderingLockClass(), k); err != nil {
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1::int4, hashtext($2))`, sqlq.LegacyOrderingLockClass(tbl), k); err != nil {
 		t.Fatal(err)
 	}
 	late := uuid.New()

@@ -20,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/cleaner"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
@@ -518,7 +519,7 @@ func TestOrderedDeadKeyReplayAndSkip(t *testing.T) {
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
 	ctx := context.Background()
-	oq := schema.NewOrderedQueries(tbl, schema.Columns{TraceContext: true, Headers: true, OrderingKey: true})
+	oq := sqlq.NewOrderedQueries(tbl, schema.Columns{TraceContext: true, Headers: true, OrderingKey: true})
 	bad := map[string]bool{}
 	var badMu sync.Mutex
 	handle := func(msg *message.Message) bool {

@@ -389,7 +389,7 @@ func TestPausedTopicsTableMissing(t *testing.T) {
 	pool := testdb.Pool(t)
 	ctx := context.Background()
 	tbl := testdb.Table(t, "paused_missing")
-	if _, err := pool.Exec(ctx, schema.PausedTopicsDownSQL(tbl)); err != nil {
+	if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, "000007", "down")); err != nil {
 		t.Fatal(err)
 	}
 	logs := watermill.NewCaptureLogger()

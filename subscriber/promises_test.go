@@ -199,7 +199,7 @@ func TestDownMigrationTurnsTheBoundOff(t *testing.T) {
 	s := newSub(t, pool, subscriber.Config{Table: tbl, LockTTL: lockTTL, Metrics: m})
 	d := consumeAll(t, s)
 	d.wait(t, enqueue(t, pool, tbl, "org.bounded.v1", 3), time.Minute)
-	if _, err := pool.Exec(ctx, schema.AvailableAtDownSQL(tbl)); err != nil {
+	if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, "000009", "down")); err != nil {
 		t.Fatal(err)
 	}
 	late := lateWriter(t, pool, tbl)
@@ -217,7 +217,7 @@ func TestDownMigrationTurnsTheBoundOff(t *testing.T) {
 		t.Fatalf("the sweep claimed %v rows, want 0: the relay kept the bound", n)
 	}
 	// And back up: the relay takes the bound again.
-	if _, err := pool.Exec(ctx, schema.AvailableAtUpSQL(tbl)); err != nil {
+	if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, "000009", "up")); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "the bound after the up migration", 2*time.Minute, func() bool {

@@ -6,13 +6,12 @@ import (
 	"strconv"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 )
 
 // sessionName is the application_name a relay gives its leader session
 // when the pool's connections have none: "outbox-relay <host> <pid>"
-// (schema.RelayApplicationPrefix), so that the console and the runbook name
+// (sqlq.RelayApplicationPrefix), so that the console and the runbook name
 // the relay instead of showing an unnamed session. PostgreSQL keeps 63
 // bytes of it.
 var sessionName = func() string {
@@ -20,7 +19,7 @@ var sessionName = func() string {
 	if err != nil || host == "" {
 		host = "unknown-host"
 	}
-	name := schema.RelayApplicationPrefix + host + " " + strconv.Itoa(os.Getpid())
+	name := sqlq.RelayApplicationPrefix + host + " " + strconv.Itoa(os.Getpid())
 	if len(name) > 63 {
 		name = name[:63]
 	}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -20,7 +21,7 @@ func leaderSessionName(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) (stri
 	t.Helper()
 	var name string
 	err := pool.QueryRow(context.Background(), `SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint`, tbl.LockKey()).Scan(&name)
+WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint`, sqlq.LockKey(tbl)).Scan(&name)
 	return name, err == nil
 }
 
@@ -32,7 +33,7 @@ func TestLeaderSessionNamed(t *testing.T) {
 	t.Parallel()
 	host, _ := os.Hostname()
 	for _, tc := range []struct{ poolName, want string }{
-		{"", schema.RelayApplicationPrefix + host + " " + strconv.Itoa(os.Getpid())},
+		{"", sqlq.RelayApplicationPrefix + host + " " + strconv.Itoa(os.Getpid())},
 		{"billing-api", "billing-api"},
 	} {
 		t.Run("pool name "+strconv.Quote(tc.poolName), func(t *testing.T) {

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -24,9 +25,9 @@ import (
 type Subscriber struct {
 	pool   *pgxpool.Pool
 	cfg    Config
-	q      *schema.Queries
-	oq     *schema.OrderedQueries // ordered mode only
-	pq     schema.PausedTopicsQueries
+	q      *sqlq.Queries
+	oq     *sqlq.OrderedQueries // ordered mode only
+	pq     sqlq.PausedTopicsQueries
 	paused pausedState // the topics an operator paused (paused.go)
 	logger watermill.LoggerAdapter
 	label  string // table label for metrics
@@ -99,11 +100,11 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		return nil, fmt.Errorf("subscriber: %w", err)
 	}
 	if cols.OrderingKey {
-		if err := schema.CheckRelayMode(ctx, pool, cfg.Table, cfg.Ordered, cfg.Table.LockKey(), cfg.LockTTL, 0); err != nil {
+		if err := sqlq.CheckRelayMode(ctx, pool, cfg.Table, cfg.Ordered, sqlq.LockKey(cfg.Table), cfg.LockTTL, 0); err != nil {
 			return nil, fmt.Errorf("subscriber: %w", err)
 		}
 	}
-	var oq *schema.OrderedQueries
+	var oq *sqlq.OrderedQueries
 	if cfg.Ordered {
 		if oq, err = checkOrdered(ctx, pool, cfg.Table, cols); err != nil {
 			return nil, err
@@ -113,8 +114,8 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		oq:           oq,
 		pool:         pool,
 		cfg:          cfg,
-		q:            schema.NewQueries(cfg.Table, cols),
-		pq:           schema.NewPausedTopicsQueries(cfg.Table),
+		q:            sqlq.NewQueries(cfg.Table, cols),
+		pq:           sqlq.NewPausedTopicsQueries(cfg.Table),
 		logger:       logger.With(watermill.LogFields{"table": cfg.Table.String()}),
 		label:        cfg.Table.Qualified(),
 		acks:         make(chan ackReq, 4*cfg.BatchSize),
@@ -122,8 +123,8 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 		writeTimeout: opTimeout,
 		closeDone:    make(chan struct{}),
 	}
-	s.idle.s, s.idle.key = s, cfg.Table.IdleLockKey()
-	s.oidle.s, s.oidle.key = s, cfg.Table.OrderedIdleLockKey()
+	s.idle.s, s.idle.key = s, sqlq.IdleLockKey(cfg.Table)
+	s.oidle.s, s.oidle.key = s, sqlq.OrderedIdleLockKey(cfg.Table)
 	if s.bounded, err = newBoundedClaims(ctx, s); err != nil {
 		return nil, fmt.Errorf("subscriber: %w", err)
 	}
@@ -151,7 +152,7 @@ func (s *Subscriber) start() {
 	s.modeLock = acquireNotifier(s.pool, s.logger)
 	if !s.cfg.DisableNotify {
 		s.notifier = s.modeLock
-		s.notifier.add(s.cfg.Table.NotifyChannel(), &s.wake)
+		s.notifier.add(sqlq.NotifyChannel(s.cfg.Table), &s.wake)
 	}
 	if s.cfg.Metrics != nil {
 		s.bgWg.Add(1)
@@ -176,7 +177,7 @@ func (s *Subscriber) stopBackground() {
 	s.bgCancel()
 	s.bgWg.Wait()
 	if s.notifier != nil {
-		s.notifier.remove(s.cfg.Table.NotifyChannel(), &s.wake)
+		s.notifier.remove(sqlq.NotifyChannel(s.cfg.Table), &s.wake)
 		s.notifier = nil
 	}
 	s.modeMu.Lock()
@@ -267,7 +268,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 
 // holdMode takes the relay-mode lock of the table for s, unless it holds
 // it (modelock.go): so no relay of the other mode starts on the table while
-// this one may deliver (schema.CheckRelayMode). It waits for the notifier's
+// this one may deliver (sqlq.CheckRelayMode). It waits for the notifier's
 // connection until ctx ends or s is closed.
 func (s *Subscriber) holdMode(ctx context.Context) error {
 	s.modeMu.Lock()
@@ -467,7 +468,7 @@ func (s *Subscriber) unpaused(out []*claimed) []*claimed {
 
 // claimed is one leased row and its delivery state.
 type claimed struct {
-	row       schema.ClaimedRow
+	row       sqlq.ClaimedRow
 	msg       *message.Message
 	slot      *errorSlot
 	delivered time.Time

@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/publisher"
@@ -499,7 +500,7 @@ func TestSingleActive(t *testing.T) {
 	killedAt := time.Now()
 	var killedPid int
 	err := pool.QueryRow(ctx, `SELECT pid FROM pg_locks l
-		WHERE l.locktype = 'advisory' AND l.granted AND ((l.classid::bigint << 32) | l.objid::bigint) = $1`, tbl.LockKey()).Scan(&killedPid)
+		WHERE l.locktype = 'advisory' AND l.granted AND ((l.classid::bigint << 32) | l.objid::bigint) = $1`, sqlq.LockKey(tbl)).Scan(&killedPid)
 	if err != nil {
 		t.Fatalf("find the leader session: %v", err)
 	}
@@ -511,7 +512,7 @@ func TestSingleActive(t *testing.T) {
 	holder := func() int {
 		var pid int
 		if err := pool.QueryRow(ctx, `SELECT coalesce(max(pid), 0) FROM pg_locks l
-			WHERE l.locktype = 'advisory' AND l.granted AND ((l.classid::bigint << 32) | l.objid::bigint) = $1`, tbl.LockKey()).Scan(&pid); err != nil {
+			WHERE l.locktype = 'advisory' AND l.granted AND ((l.classid::bigint << 32) | l.objid::bigint) = $1`, sqlq.LockKey(tbl)).Scan(&pid); err != nil {
 			t.Fatal(err)
 		}
 		return pid

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -25,7 +26,7 @@ import (
 // is idle and enqueues send NOTIFY.
 func idleHeld(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) bool {
 	t.Helper()
-	return idleKeyHeld(t, pool, tbl.IdleLockKey())
+	return idleKeyHeld(t, pool, sqlq.IdleLockKey(tbl))
 }
 
 // idleKeyHeld reports whether a session holds the advisory lock key
@@ -86,8 +87,8 @@ func countNotifications(t *testing.T, tbl schema.Table) *notifications {
 		t.Fatal(err)
 	}
 	c := &notifications{markerChannel: "test_sync_" + strings.ReplaceAll(uuid.NewString(), "-", ""), marked: map[string]bool{}}
-	for _, ch := range []string{tbl.NotifyChannel(), c.markerChannel} {
-		if _, err := conn.Exec(ctx, schema.ListenStatement(ch)); err != nil {
+	for _, ch := range []string{sqlq.NotifyChannel(tbl), c.markerChannel} {
+		if _, err := conn.Exec(ctx, sqlq.ListenStatement(ch)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -140,7 +141,7 @@ func TestWakeUpHandshake(t *testing.T) {
 	// The session that holds the idle lock: the relay's LISTEN connection.
 	var listener int
 	if err := pool.QueryRow(ctx, `SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1
-  AND ((classid::bigint << 32) | objid::bigint) = $1 AND mode = 'ExclusiveLock' AND granted`, tbl.IdleLockKey()).Scan(&listener); err != nil {
+  AND ((classid::bigint << 32) | objid::bigint) = $1 AND mode = 'ExclusiveLock' AND granted`, sqlq.IdleLockKey(tbl)).Scan(&listener); err != nil {
 		t.Fatal(err)
 	}
 
@@ -450,7 +451,7 @@ func TestOrderedWakeUp(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, "the idle locks to be held", 2*time.Minute, func() bool {
-		return idleHeld(t, pool, tbl) && idleKeyHeld(t, pool, tbl.OrderedIdleLockKey())
+		return idleHeld(t, pool, tbl) && idleKeyHeld(t, pool, sqlq.OrderedIdleLockKey(tbl))
 	})
 	time.Sleep(300 * time.Millisecond) // partitions assigned, first cycles done
 	for i, key := range []string{"a", "b", "", "a"} {
@@ -518,14 +519,14 @@ func TestWakeUpKeyedAndUnkeyedLocks(t *testing.T) {
 		// notifications for: keyed, unkeyed, keyed batch, unkeyed batch, mixed batch
 		want [5]int64
 	}{
-		{"claim loop asleep", tbl.IdleLockKey(), [5]int64{0, 1, 0, 1, 1}},
-		{"ordered relay asleep", tbl.OrderedIdleLockKey(), [5]int64{1, 0, 1, 0, 1}},
+		{"claim loop asleep", sqlq.IdleLockKey(tbl), [5]int64{0, 1, 0, 1, 1}},
+		{"ordered relay asleep", sqlq.OrderedIdleLockKey(tbl), [5]int64{1, 0, 1, 0, 1}},
 	} {
 		holder, err := pgx.Connect(ctx, testdb.URL())
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := holder.Exec(ctx, schema.TryIdleLock, c.key); err != nil {
+		if _, err := holder.Exec(ctx, sqlq.TryIdleLock, c.key); err != nil {
 			t.Fatal(err)
 		}
 		expect(c.name+", keyed", c.want[0], "k1")

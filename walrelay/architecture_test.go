@@ -6,8 +6,8 @@ import (
 	"time"
 
 	"github.com/outboxkit/watermill-outbox/internal/doccheck"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/termcheck"
-	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // TestArchitectureStatesTheConstants: docs/ARCHITECTURE.md gives the WAL
@@ -23,7 +23,7 @@ func TestArchitectureStatesTheConstants(t *testing.T) {
 		fmt.Sprintf("up to %d ready messages of the reader, or %d settled deliveries (`loopBatch`)", loopBatch, loopBatch),
 		fmt.Sprintf("`StatusInterval/%d` (`recordSpacing`)", recordSpacing),
 		fmt.Sprintf("ends after %s idle (`waiterIdle`)", d(waiterIdle)),
-		fmt.Sprintf("`schema.WALStaleAfter` (%s)", schema.WALStaleAfter),
+		fmt.Sprintf("`sqlq.WALStaleAfter` (%s)", sqlq.WALStaleAfter),
 		fmt.Sprintf("`backoffReadAhead` (%d) x `MaxInFlight`", backoffReadAhead),
 	)
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -203,5 +204,5 @@ func holdSlot(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) []any {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	return []any{names.Slot, int64(conn.PID()), schema.WALFenceKey(names.Slot)}
+	return []any{names.Slot, int64(conn.PID()), sqlq.WALFenceKey(names.Slot)}
 }

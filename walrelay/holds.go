@@ -282,7 +282,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 
 // spill spills the backlog of q, whose head waits for its retry, to a
 // retrying hold (a spill loses nothing): the hold is written first, at the head
-// (schema.WALQueries.Spill, fenced, with the head's attempts and last
+// (sqlq.WALQueries.Spill, fenced, with the head's attempts and last
 // error on its row); then the key's rows leave memory, settled in the
 // stream as parked rows, and the hold retries at the head's retry time.
 // It reports whether the key was spilled; a key that cannot be

@@ -7,9 +7,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // Lag is how far the relay's slot is behind the server.
@@ -30,7 +29,7 @@ type Lag struct {
 // unsettled commit.
 func (s *Subscriber) SlotLag(ctx context.Context) (Lag, error) {
 	var l Lag
-	err := s.pool.QueryRow(ctx, schema.WALSlotLag, s.cfg.Names.Slot).Scan(&l.RetainedBytes, &l.UnconfirmedBytes)
+	err := s.pool.QueryRow(ctx, sqlq.WALSlotLag, s.cfg.Names.Slot).Scan(&l.RetainedBytes, &l.UnconfirmedBytes)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return l, fmt.Errorf("walrelay: replication slot %s does not exist: it was dropped; run walrelay.Setup to create it (events committed meanwhile are not streamed)", s.cfg.Names.Slot)
 	}

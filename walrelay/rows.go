@@ -13,7 +13,7 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
-	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 )
 
 func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
@@ -166,7 +166,7 @@ func (st *stream) commit(ctx context.Context, tx *txn) {
 }
 
 // keyOf is the ordering of a row: its ordering key, else its topic.
-func keyOf(r schema.ClaimedRow) string {
+func keyOf(r sqlq.ClaimedRow) string {
 	if r.OrderingKey != nil && *r.OrderingKey != "" {
 		return "k:" + *r.OrderingKey
 	}
@@ -323,7 +323,7 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 			unchanged = serr == nil && st.earlierOfHeld(get(r.orderingKey), seq)
 		}
 	}
-	var row schema.ClaimedRow
+	var row sqlq.ClaimedRow
 	if update && unchanged {
 		// The payload was not in the UPDATE (or the replay is of an
 		// earlier row of a held key): read the row.
@@ -343,7 +343,7 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 			return nil //nolint:nilerr // the row was deleted, published or dead again since
 		}
 	} else {
-		row = schema.ClaimedRow{ID: str(r.id), EventID: str(r.eventID), TenantID: str(r.tenantID), Topic: str(r.topic),
+		row = sqlq.ClaimedRow{ID: str(r.id), EventID: str(r.eventID), TenantID: str(r.tenantID), Topic: str(r.topic),
 			TraceParent: get(r.traceParent), TraceState: get(r.traceState), Headers: get(r.headers)}
 		if err != nil {
 			return err
@@ -393,7 +393,7 @@ func (st *stream) readItems(ctx context.Context, sql string, args ...any) ([]*it
 		return nil, err
 	}
 	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (*item, error) {
-		var r schema.ClaimedRow
+		var r sqlq.ClaimedRow
 		err := r.ScanKeyed(row, st.s.cols)
 		return &item{row: r, key: keyOf(r)}, err
 	})

@@ -15,13 +15,13 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/term"
-	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // item is one row to deliver.
 type item struct {
-	row      schema.ClaimedRow
+	row      sqlq.ClaimedRow
 	key      string
 	tx       *txn // nil for a row read from the table when a hold drains
 	attempts int
@@ -111,7 +111,7 @@ type stream struct {
 	backfillUntil pglogrepl.LSN
 	oid           uint32 // the outbox table's relation id
 	// The session's write fence: its walsender's pid and the slot's fence
-	// lock key (schema.WALQueries); fencedOut once a write was refused (the
+	// lock key (sqlq.WALQueries); fencedOut once a write was refused (the
 	// session no longer holds the slot: it ends).
 	pid         int64
 	fenceKey    int64
@@ -213,7 +213,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*relation{}, keys: map[string]*keyQueue{},
 		settles: make(chan settle, 1024), gone: make(chan struct{}),
 		slots: keyed.NewSlots(s.cfg.MaxInFlight, s.terms.StaleCount), vis: visibility{pool: s.pool, waits: &s.unseen}}
-	if err := s.pool.QueryRow(ctx, schema.WALTableOID, s.cfg.Table.Sanitize()).Scan(&st.oid); err != nil {
+	if err := s.pool.QueryRow(ctx, sqlq.WALTableOID, s.cfg.Table.Sanitize()).Scan(&st.oid); err != nil {
 		return fmt.Errorf("look up the relation id of %s: %w", s.cfg.Table, err)
 	}
 	defer close(st.gone)
@@ -233,8 +233,8 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	// invariant, at the top of this file): it holds the slot now; every
 	// write of an earlier session either committed before the holds are
 	// read or finds another walsender on the slot and does nothing.
-	st.pid, st.fenceKey = int64(conn.PID()), schema.WALFenceKey(s.cfg.Names.Slot)
-	if _, err := s.pool.Exec(ctx, schema.WALFenceHandover, st.fenceKey); err != nil {
+	st.pid, st.fenceKey = int64(conn.PID()), sqlq.WALFenceKey(s.cfg.Names.Slot)
+	if _, err := s.pool.Exec(ctx, sqlq.WALFenceHandover, st.fenceKey); err != nil {
 		return fmt.Errorf("wait for the writes of the slot's earlier sessions: %w", err)
 	}
 	backfill, err := st.start(ctx)
@@ -259,7 +259,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 func (s *Subscriber) ensureSlot(ctx context.Context) error {
 	var plugin, confirmed string
 	var active, lost bool
-	err := s.pool.QueryRow(ctx, schema.WALSlotState, s.cfg.Names.Slot).Scan(&plugin, &active, &confirmed, &lost)
+	err := s.pool.QueryRow(ctx, sqlq.WALSlotState, s.cfg.Names.Slot).Scan(&plugin, &active, &confirmed, &lost)
 	gone := errors.Is(err, pgx.ErrNoRows)
 	if err != nil && !gone {
 		return fmt.Errorf("look up replication slot %s: %w", s.cfg.Names.Slot, err)
@@ -271,12 +271,12 @@ func (s *Subscriber) ensureSlot(ctx context.Context) error {
 		watermill.LogFields{"invalidated": lost, "dropped": gone})
 	s.slotLost.Add(1)
 	if lost {
-		if _, err := s.pool.Exec(ctx, schema.WALDropSlot, s.cfg.Names.Slot); err != nil {
+		if _, err := s.pool.Exec(ctx, sqlq.WALDropSlot, s.cfg.Names.Slot); err != nil {
 			return fmt.Errorf("drop the invalidated replication slot %s: %w", s.cfg.Names.Slot, err)
 		}
 	}
 	var lsn string
-	if err := s.pool.QueryRow(ctx, schema.WALCreateSlot, s.cfg.Names.Slot).Scan(&lsn); err != nil {
+	if err := s.pool.QueryRow(ctx, sqlq.WALCreateSlot, s.cfg.Names.Slot).Scan(&lsn); err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "42710" { // duplicate_object: another relay recreated it
 			return nil
@@ -291,7 +291,7 @@ func (s *Subscriber) ensureSlot(ctx context.Context) error {
 // that stopped before it finished), or was never read since Setup (which
 // records the slot's start minus one: the rows written before Setup are
 // not in the stream): the rows it never streamed are read from the table
-// (schema.WALBackfill) and delivered first, as one transaction ending
+// (sqlq.WALBackfill) and delivered first, as one transaction ending
 // where the slot begins.
 func (st *stream) start(ctx context.Context) (*txn, error) {
 	s := st.s
@@ -332,10 +332,10 @@ func (st *stream) start(ctx context.Context) (*txn, error) {
 	// the rows written before Setup; otherwise the slot was recreated.
 	beforeSetup := slot == rec+1
 	var commitTS bool
-	if err := s.pool.QueryRow(ctx, schema.WALCommitTimestamps).Scan(&commitTS); err != nil {
+	if err := s.pool.QueryRow(ctx, sqlq.WALCommitTimestamps).Scan(&commitTS); err != nil {
 		return nil, fmt.Errorf("read track_commit_timestamp: %w", err)
 	}
-	items, err := st.readItems(ctx, schema.WALBackfill(s.cfg.Table, s.cols, beforeSetup, commitTS), s.cfg.Names.Slot)
+	items, err := st.readItems(ctx, sqlq.WALBackfill(s.cfg.Table, s.cols, beforeSetup, commitTS), s.cfg.Names.Slot)
 	if err != nil {
 		return nil, fmt.Errorf("read the rows the slot did not stream: %w", err)
 	}
@@ -709,7 +709,7 @@ func (st *stream) handle(ctx context.Context, r received) error {
 // server.
 var errFenced = errors.New("walrelay: the session no longer holds the slot")
 
-// write runs one of the session's fenced writes (schema.WALQueries): sql
+// write runs one of the session's fenced writes (sqlq.WALQueries): sql
 // with args and the fence's arguments (the slot, the session's walsender
 // pid, the slot's fence key), its columns scanned into dest and the last
 // one into ok. A write the fence refused (ok false) changed nothing: it is

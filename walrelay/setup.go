@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -46,7 +47,7 @@ func (n Names) withDefaults(t schema.Table) (Names, error) {
 	if n.Slot == "" {
 		n.Slot = d.Slot
 	}
-	if !schema.ValidSlotName(n.Slot) {
+	if !sqlq.ValidSlotName(n.Slot) {
 		return n, fmt.Errorf("walrelay: invalid config: slot name %q: use at most 63 characters of a-z, 0-9 and _", n.Slot)
 	}
 	return n, nil
@@ -54,7 +55,7 @@ func (n Names) withDefaults(t schema.Table) (Names, error) {
 
 func checkWALLevel(ctx context.Context, pool *pgxpool.Pool) error {
 	var level string
-	if err := pool.QueryRow(ctx, schema.WALLevel).Scan(&level); err != nil {
+	if err := pool.QueryRow(ctx, sqlq.WALLevel).Scan(&level); err != nil {
 		return fmt.Errorf("walrelay: read wal_level: %w", err)
 	}
 	if level != "logical" {
@@ -95,10 +96,10 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	if _, err := schema.DetectColumns(ctx, pool, t); err != nil {
 		return n, fmt.Errorf("walrelay: %w", err)
 	}
-	if _, err := pool.Exec(ctx, schema.WALCreateProgressTable(t)); err != nil {
+	if _, err := pool.Exec(ctx, sqlq.WALCreateProgressTable(t)); err != nil {
 		return n, fmt.Errorf("walrelay: create the progress table of %s: %w", t, err)
 	}
-	if _, err := pool.Exec(ctx, schema.WALCreateHoldsTable(t)); err != nil {
+	if _, err := pool.Exec(ctx, sqlq.WALCreateHoldsTable(t)); err != nil {
 		return n, fmt.Errorf("walrelay: create the holds table of %s: %w", t, err)
 	}
 	// Before the publication and the slot, so that a refusal leaves no
@@ -108,14 +109,14 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	}
 	var exists, hasTable, ins, upd bool
 	var others []string
-	if err := pool.QueryRow(ctx, schema.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd, &others); err != nil {
+	if err := pool.QueryRow(ctx, sqlq.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd, &others); err != nil {
 		return n, fmt.Errorf("walrelay: look up publication %s: %w", n.Publication, err)
 	}
 	switch {
 	case len(others) > 0:
 		return n, otherTablesError(n.Publication, t, others)
 	case !exists:
-		if _, err := pool.Exec(ctx, schema.WALCreatePublication(n.Publication, t)); err != nil {
+		if _, err := pool.Exec(ctx, sqlq.WALCreatePublication(n.Publication, t)); err != nil {
 			return n, privilegeHint(err, "create publication "+n.Publication)
 		}
 	case !hasTable || !ins || !upd:
@@ -123,10 +124,10 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	}
 	var plugin, confirmed string
 	var active, lost bool
-	err = pool.QueryRow(ctx, schema.WALSlotState, n.Slot).Scan(&plugin, &active, &confirmed, &lost)
+	err = pool.QueryRow(ctx, sqlq.WALSlotState, n.Slot).Scan(&plugin, &active, &confirmed, &lost)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		if err := pool.QueryRow(ctx, schema.WALCreateSlot, n.Slot).Scan(&confirmed); err != nil {
+		if err := pool.QueryRow(ctx, sqlq.WALCreateSlot, n.Slot).Scan(&confirmed); err != nil {
 			return n, privilegeHint(err, "create replication slot "+n.Slot)
 		}
 	case err != nil:
@@ -148,7 +149,7 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	if start == 0 {
 		return n, fmt.Errorf("walrelay: replication slot %s has no confirmed position; drop it and run Setup again", n.Slot)
 	}
-	if _, err := pool.Exec(ctx, schema.WALProgressBeforeSetup(t), n.Slot, setupRecord(start).String()); err != nil {
+	if _, err := pool.Exec(ctx, sqlq.WALProgressBeforeSetup(t), n.Slot, setupRecord(start).String()); err != nil {
 		return n, fmt.Errorf("walrelay: record the start of slot %s: %w", n.Slot, err)
 	}
 	return n, nil
@@ -185,7 +186,7 @@ func Teardown(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) 
 		return err
 	}
 	for deadline := time.Now().Add(teardownSlotWait); ; {
-		_, err := pool.Exec(ctx, schema.WALDropSlot, n.Slot)
+		_, err := pool.Exec(ctx, sqlq.WALDropSlot, n.Slot)
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "55006" && time.Now().Before(deadline) { // object_in_use: still read
 			select {
@@ -200,7 +201,7 @@ func Teardown(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) 
 		}
 		break
 	}
-	if _, err := pool.Exec(ctx, schema.WALDropPublication(n.Publication)); err != nil {
+	if _, err := pool.Exec(ctx, sqlq.WALDropPublication(n.Publication)); err != nil {
 		return fmt.Errorf("walrelay: drop publication %s: %w", n.Publication, err)
 	}
 	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS `+t.WALProgressTable()+`, `+t.WALHoldsTable()); err != nil {
@@ -217,7 +218,7 @@ func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names
 	}
 	var exists, hasTable, ins, upd bool
 	var others []string
-	if err := pool.QueryRow(ctx, schema.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd, &others); err != nil {
+	if err := pool.QueryRow(ctx, sqlq.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd, &others); err != nil {
 		return fmt.Errorf("walrelay: look up publication %s: %w", n.Publication, err)
 	}
 	if len(others) > 0 {
@@ -228,17 +229,17 @@ func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names
 	}
 	var plugin, confirmed string
 	var active, lost bool
-	err := pool.QueryRow(ctx, schema.WALSlotState, n.Slot).Scan(&plugin, &active, &confirmed, &lost)
+	err := pool.QueryRow(ctx, sqlq.WALSlotState, n.Slot).Scan(&plugin, &active, &confirmed, &lost)
 	if errors.Is(err, pgx.ErrNoRows) {
 		// A slot that streamed before, or that Setup created (either has a
 		// progress record), and is gone is recreated by the relay, which
 		// reads what it missed from the table; one never set up needs Setup.
 		var recorded bool
-		if err := pool.QueryRow(ctx, schema.WALProgressTableExists(t)).Scan(&recorded); err != nil {
+		if err := pool.QueryRow(ctx, sqlq.WALProgressTableExists(t)).Scan(&recorded); err != nil {
 			return fmt.Errorf("walrelay: look up the progress table of %s: %w", t, err)
 		}
 		if recorded {
-			err = pool.QueryRow(ctx, schema.WALProgressRecorded(t), n.Slot).Scan(&recorded)
+			err = pool.QueryRow(ctx, sqlq.WALProgressRecorded(t), n.Slot).Scan(&recorded)
 			if err != nil {
 				return fmt.Errorf("walrelay: look up the progress of slot %s: %w", n.Slot, err)
 			}
@@ -268,7 +269,7 @@ func checkSetUp(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names
 // backfill read rows in sequence order, which must be commit order within
 // a key.
 func checkSequence(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
-	if err := schema.CheckOrderedSequence(ctx, pool, t); err != nil {
+	if err := sqlq.CheckOrderedSequence(ctx, pool, t); err != nil {
 		return fmt.Errorf("walrelay: %w", err)
 	}
 	return nil

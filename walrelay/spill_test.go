@@ -14,6 +14,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -347,7 +348,7 @@ func TestWALHoldsTableWithoutRetryingColumn(t *testing.T) {
 	ctx := context.Background()
 	has := func() bool {
 		var ok bool
-		if err := pool.QueryRow(ctx, schema.WALHoldsHaveRetrying(tbl)).Scan(&ok); err != nil {
+		if err := pool.QueryRow(ctx, sqlq.WALHoldsHaveRetrying(tbl)).Scan(&ok); err != nil {
 			t.Fatal(err)
 		}
 		return ok

@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/console"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -269,7 +270,7 @@ func TestWALSkipWhileReplayInFlight(t *testing.T) {
 	case <-time.After(liveness):
 		t.Fatal("the replay was not delivered")
 	}
-	if _, err := pool.Exec(ctx, schema.WALSkipHold(tbl), ids[0].String()); err != nil {
+	if _, err := pool.Exec(ctx, sqlq.WALSkipHold(tbl), ids[0].String()); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(400 * time.Millisecond) // the relay's ticks see the skip and drain behind the replay
@@ -308,7 +309,7 @@ func TestWALEarlierDeadRowKeepsHold(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	q := schema.NewWALQueries(tbl, cols)
+	q := sqlq.NewWALQueries(tbl, cols)
 	rowID := func(ev uuid.UUID) string {
 		var id string
 		if err := pool.QueryRow(ctx, `SELECT id::text FROM `+tbl.Sanitize()+` WHERE event_id = $1`, ev).Scan(&id); err != nil {
@@ -503,7 +504,7 @@ func TestWALRefusesCachedSequence(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err := walrelay.New(ctx, pool, walrelay.Config{Table: tbl}, nil)
-	if !errors.Is(err, schema.ErrSequenceCached) || !strings.Contains(err.Error(), "CACHE 1") {
+	if !errors.Is(err, sqlq.ErrSequenceCached) || !strings.Contains(err.Error(), "CACHE 1") {
 		t.Fatalf("New with a cached sequence: %v, want ErrSequenceCached naming CACHE 1", err)
 	}
 }

@@ -17,7 +17,7 @@
 // later messages wait, other keys flow. A key whose backlog behind its
 // retrying head passes MaxInFlight rows (or whose backlog stops the
 // stream's read-ahead) is spilled: a retrying hold is written for it at
-// the head (schema.WALQueries.Spill), then its queued rows leave memory
+// the head (sqlq.WALQueries.Spill), then its queued rows leave memory
 // (they are in the table, parked behind the hold, as behind a dead row),
 // and the stream is read on for the other keys; at the retry the key
 // drains from the table, head first. After MaxAttempts (or at once for a
@@ -46,13 +46,13 @@
 //
 // The write fence: the session fences its writes in the database, across relay
 // processes: every write of holds, dead rows or progress (the statements
-// of schema.WALQueries: MarkDeadHold, Spill, Drain, which applies skips
+// of sqlq.WALQueries: MarkDeadHold, Spill, Drain, which applies skips
 // too, RetryDrain, Release, Forget, Progress) applies only while the session's own
 // walsender holds the slot (pg_replication_slots.active_pid equals the
 // replication connection's PID), checked in the statement under the
 // slot's fence lock taken shared; a session, once it holds the slot and
 // before it reads the holds, takes and releases that lock exclusively
-// (schema.WALFenceHandover). So every write of an earlier session, in this
+// (sqlq.WALFenceHandover). So every write of an earlier session, in this
 // process or another, either committed before the new session read the
 // holds, or changes nothing. A refused write is counted
 // (outbox_fence_rejected_total), logged, not retried, and ends the session.
@@ -93,6 +93,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -211,7 +212,7 @@ type Subscriber struct {
 	pool   *pgxpool.Pool
 	cfg    Config
 	cols   schema.Columns
-	q      schema.WALQueries
+	q      sqlq.WALQueries
 	logger watermill.LoggerAdapter
 	conn   string
 
@@ -239,7 +240,7 @@ type Subscriber struct {
 	sessions atomic.Int64 // sessions started: the epoch of each term
 
 	// spills: the holds table has its retrying column, so a retrying
-	// key's backlog can be spilled to a retrying hold (schema.WALQueries.Spill).
+	// key's backlog can be spilled to a retrying hold (sqlq.WALQueries.Spill).
 	spills  bool
 	spilled atomic.Int64 // keys spilled (tests)
 	unseen  atomic.Int64 // statements put off until a streamed transaction was visible (tests)
@@ -279,7 +280,7 @@ func New(ctx context.Context, pool *pgxpool.Pool, cfg Config, logger watermill.L
 	if conn == "" {
 		conn = replicationConnString(pool)
 	}
-	s := &Subscriber{pool: pool, cfg: cfg, cols: cols, q: schema.NewWALQueries(cfg.Table, cols), conn: conn,
+	s := &Subscriber{pool: pool, cfg: cfg, cols: cols, q: sqlq.NewWALQueries(cfg.Table, cols), conn: conn,
 		logger: logger.With(watermill.LogFields{"table": cfg.Table.String(), "slot": cfg.Names.Slot})}
 	if err := s.checkRetryingColumn(ctx); err != nil {
 		return nil, err
@@ -289,23 +290,23 @@ func New(ctx context.Context, pool *pgxpool.Pool, cfg Config, logger watermill.L
 }
 
 // checkRetryingColumn adds the retrying column to a holds table created
-// before it (schema.WALAddRetryingColumn, a metadata-only change). When
+// before it (sqlq.WALAddRetryingColumn, a metadata-only change). When
 // the relay's role may not, it runs as before the column: retrying rows
 // stay in memory, bounded by the read-ahead (docs/WAL.md, Limits), and it
 // says so once.
 func (s *Subscriber) checkRetryingColumn(ctx context.Context) error {
 	if !s.cols.OrderingKey {
-		s.q = schema.NewWALQueriesWithoutRetrying(s.cfg.Table, s.cols)
+		s.q = sqlq.NewWALQueriesWithoutRetrying(s.cfg.Table, s.cols)
 		return nil
 	}
 	var has bool
-	if err := s.pool.QueryRow(ctx, schema.WALHoldsHaveRetrying(s.cfg.Table)).Scan(&has); err != nil {
+	if err := s.pool.QueryRow(ctx, sqlq.WALHoldsHaveRetrying(s.cfg.Table)).Scan(&has); err != nil {
 		return fmt.Errorf("walrelay: look up the holds table of %s: %w", s.cfg.Table, err)
 	}
 	if !has {
-		if _, err := s.pool.Exec(ctx, schema.WALAddRetryingColumn(s.cfg.Table)); err != nil {
+		if _, err := s.pool.Exec(ctx, sqlq.WALAddRetryingColumn(s.cfg.Table)); err != nil {
 			s.logger.Error("The WAL holds table has no retrying column and the relay could not add it: a retrying key's backlog stays in memory; run `outbox migrate --wal` (walrelay.Setup) as the table's owner", err, nil)
-			s.q = schema.NewWALQueriesWithoutRetrying(s.cfg.Table, s.cols)
+			s.q = sqlq.NewWALQueriesWithoutRetrying(s.cfg.Table, s.cols)
 			return nil
 		}
 	}

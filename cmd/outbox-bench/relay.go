@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -151,7 +152,7 @@ func waitPublished(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n in
 // drainBareSQL is the ceiling: the subscriber's own claim and ack statements
 // in a loop on workers connections, with no delivery at all.
 func drainBareSQL(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n, workers, batch int) (float64, error) {
-	q := schema.NewQueries(t, schema.Columns{})
+	q := sqlq.NewQueries(t, schema.Columns{})
 	var (
 		done atomic.Int64
 		wg   sync.WaitGroup
@@ -163,7 +164,7 @@ func drainBareSQL(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n, wo
 		go func() {
 			defer wg.Done()
 			for done.Load() < int64(n) && ctx.Err() == nil {
-				rows, err := pool.Query(ctx, q.ClaimAll, schema.MaxAttemptsDefault, schema.LockTTLDefault.Seconds(), batch)
+				rows, err := pool.Query(ctx, q.ClaimAll, sqlq.MaxAttemptsDefault, sqlq.LockTTLDefault.Seconds(), batch)
 				if err != nil {
 					errs <- err
 					return
@@ -172,7 +173,7 @@ func drainBareSQL(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n, wo
 				var attempts []int32
 				var locked []time.Time
 				for rows.Next() {
-					var r schema.ClaimedRow
+					var r sqlq.ClaimedRow
 					if err := r.ScanClaim(rows, schema.Columns{}); err != nil {
 						errs <- err
 						return

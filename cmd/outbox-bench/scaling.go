@@ -6,6 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -60,7 +61,7 @@ func scaleCase(ctx context.Context, pool *pgxpool.Pool, t schema.Table, pending,
 		// at their time of death, as a first design had it, they sat before
 		// every due row: EXPLAIN showed 80 ms per claim instead of 0.2 ms.)
 		if _, err := pool.Exec(ctx, `UPDATE `+t.Sanitize()+` SET attempts = $1, last_error = 'dead in benchmark',
-			available_at = 'infinity', dead_at = now()`, schema.MaxAttemptsDefault); err != nil {
+			available_at = 'infinity', dead_at = now()`, sqlq.MaxAttemptsDefault); err != nil {
 			return 0, err
 		}
 	}

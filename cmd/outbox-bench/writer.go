@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -46,7 +47,7 @@ func newStatementCounter() *statementCounter {
 
 // watch registers the claim and ack statements of t.
 func (c *statementCounter) watch(t schema.Table) {
-	q := schema.NewQueries(t, schema.Columns{})
+	q := sqlq.NewQueries(t, schema.Columns{})
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.claimSQL[q.ClaimAll], c.claimSQL[q.ClaimTopic], c.ackSQL[q.Ack] = true, true, true
@@ -299,7 +300,7 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 			if holder, err = pgx.Connect(ctx, o.dbURL); err != nil {
 				return err
 			}
-			if _, err := holder.Exec(ctx, schema.TryIdleLock, t.IdleLockKey()); err != nil {
+			if _, err := holder.Exec(ctx, sqlq.TryIdleLock, sqlq.IdleLockKey(t)); err != nil {
 				return err
 			}
 		}

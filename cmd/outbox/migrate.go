@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/walrelay"
 )
@@ -103,9 +104,9 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 			if *wal {
 				n := walrelay.DefaultNames(t)
 				fmt.Fprintf(stdout, "\n-- WAL relay of %s: progress and holds tables\n%s;\n\n%s;\n\n%s", t,
-					schema.WALCreateProgressTable(t), schema.WALCreateHoldsTable(t),
+					sqlq.WALCreateProgressTable(t), sqlq.WALCreateHoldsTable(t),
 					commentOut(fmt.Sprintf("Run once (outbox migrate --wal does it, checking first), by a role with REPLICATION, on wal_level = logical:\n%s;\n%s;",
-						schema.WALCreatePublication(n.Publication, t), strings.Replace(schema.WALCreateSlot, "$1", "'"+n.Slot+"'", 1))))
+						sqlq.WALCreatePublication(n.Publication, t), strings.Replace(sqlq.WALCreateSlot, "$1", "'"+n.Slot+"'", 1))))
 			}
 			if *down {
 				fmt.Fprintf(stdout, "\n%s", commentOut(fmt.Sprintf("down (DESTRUCTIVE: drops %s, its companion tables and every event in them).\n"+
@@ -140,12 +141,12 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 			if err != nil {
 				return err
 			}
-			ok, err := schema.OrderedTablesExist(mctx, pool, t)
+			ok, err := sqlq.OrderedTablesExist(mctx, pool, t)
 			if err != nil {
 				return err
 			}
 			if ok {
-				if ok, err = schema.OrderedTermExists(mctx, pool, t); err != nil {
+				if ok, err = sqlq.OrderedTermExists(mctx, pool, t); err != nil {
 					return err
 				}
 			}

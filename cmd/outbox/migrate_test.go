@@ -98,7 +98,7 @@ func TestMigratePrintDropsNothing(t *testing.T) {
 
 // `outbox migrate --ordered` and OUTBOX_RELAY_ORDERED=true on an existing
 // default-mode table add ordered mode (never a silent success); a table
-// above schema.OrderedRewriteMaxRows is refused with the SQL to run unless
+// above 10,000 rows (orderedRewriteMaxRows) is refused with the SQL to run unless
 // --rewrite is given.
 func TestMigrateOrderedOnExistingTable(t *testing.T) {
 	t.Parallel()

@@ -25,6 +25,7 @@ import (
 
 	"github.com/outboxkit/watermill-outbox/cleaner"
 	"github.com/outboxkit/watermill-outbox/forwarder"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/router"
 	"github.com/outboxkit/watermill-outbox/router/amqpbackend"
@@ -457,14 +458,14 @@ func nameSessions(c *pgxpool.Config) {
 }
 
 // relayApplicationName is "outbox-relay <host> <pid> <version>"
-// (schema.RelayApplicationPrefix), cut to the 63 bytes PostgreSQL keeps.
+// (sqlq.RelayApplicationPrefix), cut to the 63 bytes PostgreSQL keeps.
 func relayApplicationName() string {
 	host, _ := os.Hostname()
 	version := "unknown"
 	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
 		version = bi.Main.Version
 	}
-	name := schema.RelayApplicationPrefix + host + " " + strconv.Itoa(os.Getpid()) + " " + version
+	name := sqlq.RelayApplicationPrefix + host + " " + strconv.Itoa(os.Getpid()) + " " + version
 	if len(name) > 63 {
 		name = name[:63]
 	}

@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/forwarder"
-	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 )
 
 // batchSink is a forwarder.BatchPublisher that fails the messages named in
@@ -76,7 +76,7 @@ func TestRelaySessionsNamed(t *testing.T) {
 	nameSessions(cfg)
 	host, _ := os.Hostname()
 	name := cfg.ConnConfig.RuntimeParams["application_name"]
-	want := schema.RelayApplicationPrefix + host + " " + strconv.Itoa(os.Getpid()) + " "
+	want := sqlq.RelayApplicationPrefix + host + " " + strconv.Itoa(os.Getpid()) + " "
 	if len(name) > 63 || (!strings.HasPrefix(name, want) && !strings.HasPrefix(want, name)) {
 		t.Fatalf("application_name %q, want %q and a version", name, want)
 	}

@@ -29,6 +29,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -341,7 +342,7 @@ func runDeadReplay(ctx context.Context, env Env, args []string, stdout, stderr i
 	if err != nil {
 		return err
 	}
-	lockTTL, err := env.Duration("OUTBOX_RELAY_LOCK_TTL", schema.LockTTLDefault, false)
+	lockTTL, err := env.Duration("OUTBOX_RELAY_LOCK_TTL", sqlq.LockTTLDefault, false)
 	if err != nil {
 		return fmt.Errorf("%w: %w", errUsage, err)
 	}
@@ -547,7 +548,7 @@ func finishPreview(stdout io.Writer, mode replayMode, rep replayReport, line str
 	return nil
 }
 
-func printStatement(w io.Writer, st schema.Statement, rows int64) {
+func printStatement(w io.Writer, st sqlq.Statement, rows int64) {
 	fmt.Fprintln(w, "Statement:")
 	for _, line := range strings.Split(st.String(), "\n") {
 		fmt.Fprintf(w, "  %s\n", line)

@@ -3,13 +3,13 @@ package keyed
 import (
 	"time"
 
-	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 )
 
 // HoldState is where a key's hold is in its lifecycle, in both keyed
 // relays. Its values and their order are runbook.HoldState's, which the
 // runbook, the CLI and the console read from the holds tables with the
-// same precedence (schema.OrderedHoldStateSQL, schema.WALHoldStateSQL).
+// same precedence (sqlq.OrderedHoldStateSQL, sqlq.WALHoldStateSQL).
 type HoldState uint8
 
 // The hold states.
@@ -31,10 +31,10 @@ const (
 	Resolved
 )
 
-var holdWords = [...]string{"unknown", schema.HoldWordRetrying, schema.HoldWordDead, schema.HoldWordSkipRequested,
-	schema.HoldWordReplay, schema.HoldWordDraining, schema.HoldWordResolved}
+var holdWords = [...]string{"unknown", sqlq.HoldWordRetrying, sqlq.HoldWordDead, sqlq.HoldWordSkipRequested,
+	sqlq.HoldWordReplay, sqlq.HoldWordDraining, sqlq.HoldWordResolved}
 
-// String is the state's word (schema.HoldWord*), as the runbook writes it.
+// String is the state's word (sqlq.HoldWord*), as the runbook writes it.
 func (s HoldState) String() string {
 	if int(s) < len(holdWords) {
 		return holdWords[s]
@@ -43,7 +43,7 @@ func (s HoldState) String() string {
 }
 
 // StateOf is the state of a hold read from the ordered relay's holds
-// table, with schema.OrderedHoldStateSQL's precedence: resolved, then a
+// table, with sqlq.OrderedHoldStateSQL's precedence: resolved, then a
 // requested skip, then dead, then a replay, else retrying.
 func StateOf(dead, skip, replay, resolved bool) HoldState {
 	switch {

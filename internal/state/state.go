@@ -1,5 +1,5 @@
 // Package state chooses the one state reader of an outbox table: the
-// statements of schema.StateQueries in the mode the table is relayed in.
+// statements of sqlq.StateQueries in the mode the table is relayed in.
 // The runbook (and so the CLI and the console), the cleaner and the relay's
 // gauges all read a table through it, so that they agree on where a row's
 // state lives.
@@ -8,19 +8,20 @@
 // by migrate's explicit steps and by every relay that starts on the
 // table); a table without a record (nothing recorded yet, or migrated by
 // an earlier version) falls back to the mode inferred from what exists
-// (schema.ModeProbe, schema.DecideMode).
+// (sqlq.ModeProbe, sqlq.DecideMode).
 package state
 
 import (
 	"context"
 	"fmt"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // Reader is the state reader of one table.
 type Reader struct {
-	schema.StateQueries
+	sqlq.StateQueries
 	// Record is the table's mode record, nil when the mode was inferred.
 	Record *schema.ModeRecord
 }
@@ -37,14 +38,14 @@ func Of(ctx context.Context, q schema.Querier, t schema.Table) (Reader, error) {
 		return Reader{}, err
 	}
 	var walProgress, published, ordered, walHolds bool
-	if err := q.QueryRow(ctx, schema.ModeProbe(t)).Scan(&walProgress, &published, &ordered, &walHolds); err != nil {
+	if err := q.QueryRow(ctx, sqlq.ModeProbe(t)).Scan(&walProgress, &published, &ordered, &walHolds); err != nil {
 		return Reader{}, fmt.Errorf("find the relay mode of %s: %w", t, err)
 	}
 	rec, recorded, err := schema.RecordedMode(ctx, q, t)
 	if err != nil {
 		return Reader{}, err
 	}
-	mode := schema.DecideMode(walProgress, published, ordered, cols)
+	mode := sqlq.DecideMode(walProgress, published, ordered, cols)
 	var r Reader
 	if recorded {
 		switch rec.Mode {
@@ -60,6 +61,6 @@ func Of(ctx context.Context, q schema.Querier, t schema.Table) (Reader, error) {
 	if mode == schema.ModeWAL && !walHolds {
 		cols.OrderingKey = false // a WAL set-up without a holds table: no key is held
 	}
-	r.StateQueries = schema.NewStateQueries(t, mode, cols)
+	r.StateQueries = sqlq.NewStateQueries(t, mode, cols)
 	return r, nil
 }

@@ -10,6 +10,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -126,4 +127,18 @@ func Table(tb testing.TB, name string, opts ...schema.MigrateOption) schema.Tabl
 		tb.Fatalf("migrate %s: %v", t, err)
 	}
 	return t
+}
+
+// MigrationSQL returns the SQL of tbl's migration step (its number, as
+// "000008") in direction dir ("up" or "down"), as schema.MigrationFiles
+// renders it: tests use it to put a table back to an older version.
+func MigrationSQL(tb testing.TB, tbl schema.Table, step, dir string) string {
+	tb.Helper()
+	for path, body := range schema.MigrationFiles(tbl) {
+		if strings.HasPrefix(path, "migrations/"+step+"_") && strings.HasSuffix(path, "."+dir+".sql") {
+			return body
+		}
+	}
+	tb.Fatalf("no migration %s (%s) for %s", step, dir, tbl)
+	return ""
 }

@@ -3,15 +3,15 @@
 // watermill-sql v4).
 //
 // Adapter implements both v3's SchemaAdapter and its OffsetsAdapter; pass the
-// same value as both. It is configured with the fields of schema.Adapter and
-// renders its statements with schema.Adapter's Statement methods, so v3 and
-// v4 run the same SQL:
+// same value as both. It is configured with a table and its columns, and
+// renders the same statements as package schema/sqlv4, so v3 and v4 run the
+// same SQL:
 //
 //	a := sqlv3.Adapter{Table: table, Columns: cols}
 //	pub, _ := sql.NewPublisher(db, sql.PublisherConfig{SchemaAdapter: a}, logger)
 //	sub, _ := sql.NewSubscriber(db, sql.SubscriberConfig{SchemaAdapter: a, OffsetsAdapter: a}, logger)
 //
-// A schema.Adapter converts: sqlv3.Adapter(a).
+// A sqlv4.Adapter converts: sqlv3.Adapter(a).
 //
 // The package lives apart from package schema so that only its users link
 // watermill-sql v3 (and, through its module, pgx v4, the MySQL driver and
@@ -31,46 +31,61 @@ package sqlv3
 
 import (
 	stdsql "database/sql"
+	"time"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
-
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // Adapter implements watermill-sql v3's SchemaAdapter and OffsetsAdapter on
-// an outbox table. Its fields are those of schema.Adapter (Table is required;
-// the others default as there).
-type Adapter schema.Adapter
+// an outbox table.
+type Adapter struct {
+	// Table is the outbox table. Required.
+	Table schema.Table
+	// Columns lists the table's optional columns (schema.DetectColumns reads
+	// them). Defaults to none.
+	Columns schema.Columns
+	// MaxAttempts is the last allowed attempt: a row whose lease expires on
+	// it is parked dead by the claim instead of being claimed again. Dead
+	// rows (dead_at set) are never claimed, whatever MaxAttempts says.
+	// Defaults to 25.
+	MaxAttempts int
+	// LockTTL is after how long a lease is considered abandoned. Defaults to 60s.
+	LockTTL time.Duration
+	// BatchSize is the claim's LIMIT. Defaults to 100.
+	BatchSize int
+}
 
 var (
 	_ wsql.SchemaAdapter  = Adapter{}
 	_ wsql.OffsetsAdapter = Adapter{}
 )
 
-func query(s schema.Statement) wsql.Query { return wsql.Query{Query: s.SQL, Args: s.Args} }
+func query(s sqlq.Statement) wsql.Query { return wsql.Query{Query: s.SQL, Args: s.Args} }
 
-// InsertQuery implements SchemaAdapter with schema.Adapter.InsertStatement:
+// InsertQuery implements SchemaAdapter with the shared InsertStatement:
 // msg.UUID must be a UUID (it becomes event_id), metadata tenant_id is
 // required and the payload must be JSON.
 func (a Adapter) InsertQuery(topic string, msgs message.Messages) (wsql.Query, error) {
-	s, err := schema.Adapter(a).InsertStatement(topic, msgs)
+	s, err := sqlq.Adapter(a).InsertStatement(topic, msgs)
 	if err != nil {
 		return wsql.Query{}, err
 	}
 	return query(s), nil
 }
 
-// SelectQuery implements SchemaAdapter with schema.Adapter.ClaimStatement.
+// SelectQuery implements SchemaAdapter with the shared ClaimStatement.
 func (a Adapter) SelectQuery(topic string, _ string, _ wsql.OffsetsAdapter) wsql.Query {
-	return query(schema.Adapter(a).ClaimStatement(topic))
+	return query(sqlq.Adapter(a).ClaimStatement(topic))
 }
 
-// UnmarshalMessage implements SchemaAdapter with schema.Adapter.ScanClaimed:
+// UnmarshalMessage implements SchemaAdapter with the shared ScanClaimed:
 // the message has UUID = event_id and the outbox metadata; Row.Offset is the
 // sequence.
 func (a Adapter) UnmarshalMessage(row wsql.Scanner) (wsql.Row, error) {
-	seq, msg, err := schema.Adapter(a).ScanClaimed(row)
+	seq, msg, err := sqlq.Adapter(a).ScanClaimed(row)
 	if err != nil {
 		return wsql.Row{}, err
 	}
@@ -78,10 +93,10 @@ func (a Adapter) UnmarshalMessage(row wsql.Scanner) (wsql.Row, error) {
 }
 
 // SchemaInitializingQueries implements SchemaAdapter with
-// schema.Adapter.SchemaStatements: the table's idempotent DDL.
+// the shared SchemaStatements: the table's idempotent DDL.
 func (a Adapter) SchemaInitializingQueries(string) []wsql.Query {
 	var qs []wsql.Query
-	for _, s := range schema.Adapter(a).SchemaStatements() {
+	for _, s := range sqlq.Adapter(a).SchemaStatements() {
 		qs = append(qs, query(s))
 	}
 	return qs
@@ -90,13 +105,13 @@ func (a Adapter) SchemaInitializingQueries(string) []wsql.Query {
 // SubscribeIsolationLevel implements SchemaAdapter: READ COMMITTED, which
 // SKIP LOCKED needs to let concurrent subscribers share a table.
 func (a Adapter) SubscribeIsolationLevel() stdsql.IsolationLevel {
-	return schema.Adapter(a).SubscribeIsolationLevel()
+	return sqlq.Adapter(a).SubscribeIsolationLevel()
 }
 
-// AckMessageQuery implements OffsetsAdapter with schema.Adapter.AckStatement:
+// AckMessageQuery implements OffsetsAdapter with the shared AckStatement:
 // the rows the transaction claimed, up to row, are published.
 func (a Adapter) AckMessageQuery(_ string, row wsql.Row, _ string) wsql.Query {
-	return query(schema.Adapter(a).AckStatement(row.Offset))
+	return query(sqlq.Adapter(a).AckStatement(row.Offset))
 }
 
 // ConsumedMessageQuery implements OffsetsAdapter; the claim already recorded

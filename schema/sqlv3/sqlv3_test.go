@@ -15,6 +15,7 @@ import (
 	"github.com/google/uuid"
 	_ "github.com/jackc/pgx/v5/stdlib" // database/sql driver "pgx"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/schema/sqlv3"
@@ -134,11 +135,11 @@ func TestAdapterWithStockWatermillSQL(t *testing.T) {
 }
 
 // TestSameSQLAsSchemaAdapter: the v3 adapter renders exactly the statements
-// of schema.Adapter's Statement methods, so sqlv3.Adapter(a) of a configured
-// schema.Adapter runs the SQL that a does.
+// of sqlq.Adapter's Statement methods, so sqlv3.Adapter(a) of a configured
+// sqlq.Adapter runs the SQL that a does.
 func TestSameSQLAsSchemaAdapter(t *testing.T) {
 	t.Parallel()
-	a := schema.Adapter{Table: schema.MustParseTable("app.org_outbox"), Columns: schema.Columns{Headers: true, TraceContext: true}, BatchSize: 7}
+	a := sqlq.Adapter{Table: schema.MustParseTable("app.org_outbox"), Columns: schema.Columns{Headers: true, TraceContext: true}, BatchSize: 7}
 	v3 := sqlv3.Adapter(a)
 	m := message.NewMessage(uuid.NewString(), []byte(`{"a":1}`))
 	m.Metadata.Set(schema.MetadataTenantID, uuid.NewString())
@@ -157,8 +158,8 @@ func TestSameSQLAsSchemaAdapter(t *testing.T) {
 	if claim.SQL != s3.Query || !reflect.DeepEqual(claim.Args, s3.Args) {
 		t.Fatalf("select differs:\nschema %v\nv3 %v", claim, s3)
 	}
-	all := a.ClaimStatement(schema.AllTopics)
-	s3 = v3.SelectQuery(schema.AllTopics, "", v3)
+	all := a.ClaimStatement(sqlq.AllTopics)
+	s3 = v3.SelectQuery(sqlq.AllTopics, "", v3)
 	if all.SQL != s3.Query || !reflect.DeepEqual(all.Args, s3.Args) || all.SQL == claim.SQL {
 		t.Fatalf("select of every topic differs:\nschema %v\nv3 %v", all, s3)
 	}

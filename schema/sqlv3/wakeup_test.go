@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/schema/sqlv3"
@@ -84,7 +85,7 @@ func idleHeld(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) bool {
 	t.Helper()
 	var held bool
 	err := pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1
-  AND ((classid::bigint << 32) | objid::bigint) = $1 AND mode = 'ExclusiveLock' AND granted)`, tbl.IdleLockKey()).Scan(&held)
+  AND ((classid::bigint << 32) | objid::bigint) = $1 AND mode = 'ExclusiveLock' AND granted)`, sqlq.IdleLockKey(tbl)).Scan(&held)
 	if err != nil {
 		t.Fatal(err)
 	}

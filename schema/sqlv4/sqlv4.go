@@ -4,8 +4,8 @@
 // Adapter implements v4's SchemaAdapter and OffsetsAdapter implements its
 // OffsetsAdapter (v4 declares SchemaInitializingQueries in both with
 // different parameters, so one type cannot be both). Both are configured
-// with the fields of schema.Adapter and render their statements with its
-// Statement methods, so v3 and v4 run the same SQL:
+// with a table and its columns and render the same statements as package
+// schema/sqlv3, so v3 and v4 run the same SQL:
 //
 //	a := sqlv4.Adapter{Table: table, Columns: cols}
 //	pub, _ := sql.NewPublisher(sql.PgxBeginner{Conn: pool}, sql.PublisherConfig{SchemaAdapter: a}, logger)
@@ -14,7 +14,7 @@
 //	}, logger)
 //
 // The package lives apart from package schema so that only its users link
-// watermill-sql v4. The limits of schema.Adapter apply: the stock subscriber
+// watermill-sql v4. The stock subscriber
 // keeps the claim transaction open while the handler runs, resends a nacked
 // message in-process without backoff, last_error or dead state, and cannot
 // extend a lease; use package subscriber for the relay.
@@ -22,51 +22,66 @@ package sqlv4
 
 import (
 	stdsql "database/sql"
+	"time"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
-
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// Adapter implements watermill-sql v4's SchemaAdapter on an outbox table. Its
-// fields are those of schema.Adapter (Table is required; the others default
-// as there). Convert it to OffsetsAdapter for the subscriber.
-type Adapter schema.Adapter
+// Adapter implements watermill-sql v4's SchemaAdapter on an outbox table.
+// Convert it to OffsetsAdapter for the subscriber.
+type Adapter struct {
+	// Table is the outbox table. Required.
+	Table schema.Table
+	// Columns lists the table's optional columns (schema.DetectColumns reads
+	// them). Defaults to none.
+	Columns schema.Columns
+	// MaxAttempts is the last allowed attempt: a row whose lease expires on
+	// it is parked dead by the claim instead of being claimed again. Dead
+	// rows (dead_at set) are never claimed, whatever MaxAttempts says.
+	// Defaults to 25.
+	MaxAttempts int
+	// LockTTL is after how long a lease is considered abandoned. Defaults to 60s.
+	LockTTL time.Duration
+	// BatchSize is the claim's LIMIT. Defaults to 100.
+	BatchSize int
+}
 
 // OffsetsAdapter implements watermill-sql v4's OffsetsAdapter on an outbox
 // table: the ack marks published the rows the subscriber's transaction
-// claimed. Its fields are those of schema.Adapter; use the same values as the
-// Adapter (OffsetsAdapter(adapter)).
-type OffsetsAdapter schema.Adapter
+// claimed. Its fields are those of Adapter; use the same values
+// (OffsetsAdapter(adapter)).
+type OffsetsAdapter Adapter
 
 var (
 	_ wsql.SchemaAdapter  = Adapter{}
 	_ wsql.OffsetsAdapter = OffsetsAdapter{}
 )
 
-func query(s schema.Statement) wsql.Query { return wsql.Query{Query: s.SQL, Args: s.Args} }
+func query(s sqlq.Statement) wsql.Query { return wsql.Query{Query: s.SQL, Args: s.Args} }
 
-// InsertQuery implements SchemaAdapter with schema.Adapter.InsertStatement:
+// InsertQuery implements SchemaAdapter with the shared InsertStatement:
 // msg.UUID must be a UUID (it becomes event_id), metadata tenant_id is
 // required and the payload must be JSON.
 func (a Adapter) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, error) {
-	s, err := schema.Adapter(a).InsertStatement(params.Topic, params.Msgs)
+	s, err := sqlq.Adapter(a).InsertStatement(params.Topic, params.Msgs)
 	if err != nil {
 		return wsql.Query{}, err
 	}
 	return query(s), nil
 }
 
-// SelectQuery implements SchemaAdapter with schema.Adapter.ClaimStatement.
+// SelectQuery implements SchemaAdapter with the shared ClaimStatement.
 func (a Adapter) SelectQuery(params wsql.SelectQueryParams) (wsql.Query, error) {
-	return query(schema.Adapter(a).ClaimStatement(params.Topic)), nil
+	return query(sqlq.Adapter(a).ClaimStatement(params.Topic)), nil
 }
 
-// UnmarshalMessage implements SchemaAdapter with schema.Adapter.ScanClaimed:
+// UnmarshalMessage implements SchemaAdapter with the shared ScanClaimed:
 // the message has UUID = event_id and the outbox metadata; Row.Offset is the
 // sequence.
 func (a Adapter) UnmarshalMessage(params wsql.UnmarshalMessageParams) (wsql.Row, error) {
-	seq, msg, err := schema.Adapter(a).ScanClaimed(params.Row)
+	seq, msg, err := sqlq.Adapter(a).ScanClaimed(params.Row)
 	if err != nil {
 		return wsql.Row{}, err
 	}
@@ -74,10 +89,10 @@ func (a Adapter) UnmarshalMessage(params wsql.UnmarshalMessageParams) (wsql.Row,
 }
 
 // SchemaInitializingQueries implements SchemaAdapter with
-// schema.Adapter.SchemaStatements: the table's idempotent DDL.
+// the shared SchemaStatements: the table's idempotent DDL.
 func (a Adapter) SchemaInitializingQueries(wsql.SchemaInitializingQueriesParams) ([]wsql.Query, error) {
 	var qs []wsql.Query
-	for _, s := range schema.Adapter(a).SchemaStatements() {
+	for _, s := range sqlq.Adapter(a).SchemaStatements() {
 		qs = append(qs, query(s))
 	}
 	return qs, nil
@@ -86,13 +101,13 @@ func (a Adapter) SchemaInitializingQueries(wsql.SchemaInitializingQueriesParams)
 // SubscribeIsolationLevel implements SchemaAdapter: READ COMMITTED, which
 // SKIP LOCKED needs to let concurrent subscribers share a table.
 func (a Adapter) SubscribeIsolationLevel() stdsql.IsolationLevel {
-	return schema.Adapter(a).SubscribeIsolationLevel()
+	return sqlq.Adapter(a).SubscribeIsolationLevel()
 }
 
-// AckMessageQuery implements OffsetsAdapter with schema.Adapter.AckStatement:
+// AckMessageQuery implements OffsetsAdapter with the shared AckStatement:
 // the rows the transaction claimed, up to the last acked row, are published.
 func (o OffsetsAdapter) AckMessageQuery(params wsql.AckMessageQueryParams) (wsql.Query, error) {
-	return query(schema.Adapter(o).AckStatement(params.LastRow.Offset)), nil
+	return query(sqlq.Adapter(o).AckStatement(params.LastRow.Offset)), nil
 }
 
 // ConsumedMessageQuery implements OffsetsAdapter; the claim already recorded

@@ -25,6 +25,7 @@ import (
 
 	"github.com/outboxkit/watermill-outbox/internal/kafkatest"
 	"github.com/outboxkit/watermill-outbox/internal/pgtest"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -133,7 +134,7 @@ func TestFaultPartition(t *testing.T) {
 		qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
 		_ = pool.QueryRow(qctx, `SELECT coalesce((SELECT host(a.client_addr) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-			WHERE l.locktype = 'advisory' AND l.granted AND ((l.classid::bigint << 32) | l.objid::bigint) = $1), '')`, tbl.LockKey()).Scan(&addr)
+			WHERE l.locktype = 'advisory' AND l.granted AND ((l.classid::bigint << 32) | l.objid::bigint) = $1), '')`, sqlq.LockKey(tbl)).Scan(&addr)
 		return addr
 	}
 	a := startRelayIn(t, n.links[0].ns, bin, env, filepath.Join(logDir, "relay-a.log"))

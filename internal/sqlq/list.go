@@ -1,9 +1,11 @@
-package schema
+package sqlq
 
 import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // ListState is the state of the rows StateQueries.ListRows and CountRows
@@ -130,7 +132,7 @@ func (q StateQueries) rowListSource(f RowListFilter, args []any) (string, []any)
 		return "$" + strconv.Itoa(len(args)) + cast
 	}
 	conds := []string{"true"}
-	if f.State == ListDelivered && q.Mode == ModeDefault {
+	if f.State == ListDelivered && q.Mode == schema.ModeDefault {
 		conds = append(conds, "k.published_at IS NOT NULL")
 	}
 	if f.EventID != "" {
@@ -216,7 +218,7 @@ const RelayApplicationPrefix = "outbox-relay "
 // backend_start, the client addresses (comma-separated, "" when unknown or
 // hidden), whether one of them holds the lock, the pid of the session
 // holding it (else of the oldest one). The leader first.
-func RelaySessions(t Table) Statement {
+func RelaySessions(t schema.Table) Statement {
 	return Statement{SQL: `SELECT COALESCE(a.application_name, ''), count(*), min(a.backend_start),
   COALESCE(string_agg(DISTINCT host(a.client_addr), ', '), ''),
   bool_or(l.pid IS NOT NULL),
@@ -226,13 +228,13 @@ LEFT JOIN pg_locks AS l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.objsu
   AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint
 WHERE a.application_name LIKE '` + RelayApplicationPrefix + `%' OR l.pid IS NOT NULL
 GROUP BY 1
-ORDER BY bool_or(l.pid IS NOT NULL) DESC, min(a.backend_start)`, Args: []any{t.LockKey()}}
+ORDER BY bool_or(l.pid IS NOT NULL) DESC, min(a.backend_start)`, Args: []any{LockKey(t)}}
 }
 
 // PartitionOwners lists the owners of t's ordered partitions
 // (<t>_partitions): owner, the partitions it owns (int array), its latest
 // lease end, whether every lease is live. The live owners first.
-func PartitionOwners(t Table) string {
+func PartitionOwners(t schema.Table) string {
 	return `SELECT owner, array_agg(partition ORDER BY partition), max(lease_until), bool_and(lease_until > now())
 FROM ` + t.PartitionsTable() + `
 WHERE owner IS NOT NULL

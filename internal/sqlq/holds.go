@@ -1,6 +1,10 @@
-package schema
+package sqlq
 
-import "time"
+import (
+	"time"
+
+	"github.com/outboxkit/watermill-outbox/schema"
+)
 
 // The words of the hold states, as the state expressions below return them
 // (package runbook's HoldState names them; docs/ORDERING.md, "Hold
@@ -31,7 +35,7 @@ const OrderedHoldStateSQL = `CASE WHEN h.resolved_at IS NOT NULL THEN '` + HoldW
 // reset it and the relay delivers it again), else dead. A holds table
 // created before the retrying column has no retrying hold
 // (WALRetryingSQL).
-func WALHoldStateSQL(t Table) string {
+func WALHoldStateSQL(t schema.Table) string {
 	return `CASE WHEN h.released THEN '` + HoldWordResolved + `'
   WHEN h.draining THEN '` + HoldWordDraining + `'
   WHEN h.skip_requested_at IS NOT NULL THEN '` + HoldWordSkipRequested + `'
@@ -96,7 +100,7 @@ SELECT EXISTS (SELECT 1 FROM h)`
 // WALHoldList lists up to $1 holds of the WAL table t, oldest first, the
 // released ones (tombstones) only when $2 is true, with the columns of
 // OrderedQueries.HoldList (partition 0, replay false).
-func WALHoldList(t Table) string {
+func WALHoldList(t schema.Table) string {
 	return `SELECT h.ordering_key, 0, h.sequence, COALESCE(o.attempts, 0), NULLIF(o.available_at, 'infinity'), o.last_error, o.dead_at,
   h.skip_requested_at, h.event_id::text, o.topic, false, ` + WALHoldStateSQL(t) + `
 FROM ` + t.WALHoldsTable() + ` AS h LEFT JOIN ` + t.Sanitize() + ` AS o ON o.event_id = h.event_id
@@ -107,7 +111,7 @@ ORDER BY h.held_at, h.ordering_key LIMIT $1`
 // WALHoldOfEvent finds the hold of the WAL table t whose row's event_id is
 // $1, released ones included: ordering_key, sequence, state. No row when
 // the event holds no key.
-func WALHoldOfEvent(t Table) string {
+func WALHoldOfEvent(t schema.Table) string {
 	return `SELECT h.ordering_key, h.sequence, ` + WALHoldStateSQL(t) + ` FROM ` + t.WALHoldsTable() + ` AS h WHERE h.event_id = $1::uuid`
 }
 
@@ -115,7 +119,7 @@ func WALHoldOfEvent(t Table) string {
 // holds its key, only while the hold's state is one of $2 (text array):
 // the relay then delivers the key's later rows; the row stays dead.
 // Returns: the key and the sequence, no row otherwise.
-func WALSkipHoldIn(t Table) string {
+func WALSkipHoldIn(t schema.Table) string {
 	return `UPDATE ` + t.WALHoldsTable() + ` AS h SET skip_requested_at = now()
 WHERE h.event_id = $1::uuid AND ` + WALHoldStateSQL(t) + ` = ANY($2::text[]) RETURNING h.ordering_key, h.sequence`
 }
@@ -128,7 +132,7 @@ WHERE h.event_id = $1::uuid AND ` + WALHoldStateSQL(t) + ` = ANY($2::text[]) RET
 // them through WALReplayAllowsSQL: ReplayEvent (WALReplayEvent) and the
 // bulk replays (RunbookFilter.WALReplay).
 type WALReplayRule struct {
-	Table  Table
+	Table  schema.Table
 	Held   []string
 	Others []string
 }
@@ -137,7 +141,7 @@ type WALReplayRule struct {
 // <table>_wal_holds aliased h, the hold of row's key) accepts a replay of
 // row (an alias of a row of t): its state (WALHoldStateSQL) is one of held
 // (a text array expression) when row is the held row, else one of others.
-func WALReplayAllowsSQL(t Table, row, held, others string) string {
+func WALReplayAllowsSQL(t schema.Table, row, held, others string) string {
 	return WALHoldStateSQL(t) + ` = ANY(CASE WHEN h.event_id = ` + row + `.event_id THEN ` + held + ` ELSE ` + others + ` END)`
 }
 
@@ -195,7 +199,7 @@ RETURNING o.sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL), r.Held, r.O
 // table t whose event_id is $1, released ones included: ordering_key,
 // sequence, state, and whether the row is the held one. No row when the
 // key holds nothing.
-func WALHoldOfKeyOfEvent(t Table) string {
+func WALHoldOfKeyOfEvent(t schema.Table) string {
 	return `SELECT h.ordering_key, h.sequence, ` + WALHoldStateSQL(t) + `, h.event_id = r.event_id
 FROM ` + t.WALHoldsTable() + ` AS h JOIN ` + t.Sanitize() + ` AS r ON h.ordering_key = r.ordering_key WHERE r.event_id = $1::uuid`
 }

@@ -1,4 +1,4 @@
-package schema
+package sqlq
 
 import (
 	"encoding/json"
@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // ClaimedRow is one row returned by a claim statement.
@@ -40,7 +41,7 @@ type Scanner interface {
 
 // Scan reads a row produced by Queries.AdapterClaimAll or
 // AdapterClaimTopic (Adapter.ClaimStatement) with columns c.
-func (r *ClaimedRow) Scan(s Scanner, c Columns) error {
+func (r *ClaimedRow) Scan(s Scanner, c schema.Columns) error {
 	if err := s.Scan(r.dest(c)...); err != nil {
 		return fmt.Errorf("scan claimed outbox row: %w", err)
 	}
@@ -49,7 +50,7 @@ func (r *ClaimedRow) Scan(s Scanner, c Columns) error {
 
 // ScanKeyed reads the columns Scan reads, then ordering_key (the WAL
 // relay's reads of held and missed rows).
-func (r *ClaimedRow) ScanKeyed(s Scanner, c Columns) error {
+func (r *ClaimedRow) ScanKeyed(s Scanner, c schema.Columns) error {
 	if err := s.Scan(append(r.dest(c), &r.OrderingKey)...); err != nil {
 		return fmt.Errorf("scan outbox row: %w", err)
 	}
@@ -57,7 +58,7 @@ func (r *ClaimedRow) ScanKeyed(s Scanner, c Columns) error {
 }
 
 // dest are the destinations of the columns Scan reads.
-func (r *ClaimedRow) dest(c Columns) []any {
+func (r *ClaimedRow) dest(c schema.Columns) []any {
 	dest := []any{&r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.Attempts, &r.LockedAt, &r.CreatedAt}
 	if c.TraceContext {
 		dest = append(dest, &r.TraceParent, &r.TraceState)
@@ -74,7 +75,7 @@ func (r *ClaimedRow) dest(c Columns) []any {
 //
 // extra receives the columns a caller appended after parked (the default
 // relay's bounded claim appends the rows' available_at).
-func (r *ClaimedRow) ScanClaim(s Scanner, c Columns, extra ...any) error {
+func (r *ClaimedRow) ScanClaim(s Scanner, c schema.Columns, extra ...any) error {
 	var lockedAt *time.Time // NULL for a parked row
 	dest := []any{&r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.Attempts, &lockedAt, &r.CreatedAt}
 	if c.TraceContext {
@@ -99,7 +100,7 @@ func (r *ClaimedRow) ScanClaim(s Scanner, c Columns, extra ...any) error {
 // the JSON payload, and metadata event_id, tenant_id, topic, sequence,
 // attempts and table, plus traceparent, tracestate and the stored headers
 // when present. Headers never override the outbox's own keys.
-func (r *ClaimedRow) Message(t Table) (*message.Message, error) {
+func (r *ClaimedRow) Message(t schema.Table) (*message.Message, error) {
 	msg := message.NewMessage(r.EventID, r.Payload)
 	if r.Headers != nil && *r.Headers != "" {
 		var h map[string]string
@@ -107,25 +108,25 @@ func (r *ClaimedRow) Message(t Table) (*message.Message, error) {
 			return nil, fmt.Errorf("outbox row sequence %d: headers column is not a JSON object of strings: %w", r.Sequence, err)
 		}
 		for k, v := range h {
-			if !ReservedMetadata(k) {
+			if !schema.ReservedMetadata(k) {
 				msg.Metadata[k] = v
 			}
 		}
 	}
-	msg.Metadata[MetadataEventID] = r.EventID
-	msg.Metadata[MetadataTenantID] = r.TenantID
-	msg.Metadata[MetadataTopic] = r.Topic
-	msg.Metadata[MetadataSequence] = strconv.FormatInt(r.Sequence, 10)
-	msg.Metadata[MetadataAttempts] = strconv.FormatInt(int64(r.Attempts), 10)
-	msg.Metadata[MetadataTable] = t.String()
+	msg.Metadata[schema.MetadataEventID] = r.EventID
+	msg.Metadata[schema.MetadataTenantID] = r.TenantID
+	msg.Metadata[schema.MetadataTopic] = r.Topic
+	msg.Metadata[schema.MetadataSequence] = strconv.FormatInt(r.Sequence, 10)
+	msg.Metadata[schema.MetadataAttempts] = strconv.FormatInt(int64(r.Attempts), 10)
+	msg.Metadata[schema.MetadataTable] = t.String()
 	if r.TraceParent != nil && *r.TraceParent != "" {
-		msg.Metadata[MetadataTraceParent] = *r.TraceParent
+		msg.Metadata[schema.MetadataTraceParent] = *r.TraceParent
 	}
 	if r.OrderingKey != nil && *r.OrderingKey != "" {
-		msg.Metadata[MetadataOrderingKey] = *r.OrderingKey
+		msg.Metadata[schema.MetadataOrderingKey] = *r.OrderingKey
 	}
 	if r.TraceState != nil && *r.TraceState != "" {
-		msg.Metadata[MetadataTraceState] = *r.TraceState
+		msg.Metadata[schema.MetadataTraceState] = *r.TraceState
 	}
 	return msg, nil
 }

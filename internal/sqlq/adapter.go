@@ -1,4 +1,4 @@
-package schema
+package sqlq
 
 import (
 	stdsql "database/sql"
@@ -11,6 +11,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // Defaults of Adapter, shared with the subscriber.
@@ -44,11 +45,11 @@ const AllTopics = "*"
 // in-process without backoff, last_error or dead state, and cannot extend a
 // lease. Use them for interop; use package subscriber for the relay.
 type Adapter struct {
-	// Table is the outbox table. Required.
-	Table Table
-	// Columns lists the table's optional columns (see DetectColumns).
+	// schema.Table is the outbox table. Required.
+	Table schema.Table
+	// schema.Columns lists the table's optional columns (see DetectColumns).
 	// Defaults to none.
-	Columns Columns
+	Columns schema.Columns
 	// MaxAttempts is the last allowed attempt: a row whose lease expires on
 	// it is parked dead by the claim instead of being claimed again. Dead
 	// rows (dead_at set) are never claimed, whatever MaxAttempts says.
@@ -124,11 +125,11 @@ func (a Adapter) InsertStatement(topic string, msgs message.Messages) (Statement
 	// The insert takes part in the wake-up handshake as Enqueue does
 	// (docs/ARCHITECTURE.md, "Wake-up"): it notifies only while a relay
 	// sleeps on the idle lock, else holds the lock shared until it commits.
-	args = append(args, a.Table.NotifyChannel())
+	args = append(args, NotifyChannel(a.Table))
 	query := `WITH ins AS (INSERT INTO ` + a.Table.Sanitize() + ` (` + joinComma(cols) + `) VALUES ` + values.String() +
 		` ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING 1)
 SELECT pg_notify($` + itoa(len(args)) + `::text, '') WHERE EXISTS (SELECT 1 FROM ins) AND NOT pg_try_advisory_xact_lock_shared(` +
-		strconv.FormatInt(a.Table.IdleLockKey(), 10) + `)`
+		strconv.FormatInt(IdleLockKey(a.Table), 10) + `)`
 	return Statement{SQL: query, Args: args}, nil
 }
 
@@ -139,7 +140,7 @@ func (a Adapter) insertArgs(topic string, msg *message.Message) ([]any, error) {
 	if err != nil || id == uuid.Nil {
 		return nil, errors.New("UUID must be a non-nil UUID: it becomes the row's event_id (use watermill.NewUUID())")
 	}
-	tenant, err := uuid.Parse(msg.Metadata.Get(MetadataTenantID))
+	tenant, err := uuid.Parse(msg.Metadata.Get(schema.MetadataTenantID))
 	if err != nil || tenant == uuid.Nil {
 		return nil, errors.New("metadata tenant_id must be a non-nil UUID")
 	}
@@ -153,7 +154,7 @@ func (a Adapter) insertArgs(topic string, msg *message.Message) ([]any, error) {
 	if a.Columns.Headers {
 		h := map[string]string{}
 		for k, v := range msg.Metadata {
-			if !ReservedMetadata(k) {
+			if !schema.ReservedMetadata(k) {
 				h[k] = v
 			}
 		}
@@ -200,10 +201,10 @@ func (a Adapter) AckStatement(sequence int64) Statement {
 }
 
 // SchemaStatements renders the table's idempotent DDL, with the optional
-// columns of Columns, for the adapters' SchemaInitializingQueries.
+// columns of schema.Columns, for the adapters' SchemaInitializingQueries.
 func (a Adapter) SchemaStatements() []Statement {
 	var out []Statement
-	for _, s := range upStatements(a.Table, a.Columns) {
+	for _, s := range schema.UpStatements(a.Table, a.Columns) {
 		out = append(out, Statement{SQL: s})
 	}
 	return out

@@ -1,8 +1,10 @@
-package schema
+package sqlq
 
 import (
 	"strconv"
 	"strings"
+
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // Queries holds every statement the project runs against one outbox table,
@@ -12,8 +14,8 @@ import (
 // (PgBouncer) would otherwise guess wrong, so the statements work under every
 // pgx QueryExecMode.
 type Queries struct {
-	Table   Table
-	Columns Columns
+	Table   schema.Table
+	Columns schema.Columns
 
 	// Enqueue inserts one row, idempotent on event_id, and wakes relays when
 	// it wrote the row: one INSERT ... ON CONFLICT (event_id) DO NOTHING
@@ -28,8 +30,8 @@ type Queries struct {
 	// (docs/BENCHMARKS.md, section 4b).
 	// Args: tenant_id, topic, payload, event_id (all text), notify channel (""
 	// for none),
-	// then traceparent, tracestate when Columns.TraceContext, then headers
-	// when Columns.Headers, then ordering_key when Columns.OrderingKey.
+	// then traceparent, tracestate when schema.Columns.TraceContext, then headers
+	// when schema.Columns.Headers, then ordering_key when schema.Columns.OrderingKey.
 	// Returns, for a row written: sequence, then a NULL-tested NOTIFY
 	// column (ignore it).
 	Enqueue string
@@ -90,23 +92,23 @@ type Queries struct {
 	// ClaimAllUnkeyed and ClaimTopicUnkeyed are ClaimAll and ClaimTopic
 	// restricted to rows without an ordering key: ordered mode claims only
 	// those, keyed rows go through OrderedQueries. Empty unless
-	// Columns.OrderingKey.
+	// schema.Columns.OrderingKey.
 	ClaimAllUnkeyed   string
 	ClaimTopicUnkeyed string
 
 	// ClaimAllExcept and ClaimAllUnkeyedExcept are ClaimAll and
 	// ClaimAllUnkeyed that skip the rows of the paused topics, passed as a
 	// fourth argument (text array, not empty): the relays use them only
-	// while a topic is paused, and ClaimAll or ClaimAllUnkeyed otherwise. ClaimAllUnkeyedExcept is empty unless Columns.OrderingKey.
+	// while a topic is paused, and ClaimAll or ClaimAllUnkeyed otherwise. ClaimAllUnkeyedExcept is empty unless schema.Columns.OrderingKey.
 	ClaimAllExcept        string
 	ClaimAllUnkeyedExcept string
 
 	// LockKeys takes the per-key transaction-level advisory locks that
 	// serialise the writers of one ordering key (docs/ORDERING.md), in hash
 	// order so that two writers never deadlock on one statement. Args: the
-	// table's lock class (int4, Table.LookupOrderingLockClass), keys (text
+	// table's lock class (int4, schema.Table.LookupOrderingLockClass), keys (text
 	// array).
-	// Empty unless Columns.OrderingKey.
+	// Empty unless schema.Columns.OrderingKey.
 	LockKeys string
 
 	// Ack marks leased rows published, fenced by (id, attempts, locked_at).
@@ -176,7 +178,7 @@ type Queries struct {
 }
 
 // NewQueries renders the statements for table t with optional columns c.
-func NewQueries(t Table, c Columns) *Queries {
+func NewQueries(t schema.Table, c schema.Columns) *Queries {
 	tbl := t.Sanitize()
 	q := &Queries{Table: t, Columns: c}
 
@@ -215,7 +217,7 @@ func NewQueries(t Table, c Columns) *Queries {
 	// keeps any relay from going idle before this row is visible to it
 	// (docs/ARCHITECTURE.md, "Wake-up"). Writers never wait on each other:
 	// shared locks do not conflict.
-	idleKey := strconv.FormatInt(t.IdleLockKey(), 10)
+	idleKey := strconv.FormatInt(IdleLockKey(t), 10)
 	notify := `(SELECT pg_notify($5, '') WHERE $5 <> '' AND NOT pg_try_advisory_xact_lock_shared(` + idleKey + `)`
 	batchNotify := notify
 	if c.OrderingKey {
@@ -223,7 +225,7 @@ func NewQueries(t Table, c Columns) *Queries {
 		// loop: each kind tries its own idle lock. A batch tries the lock
 		// of each kind it holds (when one try fails it notifies anyway,
 		// which wakes both).
-		okey := strconv.FormatInt(t.OrderedIdleLockKey(), 10)
+		okey := strconv.FormatInt(OrderedIdleLockKey(t), 10)
 		notify = `(SELECT pg_notify($5, '') WHERE $5 <> '' AND NOT pg_try_advisory_xact_lock_shared(CASE WHEN ` + keyArg + `::text IS NULL THEN ` + idleKey + ` ELSE ` + okey + ` END)`
 		kcol := "u.c" + keyArg[1:]
 		batchNotify = `(SELECT pg_notify($5, '') WHERE $5 <> '' AND (
@@ -239,7 +241,7 @@ func NewQueries(t Table, c Columns) *Queries {
 	batchSource := `FROM u`
 	batchLock := ``
 	if c.OrderingKey {
-		class := t.OrderingLockClassSQL()
+		class := OrderingLockClassSQL(t)
 		enqueueHead = `WITH lk AS MATERIALIZED (SELECT count(pg_advisory_xact_lock(` + class + `, hashtext(` + keyArg + `::text))) AS n WHERE ` + keyArg + `::text IS NOT NULL)
 INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `) SELECT ` + strings.Join(values, ", ") + ` FROM lk`
 		batchLock = `
@@ -414,7 +416,7 @@ const existingJSON = `COALESCE(json_agg(json_build_array(ex.event_id::text, ex.s
 
 // claimReturning lists the columns a claim's UPDATE returns, named c1,
 // c2, ... in ClaimedRow.Scan order; claimColumns lists those names.
-func claimReturning(c Columns) string {
+func claimReturning(c schema.Columns) string {
 	cols := []string{"o.id::text", "o.event_id::text", "o.tenant_id::text", "o.topic", "o.payload::text",
 		"o.sequence", "o.attempts", "o.locked_at", "o.created_at"}
 	if c.TraceContext {
@@ -429,7 +431,7 @@ func claimReturning(c Columns) string {
 	return strings.Join(cols, ", ")
 }
 
-func claimColumns(c Columns) string {
+func claimColumns(c schema.Columns) string {
 	n := 9
 	if c.TraceContext {
 		n += 2

@@ -1,4 +1,4 @@
-package schema
+package sqlq
 
 import (
 	"fmt"
@@ -7,6 +7,8 @@ import (
 	"time"
 	"unicode"
 	"unicode/utf8"
+
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // Statement is one SQL statement with its arguments, as the runbook runs it
@@ -177,12 +179,12 @@ func lockTTLSeconds(d time.Duration) float64 {
 // everywhere in this package, only the sanitized table name is spliced into
 // the SQL; every value is a parameter with an explicit cast.
 type RunbookQueries struct {
-	// Table is the outbox table the statements work on.
-	Table Table
+	// schema.Table is the outbox table the statements work on.
+	Table schema.Table
 }
 
 // NewRunbookQueries returns the runbook statements of table t.
-func NewRunbookQueries(t Table) RunbookQueries { return RunbookQueries{Table: t} }
+func NewRunbookQueries(t schema.Table) RunbookQueries { return RunbookQueries{Table: t} }
 
 // Backlog lists pending rows (not published, not dead) oldest first: ORDER
 // BY available_at, sequence, the order in which the relay claims them. An
@@ -413,7 +415,7 @@ LIMIT $1::int`, Args: []any{limit}}
 }
 
 // Leader finds the session that holds the table's single-active lock
-// (Table.LockKey): the active relay. Args: the lock key. Returns one row
+// (schema.Table.LockKey): the active relay. Args: the lock key. Returns one row
 // when a relay holds it: pid, application_name, client address (text,
 // NULL for a Unix socket), backend start; none otherwise.
 func (q RunbookQueries) Leader() Statement {
@@ -421,11 +423,11 @@ func (q RunbookQueries) Leader() Statement {
 FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
 WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ExclusiveLock'
   AND ((l.classid::bigint << 32) | l.objid::bigint) = $1::bigint
-LIMIT 1`, Args: []any{q.Table.LockKey()}}
+LIMIT 1`, Args: []any{LockKey(q.Table)}}
 }
 
 // Wake notifies the table's relays (NotifyChannel) that rows are due, so a
 // replay is delivered at once rather than at the next poll.
 func (q RunbookQueries) Wake() Statement {
-	return Statement{SQL: `SELECT pg_notify($1::text, '')`, Args: []any{q.Table.NotifyChannel()}}
+	return Statement{SQL: `SELECT pg_notify($1::text, '')`, Args: []any{NotifyChannel(q.Table)}}
 }

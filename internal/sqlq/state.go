@@ -1,31 +1,10 @@
-package schema
+package sqlq
 
 import (
 	"strconv"
 	"strings"
-)
 
-// Mode is how a table is relayed; it decides where a row's delivery state
-// lives (docs/OPERATIONS.md, "What the numbers mean in each mode").
-type Mode string
-
-// The relay modes.
-const (
-	// ModeDefault: the table relay claims and acks rows; a row's columns
-	// (published_at, attempts, last_error, available_at, locked_at,
-	// dead_at) hold its state.
-	ModeDefault Mode = "default"
-	// ModeOrdered: keyed rows are never updated on delivery; a keyed row is
-	// done when it is at or below its partition's floor (<table>_partitions)
-	// or covered by its key's hold (<table>_holds) as done, and its failures
-	// live in the hold. Unkeyed rows of an ordered table are default-mode
-	// rows.
-	ModeOrdered Mode = "ordered"
-	// ModeWAL: the WAL relay never marks rows published; a row is done when
-	// it was written before the recorded horizon (<table>_wal) and is not
-	// parked behind a held key (<table>_wal_holds); a dead row is parked
-	// with dead_at as in the default mode.
-	ModeWAL Mode = "wal"
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // SkippedErrorPrefix starts the last_error that a skip writes on an ordered
@@ -43,20 +22,20 @@ const SkippedErrorPrefix = "skipped by an operator"
 // Every statement classifies rows with the same expressions (classified);
 // the row columns it returns are StateColumns.
 type StateQueries struct {
-	// Table is the outbox table.
-	Table Table
-	// Mode is the table's relay mode.
-	Mode Mode
-	// Columns are the table's optional columns; OrderingKey decides whether
+	// schema.Table is the outbox table.
+	Table schema.Table
+	// schema.Mode is the table's relay mode.
+	Mode schema.Mode
+	// schema.Columns are the table's optional columns; OrderingKey decides whether
 	// keyed rows exist (an ordered table always has it; a WAL table may
 	// not).
-	Columns Columns
+	Columns schema.Columns
 }
 
 // NewStateQueries returns the state statements of t relayed in mode m, with
 // optional columns c.
-func NewStateQueries(t Table, m Mode, c Columns) StateQueries {
-	if m == ModeOrdered {
+func NewStateQueries(t schema.Table, m schema.Mode, c schema.Columns) StateQueries {
+	if m == schema.ModeOrdered {
 		c.OrderingKey = true
 	}
 	return StateQueries{Table: t, Mode: m, Columns: c}
@@ -134,7 +113,7 @@ DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
 func (q StateQueries) classified(src string) string {
 	key := q.keyExpr()
 	switch q.Mode {
-	case ModeOrdered:
+	case schema.ModeOrdered:
 		return `SELECT o.id, o.row_xmin, o.sequence, o.event_id, o.topic, o.tenant_id,
     CASE WHEN f.holds_it OR f.replay_it THEN h.attempts ELSE o.attempts END AS attempts, o.created_at,
     CASE WHEN f.holds_it OR f.replay_it THEN NULLIF(h.available_at, 'infinity') ELSE NULLIF(o.available_at, 'infinity') END AS available_at,
@@ -156,7 +135,7 @@ func (q StateQueries) classified(src string) string {
     COALESCE(o.sequence <= p.floor_sequence, false) AS below_floor) AS f
   CROSS JOIN LATERAL (SELECT o.published_at IS NOT NULL
     OR (f.keyed AND o.dead_at IS NULL AND NOT (f.holds_it OR f.behind_it OR f.replay_it) AND (f.below_floor OR f.covered)) AS done) AS d`
-	case ModeWAL:
+	case schema.ModeWAL:
 		hold := q.walHoldJoin()
 		return `SELECT o.id, o.row_xmin, o.sequence, o.event_id, o.topic, o.tenant_id, o.attempts, o.created_at,
     NULLIF(o.available_at, 'infinity') AS available_at, o.locked_at, o.published_at, o.last_error, o.dead_at,
@@ -187,7 +166,7 @@ func (q StateQueries) classified(src string) string {
 // before the table was switched, each read through an index.
 func (q StateQueries) open() string {
 	tbl := q.Table.Sanitize()
-	if q.Mode != ModeOrdered {
+	if q.Mode != schema.ModeOrdered {
 		return q.classified(`SELECT k.*, k.xmin AS row_xmin FROM ` + tbl + ` AS k WHERE k.published_at IS NULL`)
 	}
 	holds := q.Table.HoldsTable()
@@ -225,12 +204,12 @@ func (q StateQueries) Stats() string {
 	tbl := q.Table.Sanitize()
 	held := `0::bigint, 0::bigint, 0::bigint, 0::bigint`
 	switch {
-	case q.Mode == ModeOrdered:
+	case q.Mode == schema.ModeOrdered:
 		held = `(SELECT count(*) FROM ` + q.Table.HoldsTable() + ` WHERE resolved_at IS NULL),
   (SELECT count(*) FROM ` + q.Table.HoldsTable() + ` WHERE resolved_at IS NULL AND dead_at IS NOT NULL),
   (SELECT count(*) FROM ` + q.Table.HoldsTable() + ` WHERE resolved_at IS NULL AND replay),
   (SELECT count(*) FROM ` + q.Table.HoldsTable() + ` WHERE resolved_at IS NULL AND skip_requested_at IS NOT NULL)`
-	case q.Mode == ModeWAL && q.Columns.OrderingKey:
+	case q.Mode == schema.ModeWAL && q.Columns.OrderingKey:
 		held = `(SELECT count(*) FROM ` + q.Table.WALHoldsTable() + ` WHERE NOT released),
   (SELECT count(*) FROM ` + q.Table.WALHoldsTable() + ` AS w JOIN ` + tbl + ` AS o ON o.event_id = w.event_id WHERE NOT w.released AND o.dead_at IS NOT NULL),
   0::bigint,
@@ -387,7 +366,7 @@ SELECT count(*), count(*) FILTER (WHERE s.done), count(*) FILTER (WHERE s.dead),
 // progress table exists, the table is named in a publication, the ordered
 // companion tables (with this version's hold states) exist, the WAL holds
 // table exists.
-func ModeProbe(t Table) string {
+func ModeProbe(t schema.Table) string {
 	return `SELECT to_regclass(` + quoteLiteral(t.WALProgressTable()) + `) IS NOT NULL,
   EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = to_regclass(` + quoteLiteral(t.Sanitize()) + `)),
   to_regclass(` + quoteLiteral(t.PartitionsTable()) + `) IS NOT NULL AND to_regclass(` + quoteLiteral(t.HoldsTable()) + `) IS NOT NULL
@@ -399,12 +378,12 @@ func ModeProbe(t Table) string {
 // its mode: a table the WAL relay streams (a progress table and a
 // publication) is a WAL table; one with the ordering column and the ordered
 // companion tables is an ordered table; any other is a default-mode table.
-func DecideMode(walProgress, published, orderedTables bool, c Columns) Mode {
+func DecideMode(walProgress, published, orderedTables bool, c schema.Columns) schema.Mode {
 	switch {
 	case walProgress && published:
-		return ModeWAL
+		return schema.ModeWAL
 	case orderedTables && c.OrderingKey && !published:
-		return ModeOrdered
+		return schema.ModeOrdered
 	}
-	return ModeDefault
+	return schema.ModeDefault
 }

@@ -1,6 +1,9 @@
-package schema
+package sqlq
 
-import "github.com/jackc/pgx/v5"
+import (
+	"github.com/jackc/pgx/v5"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
 
 // Statements that are not tied to one table's columns: the relay's
 // single-active lock, the wake-up channel and the cleaner's vacuum. They live
@@ -16,7 +19,7 @@ const (
 	// Linux). One statement, so that a reply lost on the way never leaves a
 	// lock on a session without the settings. The settings apply to TCP
 	// connections (not Unix sockets). Args: the table's lock key
-	// (Table.LockKey), keepalive idle, interval and count, user timeout, as
+	// (schema.Table.LockKey), keepalive idle, interval and count, user timeout, as
 	// text. Returns: whether the lock was taken, then four values to ignore.
 	TryLeaderLock = `SELECT l.got,
 	CASE WHEN l.got THEN set_config('tcp_keepalives_idle', $2::text, false) END,
@@ -37,7 +40,7 @@ FROM (SELECT pg_try_advisory_lock($1) AS got OFFSET 0) AS l`
 	// handshake, in exclusive mode: a relay holds it while it has nothing to
 	// claim, so that enqueues send NOTIFY. It fails while an enqueueing
 	// transaction is open (they hold it in shared mode until they end) or
-	// another relay holds it. Args: Table.IdleLockKey. Returns: whether the
+	// another relay holds it. Args: schema.Table.IdleLockKey. Returns: whether the
 	// lock was taken.
 	TryIdleLock = `SELECT pg_try_advisory_lock($1)`
 
@@ -56,22 +59,22 @@ FROM (SELECT pg_try_advisory_lock($1) AS got) AS t`
 
 	// IdleLock waits for the idle lock (exclusive). While it waits, enqueues
 	// already see it and send NOTIFY (a queued exclusive request makes their
-	// shared try fail). Args: Table.IdleLockKey.
+	// shared try fail). Args: schema.Table.IdleLockKey.
 	IdleLock = `SELECT pg_advisory_lock($1)`
 
 	// IdleUnlock releases the idle lock: the relay is busy again and
-	// enqueues stop sending NOTIFY. Args: Table.IdleLockKey. Returns:
+	// enqueues stop sending NOTIFY. Args: schema.Table.IdleLockKey. Returns:
 	// whether it was held.
 	IdleUnlock = `SELECT pg_advisory_unlock($1)`
 
 	// IdleLockQueued tells whether the backend pid holds or waits for the
-	// idle lock. Args: pid, Table.IdleLockKey.
+	// idle lock. Args: pid, schema.Table.IdleLockKey.
 	IdleLockQueued = `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = $1
   AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = $2 AND mode = 'ExclusiveLock')`
 )
 
 // ListenStatement is the LISTEN statement for a notification channel
-// (Table.NotifyChannel), quoted as an identifier.
+// (schema.Table.NotifyChannel), quoted as an identifier.
 func ListenStatement(channel string) string {
 	return `LISTEN ` + pgx.Identifier{channel}.Sanitize()
 }
@@ -83,6 +86,6 @@ func UnlistenStatement(channel string) string {
 
 // VacuumStatement is the cleaner's optional VACUUM (ANALYZE) of table t, for
 // servers whose autovacuum is off. It cannot run inside a transaction.
-func VacuumStatement(t Table) string {
+func VacuumStatement(t schema.Table) string {
 	return `VACUUM (ANALYZE) ` + t.Sanitize()
 }

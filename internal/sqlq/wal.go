@@ -1,0 +1,477 @@
+package sqlq
+
+import (
+	"strconv"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/outboxkit/watermill-outbox/internal/pgkey"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// Statements of the WAL relay (package walrelay): its publication, its
+// logical replication slot and the few row writes it makes (a dead row, a
+// progress record). Rows are still written by package publisher.
+
+// ValidSlotName reports whether name is a valid replication slot name.
+func ValidSlotName(name string) bool {
+	if name == "" || len(name) > 63 {
+		return false
+	}
+	for _, r := range name {
+		if (r < 'a' || r > 'z') && (r < '0' || r > '9') && r != '_' {
+			return false
+		}
+	}
+	return true
+}
+
+const (
+	// WALLevel reads the server's wal_level.
+	WALLevel = `SELECT current_setting('wal_level')`
+
+	// WALPublicationExists tells whether publication $1 exists and
+	// publishes table ($2, a regclass text) with inserts and updates.
+	// Returns: exists, publishes the table, publishes inserts, publishes
+	// updates, and the other tables it publishes (text array, at most 5:
+	// the WAL relay refuses a publication of other tables).
+	WALPublicationExists = `SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
+  EXISTS (SELECT 1 FROM pg_publication_rel AS r JOIN pg_publication AS p ON p.oid = r.prpubid WHERE p.pubname = $1 AND r.prrelid = $2::regclass),
+  COALESCE((SELECT pubinsert FROM pg_publication WHERE pubname = $1), false),
+  COALESCE((SELECT pubupdate FROM pg_publication WHERE pubname = $1), false),
+  ARRAY(SELECT format('%I.%I', pt.schemaname, pt.tablename) FROM pg_publication_tables AS pt
+    WHERE pt.pubname = $1 AND format('%I.%I', pt.schemaname, pt.tablename)::regclass <> $2::regclass ORDER BY 1 LIMIT 5)`
+
+	// WALTableOID is the OID of table $1 (regclass text), the relation id
+	// the replication stream names its rows by.
+	WALTableOID = `SELECT $1::regclass::oid`
+
+	// WALPublished tells whether table $1 (regclass text) is named in a
+	// publication: a table the WAL relay streams. The runbook then treats
+	// keyed rows as the WAL relay does (no partitions, no holds table).
+	WALPublished = `SELECT EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = to_regclass($1))`
+
+	// WALSlotState reads slot $1: exists, its plugin, whether a walsender
+	// uses it, its confirmed_flush_lsn (text), and whether the server
+	// invalidated it (wal_status = 'lost'). Returns no row when the slot
+	// does not exist.
+	WALSlotState = `SELECT plugin, active, COALESCE(confirmed_flush_lsn::text, ''), COALESCE(wal_status = 'lost', false)
+FROM pg_replication_slots WHERE slot_name = $1`
+
+	// WALCreateSlot creates logical replication slot $1 with pgoutput. It
+	// must run outside a transaction that wrote anything.
+	WALCreateSlot = `SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')`
+
+	// WALDropSlot drops slot $1 when it exists.
+	WALDropSlot = `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`
+
+	// WALSlotLag reads how far slot $1 is behind: the retained WAL in
+	// bytes (current WAL position minus restart_lsn) and the bytes not yet
+	// confirmed (current position minus confirmed_flush_lsn). Returns no row
+	// when the slot does not exist.
+	WALSlotLag = `SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::float8,
+  COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), 0)::float8
+FROM pg_replication_slots WHERE slot_name = $1`
+)
+
+// WALCreateProgressTable creates the progress table of t.
+func WALCreateProgressTable(t schema.Table) string {
+	return `CREATE TABLE IF NOT EXISTS ` + t.WALProgressTable() + ` (
+  slot          TEXT        NOT NULL PRIMARY KEY,
+  confirmed_lsn PG_LSN      NOT NULL,
+  horizon       XID8        NULL,
+  updated_at    TIMESTAMPTZ NOT NULL DEFAULT now()
+)`
+}
+
+// WALCreateHoldsTable creates the holds table of t, and adds the retrying
+// column to a table created before it (WALAddRetryingColumn): two
+// statements, for a call without arguments (simple protocol) or a script.
+func WALCreateHoldsTable(t schema.Table) string {
+	return `CREATE TABLE IF NOT EXISTS ` + t.WALHoldsTable() + ` (
+  ordering_key      TEXT        NOT NULL PRIMARY KEY,
+  sequence          BIGINT      NOT NULL,
+  event_id          UUID        NOT NULL,
+  draining          BOOLEAN     NOT NULL DEFAULT false,
+  skip_requested_at TIMESTAMPTZ NULL,
+  held_at           TIMESTAMPTZ NOT NULL DEFAULT now(),
+  through           BIGINT      NOT NULL DEFAULT 0,
+  released          BOOLEAN     NOT NULL DEFAULT false,
+  until_lsn         PG_LSN      NULL,
+  retrying          BOOLEAN     NOT NULL DEFAULT false
+);
+` + WALAddRetryingColumn(t)
+}
+
+// WALAddRetryingColumn adds the retrying column to a holds table of t
+// created before it (a metadata-only change): true while the held row is
+// not dead but waits for its retry, its key's backlog spilled to the table
+// (docs/WAL.md, "Failures hold only their key").
+func WALAddRetryingColumn(t schema.Table) string {
+	return `ALTER TABLE ` + t.WALHoldsTable() + ` ADD COLUMN IF NOT EXISTS retrying BOOLEAN NOT NULL DEFAULT false`
+}
+
+// WALHoldsHaveRetrying tells whether the holds table of t has the
+// retrying column. Returns: has it.
+func WALHoldsHaveRetrying(t schema.Table) string {
+	return `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.WALHoldsTable()) + `)
+  AND attname = 'retrying' AND NOT attisdropped)`
+}
+
+// WALProgressTableExists tells whether t has a progress table: t is
+// relayed by the WAL relay. Args: none. Returns: exists.
+func WALProgressTableExists(t schema.Table) string {
+	return `SELECT to_regclass(` + quoteLiteral(t.WALProgressTable()) + `) IS NOT NULL`
+}
+
+// WALProgressBeforeSetup records, for slot $1 when it has no progress
+// record yet, the position $2 (text: the slot's start minus one, see
+// WALBackfill) and no horizon: the relay's first session finds its slot
+// just ahead of the record and delivers first, from the table, the rows
+// the slot never streamed (those written before Setup), as after a lost
+// slot. Until the relay records a horizon, no row counts as streamed (the
+// cleaner deletes none).
+func WALProgressBeforeSetup(t schema.Table) string {
+	return `INSERT INTO ` + t.WALProgressTable() + ` (slot, confirmed_lsn) VALUES ($1, $2::pg_lsn) ON CONFLICT (slot) DO NOTHING`
+}
+
+// WALCommitTimestamps reads whether the server tracks commit timestamps
+// (track_commit_timestamp): then WALBackfill can read unkeyed rows in
+// commit order.
+const WALCommitTimestamps = `SELECT current_setting('track_commit_timestamp')::bool`
+
+// WALBackfill reads the rows of t that slot $1 never streamed, for the
+// relay to deliver before its stream, with the columns ClaimedRow.ScanKeyed
+// reads (ordering_key NULL without the column): the rows not published and
+// not dead and, after a lost slot (beforeSetup false), not below the
+// slot's recorded horizon (every such row when none was recorded); at the
+// first start after Setup (beforeSetup), those created up to Setup's
+// progress record (the rows written later were streamed; a later record
+// of a session that did not finish the backfill only widens the read).
+//
+// Order: keyed rows by sequence (keyed writers serialise per key, so that
+// is their commit order within a key). Unkeyed rows are ordered by topic,
+// where sequence order need not be commit order (unkeyed writers do not
+// serialise): with commitTimestamps (the server's track_commit_timestamp)
+// they are read in the order of their transactions' commit timestamps,
+// then by sequence (rows of one transaction, or older than the tracking);
+// without it, by sequence.
+func WALBackfill(t schema.Table, c schema.Columns, beforeSetup, commitTimestamps bool) string {
+	cols := walClaimColumns(c)
+	key := `NULL::text`
+	unkeyed := `true`
+	if c.OrderingKey {
+		key = `ordering_key`
+		unkeyed = `(o.ordering_key IS NULL OR o.ordering_key = '')`
+	}
+	prog := t.WALProgressTable()
+	bound := `NOT COALESCE(age(o.xmin) > (SELECT age((horizon::text::numeric % 4294967296)::text::xid) FROM ` + prog + ` WHERE slot = $1), false)`
+	if beforeSetup {
+		bound = `o.created_at <= (SELECT updated_at FROM ` + prog + ` WHERE slot = $1)`
+	}
+	order := `ORDER BY sequence`
+	if commitTimestamps {
+		order = `ORDER BY CASE WHEN ` + unkeyed + ` THEN pg_xact_commit_timestamp(o.xmin) END NULLS FIRST, sequence`
+	}
+	return `SELECT ` + cols + `, ` + key + ` FROM ` + t.Sanitize() + ` AS o
+WHERE published_at IS NULL AND dead_at IS NULL
+  AND ` + bound + `
+` + order
+}
+
+// walClaimColumns are the columns ClaimedRow.Scan reads, for a table with
+// columns c.
+func walClaimColumns(c schema.Columns) string {
+	cols := `id::text, event_id::text, tenant_id::text, topic, payload::text, sequence, attempts, COALESCE(locked_at, now()), created_at`
+	if c.TraceContext {
+		cols += `, traceparent, tracestate`
+	}
+	if c.Headers {
+		cols += `, headers::text`
+	}
+	return cols
+}
+
+// WALProgressRecorded tells whether slot $1 has a progress record in t's
+// progress table (it streamed before).
+func WALProgressRecorded(t schema.Table) string {
+	return `SELECT EXISTS (SELECT 1 FROM ` + t.WALProgressTable() + ` WHERE slot = $1)`
+}
+
+// WALCreatePublication creates publication name for table t, publishing
+// inserts (new events) and updates (a replay resets a row with an UPDATE).
+func WALCreatePublication(name string, t schema.Table) string {
+	return `CREATE PUBLICATION ` + pgx.Identifier{name}.Sanitize() + ` FOR TABLE ` + t.Sanitize() + ` WITH (publish = 'insert, update')`
+}
+
+// WALDropPublication drops publication name when it exists.
+func WALDropPublication(name string) string {
+	return `DROP PUBLICATION IF EXISTS ` + pgx.Identifier{name}.Sanitize()
+}
+
+// WALFenceKey is the advisory lock key of slot's write fence (see
+// WALQueries): the relay's writes take it shared, a new session takes and
+// releases it exclusively (WALFenceHandover) before it loads the holds.
+func WALFenceKey(slot string) int64 {
+	return pgkey.WALFence(slot)
+}
+
+// WALFenceHandover waits until every fenced write of the sessions before
+// the caller's has committed or rolled back: it takes and releases the
+// slot's fence lock ($1, WALFenceKey) exclusively. A new session runs it
+// once it holds the slot, before it reads the holds.
+const WALFenceHandover = `SELECT pg_advisory_xact_lock($1::bigint)`
+
+// walFence is the fence of the WAL relay's writes, a CTE named f with one
+// column ok: the write applies only if the replication session that makes
+// it still holds the slot ($n slot name, $n+1 the session's walsender pid,
+// its pgconn PID, $n+2 WALFenceKey). It takes the slot's fence lock shared
+// first (CASE evaluates its condition first), so a new session's
+// WALFenceHandover waits for a write that passed the check.
+func walFence(n int) string {
+	a, b, c := strconv.Itoa(n), strconv.Itoa(n+1), strconv.Itoa(n+2)
+	return `f AS MATERIALIZED (SELECT CASE WHEN pg_advisory_xact_lock_shared($` + c + `::bigint) IS NULL THEN false
+  ELSE EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $` + a + `::text AND active_pid = $` + b + `::int) END AS ok)`
+}
+
+// WALQueries are the row statements of the WAL relay for one table. Every
+// write (MarkDeadHold, Spill, Progress, Drain, RetryDrain, Release,
+// Forget) is fenced by the
+// relay's replication session: it takes three more arguments after its
+// own, the slot name, the session's walsender pid and WALFenceKey of the
+// slot, applies only while that walsender holds the slot, and returns one
+// more column, last: whether the fence let it apply (docs/WAL.md,
+// "Sessions are terms").
+type WALQueries struct {
+	// MarkDead parks row $1 (id) dead: attempts $2, last_error $3,
+	// dead_at = now(), available_at = 'infinity', unless it was published or
+	// already reset by a replay in the meantime (attempts changed). Its
+	// UPDATE reaches the relay's stream and is ignored there (dead_at set).
+	MarkDead string
+	// Progress records the relay's position and, when $3 is not NULL, a
+	// new horizon for slot $1: confirmed_lsn $2 (text), horizon $3 (xid8
+	// text; it never moves back). In the same statement it reads the next
+	// horizon candidate: the oldest transaction still running now
+	// (pg_snapshot_xmin) and the WAL insert position after it. Once the
+	// relay has confirmed that position, every transaction older than that
+	// xid has been streamed and settled. Returns: the candidate xid8 (text)
+	// and WAL position (text), fence ok (the record was written).
+	Progress string
+	// MarkDeadHold is MarkDead ($1 id, $2 attempts, $3 last_error) that,
+	// for a keyed row ($4 its ordering key), also holds the key: a hold
+	// (the key, the row's sequence and event_id) replaces a resolved hold
+	// of the key or one at or below the row (a retrying hold of the row
+	// itself among them), never an active hold of a later row (that row
+	// stays the one that holds the key). Returns: rows changed, holds
+	// written, fence ok.
+	MarkDeadHold string
+	// Spill holds the key $2 of row $1 (id), which failed and waits for
+	// its retry, with a retrying hold (the key, the row's sequence and
+	// event_id, retrying), so that the relay can drop the key's queued rows
+	// from memory: they are in the table, parked behind the hold. $3 is a
+	// sequence up to which the stream's copies of the key's rows are parked
+	// (through, never moved back), $4 the row's attempts and $5 its
+	// last_error, written on the row (not published, not dead) in the same
+	// statement (its UPDATE, attempts above 0, is not a replay). The hold
+	// replaces a resolved, draining or retrying hold of the key at or
+	// below the row, never a dead one; the row is written only with its
+	// hold. Returns: holds written, fence ok.
+	Spill string
+	// Holds lists the holds: key, sequence, draining, skip requested,
+	// through, released, until_lsn (text, '' when NULL), retrying.
+	Holds string
+	// Drain marks the hold of key $1 at sequence $2 as draining (its held
+	// row was delivered again or skipped: it is no longer retrying), with
+	// $3 the last sequence its drain read (through never moves back) and
+	// $4 (text) the WAL position after that read. Returns: holds changed,
+	// fence ok.
+	Drain string
+	// RetryDrain is Drain for the retry of a retrying hold: the drain
+	// delivers the held row first, then the rows behind it; the hold stays
+	// retrying (a relay that restarts drains from the held row again). It
+	// changes nothing when a skip was requested (the relay then applies
+	// the skip with Drain). Returns: holds changed, fence ok.
+	RetryDrain string
+	// Parked reads the rows of key $1 after sequence $2 that are not
+	// published and not dead, in sequence order, at most $3 of them: what
+	// a hold kept back, in bounded batches. The columns
+	// ClaimedRow.ScanKeyed reads.
+	Parked string
+	// Release turns the drained hold of key $1 at sequence $2 into a
+	// tombstone: released, through $3 (the stream's copies of the rows up
+	// to it were delivered by the drain, or skipped, and are parked),
+	// kept until the relay confirms until_lsn. Returns: holds changed,
+	// fence ok.
+	Release string
+	// Forget deletes the tombstone of key $1 at sequence $2. Returns: holds
+	// deleted, fence ok.
+	Forget string
+	// InsertPosition reads the WAL insert position (text).
+	InsertPosition string
+	// Start reads, for slot $1, its confirmed_flush_lsn (text, '' when the
+	// slot is gone) and the confirmed position the relay last recorded in
+	// the progress table (text, '' when none). A slot ahead of the record
+	// was recreated: the rows between were never streamed.
+	Start string
+	// Unsettled reads, in sequence order, the rows not published, not dead
+	// and not below the slot's recorded horizon (every such row when no
+	// horizon was recorded): what a recreated slot did not stream. The
+	// columns ClaimedRow.ScanKeyed reads (ordering_key NULL without the
+	// column). It is WALBackfill(t, c, false, false); the relay runs
+	// WALBackfill itself.
+	Unsettled string
+	// Row reads row $1 (id) as a claim does (the columns of
+	// ClaimedRow.Scan), for a replay whose UPDATE did not carry every
+	// column (an unchanged TOASTed payload); no row when it is gone,
+	// published or dead again.
+	Row string
+}
+
+// NewWALQueries renders the WAL relay's row statements for table t with
+// columns c.
+func NewWALQueries(t schema.Table, c schema.Columns) WALQueries {
+	return newWALQueries(t, c, true)
+}
+
+// NewWALQueriesWithoutRetrying renders the statements for a holds table
+// created before its retrying column (WALAddRetryingColumn): no hold is
+// ever retrying, and Spill and RetryDrain are empty (the relay then keeps
+// retrying rows in memory).
+func NewWALQueriesWithoutRetrying(t schema.Table, c schema.Columns) WALQueries {
+	return newWALQueries(t, c, false)
+}
+
+func newWALQueries(t schema.Table, c schema.Columns, retrying bool) WALQueries {
+	tbl := t.Sanitize()
+	// notRetrying is the SET clause that ends a hold's retrying state, and
+	// retryingCol the column as Holds reads it, for a table with or
+	// without the column.
+	notRetrying, retryingCol := `, retrying = false`, `retrying`
+	if !retrying {
+		notRetrying, retryingCol = ``, `false`
+	}
+	cols := walClaimColumns(c)
+	prog := t.WALProgressTable()
+	holds := t.WALHoldsTable()
+	q := WALQueries{
+		MarkDeadHold: `WITH ` + walFence(5) + `, d AS (
+  UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, dead_at = now(), available_at = 'infinity', locked_at = NULL
+  WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL AND (SELECT ok FROM f)
+  RETURNING sequence, event_id
+), h AS (
+  INSERT INTO ` + holds + ` AS h (ordering_key, sequence, event_id) SELECT $4::text, sequence, event_id FROM d WHERE $4::text IS NOT NULL
+  ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id, draining = false,
+    skip_requested_at = NULL, held_at = now(), released = false, until_lsn = NULL` + notRetrying + `
+  WHERE h.released OR h.sequence <= EXCLUDED.sequence
+  RETURNING 1
+)
+SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM h), (SELECT ok FROM f)`,
+		Holds: `SELECT ordering_key, sequence, draining, skip_requested_at IS NOT NULL, through, released, COALESCE(until_lsn::text, ''), ` + retryingCol + ` FROM ` + holds,
+		Drain: `WITH ` + walFence(5) + `, u AS (
+  UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn` + notRetrying + `
+  WHERE ordering_key = $1 AND sequence = $2 AND NOT released AND (SELECT ok FROM f) RETURNING 1
+)
+SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
+		Parked: `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence LIMIT $3::int`,
+		Release: `WITH ` + walFence(4) + `, u AS (
+  UPDATE ` + holds + ` SET released = true, draining = false, through = GREATEST(through, $3)
+  WHERE ordering_key = $1 AND sequence = $2 AND (SELECT ok FROM f) RETURNING 1
+)
+SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
+		Forget: `WITH ` + walFence(3) + `, u AS (
+  DELETE FROM ` + holds + ` WHERE ordering_key = $1 AND sequence = $2 AND released AND (SELECT ok FROM f) RETURNING 1
+)
+SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
+		InsertPosition: `SELECT pg_current_wal_insert_lsn()::text`,
+		Start: `SELECT COALESCE((SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1), ''),
+  COALESCE((SELECT confirmed_lsn::text FROM ` + prog + ` WHERE slot = $1), '')`,
+		Unsettled: WALBackfill(t, c, false, false),
+		Progress: `WITH ` + walFence(4) + `, up AS (
+  INSERT INTO ` + prog + ` AS p (slot, confirmed_lsn, horizon, updated_at) SELECT $1, $2::pg_lsn, $3::xid8, now() WHERE (SELECT ok FROM f)
+  ON CONFLICT (slot) DO UPDATE SET confirmed_lsn = GREATEST(p.confirmed_lsn, EXCLUDED.confirmed_lsn), updated_at = now(),
+    horizon = CASE WHEN EXCLUDED.horizon IS NULL THEN p.horizon WHEN p.horizon IS NULL THEN EXCLUDED.horizon ELSE GREATEST(p.horizon, EXCLUDED.horizon) END
+)
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text, pg_current_wal_insert_lsn()::text, (SELECT ok FROM f)`,
+		MarkDead: `UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, dead_at = now(), available_at = 'infinity', locked_at = NULL
+WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
+		Row: `SELECT ` + cols + ` FROM ` + tbl + ` WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
+	}
+	if retrying {
+		q.Spill = `WITH ` + walFence(6) + `, h AS (
+  INSERT INTO ` + holds + ` AS h (ordering_key, sequence, event_id, retrying, through)
+  SELECT $2::text, o.sequence, o.event_id, true, $3::bigint FROM ` + tbl + ` AS o
+  WHERE o.id = $1::uuid AND o.published_at IS NULL AND o.dead_at IS NULL AND (SELECT ok FROM f)
+  ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id, retrying = true, draining = false,
+    skip_requested_at = NULL, held_at = now(), released = false, until_lsn = NULL, through = GREATEST(h.through, EXCLUDED.through)
+  WHERE (h.released OR h.draining OR h.retrying) AND h.sequence <= EXCLUDED.sequence
+  RETURNING 1
+), d AS (
+  UPDATE ` + tbl + ` SET attempts = $4, last_error = $5 WHERE id = $1::uuid AND EXISTS (SELECT 1 FROM h)
+)
+SELECT (SELECT count(*) FROM h), (SELECT ok FROM f)`
+		q.RetryDrain = `WITH ` + walFence(5) + `, u AS (
+  UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn
+  WHERE ordering_key = $1 AND sequence = $2 AND retrying AND NOT released AND skip_requested_at IS NULL AND (SELECT ok FROM f) RETURNING 1
+)
+SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`
+	}
+	return q
+}
+
+// WALStaleAfter is how old the newest progress record of a WAL table may
+// be for the cleaner to trust its horizon: past it (no relay is active) the
+// cleaner deletes no WAL-relayed row.
+const WALStaleAfter = "10 minutes"
+
+// walSettled is the condition, on a row o of table t, that the WAL relay
+// settled it: o was written by a transaction older than the horizon every
+// slot of t has passed, with progress recorded in the last WALStaleAfter.
+// Rows are compared by age (distance from the current transaction id), so
+// it holds for rows younger than 2^31 transactions; a frozen row counts as
+// settled (freezing takes vacuum_freeze_min_age transactions; the relay
+// settles in seconds).
+func walSettled(t schema.Table) string {
+	return `o.published_at IS NULL AND o.dead_at IS NULL AND age(o.xmin) > (
+    SELECT age((min(horizon)::text::numeric % 4294967296)::text::xid) FROM ` + t.WALProgressTable() + `
+    HAVING count(*) > 0 AND bool_and(horizon IS NOT NULL AND updated_at > now() - interval '` + WALStaleAfter + `'))`
+}
+
+// WALDeleteSettled deletes up to a batch ($2) of the rows of t that the WAL
+// relay settled and that were written more than $1 seconds ago (by
+// available_at, the insert time of a row the WAL relay never updates, so
+// the pending index serves it).
+func WALDeleteSettled(t schema.Table) string {
+	tbl := t.Sanitize()
+	return `WITH victims AS (
+  SELECT o.id FROM ` + tbl + ` AS o
+  WHERE o.published_at IS NULL AND o.available_at < now() - make_interval(secs => $1::float8) AND ` + walSettled(t) + `
+  LIMIT $2 FOR UPDATE SKIP LOCKED
+)
+DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
+}
+
+// WALSettledCount counts the unpublished, not dead rows of t that the WAL
+// relay settled (the runbook subtracts them from its pending count), and
+// reads the created_at and age in seconds of the oldest one it has not
+// (NULL and 0 when none).
+func WALSettledCount(t schema.Table) string {
+	return `SELECT count(*) FILTER (WHERE s), min(created_at) FILTER (WHERE NOT s),
+  COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE NOT s))::float8, 0)
+FROM (SELECT o.created_at, COALESCE(` + walSettled(t) + `, false) AS s
+  FROM ` + t.Sanitize() + ` AS o WHERE o.published_at IS NULL AND o.dead_at IS NULL) AS x`
+}
+
+// WALHoldsTableExists tells whether t has a WAL holds table. Returns:
+// exists.
+func WALHoldsTableExists(t schema.Table) string {
+	return `SELECT to_regclass(` + quoteLiteral(t.WALHoldsTable()) + `) IS NOT NULL`
+}
+
+// WALSkipHold asks the WAL relay to skip the dead row $1 (event_id text)
+// that holds its key (the relay's tests use it; the runbook uses
+// WALSkipHoldIn, which applies the hold's rules): the relay then delivers
+// the key's later rows; the row stays dead. Returns: the key and the sequence, no row when the event
+// holds no key (or its hold drains already).
+func WALSkipHold(t schema.Table) string {
+	return `UPDATE ` + t.WALHoldsTable() + ` SET skip_requested_at = now()
+WHERE event_id = $1::uuid AND NOT draining AND NOT released RETURNING ordering_key, sequence`
+}
