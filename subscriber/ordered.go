@@ -406,7 +406,7 @@ func (r *orderedRelay) shutdown() {
 	}
 	r.mu.Unlock()
 	if len(ids) > 0 {
-		if _, err := r.s.pool.Exec(ctx, r.oq.Release, r.id, ids, floors, epochs); err != nil {
+		if _, err := r.oq.Release(r.id, ids, floors, epochs).Exec(ctx, r.s.pool); err != nil {
 			r.logger.Error("Could not give partitions back; they pass to other relays after the lock TTL", err, nil)
 		}
 	}

@@ -359,8 +359,9 @@ func (r *orderedRelay) fail(k *keyState, row *sqlq.OrderedRow, c *claimed) {
 	defer leave()
 	qerr := pgx.ErrNoRows
 	if live {
-		qerr = s.pool.QueryRow(ctx, r.oq.Fail, r.id, row.Partition, k.name, row.Sequence, summary, s.cfg.MaxAttempts,
-			f.Permanent, backoff.Seconds(), k.p.term.Epoch()).Scan(&dead, &n, &skip)
+		qerr = r.oq.Fail(sqlq.FailArgs{Relay: r.id, Partition: row.Partition, Key: k.name, Sequence: row.Sequence, LastError: summary,
+			MaxAttempts: s.cfg.MaxAttempts, Permanent: f.Permanent, Backoff: backoff.Seconds(), Epoch: k.p.term.Epoch()}).
+			QueryRow(ctx, s.pool).Scan(&dead, &n, &skip)
 	}
 	s.observeDispatch(c, metrics.ResultFailure)
 	if qerr != nil && !errors.Is(qerr, pgx.ErrNoRows) {
@@ -451,7 +452,8 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 		owned, resolved, deleted bool
 		next                     *int64
 	)
-	err := r.s.pool.QueryRow(ctx, r.oq.Advance, r.id, k.p.id, k.name, seq, bound, k.p.term.Epoch()).Scan(&owned, &next, &resolved, &deleted)
+	err := r.oq.Advance(sqlq.AdvanceArgs{Relay: r.id, Partition: k.p.id, Key: k.name, Sequence: seq, Bound: bound, Epoch: k.p.term.Epoch()}).
+		QueryRow(ctx, r.s.pool).Scan(&owned, &next, &resolved, &deleted)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	h.advancing = false

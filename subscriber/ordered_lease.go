@@ -70,7 +70,7 @@ func (r *orderedRelay) tick(ctx context.Context) {
 	r.mu.Unlock()
 
 	if len(relIDs) > 0 {
-		if _, err := r.s.pool.Exec(qctx, r.oq.Release, r.id, relIDs, relFloors, relEpochs); err != nil && ctx.Err() == nil {
+		if _, err := r.oq.Release(r.id, relIDs, relFloors, relEpochs).Exec(qctx, r.s.pool); err != nil && ctx.Err() == nil {
 			r.logger.Error("Could not give partitions back; they pass to other relays after the lock TTL", err, nil)
 		}
 	}

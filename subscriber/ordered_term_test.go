@@ -250,19 +250,19 @@ func TestOrderedTermFencesWrites(t *testing.T) {
 	}
 	var dead, skip bool
 	var n int
-	err = pool.QueryRow(ctx, oq.Fail, "relay-a", part, "fence-k", seq, "boom", 5, false, 1.0, old).Scan(&dead, &n, &skip)
+	err = oq.Fail(sqlq.FailArgs{Relay: "relay-a", Partition: part, Key: "fence-k", Sequence: seq, LastError: "boom", MaxAttempts: 5, Backoff: 1.0, Epoch: old}).QueryRow(ctx, pool).Scan(&dead, &n, &skip)
 	if !errors.Is(err, pgx.ErrNoRows) {
 		t.Errorf("nack under the ended term %d: err %v, want no row (fenced)", old, err)
 	}
 	if n := holdCount(t, pool, tbl, "true"); n != 0 {
 		t.Errorf("%d holds after a fenced nack, want 0", n)
 	}
-	if err := pool.QueryRow(ctx, oq.Fail, "relay-a", part, "fence-k", seq, "boom", 5, false, 1.0, cur).Scan(&dead, &n, &skip); err != nil {
+	if err := oq.Fail(sqlq.FailArgs{Relay: "relay-a", Partition: part, Key: "fence-k", Sequence: seq, LastError: "boom", MaxAttempts: 5, Backoff: 1.0, Epoch: cur}).QueryRow(ctx, pool).Scan(&dead, &n, &skip); err != nil {
 		t.Fatalf("nack under the current term: %v", err)
 	}
 	var owned, resolved, deleted bool
 	var next *int64
-	if err := pool.QueryRow(ctx, oq.Advance, "relay-a", part, "fence-k", seq, seq+10, old).Scan(&owned, &next, &resolved, &deleted); err != nil {
+	if err := oq.Advance(sqlq.AdvanceArgs{Relay: "relay-a", Partition: part, Key: "fence-k", Sequence: seq, Bound: seq + 10, Epoch: old}).QueryRow(ctx, pool).Scan(&owned, &next, &resolved, &deleted); err != nil {
 		t.Fatal(err)
 	}
 	if owned || next != nil || resolved {

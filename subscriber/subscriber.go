@@ -487,7 +487,8 @@ func (s *Subscriber) nack(c *claimed) {
 	backoff := f.RetryIn
 	id, attempts, lockedAt := c.fence()
 	var dead bool
-	qerr := s.pool.QueryRow(ctx, s.q.Nack, id, attempts, lockedAt, summary, s.cfg.MaxAttempts, f.Permanent, backoff.Seconds()).Scan(&dead)
+	qerr := s.q.Nack(sqlq.NackArgs{ID: id, Attempts: attempts, LockedAt: lockedAt, LastError: summary,
+		MaxAttempts: s.cfg.MaxAttempts, Permanent: f.Permanent, Backoff: backoff.Seconds()}).QueryRow(ctx, s.pool).Scan(&dead)
 	s.observeDispatch(c, metrics.ResultFailure)
 	fields := watermill.LogFields{"event_id": c.row.EventID, "tenant_id": c.row.TenantID, "sequence": c.row.Sequence,
 		"attempts": c.row.Attempts, "error": summary}

@@ -87,9 +87,8 @@ type OrderedQueries struct {
 	// a live lease of $1 in the terms $5 (bigint array, same order).
 	// Returns: partition.
 	Renew string
-	// Release gives partitions $2 back with floors $3, fenced like Renew on
-	// the terms $4.
-	Release string
+	// release gives partitions back with their floors (Release).
+	release string
 	// Cut returns the sequence's last value, then the virtual transactions
 	// that hold a key lock of the table (lock class $1, or the legacy class
 	// $2 of writers not yet upgraded) and the lock's key
@@ -113,21 +112,10 @@ type OrderedQueries struct {
 	// at that sequence, not resolved and no skip is requested (OrderedRow
 	// columns; no row otherwise).
 	RowAt string
-	// Fail records a failed attempt of row (key $3, sequence $4) of
-	// partition $2 as its key's hold, fenced on relay $1's lease in term
-	// $9. Args then: last_error $5, max_attempts $6, permanent $7, backoff
-	// seconds $8. A
-	// resolved hold below the row is replaced; a hold at the row counts one
-	// more attempt and keeps a requested skip. Returns: dead, attempts,
-	// skip requested (no row when not owned or the key has another hold).
-	Fail string
-	// Advance moves the hold of key $3 at sequence $4 (partition $2,
-	// relay $1), whose row succeeded or was skipped, to the key's next row
-	// at or below sequence $5, fenced on relay $1's lease in term $6;
-	// without a next row the hold is resolved (kept as a tombstone); a
-	// replay hold is deleted. Returns: owned, next sequence
-	// (NULL when none), resolved, deleted.
-	Advance string
+	// fail records a failed attempt as its key's hold (Fail).
+	fail string
+	// advance moves a hold on (Advance).
+	advance string
 	// CleanResolved deletes the resolved holds at or below the written
 	// floor of their partition, for the partitions relay $1 owns.
 	CleanResolved string
@@ -222,7 +210,7 @@ RETURNING partition::int, floor_sequence, epoch`
 FROM unnest($2::int[], $3::bigint[], $5::bigint[]) AS u(part, floor, epoch)
 WHERE p.partition = u.part AND p.owner = $1 AND p.epoch = u.epoch AND p.lease_until > now()
 RETURNING p.partition::int`
-	q.Release = `UPDATE ` + parts + ` AS p SET owner = NULL, lease_until = NULL, floor_sequence = GREATEST(p.floor_sequence, u.floor)
+	q.release = `UPDATE ` + parts + ` AS p SET owner = NULL, lease_until = NULL, floor_sequence = GREATEST(p.floor_sequence, u.floor)
 FROM unnest($2::int[], $3::bigint[], $4::bigint[]) AS u(part, floor, epoch)
 WHERE p.partition = u.part AND p.owner = $1 AND p.epoch = u.epoch AND p.lease_until > now()`
 	// The last value is read in a subquery that runs before the lock list
@@ -262,7 +250,7 @@ WHERE o.ordering_key = $1 AND o.sequence = $2 AND h.resolved_at IS NULL AND h.sk
 	deadFirst := `$7::bool OR $6::int <= 1`
 	same := `(h.resolved_at IS NULL AND h.sequence = EXCLUDED.sequence)`
 	deadNow := `($7::bool OR (CASE WHEN ` + same + ` THEN h.attempts ELSE 0 END) + 1 >= $6::int)`
-	q.Fail = `INSERT INTO ` + holds + ` AS h (ordering_key, partition, sequence, attempts, available_at, last_error, dead_at)
+	q.fail = `INSERT INTO ` + holds + ` AS h (ordering_key, partition, sequence, attempts, available_at, last_error, dead_at)
 SELECT $3, $2, $4, 1,
   CASE WHEN ` + deadFirst + ` THEN 'infinity'::timestamptz ELSE now() + ` + ttl("$8") + ` END, $5,
   CASE WHEN ` + deadFirst + ` THEN now() END
@@ -278,7 +266,7 @@ ON CONFLICT (ordering_key) DO UPDATE SET
   resolved_at = NULL, created_at = CASE WHEN ` + same + ` THEN h.created_at ELSE now() END
 WHERE ` + same + ` OR (h.resolved_at IS NOT NULL AND h.sequence < EXCLUDED.sequence)
 RETURNING h.dead_at IS NOT NULL, h.attempts, h.skip_requested_at IS NOT NULL`
-	q.Advance = `WITH own AS (` + own("$6") + `),
+	q.advance = `WITH own AS (` + own("$6") + `),
 h0 AS (SELECT replay FROM ` + holds + ` WHERE ordering_key = $3 AND sequence = $4 AND resolved_at IS NULL AND EXISTS (SELECT 1 FROM own) FOR UPDATE),
 nxt AS (SELECT min(sequence) AS s FROM ` + tbl + ` WHERE ordering_key = $3 AND sequence > $4 AND sequence <= $5 AND published_at IS NULL AND dead_at IS NULL),
 del AS (
@@ -514,3 +502,50 @@ func RelayModeLockKey(t schema.Table, ordered bool) int64 {
 
 // NotifyChannel is the channel on which enqueues of t wake relays.
 func NotifyChannel(t schema.Table) string { return pgkey.NotifyChannel(t.Qualified()) }
+
+// FailArgs are the arguments of OrderedQueries.Fail.
+type FailArgs struct {
+	Relay       string  // the relay's id, owner of the partition's lease
+	Partition   int     // the row's partition
+	Key         string  // the row's ordering key
+	Sequence    int64   // the row's sequence
+	LastError   string  // the failure, as last_error keeps it
+	MaxAttempts int     // the attempts after which the row is dead
+	Permanent   bool    // the failure is permanent: dead at once
+	Backoff     float64 // seconds until the next attempt
+	Epoch       int64   // the lease's term the write is fenced on
+}
+
+// Fail records a failed attempt of a keyed row as its key's hold, fenced on
+// the relay's lease in its term. A resolved hold below the row is replaced;
+// a hold at the row counts one more attempt and keeps a requested skip.
+// Returns: dead, attempts, skip requested (no row when not owned or the key
+// has another hold).
+func (q *OrderedQueries) Fail(a FailArgs) Statement {
+	return Statement{SQL: q.fail, Args: []any{a.Relay, a.Partition, a.Key, a.Sequence, a.LastError, a.MaxAttempts, a.Permanent, a.Backoff, a.Epoch}}
+}
+
+// AdvanceArgs are the arguments of OrderedQueries.Advance.
+type AdvanceArgs struct {
+	Relay     string // the relay's id, owner of the partition's lease
+	Partition int    // the key's partition
+	Key       string // the held key
+	Sequence  int64  // the hold's sequence, whose row succeeded or was skipped
+	Bound     int64  // the highest sequence the next row may have
+	Epoch     int64  // the lease's term the write is fenced on
+}
+
+// Advance moves the hold of a key, whose row succeeded or was skipped, to
+// the key's next row at or below Bound, fenced on the relay's lease in its
+// term; without a next row the hold is resolved (kept as a tombstone); a
+// replay hold is deleted. Returns: owned, next sequence (NULL when none),
+// resolved, deleted.
+func (q *OrderedQueries) Advance(a AdvanceArgs) Statement {
+	return Statement{SQL: q.advance, Args: []any{a.Relay, a.Partition, a.Key, a.Sequence, a.Bound, a.Epoch}}
+}
+
+// Release gives the relay's partitions back with their floors (same order),
+// fenced like Renew on the terms (same order).
+func (q *OrderedQueries) Release(relay string, partitions []int32, floors, epochs []int64) Statement {
+	return Statement{SQL: q.release, Args: []any{relay, partitions, floors, epochs}}
+}

@@ -3,6 +3,7 @@ package sqlq
 import (
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -116,15 +117,14 @@ type Queries struct {
 	// extract(epoch from published_at - created_at).
 	Ack string
 
-	// Nack releases one leased row for a retry or, at max attempts or for a
+	// nack releases one leased row for a retry or, at max attempts or for a
 	// permanent error, marks it dead (dead_at = now()). Fenced like Ack. A
 	// dead row is parked at available_at = 'infinity', after every due row
 	// in the claim index, so that dead rows cost claims nothing (parked at
 	// now() instead, with 100,000 dead rows that made every claim walk them
 	// all, 14x slower).
-	// Args: id, attempts, locked_at, last_error, max_attempts, permanent,
-	// backoff seconds. Returns: dead.
-	Nack string
+	// Run it through Nack. Returns: dead.
+	nack string
 
 	// Extend renews the lease of one row that is still being handled. It
 	// leaves locked_at, the fence token set by the claim, alone and records
@@ -340,7 +340,7 @@ FROM unnest($1::uuid[], $2::int[], $3::timestamptz[]) AS a(id, attempts, locked_
 WHERE ` + fence + `
 RETURNING o.id::text, extract(epoch FROM o.published_at - o.created_at)::float8`
 
-	q.Nack = `UPDATE ` + tbl + ` AS o SET locked_at = NULL, last_error = $4,
+	q.nack = `UPDATE ` + tbl + ` AS o SET locked_at = NULL, last_error = $4,
   dead_at = CASE WHEN $6::bool OR o.attempts >= $5::int THEN now() END,
   available_at = CASE WHEN $6::bool OR o.attempts >= $5::int THEN 'infinity'::timestamptz ELSE now() + make_interval(secs => $7::float8) END
 FROM (SELECT $1::uuid AS id, $2::int AS attempts, $3::timestamptz AS locked_at) AS a
@@ -449,3 +449,20 @@ func claimColumns(c schema.Columns) string {
 func itoa(n int) string { return strconv.Itoa(n) }
 
 func joinComma(s []string) string { return strings.Join(s, ", ") }
+
+// NackArgs are the arguments of Queries.Nack.
+type NackArgs struct {
+	ID          string    // the row's id, as text
+	Attempts    int32     // the attempts the lease was taken with (fence)
+	LockedAt    time.Time // the lease's locked_at (fence)
+	LastError   string    // the failure, as last_error keeps it
+	MaxAttempts int       // the attempts after which the row is dead
+	Permanent   bool      // the failure is permanent: dead at once
+	Backoff     float64   // seconds until the next attempt
+}
+
+// Nack releases one leased row for a retry or, at max attempts or for a
+// permanent error, marks it dead (see the nack field). Returns: dead.
+func (q *Queries) Nack(a NackArgs) Statement {
+	return Statement{SQL: q.nack, Args: []any{a.ID, a.Attempts, a.LockedAt, a.LastError, a.MaxAttempts, a.Permanent, a.Backoff}}
+}

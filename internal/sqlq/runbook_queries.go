@@ -1,6 +1,7 @@
 package sqlq
 
 import (
+	"context"
 	"fmt"
 	"strconv"
 	"strings"
@@ -8,6 +9,8 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -430,4 +433,20 @@ LIMIT 1`, Args: []any{LockKey(q.Table)}}
 // replay is delivered at once rather than at the next poll.
 func (q RunbookQueries) Wake() Statement {
 	return Statement{SQL: `SELECT pg_notify($1::text, '')`, Args: []any{NotifyChannel(q.Table)}}
+}
+
+// DB runs statements: a pool, a connection or a transaction.
+type DB interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Exec runs the statement on db.
+func (s Statement) Exec(ctx context.Context, db DB) (pgconn.CommandTag, error) {
+	return db.Exec(ctx, s.SQL, s.Args...)
+}
+
+// QueryRow runs the statement on db for one row.
+func (s Statement) QueryRow(ctx context.Context, db DB) pgx.Row {
+	return db.QueryRow(ctx, s.SQL, s.Args...)
 }
