@@ -11,19 +11,6 @@ import (
 // Suffix of the inbox table's retention index.
 const suffixInboxProcessedIndex = "_by_processed"
 
-// quoteLiteral renders s as a SQL string literal. s comes from a validated
-// Table, but quote anyway.
-func quoteLiteral(s string) string {
-	out := []byte{'\''}
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\'' {
-			out = append(out, '\'')
-		}
-		out = append(out, s[i])
-	}
-	return string(append(out, '\''))
-}
-
 // inboxUpStatements is the idempotent DDL of an inbox table.
 func inboxUpStatements(t Table) []string {
 	tbl := t.Sanitize()

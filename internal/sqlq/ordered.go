@@ -16,19 +16,6 @@ import (
 // ordering key to its partition.
 const ColumnOrderingPartition = "ordering_partition"
 
-// Suffixes of the objects ordered mode adds; each fits within longestSuffix
-// so that every name stays within PostgreSQL's identifier limit.
-const (
-	suffixKeyedByPartition = "_keyed_by_part"
-	suffixKeyedByKey       = "_keyed_by_key"
-	suffixPendingUnkeyed   = "_pending_unkeyed"
-	suffixKeyLengthCheck   = "_ordering_key_len"
-	suffixPartitions       = "_partitions"
-	suffixRelays           = "_relays"
-	suffixHolds            = "_holds"
-	suffixHoldsByPartition = "_holds_by_part"
-)
-
 // OrderingLockClassSQL is the SQL expression of the first key (an int4) of
 // the transaction-level advisory locks that serialise the writers of one
 // ordering key, pg_advisory_xact_lock(class, hashtext(key)): the OID of
