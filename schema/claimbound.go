@@ -3,6 +3,8 @@ package schema
 import (
 	"context"
 	"fmt"
+
+	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 )
 
 // The default relay's bounded claim (docs/XMIN.md, option c) starts its
@@ -15,15 +17,11 @@ import (
 // transaction that does its business work first and writes the outbox last
 // would put its row below a bound taken meanwhile.
 
-// AvailableAtDefault is the default of available_at that the bounded claim
-// needs (migration 000009).
-const AvailableAtDefault = "clock_timestamp()"
-
 // availableAtStatement sets the default of available_at to
-// AvailableAtDefault: a change of the catalog only (no rewrite, no scan),
+// pgmeta.ClaimBoundDefault: a change of the catalog only (no rewrite, no scan),
 // under a short ACCESS EXCLUSIVE lock of the table.
 func availableAtStatement(t Table) string {
-	return `ALTER TABLE ` + t.Sanitize() + ` ALTER COLUMN available_at SET DEFAULT ` + AvailableAtDefault
+	return `ALTER TABLE ` + t.Sanitize() + ` ALTER COLUMN available_at SET DEFAULT ` + pgmeta.ClaimBoundDefault
 }
 
 // AvailableAtUpSQL returns the DDL that makes available_at default to
@@ -37,13 +35,10 @@ func availableAtDownSQL(t Table) string {
 	return `ALTER TABLE ` + t.Sanitize() + ` ALTER COLUMN available_at SET DEFAULT now();` + "\n"
 }
 
-// AvailableAtDefaultOf returns the default expression of t's available_at
+// availableAtDefaultOf returns the default expression of t's available_at
 // column as PostgreSQL prints it ("now()", "clock_timestamp()").
-func AvailableAtDefaultOf(ctx context.Context, q Querier, t Table) (string, error) {
-	var def string
-	err := q.QueryRow(ctx, `SELECT COALESCE(pg_get_expr(d.adbin, d.adrelid), '')
-FROM pg_attribute AS a LEFT JOIN pg_attrdef AS d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-WHERE a.attrelid = $1::text::regclass AND a.attname = 'available_at' AND NOT a.attisdropped`, t.Sanitize()).Scan(&def)
+func availableAtDefaultOf(ctx context.Context, q Querier, t Table) (string, error) {
+	def, err := pgmeta.ColumnDefault(ctx, q, t.Sanitize(), "available_at")
 	if err != nil {
 		return "", fmt.Errorf("read the default of %s.available_at: %w", t, err)
 	}

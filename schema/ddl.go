@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 )
 
 // Names of the table's derived objects are the table name plus these
@@ -618,11 +619,11 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 		}
 		// The default the bounded claim needs (migration 000009): set only
 		// when it differs, since the ALTER locks t.
-		def, err := AvailableAtDefaultOf(ctx, tx, t)
+		def, err := availableAtDefaultOf(ctx, tx, t)
 		if err != nil {
 			return fmt.Errorf("migrate %s: %w", t, err)
 		}
-		if def != AvailableAtDefault {
+		if def != pgmeta.ClaimBoundDefault {
 			stmts = append(stmts, availableAtStatement(t))
 		}
 		want := columnsOf(opts)

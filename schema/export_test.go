@@ -1,5 +1,7 @@
 package schema
 
+import "github.com/outboxkit/watermill-outbox/internal/pgmeta"
+
 // AvailableAtDownSQL exposes availableAtDownSQL to the external tests.
 var AvailableAtDownSQL = availableAtDownSQL
 
@@ -14,3 +16,9 @@ var MaxIdentifierBytes = maxIdentifierBytes
 
 // OrderedRewriteMaxRows exposes orderedRewriteMaxRows to the external tests.
 var OrderedRewriteMaxRows = orderedRewriteMaxRows
+
+// AvailableAtDefaultOf exposes availableAtDefaultOf to the external tests.
+var AvailableAtDefaultOf = availableAtDefaultOf
+
+// AvailableAtDefault is the default migration 000009 sets.
+const AvailableAtDefault = pgmeta.ClaimBoundDefault

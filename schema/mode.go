@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/outboxkit/watermill-outbox/internal/pgkey"
+	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 )
 
 // A table's relay mode is recorded in a companion table, <table>_mode (one
@@ -166,7 +166,7 @@ func checkModeSwitch(ctx context.Context, q Querier, t Table, m Mode) error {
 		if (ordered && m == ModeOrdered) || (!ordered && m == ModeDefault) {
 			continue
 		}
-		holder, err := pgkey.Holder(ctx, q, pgkey.RelayMode(t.Qualified(), ordered))
+		holder, err := pgmeta.Holder(ctx, q, pgmeta.RelayMode(t.Qualified(), ordered))
 		if err != nil {
 			return fmt.Errorf("look up the relays of %s: %w", t, err)
 		}

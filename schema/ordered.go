@@ -157,3 +157,10 @@ func modeName(ordered bool) string {
 	}
 	return "a default-mode"
 }
+
+// ErrSequenceCached is matched (errors.Is) by the error of an ordered relay
+// or a WAL relay refusing to start when the table's sequence hands out values from a
+// per-session cache (CACHE > 1): a session can then take a lower value
+// after a higher one was committed, which breaks the cut of ordered mode
+// and the WAL relay's order.
+var ErrSequenceCached = errors.New("the outbox sequence has CACHE > 1")

@@ -7,7 +7,7 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/outboxkit/watermill-outbox/internal/pgkey"
+	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 )
 
 // MaxIdentifierBytes is PostgreSQL's limit on the length of one identifier
@@ -122,7 +122,7 @@ func (t Table) Qualified() string {
 }
 
 // migrateLockKey serialises concurrent Migrate calls on the same table.
-func (t Table) migrateLockKey() int64 { return pgkey.Migrate(t.Qualified()) }
+func (t Table) migrateLockKey() int64 { return pgmeta.Migrate(t.Qualified()) }
 
 // ident renders a derived object name (index or constraint) of the table:
 // its unqualified name plus suffix, as one sanitized identifier.

@@ -4,7 +4,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/outboxkit/watermill-outbox/internal/pgkey"
+	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 )
 
 // Statements of the WAL relay (package walrelay): its publication, its
@@ -30,7 +30,7 @@ func WALSlotName(t Table) string {
 	if len(base) > 54 {
 		base = base[:54]
 	}
-	return base + "_" + strconv.FormatUint(uint64(pgkey.WALSlot(t.Qualified())), 16)
+	return base + "_" + strconv.FormatUint(uint64(pgmeta.WALSlot(t.Qualified())), 16)
 }
 
 // WALProgressTable names the WAL relay's progress table of t (same schema,

@@ -9,13 +9,12 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
-
-	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 )
 
 // The bounded claim (docs/XMIN.md, option c) is the default relay's claim
 // for Subscribe(ctx, AllTopics) on a table whose available_at defaults to
-// clock_timestamp() (schema.AvailableAtDefault, migration 000009), unless
+// clock_timestamp() (pgmeta.ClaimBoundDefault, migration 000009), unless
 // Config.DisableBoundedClaim is set. Ordered relays, per-topic
 // subscriptions, paused topics and tables with another default claim
 // without a bound.
@@ -76,7 +75,7 @@ type boundedClaims struct {
 	cutEvery     time.Duration
 	offCutEvery  time.Duration
 	sweepEvery   time.Duration
-	defaultCheck string // the default available_at must have (schema.AvailableAtDefault)
+	defaultCheck string // the default available_at must have (pgmeta.ClaimBoundDefault)
 
 	mu sync.Mutex
 	// on: available_at defaults to clock_timestamp(), read at New and by
@@ -113,7 +112,7 @@ const (
 
 // newBoundedClaims returns the bounded claim of s, or nil when s never
 // claims with a bound: DisableBoundedClaim or an ordered relay. On a table
-// whose available_at default is not schema.AvailableAtDefault it starts
+// whose available_at default is not pgmeta.ClaimBoundDefault it starts
 // off, and every claim with a cut reads the default again.
 func newBoundedClaims(ctx context.Context, s *Subscriber) (*boundedClaims, error) {
 	if s.cfg.DisableBoundedClaim || s.cfg.Ordered {
@@ -131,13 +130,13 @@ func newBoundedClaims(ctx context.Context, s *Subscriber) (*boundedClaims, error
 			return nil, fmt.Errorf("bounded claim: the claim statement changed shape (%q); set DisableBoundedClaim and report it", part)
 		}
 	}
-	def, err := schema.AvailableAtDefaultOf(ctx, s.pool, s.cfg.Table)
+	def, err := pgmeta.ColumnDefault(ctx, s.pool, s.cfg.Table.Sanitize(), "available_at")
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("read the default of %s.available_at: %w", s.cfg.Table, err)
 	}
-	on := def == schema.AvailableAtDefault
+	on := def == pgmeta.ClaimBoundDefault
 	if !on {
-		s.logger.Info("Claims without a bound: available_at defaults to "+def+", not "+schema.AvailableAtDefault+
+		s.logger.Info("Claims without a bound: available_at defaults to "+def+", not "+pgmeta.ClaimBoundDefault+
 			"; apply migration 000009 (schema.Migrate or `outbox migrate`) so that a pinned xmin horizon does not slow the claim", nil)
 	}
 	// The claim returns each row's available_at before the claim (due.due_at), from
@@ -175,7 +174,7 @@ LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid`,
 		cutEvery:     boundedCutEvery,
 		offCutEvery:  boundedOffCheckEvery,
 		sweepEvery:   max(s.cfg.LockTTL/4, time.Second),
-		defaultCheck: schema.AvailableAtDefault,
+		defaultCheck: pgmeta.ClaimBoundDefault,
 		on:           on,
 	}, nil
 }

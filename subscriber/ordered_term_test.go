@@ -296,7 +296,7 @@ func TestOrderedRefusesCachedSequence(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err := subscriber.New(pool, orderedCfg(tbl), nil)
-	if !errors.Is(err, sqlq.ErrSequenceCached) || !strings.Contains(err.Error(), "CACHE 1") {
+	if !errors.Is(err, schema.ErrSequenceCached) || !strings.Contains(err.Error(), "CACHE 1") {
 		t.Fatalf("New with a cached sequence: %v, want ErrSequenceCached naming ALTER SEQUENCE ... CACHE 1", err)
 	}
 }

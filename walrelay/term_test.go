@@ -504,7 +504,7 @@ func TestWALRefusesCachedSequence(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err := walrelay.New(ctx, pool, walrelay.Config{Table: tbl}, nil)
-	if !errors.Is(err, sqlq.ErrSequenceCached) || !strings.Contains(err.Error(), "CACHE 1") {
+	if !errors.Is(err, schema.ErrSequenceCached) || !strings.Contains(err.Error(), "CACHE 1") {
 		t.Fatalf("New with a cached sequence: %v, want ErrSequenceCached naming CACHE 1", err)
 	}
 }

@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/outboxkit/watermill-outbox/internal/pgkey"
+	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -43,7 +43,7 @@ func LookupOrderingLockClass(ctx context.Context, q schema.Querier, t schema.Tab
 // class took: a hash of the qualified name. Relays watch both classes, so
 // that writers not yet upgraded are still seen by the cut during a rolling
 // upgrade (relays first, then writers).
-func LegacyOrderingLockClass(t schema.Table) int32 { return pgkey.LegacyOrderingClass(t.Qualified()) }
+func LegacyOrderingLockClass(t schema.Table) int32 { return pgmeta.LegacyOrderingClass(t.Qualified()) }
 
 const lockKeysStatement = `SELECT count(pg_advisory_xact_lock($1::int4, h)) FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest($2::text[]) AS k ORDER BY 1) AS s`
 
@@ -346,14 +346,7 @@ func OrderedTablesExist(ctx context.Context, q schema.Querier, t schema.Table) (
 	return ok, nil
 }
 
-// ErrSequenceCached is matched (errors.Is) by the error of
-// CheckOrderedSequence when the table's sequence hands out values from a
-// per-session cache (CACHE > 1): a session can then take a lower value
-// after a higher one was committed, which breaks the cut of ordered mode
-// and the WAL relay's order.
-var ErrSequenceCached = errors.New("the outbox sequence has CACHE > 1")
-
-// CheckOrderedSequence fails with ErrSequenceCached when the sequence of
+// CheckOrderedSequence fails with schema.ErrSequenceCached when the sequence of
 // t's sequence column caches more than one value per session. Ordered mode
 // reads the sequence's last value as the bound of what a writer holding a
 // key lock may still commit; with a cache a session hands out lower values
@@ -371,7 +364,7 @@ WHERE s.seqrelid = pg_get_serial_sequence($1, 'sequence')::regclass`, t.Sanitize
 	}
 	if cache > 1 {
 		return fmt.Errorf("%s has CACHE %d: run `ALTER SEQUENCE %s CACHE 1` (ordered mode and the WAL relay need sequence values handed out in commit-lock order): %w",
-			seq, cache, seq, ErrSequenceCached)
+			seq, cache, seq, schema.ErrSequenceCached)
 	}
 	return nil
 }
@@ -399,7 +392,7 @@ func CheckRelayMode(ctx context.Context, q schema.Querier, t schema.Table, order
 	if inProcess > 0 {
 		return fmt.Errorf("%d relay(s) of the other mode run on %s in this process; %s: %w", inProcess, t, relayModeFix(ordered), schema.ErrRelayModeMix)
 	}
-	holder, err := pgkey.Holder(ctx, q, RelayModeLockKey(t, !ordered))
+	holder, err := pgmeta.Holder(ctx, q, RelayModeLockKey(t, !ordered))
 	if err != nil {
 		return fmt.Errorf("look up the relays of %s: %w", t, err)
 	}
@@ -407,7 +400,7 @@ func CheckRelayMode(ctx context.Context, q schema.Querier, t schema.Table, order
 		return fmt.Errorf("%s relay is subscribed to %s (%s); %s: %w", modeName(!ordered), t, holder, relayModeFix(ordered), schema.ErrRelayModeMix)
 	}
 	if ordered {
-		if holder, err = pgkey.Holder(ctx, q, leaderKey); err != nil {
+		if holder, err = pgmeta.Holder(ctx, q, leaderKey); err != nil {
 			return fmt.Errorf("look up the relays of %s: %w", t, err)
 		}
 		if holder != "" {
@@ -472,23 +465,23 @@ func OrderedTermExists(ctx context.Context, q schema.Querier, t schema.Table) (b
 }
 
 // LockKey is t's single-active lock (the leader lock).
-func LockKey(t schema.Table) int64 { return pgkey.Leader(t.Qualified()) }
+func LockKey(t schema.Table) int64 { return pgmeta.Leader(t.Qualified()) }
 
 // IdleLockKey is the lock of t's wake-up handshake (docs/ARCHITECTURE.md,
 // "Wake-up").
-func IdleLockKey(t schema.Table) int64 { return pgkey.Idle(t.Qualified()) }
+func IdleLockKey(t schema.Table) int64 { return pgmeta.Idle(t.Qualified()) }
 
 // OrderedIdleLockKey is the idle lock of t's ordered relays.
-func OrderedIdleLockKey(t schema.Table) int64 { return pgkey.OrderedIdle(t.Qualified()) }
+func OrderedIdleLockKey(t schema.Table) int64 { return pgmeta.OrderedIdle(t.Qualified()) }
 
 // RelayModeLockKey is the lock every relay of one mode holds in shared mode
 // while it has a subscription on t (CheckRelayMode).
 func RelayModeLockKey(t schema.Table, ordered bool) int64 {
-	return pgkey.RelayMode(t.Qualified(), ordered)
+	return pgmeta.RelayMode(t.Qualified(), ordered)
 }
 
 // NotifyChannel is the channel on which enqueues of t wake relays.
-func NotifyChannel(t schema.Table) string { return pgkey.NotifyChannel(t.Qualified()) }
+func NotifyChannel(t schema.Table) string { return pgmeta.NotifyChannel(t.Qualified()) }
 
 // FailArgs are the arguments of OrderedQueries.Fail.
 type FailArgs struct {

@@ -4,7 +4,7 @@ import (
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/outboxkit/watermill-outbox/internal/pgkey"
+	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -212,7 +212,7 @@ func WALDropPublication(name string) string {
 // WALQueries): the relay's writes take it shared, a new session takes and
 // releases it exclusively (WALFenceHandover) before it loads the holds.
 func WALFenceKey(slot string) int64 {
-	return pgkey.WALFence(slot)
+	return pgmeta.WALFence(slot)
 }
 
 // WALFenceHandover waits until every fenced write of the sessions before

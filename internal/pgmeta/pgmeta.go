@@ -1,9 +1,9 @@
-// Package pgkey derives the advisory-lock keys and the notification channel
-// of an outbox table from its qualified name, and names the session holding
-// an advisory lock. Package schema (migrations, mode switches) and the relays
-// (through internal/sqlq) both use it, so that each key is derived in one
-// place.
-package pgkey
+// Package pgmeta holds what package schema (migrations, mode switches) and
+// the relays (through internal/sqlq) both need to know of a table, so that
+// each is written once: its advisory-lock keys and notification channel,
+// derived from its qualified name; the session holding an advisory lock; the
+// default of a column.
+package pgmeta
 
 import (
 	"context"
@@ -105,4 +105,19 @@ LIMIT 1`, key).Scan(&pid, &app)
 		return "session pid " + pid, nil
 	}
 	return fmt.Sprintf("session pid %s, application_name %q", pid, app), nil
+}
+
+// ClaimBoundDefault is the default of available_at that the default relay's
+// bounded claim needs (migration 000009): the time a row is formed.
+const ClaimBoundDefault = "clock_timestamp()"
+
+// ColumnDefault returns the default expression of column of the table
+// (sanitized name) as PostgreSQL prints it ("now()", "clock_timestamp()"),
+// or "" when it has none.
+func ColumnDefault(ctx context.Context, q Querier, table, column string) (string, error) {
+	var def string
+	err := q.QueryRow(ctx, `SELECT COALESCE(pg_get_expr(d.adbin, d.adrelid), '')
+FROM pg_attribute AS a LEFT JOIN pg_attrdef AS d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+WHERE a.attrelid = $1::text::regclass AND a.attname = $2 AND NOT a.attisdropped`, table, column).Scan(&def)
+	return def, err
 }
