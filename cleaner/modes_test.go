@@ -79,7 +79,7 @@ INSERT INTO ` + tbl.WALHoldsTable() + ` (ordering_key, sequence, event_id, held_
 		t.Fatal(err)
 	}
 
-	s, err := runbook.Stats(ctx, pool, tbl)
+	s, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -88,7 +88,7 @@ INSERT INTO ` + tbl.WALHoldsTable() + ` (ordering_key, sequence, event_id, held_
 		t.Fatalf("WAL stats: %+v; want pending 2 (parked), dead 1, streamed 2, 1 dead held key", s)
 	}
 	for i, wantDelivered := range []bool{false, false, false, true, true} {
-		r, err := runbook.Event(ctx, pool, tbl, ids[i])
+		r, err := runbook.New(pool, tbl).Event(ctx, ids[i])
 		if err != nil || r.Delivered != wantDelivered || (i == 0 && !r.Held) || ((i == 1 || i == 2) && r.WaitingBehind == nil) {
 			t.Fatalf("event %d: %+v, %v; want delivered %v", i, r, err, wantDelivered)
 		}
@@ -175,7 +175,7 @@ SELECT ordering_key, ordering_partition, sequence, 25, 'infinity', 'no', now() -
 	if len(left) != 3 || left[0] != ids[2] || left[1] != ids[3] || left[2] != ids[4] {
 		t.Fatalf("left %v; want the dead held row, the row behind it and the row above the floor: %v", left, ids[2:])
 	}
-	s, err := runbook.Stats(ctx, pool, tbl)
+	s, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil || s.Pending != 2 || s.Dead != 1 || s.WaitingBehindHeldKeys != 1 {
 		t.Fatalf("stats after cleaning: %+v, %v", s, err)
 	}

@@ -31,13 +31,14 @@ func (h *handler) held(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	keys, err := runbook.HeldKeys(r.Context(), h.pool, t, maxHeldShown)
+	rb := runbook.New(h.pool, t)
+	keys, err := rb.HeldKeys(r.Context(), maxHeldShown)
 	if err != nil {
 		h.logger.Error("Console could not list held keys", err, watermill.LogFields{"table": t.String()})
 		h.fail(w, r, http.StatusInternalServerError, "Cannot list the held keys (see the console's log).", "", "")
 		return
 	}
-	mode, err := runbook.Mode(r.Context(), h.pool, t)
+	mode, err := rb.Mode(r.Context())
 	if err != nil {
 		h.logger.Error("Console could not read a table's relay mode", err, watermill.LogFields{"table": t.String()})
 		h.fail(w, r, http.StatusInternalServerError, "Cannot list the held keys (see the console's log).", "", "")
@@ -89,8 +90,8 @@ type tickedResult struct {
 	Refused string
 }
 
-// tickedOp is a bulk action on ticked rows: a skip (runbook.SkipEvent) or
-// a replay (runbook.ReplayEvent) of each.
+// tickedOp is a bulk action on ticked rows: a skip (runbook.Runbook.SkipEvent) or
+// a replay (runbook.Runbook.ReplayEvent) of each.
 type tickedOp struct {
 	// Name is "skip" or "replay", in the log and on the report.
 	Name string
@@ -103,12 +104,12 @@ type tickedOp struct {
 var (
 	tickedSkip = tickedOp{Name: "skip", DefaultBack: "held", DefaultBackLabel: "the held keys",
 		Do: func(ctx context.Context, h *handler, t schema.Table, id uuid.UUID) (string, error) {
-			res, err := runbook.SkipEvent(ctx, h.pool, t, id, false)
+			res, err := runbook.New(h.pool, t).SkipEvent(ctx, id, false)
 			return res.Key, err
 		}}
 	tickedReplay = tickedOp{Name: "replay", DefaultBack: "dead", DefaultBackLabel: "the dead rows",
 		Do: func(ctx context.Context, h *handler, t schema.Table, id uuid.UUID) (string, error) {
-			res, err := runbook.ReplayEvent(ctx, h.pool, t, id, runbook.ReplayOptions{})
+			res, err := runbook.New(h.pool, t).ReplayEvent(ctx, id, runbook.ReplayOptions{})
 			if res.Row.OrderingKey != nil {
 				return *res.Row.OrderingKey, err
 			}
@@ -200,20 +201,21 @@ func (h *handler) bulkTicked(w http.ResponseWriter, r *http.Request, op tickedOp
 }
 
 // topics shows the backlog by topic, the paused topics, and (logged in)
-// the Pause and Resume buttons (runbook.PauseTopic, ResumeTopic).
+// the Pause and Resume buttons (runbook.Runbook.PauseTopic, ResumeTopic).
 func (h *handler) topics(w http.ResponseWriter, r *http.Request) {
 	t, ok := h.table(w, r)
 	if !ok {
 		return
 	}
-	list, err := runbook.Topics(r.Context(), h.pool, t, maxTopicsShown)
+	rb := runbook.New(h.pool, t)
+	list, err := rb.Topics(r.Context(), maxTopicsShown)
 	var paused []runbook.PausedTopic
 	if err == nil {
-		paused, err = runbook.PausedTopics(r.Context(), h.pool, t)
+		paused, err = rb.PausedTopics(r.Context())
 	}
 	var mode schema.Mode
 	if err == nil {
-		mode, err = runbook.Mode(r.Context(), h.pool, t)
+		mode, err = rb.Mode(r.Context())
 	}
 	if err != nil {
 		h.logger.Error("Console could not count the backlog by topic", err, watermill.LogFields{"table": t.String()})
@@ -231,7 +233,7 @@ func (h *handler) topics(w http.ResponseWriter, r *http.Request) {
 }
 
 // pauseTopic pauses or resumes (resume) the relaying of the form's topic
-// (runbook.PauseTopic, ResumeTopic): token and CSRF as every action.
+// (runbook.Runbook.PauseTopic, ResumeTopic): token and CSRF as every action.
 func (h *handler) pauseTopic(w http.ResponseWriter, r *http.Request, resume bool) {
 	action := "pause topic"
 	if resume {
@@ -244,11 +246,12 @@ func (h *handler) pauseTopic(w http.ResponseWriter, r *http.Request, resume bool
 	topic := r.PostFormValue("topic")
 	fields := actionFields(r, action, t.String())
 	fields["topic"] = truncate(topic, 128)
+	rb := runbook.New(h.pool, t)
 	var err error
 	if resume {
-		_, err = runbook.ResumeTopic(r.Context(), h.pool, t, topic, false)
+		_, err = rb.ResumeTopic(r.Context(), topic, false)
 	} else {
-		_, err = runbook.PauseTopic(r.Context(), h.pool, t, topic, r.PostFormValue("reason"), false)
+		_, err = rb.PauseTopic(r.Context(), topic, r.PostFormValue("reason"), false)
 	}
 	if err != nil {
 		h.logger.Info("Console "+action+" refused", fields)
@@ -298,13 +301,13 @@ func (h *handler) eventAction(w http.ResponseWriter, r *http.Request, action str
 }
 
 // skip asks the relays to skip the row that holds its ordering key
-// (runbook.SkipEvent).
+// (runbook.Runbook.SkipEvent).
 func (h *handler) skip(w http.ResponseWriter, r *http.Request) {
 	t, id, fields, ok := h.eventAction(w, r, "skip")
 	if !ok {
 		return
 	}
-	res, err := runbook.SkipEvent(r.Context(), h.pool, t, id, false)
+	res, err := runbook.New(h.pool, t).SkipEvent(r.Context(), id, false)
 	if err != nil {
 		h.logger.Info("Console skip refused", fields)
 		h.fail(w, r, http.StatusConflict, "not skipped: "+err.Error(), tablePath(t, "held"), "the held keys")
@@ -347,7 +350,7 @@ func (h *handler) preview(w http.ResponseWriter, r *http.Request) {
 }
 
 // job is one bulk replay whose progress the console follows: recorded in
-// the table's <table>_replay_jobs (runbook.SaveReplayJob), or, when that
+// the table's <table>_replay_jobs (runbook.Runbook.SaveReplayJob), or, when that
 // table is missing or cannot be written, in the console's memory only.
 type job struct {
 	Table    string
@@ -434,7 +437,7 @@ func (h *handler) bulkReplay(w http.ResponseWriter, r *http.Request) {
 // saveJob records a bulk replay in the table of replay jobs of t, keeping
 // the newest maxJobs, and returns its id.
 func (h *handler) saveJob(ctx context.Context, t schema.Table, rec runbook.ReplayJob) (string, error) {
-	saved, err := runbook.SaveReplayJob(ctx, h.pool, t, rec, maxJobs)
+	saved, err := runbook.New(h.pool, t).SaveReplayJob(ctx, rec, maxJobs)
 	if err != nil {
 		return "", fmt.Errorf("record a bulk replay of %s: %w", t, err)
 	}
@@ -492,7 +495,7 @@ func (h *handler) findJob(ctx context.Context, id string, only schema.Table) (*j
 		}
 	}
 	for _, t := range tables {
-		rec, err := runbook.GetReplayJob(ctx, h.pool, t, id)
+		rec, err := runbook.New(h.pool, t).GetReplayJob(ctx, id)
 		switch {
 		case errors.Is(err, runbook.ErrNoReplayJob), errors.Is(err, sqlq.ErrNoReplayJobs):
 			continue
@@ -515,7 +518,7 @@ func (h *handler) job(r *http.Request, only schema.Table) (*job, runbook.Progres
 		h.logger.Error("Console could not read a replay job", err, watermill.LogFields{"job": truncate(r.PathValue("job"), 64)})
 		return nil, runbook.Progress{}, err
 	}
-	p, err := runbook.ReplayProgress(r.Context(), h.pool, h.tables[j.Table], j.EventIDs)
+	p, err := runbook.New(h.pool, h.tables[j.Table]).ReplayProgress(r.Context(), j.EventIDs)
 	if err != nil {
 		h.logger.Error("Console could not read a replay's progress", err, watermill.LogFields{"table": j.Table})
 		return nil, runbook.Progress{}, err
@@ -595,7 +598,7 @@ func (h *handler) relays(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	list, err := runbook.Relays(r.Context(), h.pool, t)
+	list, err := runbook.New(h.pool, t).Relays(r.Context())
 	if err != nil {
 		h.logger.Error("Console could not list the relays", err, watermill.LogFields{"table": t.String()})
 		h.fail(w, r, http.StatusInternalServerError, "Cannot list the relays (see the console's log).", "", "")

@@ -108,7 +108,7 @@ func TestBulkReplayPreviewConfirmProgress(t *testing.T) {
 	}
 	// One of the previewed rows was replayed by someone else since the
 	// preview: the replay is refused as a whole.
-	if _, err := runbook.ReplayEvent(context.Background(), pool, tbl, broker[1], runbook.ReplayOptions{}); err != nil {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(context.Background(), broker[1], runbook.ReplayOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if r := do(t, "POST", srv.URL+"/t/"+name+"/replay", with(form, "confirm", "3"), auth); r.code != 409 || !strings.Contains(r.body, "preview again") {
@@ -378,7 +378,7 @@ func TestTopicsBacklog(t *testing.T) {
 	if _, err := pool.Exec(context.Background(), `UPDATE `+tbl.Sanitize()+` SET dead_at = NULL, available_at = now(), last_error = NULLIF(last_error, '') WHERE event_id = ANY($1)`, ids); err != nil {
 		t.Fatal(err)
 	}
-	list, err := runbook.Topics(context.Background(), pool, tbl, 0)
+	list, err := runbook.New(pool, tbl).Topics(context.Background(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}

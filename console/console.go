@@ -101,7 +101,7 @@ type Config struct {
 	// (OUTBOX_CONSOLE_TRUST_PROXY).
 	TrustProxy bool
 	// ChartInterval is how often the console reads every table's counts
-	// for the overview's charts and /api/series (runbook.Stats, each
+	// for the overview's charts and /api/series (runbook.Runbook.Stats, each
 	// bounded by a 5 s statement timeout), in a goroutine that Close
 	// stops; after a pass that took more than a quarter of it, the
 	// console waits four times the pass instead. 0 reads nothing and draws no charts. Defaults to 0;
@@ -548,7 +548,7 @@ type tableView struct {
 	// WALSlot is a WAL table's replication slot and who reads it (the
 	// WAL relay holds no single-active lock), nil in the other modes.
 	WALSlot *runbook.WALSlot `json:"wal_slot,omitempty"`
-	// Paused lists the topics an operator paused (runbook.PausedTopics).
+	// Paused lists the topics an operator paused (runbook.Runbook.PausedTopics).
 	Paused []string `json:"paused_topics"`
 	Err    string   `json:"-"`
 }
@@ -559,26 +559,26 @@ const maxHeldShown = 1000
 func (h *handler) stats(ctx context.Context) []tableView {
 	out := make([]tableView, 0, len(h.names))
 	for _, n := range h.names {
-		t := h.tables[n]
-		st, err := runbook.Stats(ctx, h.pool, t)
+		rb := runbook.New(h.pool, h.tables[n])
+		st, err := rb.Stats(ctx)
 		v := tableView{Name: n, Stats: st}
 		var held []runbook.HeldKey
 		if err == nil {
-			held, err = runbook.HeldKeys(ctx, h.pool, t, maxHeldShown)
+			held, err = rb.HeldKeys(ctx, maxHeldShown)
 			v.Held = len(held)
 		}
 		if err == nil {
-			v.Leader, err = runbook.Leader(ctx, h.pool, t)
+			v.Leader, err = rb.Leader(ctx)
 		}
 		if err == nil {
-			v.OrderedRelays, err = runbook.OrderedRelays(ctx, h.pool, t)
+			v.OrderedRelays, err = rb.OrderedRelays(ctx)
 		}
 		if err == nil && st.Mode == schema.ModeWAL {
-			v.WALSlot, err = runbook.WALSlotReader(ctx, h.pool, t)
+			v.WALSlot, err = rb.WALSlotReader(ctx)
 		}
 		if err == nil && st.PausedTopics > 0 {
 			var paused []runbook.PausedTopic
-			paused, err = runbook.PausedTopics(ctx, h.pool, t)
+			paused, err = rb.PausedTopics(ctx)
 			for _, p := range paused {
 				v.Paused = append(v.Paused, p.Topic)
 			}
@@ -620,7 +620,8 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, http.StatusBadRequest, "The event id must be a UUID.", tablePath(t, "dead"), "the dead rows")
 		return
 	}
-	row, err := runbook.Event(r.Context(), h.pool, t, id)
+	rb := runbook.New(h.pool, t)
+	row, err := rb.Event(r.Context(), id)
 	if errors.Is(err, runbook.ErrEventNotFound) {
 		h.fail(w, r, http.StatusNotFound, "No such event in this table (the cleaner may have deleted it).", tablePath(t, "rows"), "the rows")
 		return
@@ -636,7 +637,7 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, http.StatusInternalServerError, "Cannot read the event (see the console's log).", tablePath(t, "dead"), "the dead rows")
 		return
 	}
-	mode, err := runbook.Mode(r.Context(), h.pool, t)
+	mode, err := rb.Mode(r.Context())
 	if err != nil {
 		h.logger.Error("Console could not read a table's relay mode", err, watermill.LogFields{"table": t.String()})
 		h.fail(w, r, http.StatusInternalServerError, "Cannot read the event (see the console's log).", tablePath(t, "dead"), "the dead rows")
@@ -647,7 +648,7 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 	// replay now (a dry run of it: a hold's state, a keyed row its relay
 	// has not recorded as done, a lease); the page says why not instead.
 	if noReplay == "" {
-		if _, err := runbook.ReplayEvent(r.Context(), h.pool, t, id, runbook.ReplayOptions{DryRun: true}); err != nil {
+		if _, err := rb.ReplayEvent(r.Context(), id, runbook.ReplayOptions{DryRun: true}); err != nil {
 			noReplay = "Not replayable now: " + strings.TrimPrefix(err.Error(), "runbook: ") + "."
 		}
 	}
@@ -661,7 +662,7 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 	}{t.String(), row, extras, flash(r), noReplay, h.cfg.TraceURL != ""})
 }
 
-// whyNoReplay says why runbook.ReplayEvent would refuse row in a table of
+// whyNoReplay says why runbook.Runbook.ReplayEvent would refuse row in a table of
 // mode, so that its page shows no Replay button; "" when it may replay it:
 // a dead or failed row, or in ordered mode any keyed row not published (a
 // held row is retried, a relayed one delivered once more).
@@ -849,7 +850,7 @@ func (h *handler) replay(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	res, err := runbook.ReplayEvent(r.Context(), h.pool, t, id, runbook.ReplayOptions{})
+	res, err := runbook.New(h.pool, t).ReplayEvent(r.Context(), id, runbook.ReplayOptions{})
 	if err != nil {
 		h.logger.Info("Console replay refused", fields)
 		h.fail(w, r, http.StatusConflict, "not replayed: "+err.Error(), tablePath(t, "event/"+id.String()), "the event")

@@ -21,8 +21,8 @@ import (
 // The dead rows page groups the dead rows by a normalised cause
 // (sqlq.CauseOf their last_error), counted over every dead row in SQL,
 // and lists them a page at a time. Both read the table through the
-// runbook's state reader (runbook.DeadCausesOf, runbook.ListRows with the
-// dead state), so that they show the rows runbook.Dead, `outbox dead list`
+// runbook's state reader (runbook.Runbook.DeadCausesOf, runbook.Runbook.ListRows with the
+// dead state), so that they show the rows runbook.Runbook.Dead, `outbox dead list`
 // and the counts show, in every mode: in an ordered table the keyed rows
 // a dead hold holds too. The replay of a cause selects its rows by the
 // same expression (runbook.DeadFilter.Cause), so its preview counts and
@@ -63,7 +63,7 @@ func (h *handler) causes(ctx context.Context, t schema.Table, q deadQuery) (list
 	var res runbook.DeadCauses
 	err = h.bounded(ctx, func(db runbook.DB) error {
 		var err error
-		res, err = runbook.DeadCausesOf(ctx, db, t, runbook.DeadFilter{Topic: q.Topic, ErrorContains: q.Error}, maxCausesShown)
+		res, err = runbook.New(db, t).DeadCausesOf(ctx, runbook.DeadFilter{Topic: q.Topic, ErrorContains: q.Error}, maxCausesShown)
 		return err
 	})
 	if err != nil {
@@ -108,14 +108,14 @@ func isTimeout(ctx context.Context, err error) bool {
 	return errors.As(err, &pgErr) && pgErr.Code == "57014" /* query_canceled */ && ctx.Err() == nil
 }
 
-// replayDead is runbook.ReplayDead (a preview with dryRun) for the bulk
+// replayDead is runbook.Runbook.ReplayDead (a preview with dryRun) for the bulk
 // replay pages. A filter on a cause computes the cause of every dead row
 // the other conditions keep, as the grouping does, so it runs under the
 // same bound (causesTimeout, in one transaction) and a timeout returns
 // errCauseTimeout, having changed nothing.
 func (h *handler) replayDead(ctx context.Context, t schema.Table, f runbook.DeadFilter, dryRun bool) (runbook.BulkReplay, error) {
 	if f.Cause == "" {
-		return runbook.ReplayDead(ctx, h.pool, t, f, dryRun)
+		return runbook.New(h.pool, t).ReplayDead(ctx, f, dryRun)
 	}
 	var res runbook.BulkReplay
 	err := pgx.BeginFunc(ctx, h.pool, func(tx pgx.Tx) error {
@@ -123,7 +123,7 @@ func (h *handler) replayDead(ctx context.Context, t schema.Table, f runbook.Dead
 			return fmt.Errorf("bound the replay of a cause of %s: %w", t, err)
 		}
 		var err error
-		res, err = runbook.ReplayDead(ctx, tx, t, f, dryRun)
+		res, err = runbook.New(tx, t).ReplayDead(ctx, f, dryRun)
 		return err
 	})
 	if isTimeout(ctx, err) {
@@ -173,9 +173,9 @@ func (h *handler) deadRows(ctx context.Context, t schema.Table, q deadQuery, aft
 	return p, err
 }
 
-// deadRowsOf is deadRows on db: runbook.ListRows of the dead rows.
+// deadRowsOf is deadRows on db: runbook.Runbook.ListRows of the dead rows.
 func deadRowsOf(ctx context.Context, db runbook.DB, t schema.Table, q deadQuery, after, before int64) (deadPage, error) {
-	rp, err := runbook.ListRows(ctx, db, t, runbook.ListFilter{State: sqlq.ListDead, Topic: q.Topic, ErrorContains: q.Error, Cause: q.Cause,
+	rp, err := runbook.New(db, t).ListRows(ctx, runbook.ListFilter{State: sqlq.ListDead, Topic: q.Topic, ErrorContains: q.Error, Cause: q.Cause,
 		After: after, Before: before, Limit: deadPageSize})
 	if err != nil {
 		return deadPage{}, fmt.Errorf("list the dead rows of %s: %w", t, err)

@@ -178,7 +178,7 @@ func TestHeldKeysFilterAndBulkSkip(t *testing.T) {
 	// (the relay fails it again, so it is dead again, later).
 	deadSince := func() time.Time {
 		t.Helper()
-		keys, err := runbook.HeldKeys(context.Background(), pool, tbl, 100)
+		keys, err := runbook.New(pool, tbl).HeldKeys(context.Background(), 100)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -89,7 +89,7 @@ func TestHeldPageOffersOnlyAllowedActions(t *testing.T) {
 		}
 	}()
 	states := func() map[string]runbook.HoldState {
-		list, err := runbook.HeldKeys(ctx, pool, tbl, 0)
+		list, err := runbook.New(pool, tbl).HeldKeys(ctx, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -107,7 +107,7 @@ func TestHeldPageOffersOnlyAllowedActions(t *testing.T) {
 		if acked && s["retry"] == runbook.HoldRetrying && s["dead"] == runbook.HoldDead && s["skip"] == runbook.HoldDead {
 			// The replay of the acked row, once its partition's floor
 			// passed it (ErrNotRelayedYet until then).
-			_, err := runbook.ReplayEvent(ctx, pool, tbl, replay, runbook.ReplayOptions{})
+			_, err := runbook.New(pool, tbl).ReplayEvent(ctx, replay, runbook.ReplayOptions{})
 			if err != nil && !errors.Is(err, runbook.ErrNotRelayedYet) {
 				t.Fatalf("replay of the acked row: %v", err)
 			}
@@ -125,7 +125,7 @@ func TestHeldPageOffersOnlyAllowedActions(t *testing.T) {
 	}
 	wg.Wait()
 	// With no relay running, the skip stays requested.
-	if sk, err := runbook.SkipEvent(ctx, pool, tbl, skip, false); err != nil || sk.Changed != 1 {
+	if sk, err := runbook.New(pool, tbl).SkipEvent(ctx, skip, false); err != nil || sk.Changed != 1 {
 		t.Fatalf("skip: %+v, %v", sk, err)
 	}
 	want := map[string]runbook.HoldState{"retry": runbook.HoldRetrying, "dead": runbook.HoldDead, "skip": runbook.HoldSkipRequested, "replay": runbook.HoldReplay}

@@ -166,7 +166,7 @@ func TestBulkReplayJobWithoutJobsTable(t *testing.T) {
 	}
 	deadWith(t, pool, tbl, "org.a.v1", "publish: broker down", 1)
 	job = bulkReplay(t, b.URL, tbl, "broker down")
-	if _, err := runbook.GetReplayJob(ctx, pool, tbl, job[strings.LastIndex(job, "/")+1:]); err != nil {
+	if _, err := runbook.New(pool, tbl).GetReplayJob(ctx, job[strings.LastIndex(job, "/")+1:]); err != nil {
 		t.Fatalf("a job after the migration is not recorded: %v", err)
 	}
 }
@@ -181,7 +181,7 @@ func TestBulkReplayJobsBounded(t *testing.T) {
 	const kept = 50 // the console's maxJobs
 	var oldest string
 	for i := range kept {
-		j, err := runbook.SaveReplayJob(ctx, pool, tbl, runbook.ReplayJob{Topic: "org.old.v1"}, kept+10)
+		j, err := runbook.New(pool, tbl).SaveReplayJob(ctx, runbook.ReplayJob{Topic: "org.old.v1"}, kept+10)
 		if err != nil {
 			t.Fatal(err)
 		}

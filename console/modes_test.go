@@ -26,7 +26,7 @@ func TestDeadPageShowsKeyedDeadRows(t *testing.T) {
 	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
 	first, _, _ := heldKeys(t, pool, tbl, "k-1")
 	for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
-		rows, err := runbook.Dead(ctx, pool, tbl, runbook.DeadFilter{})
+		rows, err := runbook.New(pool, tbl).Dead(ctx, runbook.DeadFilter{})
 		if err == nil && len(rows) == 1 {
 			break
 		}
@@ -44,7 +44,7 @@ func TestDeadPageShowsKeyedDeadRows(t *testing.T) {
 		!strings.Contains(page.body, `<td class="n" data-cause-count>1</td>`) {
 		t.Fatalf("the dead rows page does not list the keyed dead row %s under its cause:\n%s", first[0], page.body)
 	}
-	causes, err := runbook.DeadCausesOf(ctx, pool, tbl, runbook.DeadFilter{}, 0)
+	causes, err := runbook.New(pool, tbl).DeadCausesOf(ctx, runbook.DeadFilter{}, 0)
 	if err != nil || len(causes.Causes) != 1 {
 		t.Fatalf("causes: %+v, %v", causes, err)
 	}

@@ -40,7 +40,7 @@ func TestPauseResumeFromTopicsPage(t *testing.T) {
 	}
 	paused := func() []runbook.PausedTopic {
 		t.Helper()
-		l, err := runbook.PausedTopics(ctx, pool, tbl)
+		l, err := runbook.New(pool, tbl).PausedTopics(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -107,13 +107,13 @@ func (h *handler) rows(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	f.After, f.Before = after, before
-	p, err := runbook.ListRows(r.Context(), h.pool, t, f)
+	p, err := runbook.New(h.pool, t).ListRows(r.Context(), f)
 	if err != nil {
 		h.logger.Error("Console could not list rows", err, watermill.LogFields{"table": t.String(), "state": string(q.State)})
 		h.fail(w, r, http.StatusInternalServerError, "Cannot list the rows (see the console's log).", "", "")
 		return
 	}
-	mode, _ := runbook.Mode(r.Context(), h.pool, t)
+	mode, _ := runbook.New(h.pool, t).Mode(r.Context())
 	type tab struct {
 		State   sqlq.ListState
 		Current bool

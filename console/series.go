@@ -18,7 +18,7 @@ import (
 )
 
 // The overview's charts: with Config.ChartInterval set, a goroutine reads
-// every table's counts (runbook.Stats, the overview's own figures) each
+// every table's counts (runbook.Runbook.Stats, the overview's own figures) each
 // interval into a ring buffer per table, which /api/series serves as JSON
 // and the overview draws as inline SVG.
 
@@ -155,7 +155,7 @@ func (h *handler) sampleOne(ctx context.Context, t schema.Table) (runbook.TableS
 			return err
 		}
 		var err error
-		st, err = runbook.Stats(ctx, tx, t)
+		st, err = runbook.New(tx, t).Stats(ctx)
 		return err
 	})
 	return st, err

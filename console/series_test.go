@@ -44,7 +44,7 @@ func series(t *testing.T, base string) seriesAnswer {
 var polyline = regexp.MustCompile(`<polyline class="s-(\w+)" data-series="\w+" points="([^"]*)"/>`)
 
 // TestChartsFill: with ChartInterval set, the console samples every
-// table's counts (runbook.Stats) into /api/series, follows their changes,
+// table's counts (runbook.Runbook.Stats) into /api/series, follows their changes,
 // and draws them on the overview as inline SVG (published per minute;
 // pending, retrying and dead), one point per sample; Close stops the
 // sampling (the package's goleak check) and can be called twice. Without
@@ -89,13 +89,13 @@ func TestChartsFill(t *testing.T) {
 	if s.IntervalSeconds != 0.1 || s.WindowSeconds != 60 {
 		t.Errorf("interval %v s, window %v s; want 0.1 and 60", s.IntervalSeconds, s.WindowSeconds)
 	}
-	st, err := runbook.Stats(ctx, pool, tbl)
+	st, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	last := s.Tables[name][len(s.Tables[name])-1]
 	if last.Pending != st.Pending || last.Retrying != st.Retrying || last.Dead != st.Dead || last.PublishedPerMinute != st.PublishedLastMinute {
-		t.Errorf("latest sample %+v, runbook.Stats %+v", last, st)
+		t.Errorf("latest sample %+v, runbook's Stats %+v", last, st)
 	}
 	for i := 1; i < len(s.Tables[name]); i++ {
 		if !s.Tables[name][i].At.After(s.Tables[name][i-1].At) {

@@ -29,7 +29,7 @@ func picks(body string) []string {
 // box on each row a replay accepts (none on a published or a pending row,
 // none for the read-only token); replaying the ticked rows needs the CSRF
 // token and the typed count of ticked rows (else 400, nothing changed),
-// then replays each through runbook.ReplayEvent and reports each outcome:
+// then replays each through runbook.Runbook.ReplayEvent and reports each outcome:
 // a ticked row the runbook refuses (published) is reported refused (409)
 // and left as it is. The report links back to the list it came from, only
 // a path of the console.

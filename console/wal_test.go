@@ -152,7 +152,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 	}()
 	stats := func() runbook.TableStats {
 		t.Helper()
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -215,7 +215,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 
 	// The overview and /api/counts.
 	page := get("/")
-	heldKeys, err := runbook.HeldKeys(ctx, pool, tbl, 1000)
+	heldKeys, err := runbook.New(pool, tbl).HeldKeys(ctx, 1000)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -241,9 +241,9 @@ func TestConsoleOnWALTable(t *testing.T) {
 		t.Errorf("/api/counts %+v (held %d), runbook %+v (held %d)", cs.Stats, cs.Held, st, len(heldKeys))
 	}
 
-	// Every row list: its total and its rows are runbook.ListRows'.
+	// Every row list: its total and its rows are runbook.Runbook.ListRows'.
 	for _, state := range []sqlq.ListState{sqlq.ListPending, sqlq.ListRetrying, sqlq.ListDead, sqlq.ListDelivered, sqlq.ListAll} {
-		want, err := runbook.ListRows(ctx, pool, tbl, runbook.ListFilter{State: state, Limit: 100})
+		want, err := runbook.New(pool, tbl).ListRows(ctx, runbook.ListFilter{State: state, Limit: 100})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -269,7 +269,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 	}
 
 	// The dead rows: the total, the cause, the rows.
-	dead, err := runbook.Dead(ctx, pool, tbl, runbook.DeadFilter{})
+	dead, err := runbook.New(pool, tbl).Dead(ctx, runbook.DeadFilter{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -293,7 +293,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 		listed = append(listed, m[1])
 	}
 	if fmt.Sprint(sorted(listed)) != fmt.Sprint(sortedIDs(dead)) {
-		t.Errorf("the dead rows page lists %v, runbook.Dead %v", listed, sortedIDs(dead))
+		t.Errorf("the dead rows page lists %v, runbook's Dead %v", listed, sortedIDs(dead))
 	}
 	// The replay preview of every dead row and of the cause count them.
 	for _, q := range []url.Values{{}, {"cause": {"permanent: kafka: Message was too large"}}} {
@@ -340,7 +340,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 	screenshot(t, bctx, "held-wal")
 
 	// The backlog by topic.
-	topics, err := runbook.Topics(ctx, pool, tbl, 100)
+	topics, err := runbook.New(pool, tbl).Topics(ctx, 100)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -360,7 +360,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 		t.Errorf("the relays page does not show the WAL slot's reader:\n%s", body)
 	}
 
-	// Each event's page says where the row is, as runbook.Event does; a
+	// Each event's page says where the row is, as runbook.Runbook.Event does; a
 	// delivered row has no Replay button.
 	for _, c := range []struct {
 		id        uuid.UUID
@@ -375,7 +375,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 		{retrying[0], "pending", false, false},
 		{retrying[1], "pending", false, false},
 	} {
-		ev, err := runbook.Event(ctx, pool, tbl, c.id)
+		ev, err := runbook.New(pool, tbl).Event(ctx, c.id)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -389,11 +389,11 @@ func TestConsoleOnWALTable(t *testing.T) {
 		}
 		if c.replay {
 			// The button's promise: runbook would replay it.
-			if _, err := runbook.ReplayEvent(ctx, pool, tbl, c.id, runbook.ReplayOptions{DryRun: true}); err != nil {
+			if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, c.id, runbook.ReplayOptions{DryRun: true}); err != nil {
 				t.Errorf("event %s shows a Replay button, runbook refuses: %v", c.id, err)
 			}
 		} else if !ev.Delivered {
-			if _, err := runbook.ReplayEvent(ctx, pool, tbl, c.id, runbook.ReplayOptions{DryRun: true}); err == nil {
+			if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, c.id, runbook.ReplayOptions{DryRun: true}); err == nil {
 				t.Errorf("event %s shows no Replay button, runbook would replay it", c.id)
 			}
 		}

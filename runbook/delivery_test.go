@@ -93,7 +93,7 @@ func TestReplayedDeadRowIsDelivered(t *testing.T) {
 	case <-time.After(500 * time.Millisecond): // five polls
 	}
 
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, dead[0], runbook.ReplayOptions{}); err != nil {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, dead[0], runbook.ReplayOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	msg = receive(t, ch, "the replayed row")
@@ -103,7 +103,7 @@ func TestReplayedDeadRowIsDelivered(t *testing.T) {
 	msg.Ack()
 	waitPublished(t, pool, tbl, dead[:1])
 
-	res, err := runbook.ReplayDead(ctx, pool, tbl, runbook.DeadFilter{Topic: topicA}, false)
+	res, err := runbook.New(pool, tbl).ReplayDead(ctx, runbook.DeadFilter{Topic: topicA}, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -126,7 +126,7 @@ func TestReplayedDeadRowIsDelivered(t *testing.T) {
 		t.Fatalf("bulk replay delivered %v, want %v", got, want)
 	}
 	waitPublished(t, pool, tbl, dead)
-	s, err := runbook.Stats(ctx, pool, tbl)
+	s, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}

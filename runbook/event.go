@@ -9,7 +9,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
-	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // Event reads the row whose event_id is eventID and its state in the
@@ -17,10 +16,11 @@ import (
 // replay due; for a held keyed row of an ordered table, the hold's
 // attempts, last_error and dead_at); the error matches ErrEventNotFound
 // (errors.Is) when there is none.
-func Event(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (Row, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) Event(ctx context.Context, eventID uuid.UUID) (Row, error) {
+	if err := r.check(); err != nil {
 		return Row{}, err
 	}
+	db, t := r.db, r.table
 	sq, err := stateOf(ctx, db, t)
 	if err != nil {
 		return Row{}, err

@@ -19,10 +19,27 @@ import (
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
+// The runbook of one table: build it once, then call its operations.
+func ExampleNew() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("OUTBOX_DATABASE_URL"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+
+	rb := runbook.New(pool, schema.MustParseTable("public.org_outbox"))
+	stats, err := rb.Stats(ctx)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Printf("%s (%s mode): %d pending, %d dead\n", stats.Table, stats.Mode, stats.Pending, stats.Dead)
+}
+
 // An event goes dead (its only allowed attempt failed); the operator finds
 // it with Dead, replays it with ReplayEvent (`outbox dead replay
 // --event-id=...`), and Stats shows it pending again, due for the relay.
-func ExampleReplayEvent() {
+func ExampleRunbook_ReplayEvent() {
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, os.Getenv("OUTBOX_DATABASE_URL")) // e.g. postgres://postgres@127.0.0.1:5432/test
 	if err != nil {
@@ -57,9 +74,11 @@ func ExampleReplayEvent() {
 		panic(err)
 	}
 	(<-msgs).Nack()
+
+	rb := runbook.New(pool, table)
 	var stats runbook.TableStats
 	for deadline := time.Now().Add(5 * time.Second); stats.Dead == 0 && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if stats, err = runbook.Stats(ctx, pool, table); err != nil {
+		if stats, err = rb.Stats(ctx); err != nil {
 			panic(err)
 		}
 	}
@@ -68,7 +87,7 @@ func ExampleReplayEvent() {
 	}
 	fmt.Printf("pending %d, dead %d\n", stats.Pending, stats.Dead)
 
-	dead, err := runbook.Dead(ctx, pool, table, runbook.DeadFilter{Topic: "org.organization.created.v1", Limit: 10})
+	dead, err := rb.Dead(ctx, runbook.DeadFilter{Topic: "org.organization.created.v1", Limit: 10})
 	if err != nil {
 		panic(err)
 	}
@@ -76,12 +95,12 @@ func ExampleReplayEvent() {
 		fmt.Printf("dead: %s after %d attempt(s)\n", row.Topic, row.Attempts)
 	}
 
-	res, err := runbook.ReplayEvent(ctx, pool, table, dead[0].EventID, runbook.ReplayOptions{})
+	res, err := rb.ReplayEvent(ctx, dead[0].EventID, runbook.ReplayOptions{})
 	if err != nil {
 		panic(err)
 	}
 	fmt.Println("replayed rows:", res.Changed)
-	if stats, err = runbook.Stats(ctx, pool, table); err != nil {
+	if stats, err = rb.Stats(ctx); err != nil {
 		panic(err)
 	}
 	fmt.Printf("pending %d, dead %d\n", stats.Pending, stats.Dead)

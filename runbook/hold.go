@@ -16,7 +16,7 @@ import (
 // the CLI (`outbox keys held`, `outbox dead skip|replay`) and the console
 // (the held keys page, the event page) all decide with Allows, so they
 // cannot disagree. docs/ORDERING.md, docs/WAL.md and docs/OPERATIONS.md
-// carry the same table (HoldRulesTable), checked by a test.
+// carry the same table, rendered from the rules and checked by a test.
 //
 // It encodes as a lowercase word in JSON and text.
 type HoldState int
@@ -58,8 +58,8 @@ const (
 	HoldResolved
 )
 
-// HoldStates are the hold states in lifecycle order.
-var HoldStates = []HoldState{HoldRetrying, HoldDead, HoldSkipRequested, HoldReplay, HoldDraining, HoldResolved}
+// holdStates are the hold states in lifecycle order.
+var holdStates = []HoldState{HoldRetrying, HoldDead, HoldSkipRequested, HoldReplay, HoldDraining, HoldResolved}
 
 var holdStateWords = map[HoldState]string{
 	HoldRetrying:      sqlq.HoldWordRetrying,
@@ -93,7 +93,7 @@ func (s HoldState) MarshalText() ([]byte, error) {
 
 // UnmarshalText reads a state's word.
 func (s *HoldState) UnmarshalText(b []byte) error {
-	p, err := ParseHoldState(string(b))
+	p, err := parseHoldState(string(b))
 	if err != nil {
 		return err
 	}
@@ -101,8 +101,8 @@ func (s *HoldState) UnmarshalText(b []byte) error {
 	return nil
 }
 
-// ParseHoldState returns the state named by word (String's output).
-func ParseHoldState(word string) (HoldState, error) {
+// parseHoldState returns the state named by word (String's output).
+func parseHoldState(word string) (HoldState, error) {
 	for s, w := range holdStateWords {
 		if w == word {
 			return s, nil
@@ -111,9 +111,10 @@ func ParseHoldState(word string) (HoldState, error) {
 	return 0, fmt.Errorf("runbook: unknown hold state %q", word)
 }
 
-// In reports whether mode m has the state: ordered mode has every state but
-// draining, the WAL relay every state; the default mode holds no key.
-func (s HoldState) In(m schema.Mode) bool {
+// inMode reports whether mode m has the state: ordered mode has every
+// state but draining, the WAL relay every state; the default mode holds no
+// key.
+func (s HoldState) inMode(m schema.Mode) bool {
 	switch m {
 	case schema.ModeOrdered:
 		return s != HoldDraining && s.valid()
@@ -138,8 +139,8 @@ const (
 	OpReplay
 )
 
-// HoldOps are the operator actions, in the order of the rules table.
-var HoldOps = []HoldOp{OpSkip, OpReplay}
+// holdOps are the operator actions, in the order of the rules table.
+var holdOps = []HoldOp{OpSkip, OpReplay}
 
 // String returns "skip" or "replay".
 func (o HoldOp) String() string {
@@ -233,17 +234,6 @@ func (s HoldState) Allows(op HoldOp) error {
 	return nil
 }
 
-// Allowed lists the actions a hold in state s accepts.
-func (s HoldState) Allowed() []HoldOp {
-	var out []HoldOp
-	for _, op := range HoldOps {
-		if s.Allows(op) == nil {
-			out = append(out, op)
-		}
-	}
-	return out
-}
-
 // walReplayRule is the one hold rule of a replay in a WAL table, which
 // every replay path applies (ReplayEvent, and so the CLI and the console's
 // ticked rows; ReplayDead by topic, by cause or with a preview's snapshot,
@@ -265,7 +255,7 @@ func walReplayRule(s HoldState, held bool) error {
 // WAL table t accepts (sqlq.WALReplayRule).
 func walReplayGuard(t schema.Table) sqlq.WALReplayRule {
 	r := sqlq.WALReplayRule{Table: t}
-	for _, s := range HoldStates {
+	for _, s := range holdStates {
 		if walReplayRule(s, true) == nil {
 			r.Held = append(r.Held, s.String())
 		}
@@ -280,7 +270,7 @@ func walReplayGuard(t schema.Table) sqlq.WALReplayRule {
 // guards of the statements that apply it.
 func statesAllowing(op HoldOp) []string {
 	var out []string
-	for _, s := range HoldStates {
+	for _, s := range holdStates {
 		if s.Allows(op) == nil {
 			out = append(out, s.String())
 		}
@@ -288,10 +278,10 @@ func statesAllowing(op HoldOp) []string {
 	return out
 }
 
-// HoldRulesTable renders the rules as the Markdown table that
+// holdRulesTable renders the rules as the Markdown table that
 // docs/ORDERING.md, docs/WAL.md and docs/OPERATIONS.md carry (a test
 // checks that each of them contains it).
-func HoldRulesTable() string {
+func holdRulesTable() string {
 	var b strings.Builder
 	b.WriteString("| state | ordered | WAL | skip | replay |\n|---|---|---|---|---|\n")
 	yes := func(ok bool) string {
@@ -300,9 +290,9 @@ func HoldRulesTable() string {
 		}
 		return "no"
 	}
-	for _, s := range HoldStates {
-		fmt.Fprintf(&b, "| `%s` | %s | %s |", s, yes(s.In(schema.ModeOrdered)), yes(s.In(schema.ModeWAL)))
-		for _, op := range HoldOps {
+	for _, s := range holdStates {
+		fmt.Fprintf(&b, "| `%s` | %s | %s |", s, yes(s.inMode(schema.ModeOrdered)), yes(s.inMode(schema.ModeWAL)))
+		for _, op := range holdOps {
 			if err := s.Allows(op); err != nil {
 				var re *HoldRuleError
 				_ = errors.As(err, &re)

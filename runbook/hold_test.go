@@ -45,8 +45,8 @@ func TestHoldRules(t *testing.T) {
 		if !ok {
 			t.Fatalf("state %s is not in the table", s)
 		}
-		if s.In(schema.ModeOrdered) != w.ordered || s.In(schema.ModeWAL) != w.wal || s.In(schema.ModeDefault) {
-			t.Errorf("%s: in ordered %v, WAL %v, default %v; want %v, %v, false", s, s.In(schema.ModeOrdered), s.In(schema.ModeWAL), s.In(schema.ModeDefault), w.ordered, w.wal)
+		if runbook.HoldStateIn(s, schema.ModeOrdered) != w.ordered || runbook.HoldStateIn(s, schema.ModeWAL) != w.wal || runbook.HoldStateIn(s, schema.ModeDefault) {
+			t.Errorf("%s: in ordered %v, WAL %v, default %v; want %v, %v, false", s, runbook.HoldStateIn(s, schema.ModeOrdered), runbook.HoldStateIn(s, schema.ModeWAL), runbook.HoldStateIn(s, schema.ModeDefault), w.ordered, w.wal)
 		}
 		for op, want := range map[runbook.HoldOp]bool{runbook.OpSkip: w.skip, runbook.OpReplay: w.replay} {
 			err := s.Allows(op)
@@ -111,7 +111,7 @@ func holdSnapshot(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, holds stri
 // holdStates maps each key HeldKeys (or ListHolds) lists to its state.
 func holdStates(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, resolved bool) map[string]runbook.HoldState {
 	t.Helper()
-	list, err := runbook.ListHolds(context.Background(), pool, tbl, runbook.HoldsFilter{Resolved: resolved})
+	list, err := runbook.New(pool, tbl).ListHolds(context.Background(), runbook.HoldsFilter{Resolved: resolved})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -157,9 +157,9 @@ func refuses(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, holds string, i
 	for _, op := range ops {
 		var err error
 		if op == runbook.OpSkip {
-			_, err = runbook.SkipEvent(ctx, pool, tbl, id, false)
+			_, err = runbook.New(pool, tbl).SkipEvent(ctx, id, false)
 		} else {
-			_, err = runbook.ReplayEvent(ctx, pool, tbl, id, runbook.ReplayOptions{})
+			_, err = runbook.New(pool, tbl).ReplayEvent(ctx, id, runbook.ReplayOptions{})
 		}
 		var re *runbook.HoldRuleError
 		if !errors.As(err, &re) || re.State != s || re.Op != op || !errors.Is(err, runbook.ErrHoldRefused) {
@@ -282,7 +282,7 @@ func TestHoldLifecycleOrdered(t *testing.T) {
 	// The replay of the acked row p is accepted once its partition's floor
 	// passed it (ErrNotRelayedYet until then).
 	waitUntil(t, 15*time.Second, "the replay of an acked row accepted", func() bool {
-		rep, err := runbook.ReplayEvent(ctx, pool, tbl, p, runbook.ReplayOptions{})
+		rep, err := runbook.New(pool, tbl).ReplayEvent(ctx, p, runbook.ReplayOptions{})
 		if err != nil && !errors.Is(err, runbook.ErrNotRelayedYet) {
 			t.Fatalf("replay of the acked row: %v", err)
 		}
@@ -310,7 +310,7 @@ func TestHoldLifecycleOrdered(t *testing.T) {
 	}
 
 	// No relay runs now: a skip stays requested.
-	if sk, err := runbook.SkipEvent(ctx, pool, tbl, k, false); err != nil || sk.Changed != 1 || sk.Key != "k" {
+	if sk, err := runbook.New(pool, tbl).SkipEvent(ctx, k, false); err != nil || sk.Changed != 1 || sk.Key != "k" {
 		t.Fatalf("skip of the dead row: %+v, %v", sk, err)
 	}
 	want["k"] = runbook.HoldSkipRequested
@@ -321,17 +321,17 @@ func TestHoldLifecycleOrdered(t *testing.T) {
 	refuses(t, pool, tbl, tbl.HoldsTable(), k, runbook.HoldSkipRequested, runbook.OpSkip, runbook.OpReplay)
 	refuses(t, pool, tbl, tbl.HoldsTable(), p, runbook.HoldReplay, runbook.OpReplay)
 	refuses(t, pool, tbl, tbl.HoldsTable(), x, runbook.HoldResolved, runbook.OpSkip)
-	if _, err := runbook.SkipEvent(ctx, pool, tbl, x, false); !errors.Is(err, runbook.ErrNotHeld) {
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, x, false); !errors.Is(err, runbook.ErrNotHeld) {
 		t.Errorf("skip of a resolved hold: %v, want ErrNotHeld too", err)
 	}
 
 	// Acceptances, per the table. A dry run first: its statement, run
 	// after the hold moved on, changes nothing (the guard in SQL).
-	dry, err := runbook.SkipEvent(ctx, pool, tbl, p, true)
+	dry, err := runbook.New(pool, tbl).SkipEvent(ctx, p, true)
 	if err != nil || !dry.DryRun {
 		t.Fatalf("dry run of a skip of the replay: %+v, %v", dry, err)
 	}
-	dryReplay, err := runbook.ReplayEvent(ctx, pool, tbl, r1, runbook.ReplayOptions{DryRun: true})
+	dryReplay, err := runbook.New(pool, tbl).ReplayEvent(ctx, r1, runbook.ReplayOptions{DryRun: true})
 	if err != nil || !dryReplay.DryRun {
 		t.Fatalf("dry run of a replay of a retrying row: %+v, %v", dryReplay, err)
 	}
@@ -398,7 +398,7 @@ func TestHoldLifecycleOrdered(t *testing.T) {
 
 func mustHeld(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) []runbook.HeldKey {
 	t.Helper()
-	list, err := runbook.HeldKeys(context.Background(), pool, tbl, 0)
+	list, err := runbook.New(pool, tbl).HeldKeys(context.Background(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -410,13 +410,13 @@ func mustHeld(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) []runbook.Held
 func applyHoldOp(ctx context.Context, t *testing.T, pool *pgxpool.Pool, tbl schema.Table, id uuid.UUID, op runbook.HoldOp, key string) int64 {
 	t.Helper()
 	if op == runbook.OpSkip {
-		res, err := runbook.SkipEvent(ctx, pool, tbl, id, false)
+		res, err := runbook.New(pool, tbl).SkipEvent(ctx, id, false)
 		if err != nil {
 			t.Fatalf("skip of %s: %v", key, err)
 		}
 		return res.Changed
 	}
-	res, err := runbook.ReplayEvent(ctx, pool, tbl, id, runbook.ReplayOptions{})
+	res, err := runbook.New(pool, tbl).ReplayEvent(ctx, id, runbook.ReplayOptions{})
 	if err != nil {
 		t.Fatalf("replay of %s: %v", key, err)
 	}
@@ -444,8 +444,8 @@ func checkHoldStates(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, mode sc
 		seen[s] = true
 	}
 	for _, s := range runbook.HoldStates {
-		if s.In(mode) != seen[s] {
-			t.Fatalf("the test reached state %s: %v; mode %s has it: %v", s, seen[s], mode, s.In(mode))
+		if runbook.HoldStateIn(s, mode) != seen[s] {
+			t.Fatalf("the test reached state %s: %v; mode %s has it: %v", s, seen[s], mode, runbook.HoldStateIn(s, mode))
 		}
 	}
 	return withResolved

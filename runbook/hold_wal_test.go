@@ -116,7 +116,7 @@ func TestHoldLifecycleWAL(t *testing.T) {
 	waitUntil(t, 20*time.Second, "six dead holds and two retrying", func() bool { return sameStates(holdStates(t, pool, tbl, false), want) })
 
 	for _, id := range []uuid.UUID{p, g} {
-		if rep, err := runbook.ReplayEvent(ctx, pool, tbl, id, runbook.ReplayOptions{}); err != nil || rep.Changed != 1 {
+		if rep, err := runbook.New(pool, tbl).ReplayEvent(ctx, id, runbook.ReplayOptions{}); err != nil || rep.Changed != 1 {
 			t.Fatalf("replay of a dead held row: %+v, %v", rep, err)
 		}
 	}
@@ -152,7 +152,7 @@ func TestHoldLifecycleWAL(t *testing.T) {
 	}
 
 	// No relay runs now: a skip stays requested.
-	if sk, err := runbook.SkipEvent(ctx, pool, tbl, k, false); err != nil || sk.Changed != 1 || sk.Key != "k" {
+	if sk, err := runbook.New(pool, tbl).SkipEvent(ctx, k, false); err != nil || sk.Changed != 1 || sk.Key != "k" {
 		t.Fatalf("skip of the dead row: %+v, %v", sk, err)
 	}
 	want["k"] = runbook.HoldSkipRequested
@@ -164,15 +164,15 @@ func TestHoldLifecycleWAL(t *testing.T) {
 	refuses(t, pool, tbl, tbl.WALHoldsTable(), p, runbook.HoldReplay, runbook.OpReplay)
 	refuses(t, pool, tbl, tbl.WALHoldsTable(), g, runbook.HoldDraining, runbook.OpSkip, runbook.OpReplay)
 	refuses(t, pool, tbl, tbl.WALHoldsTable(), x, runbook.HoldResolved, runbook.OpSkip)
-	if _, err := runbook.SkipEvent(ctx, pool, tbl, x, false); !errors.Is(err, runbook.ErrNotHeld) {
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, x, false); !errors.Is(err, runbook.ErrNotHeld) {
 		t.Errorf("skip of a resolved hold: %v, want ErrNotHeld too", err)
 	}
 
-	dry, err := runbook.SkipEvent(ctx, pool, tbl, d1, true)
+	dry, err := runbook.New(pool, tbl).SkipEvent(ctx, d1, true)
 	if err != nil || !dry.DryRun || dry.Key != "d1" {
 		t.Fatalf("dry run of a skip of a dead row: %+v, %v", dry, err)
 	}
-	dryReplay, err := runbook.ReplayEvent(ctx, pool, tbl, d1, runbook.ReplayOptions{DryRun: true})
+	dryReplay, err := runbook.New(pool, tbl).ReplayEvent(ctx, d1, runbook.ReplayOptions{DryRun: true})
 	if err != nil || !dryReplay.DryRun {
 		t.Fatalf("dry run of a replay of a dead row: %+v, %v", dryReplay, err)
 	}

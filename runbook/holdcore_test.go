@@ -17,8 +17,8 @@ func TestHoldStateWordsAreTheCore(t *testing.T) {
 		{HoldRetrying, keyed.Retrying}, {HoldDead, keyed.Dead}, {HoldSkipRequested, keyed.SkipRequested},
 		{HoldReplay, keyed.Replayed}, {HoldDraining, keyed.Draining}, {HoldResolved, keyed.Resolved},
 	}
-	if len(pairs) != len(HoldStates) {
-		t.Fatalf("%d runbook hold states, %d paired with the core's", len(HoldStates), len(pairs))
+	if len(pairs) != len(holdStates) {
+		t.Fatalf("%d runbook hold states, %d paired with the core's", len(holdStates), len(pairs))
 	}
 	for _, p := range pairs {
 		if int(p.r) != int(p.k) || p.r.String() != p.k.String() {

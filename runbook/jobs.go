@@ -21,10 +21,10 @@ import (
 // the oldest.
 var ErrNoReplayJob = errors.New("runbook: no such replay job")
 
-// ReplayJobsKeptDefault is how many replay jobs SaveReplayJob keeps per
-// outbox table when it is given no other number: the oldest beyond it are
-// deleted as a new one is recorded.
-const ReplayJobsKeptDefault = 50
+// replayJobsKeptDefault is how many replay jobs SaveReplayJob keeps per
+// outbox table when it is given no other number (its doc says the number):
+// the oldest beyond it are deleted as a new one is recorded.
+const replayJobsKeptDefault = 50
 
 // ReplayJob is the record of one bulk replay (ReplayDead) whose progress
 // someone follows: the filter, the rows it changed and their event ids
@@ -48,21 +48,22 @@ type ReplayJob struct {
 	Remote      string `json:"remote,omitempty"`
 }
 
-// SaveReplayJob records j in the table of replay jobs of t and deletes the
-// oldest jobs beyond the newest keep (ReplayJobsKeptDefault when keep < 1),
-// in one statement. Texts longer than schema.ReplayJobTextMaxBytes are
-// shortened. It returns j with its ID and CreatedAt. A table without the
-// replay jobs' table is refused with sqlq.ErrNoReplayJobs (run `outbox
-// migrate`); nothing is written then.
-func SaveReplayJob(ctx context.Context, db DB, t schema.Table, j ReplayJob, keep int) (ReplayJob, error) {
-	if err := checkTable(t); err != nil {
+// SaveReplayJob records j in the outbox table's table of replay jobs and
+// deletes the oldest jobs beyond the newest keep (50 when keep < 1), in one
+// statement. Texts longer than schema.ReplayJobTextMaxBytes are shortened.
+// It returns j with its ID and CreatedAt. A table without the replay jobs'
+// table is refused with sqlq.ErrNoReplayJobs (run `outbox migrate`); nothing
+// is written then.
+func (r *Runbook) SaveReplayJob(ctx context.Context, j ReplayJob, keep int) (ReplayJob, error) {
+	if err := r.check(); err != nil {
 		return ReplayJob{}, err
 	}
+	db, t := r.db, r.table
 	if err := replayJobsReady(ctx, db, t, "record a replay job of"); err != nil {
 		return ReplayJob{}, err
 	}
 	if keep < 1 {
-		keep = ReplayJobsKeptDefault
+		keep = replayJobsKeptDefault
 	}
 	if j.ID == "" {
 		var b [8]byte
@@ -88,13 +89,14 @@ func SaveReplayJob(ctx context.Context, db DB, t schema.Table, j ReplayJob, keep
 	return j, nil
 }
 
-// GetReplayJob reads the replay job id of t: ErrNoReplayJob when the table
-// of replay jobs does not hold it, sqlq.ErrNoReplayJobs when t has no
-// such table.
-func GetReplayJob(ctx context.Context, db DB, t schema.Table, id string) (ReplayJob, error) {
-	if err := checkTable(t); err != nil {
+// GetReplayJob reads the replay job id of the table: ErrNoReplayJob when the
+// table of replay jobs does not hold it, sqlq.ErrNoReplayJobs when the table
+// has no such table.
+func (r *Runbook) GetReplayJob(ctx context.Context, id string) (ReplayJob, error) {
+	if err := r.check(); err != nil {
 		return ReplayJob{}, err
 	}
+	db, t := r.db, r.table
 	if err := replayJobsReady(ctx, db, t, "read a replay job of"); err != nil {
 		return ReplayJob{}, err
 	}

@@ -62,14 +62,15 @@ type RowPage struct {
 	Prev int64 `json:"prev,omitempty"`
 }
 
-// ListRows lists a page of the rows of t in state f.State matching f, in
-// the table's relay mode (sqlq.StateQueries): what is pending, retrying,
-// dead or delivered, or every row matching a search. The total and the
-// position count every matching row.
-func ListRows(ctx context.Context, db DB, t schema.Table, f ListFilter) (RowPage, error) {
-	if err := checkTable(t); err != nil {
+// ListRows lists a page of the rows of the table in state f.State matching
+// f, in the table's relay mode (sqlq.StateQueries): what is pending,
+// retrying, dead or delivered, or every row matching a search. The total and
+// the position count every matching row.
+func (r *Runbook) ListRows(ctx context.Context, f ListFilter) (RowPage, error) {
+	if err := r.check(); err != nil {
 		return RowPage{}, err
 	}
+	db, t := r.db, r.table
 	limit, err := checkLimit(f.Limit)
 	if err != nil {
 		return RowPage{}, err
@@ -153,17 +154,18 @@ type DeadCauses struct {
 	Rows   int64 `json:"rows"`
 }
 
-// DeadCausesOf groups the dead rows of t matching f (its Topic, TenantID,
-// ErrorContains and AfterSequence; its Cause is ignored), in the table's
-// relay mode (the rows Dead lists: in an ordered table the keyed rows a
-// dead hold holds too, with the hold's error), by their normalised cause,
-// and returns the limit (DefaultLimit when 0) largest groups. The cause
-// costs some 20 µs a row: on a large table narrow by Topic, or run it
+// DeadCausesOf groups the dead rows of the table matching f (its Topic,
+// TenantID, ErrorContains and AfterSequence; its Cause is ignored), in the
+// table's relay mode (the rows Dead lists: in an ordered table the keyed
+// rows a dead hold holds too, with the hold's error), by their normalised
+// cause, and returns the limit (DefaultLimit when 0) largest groups. The
+// cause costs some 20 µs a row: on a large table narrow by Topic, or run it
 // under a statement timeout.
-func DeadCausesOf(ctx context.Context, db DB, t schema.Table, f DeadFilter, limit int) (DeadCauses, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) DeadCausesOf(ctx context.Context, f DeadFilter, limit int) (DeadCauses, error) {
+	if err := r.check(); err != nil {
 		return DeadCauses{}, err
 	}
+	db, t := r.db, r.table
 	limit, err := checkLimit(limit)
 	if err != nil {
 		return DeadCauses{}, err
@@ -268,15 +270,16 @@ type RelayList struct {
 	Slot *WALSlot `json:"slot,omitempty"`
 }
 
-// Relays lists the relays alive on t: the relay processes' sessions
+// Relays lists the relays alive on the table: the relay processes' sessions
 // (pg_stat_activity) with the holder of the single-active lock, the ordered
 // relays owning partitions, and the session reading the WAL slot. Reading
 // other sessions' client address needs the pg_read_all_stats role or
 // superuser.
-func Relays(ctx context.Context, db DB, t schema.Table) (RelayList, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) Relays(ctx context.Context) (RelayList, error) {
+	if err := r.check(); err != nil {
 		return RelayList{}, err
 	}
+	db, t := r.db, r.table
 	sq, err := stateOf(ctx, db, t)
 	if err != nil {
 		return RelayList{}, err
@@ -320,20 +323,21 @@ func Relays(ctx context.Context, db DB, t schema.Table) (RelayList, error) {
 			return RelayList{}, dbError(t, "list the partition owners of", err)
 		}
 	case schema.ModeWAL:
-		if out.Slot, err = WALSlotReader(ctx, db, t); err != nil {
+		if out.Slot, err = r.WALSlotReader(ctx); err != nil {
 			return RelayList{}, err
 		}
 	}
 	return out, nil
 }
 
-// WALSlotReader returns t's replication slot under its default name
+// WALSlotReader returns the table's replication slot under its default name
 // (schema.WALSlotName) and the session reading it, nil when there is no
 // such slot.
-func WALSlotReader(ctx context.Context, db DB, t schema.Table) (*WALSlot, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) WALSlotReader(ctx context.Context) (*WALSlot, error) {
+	if err := r.check(); err != nil {
 		return nil, err
 	}
+	db, t := r.db, r.table
 	var (
 		s   WALSlot
 		pid *int32

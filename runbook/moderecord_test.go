@@ -92,14 +92,14 @@ func TestDefaultRelayOnAllColumnsTableReadsDefault(t *testing.T) {
 	ctx := context.Background()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "all_outbox", schema.WithAllColumns())
-	if m, err := runbook.Mode(ctx, pool, tbl); err != nil || m != schema.ModeDefault {
+	if m, err := runbook.New(pool, tbl).Mode(ctx); err != nil || m != schema.ModeDefault {
 		t.Fatalf("a new table with every column: mode %q (%v), want default", m, err)
 	}
 
 	// A table of an earlier version: no record; the mode is inferred from
 	// the companion tables, as before.
 	forgetMode(t, pool, tbl)
-	if m, err := runbook.Mode(ctx, pool, tbl); err != nil || m != schema.ModeOrdered {
+	if m, err := runbook.New(pool, tbl).Mode(ctx); err != nil || m != schema.ModeOrdered {
 		t.Fatalf("without a record: mode %q (%v), want the inferred ordered", m, err)
 	}
 	enqueue(t, pool, tbl, tenantA, []string{topicA}, func(tx pgx.Tx, ids []uuid.UUID) error {
@@ -114,17 +114,17 @@ func TestDefaultRelayOnAllColumnsTableReadsDefault(t *testing.T) {
 	delivered := enqueue(t, pool, tbl, tenantA, []string{topicA, topicA}, nil)
 	eventually(t, "the default relay delivers", func() bool {
 		for _, id := range delivered {
-			if r, err := runbook.Event(ctx, pool, tbl, id); err != nil || r.PublishedAt == nil {
+			if r, err := runbook.New(pool, tbl).Event(ctx, id); err != nil || r.PublishedAt == nil {
 				return false
 			}
 		}
 		return true
 	})
 
-	if m, err := runbook.Mode(ctx, pool, tbl); err != nil || m != schema.ModeDefault {
+	if m, err := runbook.New(pool, tbl).Mode(ctx); err != nil || m != schema.ModeDefault {
 		t.Fatalf("relayed by a default relay: mode %q (%v), want default", m, err)
 	}
-	s, err := runbook.Stats(ctx, pool, tbl)
+	s, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil || s.Mode != schema.ModeDefault || !s.DeliveryTimesKnown || s.Dead != 1 || s.Pending != 0 || s.HeldKeys != 0 {
 		t.Fatalf("stats: %+v, %v", s, err)
 	}
@@ -166,13 +166,13 @@ func TestOrderedKeyedDeadRowOnEveryReader(t *testing.T) {
 	}
 	relayOf(t, pool, tbl, true, m, map[uuid.UUID]bool{ids[0]: true})
 	eventually(t, "the keyed row is dead", func() bool {
-		rows, err := runbook.Dead(ctx, pool, tbl, runbook.DeadFilter{})
+		rows, err := runbook.New(pool, tbl).Dead(ctx, runbook.DeadFilter{})
 		return err == nil && len(rows) == 1 && rows[0].EventID == ids[0] && rows[0].Held
 	})
-	if r, err := runbook.Event(ctx, pool, tbl, ids[0]); err != nil || r.DeadAt == nil {
+	if r, err := runbook.New(pool, tbl).Event(ctx, ids[0]); err != nil || r.DeadAt == nil {
 		t.Fatalf("event: %+v, %v", r, err)
 	}
-	causes, err := runbook.DeadCausesOf(ctx, pool, tbl, runbook.DeadFilter{}, 0)
+	causes, err := runbook.New(pool, tbl).DeadCausesOf(ctx, runbook.DeadFilter{}, 0)
 	if err != nil || causes.Rows != 1 || causes.Groups != 1 || len(causes.Causes) != 1 || causes.Causes[0].LatestEventID != ids[0] {
 		t.Fatalf("causes: %+v, %v", causes, err)
 	}
@@ -215,7 +215,7 @@ func TestBulkReplayPassesTheSingleReplayRule(t *testing.T) {
 
 	refusedAlone := map[uuid.UUID]error{}
 	for _, id := range []uuid.UUID{legacyBelow, held, skip, legacyAbove, unkeyed} {
-		_, err := runbook.ReplayEvent(ctx, pool, tbl, id, runbook.ReplayOptions{DryRun: true})
+		_, err := runbook.New(pool, tbl).ReplayEvent(ctx, id, runbook.ReplayOptions{DryRun: true})
 		refusedAlone[id] = err
 	}
 	if !errors.Is(refusedAlone[legacyAbove], runbook.ErrNotRelayedYet) || !errors.Is(refusedAlone[skip], runbook.ErrHoldRefused) ||
@@ -224,7 +224,7 @@ func TestBulkReplayPassesTheSingleReplayRule(t *testing.T) {
 	}
 
 	f := runbook.DeadFilter{Topic: topicA}
-	p, err := runbook.ReplayDead(ctx, pool, tbl, f, true)
+	p, err := runbook.New(pool, tbl).ReplayDead(ctx, f, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -233,27 +233,27 @@ func TestBulkReplayPassesTheSingleReplayRule(t *testing.T) {
 	}
 	before := states(t, pool, tbl, []uuid.UUID{legacyAbove})
 	f.Expect = &p.Snapshot
-	res, err := runbook.ReplayDead(ctx, pool, tbl, f, false)
+	res, err := runbook.New(pool, tbl).ReplayDead(ctx, f, false)
 	if err != nil || res.Rows != 3 || res.LeftAlone != 2 {
 		t.Fatalf("replay of the preview: %+v, %v", res, err)
 	}
 	assertSet(t, "replayed", res.EventIDs, legacyBelow, held, unkeyed)
 	assertUnchanged(t, "the keyed row above its floor", before, states(t, pool, tbl, []uuid.UUID{legacyAbove}))
-	if st, ok, err := runbook.HoldOfEvent(ctx, pool, tbl, skip); err != nil || !ok || st != runbook.HoldSkipRequested {
+	if st, ok, err := runbook.New(pool, tbl).HoldOfEvent(ctx, skip); err != nil || !ok || st != runbook.HoldSkipRequested {
 		t.Fatalf("the hold whose skip is requested: %v %v %v", st, ok, err)
 	}
-	if st, ok, err := runbook.HoldOfEvent(ctx, pool, tbl, held); err != nil || !ok || st != runbook.HoldRetrying {
+	if st, ok, err := runbook.New(pool, tbl).HoldOfEvent(ctx, held); err != nil || !ok || st != runbook.HoldRetrying {
 		t.Fatalf("the dead hold after the bulk replay: %v %v %v, want retrying (due now)", st, ok, err)
 	}
-	if st, ok, err := runbook.HoldOfEvent(ctx, pool, tbl, legacyBelow); err != nil || !ok || st != runbook.HoldReplay {
+	if st, ok, err := runbook.New(pool, tbl).HoldOfEvent(ctx, legacyBelow); err != nil || !ok || st != runbook.HoldReplay {
 		t.Fatalf("the keyed row below its floor after the bulk replay: %v %v %v, want a replay hold", st, ok, err)
 	}
-	if r, err := runbook.Event(ctx, pool, tbl, unkeyed); err != nil || r.DeadAt != nil || r.Attempts != 0 {
+	if r, err := runbook.New(pool, tbl).Event(ctx, unkeyed); err != nil || r.DeadAt != nil || r.Attempts != 0 {
 		t.Fatalf("the unkeyed row after the bulk replay: %+v, %v", r, err)
 	}
 	// A second bulk replay finds nothing the rule accepts, and still
 	// leaves the two refused rows alone.
-	again, err := runbook.ReplayDead(ctx, pool, tbl, runbook.DeadFilter{AllTopics: true}, false)
+	again, err := runbook.New(pool, tbl).ReplayDead(ctx, runbook.DeadFilter{AllTopics: true}, false)
 	if err != nil || again.Rows != 0 || again.LeftAlone != 2 {
 		t.Fatalf("second bulk replay: %+v, %v", again, err)
 	}
@@ -281,7 +281,7 @@ func TestModeSwitchIsExplicit(t *testing.T) {
 	tbl := testdb.Table(t, "switch_outbox")
 	mode := func() schema.Mode {
 		t.Helper()
-		m, err := runbook.Mode(ctx, pool, tbl)
+		m, err := runbook.New(pool, tbl).Mode(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -90,7 +90,7 @@ func TestOrderedTableStateIsTrue(t *testing.T) {
 	markDead(t, pool, tbl, "unkeyed boom", after[5])
 	exec(t, pool, tbl, `UPDATE %s SET published_at = now() WHERE event_id = $1`, after[6])
 
-	s, err := runbook.Stats(ctx, pool, tbl)
+	s, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,13 +107,13 @@ func TestOrderedTableStateIsTrue(t *testing.T) {
 		t.Fatalf("oldest pending: %v, %v s", s.OldestPendingCreatedAt, s.OldestPendingAgeSeconds)
 	}
 
-	backlog, err := runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{})
+	backlog, err := runbook.New(pool, tbl).Backlog(ctx, runbook.BacklogOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	assertSet(t, "backlog", eventIDs(backlog), before[5], before[6], before[7], before[9], after[0], after[1], after[2], after[4])
 
-	dead, err := runbook.Dead(ctx, pool, tbl, runbook.DeadFilter{})
+	dead, err := runbook.New(pool, tbl).Dead(ctx, runbook.DeadFilter{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -122,11 +122,11 @@ func TestOrderedTableStateIsTrue(t *testing.T) {
 		d.OrderingKey == nil || *d.OrderingKey != "dead" {
 		t.Fatalf("dead held row: %+v", d)
 	}
-	if dead, err = runbook.Dead(ctx, pool, tbl, runbook.DeadFilter{ErrorContains: "BROKER"}); err != nil || len(dead) != 1 {
+	if dead, err = runbook.New(pool, tbl).Dead(ctx, runbook.DeadFilter{ErrorContains: "BROKER"}); err != nil || len(dead) != 1 {
 		t.Fatalf("dead rows with 'broker': %d, %v", len(dead), err)
 	}
 
-	topics, err := runbook.Topics(ctx, pool, tbl, 0)
+	topics, err := runbook.New(pool, tbl).Topics(ctx, 0)
 	if err != nil || len(topics) != 1 || topics[0].Pending != 8 || topics[0].Dead != 2 || topics[0].Retrying != 1 {
 		t.Fatalf("topics: %+v, %v", topics, err)
 	}
@@ -152,7 +152,7 @@ func TestOrderedTableStateIsTrue(t *testing.T) {
 		{after[5], ev{dead: true, attempts: 25}}, // markDead sets attempts
 		{after[6], ev{delivered: true}},
 	} {
-		r, err := runbook.Event(ctx, pool, tbl, c.id)
+		r, err := runbook.New(pool, tbl).Event(ctx, c.id)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -229,7 +229,7 @@ func TestUpgradeDefaultTableToOrdered(t *testing.T) {
 	exec(t, pool, tbl, `UPDATE %s SET published_at = now() - interval '5 minutes' WHERE event_id = $1`, old[0])
 	exec(t, pool, tbl, `UPDATE %s SET attempts = 3, last_error = 'flaky', available_at = now() WHERE event_id = $1`, old[2])
 	markDead(t, pool, tbl, "boom", old[3])
-	s, err := runbook.Stats(ctx, pool, tbl)
+	s, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil || s.Mode != schema.ModeDefault || s.Pending != 3 || s.Retrying != 1 || s.Dead != 1 {
 		t.Fatalf("before the upgrade: %+v, %v", s, err)
 	}
@@ -237,7 +237,7 @@ func TestUpgradeDefaultTableToOrdered(t *testing.T) {
 	if err := schema.Migrate(ctx, pool, tbl, schema.WithMode(schema.ModeOrdered)); err != nil {
 		t.Fatalf("upgrade to ordered mode: %v", err)
 	}
-	s, err = runbook.Stats(ctx, pool, tbl)
+	s, err = runbook.New(pool, tbl).Stats(ctx)
 	if err != nil || s.Mode != schema.ModeOrdered || s.Pending != 3 || s.Retrying != 1 || s.Dead != 1 {
 		t.Fatalf("after the upgrade, before relaying: %+v, %v", s, err)
 	}
@@ -268,7 +268,7 @@ func TestUpgradeDefaultTableToOrdered(t *testing.T) {
 	want := append([]uuid.UUID{old[1], old[2], old[4]}, fresh...)
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
-		s, err = runbook.Stats(ctx, pool, tbl)
+		s, err = runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -297,7 +297,7 @@ func TestUpgradeDefaultTableToOrdered(t *testing.T) {
 		t.Fatalf("after relaying: %+v (want dead 1, published last hour 5: the old published row and 4 unkeyed acked)", s)
 	}
 	for _, id := range fresh {
-		r, err := runbook.Event(ctx, pool, tbl, id)
+		r, err := runbook.New(pool, tbl).Event(ctx, id)
 		if err != nil || !r.Delivered {
 			t.Fatalf("event %s after relaying: %+v, %v", id, r, err)
 		}
@@ -378,7 +378,7 @@ func TestUpgradeWhileDefaultRelayRuns(t *testing.T) {
 	// the machine's speed.
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
-		s, err := runbook.Stats(ctx, pool, tbl)
+		s, err := runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}

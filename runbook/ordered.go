@@ -49,17 +49,13 @@ type HeldKey struct {
 	Replay bool `json:"replay,omitempty"`
 }
 
-// Allows says whether the held row can be skipped or replayed now: the
-// rules of its State (HoldState.Allows).
-func (h HeldKey) Allows(op HoldOp) error { return h.State.Allows(op) }
-
 // CanSkip is true when the hold's state accepts a skip and the row is still
 // in the table (SkipEvent names it by its event_id).
-func (h HeldKey) CanSkip() bool { return h.EventID != "" && h.Allows(OpSkip) == nil }
+func (h HeldKey) CanSkip() bool { return h.EventID != "" && h.State.Allows(OpSkip) == nil }
 
 // CanReplay is true when the hold's state accepts a replay and the row is
 // still in the table.
-func (h HeldKey) CanReplay() bool { return h.EventID != "" && h.Allows(OpReplay) == nil }
+func (h HeldKey) CanReplay() bool { return h.EventID != "" && h.State.Allows(OpReplay) == nil }
 
 // orderedQueries returns the ordered-mode statements of t, or nil when t
 // is not relayed in ordered mode (its state reader's mode: stateOf).
@@ -72,12 +68,12 @@ func orderedQueries(ctx context.Context, db DB, t schema.Table) (*sqlq.OrderedQu
 }
 
 // HeldKeys lists up to limit (DefaultLimit when 0) held keys of the keyed
-// table t (ordered mode or the WAL relay), oldest hold first, each with its
+// table (ordered mode or the WAL relay), oldest hold first, each with its
 // State. Resolved holds (tombstones, which hold nothing) are not listed:
 // use ListHolds with Resolved for them. A table without keyed holds has
 // none.
-func HeldKeys(ctx context.Context, db DB, t schema.Table, limit int) ([]HeldKey, error) {
-	return ListHolds(ctx, db, t, HoldsFilter{Limit: limit})
+func (r *Runbook) HeldKeys(ctx context.Context, limit int) ([]HeldKey, error) {
+	return r.ListHolds(ctx, HoldsFilter{Limit: limit})
 }
 
 // HoldsFilter selects the holds ListHolds returns.
@@ -90,10 +86,11 @@ type HoldsFilter struct {
 }
 
 // ListHolds is HeldKeys with the resolved holds too when f.Resolved.
-func ListHolds(ctx context.Context, db DB, t schema.Table, f HoldsFilter) ([]HeldKey, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) ListHolds(ctx context.Context, f HoldsFilter) ([]HeldKey, error) {
+	if err := r.check(); err != nil {
 		return nil, err
 	}
+	db, t := r.db, r.table
 	limit, err := checkLimit(f.Limit)
 	if err != nil {
 		return nil, err
@@ -131,7 +128,7 @@ func ListHolds(ctx context.Context, db DB, t schema.Table, f HoldsFilter) ([]Hel
 			h.Topic = *topic
 		}
 		if state != nil {
-			h.State, err = ParseHoldState(*state)
+			h.State, err = parseHoldState(*state)
 		}
 		return h, err
 	})
@@ -163,7 +160,7 @@ func holdOf(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uuid.UU
 	if err != nil {
 		return nil, dbError(oq.Table, "look up the hold of event "+eventID.String()+" in", err)
 	}
-	if h.state, err = ParseHoldState(word); err != nil {
+	if h.state, err = parseHoldState(word); err != nil {
 		return nil, err
 	}
 	return &h, nil
@@ -184,21 +181,22 @@ func walHoldOf(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (*
 	if err != nil {
 		return nil, dbError(t, "look up the hold of event "+eventID.String()+" in", err)
 	}
-	if h.state, err = ParseHoldState(word); err != nil {
+	if h.state, err = parseHoldState(word); err != nil {
 		return nil, err
 	}
 	h.dead = h.state == HoldDead
 	return &h, nil
 }
 
-// HoldOfEvent returns the state of the hold at the row of t whose event_id
-// is eventID, in either keyed mode, resolved holds included; held is false
-// when the row holds no key (or t has no keyed holds). The console's
-// event page offers Replay by its Allows.
-func HoldOfEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID) (state HoldState, held bool, err error) {
-	if err := checkTable(t); err != nil {
+// HoldOfEvent returns the state of the hold at the row of the table whose
+// event_id is eventID, in either keyed mode, resolved holds included; held
+// is false when the row holds no key (or the table has no keyed holds). The
+// console's event page offers Replay by its Allows.
+func (r *Runbook) HoldOfEvent(ctx context.Context, eventID uuid.UUID) (state HoldState, held bool, err error) {
+	if err := r.check(); err != nil {
 		return 0, false, err
 	}
+	db, t := r.db, r.table
 	sq, err := stateOf(ctx, db, t)
 	if err != nil {
 		return 0, false, err
@@ -264,7 +262,7 @@ func replayHeld(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uui
 // changed since it was read: the new state's refusal when it refuses op,
 // else a plain "look again".
 func movedOn(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, op HoldOp) error {
-	if st, held, err := HoldOfEvent(ctx, db, t, eventID); err == nil && held {
+	if st, held, err := New(db, t).HoldOfEvent(ctx, eventID); err == nil && held {
 		if rerr := st.Allows(op); rerr != nil {
 			return refusal(op, eventID, t, rerr)
 		}
@@ -371,10 +369,11 @@ type EventSkip struct {
 // dead). A row that holds no key is refused with ErrNotHeld, a hold whose
 // state refuses the skip with a *HoldRuleError (ErrHoldRefused); nothing
 // is changed then.
-func SkipEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryRun bool) (EventSkip, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) SkipEvent(ctx context.Context, eventID uuid.UUID, dryRun bool) (EventSkip, error) {
+	if err := r.check(); err != nil {
 		return EventSkip{}, err
 	}
+	db, t := r.db, r.table
 	sq, err := stateOf(ctx, db, t)
 	if err != nil {
 		return EventSkip{}, err
@@ -417,13 +416,14 @@ func SkipEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dr
 	return res, nil
 }
 
-// OrderedRelays counts the ordered relays at work on t: those owning a
+// OrderedRelays counts the ordered relays at work on the table: those owning a
 // partition whose lease has not expired. A table without ordered mode has
 // none.
-func OrderedRelays(ctx context.Context, db DB, t schema.Table) (int, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) OrderedRelays(ctx context.Context) (int, error) {
+	if err := r.check(); err != nil {
 		return 0, err
 	}
+	db, t := r.db, r.table
 	oq, err := orderedQueries(ctx, db, t)
 	if err != nil || oq == nil {
 		return 0, err

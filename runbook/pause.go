@@ -99,10 +99,12 @@ func checkPauseReason(reason string, t schema.Table) error {
 	return nil
 }
 
-// pausable checks that topics of t can be paused: t exists, is not
-// streamed by the WAL relay, and has the paused topics' table.
-func pausable(ctx context.Context, db DB, t schema.Table, op, topic string) error {
-	mode, err := Mode(ctx, db, t)
+// pausable checks that topics of r's table can be paused: the table
+// exists, is not streamed by the WAL relay, and has the paused topics'
+// table.
+func (r *Runbook) pausable(ctx context.Context, op, topic string) error {
+	db, t := r.db, r.table
+	mode, err := r.Mode(ctx)
 	if err != nil {
 		return err
 	}
@@ -122,27 +124,28 @@ func pausable(ctx context.Context, db DB, t schema.Table, op, topic string) erro
 	return nil
 }
 
-// PauseTopic pauses the relaying of topic in t: the relays stop claiming
-// (default mode) or delivering (ordered mode: the key waits, and later rows
-// of the key wait behind it) the topic's rows at their next wake-up, which
-// PauseTopic sends; rows in flight finish. The rows stay pending until
-// ResumeTopic. reason (at most schema.PauseReasonMaxBytes, one line) is
-// stored with obvious secrets masked. Pausing a topic paused already
-// changes nothing (Changed 0, the first pause's time and reason). A table
-// the WAL relay streams is refused with ErrPauseWAL, a table without the
-// paused topics' table with sqlq.ErrNoPausedTopics; with dryRun nothing
+// PauseTopic pauses the relaying of topic in the table: the relays stop
+// claiming (default mode) or delivering (ordered mode: the key waits, and
+// later rows of the key wait behind it) the topic's rows at their next
+// wake-up, which PauseTopic sends; rows in flight finish. The rows stay
+// pending until ResumeTopic. reason (at most schema.PauseReasonMaxBytes, one
+// line) is stored with obvious secrets masked. Pausing a topic paused
+// already changes nothing (Changed 0, the first pause's time and reason). A
+// table the WAL relay streams is refused with ErrPauseWAL, a table without
+// the paused topics' table with sqlq.ErrNoPausedTopics; with dryRun nothing
 // is written.
-func PauseTopic(ctx context.Context, db DB, t schema.Table, topic, reason string, dryRun bool) (TopicPause, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) PauseTopic(ctx context.Context, topic, reason string, dryRun bool) (TopicPause, error) {
+	if err := r.check(); err != nil {
 		return TopicPause{}, err
 	}
+	db, t := r.db, r.table
 	if err := checkTopic("pause", topic, t); err != nil {
 		return TopicPause{}, err
 	}
 	if err := checkPauseReason(reason, t); err != nil {
 		return TopicPause{}, err
 	}
-	if err := pausable(ctx, db, t, "pause", topic); err != nil {
+	if err := r.pausable(ctx, "pause", topic); err != nil {
 		return TopicPause{}, err
 	}
 	reason = redact.Summary(reason, nil, schema.PauseReasonMaxBytes)
@@ -175,14 +178,15 @@ func PauseTopic(ctx context.Context, db DB, t schema.Table, topic, reason string
 // its rows again from their next wake-up, which ResumeTopic sends. A topic
 // that is not paused is refused with ErrNotPaused; with dryRun nothing is
 // written.
-func ResumeTopic(ctx context.Context, db DB, t schema.Table, topic string, dryRun bool) (TopicPause, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) ResumeTopic(ctx context.Context, topic string, dryRun bool) (TopicPause, error) {
+	if err := r.check(); err != nil {
 		return TopicPause{}, err
 	}
+	db, t := r.db, r.table
 	if err := checkTopic("resume", topic, t); err != nil {
 		return TopicPause{}, err
 	}
-	if err := pausable(ctx, db, t, "resume", topic); err != nil && !errors.Is(err, ErrPauseWAL) {
+	if err := r.pausable(ctx, "resume", topic); err != nil && !errors.Is(err, ErrPauseWAL) {
 		return TopicPause{}, err
 	}
 	q := sqlq.NewPausedTopicsQueries(t)
@@ -214,12 +218,13 @@ func wakePaused(ctx context.Context, db DB, q sqlq.PausedTopicsQueries) {
 	_, _ = db.Exec(ctx, q.Notify)
 }
 
-// PausedTopics lists the paused topics of t, by topic. A table without the
-// paused topics' table (before migration 000007) has none.
-func PausedTopics(ctx context.Context, db DB, t schema.Table) ([]PausedTopic, error) {
-	if err := checkTable(t); err != nil {
+// PausedTopics lists the paused topics of the table, by topic. A table
+// without the paused topics' table (before migration 000007) has none.
+func (r *Runbook) PausedTopics(ctx context.Context) ([]PausedTopic, error) {
+	if err := r.check(); err != nil {
 		return nil, err
 	}
+	db, t := r.db, r.table
 	ok, err := sqlq.PausedTopicsExist(ctx, db, t)
 	if err != nil {
 		return nil, dbError(t, "list the paused topics of", err)

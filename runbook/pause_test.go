@@ -51,14 +51,14 @@ func TestPauseResumeTopic(t *testing.T) {
 		return err == nil && n.Payload == sqlq.PausedTopicsNotifyPayload
 	}
 
-	dry, err := runbook.PauseTopic(ctx, pool, tbl, "org.a.v1", "why", true)
+	dry, err := runbook.New(pool, tbl).PauseTopic(ctx, "org.a.v1", "why", true)
 	if err != nil || !dry.DryRun || dry.Changed != 0 || !strings.Contains(dry.Statement.SQL, "INSERT INTO") {
 		t.Fatalf("dry run: %+v, %v", dry, err)
 	}
 	if n := pausedRows(t, pool, tbl); n != 0 {
 		t.Fatalf("a dry run paused %d topics", n)
 	}
-	res, err := runbook.PauseTopic(ctx, pool, tbl, "org.a.v1", "broker down, see postgres://ops:hunter2@db/x", false)
+	res, err := runbook.New(pool, tbl).PauseTopic(ctx, "org.a.v1", "broker down, see postgres://ops:hunter2@db/x", false)
 	if err != nil || res.Changed != 1 || res.PausedAt == nil {
 		t.Fatalf("PauseTopic: %+v, %v", res, err)
 	}
@@ -68,19 +68,19 @@ func TestPauseResumeTopic(t *testing.T) {
 	if !notified() {
 		t.Fatal("PauseTopic sent no notification on the table's channel")
 	}
-	again, err := runbook.PauseTopic(ctx, pool, tbl, "org.a.v1", "other", false)
+	again, err := runbook.New(pool, tbl).PauseTopic(ctx, "org.a.v1", "other", false)
 	if err != nil || again.Changed != 0 || !again.PausedAt.Equal(*res.PausedAt) || again.Reason != res.Reason {
 		t.Fatalf("second pause: %+v, %v; want the first pause kept", again, err)
 	}
-	list, err := runbook.PausedTopics(ctx, pool, tbl)
+	list, err := runbook.New(pool, tbl).PausedTopics(ctx)
 	if err != nil || len(list) != 1 || list[0].Topic != "org.a.v1" || list[0].Reason != res.Reason {
 		t.Fatalf("PausedTopics: %+v, %v", list, err)
 	}
-	st, err := runbook.Stats(ctx, pool, tbl)
+	st, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil || st.PausedTopics != 1 || st.Pending != 3 {
 		t.Fatalf("Stats: %+v, %v", st, err)
 	}
-	topics, err := runbook.Topics(ctx, pool, tbl, 0)
+	topics, err := runbook.New(pool, tbl).Topics(ctx, 0)
 	if err != nil || len(topics) != 2 {
 		t.Fatalf("Topics: %+v, %v", topics, err)
 	}
@@ -90,14 +90,14 @@ func TestPauseResumeTopic(t *testing.T) {
 		}
 	}
 	// A paused topic with nothing pending is listed too.
-	if _, err := runbook.PauseTopic(ctx, pool, tbl, "org.c.v1", "", false); err != nil {
+	if _, err := runbook.New(pool, tbl).PauseTopic(ctx, "org.c.v1", "", false); err != nil {
 		t.Fatal(err)
 	}
-	topics, err = runbook.Topics(ctx, pool, tbl, 0)
+	topics, err = runbook.New(pool, tbl).Topics(ctx, 0)
 	if err != nil || len(topics) != 3 || topics[2].Topic != "org.c.v1" || !topics[2].Paused || topics[2].Pending != 0 {
 		t.Fatalf("Topics with org.c.v1 paused and empty: %+v, %v", topics, err)
 	}
-	if _, err := runbook.ResumeTopic(ctx, pool, tbl, "org.c.v1", false); err != nil {
+	if _, err := runbook.New(pool, tbl).ResumeTopic(ctx, "org.c.v1", false); err != nil {
 		t.Fatal(err)
 	}
 	for _, what := range []string{"pause", "resume"} {
@@ -106,20 +106,20 @@ func TestPauseResumeTopic(t *testing.T) {
 		}
 	}
 
-	if _, err := runbook.ResumeTopic(ctx, pool, tbl, "org.a.v1", true); err != nil || pausedRows(t, pool, tbl) != 1 {
+	if _, err := runbook.New(pool, tbl).ResumeTopic(ctx, "org.a.v1", true); err != nil || pausedRows(t, pool, tbl) != 1 {
 		t.Fatalf("dry run of resume: %v, paused %d", err, pausedRows(t, pool, tbl))
 	}
-	r, err := runbook.ResumeTopic(ctx, pool, tbl, "org.a.v1", false)
+	r, err := runbook.New(pool, tbl).ResumeTopic(ctx, "org.a.v1", false)
 	if err != nil || r.Changed != 1 || pausedRows(t, pool, tbl) != 0 {
 		t.Fatalf("ResumeTopic: %+v, %v", r, err)
 	}
 	if !notified() {
 		t.Fatal("ResumeTopic sent no notification on the table's channel")
 	}
-	if _, err := runbook.ResumeTopic(ctx, pool, tbl, "org.a.v1", false); !errors.Is(err, runbook.ErrNotPaused) {
+	if _, err := runbook.New(pool, tbl).ResumeTopic(ctx, "org.a.v1", false); !errors.Is(err, runbook.ErrNotPaused) {
 		t.Fatalf("resume of a topic not paused: %v, want ErrNotPaused", err)
 	}
-	if st, err := runbook.Stats(ctx, pool, tbl); err != nil || st.PausedTopics != 0 {
+	if st, err := runbook.New(pool, tbl).Stats(ctx); err != nil || st.PausedTopics != 0 {
 		t.Fatalf("Stats after resume: %+v, %v", st, err)
 	}
 }
@@ -140,12 +140,12 @@ func TestPauseTopicRefusals(t *testing.T) {
 		{"org.a.v1", strings.Repeat("r", 201), "201 bytes"},
 		{"org.a.v1", "two\nlines", "one line"},
 	} {
-		_, err := runbook.PauseTopic(ctx, pool, tbl, c.topic, c.reason, false)
+		_, err := runbook.New(pool, tbl).PauseTopic(ctx, c.topic, c.reason, false)
 		if err == nil || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "nothing changed") {
 			t.Errorf("PauseTopic(%.20q, %.20q): %v; want an error saying %q and nothing changed", c.topic, c.reason, err, c.want)
 		}
 	}
-	if _, err := runbook.ResumeTopic(ctx, pool, tbl, "*", false); !errors.Is(err, runbook.ErrBadTopic) {
+	if _, err := runbook.New(pool, tbl).ResumeTopic(ctx, "*", false); !errors.Is(err, runbook.ErrBadTopic) {
 		t.Errorf("ResumeTopic(*): %v, want ErrBadTopic", err)
 	}
 	if n := pausedRows(t, pool, tbl); n != 0 {
@@ -153,7 +153,7 @@ func TestPauseTopicRefusals(t *testing.T) {
 	}
 
 	missing := schema.MustParseTable(tbl.Schema() + ".no_such_outbox")
-	if _, err := runbook.PauseTopic(ctx, pool, missing, "org.a.v1", "", false); !errors.Is(err, schema.ErrTableNotFound) {
+	if _, err := runbook.New(pool, missing).PauseTopic(ctx, "org.a.v1", "", false); !errors.Is(err, schema.ErrTableNotFound) {
 		t.Errorf("unknown table: %v, want ErrTableNotFound", err)
 	}
 
@@ -162,13 +162,13 @@ func TestPauseTopicRefusals(t *testing.T) {
 	if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, "000007", "down")); err != nil {
 		t.Fatal(err)
 	}
-	if l, err := runbook.PausedTopics(ctx, pool, tbl); err != nil || len(l) != 0 {
+	if l, err := runbook.New(pool, tbl).PausedTopics(ctx); err != nil || len(l) != 0 {
 		t.Fatalf("PausedTopics without the table: %v, %v", l, err)
 	}
-	if st, err := runbook.Stats(ctx, pool, tbl); err != nil || st.PausedTopics != 0 {
+	if st, err := runbook.New(pool, tbl).Stats(ctx); err != nil || st.PausedTopics != 0 {
 		t.Fatalf("Stats without the table: %+v, %v", st, err)
 	}
-	_, err := runbook.PauseTopic(ctx, pool, tbl, "org.a.v1", "", false)
+	_, err := runbook.New(pool, tbl).PauseTopic(ctx, "org.a.v1", "", false)
 	if !errors.Is(err, sqlq.ErrNoPausedTopics) || !strings.Contains(err.Error(), "outbox migrate --table="+tbl.String()) {
 		t.Fatalf("pause without the table: %v", err)
 	}
@@ -191,10 +191,10 @@ func TestPauseTopicRefusals(t *testing.T) {
 	if err := schema.RecordMode(ctx, pool, tbl, schema.ModeWAL, "test"); err != nil {
 		t.Fatal(err)
 	}
-	if m, err := runbook.Mode(ctx, pool, tbl); err != nil || m != schema.ModeWAL {
+	if m, err := runbook.New(pool, tbl).Mode(ctx); err != nil || m != schema.ModeWAL {
 		t.Fatalf("mode %q (%v), want wal", m, err)
 	}
-	_, err = runbook.PauseTopic(ctx, pool, tbl, "org.a.v1", "", false)
+	_, err = runbook.New(pool, tbl).PauseTopic(ctx, "org.a.v1", "", false)
 	if !errors.Is(err, runbook.ErrPauseWAL) || !strings.Contains(err.Error(), "retain WAL") || !strings.Contains(err.Error(), "Instead") {
 		t.Fatalf("pause on a WAL table: %v, want ErrPauseWAL saying why and what to do instead", err)
 	}

@@ -123,21 +123,23 @@ type EventReplay struct {
 	DryRun bool `json:"dry_run"`
 }
 
-// ReplayEvent resets the row of t whose event_id is eventID so that the
-// relay delivers it again (dead_at = NULL, attempts = 0, available_at =
+// ReplayEvent resets the row of the table whose event_id is eventID so that
+// the relay delivers it again (dead_at = NULL, attempts = 0, available_at =
 // now(), locked_at = NULL, last_error = NULL), and wakes the table's relays.
 // It acts only on a row that is dead or failed (published_at IS NULL AND
-// (dead_at IS NOT NULL OR last_error IS NOT NULL)) and not leased by a relay right
-// now; any other row is refused with a *NotReplayableError and left as it
-// is. A row that holds its ordering key (ordered mode or the WAL relay) is
-// replayed only when its hold's state allows it (HoldState.Allows: not while
-// a skip is requested, a replay is pending or the hold drains); otherwise
-// the error is a *HoldRuleError (ErrHoldRefused) and nothing changes. With
-// opts.DryRun it checks the row the same way and changes nothing.
-func ReplayEvent(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, opts ReplayOptions) (EventReplay, error) {
-	if err := checkTable(t); err != nil {
+// (dead_at IS NOT NULL OR last_error IS NOT NULL)) and not leased by a relay
+// right now; any other row is refused with a *NotReplayableError and left as
+// it is. A row that holds its ordering key (ordered mode or the WAL relay)
+// is replayed only when its hold's state allows it (HoldState.Allows: not
+// while a skip is requested, a replay is pending or the hold drains);
+// otherwise the error is a *HoldRuleError (ErrHoldRefused) and nothing
+// changes. With opts.DryRun it checks the row the same way and changes
+// nothing.
+func (r *Runbook) ReplayEvent(ctx context.Context, eventID uuid.UUID, opts ReplayOptions) (EventReplay, error) {
+	if err := r.check(); err != nil {
 		return EventReplay{}, err
 	}
+	db, t := r.db, r.table
 	if eventID == uuid.Nil {
 		return EventReplay{}, errors.New("runbook: replay: the event_id is the nil UUID; pass the event_id of the row to replay")
 	}
@@ -255,7 +257,7 @@ func walReplayRefused(ctx context.Context, db DB, t schema.Table, eventID uuid.U
 	if err != nil {
 		return dbError(t, "look up the hold of the key of event "+eventID.String()+" in", err)
 	}
-	s, err := ParseHoldState(word)
+	s, err := parseHoldState(word)
 	if err != nil {
 		return err
 	}
@@ -299,23 +301,8 @@ type BulkReplay struct {
 	LeftAlone int64 `json:"left_alone,omitempty"`
 }
 
-// ReplayDeadStatement returns the statement ReplayDead runs for f, after
-// the same checks, without touching the database. In a WAL table ReplayDead
-// adds the hold rule's guard (walReplayRule), which this statement, built
-// without looking at the table, does not carry; in an ordered table
-// ReplayDead replays row by row instead (its BulkReplay.Statement says so).
-func ReplayDeadStatement(t schema.Table, f DeadFilter) (sqlq.Statement, error) {
-	sf, err := replayFilter(t, f)
-	if err != nil {
-		return sqlq.Statement{}, err
-	}
-	q := sqlq.NewRunbookQueries(t)
-	if e := f.Expect; e != nil {
-		return q.ReplayDeadExpecting(sf, e.MaxSequence, e.Rows, e.Digest), nil
-	}
-	return q.ReplayDead(sf), nil
-}
-
+// replayFilter checks the filter of a bulk replay of t and returns it as
+// the statements take it.
 func replayFilter(t schema.Table, f DeadFilter) (sqlq.RunbookFilter, error) {
 	if err := checkTable(t); err != nil {
 		return sqlq.RunbookFilter{}, err
@@ -331,25 +318,29 @@ func replayFilter(t schema.Table, f DeadFilter) (sqlq.RunbookFilter, error) {
 	return f.schemaFilter()
 }
 
-// ReplayDead resets every dead row of t that matches f (in sequence order,
-// at most f.Limit when it is positive) so that the relay delivers them
-// again, and wakes the table's relays. It replays exactly what ReplayEvent
-// would, row by row, and leaves alone what ReplayEvent refuses: rows
-// leased by a relay less than f.LockTTL ago; in a WAL table the rows whose
-// key's hold refuses their replay (a replay while the key's hold drains;
-// HoldState.Allows for the held row); in an ordered table every dead row
-// the state reader lists (Dead: keyed rows a dead hold holds included)
+// ReplayDead resets every dead row of the table that matches f (in sequence
+// order, at most f.Limit when it is positive) so that the relay delivers
+// them again, and wakes the table's relays. It replays exactly what
+// ReplayEvent would, row by row, and leaves alone what ReplayEvent refuses:
+// rows leased by a relay less than f.LockTTL ago; in a WAL table the rows
+// whose key's hold refuses their replay (a replay while the key's hold
+// drains; HoldState.Allows for the held row); in an ordered table every dead
+// row the state reader lists (Dead: keyed rows a dead hold holds included)
 // goes through ReplayEvent's own rule and is replayed as it replays it (a
-// held row's hold is retried, a keyed row that died before the switch and
-// is below its floor becomes a replay hold), and the refused ones are
-// counted in LeftAlone. f must name a Topic or set AllTopics.
+// held row's hold is retried, a keyed row that died before the switch and is
+// below its floor becomes a replay hold), and the refused ones are counted
+// in LeftAlone. f must name a Topic or set AllTopics.
 //
 // With dryRun it changes nothing and returns in Rows the number of rows the
 // statement would change now, and their Snapshot. Otherwise Rows is the
 // number it changed. Pass the dry run's Snapshot as f.Expect to change
 // exactly the previewed rows or none (ErrReplaySetChanged); without Expect
 // the replay takes whatever matches when it runs.
-func ReplayDead(ctx context.Context, db DB, t schema.Table, f DeadFilter, dryRun bool) (BulkReplay, error) {
+func (r *Runbook) ReplayDead(ctx context.Context, f DeadFilter, dryRun bool) (BulkReplay, error) {
+	if err := r.check(); err != nil {
+		return BulkReplay{}, err
+	}
+	db, t := r.db, r.table
 	sf, err := replayFilter(t, f)
 	if err != nil {
 		return BulkReplay{}, err
@@ -433,7 +424,7 @@ func replayDeadOrdered(ctx context.Context, db DB, sq sqlq.StateQueries, f DeadF
 	sel := sf
 	sel.Limit = 0
 	res := BulkReplay{Table: t.String(), DryRun: dryRun, Statement: sq.Dead(sel)}
-	res.Statement.SQL = "-- ordered mode: each dead row this lists is replayed as `outbox dead replay --event-id` replays it (runbook.ReplayEvent),\n" +
+	res.Statement.SQL = "-- ordered mode: each dead row this lists is replayed as `outbox dead replay --event-id` replays it (Runbook.ReplayEvent),\n" +
 		"-- and left alone when that refuses it\n" + res.Statement.SQL
 	// plan lists the rows the rule accepts now, up to maxSeq when capped.
 	plan := func(db DB, maxSeq int64, capped bool) (ids []uuid.UUID, seqs []int64, left int64, err error) {
@@ -554,10 +545,11 @@ type Progress struct {
 
 // ReplayProgress counts how many of the rows with eventIDs (a replay's
 // BulkReplay.EventIDs) are published, dead again, or still pending.
-func ReplayProgress(ctx context.Context, db DB, t schema.Table, eventIDs []uuid.UUID) (Progress, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) ReplayProgress(ctx context.Context, eventIDs []uuid.UUID) (Progress, error) {
+	if err := r.check(); err != nil {
 		return Progress{}, err
 	}
+	db, t := r.db, r.table
 	ids := make([]string, len(eventIDs))
 	for i, id := range eventIDs {
 		ids[i] = id.String()

@@ -47,7 +47,7 @@ func TestReplayEvent(t *testing.T) {
 	before := states(t, pool, tbl, ids)
 
 	// A dry run checks and shows, and changes nothing.
-	res, err := runbook.ReplayEvent(ctx, pool, tbl, dead, runbook.ReplayOptions{DryRun: true})
+	res, err := runbook.New(pool, tbl).ReplayEvent(ctx, dead, runbook.ReplayOptions{DryRun: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,7 +72,7 @@ func TestReplayEvent(t *testing.T) {
 	}
 	for _, dry := range []bool{true, false} {
 		for _, r := range refusals {
-			_, err := runbook.ReplayEvent(ctx, pool, tbl, r.id, runbook.ReplayOptions{DryRun: dry})
+			_, err := runbook.New(pool, tbl).ReplayEvent(ctx, r.id, runbook.ReplayOptions{DryRun: dry})
 			var nre *runbook.NotReplayableError
 			if !errors.Is(err, r.reason) || !errors.As(err, &nre) || nre.EventID != r.id ||
 				!strings.Contains(err.Error(), r.says) || !strings.Contains(err.Error(), "nothing changed") || !strings.Contains(err.Error(), tbl.String()) {
@@ -85,7 +85,7 @@ func TestReplayEvent(t *testing.T) {
 	// Dead, failed, and failed with an abandoned lease (not yet parked dead
 	// by a claim) are replayed.
 	for _, id := range []uuid.UUID{dead, failed, staleLeasedDead} {
-		res, err := runbook.ReplayEvent(ctx, pool, tbl, id, runbook.ReplayOptions{})
+		res, err := runbook.New(pool, tbl).ReplayEvent(ctx, id, runbook.ReplayOptions{})
 		if err != nil {
 			t.Fatalf("replay %s: %v", id, err)
 		}
@@ -102,26 +102,26 @@ func TestReplayEvent(t *testing.T) {
 	}
 
 	// A replayed row is pending and not failed: a second replay is refused.
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, dead, runbook.ReplayOptions{}); !errors.Is(err, runbook.ErrNotFailed) {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, dead, runbook.ReplayOptions{}); !errors.Is(err, runbook.ErrNotFailed) {
 		t.Fatalf("second replay: %v", err)
 	}
 	// Dead is dead_at, not a number of attempts: many attempts without
 	// dead_at or last_error is pending.
 	exec(t, pool, tbl, `UPDATE %s SET attempts = 30, locked_at = NULL, last_error = NULL WHERE event_id = $1`, pending)
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, pending, runbook.ReplayOptions{}); !errors.Is(err, runbook.ErrNotFailed) {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, pending, runbook.ReplayOptions{}); !errors.Is(err, runbook.ErrNotFailed) {
 		t.Fatalf("30 attempts, not dead: %v", err)
 	}
 	// The lock TTL comes from the options.
 	time.Sleep(20 * time.Millisecond)
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, leasedDead, runbook.ReplayOptions{LockTTL: 10 * time.Millisecond}); err != nil {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, leasedDead, runbook.ReplayOptions{LockTTL: 10 * time.Millisecond}); err != nil {
 		t.Fatalf("lease older than a 10ms lock TTL: %v", err)
 	}
 	assertReset(t, pool, tbl, leasedDead)
 
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, uuid.Nil, runbook.ReplayOptions{}); err == nil || !strings.Contains(err.Error(), "nil UUID") {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, uuid.Nil, runbook.ReplayOptions{}); err == nil || !strings.Contains(err.Error(), "nil UUID") {
 		t.Errorf("nil event_id: %v", err)
 	}
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, dead, runbook.ReplayOptions{LockTTL: -time.Second}); err == nil {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, dead, runbook.ReplayOptions{LockTTL: -time.Second}); err == nil {
 		t.Error("negative lock TTL accepted")
 	}
 }
@@ -157,11 +157,11 @@ func TestReplayWakesRelays(t *testing.T) {
 			t.Fatalf("%s: notification on %q", what, n.Channel)
 		}
 	}
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, ids[0], runbook.ReplayOptions{}); err != nil {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, ids[0], runbook.ReplayOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	wait("replay one")
-	if _, err := runbook.ReplayDead(ctx, pool, tbl, runbook.DeadFilter{Topic: topicA}, false); err != nil {
+	if _, err := runbook.New(pool, tbl).ReplayDead(ctx, runbook.DeadFilter{Topic: topicA}, false); err != nil {
 		t.Fatal(err)
 	}
 	wait("bulk replay")
@@ -183,12 +183,12 @@ func TestReplayDead(t *testing.T) {
 	// No unfiltered default.
 	for _, bad := range []runbook.DeadFilter{{}, {TenantID: tenantA}, {ErrorContains: "timeout"}, {Topic: topicA, AllTopics: true}, {Topic: topicA, Limit: -1}} {
 		for _, dry := range []bool{true, false} {
-			if _, err := runbook.ReplayDead(ctx, pool, tbl, bad, dry); err == nil {
+			if _, err := runbook.New(pool, tbl).ReplayDead(ctx, bad, dry); err == nil {
 				t.Errorf("ReplayDead(%+v, dry run %v) accepted", bad, dry)
 			}
 		}
 	}
-	if _, err := runbook.ReplayDead(ctx, pool, tbl, runbook.DeadFilter{}, false); !errors.Is(err, runbook.ErrNoReplayFilter) || !strings.Contains(err.Error(), "AllTopics") {
+	if _, err := runbook.New(pool, tbl).ReplayDead(ctx, runbook.DeadFilter{}, false); !errors.Is(err, runbook.ErrNoReplayFilter) || !strings.Contains(err.Error(), "AllTopics") {
 		t.Errorf("no filter: %v", err)
 	}
 	assertUnchanged(t, "refused bulk replays", before, states(t, pool, tbl, all))
@@ -198,13 +198,13 @@ func TestReplayDead(t *testing.T) {
 	replay := func(f runbook.DeadFilter, want int64, reset ...uuid.UUID) {
 		t.Helper()
 		snapshot := states(t, pool, tbl, all)
-		dry, err := runbook.ReplayDead(ctx, pool, tbl, f, true)
+		dry, err := runbook.New(pool, tbl).ReplayDead(ctx, f, true)
 		if err != nil {
 			t.Fatalf("dry run %+v: %v", f, err)
 		}
 		assertUnchanged(t, "dry run", snapshot, states(t, pool, tbl, all))
 		f.Expect = &dry.Snapshot // exactly the previewed rows
-		real, err := runbook.ReplayDead(ctx, pool, tbl, f, false)
+		real, err := runbook.New(pool, tbl).ReplayDead(ctx, f, false)
 		if err != nil {
 			t.Fatalf("replay %+v: %v", f, err)
 		}
@@ -236,11 +236,14 @@ func TestReplayDead(t *testing.T) {
 		t.Fatalf("leased dead row touched: %+v", s)
 	}
 
-	st, err := runbook.ReplayDeadStatement(tbl, runbook.DeadFilter{Topic: topicA, Limit: 10})
-	if err != nil || !strings.Contains(st.SQL, "FOR UPDATE") || !strings.Contains(st.SQL, tbl.Sanitize()) || len(st.Args) != 3 {
-		t.Fatalf("statement: %v %+v", err, st)
+	// Without Expect, a replay runs the plain statement: it takes the rows
+	// FOR UPDATE, the filter's values as parameters.
+	rb := runbook.New(pool, tbl)
+	res, err := rb.ReplayDead(ctx, runbook.DeadFilter{Topic: topicA, Limit: 10}, false)
+	if st := res.Statement; err != nil || !strings.Contains(st.SQL, "FOR UPDATE") || !strings.Contains(st.SQL, tbl.Sanitize()) || len(st.Args) != 3 {
+		t.Fatalf("statement: %v %+v", err, res)
 	}
-	if _, err := runbook.ReplayDeadStatement(tbl, runbook.DeadFilter{}); !errors.Is(err, runbook.ErrNoReplayFilter) {
-		t.Fatalf("statement without filter: %v", err)
+	if _, err := rb.ReplayDead(ctx, runbook.DeadFilter{}, true); !errors.Is(err, runbook.ErrNoReplayFilter) {
+		t.Fatalf("replay without filter: %v", err)
 	}
 }

@@ -80,16 +80,16 @@ func TestWALBulkReplayWhileDraining(t *testing.T) {
 	})
 	heldAt := func(id uuid.UUID, st runbook.HoldState) func() bool {
 		return func() bool {
-			list, err := runbook.ListHolds(ctx, pool, tbl, runbook.HoldsFilter{})
+			list, err := runbook.New(pool, tbl).ListHolds(ctx, runbook.HoldsFilter{})
 			return err == nil && len(list) == 1 && list[0].EventID == id.String() && list[0].State == st
 		}
 	}
 	waitUntil(t, 20*time.Second, "x1 dead, holding k", heldAt(x1, runbook.HoldDead))
-	if _, err := runbook.SkipEvent(ctx, pool, tbl, x1, false); err != nil {
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, x1, false); err != nil {
 		t.Fatal(err)
 	}
 	waitUntil(t, 20*time.Second, "x3 dead, holding k", heldAt(x3, runbook.HoldDead))
-	if _, err := runbook.SkipEvent(ctx, pool, tbl, x3, false); err != nil {
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, x3, false); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -101,27 +101,27 @@ func TestWALBulkReplayWhileDraining(t *testing.T) {
 
 	before := holdSnapshot(t, pool, tbl, tbl.WALHoldsTable())
 	all := runbook.DeadFilter{Topic: topicA}
-	if res, err := runbook.ReplayDead(ctx, pool, tbl, all, false); err != nil || res.Rows != 0 {
+	if res, err := runbook.New(pool, tbl).ReplayDead(ctx, all, false); err != nil || res.Rows != 0 {
 		t.Errorf("bulk replay by topic while k's hold drains: %d rows, %v; want 0 (refused)", res.Rows, err)
 	}
-	preview, err := runbook.ReplayDead(ctx, pool, tbl, all, true)
+	preview, err := runbook.New(pool, tbl).ReplayDead(ctx, all, true)
 	if err != nil || preview.Rows != 0 {
 		t.Errorf("preview of a bulk replay while k's hold drains: %d rows, %v; want 0", preview.Rows, err)
 	}
 	withSnapshot := all
 	withSnapshot.Expect = &runbook.ReplaySnapshot{Rows: 2, MaxSequence: 1 << 40}
-	if res, err := runbook.ReplayDead(ctx, pool, tbl, withSnapshot, false); res.Rows != 0 {
+	if res, err := runbook.New(pool, tbl).ReplayDead(ctx, withSnapshot, false); res.Rows != 0 {
 		t.Errorf("bulk replay with a snapshot of both rows while k's hold drains: %d rows, %v; want 0", res.Rows, err)
 	}
 	var cause string
 	if err := pool.QueryRow(ctx, `SELECT `+sqlq.CauseOf("last_error")+` FROM `+tbl.Sanitize()+` WHERE event_id = $1`, x1).Scan(&cause); err != nil {
 		t.Fatal(err)
 	}
-	if res, err := runbook.ReplayDead(ctx, pool, tbl, runbook.DeadFilter{AllTopics: true, Cause: cause}, false); err != nil || res.Rows != 0 {
+	if res, err := runbook.New(pool, tbl).ReplayDead(ctx, runbook.DeadFilter{AllTopics: true, Cause: cause}, false); err != nil || res.Rows != 0 {
 		t.Errorf("bulk replay by cause while k's hold drains: %d rows, %v; want 0 (refused)", res.Rows, err)
 	}
 	for _, id := range []uuid.UUID{x1, x3} {
-		_, err := runbook.ReplayEvent(ctx, pool, tbl, id, runbook.ReplayOptions{})
+		_, err := runbook.New(pool, tbl).ReplayEvent(ctx, id, runbook.ReplayOptions{})
 		var re *runbook.HoldRuleError
 		if !errors.As(err, &re) || re.State != runbook.HoldDraining || re.Op != runbook.OpReplay {
 			t.Errorf("replay of %s while k's hold drains: %v; want a refusal by the hold's rules (draining)", id, err)
@@ -134,10 +134,10 @@ func TestWALBulkReplayWhileDraining(t *testing.T) {
 	released = true
 	close(release)
 	waitUntil(t, 20*time.Second, "k's hold resolved", func() bool {
-		list, err := runbook.ListHolds(ctx, pool, tbl, runbook.HoldsFilter{})
+		list, err := runbook.New(pool, tbl).ListHolds(ctx, runbook.HoldsFilter{})
 		return err == nil && len(list) == 0
 	})
-	if res, err := runbook.ReplayDead(ctx, pool, tbl, all, false); err != nil || res.Rows != 2 {
+	if res, err := runbook.New(pool, tbl).ReplayDead(ctx, all, false); err != nil || res.Rows != 2 {
 		t.Fatalf("bulk replay once k's hold is resolved: %d rows, %v; want 2", res.Rows, err)
 	}
 	waitUntil(t, 20*time.Second, "x1 and x3 delivered again", func() bool {
@@ -184,16 +184,16 @@ func TestWALReplayOfAnEarlierRowOfAHeldKey(t *testing.T) {
 	})
 	heldAt := func(id uuid.UUID, st runbook.HoldState) func() bool {
 		return func() bool {
-			list, err := runbook.ListHolds(ctx, pool, tbl, runbook.HoldsFilter{})
+			list, err := runbook.New(pool, tbl).ListHolds(ctx, runbook.HoldsFilter{})
 			return err == nil && len(list) == 1 && list[0].EventID == id.String() && list[0].State == st
 		}
 	}
 	waitUntil(t, 20*time.Second, "x1 dead, holding k", heldAt(x1, runbook.HoldDead))
-	if _, err := runbook.SkipEvent(ctx, pool, tbl, x1, false); err != nil {
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, x1, false); err != nil {
 		t.Fatal(err)
 	}
 	waitUntil(t, 20*time.Second, "x3 dead, holding k", heldAt(x3, runbook.HoldDead))
-	if rep, err := runbook.ReplayEvent(ctx, pool, tbl, x1, runbook.ReplayOptions{}); err != nil || rep.Changed != 1 {
+	if rep, err := runbook.New(pool, tbl).ReplayEvent(ctx, x1, runbook.ReplayOptions{}); err != nil || rep.Changed != 1 {
 		t.Fatalf("replay of x1 while x3 holds its key: %+v, %v", rep, err)
 	}
 	waitUntil(t, 20*time.Second, "x1 delivered again", func() bool { return c.count(c.acked, x1) == 1 })
@@ -240,7 +240,7 @@ func TestWALBulkReplayWaitsForAConcurrentSkip(t *testing.T) {
 	}
 	done := make(chan result, 1)
 	go func() {
-		res, err := runbook.ReplayDead(ctx, pool, tbl, runbook.DeadFilter{Topic: topicA}, false)
+		res, err := runbook.New(pool, tbl).ReplayDead(ctx, runbook.DeadFilter{Topic: topicA}, false)
 		done <- result{res.Rows, err}
 	}()
 	// The replay's statement waits for the skip's lock (or, without the

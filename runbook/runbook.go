@@ -4,6 +4,12 @@
 // `outbox dead list|replay` and `outbox stats` commands are thin wrappers
 // around it.
 //
+// Each operation is a method of a Runbook, the handle of one table
+// through one database handle:
+//
+//	rb := runbook.New(pool, table)
+//	stats, err := rb.Stats(ctx)
+//
 // A row is dead when it is not published and its dead_at is set (the relay
 // sets it when the last allowed attempt fails, on a permanent error, when
 // the lease of the last attempt expires, or when the last attempt got no
@@ -14,8 +20,8 @@
 // least once, so consumers dedup on event_id. Rows that a relay is handling
 // right now (leased less than the lock TTL ago) are never replayed.
 //
-// The statements live in package schema (sqlq.RunbookQueries, and
-// sqlq.StateQueries for the table's state in the mode it is relayed in,
+// The statements live in package internal/sqlq (RunbookQueries, and
+// StateQueries for the table's state in the mode it is relayed in,
 // the one state reader internal/state chooses); the table name is always
 // rendered with schema.Table.Sanitize and every value is a parameter.
 package runbook
@@ -24,6 +30,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"time"
 
@@ -42,6 +49,53 @@ type DB interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// Runbook runs the operations on one outbox table through one database
+// handle: build it with New, then call its methods, such as
+//
+//	rb := runbook.New(pool, table)
+//	stats, err := rb.Stats(ctx)
+//
+// It holds no state of its own beyond the handle and the table, so it is
+// cheap to build and safe for concurrent use when its DB is (a
+// *pgxpool.Pool is; a *pgx.Conn or a pgx.Tx is not). Build one on a pgx.Tx
+// to run its operations inside a transaction of the caller's.
+type Runbook struct {
+	db    DB
+	table schema.Table
+}
+
+// New returns the runbook of table t through db. It checks nothing and
+// touches no database: a nil db or a zero t is reported by each method.
+func New(db DB, t schema.Table) *Runbook {
+	return &Runbook{db: db, table: t}
+}
+
+// Table returns the table the runbook operates on.
+func (r *Runbook) Table() schema.Table {
+	if r == nil {
+		return schema.Table{}
+	}
+	return r.table
+}
+
+// check refuses a runbook without a database handle or a table.
+func (r *Runbook) check() error {
+	if r == nil || isNil(r.db) {
+		return errors.New("runbook: no database handle; build the runbook with runbook.New(pool, table), pool a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx")
+	}
+	return checkTable(r.table)
+}
+
+// isNil tells whether db is nil, or a nil pointer in the interface (a nil
+// *pgxpool.Pool), which would panic at the first query.
+func isNil(db DB) bool {
+	if db == nil {
+		return true
+	}
+	v := reflect.ValueOf(db)
+	return v.Kind() == reflect.Pointer && v.IsNil()
 }
 
 // DefaultLimit is the number of rows Backlog and Dead return when no limit
@@ -164,15 +218,16 @@ type BacklogOptions struct {
 	Topic string
 }
 
-// Backlog lists the pending rows of t (not delivered, not dead, in the
+// Backlog lists the pending rows of the table (not delivered, not dead, in the
 // table's mode: sqlq.StateQueries) oldest first, in the order the relay
 // takes them (available_at, sequence). Rows waiting for a retry, rows
 // leased by a relay and rows waiting behind a held key are included; their
 // last_error, locked_at and WaitingBehind say so.
-func Backlog(ctx context.Context, db DB, t schema.Table, opts BacklogOptions) ([]Row, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) Backlog(ctx context.Context, opts BacklogOptions) ([]Row, error) {
+	if err := r.check(); err != nil {
 		return nil, err
 	}
+	db, t := r.db, r.table
 	limit, err := checkLimit(opts.Limit)
 	if err != nil {
 		return nil, err
@@ -240,14 +295,15 @@ func (f DeadFilter) schemaFilter() (sqlq.RunbookFilter, error) {
 	return sf, nil
 }
 
-// Dead lists the dead rows of t matching f, in sequence order: rows with
-// dead_at set and, in an ordered table, the keyed rows a dead hold holds
-// (with the hold's attempts, last_error and dead_at). Page through them by
-// passing the last Sequence returned as the next AfterSequence.
-func Dead(ctx context.Context, db DB, t schema.Table, f DeadFilter) ([]Row, error) {
-	if err := checkTable(t); err != nil {
+// Dead lists the dead rows of the table matching f, in sequence order: rows
+// with dead_at set and, in an ordered table, the keyed rows a dead hold
+// holds (with the hold's attempts, last_error and dead_at). Page through
+// them by passing the last Sequence returned as the next AfterSequence.
+func (r *Runbook) Dead(ctx context.Context, f DeadFilter) ([]Row, error) {
+	if err := r.check(); err != nil {
 		return nil, err
 	}
+	db, t := r.db, r.table
 	var err error
 	if f.Limit, err = checkLimit(f.Limit); err != nil {
 		return nil, err
@@ -337,11 +393,12 @@ func (s TableStats) OldestPendingAge() time.Duration {
 	return time.Duration(s.OldestPendingAgeSeconds * float64(time.Second))
 }
 
-// Stats reads the counters of t in its relay mode.
-func Stats(ctx context.Context, db DB, t schema.Table) (TableStats, error) {
-	if err := checkTable(t); err != nil {
+// Stats reads the counters of the table in its relay mode.
+func (r *Runbook) Stats(ctx context.Context) (TableStats, error) {
+	if err := r.check(); err != nil {
 		return TableStats{}, err
 	}
+	db, t := r.db, r.table
 	sq, err := readerOf(ctx, db, t)
 	if err != nil {
 		return TableStats{}, err
@@ -353,7 +410,7 @@ func Stats(ctx context.Context, db DB, t schema.Table) (TableStats, error) {
 	if err != nil {
 		return TableStats{}, dbError(t, "stats of", err)
 	}
-	paused, err := PausedTopics(ctx, db, t)
+	paused, err := r.PausedTopics(ctx)
 	if err != nil {
 		return TableStats{}, err
 	}
@@ -378,14 +435,16 @@ type TopicBacklog struct {
 	Paused bool `json:"paused"`
 }
 
-// Topics lists the backlog of t by topic, the largest first, at most limit
-// topics (DefaultLimit when 0), in the table's relay mode. Delivered rows
-// are not counted. Paused topics are marked, and listed after the others
-// (with zero counts, within the limit) when nothing of theirs is pending.
-func Topics(ctx context.Context, db DB, t schema.Table, limit int) ([]TopicBacklog, error) {
-	if err := checkTable(t); err != nil {
+// Topics lists the backlog of the table by topic, the largest first, at most
+// limit topics (DefaultLimit when 0), in the table's relay mode. Delivered
+// rows are not counted. Paused topics are marked, and listed after the
+// others (with zero counts, within the limit) when nothing of theirs is
+// pending.
+func (r *Runbook) Topics(ctx context.Context, limit int) ([]TopicBacklog, error) {
+	if err := r.check(); err != nil {
 		return nil, err
 	}
+	db, t := r.db, r.table
 	limit, err := checkLimit(limit)
 	if err != nil {
 		return nil, err
@@ -406,7 +465,7 @@ func Topics(ctx context.Context, db DB, t schema.Table, limit int) ([]TopicBackl
 	if err != nil {
 		return nil, dbError(t, "count the backlog by topic of", err)
 	}
-	paused, err := PausedTopics(ctx, db, t)
+	paused, err := r.PausedTopics(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -436,14 +495,15 @@ type Session struct {
 	BackendStart time.Time `json:"backend_start"`
 }
 
-// Leader returns the session of the relay that holds t's single-active
+// Leader returns the session of the relay that holds the table's single-active
 // lock, or nil when none does (no relay runs, or they all run with
 // DisableSingleActive). Reading other sessions' client address needs the
 // pg_read_all_stats role or superuser; otherwise it is empty.
-func Leader(ctx context.Context, db DB, t schema.Table) (*Session, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) Leader(ctx context.Context) (*Session, error) {
+	if err := r.check(); err != nil {
 		return nil, err
 	}
+	db, t := r.db, r.table
 	st := sqlq.NewRunbookQueries(t).Leader()
 	var (
 		s         Session

@@ -10,6 +10,9 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/runbook"
@@ -43,7 +46,7 @@ func TestBacklog(t *testing.T) {
 	exec(t, pool, tbl, `UPDATE %s SET attempts = 2, last_error = 'connection refused', available_at = now() + interval '1 minute' WHERE event_id = $1`, ids[3])
 	exec(t, pool, tbl, `UPDATE %s SET attempts = 1, locked_at = now(), available_at = now() - interval '1 hour' WHERE event_id = $1`, ids[4])
 
-	rows, err := runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{})
+	rows, err := runbook.New(pool, tbl).Backlog(ctx, runbook.BacklogOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -66,26 +69,26 @@ func TestBacklog(t *testing.T) {
 		t.Errorf("sequences or topics wrong: %+v %+v", byID[ids[0]], byID[ids[5]])
 	}
 
-	rows, err = runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{Limit: 2})
+	rows, err = runbook.New(pool, tbl).Backlog(ctx, runbook.BacklogOptions{Limit: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
 	assertIDs(t, "backlog limit 2", rows, ids[4], ids[0])
 
-	rows, err = runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{Topic: topicB})
+	rows, err = runbook.New(pool, tbl).Backlog(ctx, runbook.BacklogOptions{Topic: topicB})
 	if err != nil {
 		t.Fatal(err)
 	}
 	assertIDs(t, "backlog of topic B", rows, ids[5])
 
-	if _, err := runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{Limit: -1}); err == nil || !strings.Contains(err.Error(), "negative") {
+	if _, err := runbook.New(pool, tbl).Backlog(ctx, runbook.BacklogOptions{Limit: -1}); err == nil || !strings.Contains(err.Error(), "negative") {
 		t.Errorf("negative limit: %v", err)
 	}
-	if _, err := runbook.Backlog(ctx, pool, schema.Table{}, runbook.BacklogOptions{}); err == nil || !strings.Contains(err.Error(), "schema.ParseTable") {
+	if _, err := runbook.New(pool, schema.Table{}).Backlog(ctx, runbook.BacklogOptions{}); err == nil || !strings.Contains(err.Error(), "schema.ParseTable") {
 		t.Errorf("zero table: %v", err)
 	}
 	missing := schema.MustParseTable(tbl.Schema() + ".missing_outbox")
-	if _, err := runbook.Backlog(ctx, pool, missing, runbook.BacklogOptions{}); !errors.Is(err, schema.ErrTableNotFound) || !strings.Contains(err.Error(), "outbox migrate") {
+	if _, err := runbook.New(pool, missing).Backlog(ctx, runbook.BacklogOptions{}); !errors.Is(err, schema.ErrTableNotFound) || !strings.Contains(err.Error(), "outbox migrate") {
 		t.Errorf("missing table: %v", err)
 	}
 }
@@ -106,7 +109,7 @@ func TestDead(t *testing.T) {
 
 	list := func(f runbook.DeadFilter) []runbook.Row {
 		t.Helper()
-		rows, err := runbook.Dead(ctx, pool, tbl, f)
+		rows, err := runbook.New(pool, tbl).Dead(ctx, f)
 		if err != nil {
 			t.Fatalf("Dead(%+v): %v", f, err)
 		}
@@ -134,7 +137,7 @@ func TestDead(t *testing.T) {
 	assertIDs(t, "page 3", list(runbook.DeadFilter{Limit: 2, AfterSequence: page[1].Sequence}))
 
 	for _, bad := range []runbook.DeadFilter{{Limit: -1}, {AfterSequence: -1}} {
-		if _, err := runbook.Dead(ctx, pool, tbl, bad); err == nil || !strings.Contains(err.Error(), "negative") {
+		if _, err := runbook.New(pool, tbl).Dead(ctx, bad); err == nil || !strings.Contains(err.Error(), "negative") {
 			t.Errorf("Dead(%+v): %v", bad, err)
 		}
 	}
@@ -146,7 +149,7 @@ func TestStats(t *testing.T) {
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "stats_outbox")
 
-	empty, err := runbook.Stats(ctx, pool, tbl)
+	empty, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,7 +166,7 @@ func TestStats(t *testing.T) {
 	exec(t, pool, tbl, `UPDATE %s SET published_at = now() WHERE event_id = $1`, ids[5])
 	exec(t, pool, tbl, `UPDATE %s SET published_at = now() - interval '2 hours' WHERE event_id = $1`, ids[6])
 
-	s, err := runbook.Stats(ctx, pool, tbl)
+	s, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -180,7 +183,7 @@ func TestStats(t *testing.T) {
 
 	// Many attempts without dead_at is still pending.
 	exec(t, pool, tbl, `UPDATE %s SET attempts = 40 WHERE event_id = $1`, ids[1])
-	if s, err = runbook.Stats(ctx, pool, tbl); err != nil || s.Pending != 3 || s.Dead != 2 {
+	if s, err = runbook.New(pool, tbl).Stats(ctx); err != nil || s.Pending != 3 || s.Dead != 2 {
 		t.Fatalf("stats after 40 attempts: %+v, %v", s, err)
 	}
 }
@@ -195,8 +198,70 @@ func TestLegacyTableWithoutDeadAt(t *testing.T) {
 	if _, err := pool.Exec(ctx, `ALTER TABLE `+tbl.Sanitize()+` DROP COLUMN dead_at`); err != nil {
 		t.Fatal(err)
 	}
-	_, err := runbook.Stats(ctx, pool, tbl)
+	_, err := runbook.New(pool, tbl).Stats(ctx)
 	if !errors.Is(err, schema.ErrNoDeadAt) || !strings.Contains(err.Error(), "outbox migrate --table="+tbl.String()) {
 		t.Fatalf("stats of a legacy table: %v", err)
+	}
+}
+
+// untouchedDB is a DB that no call may reach.
+type untouchedDB struct{ t *testing.T }
+
+func (d untouchedDB) Query(context.Context, string, ...any) (pgx.Rows, error) {
+	d.t.Fatal("Query reached the database")
+	return nil, nil
+}
+
+func (d untouchedDB) QueryRow(context.Context, string, ...any) pgx.Row {
+	d.t.Fatal("QueryRow reached the database")
+	return nil
+}
+
+func (d untouchedDB) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
+	d.t.Fatal("Exec reached the database")
+	return pgconn.CommandTag{}, nil
+}
+
+// TestRunbookChecks: every method of a runbook without a database handle
+// (a nil *Runbook, a nil DB, a nil *pgxpool.Pool) or without a table says
+// so, without touching a database; New checks nothing, and Table returns
+// the table given.
+func TestRunbookChecks(t *testing.T) {
+	t.Parallel()
+	tbl := schema.MustParseTable("public.org_outbox")
+	if got := runbook.New(nil, tbl).Table(); got != tbl {
+		t.Errorf("Table() = %v, want %v", got, tbl)
+	}
+	if got := (*runbook.Runbook)(nil).Table(); !got.IsZero() {
+		t.Errorf("Table() of a nil runbook = %v", got)
+	}
+	cases := []struct {
+		name string
+		rb   *runbook.Runbook
+		want string
+	}{
+		{"nil runbook", nil, "no database handle"},
+		{"nil DB", runbook.New(nil, tbl), "no database handle"},
+		{"nil pool", runbook.New((*pgxpool.Pool)(nil), tbl), "no database handle"},
+		{"zero table", runbook.New(untouchedDB{t}, schema.Table{}), "schema.ParseTable"},
+	}
+	rt := reflect.TypeOf((*runbook.Runbook)(nil))
+	ctx := reflect.ValueOf(context.Background())
+	for _, c := range cases {
+		for i := range rt.NumMethod() {
+			m := rt.Method(i)
+			if m.Name == "Table" {
+				continue
+			}
+			args := []reflect.Value{reflect.ValueOf(c.rb), ctx}
+			for j := 2; j < m.Type.NumIn(); j++ {
+				args = append(args, reflect.Zero(m.Type.In(j)))
+			}
+			out := m.Func.Call(args)
+			err, _ := out[len(out)-1].Interface().(error)
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("%s: %s: %v, want an error saying %q", c.name, m.Name, err, c.want)
+			}
+		}
 	}
 }

@@ -26,14 +26,14 @@ func TestReplayDeadChangesExactlyThePreviewedRows(t *testing.T) {
 	f := runbook.DeadFilter{Topic: topicA}
 
 	// A later row dies after the preview: not replayed.
-	preview, err := runbook.ReplayDead(ctx, pool, tbl, f, true)
+	preview, err := runbook.New(pool, tbl).ReplayDead(ctx, f, true)
 	if err != nil || preview.Rows != 3 || preview.Snapshot.Rows != 3 || preview.Snapshot.MaxSequence != sequenceOf(t, pool, tbl, ids[3]) || preview.Snapshot.Digest == "" {
 		t.Fatalf("preview: %v %+v", err, preview)
 	}
 	markDead(t, pool, tbl, "timeout", ids[4])
 	expect := preview.Snapshot
 	f.Expect = &expect
-	res, err := runbook.ReplayDead(ctx, pool, tbl, f, false)
+	res, err := runbook.New(pool, tbl).ReplayDead(ctx, f, false)
 	if err != nil || res.Rows != 3 {
 		t.Fatalf("replay of the previewed rows: %v %+v", err, res)
 	}
@@ -51,14 +51,14 @@ func TestReplayDeadChangesExactlyThePreviewedRows(t *testing.T) {
 		do   func()
 	}{
 		{"a previewed row replayed meanwhile", func() {
-			if _, err := runbook.ReplayEvent(ctx, pool, tbl, ids[5], runbook.ReplayOptions{}); err != nil {
+			if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, ids[5], runbook.ReplayOptions{}); err != nil {
 				t.Fatal(err)
 			}
 		}},
 		{"an older row gone dead meanwhile", func() { markDead(t, pool, tbl, "timeout", ids[0]) }},
 	} {
 		f := runbook.DeadFilter{Topic: topicA}
-		preview, err := runbook.ReplayDead(ctx, pool, tbl, f, true)
+		preview, err := runbook.New(pool, tbl).ReplayDead(ctx, f, true)
 		if err != nil || preview.Rows == 0 {
 			t.Fatalf("%s: preview %v %+v", change.name, err, preview)
 		}
@@ -67,7 +67,7 @@ func TestReplayDeadChangesExactlyThePreviewedRows(t *testing.T) {
 		before := states(t, pool, tbl, all)
 		expect := preview.Snapshot
 		f.Expect = &expect
-		res, err := runbook.ReplayDead(ctx, pool, tbl, f, false)
+		res, err := runbook.New(pool, tbl).ReplayDead(ctx, f, false)
 		if !errors.Is(err, runbook.ErrReplaySetChanged) || res.Rows != 0 {
 			t.Fatalf("%s: %v %+v, want ErrReplaySetChanged", change.name, err, res)
 		}

@@ -32,16 +32,17 @@ func readerOf(ctx context.Context, db DB, t schema.Table) (state.Reader, error) 
 	return r, nil
 }
 
-// Mode tells how t is relayed: the mode recorded for it (by `outbox
+// Mode tells how the table is relayed: the mode recorded for it (by `outbox
 // migrate --ordered|--wal|--mode`, schema.WithMode, or the relay that
 // started on it last) or, for a table without a record, the mode inferred
 // from what exists: schema.ModeWAL for a table the WAL relay streams,
 // schema.ModeOrdered for a table with ordered mode's column and companion
 // tables, schema.ModeDefault otherwise.
-func Mode(ctx context.Context, db DB, t schema.Table) (schema.Mode, error) {
-	if err := checkTable(t); err != nil {
+func (r *Runbook) Mode(ctx context.Context) (schema.Mode, error) {
+	if err := r.check(); err != nil {
 		return "", err
 	}
+	db, t := r.db, r.table
 	sq, err := stateOf(ctx, db, t)
 	if err != nil {
 		return "", err

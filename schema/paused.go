@@ -13,7 +13,7 @@ const PauseReasonMaxBytes = 200
 const PauseTopicMaxBytes = 127
 
 // PausedTopicsTable names the companion table of the topics an operator
-// paused (runbook.PauseTopic), sanitized for SQL.
+// paused (runbook.Runbook.PauseTopic), sanitized for SQL.
 func (t Table) PausedTopicsTable() string { return t.companion(suffixPausedTopics) }
 
 // pausedTopicsStatement creates the paused-topics table of t, idempotently.

@@ -17,7 +17,7 @@ const ReplayJobTextMaxBytes = 500
 const ReplayJobIDMaxBytes = 64
 
 // ReplayJobsTable names the companion table of the bulk replays started
-// from the console (runbook.SaveReplayJob), sanitized for SQL.
+// from the console (runbook.Runbook.SaveReplayJob), sanitized for SQL.
 func (t Table) ReplayJobsTable() string { return t.companion(suffixReplayJobs) }
 
 // replayJobsStatement creates the replay jobs' table of t, idempotently.

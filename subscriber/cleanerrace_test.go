@@ -60,7 +60,7 @@ func TestOrderedReplayRacingCleanerStrandsNoKey(t *testing.T) {
 			for _, e := range old {
 				// Refusals (the row is gone, or not cleaned up yet) are
 				// fine; a stranded key is not.
-				_, _ = runbook.ReplayEvent(ctx, pool, tbl, e.event, runbook.ReplayOptions{})
+				_, _ = runbook.New(pool, tbl).ReplayEvent(ctx, e.event, runbook.ReplayOptions{})
 			}
 		}()
 		wg.Wait()

@@ -94,13 +94,13 @@ func TestLeaseExpiredOnLastAttemptGoesDead(t *testing.T) {
 		return testutil.ToFloat64(m.Dead.WithLabelValues(tbl.Qualified())) == 1 &&
 			testutil.ToFloat64(m.Pending.WithLabelValues(tbl.Qualified())) == 0
 	})
-	dead, err := runbook.Dead(ctx, pool, tbl, runbook.DeadFilter{})
+	dead, err := runbook.New(pool, tbl).Dead(ctx, runbook.DeadFilter{})
 	if err != nil || len(dead) != 1 || dead[0].EventID.String() != ids[0] || dead[0].DeadAt == nil {
-		t.Fatalf("runbook.Dead: %v, %+v", err, dead)
+		t.Fatalf("runbook's Dead: %v, %+v", err, dead)
 	}
-	st, err := runbook.Stats(ctx, pool, tbl)
+	st, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil || st.Dead != 1 || st.Pending != 0 || st.Locked != 0 {
-		t.Fatalf("runbook.Stats: %v, %+v", err, st)
+		t.Fatalf("runbook's Stats: %v, %+v", err, st)
 	}
 }
 

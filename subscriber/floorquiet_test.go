@@ -39,7 +39,7 @@ func TestOrderedFloorWrittenWhenQuiet(t *testing.T) {
 	rec.waitAcked(t, events, 2*time.Minute)
 	acked := time.Now()
 	for {
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}

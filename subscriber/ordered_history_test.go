@@ -350,7 +350,7 @@ func (h *history) produce(ctx context.Context, keys []string, share int) error {
 // operate skips or retries dead rows, skips some retrying rows, and
 // replays rows already acked.
 func (h *history) operate(ctx context.Context) {
-	held, err := runbook.HeldKeys(ctx, h.pool, h.tbl, 0)
+	held, err := runbook.New(h.pool, h.tbl).HeldKeys(ctx, 0)
 	if err != nil {
 		if ctx.Err() == nil {
 			h.t.Errorf("held keys: %v", err)
@@ -368,7 +368,7 @@ func (h *history) operate(ctx context.Context) {
 			delete(h.poison, k.EventID)
 			h.mu.Unlock()
 			n := h.clock.Add(1)
-			if rep, err := runbook.ReplayEvent(ctx, h.pool, h.tbl, id, runbook.ReplayOptions{}); err == nil && rep.Changed == 1 {
+			if rep, err := runbook.New(h.pool, h.tbl).ReplayEvent(ctx, id, runbook.ReplayOptions{}); err == nil && rep.Changed == 1 {
 				h.mu.Lock()
 				h.replays = append(h.replays, hReplay{id: k.EventID, n: n, held: rep.Statement.SQL != h.oq.ReplayDone})
 				h.counts["replays of dead rows"]++
@@ -376,7 +376,7 @@ func (h *history) operate(ctx context.Context) {
 			}
 		case k.DeadAt != nil || h.intn(10) == 0:
 			req := h.clock.Add(1)
-			if sk, err := runbook.SkipEvent(ctx, h.pool, h.tbl, id, false); err == nil && sk.Changed == 1 {
+			if sk, err := runbook.New(h.pool, h.tbl).SkipEvent(ctx, id, false); err == nil && sk.Changed == 1 {
 				h.mu.Lock()
 				h.skips = append(h.skips, hSkip{id: k.EventID, req: req, n: h.clock.Add(1), done: time.Now()})
 				h.counts["skips"]++
@@ -399,7 +399,7 @@ func (h *history) operate(ctx context.Context) {
 	sort.Strings(done)
 	id := done[h.intn(len(done))]
 	n := h.clock.Add(1)
-	rep, err := runbook.ReplayEvent(ctx, h.pool, h.tbl, uuid.MustParse(id), runbook.ReplayOptions{})
+	rep, err := runbook.New(h.pool, h.tbl).ReplayEvent(ctx, uuid.MustParse(id), runbook.ReplayOptions{})
 	switch {
 	case err == nil && rep.Changed == 1:
 		h.mu.Lock()

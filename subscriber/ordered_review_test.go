@@ -253,7 +253,7 @@ func TestOrderedSkipSurvivesHandover(t *testing.T) {
 		return msg.UUID != bad[0].event.String()
 	})
 	waitFor(t, "dead hold", 2*time.Minute, func() bool { return holdCount(t, pool, tbl, "dead_at IS NOT NULL") == 1 })
-	sk, err := runbook.SkipEvent(ctx, pool, tbl, bad[0].event, false)
+	sk, err := runbook.New(pool, tbl).SkipEvent(ctx, bad[0].event, false)
 	if err != nil || sk.Changed != 1 {
 		t.Fatalf("skip: %+v %v", sk, err)
 	}
@@ -325,7 +325,7 @@ func TestOrderedSkipDuringRetryInFlight(t *testing.T) {
 	case <-time.After(2 * time.Minute):
 		t.Fatal("no retry")
 	}
-	sk, err := runbook.SkipEvent(ctx, pool, tbl, evs[0].event, false)
+	sk, err := runbook.New(pool, tbl).SkipEvent(ctx, evs[0].event, false)
 	if err != nil || sk.Changed != 1 {
 		t.Fatalf("skip while the retry is in flight: %+v %v", sk, err)
 	}
@@ -431,7 +431,7 @@ func TestOrderedReplayKeyedRow(t *testing.T) {
 	})
 	rec.waitAcked(t, evs[2:], 2*time.Minute)
 	waitFor(t, "dead hold", 2*time.Minute, func() bool { return holdCount(t, pool, tbl, "dead_at IS NOT NULL") == 1 })
-	if _, err := runbook.SkipEvent(ctx, pool, tbl, evs[0].event, false); err != nil {
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, evs[0].event, false); err != nil {
 		t.Fatal(err)
 	}
 	rec.waitAcked(t, evs[1:2], 2*time.Minute)
@@ -448,7 +448,7 @@ func TestOrderedReplayKeyedRow(t *testing.T) {
 	var rep runbook.EventReplay
 	waitFor(t, "replay of the skipped row accepted", 2*time.Minute, func() bool {
 		var err error
-		rep, err = runbook.ReplayEvent(ctx, pool, tbl, evs[0].event, runbook.ReplayOptions{})
+		rep, err = runbook.New(pool, tbl).ReplayEvent(ctx, evs[0].event, runbook.ReplayOptions{})
 		return err == nil
 	})
 	if rep.Changed != 1 {
@@ -456,7 +456,7 @@ func TestOrderedReplayKeyedRow(t *testing.T) {
 	}
 	waitFor(t, "skipped row delivered after its replay", 2*time.Minute, func() bool { return rec.isAcked(evs[0].event) })
 	before := count(evs[2])
-	rep, err := runbook.ReplayEvent(ctx, pool, tbl, evs[2].event, runbook.ReplayOptions{})
+	rep, err := runbook.New(pool, tbl).ReplayEvent(ctx, evs[2].event, runbook.ReplayOptions{})
 	if err != nil || rep.Changed != 1 {
 		t.Fatalf("replay of an acked keyed row: %+v %v", rep, err)
 	}
@@ -475,7 +475,7 @@ func TestOrderedReplayKeyedRow(t *testing.T) {
 		t.Fatal(err)
 	}
 	later := enqueueKeyed(t, pool, tbl, "q")
-	_, err = runbook.ReplayEvent(ctx, pool, tbl, later[0].event, runbook.ReplayOptions{})
+	_, err = runbook.New(pool, tbl).ReplayEvent(ctx, later[0].event, runbook.ReplayOptions{})
 	if err == nil {
 		// It may have been relayed already if the floor passed it: q is
 		// another key, and only p waits for the open writer.

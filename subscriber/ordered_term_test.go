@@ -452,7 +452,7 @@ func TestOrderedGaugesAgreeWithRunbook(t *testing.T) {
 	rec.waitAcked(t, []keyed{evs[1], evs[2], evs[4]}, 10*time.Second)
 	label := tbl.Qualified()
 	waitUntil(t, 10*time.Second, func() bool {
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -588,18 +588,18 @@ func TestOrderedDeadKeyReplayAndSkip(t *testing.T) {
 		}
 		return s
 	}
-	hk, err := runbook.HeldKeys(ctx, pool, tbl, 0)
+	hk, err := runbook.New(pool, tbl).HeldKeys(ctx, 0)
 	if err != nil || len(hk) != 2 || hk[0].DeadAt == nil || hk[1].DeadAt == nil {
 		t.Fatalf("held keys %+v, %v; want the two dead keys", hk, err)
 	}
-	if _, err := runbook.SkipEvent(ctx, pool, tbl, held[1].event, false); !errors.Is(err, runbook.ErrNotHeld) {
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, held[1].event, false); !errors.Is(err, runbook.ErrNotHeld) {
 		t.Fatalf("skip of a row that holds nothing: %v", err)
 	}
-	rep, err := runbook.ReplayEvent(ctx, pool, tbl, held[0].event, runbook.ReplayOptions{})
+	rep, err := runbook.New(pool, tbl).ReplayEvent(ctx, held[0].event, runbook.ReplayOptions{})
 	if err != nil || rep.Changed != 1 || !rep.Dead || rep.Row.Sequence != seqOf(held[0]) {
 		t.Fatalf("replay of the dead held row: %+v %v", rep, err)
 	}
-	sk, err := runbook.SkipEvent(ctx, pool, tbl, skipped[0].event, false)
+	sk, err := runbook.New(pool, tbl).SkipEvent(ctx, skipped[0].event, false)
 	if err != nil || sk.Changed != 1 || sk.Key != "skip" {
 		t.Fatalf("skip: %+v %v", sk, err)
 	}

@@ -14,7 +14,7 @@ import (
 )
 
 // Paused topics (docs/ARCHITECTURE.md, "Paused topics"). An operator pauses
-// a topic with runbook.PauseTopic, which writes <table>_paused_topics and
+// a topic with runbook.Runbook.PauseTopic, which writes <table>_paused_topics and
 // notifies the table's channel with sqlq.PausedTopicsNotifyPayload. The
 // relay keeps the set in memory and reads it again after such a
 // notification (or a reconnection of the listener, which may have missed

@@ -143,7 +143,7 @@ func TestPausedTopicDefaultRelay(t *testing.T) {
 	enqueue(t, pool, tbl, topicB, 1)
 	waitFor(t, "the first row of B was not delivered", 2*time.Minute, func() bool { return log.count(topicB) == 1 })
 
-	res, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "consumer of A broken", false)
+	res, err := runbook.New(pool, tbl).PauseTopic(ctx, topicA, "consumer of A broken", false)
 	if err != nil || res.Changed != 1 || !res.Paused {
 		t.Fatalf("PauseTopic: %+v, %v", res, err)
 	}
@@ -161,7 +161,7 @@ func TestPausedTopicDefaultRelay(t *testing.T) {
 			t.Fatalf("row %s of paused topic A: %+v, want pending and untouched", id, st)
 		}
 	}
-	bl, err := runbook.Topics(ctx, pool, tbl, 0)
+	bl, err := runbook.New(pool, tbl).Topics(ctx, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -192,7 +192,7 @@ func TestPausedTopicDefaultRelay(t *testing.T) {
 	}
 
 	start := time.Now()
-	if res, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil || res.Changed != 1 {
+	if res, err := runbook.New(pool, tbl).ResumeTopic(ctx, topicA, false); err != nil || res.Changed != 1 {
 		t.Fatalf("ResumeTopic: %+v, %v", res, err)
 	}
 	waitFor(t, "A's rows not delivered at the resume's wake-up", 2*time.Minute, func() bool { return log2.count(topicA) == 10 })
@@ -207,7 +207,7 @@ func TestPausedTopicDefaultRelay(t *testing.T) {
 		t.Fatalf("%d duplicate deliveries", d)
 	}
 	// A pause is read at its wake-up too.
-	if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "again", false); err != nil {
+	if _, err := runbook.New(pool, tbl).PauseTopic(ctx, topicA, "again", false); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "the relay did not see the pause at its wake-up", 2*time.Minute, func() bool { return gauge(m2) == 1 })
@@ -220,7 +220,7 @@ func TestPausedTopicTopicSubscription(t *testing.T) {
 	pool := testdb.Pool(t)
 	ctx := context.Background()
 	tbl := testdb.Table(t, "paused_topic_sub")
-	if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "", false); err != nil {
+	if _, err := runbook.New(pool, tbl).PauseTopic(ctx, topicA, "", false); err != nil {
 		t.Fatal(err)
 	}
 	ids := enqueue(t, pool, tbl, topicA, 3)
@@ -234,7 +234,7 @@ func TestPausedTopicTopicSubscription(t *testing.T) {
 	if n := log.count(topicA); n != 0 {
 		t.Fatalf("%d rows of the paused topic delivered to its subscription", n)
 	}
-	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
+	if _, err := runbook.New(pool, tbl).ResumeTopic(ctx, topicA, false); err != nil {
 		t.Fatal(err)
 	}
 	for _, id := range ids {
@@ -253,7 +253,7 @@ func TestPausedTopicOrderedRelay(t *testing.T) {
 	pool := testdb.Pool(t)
 	ctx := context.Background()
 	tbl := testdb.Table(t, "paused_ordered", schema.WithAllColumns())
-	if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "incident 42", false); err != nil {
+	if _, err := runbook.New(pool, tbl).PauseTopic(ctx, topicA, "incident 42", false); err != nil {
 		t.Fatal(err)
 	}
 	ids := enqueueTopics(t, pool, tbl,
@@ -285,7 +285,7 @@ func TestPausedTopicOrderedRelay(t *testing.T) {
 			t.Fatalf("event %s delivered while topic A is paused (A1 %s, B2 %s, unkeyed A %s)", id, a1, b2, unkeyedA)
 		}
 	}
-	backlog, err := runbook.Backlog(ctx, pool, tbl, runbook.BacklogOptions{})
+	backlog, err := runbook.New(pool, tbl).Backlog(ctx, runbook.BacklogOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -297,7 +297,7 @@ func TestPausedTopicOrderedRelay(t *testing.T) {
 		t.Fatalf("backlog while A is paused: %+v; want A1, B2 and the unkeyed A row", backlog)
 	}
 
-	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
+	if _, err := runbook.New(pool, tbl).ResumeTopic(ctx, topicA, false); err != nil {
 		t.Fatal(err)
 	}
 	for _, id := range []string{a1, b2, unkeyedA} {
@@ -361,12 +361,12 @@ func TestPausedTopicsReadAtPollAndLoggedOnce(t *testing.T) {
 	consumePaused(t, msgs)
 	gauge := func() float64 { return testutil.ToFloat64(m.PausedTopics.WithLabelValues(tbl.Qualified())) }
 	const secret = "s3cr3t-in-reason"
-	if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "token "+secret, false); err != nil {
+	if _, err := runbook.New(pool, tbl).PauseTopic(ctx, topicA, "token "+secret, false); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "the relay read the pause at a poll", 2*time.Minute, func() bool { return gauge() == 1 })
 	time.Sleep(time.Second) // five more polls
-	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
+	if _, err := runbook.New(pool, tbl).ResumeTopic(ctx, topicA, false); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "the relay read the resume at a poll", 2*time.Minute, func() bool { return gauge() == 0 })
@@ -438,7 +438,7 @@ func TestPausedTopicInFlightFinishes(t *testing.T) {
 	case <-time.After(2 * time.Minute):
 		t.Fatal("the row was not delivered")
 	}
-	if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "", false); err != nil {
+	if _, err := runbook.New(pool, tbl).PauseTopic(ctx, topicA, "", false); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "the relay read the pause", 2*time.Minute, func() bool {
@@ -494,7 +494,7 @@ func TestPausedTopicHeldRowWaits(t *testing.T) {
 			if first {
 				// Pause A and, once the relay has read the pause, fail A1:
 				// its retry is due in 500 ms.
-				if _, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "", false); err != nil {
+				if _, err := runbook.New(pool, tbl).PauseTopic(ctx, topicA, "", false); err != nil {
 					t.Error(err)
 				}
 				for deadline := time.Now().Add(2 * time.Minute); testutil.ToFloat64(m.PausedTopics.WithLabelValues(tbl.Qualified())) != 1; time.Sleep(10 * time.Millisecond) {
@@ -519,7 +519,7 @@ func TestPausedTopicHeldRowWaits(t *testing.T) {
 	if d := deliveries(); len(d) != 1 || !strings.HasPrefix(d[0], a1+"/") {
 		t.Fatalf("deliveries while A is paused: %v; want A1's first only", d)
 	}
-	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
+	if _, err := runbook.New(pool, tbl).ResumeTopic(ctx, topicA, false); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "A1 retried and B2 delivered after the resume", 2*time.Minute, func() bool { return len(deliveries()) >= 3 })

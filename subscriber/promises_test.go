@@ -49,7 +49,7 @@ func TestSweepSkipsPausedTopic(t *testing.T) {
 	log := consumePaused(t, msgs)
 	enqueue(t, pool, tbl, topicB, 1)
 	waitFor(t, "the first row of B", 2*time.Minute, func() bool { return log.count(topicB) == 1 })
-	if res, err := runbook.PauseTopic(ctx, pool, tbl, topicA, "broken consumer", false); err != nil || !res.Paused {
+	if res, err := runbook.New(pool, tbl).PauseTopic(ctx, topicA, "broken consumer", false); err != nil || !res.Paused {
 		t.Fatalf("PauseTopic: %+v, %v", res, err)
 	}
 	waitFor(t, "the relay to see the pause", 2*time.Minute, func() bool {
@@ -67,7 +67,7 @@ func TestSweepSkipsPausedTopic(t *testing.T) {
 			t.Fatalf("row %s of paused topic A: %+v, want pending and untouched", id, st)
 		}
 	}
-	if _, err := runbook.ResumeTopic(ctx, pool, tbl, topicA, false); err != nil {
+	if _, err := runbook.New(pool, tbl).ResumeTopic(ctx, topicA, false); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "A's rows after the resume", 2*time.Minute, func() bool { return log.count(topicA) == 5 })

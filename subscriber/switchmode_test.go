@@ -32,7 +32,7 @@ func TestSwitchToOrderedKeepsDeadAndPublished(t *testing.T) {
 	consume(t, def, defRec, func(m *message.Message) bool { return m.UUID != dead.event.String() })
 	defRec.waitAcked(t, []keyed{published}, 30*time.Second)
 	waitUntil(t, 30*time.Second, func() bool {
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		return err == nil && st.Dead == 1
 	})
 	if err := def.Close(); err != nil {
@@ -50,7 +50,7 @@ func TestSwitchToOrderedKeepsDeadAndPublished(t *testing.T) {
 			t.Errorf("event %s (dead or published in default mode) delivered again after the switch", e.event)
 		}
 	}
-	st, err := runbook.Stats(ctx, pool, tbl)
+	st, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,12 +58,12 @@ func TestSwitchToOrderedKeepsDeadAndPublished(t *testing.T) {
 		t.Errorf("after the switch: mode %s, %d dead, want ordered with the default mode's dead row", st.Mode, st.Dead)
 	}
 	waitUntil(t, 30*time.Second, func() bool {
-		_, err := runbook.ReplayEvent(ctx, pool, tbl, dead.event, runbook.ReplayOptions{})
+		_, err := runbook.New(pool, tbl).ReplayEvent(ctx, dead.event, runbook.ReplayOptions{})
 		return err == nil
 	})
 	rec.waitAcked(t, []keyed{dead}, 30*time.Second)
 	waitUntil(t, 30*time.Second, func() bool {
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		return err == nil && st.Dead == 0
 	})
 }

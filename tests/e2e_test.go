@@ -304,7 +304,7 @@ FROM `+tbl.Sanitize()+` WHERE published_at IS NULL`)
 	<-r.Running()
 	defer r.Close()
 	// Now that a consumer listens, the operator replays the dead rows.
-	if res, err := runbook.ReplayDead(context.Background(), pool, tbl, runbook.DeadFilter{AllTopics: true}, false); err != nil || res.Rows != 5 {
+	if res, err := runbook.New(pool, tbl).ReplayDead(context.Background(), runbook.DeadFilter{AllTopics: true}, false); err != nil || res.Rows != 5 {
 		t.Fatalf("replay: %+v, %v", res, err)
 	}
 

@@ -16,7 +16,7 @@ import (
 
 // TestWALBacklogBeforeSetup: five rows pending when walrelay.Setup runs
 // (keyed and unkeyed) are delivered by the first relay, then the stream's
-// rows; runbook.Stats counts none of them streamed before it was delivered,
+// rows; runbook.Runbook.Stats counts none of them streamed before it was delivered,
 // and all of them streamed, none pending, once they were. Before, the slot
 // started at Setup's position: the five were never delivered, and the
 // horizon of the first progress record counted them streamed (the cleaner
@@ -33,7 +33,7 @@ func TestWALBacklogBeforeSetup(t *testing.T) {
 	if _, err := walrelay.Setup(ctx, pool, tbl, walrelay.Names{}); err != nil {
 		t.Fatal(err)
 	}
-	if st, err := runbook.Stats(ctx, pool, tbl); err != nil || st.Pending != 5 || st.StreamedUnpublished != 0 {
+	if st, err := runbook.New(pool, tbl).Stats(ctx); err != nil || st.Pending != 5 || st.StreamedUnpublished != 0 {
 		t.Fatalf("before the relay runs: %+v, %v; want 5 pending, none streamed", st, err)
 	}
 	rec := newRecorder()
@@ -51,7 +51,7 @@ func TestWALBacklogBeforeSetup(t *testing.T) {
 	}
 	rec.mu.Unlock()
 	waitFor(t, 30*time.Second, "the eight rows counted streamed, none pending", func() bool {
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		return err == nil && st.Pending == 0 && st.StreamedUnpublished == 8
 	})
 }

@@ -88,13 +88,13 @@ func TestWALDrainReadsInBatches(t *testing.T) {
 		return nil
 	}, 20*time.Millisecond)
 	waitFor(t, 30*time.Second, "the head dead and holding its key", func() bool {
-		held, err := runbook.HeldKeys(ctx, pool, tbl, 10)
+		held, err := runbook.New(pool, tbl).HeldKeys(ctx, 10)
 		return err == nil && len(held) == 1 && held[0].State == runbook.HoldDead && held[0].EventID == ids[0].String()
 	})
 	mu.Lock()
 	dead = false
 	mu.Unlock()
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, ids[0], runbook.ReplayOptions{}); err != nil {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, ids[0], runbook.ReplayOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	wait()

@@ -315,7 +315,7 @@ func TestWALHistory(t *testing.T) {
 				return
 			case <-time.After(50 * time.Millisecond):
 			}
-			held, err := runbook.HeldKeys(ctx, pool, tbl, 1000)
+			held, err := runbook.New(pool, tbl).HeldKeys(ctx, 1000)
 			if err != nil {
 				continue // the crash; the next round reads again
 			}
@@ -339,7 +339,7 @@ func TestWALHistory(t *testing.T) {
 					// dead; it is no part of the history: skip it.
 					note("skip unknown key %s seq %d", h.Key, h.Sequence)
 					retry("skip "+id.String(), func() error {
-						_, err := runbook.SkipEvent(ctx, pool, tbl, id, false)
+						_, err := runbook.New(pool, tbl).SkipEvent(ctx, id, false)
 						return err
 					})
 					mu.Lock()
@@ -353,7 +353,7 @@ func TestWALHistory(t *testing.T) {
 					mu.Unlock()
 					note("replay key %s seq %d", h.Key, h.Sequence)
 					retry("replay "+id.String(), func() error {
-						_, err := runbook.ReplayEvent(ctx, pool, tbl, id, runbook.ReplayOptions{})
+						_, err := runbook.New(pool, tbl).ReplayEvent(ctx, id, runbook.ReplayOptions{})
 						return err
 					})
 					mu.Lock()
@@ -365,7 +365,7 @@ func TestWALHistory(t *testing.T) {
 					mu.Unlock()
 					note("skip key %s seq %d", h.Key, h.Sequence)
 					retry("skip "+id.String(), func() error {
-						_, err := runbook.SkipEvent(ctx, pool, tbl, id, false)
+						_, err := runbook.New(pool, tbl).SkipEvent(ctx, id, false)
 						return err
 					})
 					mu.Lock()
@@ -444,7 +444,7 @@ func TestWALHistory(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			held, _ := runbook.HeldKeys(ctx, pool, tbl, 100)
+			held, _ := runbook.New(pool, tbl).HeldKeys(ctx, 100)
 			mu.Lock()
 			shown := 0
 			for id, e := range byID {

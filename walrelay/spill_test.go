@@ -213,7 +213,7 @@ func runSpill(t *testing.T, c spillCase) {
 		release()
 	} else {
 		waitFor(t, 2*time.Minute, "the hot key spilled", func() bool { return walrelay.Spilled(s) >= 1 })
-		held, err := runbook.HeldKeys(ctx, pool, tbl, 10)
+		held, err := runbook.New(pool, tbl).HeldKeys(ctx, 10)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -221,7 +221,7 @@ func runSpill(t *testing.T, c spillCase) {
 			held[0].Attempts != 1 || held[0].LastError == nil || held[0].DeadAt != nil {
 			t.Fatalf("held keys while the hot head waits: %+v, want hot retrying at its head, 1 attempt, its error", held)
 		}
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -239,7 +239,7 @@ func runSpill(t *testing.T, c spillCase) {
 	mu.Unlock()
 	waitFor(t, 2*time.Minute, "every row acked", func() bool { return l.allAcked(all) })
 	waitFor(t, 2*time.Minute, "no hold left", func() bool {
-		held, err := runbook.HeldKeys(ctx, pool, tbl, 10)
+		held, err := runbook.New(pool, tbl).HeldKeys(ctx, 10)
 		return err == nil && len(held) == 0
 	})
 
@@ -363,7 +363,7 @@ func TestWALHoldsTableWithoutRetryingColumn(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if held, err := runbook.HeldKeys(ctx, pool, tbl, 10); err != nil || len(held) != 0 {
+	if held, err := runbook.New(pool, tbl).HeldKeys(ctx, 10); err != nil || len(held) != 0 {
 		t.Fatalf("held keys of a holds table without the column: %v, %v", held, err)
 	}
 	cfg, err := pgxpool.ParseConfig(pg.URL("", ""))
@@ -424,7 +424,7 @@ func TestWALHoldsTableWithoutRetryingColumn(t *testing.T) {
 		mu.Lock()
 		n := len(hot)
 		mu.Unlock()
-		held, err := runbook.HeldKeys(ctx, pool, tbl, 10)
+		held, err := runbook.New(pool, tbl).HeldKeys(ctx, 10)
 		return n == len(ids)-1 && err == nil && len(held) == 1 && held[0].Key == "dead" && held[0].State == runbook.HoldDead
 	})
 	mu.Lock()
@@ -442,7 +442,7 @@ func TestWALHoldsTableWithoutRetryingColumn(t *testing.T) {
 	if !has() {
 		t.Fatal("a relay whose role owns the holds table did not add the column")
 	}
-	if held, err := runbook.HeldKeys(ctx, pool, tbl, 10); err != nil || len(held) != 1 || held[0].State != runbook.HoldDead {
+	if held, err := runbook.New(pool, tbl).HeldKeys(ctx, 10); err != nil || len(held) != 1 || held[0].State != runbook.HoldDead {
 		t.Fatalf("held keys after the column was added: %+v, %v", held, err)
 	}
 }
@@ -484,7 +484,7 @@ func TestWALSpilledHeadGoesDead(t *testing.T) {
 		return subscriber.Permanent(errors.New("poison"))
 	})
 	waitFor(t, 15*time.Second, "the head dead and holding its key", func() bool {
-		held, err := runbook.HeldKeys(ctx, pool, tbl, 10)
+		held, err := runbook.New(pool, tbl).HeldKeys(ctx, 10)
 		return err == nil && len(held) == 1 && held[0].State == runbook.HoldDead && held[0].EventID == head.String() && held[0].DeadAt != nil
 	})
 	if n := walrelay.Spilled(s); n < 1 {
@@ -497,7 +497,7 @@ func TestWALSpilledHeadGoesDead(t *testing.T) {
 	if early != 0 {
 		t.Fatalf("%d rows of the key delivered while its head is dead", early)
 	}
-	if _, err := runbook.SkipEvent(ctx, pool, tbl, head, false); err != nil {
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, head, false); err != nil {
 		t.Fatal(err)
 	}
 	rec.waitAcked(t, ids[1:], 15*time.Second)

@@ -262,7 +262,7 @@ func TestWALSkipWhileReplayInFlight(t *testing.T) {
 	mu.Lock()
 	dead = false
 	mu.Unlock()
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, ids[0], runbook.ReplayOptions{}); err != nil {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, ids[0], runbook.ReplayOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -366,7 +366,7 @@ func TestWALReplayOfSkippedRowWhileTombstoned(t *testing.T) {
 		return nil
 	})
 	heldBy(t, pool, tbl, ids[0])
-	if _, err := runbook.SkipEvent(ctx, pool, tbl, ids[0], false); err != nil {
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, ids[0], false); err != nil {
 		t.Fatal(err)
 	}
 	rec.waitAcked(t, ids[1:], 15*time.Second)
@@ -378,7 +378,7 @@ func TestWALReplayOfSkippedRowWhileTombstoned(t *testing.T) {
 	mu.Lock()
 	poison = false
 	mu.Unlock()
-	rep, err := runbook.ReplayEvent(ctx, pool, tbl, ids[0], runbook.ReplayOptions{})
+	rep, err := runbook.New(pool, tbl).ReplayEvent(ctx, ids[0], runbook.ReplayOptions{})
 	if err != nil || rep.Changed != 1 {
 		t.Fatalf("replay: %+v, %v", rep, err)
 	}
@@ -407,7 +407,7 @@ func TestWALCrashRestartKeepsSkip(t *testing.T) {
 		return nil
 	})
 	heldBy(t, pool, tbl, ids[0])
-	if _, err := runbook.SkipEvent(ctx, pool, tbl, ids[0], false); err != nil {
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, ids[0], false); err != nil {
 		t.Fatal(err)
 	}
 	rec.waitAcked(t, ids[1:], 15*time.Second)
@@ -511,7 +511,7 @@ func TestWALRefusesCachedSequence(t *testing.T) {
 
 // TestWALTableStateIsTrue (issue 33, the WAL mode): a real WAL relay drives
 // the table to a known mix (rows delivered, a dead row that holds its key,
-// a row parked behind it, an unkeyed dead row); runbook.Stats, Dead and
+// a row parked behind it, an unkeyed dead row); runbook.Runbook.Stats, Dead and
 // Event report exactly that mix once the relay's horizon has passed the
 // delivered rows: none of them pending, the parked row pending and waiting.
 func TestWALTableStateIsTrue(t *testing.T) {
@@ -533,7 +533,7 @@ func TestWALTableStateIsTrue(t *testing.T) {
 	var st runbook.TableStats
 	waitFor(t, 15*time.Second, "the stats of the mix", func() bool {
 		var err error
-		st, err = runbook.Stats(ctx, pool, tbl)
+		st, err = runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -559,9 +559,9 @@ func TestWALTableStateIsTrue(t *testing.T) {
 	}
 	if cs := counts[tbl.String()].Stats; cs.Mode != st.Mode || cs.Pending != st.Pending || cs.Dead != st.Dead ||
 		cs.WaitingBehindHeldKeys != st.WaitingBehindHeldKeys || cs.HeldKeys != st.HeldKeys {
-		t.Errorf("console /api/counts %+v, runbook.Stats %+v", cs, st)
+		t.Errorf("console /api/counts %+v, runbook's Stats %+v", cs, st)
 	}
-	dead, err := runbook.Dead(ctx, pool, tbl, runbook.DeadFilter{})
+	dead, err := runbook.New(pool, tbl).Dead(ctx, runbook.DeadFilter{})
 	if err != nil || len(dead) != 2 {
 		t.Fatalf("dead rows: %d, %v", len(dead), err)
 	}
@@ -575,7 +575,7 @@ func TestWALTableStateIsTrue(t *testing.T) {
 		{ids[4], true, false, false, false},
 		{poison[0], false, true, false, false},
 	} {
-		ev, err := runbook.Event(ctx, pool, tbl, c.id)
+		ev, err := runbook.New(pool, tbl).Event(ctx, c.id)
 		if err != nil {
 			t.Fatal(err)
 		}

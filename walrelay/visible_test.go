@@ -127,7 +127,7 @@ func rejectK() (rejecting *atomic.Bool, handle func(*message.Message) error) {
 func waitHeldOnce(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) {
 	t.Helper()
 	waitFor(t, 10*time.Second, "the key held by its dead row", func() bool {
-		st, err := runbook.Stats(context.Background(), pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(context.Background())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -162,7 +162,7 @@ func TestWALDeadVerdictWaitsForTheRowToBeVisible(t *testing.T) {
 	after := enqueue(t, pool, tbl, "k", "z")
 	rec.waitAcked(t, after, 10*time.Second)
 	time.Sleep(300 * time.Millisecond) // several status ticks: the verdict is not recorded as anything yet
-	st, err := runbook.Stats(ctx, pool, tbl)
+	st, err := runbook.New(pool, tbl).Stats(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,7 +171,7 @@ func TestWALDeadVerdictWaitsForTheRowToBeVisible(t *testing.T) {
 	}
 	see()
 	waitFor(t, 10*time.Second, "the rejected row dead once visible", func() bool {
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -201,7 +201,7 @@ func TestWALDrainWaitsForParkedRowsToBeVisible(t *testing.T) {
 	// k was read and parked behind the hold.
 	z := enqueue(t, pool, tbl, "z")
 	rec.waitAcked(t, z, 10*time.Second)
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, doomed[0], runbook.ReplayOptions{}); err != nil {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, doomed[0], runbook.ReplayOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	rec.waitAcked(t, doomed, 10*time.Second)
@@ -212,7 +212,7 @@ func TestWALDrainWaitsForParkedRowsToBeVisible(t *testing.T) {
 	see()
 	rec.waitAcked(t, []uuid.UUID{parked}, 10*time.Second)
 	waitFor(t, 10*time.Second, "the hold resolved", func() bool {
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -255,7 +255,7 @@ func TestWALReplayOfAnOutOfLineRowWaitsForItToBeVisible(t *testing.T) {
 	waitHeldOnce(t, pool, tbl)
 	rejecting.Store(false)
 	see := unseen(t, pool, func(ctx context.Context, tx pgx.Tx) error {
-		_, err := runbook.ReplayEvent(ctx, tx, tbl, big, runbook.ReplayOptions{})
+		_, err := runbook.New(tx, tbl).ReplayEvent(ctx, big, runbook.ReplayOptions{})
 		return err
 	})
 	time.Sleep(300 * time.Millisecond) // the relay has read the replay's UPDATE
@@ -265,7 +265,7 @@ func TestWALReplayOfAnOutOfLineRowWaitsForItToBeVisible(t *testing.T) {
 	see()
 	rec.waitAcked(t, []uuid.UUID{big}, 10*time.Second)
 	waitFor(t, 10*time.Second, "the hold resolved", func() bool {
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -295,7 +295,7 @@ func TestWALReplayAckedBeforeItsDrainSurvivesClose(t *testing.T) {
 	// A row of another key that nobody can see yet: the drain waits for it.
 	z, see := enqueueUnseen(t, pool, tbl, "z")
 	rec.waitAcked(t, []uuid.UUID{z}, 10*time.Second)
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, doomed[0], runbook.ReplayOptions{}); err != nil {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, doomed[0], runbook.ReplayOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	rec.waitAcked(t, doomed, 10*time.Second)
@@ -311,7 +311,7 @@ func TestWALReplayAckedBeforeItsDrainSurvivesClose(t *testing.T) {
 	rec.consume(t, second, handle)
 	rec.waitAcked(t, parked, 15*time.Second)
 	waitFor(t, 10*time.Second, "the hold resolved", func() bool {
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}

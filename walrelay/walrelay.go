@@ -22,7 +22,7 @@
 // and the stream is read on for the other keys; at the retry the key
 // drains from the table, head first. After MaxAttempts (or at once for a
 // permanent error, subscriber.Permanent) the row is parked dead in the table
-// (dead_at, last_error) and the key goes on. A replay (runbook.ReplayEvent,
+// (dead_at, last_error) and the key goes on. A replay (runbook.Runbook.ReplayEvent,
 // `outbox dead replay`) resets the row with an UPDATE, which the relay
 // streams and delivers again.
 //

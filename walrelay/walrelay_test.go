@@ -374,7 +374,7 @@ func TestWALFailureIsolation(t *testing.T) {
 	}
 	var keys []runbook.HeldKey
 	waitFor(t, liveness, "the doomed key held", func() bool {
-		keys, err = runbook.HeldKeys(ctx, pool, tbl, 0)
+		keys, err = runbook.New(pool, tbl).HeldKeys(ctx, 0)
 		return err != nil || len(keys) > 0
 	})
 	if err != nil || len(keys) != 1 || keys[0].Key != "doomed" || keys[0].EventID != doomed[0].String() || keys[0].DeadAt == nil {
@@ -383,7 +383,7 @@ func TestWALFailureIsolation(t *testing.T) {
 	mu.Lock()
 	fixed = true
 	mu.Unlock()
-	if _, err := runbook.ReplayEvent(ctx, pool, tbl, doomed[0], runbook.ReplayOptions{}); err != nil {
+	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, doomed[0], runbook.ReplayOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	rec.waitAcked(t, doomed, 10*time.Second)
@@ -394,7 +394,7 @@ func TestWALFailureIsolation(t *testing.T) {
 		t.Fatalf("doomed key delivered %v after the replay, want its dead row first", order)
 	}
 	for deadline := time.Now().Add(liveness); ; {
-		keys, err = runbook.HeldKeys(ctx, pool, tbl, 0)
+		keys, err = runbook.New(pool, tbl).HeldKeys(ctx, 0)
 		if err == nil && len(keys) == 0 {
 			break
 		}
@@ -740,7 +740,7 @@ func TestWALRetention(t *testing.T) {
 	enqueue(t, pool, tbl, "bad")
 	rec.waitAcked(t, streamed, 10*time.Second)
 	stats := func() runbook.TableStats {
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -892,7 +892,7 @@ func TestWALSlotLossFallback(t *testing.T) {
 }
 
 // TestWALSkipSurvivesRestart: a dead row holds its key across a relay
-// restart; a skip (runbook.SkipEvent) lets the key's later rows through in
+// restart; a skip (runbook.Runbook.SkipEvent) lets the key's later rows through in
 // order, the skipped row stays dead and is never delivered.
 func TestWALSkipSurvivesRestart(t *testing.T) {
 	t.Parallel()
@@ -911,7 +911,7 @@ func TestWALSkipSurvivesRestart(t *testing.T) {
 	other := enqueue(t, pool, tbl, "o")
 	rec.waitAcked(t, other, 10*time.Second)
 	for deadline := time.Now().Add(liveness); ; {
-		keys, err := runbook.HeldKeys(ctx, pool, tbl, 0)
+		keys, err := runbook.New(pool, tbl).HeldKeys(ctx, 0)
 		if err == nil && len(keys) == 1 {
 			break
 		}
@@ -934,10 +934,10 @@ func TestWALSkipSurvivesRestart(t *testing.T) {
 			t.Fatal("a row behind the dead row was delivered after the restart")
 		}
 	}
-	if _, err := runbook.SkipEvent(ctx, pool, tbl, ids[1], false); !errors.Is(err, runbook.ErrNotHeld) {
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, ids[1], false); !errors.Is(err, runbook.ErrNotHeld) {
 		t.Fatalf("skip of a row that holds nothing: %v", err)
 	}
-	if _, err := runbook.SkipEvent(ctx, pool, tbl, ids[0], false); err != nil {
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, ids[0], false); err != nil {
 		t.Fatal(err)
 	}
 	rec.waitAcked(t, append(ids[1:], more...), 10*time.Second)
@@ -996,7 +996,7 @@ func TestWALCaughtUpRecordsAtOnce(t *testing.T) {
 	rec.waitAcked(t, ids, 2*time.Minute)
 	acked := time.Now()
 	for {
-		st, err := runbook.Stats(ctx, pool, tbl)
+		st, err := runbook.New(pool, tbl).Stats(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -217,7 +217,7 @@ func walSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o opti
 		// written: until the relay's recorded progress settles every row
 		// (what the runbook and the cleaner go by).
 		for {
-			st, err := runbook.Stats(ctx, pool, dt)
+			st, err := runbook.New(pool, dt).Stats(ctx)
 			if err != nil {
 				_ = ds.Close()
 				return r, 0, err

@@ -58,7 +58,7 @@ func TestDeadListAndBulkReplayInOrderedMode(t *testing.T) {
 	ctx := context.Background()
 	tbl := schema.MustParseTable(testdb.Schema(t) + ".outbox")
 	rbRun(t, rbEnv(), "migrate", "--table="+tbl.String(), "--ordered").expect(t, 0, []string{"ordered mode"}, nil)
-	if m, err := runbook.Mode(ctx, pool, tbl); err != nil || m != schema.ModeOrdered {
+	if m, err := runbook.New(pool, tbl).Mode(ctx); err != nil || m != schema.ModeOrdered {
 		t.Fatalf("after migrate --ordered: mode %q, %v", m, err)
 	}
 	held, above := uuid.New(), uuid.New()
@@ -116,7 +116,7 @@ VALUES ('k-held', hashtext('k-held') & 63, $1, 3, 'infinity', 'broker said no', 
 	if after := rbSnapshot(t, pool, tbl); after[above] != before[above] {
 		t.Fatalf("the bulk replay changed the row a single replay refuses: %s -> %s", before[above], after[above])
 	}
-	if st, ok, err := runbook.HoldOfEvent(ctx, pool, tbl, held); err != nil || !ok || st != runbook.HoldRetrying {
+	if st, ok, err := runbook.New(pool, tbl).HoldOfEvent(ctx, held); err != nil || !ok || st != runbook.HoldRetrying {
 		t.Fatalf("the held row after the bulk replay: %v %v %v, want retrying (due now)", st, ok, err)
 	}
 }

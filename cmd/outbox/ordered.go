@@ -35,7 +35,7 @@ func runKeys(ctx context.Context, env Env, args []string, stdout, stderr io.Writ
 		return err
 	}
 	defer pool.Close()
-	held, err := runbook.ListHolds(ctx, pool, t, runbook.HoldsFilter{Limit: *limit, Resolved: *resolved})
+	held, err := runbook.New(pool, t).ListHolds(ctx, runbook.HoldsFilter{Limit: *limit, Resolved: *resolved})
 	if err != nil {
 		return err
 	}
@@ -99,7 +99,7 @@ func runDeadSkip(ctx context.Context, env Env, args []string, stdout, stderr io.
 		return err
 	}
 	defer pool.Close()
-	res, err := runbook.SkipEvent(ctx, pool, t, id, !*confirm)
+	res, err := runbook.New(pool, t).SkipEvent(ctx, id, !*confirm)
 	if err != nil {
 		return err
 	}

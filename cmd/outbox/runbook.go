@@ -126,7 +126,7 @@ func runBacklog(ctx context.Context, env Env, args []string, stdout, stderr io.W
 		return err
 	}
 	defer pool.Close()
-	rows, err := runbook.Backlog(ctx, pool, t, runbook.BacklogOptions{Limit: *limit, Topic: *topic})
+	rows, err := runbook.New(pool, t).Backlog(ctx, runbook.BacklogOptions{Limit: *limit, Topic: *topic})
 	if err != nil {
 		return err
 	}
@@ -164,7 +164,7 @@ func runStats(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 		return err
 	}
 	defer pool.Close()
-	s, err := runbook.Stats(ctx, pool, t)
+	s, err := runbook.New(pool, t).Stats(ctx)
 	if err != nil {
 		return err
 	}
@@ -276,7 +276,7 @@ func runDeadList(ctx context.Context, env Env, args []string, stdout, stderr io.
 		return err
 	}
 	defer pool.Close()
-	rows, err := runbook.Dead(ctx, pool, t, filter)
+	rows, err := runbook.New(pool, t).Dead(ctx, filter)
 	if err != nil {
 		return err
 	}
@@ -429,9 +429,10 @@ func replayOne(ctx context.Context, env Env, t schema.Table, id uuid.UUID, opts 
 		return err
 	}
 	defer pool.Close()
+	rb := runbook.New(pool, t)
 	preview := opts
 	preview.DryRun = true
-	p, err := runbook.ReplayEvent(ctx, pool, t, id, preview)
+	p, err := rb.ReplayEvent(ctx, id, preview)
 	if err != nil {
 		return err
 	}
@@ -461,7 +462,7 @@ func replayOne(ctx context.Context, env Env, t schema.Table, id uuid.UUID, opts 
 		}
 		return fmt.Errorf("%w: nothing changed: this was a preview; add --confirm to replay event %s of %s", errUsage, id, t)
 	}
-	res, err := runbook.ReplayEvent(ctx, pool, t, id, opts)
+	res, err := rb.ReplayEvent(ctx, id, opts)
 	if err != nil {
 		return err
 	}
@@ -479,9 +480,10 @@ func replayBulk(ctx context.Context, env Env, t schema.Table, filter runbook.Dea
 		return err
 	}
 	defer pool.Close()
+	rb := runbook.New(pool, t)
 	expect := filter.Expect
 	filter.Expect = nil
-	p, err := runbook.ReplayDead(ctx, pool, t, filter, true)
+	p, err := rb.ReplayDead(ctx, filter, true)
 	if err != nil {
 		return err
 	}
@@ -524,7 +526,7 @@ func replayBulk(ctx context.Context, env Env, t schema.Table, filter runbook.Dea
 	}
 	// Exactly the previewed rows, or none.
 	filter.Expect = &p.Snapshot
-	res, err := runbook.ReplayDead(ctx, pool, t, filter, false)
+	res, err := rb.ReplayDead(ctx, filter, false)
 	if err != nil {
 		return err
 	}
@@ -559,7 +561,7 @@ func printStatement(w io.Writer, st sqlq.Statement, rows int64) {
 // deadHolds counts the ordering keys held by a dead row (0 for a table
 // without ordered mode), up to heldDeadScan.
 func deadHolds(ctx context.Context, pool *pgxpool.Pool, t schema.Table) (int, error) {
-	held, err := runbook.HeldKeys(ctx, pool, t, heldDeadScan)
+	held, err := runbook.New(pool, t).HeldKeys(ctx, heldDeadScan)
 	if err != nil {
 		return 0, err
 	}

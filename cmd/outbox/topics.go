@@ -50,11 +50,12 @@ func runTopicsList(ctx context.Context, env Env, args []string, stdout, stderr i
 		return err
 	}
 	defer pool.Close()
-	topics, err := runbook.Topics(ctx, pool, t, *limit)
+	rb := runbook.New(pool, t)
+	topics, err := rb.Topics(ctx, *limit)
 	if err != nil {
 		return err
 	}
-	paused, err := runbook.PausedTopics(ctx, pool, t)
+	paused, err := rb.PausedTopics(ctx)
 	if err != nil {
 		return err
 	}
@@ -123,11 +124,12 @@ func runTopicsPause(ctx context.Context, env Env, op string, args []string, stdo
 		return err
 	}
 	defer pool.Close()
+	rb := runbook.New(pool, t)
 	var res runbook.TopicPause
 	if op == "pause" {
-		res, err = runbook.PauseTopic(ctx, pool, t, *topic, *reason, *dryRun)
+		res, err = rb.PauseTopic(ctx, *topic, *reason, *dryRun)
 	} else {
-		res, err = runbook.ResumeTopic(ctx, pool, t, *topic, *dryRun)
+		res, err = rb.ResumeTopic(ctx, *topic, *dryRun)
 	}
 	if errors.Is(err, runbook.ErrBadTopic) {
 		return fmt.Errorf("%w: %w", errUsage, err)

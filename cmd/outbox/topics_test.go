@@ -23,7 +23,7 @@ func TestTopicsPauseResume(t *testing.T) {
 	table := "--table=" + tbl.String()
 	paused := func() []runbook.PausedTopic {
 		t.Helper()
-		l, err := runbook.PausedTopics(ctx, pool, tbl)
+		l, err := runbook.New(pool, tbl).PausedTopics(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}

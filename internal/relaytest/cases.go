@@ -147,7 +147,7 @@ func TestPauseAndResume(t *testing.T, r Relay) {
 		e.start("a", Options{Logger: seen}, nil)
 		e.waitAcked(within, e.enqueue(topicA, "")...)
 	}
-	_, err := runbook.PauseTopic(ctx, e.pool, e.tbl, topicA, "relaytest", false)
+	_, err := runbook.New(e.pool, e.tbl).PauseTopic(ctx, topicA, "relaytest", false)
 	if r.Mode == ModeWAL {
 		if !errors.Is(err, runbook.ErrPauseWAL) {
 			t.Fatalf("PauseTopic on a WAL table: %v, want runbook.ErrPauseWAL", err)
@@ -184,7 +184,7 @@ func TestPauseAndResume(t *testing.T, r Relay) {
 			t.Errorf("paused row %s is %s, want pending with no attempt counted", ev, s)
 		}
 	}
-	if _, err := runbook.ResumeTopic(ctx, e.pool, e.tbl, topicA, false); err != nil {
+	if _, err := runbook.New(e.pool, e.tbl).ResumeTopic(ctx, topicA, false); err != nil {
 		t.Fatalf("resume %s: %v", topicA, err)
 	}
 	e.waitAcked(within, append(heldA, behind...)...)
@@ -197,7 +197,7 @@ func TestPauseAndResume(t *testing.T, r Relay) {
 // "Operating held keys", docs/WAL.md "Skip".
 func TestSkipHeld(t *testing.T, r Relay) {
 	if !r.keyed() {
-		t.Skipf("the %s relay holds no key: a dead row blocks nothing, so there is nothing to skip (runbook.SkipEvent refuses with ErrNotHeld)", r.Name)
+		t.Skipf("the %s relay holds no key: a dead row blocks nothing, so there is nothing to skip (runbook's SkipEvent refuses with ErrNotHeld)", r.Name)
 	}
 	e := setup(t, r, true)
 	ctx := context.Background()
@@ -213,7 +213,7 @@ func TestSkipHeld(t *testing.T, r Relay) {
 			t.Fatalf("row %s delivered while the dead row %s holds its key", ev, key[0])
 		}
 	}
-	if _, err := runbook.SkipEvent(ctx, e.pool, e.tbl, key[0].ID, false); err != nil {
+	if _, err := runbook.New(e.pool, e.tbl).SkipEvent(ctx, key[0].ID, false); err != nil {
 		t.Fatalf("skip the dead held row %s: %v", key[0], err)
 	}
 	bad.fix(key[0]) // a redelivery would now be acked, and seen
@@ -250,7 +250,7 @@ func TestReplayDead(t *testing.T, r Relay) {
 	bad.fix(key[0], unkeyed[0])
 	for _, ev := range []event{key[0], unkeyed[0]} {
 		err := retry(within, func() error {
-			_, err := runbook.ReplayEvent(ctx, e.pool, e.tbl, ev.ID, runbook.ReplayOptions{})
+			_, err := runbook.New(e.pool, e.tbl).ReplayEvent(ctx, ev.ID, runbook.ReplayOptions{})
 			return err
 		}, func(err error) bool {
 			return errors.Is(err, runbook.ErrLocked) || errors.Is(err, runbook.ErrNotRelayedYet)
@@ -270,7 +270,7 @@ func TestReplayDead(t *testing.T, r Relay) {
 	}
 }
 
-// TestBulkReplayWhileHoldDrains checks that a bulk replay (runbook.ReplayDead) that
+// TestBulkReplayWhileHoldDrains checks that a bulk replay (runbook.Runbook.ReplayDead) that
 // catches a held key's skipped dead row while the key's next rows are
 // being delivered (WAL: the hold drains) is refused or delivered, never
 // lost: the row ends delivered, or still dead — never "not dead and never
@@ -293,7 +293,7 @@ func TestBulkReplayWhileHoldDrains(t *testing.T, r Relay) {
 	e.eventually(within, func() bool { return e.row(key[0].ID).Dead() }, func() string { return e.rowStates(key[:1]) })
 	if r.keyed() {
 		e.waitHold(within, key[0], runbook.HoldDead)
-		if _, err := runbook.SkipEvent(ctx, e.pool, e.tbl, key[0].ID, false); err != nil {
+		if _, err := runbook.New(e.pool, e.tbl).SkipEvent(ctx, key[0].ID, false); err != nil {
 			t.Fatalf("skip the dead held row %s: %v", key[0], err)
 		}
 	}
@@ -307,7 +307,7 @@ func TestBulkReplayWhileHoldDrains(t *testing.T, r Relay) {
 	}
 	bad.fix(key[0])
 	before := e.row(key[0].ID)
-	rep, err := runbook.ReplayDead(ctx, e.pool, e.tbl, runbook.DeadFilter{AllTopics: true}, false)
+	rep, err := runbook.New(e.pool, e.tbl).ReplayDead(ctx, runbook.DeadFilter{AllTopics: true}, false)
 	if err != nil {
 		t.Logf("bulk replay refused: %v", err)
 	}
@@ -411,7 +411,7 @@ func TestCleanerRacingReplays(t *testing.T, r Relay) {
 			defer ops.Done()
 			for range 3 {
 				for i := o; i < len(old); i += operators {
-					_, err := runbook.ReplayEvent(ctx, e.pool, e.tbl, old[i].ID, runbook.ReplayOptions{})
+					_, err := runbook.New(e.pool, e.tbl).ReplayEvent(ctx, old[i].ID, runbook.ReplayOptions{})
 					why := "accepted"
 					if err != nil {
 						why = err.Error()
@@ -440,7 +440,7 @@ func TestCleanerRacingReplays(t *testing.T, r Relay) {
 	next := e.enqueue(topicA, keys...)
 	e.eventually(within, func() bool { return len(e.rec.notAcked(next)) == 0 }, func() string {
 		stranded := e.rec.notAcked(next)
-		held, _ := runbook.ListHolds(ctx, e.pool, e.tbl, runbook.HoldsFilter{Resolved: true})
+		held, _ := runbook.New(e.pool, e.tbl).ListHolds(ctx, runbook.HoldsFilter{Resolved: true})
 		var hs []string
 		for _, h := range held {
 			if h.Key == stranded[0].Key {
@@ -454,7 +454,7 @@ func TestCleanerRacingReplays(t *testing.T, r Relay) {
 					continue
 				}
 				if id, err := uuid.Parse(h.EventID); err == nil {
-					_, skipErr = runbook.SkipEvent(ctx, e.pool, e.tbl, id, true)
+					_, skipErr = runbook.New(e.pool, e.tbl).SkipEvent(ctx, id, true)
 				} else {
 					skipErr = fmt.Errorf("the held row is gone (event_id %q)", h.EventID)
 				}
@@ -524,13 +524,13 @@ func TestBacklogBeforeSetUp(t *testing.T, r Relay) {
 		if time.Now().After(deadline) {
 			missing := e.rec.notAcked(backlog)
 			state := e.row(missing[0].ID)
-			st, _ := runbook.Stats(ctx, e.pool, e.tbl)
+			st, _ := runbook.New(e.pool, e.tbl).Stats(ctx)
 			cl, err := cleaner.New(e.pool, cleaner.Config{Table: e.tbl, Retention: time.Nanosecond}, nil)
 			var deleted int64
 			if err == nil {
 				deleted, _, err = cl.CleanOnce(ctx)
 			}
-			t.Fatalf("%d of %d rows committed before the set-up never delivered (first %s: %s); runbook.Stats %+v; a cleaner pass deleted %d rows (%v)",
+			t.Fatalf("%d of %d rows committed before the set-up never delivered (first %s: %s); runbook's Stats %+v; a cleaner pass deleted %d rows (%v)",
 				len(missing), len(backlog), missing[0], state, st, deleted, err)
 		}
 		e.wait(50 * time.Millisecond)

@@ -401,7 +401,7 @@ func (e *env) waitAcked(within time.Duration, evs ...event) {
 }
 
 // rowState is what the table says of one row: its columns, and the
-// runbook's reading of them in the table's mode (runbook.Event: in an
+// runbook's reading of them in the table's mode (runbook.Runbook.Event: in an
 // ordered table a keyed row's dead state and attempts are its hold's).
 type rowState struct {
 	Found     bool
@@ -443,12 +443,12 @@ func (e *env) row(id uuid.UUID) rowState {
 	if le != nil {
 		s.LastError = *le
 	}
-	r, err := runbook.Event(context.Background(), e.pool, e.tbl, id)
+	r, err := runbook.New(e.pool, e.tbl).Event(context.Background(), id)
 	if errors.Is(err, runbook.ErrEventNotFound) {
 		return rowState{}
 	}
 	if err != nil {
-		e.t.Fatalf("runbook.Event %s: %v", id, err)
+		e.t.Fatalf("runbook's Event %s: %v", id, err)
 	}
 	s.Delivered, s.HoldDead, s.HoldAttempts, s.Held = r.Delivered, r.DeadAt != nil, r.Attempts, r.Held
 	return s
@@ -465,7 +465,7 @@ func (e *env) rowStates(evs []event) string {
 // holdState returns the state of the hold at ev's row, if any.
 func (e *env) holdState(ev event) (runbook.HoldState, bool) {
 	e.t.Helper()
-	st, held, err := runbook.HoldOfEvent(context.Background(), e.pool, e.tbl, ev.ID)
+	st, held, err := runbook.New(e.pool, e.tbl).HoldOfEvent(context.Background(), ev.ID)
 	if err != nil {
 		e.t.Fatalf("hold of %s: %v", ev, err)
 	}
