@@ -425,7 +425,7 @@ func (h *handler) bulkReplay(w http.ResponseWriter, r *http.Request) {
 		// The rows are replayed: follow them from memory rather than fail.
 		h.logger.Error("Console could not record a bulk replay; its progress is kept in memory only", err, fields)
 		why := "the console could not write it to " + t.String() + "_replay_jobs (see the console's log)"
-		if errors.Is(err, sqlq.ErrNoReplayJobs) {
+		if errors.Is(err, runbook.ErrNoReplayJobs) {
 			why = t.String() + "_replay_jobs does not exist: run `outbox migrate --table=" + t.String() + "` (migration 000008) to keep the next ones across restarts"
 		}
 		id = h.addJob(&job{Table: t.String(), Topic: f.Topic, Error: f.ErrorContains, Cause: f.Cause, Rows: res.Rows, At: time.Now(),
@@ -497,7 +497,7 @@ func (h *handler) findJob(ctx context.Context, id string, only schema.Table) (*j
 	for _, t := range tables {
 		rec, err := runbook.New(h.pool, t).GetReplayJob(ctx, id)
 		switch {
-		case errors.Is(err, runbook.ErrNoReplayJob), errors.Is(err, sqlq.ErrNoReplayJobs):
+		case errors.Is(err, runbook.ErrNoReplayJob), errors.Is(err, runbook.ErrNoReplayJobs):
 			continue
 		case err != nil:
 			return nil, err

@@ -13,7 +13,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -175,7 +174,7 @@ func (h *handler) deadRows(ctx context.Context, t schema.Table, q deadQuery, aft
 
 // deadRowsOf is deadRows on db: runbook.Runbook.ListRows of the dead rows.
 func deadRowsOf(ctx context.Context, db runbook.DB, t schema.Table, q deadQuery, after, before int64) (deadPage, error) {
-	rp, err := runbook.New(db, t).ListRows(ctx, runbook.ListFilter{State: sqlq.ListDead, Topic: q.Topic, ErrorContains: q.Error, Cause: q.Cause,
+	rp, err := runbook.New(db, t).ListRows(ctx, runbook.ListFilter{State: runbook.ListDead, Topic: q.Topic, ErrorContains: q.Error, Cause: q.Cause,
 		After: after, Before: before, Limit: deadPageSize})
 	if err != nil {
 		return deadPage{}, fmt.Errorf("list the dead rows of %s: %w", t, err)

@@ -9,7 +9,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
 
-	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -18,7 +17,7 @@ import (
 const rowsPageSize = 100
 
 // rowStates are the lists the rows page offers, in its tab order.
-var rowStates = []sqlq.ListState{sqlq.ListPending, sqlq.ListRetrying, sqlq.ListDead, sqlq.ListDelivered, sqlq.ListAll}
+var rowStates = []runbook.ListState{runbook.ListPending, runbook.ListRetrying, runbook.ListDead, runbook.ListDelivered, runbook.ListAll}
 
 // timeLayouts are the forms a time of the search may take: RFC 3339, or a
 // browser's datetime-local value and shorter, read as UTC.
@@ -40,7 +39,7 @@ func parseTime(s string) (time.Time, bool) {
 
 // rowsQuery is the filter of the rows page as the form gave it.
 type rowsQuery struct {
-	State                               sqlq.ListState
+	State                               runbook.ListState
 	Topic, Event, Tenant, Key, From, To string
 }
 
@@ -64,10 +63,10 @@ func (h *handler) rows(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	v := r.URL.Query()
-	q := rowsQuery{State: sqlq.ListState(v.Get("state")), Topic: strings.TrimSpace(v.Get("topic")), Event: strings.TrimSpace(v.Get("event")),
+	q := rowsQuery{State: runbook.ListState(v.Get("state")), Topic: strings.TrimSpace(v.Get("topic")), Event: strings.TrimSpace(v.Get("event")),
 		Tenant: strings.TrimSpace(v.Get("tenant")), Key: v.Get("key"), From: strings.TrimSpace(v.Get("from")), To: strings.TrimSpace(v.Get("to"))}
 	if q.State == "" {
-		q.State = sqlq.ListPending
+		q.State = runbook.ListPending
 	}
 	back := tablePath(t, "rows")
 	f := runbook.ListFilter{State: q.State, Topic: q.Topic, OrderingKey: q.Key, Limit: rowsPageSize}
@@ -115,7 +114,7 @@ func (h *handler) rows(w http.ResponseWriter, r *http.Request) {
 	}
 	mode, _ := runbook.New(h.pool, t).Mode(r.Context())
 	type tab struct {
-		State   sqlq.ListState
+		State   runbook.ListState
 		Current bool
 		Query   string
 	}
@@ -138,15 +137,15 @@ func (h *handler) rows(w http.ResponseWriter, r *http.Request) {
 }
 
 // stateTitle names a list.
-func stateTitle(s sqlq.ListState) string {
+func stateTitle(s runbook.ListState) string {
 	switch s {
-	case sqlq.ListPending:
+	case runbook.ListPending:
 		return "Pending rows"
-	case sqlq.ListRetrying:
+	case runbook.ListRetrying:
 		return "Retrying rows"
-	case sqlq.ListDead:
+	case runbook.ListDead:
 		return "Dead rows"
-	case sqlq.ListDelivered:
+	case runbook.ListDelivered:
 		return "Delivered rows"
 	}
 	return "Rows"

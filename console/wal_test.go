@@ -24,7 +24,6 @@ import (
 
 	"github.com/outboxkit/watermill-outbox/console"
 	"github.com/outboxkit/watermill-outbox/internal/pgtest"
-	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -242,7 +241,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 	}
 
 	// Every row list: its total and its rows are runbook.Runbook.ListRows'.
-	for _, state := range []sqlq.ListState{sqlq.ListPending, sqlq.ListRetrying, sqlq.ListDead, sqlq.ListDelivered, sqlq.ListAll} {
+	for _, state := range []runbook.ListState{runbook.ListPending, runbook.ListRetrying, runbook.ListDead, runbook.ListDelivered, runbook.ListAll} {
 		want, err := runbook.New(pool, tbl).ListRows(ctx, runbook.ListFilter{State: state, Limit: 100})
 		if err != nil {
 			t.Fatal(err)
@@ -262,7 +261,7 @@ func TestConsoleOnWALTable(t *testing.T) {
 			t.Errorf("rows %s: the console lists %d of %d, runbook %d of %d", state, len(got), total, len(want.Rows), want.Total)
 		}
 	}
-	for state, want := range map[sqlq.ListState]int64{sqlq.ListPending: 3, sqlq.ListDead: 2, sqlq.ListDelivered: 3, sqlq.ListAll: 8} {
+	for state, want := range map[runbook.ListState]int64{runbook.ListPending: 3, runbook.ListDead: 2, runbook.ListDelivered: 3, runbook.ListAll: 8} {
 		if m := rowsPosition.FindStringSubmatch(get("/t/" + name + "/rows?state=" + string(state))); m == nil || m[3] != strconv.FormatInt(want, 10) {
 			t.Errorf("rows %s: %v, want %d", state, m, want)
 		}

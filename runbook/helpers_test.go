@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -144,4 +145,19 @@ func eventIDs(rows []runbook.Row) []uuid.UUID {
 		out[i] = r.EventID
 	}
 	return out
+}
+
+// TestListStatesAreTheStateReaders: runbook's list states are the words the
+// state reader (internal/sqlq) selects rows by.
+func TestListStatesAreTheStateReaders(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		got  runbook.ListState
+		want sqlq.ListState
+	}{{runbook.ListPending, sqlq.ListPending}, {runbook.ListRetrying, sqlq.ListRetrying}, {runbook.ListDead, sqlq.ListDead},
+		{runbook.ListDelivered, sqlq.ListDelivered}, {runbook.ListAll, sqlq.ListAll}} {
+		if string(c.got) != string(c.want) || !c.got.Valid() {
+			t.Errorf("runbook list state %q, state reader's %q", c.got, c.want)
+		}
+	}
 }

@@ -52,7 +52,7 @@ type ReplayJob struct {
 // deletes the oldest jobs beyond the newest keep (50 when keep < 1), in one
 // statement. Texts longer than schema.ReplayJobTextMaxBytes are shortened.
 // It returns j with its ID and CreatedAt. A table without the replay jobs'
-// table is refused with sqlq.ErrNoReplayJobs (run `outbox migrate`); nothing
+// table is refused with ErrNoReplayJobs (run `outbox migrate`); nothing
 // is written then.
 func (r *Runbook) SaveReplayJob(ctx context.Context, j ReplayJob, keep int) (ReplayJob, error) {
 	if err := r.check(); err != nil {
@@ -90,7 +90,7 @@ func (r *Runbook) SaveReplayJob(ctx context.Context, j ReplayJob, keep int) (Rep
 }
 
 // GetReplayJob reads the replay job id of the table: ErrNoReplayJob when the
-// table of replay jobs does not hold it, sqlq.ErrNoReplayJobs when the table
+// table of replay jobs does not hold it, ErrNoReplayJobs when the table
 // has no such table.
 func (r *Runbook) GetReplayJob(ctx context.Context, id string) (ReplayJob, error) {
 	if err := r.check(); err != nil {
@@ -126,7 +126,7 @@ func replayJobsReady(ctx context.Context, db DB, t schema.Table, op string) erro
 	}
 	if !ok {
 		return fmt.Errorf("runbook: %s %s: %w; run `outbox migrate --table=%s` (or schema.Migrate, or the shipped migration 000008)",
-			op, t, sqlq.ErrNoReplayJobs, t)
+			op, t, ErrNoReplayJobs, t)
 	}
 	return nil
 }

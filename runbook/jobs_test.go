@@ -9,7 +9,6 @@ import (
 
 	"github.com/google/uuid"
 
-	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -18,7 +17,7 @@ import (
 // TestReplayJobs: a recorded replay job reads back whole (its event ids
 // included), only the newest keep jobs are kept, an over-long text is
 // shortened on a rune boundary, and a table without the replay jobs'
-// table is refused with sqlq.ErrNoReplayJobs.
+// table is refused with runbook.ErrNoReplayJobs.
 func TestReplayJobs(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -66,10 +65,10 @@ func TestReplayJobs(t *testing.T) {
 	if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, "000008", "down")); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := runbook.New(pool, tbl).SaveReplayJob(ctx, runbook.ReplayJob{}, 0); !errors.Is(err, sqlq.ErrNoReplayJobs) || !strings.Contains(err.Error(), "outbox migrate") {
-		t.Fatalf("save without the table: %v, want ErrNoReplayJobs naming outbox migrate", err)
+	if _, err := runbook.New(pool, tbl).SaveReplayJob(ctx, runbook.ReplayJob{}, 0); !errors.Is(err, runbook.ErrNoReplayJobs) || !strings.Contains(err.Error(), "outbox migrate") {
+		t.Fatalf("save without the table: %v, want runbook.ErrNoReplayJobs naming outbox migrate", err)
 	}
-	if _, err := runbook.New(pool, tbl).GetReplayJob(ctx, second.ID); !errors.Is(err, sqlq.ErrNoReplayJobs) {
-		t.Fatalf("read without the table: %v, want ErrNoReplayJobs", err)
+	if _, err := runbook.New(pool, tbl).GetReplayJob(ctx, second.ID); !errors.Is(err, runbook.ErrNoReplayJobs) {
+		t.Fatalf("read without the table: %v, want runbook.ErrNoReplayJobs", err)
 	}
 }

@@ -19,7 +19,7 @@ import (
 type ListFilter struct {
 	// State is the rows' state in the table's relay mode: pending,
 	// retrying, dead, delivered (newest first) or all (a search).
-	State sqlq.ListState
+	State ListState
 	// Topic keeps the rows of one topic.
 	Topic string
 	// EventID keeps the row of one event.
@@ -76,7 +76,7 @@ func (r *Runbook) ListRows(ctx context.Context, f ListFilter) (RowPage, error) {
 		return RowPage{}, err
 	}
 	switch {
-	case !f.State.Valid():
+	case !sqlq.ListState(f.State).Valid():
 		return RowPage{}, fmt.Errorf("runbook: list rows of %s: unknown state %q; use pending, retrying, dead, delivered or all", t, f.State)
 	case f.After < 0 || f.Before < 0:
 		return RowPage{}, fmt.Errorf("runbook: list rows of %s: a negative cursor; pass the Sequence of a listed row", t)
@@ -90,7 +90,7 @@ func (r *Runbook) ListRows(ctx context.Context, f ListFilter) (RowPage, error) {
 	if err != nil {
 		return RowPage{}, err
 	}
-	sf := sqlq.RowListFilter{State: f.State, Topic: f.Topic, OrderingKey: f.OrderingKey, CreatedFrom: f.CreatedFrom, CreatedTo: f.CreatedTo,
+	sf := sqlq.RowListFilter{State: sqlq.ListState(f.State), Topic: f.Topic, OrderingKey: f.OrderingKey, CreatedFrom: f.CreatedFrom, CreatedTo: f.CreatedTo,
 		ErrorContains: f.ErrorContains, Cause: f.Cause}
 	if f.EventID != uuid.Nil {
 		sf.EventID = f.EventID.String()

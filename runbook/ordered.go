@@ -241,7 +241,7 @@ func replayHeld(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uui
 		return EventReplay{}, true, err
 	}
 	res := EventReplay{Table: t.String(), Row: row, Dead: h.dead,
-		Statement: sqlq.Statement{SQL: oq.RetryHoldIn(), Args: []any{h.key, h.seq, statesAllowing(OpReplay)}}}
+		Statement: Statement{SQL: oq.RetryHoldIn(), Args: []any{h.key, h.seq, statesAllowing(OpReplay)}}}
 	if dryRun {
 		res.DryRun = true
 		return res, true, nil
@@ -295,7 +295,7 @@ func replayKeyed(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uu
 	if err != nil {
 		return EventReplay{}, true, err
 	}
-	res := EventReplay{Table: t.String(), Row: row, Statement: sqlq.Statement{SQL: oq.ReplayDone, Args: []any{eventID.String()}}}
+	res := EventReplay{Table: t.String(), Row: row, Statement: Statement{SQL: oq.ReplayDone, Args: []any{eventID.String()}}}
 	var (
 		inserted, above bool
 		held            *int64
@@ -353,7 +353,7 @@ type EventSkip struct {
 	Key      string `json:"ordering_key"`
 	Sequence int64  `json:"sequence"`
 	// Statement is the statement that records the skip.
-	Statement sqlq.Statement `json:"-"`
+	Statement Statement `json:"-"`
 	// Changed is 1, or 0 for a dry run.
 	Changed int64 `json:"changed"`
 	// DryRun is true when nothing was changed on purpose.
@@ -399,7 +399,7 @@ func (r *Runbook) SkipEvent(ctx context.Context, eventID uuid.UUID, dryRun bool)
 		return EventSkip{}, refusal(OpSkip, eventID, t, err)
 	}
 	res := EventSkip{Table: t.String(), Key: h.key, Sequence: h.seq,
-		Statement: sqlq.Statement{SQL: oq.SkipHoldIn(), Args: []any{h.key, h.seq, statesAllowing(OpSkip)}}}
+		Statement: Statement{SQL: oq.SkipHoldIn(), Args: []any{h.key, h.seq, statesAllowing(OpSkip)}}}
 	if dryRun {
 		res.DryRun = true
 		return res, nil
@@ -457,7 +457,7 @@ func skipWAL(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryR
 	if err := h.state.Allows(OpSkip); err != nil {
 		return EventSkip{}, refusal(OpSkip, eventID, t, err)
 	}
-	st := sqlq.Statement{SQL: sqlq.WALSkipHoldIn(t), Args: []any{eventID.String(), statesAllowing(OpSkip)}}
+	st := Statement{SQL: sqlq.WALSkipHoldIn(t), Args: []any{eventID.String(), statesAllowing(OpSkip)}}
 	res := EventSkip{Table: t.String(), Key: h.key, Sequence: h.seq, Statement: st, DryRun: dryRun}
 	if dryRun {
 		return res, nil

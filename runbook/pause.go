@@ -62,7 +62,7 @@ type TopicPause struct {
 	// DryRun is true when nothing was changed on purpose.
 	DryRun bool `json:"dry_run"`
 	// Statement is the statement that pauses or resumes the topic.
-	Statement sqlq.Statement `json:"-"`
+	Statement Statement `json:"-"`
 }
 
 // checkTopic refuses what no pause can name.
@@ -119,7 +119,7 @@ func (r *Runbook) pausable(ctx context.Context, op, topic string) error {
 	}
 	if !ok {
 		return fmt.Errorf("runbook: cannot %s a topic of %s: %w; run `outbox migrate --table=%s` (or schema.Migrate, or the shipped migration 000007) first; nothing changed",
-			op, t, sqlq.ErrNoPausedTopics, t)
+			op, t, ErrNoPausedTopics, t)
 	}
 	return nil
 }
@@ -132,7 +132,7 @@ func (r *Runbook) pausable(ctx context.Context, op, topic string) error {
 // line) is stored with obvious secrets masked. Pausing a topic paused
 // already changes nothing (Changed 0, the first pause's time and reason). A
 // table the WAL relay streams is refused with ErrPauseWAL, a table without
-// the paused topics' table with sqlq.ErrNoPausedTopics; with dryRun nothing
+// the paused topics' table with ErrNoPausedTopics; with dryRun nothing
 // is written.
 func (r *Runbook) PauseTopic(ctx context.Context, topic, reason string, dryRun bool) (TopicPause, error) {
 	if err := r.check(); err != nil {
@@ -151,7 +151,7 @@ func (r *Runbook) PauseTopic(ctx context.Context, topic, reason string, dryRun b
 	reason = redact.Summary(reason, nil, schema.PauseReasonMaxBytes)
 	q := sqlq.NewPausedTopicsQueries(t)
 	res := TopicPause{Table: t.String(), Topic: topic, Paused: true, Reason: reason,
-		Statement: sqlq.Statement{SQL: q.Pause, Args: []any{topic, reason}}}
+		Statement: Statement{SQL: q.Pause, Args: []any{topic, reason}}}
 	if dryRun {
 		res.DryRun = true
 		return res, nil
@@ -190,7 +190,7 @@ func (r *Runbook) ResumeTopic(ctx context.Context, topic string, dryRun bool) (T
 		return TopicPause{}, err
 	}
 	q := sqlq.NewPausedTopicsQueries(t)
-	res := TopicPause{Table: t.String(), Topic: topic, Statement: sqlq.Statement{SQL: q.Resume, Args: []any{topic}}}
+	res := TopicPause{Table: t.String(), Topic: topic, Statement: Statement{SQL: q.Resume, Args: []any{topic}}}
 	var at time.Time
 	if err := db.QueryRow(ctx, q.Get, topic).Scan(&at, &res.Reason); errors.Is(err, pgx.ErrNoRows) {
 		return TopicPause{}, fmt.Errorf("runbook: cannot resume topic %q of %s: %w (list the paused topics with `outbox topics`); nothing changed", topic, t, ErrNotPaused)

@@ -169,7 +169,7 @@ func TestPauseTopicRefusals(t *testing.T) {
 		t.Fatalf("Stats without the table: %+v, %v", st, err)
 	}
 	_, err := runbook.New(pool, tbl).PauseTopic(ctx, "org.a.v1", "", false)
-	if !errors.Is(err, sqlq.ErrNoPausedTopics) || !strings.Contains(err.Error(), "outbox migrate --table="+tbl.String()) {
+	if !errors.Is(err, runbook.ErrNoPausedTopics) || !strings.Contains(err.Error(), "outbox migrate --table="+tbl.String()) {
 		t.Fatalf("pause without the table: %v", err)
 	}
 	if err := schema.Migrate(ctx, pool, tbl); err != nil {

@@ -116,7 +116,7 @@ type EventReplay struct {
 	// failed and still being retried.
 	Dead bool `json:"dead"`
 	// Statement is the UPDATE that resets the row.
-	Statement sqlq.Statement `json:"-"`
+	Statement Statement `json:"-"`
 	// Changed is the number of rows changed: 1, or 0 for a dry run.
 	Changed int64 `json:"changed"`
 	// DryRun is true when nothing was changed on purpose.
@@ -189,9 +189,9 @@ func replayEvent(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.
 	if err != nil {
 		return EventReplay{}, err
 	}
-	res.Statement = q.ReplayEvent(id, lockTTL)
+	res.Statement = Statement(q.ReplayEvent(id, lockTTL))
 	if wal {
-		res.Statement = sqlq.WALReplayEvent(walReplayGuard(t), id, lockTTL)
+		res.Statement = Statement(sqlq.WALReplayEvent(walReplayGuard(t), id, lockTTL))
 	}
 	if dryRun {
 		res.DryRun = true
@@ -280,7 +280,7 @@ type BulkReplay struct {
 	Table string `json:"table"`
 	// Statement is the UPDATE that resets the rows; after a dry run, the
 	// one guarded by its snapshot, which a replay with Expect runs.
-	Statement sqlq.Statement `json:"-"`
+	Statement Statement `json:"-"`
 	// Rows is, for a dry run, the number of rows the statement would
 	// change, and otherwise the number it changed.
 	Rows int64 `json:"rows"`
@@ -360,7 +360,7 @@ func (r *Runbook) ReplayDead(ctx context.Context, f DeadFilter, dryRun bool) (Bu
 		sf.WALReplay = &g
 	}
 	q := sqlq.NewRunbookQueries(t)
-	res := BulkReplay{Table: t.String(), Statement: q.ReplayDead(sf), DryRun: dryRun}
+	res := BulkReplay{Table: t.String(), Statement: Statement(q.ReplayDead(sf)), DryRun: dryRun}
 	if dryRun {
 		count := q.CountReplayDead(sf)
 		s := &res.Snapshot
@@ -368,11 +368,11 @@ func (r *Runbook) ReplayDead(ctx context.Context, f DeadFilter, dryRun bool) (Bu
 			return BulkReplay{}, dbError(t, "count dead rows to replay of", err)
 		}
 		res.Rows = s.Rows
-		res.Statement = q.ReplayDeadExpecting(sf, s.MaxSequence, s.Rows, s.Digest)
+		res.Statement = Statement(q.ReplayDeadExpecting(sf, s.MaxSequence, s.Rows, s.Digest))
 		return res, nil
 	}
 	if e := f.Expect; e != nil {
-		res.Statement = q.ReplayDeadExpecting(sf, e.MaxSequence, e.Rows, e.Digest)
+		res.Statement = Statement(q.ReplayDeadExpecting(sf, e.MaxSequence, e.Rows, e.Digest))
 		var (
 			changed int64
 			ids     []string
@@ -423,7 +423,7 @@ func replayDeadOrdered(ctx context.Context, db DB, sq sqlq.StateQueries, f DeadF
 	}
 	sel := sf
 	sel.Limit = 0
-	res := BulkReplay{Table: t.String(), DryRun: dryRun, Statement: sq.Dead(sel)}
+	res := BulkReplay{Table: t.String(), DryRun: dryRun, Statement: Statement(sq.Dead(sel))}
 	res.Statement.SQL = "-- ordered mode: each dead row this lists is replayed as `outbox dead replay --event-id` replays it (Runbook.ReplayEvent),\n" +
 		"-- and left alone when that refuses it\n" + res.Statement.SQL
 	// plan lists the rows the rule accepts now, up to maxSeq when capped.

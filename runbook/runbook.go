@@ -528,3 +528,49 @@ func (r *Runbook) Leader(ctx context.Context) (*Session, error) {
 	}
 	return &s, nil
 }
+
+// Statement is the SQL an action runs (or, in a dry run, would run), for
+// people and audit logs: the SQL text with placeholders and their values.
+type Statement struct {
+	// SQL is the statement text; values are placeholders ($1, $2, ...).
+	SQL string
+	// Args are the values of the placeholders, in order.
+	Args []any
+}
+
+// String renders the statement: the SQL followed by one comment line per
+// argument, such as "-- $1 = 25".
+func (s Statement) String() string { return sqlq.Statement(s).String() }
+
+// ListState is the state of the rows ListRows lists (ListFilter.State).
+type ListState string
+
+// The states ListRows selects, with the classification of Stats.
+const (
+	// ListPending: not done and not dead (rows waiting behind a held key
+	// and rows waiting for a retry included), oldest first.
+	ListPending ListState = "pending"
+	// ListRetrying: pending rows whose last attempt failed, oldest first.
+	ListRetrying ListState = "retrying"
+	// ListDead: dead rows, oldest first.
+	ListDead ListState = "dead"
+	// ListDelivered: delivered rows (published_at set or, in ordered and
+	// WAL mode, done without it; skipped rows left out), newest first.
+	ListDelivered ListState = "delivered"
+	// ListAll: every row, whatever its state, oldest first: a search.
+	ListAll ListState = "all"
+)
+
+// Valid reports whether s is one of the list states.
+func (s ListState) Valid() bool { return sqlq.ListState(s).Valid() }
+
+// ErrNoPausedTopics is matched (errors.Is) by the runbook's error when the
+// table of paused topics of an outbox table does not exist: migration
+// 000007 (schema.Migrate, `outbox migrate`) creates it. Relays treat a
+// missing table as "nothing is paused".
+var ErrNoPausedTopics = errors.New("the table of paused topics does not exist (migration 000007)")
+
+// ErrNoReplayJobs is matched (errors.Is) by the runbook's error when the
+// table of replay jobs of an outbox table does not exist: migration 000008
+// (schema.Migrate, `outbox migrate`) creates it.
+var ErrNoReplayJobs = errors.New("the table of replay jobs does not exist (migration 000008)")

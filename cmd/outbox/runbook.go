@@ -550,7 +550,7 @@ func finishPreview(stdout io.Writer, mode replayMode, rep replayReport, line str
 	return nil
 }
 
-func printStatement(w io.Writer, st sqlq.Statement, rows int64) {
+func printStatement(w io.Writer, st runbook.Statement, rows int64) {
 	fmt.Fprintln(w, "Statement:")
 	for _, line := range strings.Split(st.String(), "\n") {
 		fmt.Fprintf(w, "  %s\n", line)

@@ -2,17 +2,10 @@ package sqlq
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/outboxkit/watermill-outbox/schema"
 )
-
-// ErrNoPausedTopics is matched (errors.Is) by the runbook's error when the
-// table of paused topics of an outbox table does not exist: migration
-// 000007 (schema.Migrate, `outbox migrate`) creates it. Relays treat a
-// missing table as "nothing is paused".
-var ErrNoPausedTopics = errors.New("the table of paused topics does not exist (migration 000007)")
 
 // PausedTopicsExist reports whether the table of paused topics of t exists.
 func PausedTopicsExist(ctx context.Context, q schema.Querier, t schema.Table) (bool, error) {

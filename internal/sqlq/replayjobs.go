@@ -2,16 +2,10 @@ package sqlq
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/outboxkit/watermill-outbox/schema"
 )
-
-// ErrNoReplayJobs is matched (errors.Is) by the runbook's error when the
-// table of replay jobs of an outbox table does not exist: migration 000008
-// (schema.Migrate, `outbox migrate`) creates it.
-var ErrNoReplayJobs = errors.New("the table of replay jobs does not exist (migration 000008)")
 
 // ReplayJobsExist reports whether the table of replay jobs of t exists.
 func ReplayJobsExist(ctx context.Context, q schema.Querier, t schema.Table) (bool, error) {
