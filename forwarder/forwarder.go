@@ -97,7 +97,7 @@ type Config struct {
 	// fails or succeeds as a whole, so a failed call nacks every message in
 	// it (nothing is lost: they are retried). Per-key order holds in
 	// ordered mode because the subscriber never has two messages of one key
-	// in flight. Defaults to BatchSizeDefault (100) when the publisher
+	// in flight. Defaults to PublishBatchSizeDefault (100) when the publisher
 	// implements BatchPublisher (kafkabackend's and amqpbackend's do), else to 1 (one
 	// Publish per message, calls running concurrently): watermill-amqp's and
 	// watermill-kafka's own publishers send a multi-message call one message
@@ -241,7 +241,7 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 	if cfg.BatchSize == 0 {
 		cfg.BatchSize = 1
 		if _, ok := pub.(BatchPublisher); ok {
-			cfg.BatchSize = BatchSizeDefault
+			cfg.BatchSize = PublishBatchSizeDefault
 		}
 	}
 	if cfg.MaxPublishes == 0 {

@@ -10,14 +10,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
-	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
-
-// DispatchTimeoutDefault is the default per-message timeout
-// (OUTBOX_RELAY_DISPATCH_TIMEOUT).
-const DispatchTimeoutDefault = 30 * time.Second
 
 // Metadata keys the poison copy adds.
 const (
@@ -29,7 +24,8 @@ const (
 type MiddlewareConfig struct {
 	// DispatchTimeout bounds one message: its context is cancelled after it,
 	// and a handler that honours the context returns an error (a nack).
-	// Defaults to 30s.
+	// Set it to the subscriber's Config.DispatchTimeout. Defaults to
+	// subscriber.subscriber.DispatchTimeoutDefault (30s).
 	DispatchTimeout time.Duration
 	// Retry, when set, retries a failing message in-process before it is
 	// nacked, for transient broker errors; errors marked
@@ -43,7 +39,8 @@ type MiddlewareConfig struct {
 	PoisonPublisher message.Publisher
 	PoisonTopic     string
 	// MaxAttempts must match the subscriber's MaxAttempts for the poison
-	// copy to know the last attempt. Defaults to 25.
+	// copy to know the last attempt. Defaults to
+	// subscriber.MaxAttemptsDefault (25).
 	MaxAttempts int
 	// Logger logs poison copies that fail. Defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
@@ -55,10 +52,10 @@ type MiddlewareConfig struct {
 func (cfg MiddlewareConfig) Validate() error {
 	var errs []error
 	if cfg.DispatchTimeout < 0 {
-		errs = append(errs, invalidField("DispatchTimeout", "%s is negative; leave it 0 for the default (%s) or set a positive value", cfg.DispatchTimeout, DispatchTimeoutDefault))
+		errs = append(errs, invalidField("DispatchTimeout", "%s is negative; leave it 0 for the default (%s) or set a positive value", cfg.DispatchTimeout, subscriber.DispatchTimeoutDefault))
 	}
 	if cfg.MaxAttempts < 0 {
-		errs = append(errs, invalidField("MaxAttempts", "%d is negative; leave it 0 for the default (%d) or set the subscriber's MaxAttempts", cfg.MaxAttempts, sqlq.MaxAttemptsDefault))
+		errs = append(errs, invalidField("MaxAttempts", "%d is negative; leave it 0 for the default (%d) or set the subscriber's MaxAttempts", cfg.MaxAttempts, subscriber.MaxAttemptsDefault))
 	}
 	if cfg.PoisonPublisher != nil && cfg.PoisonTopic == "" {
 		errs = append(errs, invalidField("PoisonTopic", "empty while PoisonPublisher is set; name the topic of the poison copies, or unset PoisonPublisher"))
@@ -107,10 +104,10 @@ func Middlewares(cfg MiddlewareConfig) []message.HandlerMiddleware {
 		panic(err)
 	}
 	if cfg.DispatchTimeout == 0 {
-		cfg.DispatchTimeout = DispatchTimeoutDefault
+		cfg.DispatchTimeout = subscriber.DispatchTimeoutDefault
 	}
 	if cfg.MaxAttempts == 0 {
-		cfg.MaxAttempts = sqlq.MaxAttemptsDefault
+		cfg.MaxAttempts = subscriber.MaxAttemptsDefault
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}

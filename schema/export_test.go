@@ -1,6 +1,5 @@
 package schema
 
-
 // AvailableAtDownSQL exposes availableAtDownSQL to the external tests.
 var AvailableAtDownSQL = availableAtDownSQL
 

@@ -19,7 +19,7 @@ const AllTopics = sqlq.AllTopics
 
 // Defaults of Config (docs/ARCHITECTURE.md, "The relay").
 const (
-	BatchSizeDefault         = sqlq.BatchSizeDefault
+	ClaimBatchSizeDefault    = sqlq.BatchSizeDefault
 	PollIntervalDefault      = time.Second
 	LockTTLDefault           = sqlq.LockTTLDefault
 	MaxAttemptsDefault       = sqlq.MaxAttemptsDefault
@@ -39,7 +39,8 @@ const LeaderTimeoutMin = 3 * time.Second
 type Config struct {
 	// Table is the outbox table. Required.
 	Table schema.Table
-	// BatchSize is how many rows one claim leases. Defaults to 100.
+	// BatchSize is how many rows one claim leases. Defaults to
+	// ClaimBatchSizeDefault (100).
 	BatchSize int
 	// MaxInFlight bounds the messages delivered and not yet acked or nacked,
 	// per subscription, counting the rows already claimed for it and not
@@ -142,7 +143,7 @@ type Config struct {
 
 func (c *Config) setDefaults() {
 	if c.BatchSize == 0 {
-		c.BatchSize = BatchSizeDefault
+		c.BatchSize = ClaimBatchSizeDefault
 	}
 	if c.MaxInFlight == 0 && c.BatchSize > 0 { // a negative BatchSize is reported as itself
 		c.MaxInFlight = 2 * c.BatchSize

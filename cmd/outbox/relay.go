@@ -106,7 +106,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	}
 	c.pollInterval, err = env.Duration("OUTBOX_RELAY_POLL_INTERVAL", subscriber.PollIntervalDefault, false)
 	must(err)
-	c.batchSize, err = env.Int("OUTBOX_RELAY_BATCH_SIZE", subscriber.BatchSizeDefault)
+	c.batchSize, err = env.Int("OUTBOX_RELAY_BATCH_SIZE", subscriber.ClaimBatchSizeDefault)
 	must(err)
 	c.lockTTL, err = env.Duration("OUTBOX_RELAY_LOCK_TTL", subscriber.LockTTLDefault, false)
 	must(err)
@@ -117,7 +117,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	}
 	c.maxAttempts, err = env.Int("OUTBOX_RELAY_MAX_ATTEMPTS", subscriber.MaxAttemptsDefault)
 	must(err)
-	c.dispatchTimeout, err = env.Duration("OUTBOX_RELAY_DISPATCH_TIMEOUT", router.DispatchTimeoutDefault, false)
+	c.dispatchTimeout, err = env.Duration("OUTBOX_RELAY_DISPATCH_TIMEOUT", subscriber.DispatchTimeoutDefault, false)
 	must(err)
 	c.lastErrorMax, err = env.Int("OUTBOX_LAST_ERROR_MAX_BYTES", subscriber.LastErrorMaxBytesDefault)
 	must(err)
