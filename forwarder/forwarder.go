@@ -71,8 +71,8 @@ type Config struct {
 	// "outbox_forwarder_" + the table in the message metadata, or
 	// "outbox_forwarder".
 	HandlerName string
-	// Middleware is the handler's middleware stack. Defaults to
-	// router.Middlewares(router.MiddlewareConfig{}). Set it to an empty,
+	// Middleware is the handler's middleware stack. Defaults to the stack
+	// of router.Middlewares with the zero MiddlewareConfig. Set it to an empty,
 	// non-nil slice to use only the router's own middleware.
 	Middleware []message.HandlerMiddleware
 	// RouterConfig configures the router Run creates. Defaults to Watermill's
@@ -233,7 +233,7 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 		}
 	}
 	if cfg.Middleware == nil {
-		cfg.Middleware = router.Middlewares(router.MiddlewareConfig{Logger: logger})
+		cfg.Middleware = router.MustMiddlewares(router.MiddlewareConfig{Logger: logger})
 	}
 	if cfg.MessagingSystem == "" {
 		cfg.MessagingSystem = MessagingSystemDefault

@@ -46,7 +46,7 @@ type MiddlewareConfig struct {
 	Logger watermill.LoggerAdapter
 }
 
-// Validate checks cfg as NewMiddlewares does: negative durations or counts,
+// Validate checks cfg as Middlewares does: negative durations or counts,
 // and a poison copy with only one of PoisonPublisher and PoisonTopic, are
 // refused with an error that names the field and says what to do.
 func (cfg MiddlewareConfig) Validate() error {
@@ -72,16 +72,8 @@ func (cfg MiddlewareConfig) Validate() error {
 	return errors.Join(errs...)
 }
 
-// NewMiddlewares validates cfg and returns the relay's middleware stack (see
-// Middlewares).
-func NewMiddlewares(cfg MiddlewareConfig) ([]message.HandlerMiddleware, error) {
-	if err := cfg.Validate(); err != nil {
-		return nil, err
-	}
-	return Middlewares(cfg), nil
-}
-
-// Middlewares returns the relay's middleware stack, outermost first:
+// Middlewares validates cfg and returns the relay's middleware stack,
+// outermost first:
 //
 //  1. subscriber.CaptureError records the final error for last_error and
 //     Permanent, so it must see every error the others produce;
@@ -96,13 +88,28 @@ func NewMiddlewares(cfg MiddlewareConfig) ([]message.HandlerMiddleware, error) {
 //  5. middleware.Timeout cancels the message context after DispatchTimeout,
 //     per attempt.
 //
-// Add it with router.AddMiddleware(stack...) or handler.AddMiddleware. It
-// panics with Validate's error on an invalid cfg, like regexp.MustCompile;
-// use NewMiddlewares for a configuration read at run time.
-func Middlewares(cfg MiddlewareConfig) []message.HandlerMiddleware {
+// Add it with router.AddMiddleware(stack...) or handler.AddMiddleware. An
+// invalid cfg returns Validate's error; MustMiddlewares panics with it
+// instead, for a configuration written in the code.
+func Middlewares(cfg MiddlewareConfig) ([]message.HandlerMiddleware, error) {
 	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return buildStack(cfg), nil
+}
+
+// MustMiddlewares is like Middlewares but panics with Validate's error on
+// an invalid cfg, like regexp.MustCompile.
+func MustMiddlewares(cfg MiddlewareConfig) []message.HandlerMiddleware {
+	stack, err := Middlewares(cfg)
+	if err != nil {
 		panic(err)
 	}
+	return stack
+}
+
+// buildStack is Middlewares for a valid cfg.
+func buildStack(cfg MiddlewareConfig) []message.HandlerMiddleware {
 	if cfg.DispatchTimeout == 0 {
 		cfg.DispatchTimeout = subscriber.DispatchTimeoutDefault
 	}

@@ -372,8 +372,12 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 			return err
 		}
 		subs = append(subs, s)
+		stack, err := router.Middlewares(router.MiddlewareConfig{DispatchTimeout: cfg.dispatchTimeout, MaxAttempts: cfg.maxAttempts, Logger: logger})
+		if err != nil {
+			return err
+		}
 		f, err := forwarder.New(s, pub, forwarder.Config{
-			Middleware:     router.Middlewares(router.MiddlewareConfig{DispatchTimeout: cfg.dispatchTimeout, MaxAttempts: cfg.maxAttempts, Logger: logger}),
+			Middleware:     stack,
 			TracerProvider: cfg.tracerProvider, MessagingSystem: messagingSystem(cfg.backend.Kind),
 		}, logger)
 		if err != nil {

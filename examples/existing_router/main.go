@@ -107,7 +107,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	}
 	// Router-wide middleware, outermost first: CaptureError, Recoverer,
 	// Timeout. It applies to every handler, the relay's included.
-	r.AddMiddleware(router.Middlewares(router.MiddlewareConfig{Logger: logger})...)
+	r.AddMiddleware(router.MustMiddlewares(router.MiddlewareConfig{Logger: logger})...)
 	// Outbox metrics plus Watermill's handler metrics for r; register before
 	// r.Run. Serve the registry with promhttp.HandlerFor in your service.
 	registry := prometheus.NewRegistry()
