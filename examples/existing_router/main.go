@@ -148,7 +148,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	defer func() { err = errors.Join(err, stopRouter()) }()
 
 	// --- Producing: Watermill messages, published inside the transaction. ---
-	enqueuer, err := publisher.NewEnqueuer(publisher.Config{Metrics: outboxMetrics})
+	enqueuer, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{Metrics: outboxMetrics})
 	if err != nil {
 		return err
 	}
