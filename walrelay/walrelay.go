@@ -243,11 +243,16 @@ type Subscriber struct {
 	spilled atomic.Int64 // keys spilled (tests)
 	unseen  atomic.Int64 // statements put off until a streamed transaction was visible (tests)
 
-	// fenceHook, set by tests only (export_test.go), runs before each
-	// fenced write ("before") and, when set, the write runs in a
-	// transaction and the hook runs again after its statement and before
-	// its commit ("checked").
-	fenceHook func(op, phase string)
+	hooks testHooks // zero in production; set by tests only (export_test.go)
+}
+
+// testHooks are the seams the tests set through export_test.go; a
+// Subscriber made by New leaves them zero, which changes nothing.
+type testHooks struct {
+	// fence runs before each fenced write ("before") and, when set, the
+	// write runs in a transaction and the hook runs again after its
+	// statement and before its commit ("checked").
+	fence func(op, phase string)
 }
 
 // New checks the table, its publication and its slot (Setup), and returns
