@@ -25,7 +25,7 @@ type MiddlewareConfig struct {
 	// DispatchTimeout bounds one message: its context is cancelled after it,
 	// and a handler that honours the context returns an error (a nack).
 	// Set it to the subscriber's Config.DispatchTimeout. Defaults to
-	// subscriber.subscriber.DispatchTimeoutDefault (30s).
+	// subscriber.DispatchTimeoutDefault (30s).
 	DispatchTimeout time.Duration
 	// Retry, when set, retries a failing message in-process before it is
 	// nacked, for transient broker errors; errors marked
