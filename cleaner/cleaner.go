@@ -21,9 +21,9 @@ import (
 
 // Defaults of Config; the daemon reads them from OUTBOX_CLEANER_*.
 const (
-	IntervalDefault  = time.Minute
-	RetentionDefault = 168 * time.Hour
-	BatchSizeDefault = 1000
+	IntervalDefault        = time.Minute
+	RetentionDefault       = 168 * time.Hour
+	DeleteBatchSizeDefault = 1000
 )
 
 // Config configures a Cleaner.
@@ -39,7 +39,8 @@ type Config struct {
 	// that died longer ago than it, however old they are. Defaults to 0:
 	// dead rows are kept for replay.
 	DeadRetention time.Duration
-	// BatchSize bounds the rows one DELETE removes. Defaults to 1000.
+	// BatchSize bounds the rows one DELETE removes. Defaults to
+	// DeleteBatchSizeDefault (1000).
 	BatchSize int
 	// Metrics counts deleted rows (outbox_cleaner_deleted_total). Defaults
 	// to nil.
@@ -74,7 +75,7 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Clean
 		cfg.Retention = RetentionDefault
 	}
 	if cfg.BatchSize == 0 {
-		cfg.BatchSize = BatchSizeDefault
+		cfg.BatchSize = DeleteBatchSizeDefault
 	}
 	if cfg.Interval < 0 || cfg.Retention < 0 || cfg.DeadRetention < 0 || cfg.BatchSize < 0 {
 		return nil, errors.New("cleaner: invalid config: negative Interval, Retention, DeadRetention or BatchSize; leave 0 for the defaults")

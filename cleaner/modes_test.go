@@ -48,7 +48,7 @@ func TestCleanerKeepsRowsParkedBehindAWALHold(t *testing.T) {
 		ids[i] = uuid.New()
 		msgs[i] = publisher.Message{TenantID: uuid.New(), Topic: "org.wal.v1", EventID: ids[i], Payload: json.RawMessage(`{}`), OrderingKey: k}
 	}
-	enq, err := publisher.NewEnqueuer(publisher.Config{})
+	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -132,7 +132,7 @@ func TestCleanerKeepsUndeliveredKeyedRows(t *testing.T) {
 		ids[i] = uuid.New()
 		msgs[i] = publisher.Message{TenantID: uuid.New(), Topic: "org.ord.v1", EventID: ids[i], Payload: json.RawMessage(`{}`), OrderingKey: k}
 	}
-	enq, err := publisher.NewEnqueuer(publisher.Config{})
+	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -23,8 +23,8 @@ type BatchPublisher interface {
 	PublishBatch(topic string, msgs []*message.Message) []error
 }
 
-// BatchSizeDefault is Config.BatchSize for a BatchPublisher.
-const BatchSizeDefault = 100
+// PublishBatchSizeDefault is Config.BatchSize for a BatchPublisher.
+const PublishBatchSizeDefault = 100
 
 // MaxPublishesDefault is Config.MaxPublishes.
 const MaxPublishesDefault = 4

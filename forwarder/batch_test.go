@@ -191,8 +191,8 @@ func TestBatchPerMessageResults(t *testing.T) {
 	for _, c := range pub.calls {
 		largest = max(largest, c)
 	}
-	if largest < 2 || largest > forwarder.BatchSizeDefault {
-		t.Errorf("largest publish call carried %d messages; want batches of 2..%d", largest, forwarder.BatchSizeDefault)
+	if largest < 2 || largest > forwarder.PublishBatchSizeDefault {
+		t.Errorf("largest publish call carried %d messages; want batches of 2..%d", largest, forwarder.PublishBatchSizeDefault)
 	}
 	t.Logf("%d publish calls for %d messages (%d failed once), largest %d", len(pub.calls), n, n/10, largest)
 }

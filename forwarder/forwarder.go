@@ -71,8 +71,8 @@ type Config struct {
 	// "outbox_forwarder_" + the table in the message metadata, or
 	// "outbox_forwarder".
 	HandlerName string
-	// Middleware is the handler's middleware stack. Defaults to
-	// router.Middlewares(router.MiddlewareConfig{}). Set it to an empty,
+	// Middleware is the handler's middleware stack. Defaults to the stack
+	// of router.Middlewares with the zero MiddlewareConfig. Set it to an empty,
 	// non-nil slice to use only the router's own middleware.
 	Middleware []message.HandlerMiddleware
 	// RouterConfig configures the router Run creates. Defaults to Watermill's
@@ -97,7 +97,7 @@ type Config struct {
 	// fails or succeeds as a whole, so a failed call nacks every message in
 	// it (nothing is lost: they are retried). Per-key order holds in
 	// ordered mode because the subscriber never has two messages of one key
-	// in flight. Defaults to BatchSizeDefault (100) when the publisher
+	// in flight. Defaults to PublishBatchSizeDefault (100) when the publisher
 	// implements BatchPublisher (kafkabackend's and amqpbackend's do), else to 1 (one
 	// Publish per message, calls running concurrently): watermill-amqp's and
 	// watermill-kafka's own publishers send a multi-message call one message
@@ -233,7 +233,7 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 		}
 	}
 	if cfg.Middleware == nil {
-		cfg.Middleware = router.Middlewares(router.MiddlewareConfig{Logger: logger})
+		cfg.Middleware = router.MustMiddlewares(router.MiddlewareConfig{Logger: logger})
 	}
 	if cfg.MessagingSystem == "" {
 		cfg.MessagingSystem = MessagingSystemDefault
@@ -241,7 +241,7 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 	if cfg.BatchSize == 0 {
 		cfg.BatchSize = 1
 		if _, ok := pub.(BatchPublisher); ok {
-			cfg.BatchSize = BatchSizeDefault
+			cfg.BatchSize = PublishBatchSizeDefault
 		}
 	}
 	if cfg.MaxPublishes == 0 {

@@ -232,7 +232,7 @@ func TestMiddlewareSkippingTheHandler(t *testing.T) {
 func TestOutboxPoisonCopyOnceRouterWide(t *testing.T) {
 	t.Parallel()
 	stack := func(poison message.Publisher) []message.HandlerMiddleware {
-		return router.Middlewares(router.MiddlewareConfig{PoisonPublisher: poison, PoisonTopic: "poison", MaxAttempts: poisonMaxAttempts})
+		return router.MustMiddlewares(router.MiddlewareConfig{PoisonPublisher: poison, PoisonTopic: "poison", MaxAttempts: poisonMaxAttempts})
 	}
 	rig := newPoisonRig(t, "fwd_copy_once_outbox", stack, func(*message.Message) error {
 		return subscriber.Permanent(errors.New("malformed organization_id"))

@@ -89,7 +89,7 @@ WHERE locktype = 'advisory' AND objsubid = 2 AND pid = pg_backend_pid() ORDER BY
 			}
 		}
 	}
-	enq, err := publisher.NewEnqueuer(publisher.Config{})
+	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{})
 	if err != nil {
 		t.Fatal(err)
 	}

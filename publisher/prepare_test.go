@@ -36,7 +36,7 @@ func TestEnqueueInATransactionThatIsPrepared(t *testing.T) {
 	if err := pool.QueryRow(ctx, `SELECT current_setting('max_prepared_transactions')::int`).Scan(&maxPrepared); err != nil {
 		t.Fatal(err)
 	}
-	quiet, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: true})
+	quiet, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{DisableNotify: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -63,7 +63,7 @@ func TestEnqueueInATransactionThatIsPrepared(t *testing.T) {
 		return err
 	}
 	const notifyRefused = "cannot PREPARE a transaction that has executed LISTEN, UNLISTEN, or NOTIFY"
-	def, _ := publisher.NewEnqueuer(publisher.Config{})
+	def, _ := publisher.NewEnqueuer(publisher.EnqueuerConfig{})
 	if err := prepare(def); maxPrepared > 0 && (err == nil || !strings.Contains(err.Error(), notifyRefused)) {
 		t.Errorf("the default Enqueue with a relay idle, then PREPARE: %v, want PostgreSQL's refusal of NOTIFY (the README says so)", err)
 	}

@@ -108,7 +108,7 @@ func TestAtomicity(t *testing.T) {
 
 func TestIdempotentEnqueue(t *testing.T) {
 	t.Parallel()
-	quiet, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: true})
+	quiet, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{DisableNotify: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -208,7 +208,7 @@ func TestEnqueueIntoWALTable(t *testing.T) {
 	tbl := testdb.Table(t, "org_outbox", schema.WithOrderingKeyColumn())
 	ctx := context.Background()
 	q := sqlq.NewQueries(tbl, schema.Columns{OrderingKey: true})
-	enq, err := publisher.NewEnqueuer(publisher.Config{})
+	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -370,7 +370,7 @@ func TestBadInput(t *testing.T) {
 		}
 	})
 	t.Run("custom topic rule and payload limit", func(t *testing.T) {
-		e, err := publisher.NewEnqueuer(publisher.Config{ValidateTopic: publisher.ValidateTopicRelaxed, MaxPayloadBytes: 16})
+		e, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{ValidateTopic: publisher.ValidateTopicRelaxed, MaxPayloadBytes: 16})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -385,7 +385,7 @@ func TestBadInput(t *testing.T) {
 				t.Fatalf("payload over custom limit: %v", err)
 			}
 		})
-		if _, err := publisher.NewEnqueuer(publisher.Config{MaxPayloadBytes: -1}); err == nil {
+		if _, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{MaxPayloadBytes: -1}); err == nil {
 			t.Fatal("negative limit accepted")
 		}
 	})
@@ -460,7 +460,7 @@ func TestExecModes(t *testing.T) {
 					t.Fatalf("idempotent re-enqueue: %d %d %v", s1, s2, err)
 				}
 				// The quiet statement (no wake-up), in this mode too.
-				quiet, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: true})
+				quiet, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{DisableNotify: true})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -702,7 +702,7 @@ func TestTxPublisher(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	enq, err := publisher.NewEnqueuer(publisher.Config{Metrics: m})
+	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{Metrics: m})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -754,6 +754,40 @@ func TestTxPublisher(t *testing.T) {
 	}
 	if _, err := publisher.NewTxPublisher(nil, publisher.TxPublisherConfig{Table: tbl}); err == nil {
 		t.Fatal("nil tx accepted")
+	}
+}
+
+// TestDBPublisher: a DBPublisher commits each Publish in a transaction of
+// its own, with the topic rule of its DBPublisherConfig.
+func TestDBPublisher(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "db_outbox", schema.WithHeadersColumn())
+	strict, err := publisher.NewDBPublisher(pool, publisher.DBPublisherConfig{Table: tbl, DefaultTenantID: tenant})
+	if err != nil {
+		t.Fatal(err)
+	}
+	relaxed, err := publisher.NewDBPublisher(pool, publisher.DBPublisherConfig{Table: tbl, DefaultTenantID: tenant,
+		EnqueuerConfig: publisher.EnqueuerConfig{ValidateTopic: publisher.ValidateTopicRelaxed}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const topic = "Orders_Created"
+	if err := strict.Publish(topic, message.NewMessage(uuid.NewString(), []byte(`{}`))); !errors.Is(err, publisher.ErrInvalidMessage) {
+		t.Fatalf("default topic rule on %q: %v, want ErrInvalidMessage", topic, err)
+	}
+	if err := relaxed.Publish(topic, message.NewMessage(uuid.NewString(), []byte(`{}`)), message.NewMessage(uuid.NewString(), []byte(`[]`))); err != nil {
+		t.Fatalf("relaxed topic rule on %q: %v", topic, err)
+	}
+	if n := count(t, pool, tbl); n != 2 {
+		t.Fatalf("rows %d, want 2 (committed by Publish)", n)
+	}
+	_ = relaxed.Close()
+	if err := relaxed.Publish(topic, message.NewMessage(uuid.NewString(), []byte(`{}`))); !errors.Is(err, publisher.ErrPublisherClosed) {
+		t.Fatalf("publish after close: %v", err)
+	}
+	if _, err := publisher.NewDBPublisher(pool, publisher.DBPublisherConfig{Table: tbl, EnqueuerConfig: publisher.EnqueuerConfig{MaxPayloadBytes: -1}}); err == nil {
+		t.Fatal("negative MaxPayloadBytes accepted")
 	}
 }
 

@@ -56,7 +56,7 @@ func TestRelaxedEnqueuerAsInTheREADME(t *testing.T) {
 	msg := func() publisher.Message {
 		return publisher.Message{TenantID: serviceTenant, Topic: "OrdersCreated", EventID: uuid.New(), Payload: json.RawMessage(`{"order":42}`)}
 	}
-	enq, err := publisher.NewEnqueuer(publisher.Config{ValidateTopic: publisher.ValidateTopicRelaxed})
+	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{ValidateTopic: publisher.ValidateTopicRelaxed})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -24,7 +24,10 @@ type TxPublisherConfig struct {
 	// DefaultTenantID is used for messages without a tenant_id metadata
 	// entry. Defaults to none: such messages are refused.
 	DefaultTenantID uuid.UUID
-	// Enqueuer writes the rows. Defaults to an Enqueuer with the zero Config.
+	// Enqueuer writes the rows, with its topic validation, payload limit,
+	// wake-up and metrics (EnqueuerConfig). A TxPublisher lives for one
+	// transaction: build the Enqueuer once and share it. Defaults to an
+	// Enqueuer with the zero EnqueuerConfig.
 	Enqueuer *Enqueuer
 }
 
@@ -135,13 +138,26 @@ type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }
 
+// DBPublisherConfig configures a DBPublisher.
+type DBPublisherConfig struct {
+	// Table is the outbox table. Required.
+	Table schema.Table
+	// DefaultTenantID is used for messages without a tenant_id metadata
+	// entry. Defaults to none: such messages are refused.
+	DefaultTenantID uuid.UUID
+	// EnqueuerConfig configures the Enqueuer the DBPublisher writes with:
+	// topic validation (ValidateTopic), the payload limit, metrics. The
+	// zero value is the defaults.
+	EnqueuerConfig
+}
+
 // DBPublisher is a Watermill message.Publisher that enqueues each Publish
 // call in a transaction of its own. Use it where there is no business write
 // to join (tests, tools, events that stand alone); use TxPublisher or
 // Enqueue to commit events with business rows.
 type DBPublisher struct {
 	db     Beginner
-	cfg    TxPublisherConfig
+	tx     TxPublisherConfig
 	closed atomic.Bool
 }
 
@@ -149,14 +165,19 @@ var _ message.Publisher = (*DBPublisher)(nil)
 
 // NewDBPublisher returns a publisher that opens a transaction on db per
 // Publish call.
-func NewDBPublisher(db Beginner, cfg TxPublisherConfig) (*DBPublisher, error) {
+func NewDBPublisher(db Beginner, cfg DBPublisherConfig) (*DBPublisher, error) {
 	if db == nil {
 		return nil, errors.New("publisher: invalid config: nil db; pass a *pgxpool.Pool")
 	}
-	if err := cfg.setDefaults(); err != nil {
+	enq, err := NewEnqueuer(cfg.EnqueuerConfig)
+	if err != nil {
 		return nil, err
 	}
-	return &DBPublisher{db: db, cfg: cfg}, nil
+	tx := TxPublisherConfig{Table: cfg.Table, DefaultTenantID: cfg.DefaultTenantID, Enqueuer: enq}
+	if err := tx.setDefaults(); err != nil {
+		return nil, err
+	}
+	return &DBPublisher{db: db, tx: tx}, nil
 }
 
 // Publish enqueues msgs in one transaction, committed before it returns.
@@ -169,7 +190,7 @@ func (p *DBPublisher) Publish(topic string, msgs ...*message.Message) error {
 		ctx = msgs[0].Context()
 	}
 	return pgx.BeginFunc(ctx, p.db, func(tx pgx.Tx) error {
-		return (&TxPublisher{tx: tx, cfg: p.cfg}).Publish(topic, msgs...)
+		return (&TxPublisher{tx: tx, cfg: p.tx}).Publish(topic, msgs...)
 	})
 }
 

@@ -54,7 +54,7 @@ func ValidateTopic(topic string) error {
 		return err
 	}
 	if !defaultTopicPattern.MatchString(topic) {
-		return fmt.Errorf("%q does not follow the topic convention: one or more dot-separated segments of [a-z0-9-], then a version segment vN (for example org.organization.created.v1 or billing.v2); set Config.ValidateTopic to ValidateTopicRelaxed or your own rule for another convention", topic)
+		return fmt.Errorf("%q does not follow the topic convention: one or more dot-separated segments of [a-z0-9-], then a version segment vN (for example org.organization.created.v1 or billing.v2); set EnqueuerConfig.ValidateTopic to ValidateTopicRelaxed or your own rule for another convention", topic)
 	}
 	return nil
 }
@@ -146,7 +146,7 @@ func (v validator) payload(p json.RawMessage) error {
 		return errors.New("empty; the payload must be a JSON value such as {} (the column is JSONB)")
 	}
 	if len(p) > v.maxPayload {
-		return fmt.Errorf("%d bytes exceeds the limit of %d bytes; store large data elsewhere and reference it, or raise Config.MaxPayloadBytes", len(p), v.maxPayload)
+		return fmt.Errorf("%d bytes exceeds the limit of %d bytes; store large data elsewhere and reference it, or raise EnqueuerConfig.MaxPayloadBytes", len(p), v.maxPayload)
 	}
 	if !json.Valid(p) {
 		return errors.New("not valid JSON; the column is JSONB (marshal the event with encoding/json)")

@@ -88,7 +88,7 @@ func TestMiddlewaresPoisonCopyAndRetry(t *testing.T) {
 		calls++
 		return nil, errors.New("broker unavailable")
 	}
-	stack := router.Middlewares(router.MiddlewareConfig{
+	stack := router.MustMiddlewares(router.MiddlewareConfig{
 		DispatchTimeout: time.Second, MaxAttempts: 3, PoisonPublisher: poison, PoisonTopic: "outbox.poison.v1",
 		Retry: &middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond},
 	})

@@ -10,14 +10,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
-	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
-
-// DispatchTimeoutDefault is the default per-message timeout
-// (OUTBOX_RELAY_DISPATCH_TIMEOUT).
-const DispatchTimeoutDefault = 30 * time.Second
 
 // Metadata keys the poison copy adds.
 const (
@@ -29,7 +24,8 @@ const (
 type MiddlewareConfig struct {
 	// DispatchTimeout bounds one message: its context is cancelled after it,
 	// and a handler that honours the context returns an error (a nack).
-	// Defaults to 30s.
+	// Set it to the subscriber's Config.DispatchTimeout. Defaults to
+	// subscriber.DispatchTimeoutDefault (30s).
 	DispatchTimeout time.Duration
 	// Retry, when set, retries a failing message in-process before it is
 	// nacked, for transient broker errors; errors marked
@@ -43,22 +39,23 @@ type MiddlewareConfig struct {
 	PoisonPublisher message.Publisher
 	PoisonTopic     string
 	// MaxAttempts must match the subscriber's MaxAttempts for the poison
-	// copy to know the last attempt. Defaults to 25.
+	// copy to know the last attempt. Defaults to
+	// subscriber.MaxAttemptsDefault (25).
 	MaxAttempts int
 	// Logger logs poison copies that fail. Defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
 
-// Validate checks cfg as NewMiddlewares does: negative durations or counts,
+// Validate checks cfg as Middlewares does: negative durations or counts,
 // and a poison copy with only one of PoisonPublisher and PoisonTopic, are
 // refused with an error that names the field and says what to do.
 func (cfg MiddlewareConfig) Validate() error {
 	var errs []error
 	if cfg.DispatchTimeout < 0 {
-		errs = append(errs, invalidField("DispatchTimeout", "%s is negative; leave it 0 for the default (%s) or set a positive value", cfg.DispatchTimeout, DispatchTimeoutDefault))
+		errs = append(errs, invalidField("DispatchTimeout", "%s is negative; leave it 0 for the default (%s) or set a positive value", cfg.DispatchTimeout, subscriber.DispatchTimeoutDefault))
 	}
 	if cfg.MaxAttempts < 0 {
-		errs = append(errs, invalidField("MaxAttempts", "%d is negative; leave it 0 for the default (%d) or set the subscriber's MaxAttempts", cfg.MaxAttempts, sqlq.MaxAttemptsDefault))
+		errs = append(errs, invalidField("MaxAttempts", "%d is negative; leave it 0 for the default (%d) or set the subscriber's MaxAttempts", cfg.MaxAttempts, subscriber.MaxAttemptsDefault))
 	}
 	if cfg.PoisonPublisher != nil && cfg.PoisonTopic == "" {
 		errs = append(errs, invalidField("PoisonTopic", "empty while PoisonPublisher is set; name the topic of the poison copies, or unset PoisonPublisher"))
@@ -75,16 +72,8 @@ func (cfg MiddlewareConfig) Validate() error {
 	return errors.Join(errs...)
 }
 
-// NewMiddlewares validates cfg and returns the relay's middleware stack (see
-// Middlewares).
-func NewMiddlewares(cfg MiddlewareConfig) ([]message.HandlerMiddleware, error) {
-	if err := cfg.Validate(); err != nil {
-		return nil, err
-	}
-	return Middlewares(cfg), nil
-}
-
-// Middlewares returns the relay's middleware stack, outermost first:
+// Middlewares validates cfg and returns the relay's middleware stack,
+// outermost first:
 //
 //  1. subscriber.CaptureError records the final error for last_error and
 //     Permanent, so it must see every error the others produce;
@@ -99,18 +88,33 @@ func NewMiddlewares(cfg MiddlewareConfig) ([]message.HandlerMiddleware, error) {
 //  5. middleware.Timeout cancels the message context after DispatchTimeout,
 //     per attempt.
 //
-// Add it with router.AddMiddleware(stack...) or handler.AddMiddleware. It
-// panics with Validate's error on an invalid cfg, like regexp.MustCompile;
-// use NewMiddlewares for a configuration read at run time.
-func Middlewares(cfg MiddlewareConfig) []message.HandlerMiddleware {
+// Add it with router.AddMiddleware(stack...) or handler.AddMiddleware. An
+// invalid cfg returns Validate's error; MustMiddlewares panics with it
+// instead, for a configuration written in the code.
+func Middlewares(cfg MiddlewareConfig) ([]message.HandlerMiddleware, error) {
 	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return buildStack(cfg), nil
+}
+
+// MustMiddlewares is like Middlewares but panics with Validate's error on
+// an invalid cfg, like regexp.MustCompile.
+func MustMiddlewares(cfg MiddlewareConfig) []message.HandlerMiddleware {
+	stack, err := Middlewares(cfg)
+	if err != nil {
 		panic(err)
 	}
+	return stack
+}
+
+// buildStack is Middlewares for a valid cfg.
+func buildStack(cfg MiddlewareConfig) []message.HandlerMiddleware {
 	if cfg.DispatchTimeout == 0 {
-		cfg.DispatchTimeout = DispatchTimeoutDefault
+		cfg.DispatchTimeout = subscriber.DispatchTimeoutDefault
 	}
 	if cfg.MaxAttempts == 0 {
-		cfg.MaxAttempts = sqlq.MaxAttemptsDefault
+		cfg.MaxAttempts = subscriber.MaxAttemptsDefault
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}

@@ -12,8 +12,8 @@ import (
 )
 
 // TestMiddlewareConfigValidation: a bad MiddlewareConfig is refused like a
-// bad subscriber.Config, naming the field and the fix; Middlewares panics
-// with the same message.
+// bad subscriber.Config, naming the field and the fix; MustMiddlewares
+// panics with the same message.
 func TestMiddlewareConfigValidation(t *testing.T) {
 	t.Parallel()
 	pub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
@@ -28,21 +28,21 @@ func TestMiddlewareConfigValidation(t *testing.T) {
 		{router.MiddlewareConfig{PoisonTopic: "outbox.poison.v1"}, "router: invalid config: PoisonPublisher: "},
 	}
 	for _, b := range bad {
-		if _, err := router.NewMiddlewares(b.cfg); err == nil || !strings.Contains(err.Error(), b.want) {
-			t.Errorf("NewMiddlewares(%+v): %v, want %q", b.cfg, err, b.want)
+		if _, err := router.Middlewares(b.cfg); err == nil || !strings.Contains(err.Error(), b.want) {
+			t.Errorf("Middlewares(%+v): %v, want %q", b.cfg, err, b.want)
 		}
 		func() {
 			defer func() {
 				if r := recover(); r == nil || !strings.Contains(r.(error).Error(), b.want) {
-					t.Errorf("Middlewares(%+v) panicked with %v, want %q", b.cfg, r, b.want)
+					t.Errorf("MustMiddlewares(%+v) panicked with %v, want %q", b.cfg, r, b.want)
 				}
 			}()
-			router.Middlewares(b.cfg)
+			router.MustMiddlewares(b.cfg)
 		}()
 	}
 	for _, good := range []router.MiddlewareConfig{{}, {PoisonPublisher: pub, PoisonTopic: "outbox.poison.v1", DispatchTimeout: time.Second}} {
-		if stack, err := router.NewMiddlewares(good); err != nil || len(stack) == 0 {
-			t.Errorf("NewMiddlewares(%+v): %v, %d middlewares", good, err, len(stack))
+		if stack, err := router.Middlewares(good); err != nil || len(stack) == 0 {
+			t.Errorf("Middlewares(%+v): %v, %d middlewares", good, err, len(stack))
 		}
 	}
 }

@@ -36,7 +36,7 @@ func enqueueKeys(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, keys ...str
 	}
 	// A new Enqueuer each time: an Enqueuer caches a table's columns on
 	// first use, and these tests add the ordering column in place.
-	enq, err := publisher.NewEnqueuer(publisher.Config{})
+	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -25,7 +25,7 @@ func TestArchitectureStatesTheConstants(t *testing.T) {
 	}
 	b := defaultBackoff
 	doccheck.Expect(t, doccheck.Architecture(t, ".."),
-		fmt.Sprintf("Defaults: batch %d, poll interval %s, lease (`LockTTL`) %s, %d attempts", BatchSizeDefault, d(PollIntervalDefault), d(LockTTLDefault), MaxAttemptsDefault),
+		fmt.Sprintf("Defaults: batch %d, poll interval %s, lease (`LockTTL`) %s, %d attempts", ClaimBatchSizeDefault, d(PollIntervalDefault), d(LockTTLDefault), MaxAttemptsDefault),
 		fmt.Sprintf("`backoff(n) = min(%s * 2^(n-1), %s) + jitter(0..%s)`", d(b.Base), d(b.Max), d(b.Jitter)),
 		fmt.Sprintf("A woken relay waits %s (`wakeCoalesce`", d(wakeCoalesce)),
 		fmt.Sprintf("claims again after %s ms, then every %s (`idleRetryMax`), and after %d such retries", strings.Join(steps, ", "), d(idleRetryMax), idleRetryPatience),

@@ -19,7 +19,7 @@ const AllTopics = sqlq.AllTopics
 
 // Defaults of Config (docs/ARCHITECTURE.md, "The relay").
 const (
-	BatchSizeDefault         = sqlq.BatchSizeDefault
+	ClaimBatchSizeDefault    = sqlq.BatchSizeDefault
 	PollIntervalDefault      = time.Second
 	LockTTLDefault           = sqlq.LockTTLDefault
 	MaxAttemptsDefault       = sqlq.MaxAttemptsDefault
@@ -39,7 +39,8 @@ const LeaderTimeoutMin = 3 * time.Second
 type Config struct {
 	// Table is the outbox table. Required.
 	Table schema.Table
-	// BatchSize is how many rows one claim leases. Defaults to 100.
+	// BatchSize is how many rows one claim leases. Defaults to
+	// ClaimBatchSizeDefault (100).
 	BatchSize int
 	// MaxInFlight bounds the messages delivered and not yet acked or nacked,
 	// per subscription, counting the rows already claimed for it and not
@@ -59,8 +60,9 @@ type Config struct {
 	// MaxAttempts is after how many failed attempts a row is dead. Defaults
 	// to 25.
 	MaxAttempts int
-	// Backoff returns the delay before the next attempt after attempt n
-	// failed. Defaults to DefaultBackoff.
+	// Backoff returns the delay before the next attempt after attempt
+	// (1-based) failed. Defaults to DefaultBackoff; ExponentialBackoff
+	// builds another.
 	Backoff func(attempt int) time.Duration
 	// DisableSingleActive lets several subscribers share the table through
 	// SKIP LOCKED alone. Defaults to false: one active subscriber per table,
@@ -142,7 +144,7 @@ type Config struct {
 
 func (c *Config) setDefaults() {
 	if c.BatchSize == 0 {
-		c.BatchSize = BatchSizeDefault
+		c.BatchSize = ClaimBatchSizeDefault
 	}
 	if c.MaxInFlight == 0 && c.BatchSize > 0 { // a negative BatchSize is reported as itself
 		c.MaxInFlight = 2 * c.BatchSize
@@ -213,9 +215,12 @@ func (c *Config) validate() error {
 	return errors.Join(errs...)
 }
 
-// Backoff is the retry delay between attempts: min(Base * 2^(n-1), Max) plus a
-// jitter drawn uniformly from [0, Jitter) by Rand.
-type Backoff struct {
+// ExponentialBackoff is a Config.Backoff that doubles: its Delay after
+// failed attempt n is min(Base * 2^(n-1), Max) plus a jitter drawn uniformly
+// from [0, Jitter) by Rand. Set Config.Backoff to its Delay method:
+//
+//	cfg.Backoff = (&subscriber.ExponentialBackoff{Base: time.Second, Max: time.Minute}).Delay
+type ExponentialBackoff struct {
 	Base, Max, Jitter time.Duration
 	// Rand draws the jitter. Defaults to a source seeded at random.
 	Rand *rand.Rand
@@ -223,7 +228,7 @@ type Backoff struct {
 }
 
 // Delay returns the delay after failed attempt n (1-based).
-func (b *Backoff) Delay(n int) time.Duration {
+func (b *ExponentialBackoff) Delay(n int) time.Duration {
 	if n < 1 {
 		n = 1
 	}
@@ -244,10 +249,11 @@ func (b *Backoff) Delay(n int) time.Duration {
 	return d
 }
 
-var defaultBackoff = &Backoff{Base: time.Second, Max: 60 * time.Second, Jitter: 200 * time.Millisecond}
+var defaultBackoff = &ExponentialBackoff{Base: time.Second, Max: 60 * time.Second, Jitter: 200 * time.Millisecond}
 
-// DefaultBackoff is min(1s * 2^(n-1), 60s) + jitter(0..200ms).
-func DefaultBackoff(n int) time.Duration { return defaultBackoff.Delay(n) }
+// DefaultBackoff is the default Config.Backoff:
+// min(1s * 2^(attempt-1), 60s) + jitter(0..200ms).
+func DefaultBackoff(attempt int) time.Duration { return defaultBackoff.Delay(attempt) }
 
 // policy is the decision about failed attempts that the configuration
 // makes, the same in the default and ordered modes (keyed.Policy).

@@ -45,7 +45,7 @@ func conformanceRelay(ordered bool) relaytest.Relay {
 		if ordered {
 			cfg.LockTTL = time.Second
 		}
-		if o.MaxInFlight > 0 && o.MaxInFlight < subscriber.BatchSizeDefault {
+		if o.MaxInFlight > 0 && o.MaxInFlight < subscriber.ClaimBatchSizeDefault {
 			cfg.BatchSize = o.MaxInFlight
 		}
 		return subscriber.New(pool, cfg, o.Logger)

@@ -12,15 +12,15 @@ import (
 
 // Abandon makes the ordered relays of s stop, at Close, like a killed
 // process: without giving their partitions back or leaving the membership.
-func Abandon(s *Subscriber) { s.abandon.Store(true) }
+func Abandon(s *Subscriber) { s.hooks.abandon.Store(true) }
 
 // SetBeforeIdle makes f run each time a subscription of s found nothing and
 // is about to try the idle lock. Set it before Subscribe.
-func SetBeforeIdle(s *Subscriber, f func()) { s.beforeIdle = f }
+func SetBeforeIdle(s *Subscriber, f func()) { s.hooks.beforeIdle = f }
 
 // AfterClaimQuery makes s run fn after each claim statement was sent and
 // before its rows are read.
-func AfterClaimQuery(s *Subscriber, fn func()) { s.afterClaimQuery = fn }
+func AfterClaimQuery(s *Subscriber, fn func()) { s.hooks.afterClaimQuery = fn }
 
 // LeaderSetting reads a setting of s's leader session; ok is false when s is
 // not the leader.

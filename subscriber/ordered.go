@@ -143,8 +143,6 @@ type orderedRelay struct {
 	// the last read. A partition taken over is read with its first scan.
 	needHolds bool
 	holdsRead time.Time
-
-	abandon bool // tests: stop like a killed process, without giving leases back
 }
 
 type partState struct {
@@ -317,8 +315,8 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 			holding = false // the lock was lost: go through the handshake again
 			continue
 		default:
-			if s.beforeIdle != nil {
-				s.beforeIdle()
+			if s.hooks.beforeIdle != nil {
+				s.hooks.beforeIdle()
 			}
 			gen, st := s.oidle.enter(ctx)
 			if st == idleHeld {
@@ -391,7 +389,7 @@ func (r *orderedRelay) shutdown() {
 	// anything back, and the goroutines that follow them end (nothing waits forever).
 	defer r.terms.Close()
 	r.runWg.Wait()
-	if r.abandon || r.s.abandon.Load() {
+	if r.s.hooks.abandon.Load() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)

@@ -33,7 +33,6 @@ import (
 type suitePubSub struct {
 	pool   *pgxpool.Pool
 	schema string
-	enq    *publisher.Enqueuer
 	tenant uuid.UUID
 
 	mu     sync.Mutex
@@ -72,7 +71,7 @@ func (p *suitePubSub) Publish(topic string, msgs ...*message.Message) error {
 			m.Payload = b
 		}
 	}
-	pub, err := publisher.NewDBPublisher(p.pool, publisher.TxPublisherConfig{Table: t, DefaultTenantID: p.tenant, Enqueuer: p.enq})
+	pub, err := publisher.NewDBPublisher(p.pool, publisher.DBPublisherConfig{Table: t, DefaultTenantID: p.tenant, EnqueuerConfig: publisher.EnqueuerConfig{ValidateTopic: publisher.ValidateTopicRelaxed}})
 	if err != nil {
 		return err
 	}
@@ -129,12 +128,8 @@ var suiteFeatures = tests.Features{
 func suiteConstructor(t *testing.T) tests.PubSubConstructor {
 	sch := testdb.Schema(t)
 	pool := testdb.Pool(t)
-	enq, err := publisher.NewEnqueuer(publisher.Config{ValidateTopic: publisher.ValidateTopicRelaxed})
-	if err != nil {
-		t.Fatal(err)
-	}
 	return func(t *testing.T) (message.Publisher, message.Subscriber) {
-		ps := &suitePubSub{pool: pool, schema: sch, enq: enq, tenant: uuid.New()}
+		ps := &suitePubSub{pool: pool, schema: sch, tenant: uuid.New()}
 		return suitePublisher{ps}, ps
 	}
 }

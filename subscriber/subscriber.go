@@ -62,12 +62,19 @@ type Subscriber struct {
 	closeErr  error
 	closeDone chan struct{} // closed when Close has finished
 
-	abandon         atomic.Bool     // tests: ordered relays stop like a killed process
-	ordered         []*orderedRelay // the ordered relays of its subscriptions (guarded by closeMu)
-	beforeIdle      func()          // tests: runs before a subscription tries the idle lock
-	afterClaimQuery func()          // tests: runs between a claim's query and its rows
-	writeTimeout    time.Duration   // bounds each ack, nack, renewal or release write
-	bounded         *boundedClaims  // the bounded claim (boundedclaim.go), nil when claims take no bound
+	ordered      []*orderedRelay // the ordered relays of its subscriptions (guarded by closeMu)
+	writeTimeout time.Duration   // bounds each ack, nack, renewal or release write
+	bounded      *boundedClaims  // the bounded claim (boundedclaim.go), nil when claims take no bound
+
+	hooks testHooks // zero in production; set by tests only (export_test.go)
+}
+
+// testHooks are the seams the tests set through export_test.go; a
+// Subscriber made by New leaves them zero, which changes nothing.
+type testHooks struct {
+	abandon         atomic.Bool // ordered relays stop like a killed process, giving nothing back
+	beforeIdle      func()      // runs before a subscription tries the idle lock
+	afterClaimQuery func()      // runs between a claim's query and its rows
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -404,8 +411,8 @@ func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, o
 			return err
 		}
 		defer rows.Close()
-		if s.afterClaimQuery != nil {
-			s.afterClaimQuery()
+		if s.hooks.afterClaimQuery != nil {
+			s.hooks.afterClaimQuery()
 		}
 		for rows.Next() {
 			c := &claimed{}

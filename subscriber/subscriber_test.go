@@ -138,7 +138,7 @@ func TestConfigValidation(t *testing.T) {
 
 func TestBackoff(t *testing.T) {
 	t.Parallel()
-	b := &subscriber.Backoff{Base: time.Second, Max: time.Minute}
+	b := &subscriber.ExponentialBackoff{Base: time.Second, Max: time.Minute}
 	want := []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second, 16 * time.Second, 32 * time.Second, time.Minute, time.Minute}
 	for i, w := range want {
 		if got := b.Delay(i + 1); got != w {

@@ -247,8 +247,8 @@ func (sub *subscription) run() {
 			}
 			continue
 		}
-		if s.beforeIdle != nil {
-			s.beforeIdle()
+		if s.hooks.beforeIdle != nil {
+			s.hooks.beforeIdle()
 		}
 		gen, st := s.idle.enter(sub.ctx)
 		if st == idleHeld && keyedToo {

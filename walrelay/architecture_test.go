@@ -8,6 +8,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/internal/doccheck"
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/termcheck"
+	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
 // TestArchitectureStatesTheConstants: docs/ARCHITECTURE.md gives the WAL
@@ -16,7 +17,7 @@ func TestArchitectureStatesTheConstants(t *testing.T) {
 	t.Parallel()
 	d := doccheck.Duration
 	doccheck.Expect(t, doccheck.Architecture(t, ".."),
-		fmt.Sprintf("`ElectionInterval` (`ElectionIntervalDefault`, %s)", d(ElectionIntervalDefault)),
+		fmt.Sprintf("`ElectionInterval` (`subscriber.ElectionIntervalDefault`, %s)", d(subscriber.ElectionIntervalDefault)),
 		fmt.Sprintf("`MaxInFlight` unsettled rows (`MaxInFlightDefault`, %s)", doccheck.Count(MaxInFlightDefault)),
 		fmt.Sprintf("Every `StatusInterval` (`StatusIntervalDefault`, %s)", d(StatusIntervalDefault)),
 		fmt.Sprintf("(at most %d kept)", maxCandidates),

@@ -720,7 +720,7 @@ func (st *stream) write(ctx context.Context, op, sql string, dest []any, args ..
 	args = append(args, s.cfg.Names.Slot, st.pid, st.fenceKey)
 	var ok bool
 	dest = append(dest, &ok)
-	if hook := s.fenceHook; hook != nil {
+	if hook := s.hooks.fence; hook != nil {
 		hook(op, "before")
 		// Tests: a transaction, so that the hook runs between the
 		// statement (its check passed or not) and the commit.

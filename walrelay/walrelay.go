@@ -102,10 +102,8 @@ import (
 
 // Defaults of Config.
 const (
-	MaxInFlightDefault      = 4096
-	StatusIntervalDefault   = time.Second
-	ElectionIntervalDefault = time.Second
-	CloseTimeoutDefault     = 30 * time.Second
+	MaxInFlightDefault    = 4096
+	StatusIntervalDefault = time.Second
 )
 
 // Config configures a Subscriber.
@@ -120,9 +118,9 @@ type Config struct {
 	// MaxAttempts is the number of deliveries of a row before it is parked
 	// dead. Defaults to subscriber.MaxAttemptsDefault.
 	MaxAttempts int
-	// Backoff is the delay before the next attempt after attempt n failed.
-	// Defaults to subscriber.DefaultBackoff.
-	Backoff func(n int) time.Duration
+	// Backoff returns the delay before the next attempt after attempt
+	// failed. Defaults to subscriber.DefaultBackoff.
+	Backoff func(attempt int) time.Duration
 	// MaxInFlight bounds the messages handed out and not settled, and the
 	// rows read and not settled: the relay stops reading the stream beyond
 	// it, not counting the rows queued behind a key whose head waits for
@@ -138,10 +136,10 @@ type Config struct {
 	// server. Defaults to StatusIntervalDefault.
 	StatusInterval time.Duration
 	// ElectionInterval is how often a standby tries to take the slot.
-	// Defaults to ElectionIntervalDefault.
+	// Defaults to subscriber.ElectionIntervalDefault.
 	ElectionInterval time.Duration
 	// CloseTimeout bounds how long Close waits for messages in flight.
-	// Defaults to CloseTimeoutDefault.
+	// Defaults to subscriber.CloseTimeoutDefault.
 	CloseTimeout time.Duration
 	// DispatchTimeout is how long a handler may keep a message: the
 	// message's context ends DispatchTimeout after it was handed over (or
@@ -179,10 +177,10 @@ func (c *Config) setDefaults() {
 		c.StatusInterval = StatusIntervalDefault
 	}
 	if c.ElectionInterval == 0 {
-		c.ElectionInterval = ElectionIntervalDefault
+		c.ElectionInterval = subscriber.ElectionIntervalDefault
 	}
 	if c.CloseTimeout == 0 {
-		c.CloseTimeout = CloseTimeoutDefault
+		c.CloseTimeout = subscriber.CloseTimeoutDefault
 	}
 	if c.DispatchTimeout == 0 {
 		c.DispatchTimeout = subscriber.DispatchTimeoutDefault
@@ -245,11 +243,16 @@ type Subscriber struct {
 	spilled atomic.Int64 // keys spilled (tests)
 	unseen  atomic.Int64 // statements put off until a streamed transaction was visible (tests)
 
-	// fenceHook, set by tests only (export_test.go), runs before each
-	// fenced write ("before") and, when set, the write runs in a
-	// transaction and the hook runs again after its statement and before
-	// its commit ("checked").
-	fenceHook func(op, phase string)
+	hooks testHooks // zero in production; set by tests only (export_test.go)
+}
+
+// testHooks are the seams the tests set through export_test.go; a
+// Subscriber made by New leaves them zero, which changes nothing.
+type testHooks struct {
+	// fence runs before each fenced write ("before") and, when set, the
+	// write runs in a transaction and the hook runs again after its
+	// statement and before its commit ("checked").
+	fence func(op, phase string)
 }
 
 // New checks the table, its publication and its slot (Setup), and returns

@@ -245,7 +245,7 @@ func fillKeyed(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n, keys 
 	if err := schema.Migrate(ctx, pool, t, schema.WithOrderingKeyColumn()); err != nil {
 		return err
 	}
-	enq, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: true})
+	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{DisableNotify: true})
 	if err != nil {
 		return err
 	}

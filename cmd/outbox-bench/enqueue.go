@@ -29,11 +29,11 @@ func enqueueSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o 
 			return err
 		}
 	}
-	withNotify, err := publisher.NewEnqueuer(publisher.Config{})
+	withNotify, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{})
 	if err != nil {
 		return err
 	}
-	noNotify, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: true})
+	noNotify, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{DisableNotify: true})
 	if err != nil {
 		return err
 	}

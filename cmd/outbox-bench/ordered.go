@@ -44,7 +44,7 @@ func orderedSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o 
 		return t, schema.Migrate(ctx, pool, t, schema.WithOrderingKeyColumn())
 	}
 	fill := func(t schema.Table, n, keys int) error {
-		enq, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: true})
+		enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{DisableNotify: true})
 		if err != nil {
 			return err
 		}

@@ -28,7 +28,7 @@ func fillBacklog(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n int)
 	if err := schema.Migrate(ctx, pool, t); err != nil {
 		return err
 	}
-	enq, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: true})
+	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{DisableNotify: true})
 	if err != nil {
 		return err
 	}

@@ -78,7 +78,7 @@ func sustainedSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, 
 		return err
 	}
 	tenant := uuid.New()
-	enq, err := publisher.NewEnqueuer(publisher.Config{})
+	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{})
 	if err != nil {
 		return err
 	}

@@ -83,7 +83,7 @@ func walSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o opti
 	if err != nil {
 		return err
 	}
-	enq, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: true})
+	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{DisableNotify: true})
 	if err != nil {
 		return err
 	}

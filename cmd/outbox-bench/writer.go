@@ -145,11 +145,11 @@ func writerSuite(ctx context.Context, _ *pgxpool.Pool, schemaName string, o opti
 	}
 	defer relayPool.Close()
 
-	defaults, err := publisher.NewEnqueuer(publisher.Config{})
+	defaults, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{})
 	if err != nil {
 		return err
 	}
-	noNotify, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: true})
+	noNotify, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{DisableNotify: true})
 	if err != nil {
 		return err
 	}

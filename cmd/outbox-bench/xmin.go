@@ -188,7 +188,7 @@ func xminMode(ctx context.Context, pool *pgxpool.Pool, schemaName string, xo xmi
 		return nil, err
 	}
 	relations := []string{t.Sanitize(), t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), t.WALProgressTable(), t.WALHoldsTable()}
-	enq, err := publisher.NewEnqueuer(publisher.Config{DisableNotify: mode == "wal"})
+	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{DisableNotify: mode == "wal"})
 	if err != nil {
 		return nil, err
 	}

@@ -106,7 +106,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	}
 	c.pollInterval, err = env.Duration("OUTBOX_RELAY_POLL_INTERVAL", subscriber.PollIntervalDefault, false)
 	must(err)
-	c.batchSize, err = env.Int("OUTBOX_RELAY_BATCH_SIZE", subscriber.BatchSizeDefault)
+	c.batchSize, err = env.Int("OUTBOX_RELAY_BATCH_SIZE", subscriber.ClaimBatchSizeDefault)
 	must(err)
 	c.lockTTL, err = env.Duration("OUTBOX_RELAY_LOCK_TTL", subscriber.LockTTLDefault, false)
 	must(err)
@@ -117,7 +117,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	}
 	c.maxAttempts, err = env.Int("OUTBOX_RELAY_MAX_ATTEMPTS", subscriber.MaxAttemptsDefault)
 	must(err)
-	c.dispatchTimeout, err = env.Duration("OUTBOX_RELAY_DISPATCH_TIMEOUT", router.DispatchTimeoutDefault, false)
+	c.dispatchTimeout, err = env.Duration("OUTBOX_RELAY_DISPATCH_TIMEOUT", subscriber.DispatchTimeoutDefault, false)
 	must(err)
 	c.lastErrorMax, err = env.Int("OUTBOX_LAST_ERROR_MAX_BYTES", subscriber.LastErrorMaxBytesDefault)
 	must(err)
@@ -146,11 +146,11 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 		c.backend.Kind, err = env.Required("OUTBOX_BACKEND", "kafka (or amqp)")
 		must(err)
 		switch c.backend.Kind {
-		case router.BackendKafka:
+		case backendKafka:
 			brokers, err := env.Required("OUTBOX_KAFKA_BROKERS", "kafka-1:9092,kafka-2:9092")
 			must(err)
-			c.backend.KafkaBrokers = router.ParseBrokers(brokers)
-		case router.BackendAMQP:
+			c.backend.KafkaBrokers = parseBrokers(brokers)
+		case backendAMQP:
 			c.backend.AMQP.URL, err = env.Required("OUTBOX_AMQP_URL", "amqp://user:password@rabbitmq:5672/")
 			must(err)
 			c.backend.AMQP.Layout = env.String("OUTBOX_AMQP_LAYOUT", amqpbackend.LayoutQueue)
@@ -160,7 +160,7 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 					errs = append(errs, fmt.Errorf("OUTBOX_AMQP_LAYOUT=%q, OUTBOX_AMQP_EXCHANGE=%q: %w", c.backend.AMQP.Layout, c.backend.AMQP.Exchange, verr))
 				}
 			}
-		case router.BackendGoChannel:
+		case backendGoChannel:
 			errs = append(errs, errors.New("OUTBOX_BACKEND=gochannel cannot work in the daemon: an in-process pub/sub has no subscriber in this process, so every event would go dead; use kafka or amqp, or relay in-process inside your service with forwarder.New(sub, router.NewInProcess(), ...)"))
 		case "":
 		default:
@@ -305,9 +305,9 @@ type backendConfig struct {
 
 func (b backendConfig) newPublisher(logger watermill.LoggerAdapter) (message.Publisher, error) {
 	switch b.Kind {
-	case router.BackendKafka:
+	case backendKafka:
 		return kafkabackend.NewPublisher(b.KafkaBrokers, logger)
-	case router.BackendAMQP:
+	case backendAMQP:
 		return amqpbackend.NewPublisher(b.AMQP, logger)
 	}
 	return nil, fmt.Errorf("OUTBOX_BACKEND=%q is not a backend; use kafka or amqp", b.Kind)
@@ -372,8 +372,12 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 			return err
 		}
 		subs = append(subs, s)
+		stack, err := router.Middlewares(router.MiddlewareConfig{DispatchTimeout: cfg.dispatchTimeout, MaxAttempts: cfg.maxAttempts, Logger: logger})
+		if err != nil {
+			return err
+		}
 		f, err := forwarder.New(s, pub, forwarder.Config{
-			Middleware:     router.Middlewares(router.MiddlewareConfig{DispatchTimeout: cfg.dispatchTimeout, MaxAttempts: cfg.maxAttempts, Logger: logger}),
+			Middleware:     stack,
 			TracerProvider: cfg.tracerProvider, MessagingSystem: messagingSystem(cfg.backend.Kind),
 		}, logger)
 		if err != nil {

@@ -11,8 +11,6 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
-
-	"github.com/outboxkit/watermill-outbox/router"
 )
 
 // serviceNameDefault is the service.name of the relay's spans unless
@@ -61,9 +59,9 @@ func startTracing(ctx context.Context, env Env, logger watermill.LoggerAdapter) 
 // messagingSystem is the messaging.system attribute of a backend kind.
 func messagingSystem(kind string) string {
 	switch kind {
-	case router.BackendKafka:
+	case backendKafka:
 		return "kafka"
-	case router.BackendAMQP:
+	case backendAMQP:
 		return "rabbitmq"
 	default:
 		return kind

@@ -107,7 +107,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	}
 	// Router-wide middleware, outermost first: CaptureError, Recoverer,
 	// Timeout. It applies to every handler, the relay's included.
-	r.AddMiddleware(router.Middlewares(router.MiddlewareConfig{Logger: logger})...)
+	r.AddMiddleware(router.MustMiddlewares(router.MiddlewareConfig{Logger: logger})...)
 	// Outbox metrics plus Watermill's handler metrics for r; register before
 	// r.Run. Serve the registry with promhttp.HandlerFor in your service.
 	registry := prometheus.NewRegistry()
@@ -148,7 +148,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	defer func() { err = errors.Join(err, stopRouter()) }()
 
 	// --- Producing: Watermill messages, published inside the transaction. ---
-	enqueuer, err := publisher.NewEnqueuer(publisher.Config{Metrics: outboxMetrics})
+	enqueuer, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{Metrics: outboxMetrics})
 	if err != nil {
 		return err
 	}

@@ -46,7 +46,6 @@ import (
 	"github.com/outboxkit/watermill-outbox/examples/plumbing"
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/publisher"
-	"github.com/outboxkit/watermill-outbox/router"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -228,7 +227,11 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 // runs of this example do not read each other's events.
 func kafkaBrokers(w io.Writer) (brokers []string, topicPrefix string, stop func(), err error) {
 	if s := os.Getenv("OUTBOX_KAFKA_BROKERS"); s != "" {
-		brokers = router.ParseBrokers(s)
+		for _, b := range strings.Split(s, ",") {
+			if b = strings.TrimSpace(b); b != "" {
+				brokers = append(brokers, b)
+			}
+		}
 		if len(brokers) == 0 {
 			return nil, "", nil, fmt.Errorf("OUTBOX_KAFKA_BROKERS=%q names no broker; use host:port,host:port", s)
 		}

@@ -49,11 +49,7 @@ func Universal(t *testing.T, r Relay, f tests.Features) {
 	t.Cleanup(func() {
 		_, _ = pool.Exec(context.Background(), `DROP SCHEMA `+pgx.Identifier{sch}.Sanitize()+` CASCADE`)
 	})
-	enq, err := publisher.NewEnqueuer(publisher.Config{ValidateTopic: publisher.ValidateTopicRelaxed})
-	if err != nil {
-		t.Fatal(err)
-	}
-	u := &universal{r: r, pool: pool, schema: sch, enq: enq, tables: map[string]schema.Table{}}
+	u := &universal{r: r, pool: pool, schema: sch, tables: map[string]schema.Table{}}
 	// The suite leaves some subscribers open (those of its multiplier):
 	// they are closed at the end, before the schema is dropped.
 	t.Cleanup(u.closeAll)
@@ -68,7 +64,6 @@ type universal struct {
 	r      Relay
 	pool   *pgxpool.Pool
 	schema string
-	enq    *publisher.Enqueuer
 
 	mu     sync.Mutex
 	tables map[string]schema.Table
@@ -139,7 +134,7 @@ func (p *universalPubSub) Publish(topic string, msgs ...*message.Message) error 
 			m.Payload = b
 		}
 	}
-	pub, err := publisher.NewDBPublisher(p.u.pool, publisher.TxPublisherConfig{Table: t, DefaultTenantID: p.tenant, Enqueuer: p.u.enq})
+	pub, err := publisher.NewDBPublisher(p.u.pool, publisher.DBPublisherConfig{Table: t, DefaultTenantID: p.tenant, EnqueuerConfig: publisher.EnqueuerConfig{ValidateTopic: publisher.ValidateTopicRelaxed}})
 	if err != nil {
 		return err
 	}
