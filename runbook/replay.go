@@ -99,7 +99,7 @@ func (e *NotReplayableError) Unwrap() error { return e.Reason }
 // ReplayOptions configures ReplayEvent.
 type ReplayOptions struct {
 	// LockTTL is the relay's lease duration: a row leased less than LockTTL
-	// ago is refused with ErrLocked. Defaults to sqlq.LockTTLDefault.
+	// ago is refused with ErrLocked. Defaults to 60s, the relay's default LockTTL.
 	LockTTL time.Duration
 	// DryRun checks the row and returns the statement without changing
 	// anything.

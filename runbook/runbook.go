@@ -261,7 +261,7 @@ type DeadFilter struct {
 	// sequence of a page to read the next one.
 	AfterSequence int64
 	// LockTTL is the relay's lease duration; ReplayDead leaves alone the
-	// rows leased less than LockTTL ago. Defaults to sqlq.LockTTLDefault.
+	// rows leased less than LockTTL ago. Defaults to 60s, the relay's default LockTTL.
 	LockTTL time.Duration
 	// Expect, for ReplayDead, is the snapshot of its preview (a dry run's
 	// BulkReplay.Snapshot): the replay then changes exactly the rows the

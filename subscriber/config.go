@@ -9,20 +9,19 @@ import (
 
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/redact"
-	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/metrics"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // AllTopics as the topic of Subscribe delivers every row of the table.
-const AllTopics = sqlq.AllTopics
+const AllTopics = "*"
 
 // Defaults of Config (docs/ARCHITECTURE.md, "The relay").
 const (
-	ClaimBatchSizeDefault    = sqlq.BatchSizeDefault
+	ClaimBatchSizeDefault    = 100
 	PollIntervalDefault      = time.Second
-	LockTTLDefault           = sqlq.LockTTLDefault
-	MaxAttemptsDefault       = sqlq.MaxAttemptsDefault
+	LockTTLDefault           = 60 * time.Second
+	MaxAttemptsDefault       = 25
 	ElectionIntervalDefault  = time.Second
 	LeaderTimeoutDefault     = 15 * time.Second
 	CloseTimeoutDefault      = 30 * time.Second
