@@ -220,7 +220,8 @@ var holdRefusals = map[HoldState]map[HoldOp]holdRule{
 // A state a mode does not have is never read there. An allowed action can
 // still be refused for a reason of the row's own (ReplayEvent: a row a
 // relay leases; ordered mode: a resolved hold above its partition's
-// written floor, ErrNotRelayedYet, for up to LockTTL/10 and a tick).
+// written floor, ErrNotRelayedYet, until the relay writes its floor: at its next
+// tick, or up to LockTTL/10 later while the xmin horizon is pinned).
 func (s HoldState) Allows(op HoldOp) error {
 	if !s.valid() {
 		return &HoldRuleError{State: s, Op: op, Why: "the state is unknown", Do: "upgrade the outbox command or library"}

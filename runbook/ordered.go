@@ -323,10 +323,10 @@ func replayKeyed(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uu
 		return EventReplay{}, true, fmt.Errorf("runbook: cannot replay event %s of %s: its ordering key is held at sequence %d; replay or skip that row first (`outbox keys held`); nothing changed: %w",
 			eventID, t, *held, ErrNotHeld)
 	case above:
-		return EventReplay{}, true, fmt.Errorf("runbook: cannot replay event %s of %s: the relay has not recorded it as done yet (it is above its partition's floor) and will deliver it; if it was just acked or skipped, try again in a few seconds (the relay writes its floors every LockTTL/10); nothing changed: %w",
+		return EventReplay{}, true, fmt.Errorf("runbook: cannot replay event %s of %s: the relay has not recorded it as done yet (it is above its partition's floor) and will deliver it; if it was just acked or skipped, try again in a few seconds (the relay writes its floors every tick, every LockTTL/10 while a long transaction pins the xmin horizon); nothing changed: %w",
 			eventID, t, ErrNotRelayedYet)
 	default:
-		return EventReplay{}, true, fmt.Errorf("runbook: cannot replay event %s of %s: its key's last hold is not cleaned yet; try again in a few seconds (the relay writes its floors every LockTTL/10); nothing changed: %w",
+		return EventReplay{}, true, fmt.Errorf("runbook: cannot replay event %s of %s: its key's last hold is not cleaned yet; try again in a few seconds (the relay writes its floors every tick, every LockTTL/10 while a long transaction pins the xmin horizon); nothing changed: %w",
 			eventID, t, ErrNotRelayedYet)
 	}
 }

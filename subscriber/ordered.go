@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
@@ -81,7 +82,8 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 //     (written here, or read from the table) removes them from the open set,
 //     the row in flight included. Every keyed row at or below the floor is
 //     done: acked, or at or above its key's hold. Floors only rise and are
-//     written at most every floorEvery (LockTTL/10), with the lease.
+//     written with the lease at the tick they moved, or, while the xmin
+//     horizon is pinned, at most every floorEvery (LockTTL/10).
 //   - Holds: a hold (key, sequence) is written before the rows it covers
 //     leave the open set: every row of the key at or above its sequence.
 //     Rows of the key below an active hold are done; the relay delivers the
@@ -142,6 +144,9 @@ type orderedRelay struct {
 	// operator's change notifies), a refresh request, and PollInterval after
 	// the last read. A partition taken over is read with its first scan.
 	needHolds bool
+	// horizon watches the xmin horizon: while it is pinned, moving floors
+	// are written at most every floorEvery (tick).
+	horizon   horizonWatch
 	holdsRead time.Time
 }
 
@@ -232,12 +237,45 @@ func (r *orderedRelay) tickInterval() time.Duration {
 }
 
 // floorEvery is how often at most the floor of a partition whose floor
-// keeps moving is written; a floor that stopped moving is written at the
-// next tick (tick). While rows flow, written floors lag the relay's by up
-// to this much: the cleaner, the runbook's replay of a delivered row and
+// keeps moving is written while the xmin horizon is pinned; a floor that
+// stopped moving is written at the next tick (tick). While rows flow under a
+// pinned horizon, written floors lag the relay's by up to this much: the cleaner, the runbook's replay of a delivered row and
 // the state readers see a row as done that much later, and a new owner
 // delivers again up to that much of acked rows.
 func (r *orderedRelay) floorEvery() time.Duration { return r.s.cfg.LockTTL / 10 }
+
+// horizonWatch tells whether the xmin horizon is pinned: a transaction open
+// for longer than pinnedAfter holds a snapshot, or the oldest running
+// transaction id stayed the same for that long. Every row version an
+// UPDATE leaves stays while the horizon is pinned (docs/XMIN.md), so a busy
+// relay writes a moving floor at most every floorEvery then; otherwise at
+// every tick, as soon as it moves (the old versions are pruned).
+type horizonWatch struct {
+	xmin  string    // the oldest running transaction id at the last read
+	since time.Time // when xmin was first read as it is
+}
+
+// pinned reads the horizon (sqlq.Horizon) and reports whether it is pinned.
+// A failed read counts as pinned (the floors are then written at the bounded
+// rate).
+func (w *horizonWatch) pinned(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, pinnedAfter time.Duration) bool {
+	var xmin, xmax string
+	var oldest float64
+	if err := q.QueryRow(ctx, sqlq.Horizon).Scan(&xmin, &xmax, &oldest); err != nil {
+		return true
+	}
+	now := time.Now()
+	if xmin != w.xmin {
+		w.xmin, w.since = xmin, now
+	}
+	return oldest >= pinnedAfter.Seconds() || (xmin != xmax && now.Sub(w.since) >= pinnedAfter)
+}
+
+// pinnedAfter is how long a transaction may hold the horizon before the
+// floors' writes are spaced out: two ticks, at least a second.
+func (r *orderedRelay) pinnedAfter() time.Duration { return max(2*r.tickInterval(), time.Second) }
 
 // margin is how long before its lease ends a relay stops delivering.
 func (r *orderedRelay) margin() time.Duration { return r.s.cfg.LockTTL / 5 }

@@ -25,6 +25,7 @@ func (r *orderedRelay) tick(ctx context.Context) {
 		return
 	}
 	mine := r.assigned(live)
+	pinned := r.horizon.pinned(qctx, r.s.pool, r.pinnedAfter())
 	now := time.Now()
 
 	r.mu.Lock()
@@ -43,17 +44,19 @@ func (r *orderedRelay) tick(ctx context.Context) {
 			r.dropPartLocked(id)
 			continue
 		}
-		// A floor that moves is written at most every floorEvery, with
-		// the lease, so that the progress of a busy relay leaves a
-		// bounded number of row versions (a pinned xmin horizon keeps
-		// them all): 64 partitions every 6 s at the default LockTTL.
-		// A floor that stopped moving (the partition has nothing open and
-		// its floor did not move since the previous tick: a burst or a
-		// drain ended) is written at once, so the written progress
-		// follows a burst's end within two ticks.
+		// A floor that moved is written at the tick, with the lease,
+		// unless the xmin horizon is pinned: then a floor that keeps
+		// moving is written at most every floorEvery, so that the
+		// progress of a busy relay leaves a bounded number of row
+		// versions (the pinned horizon keeps them all): 64 partitions
+		// every 6 s at the default LockTTL. A floor that stopped moving
+		// (the partition has nothing open and its floor did not move
+		// since the previous tick: a burst or a drain ended) is written
+		// at once, so the written progress follows a burst's end within
+		// two ticks even then.
 		quiet := p.floor == p.ticked && len(p.open) == 0 && len(p.watches) == 0
 		p.ticked = p.floor
-		if (p.floor != p.persisted && (quiet || now.Sub(p.renewed) >= r.floorEvery())) || now.Sub(p.renewed) >= cfg.LockTTL/3 {
+		if (p.floor != p.persisted && (!pinned || quiet || now.Sub(p.renewed) >= r.floorEvery())) || now.Sub(p.renewed) >= cfg.LockTTL/3 {
 			renIDs, renFloors, renEpochs = append(renIDs, int32(id)), append(renFloors, p.floor), append(renEpochs, p.term.Epoch()) //nolint:gosec // partition < 64
 		}
 	}

@@ -73,6 +73,17 @@ FROM (SELECT pg_try_advisory_lock($1) AS got) AS t`
   AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = $2 AND mode = 'ExclusiveLock')`
 )
 
+// Horizon reads what holds back the xmin horizon, for the ordered relay's
+// choice of how often to write its floors: the oldest running transaction id
+// of the server's snapshot and the next one (xid8, as text; equal when no
+// transaction with an id runs), and how long the oldest other transaction
+// that holds a snapshot has been open, in seconds (0 when none is visible:
+// without pg_read_all_stats, other roles' sessions are not). No args.
+const Horizon = `SELECT pg_snapshot_xmin(s)::text, pg_snapshot_xmax(s)::text,
+  COALESCE((SELECT extract(epoch FROM now() - min(xact_start)) FROM pg_stat_activity
+    WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()), 0)::float8
+FROM pg_current_snapshot() AS s`
+
 // ListenStatement is the LISTEN statement for a notification channel
 // (schema.Table.NotifyChannel), quoted as an identifier.
 func ListenStatement(channel string) string {
