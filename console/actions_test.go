@@ -153,7 +153,7 @@ WHERE event_id = $1`, broker[1]); err != nil {
 		t.Fatalf("progress before a relay: %+v", p)
 	}
 	// A relay delivers them: the progress shows it.
-	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, watermill.NopLogger{})
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -241,8 +241,9 @@ func TestHeldKeySkip(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, Ordered: true, MaxAttempts: 1, LockTTL: time.Second,
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, Ordered: true, MaxAttempts: 1, LockTTL: time.Second,
 		ElectionInterval: 100 * time.Millisecond, PollInterval: 100 * time.Millisecond, CloseTimeout: 2 * time.Second}, watermill.NopLogger{})
+
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -87,7 +87,7 @@ func steps(t *testing.T, ctx context.Context, what string, actions ...chromedp.A
 // it delivered.
 func relay(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) (delivered func(string) bool, stop func()) {
 	t.Helper()
-	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 200 * time.Millisecond}, watermill.NopLogger{})
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, PollInterval: 200 * time.Millisecond}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -45,8 +45,9 @@ func heldKeys(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, keys ...string
 	}); err != nil {
 		t.Fatal(err)
 	}
-	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, Ordered: true, MaxAttempts: 1, LockTTL: time.Second,
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, Ordered: true, MaxAttempts: 1, LockTTL: time.Second,
 		ElectionInterval: 100 * time.Millisecond, PollInterval: 100 * time.Millisecond, CloseTimeout: 2 * time.Second}, watermill.NopLogger{})
+
 	if err != nil {
 		t.Fatal(err)
 	}

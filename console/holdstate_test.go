@@ -52,9 +52,10 @@ func TestHeldPageOffersOnlyAllowedActions(t *testing.T) {
 		t.Fatal(err)
 	}
 	retry, dead, skip, replay := ids[0], ids[1], ids[2], ids[3]
-	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, Ordered: true, MaxAttempts: 100, LockTTL: time.Second,
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, Ordered: true, MaxAttempts: 100, LockTTL: time.Second,
 		ElectionInterval: 100 * time.Millisecond, PollInterval: 100 * time.Millisecond, CloseTimeout: time.Second,
 		Backoff: func(int) time.Duration { return time.Hour }}, watermill.NopLogger{})
+
 	if err != nil {
 		t.Fatal(err)
 	}

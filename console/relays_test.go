@@ -25,7 +25,7 @@ func TestRelaysSayWhoTheyAre(t *testing.T) {
 	tbl := testdb.Table(t, "outbox")
 	const name = "outbox-relay testhost 4242 v9.9.9"
 	relayPool := testdb.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["application_name"] = name })
-	sub, err := subscriber.New(relayPool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, watermill.NopLogger{})
+	sub, err := subscriber.New(context.Background(), relayPool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -160,8 +160,9 @@ func TestBatchPerMessageResults(t *testing.T) {
 	pub := &recordingBatchPublisher{published: map[string]int{}, fail: func(m *message.Message) bool {
 		return strings.Contains(string(m.Payload), "fail_once") && m.Metadata.Get(schema.MetadataAttempts) == "1"
 	}}
-	sub, err := subscriber.New(testdb.Pool(t), subscriber.Config{Table: tbl, PollInterval: 50 * time.Millisecond,
+	sub, err := subscriber.New(context.Background(), testdb.Pool(t), subscriber.Config{Table: tbl, PollInterval: 50 * time.Millisecond,
 		Backoff: func(int) time.Duration { return 10 * time.Millisecond }}, watermill.NopLogger{})
+
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -240,8 +241,9 @@ func TestBatchPlainPublisherFailedCallNacksAll(t *testing.T) {
 	const n = 400
 	ids, _, _ := enqueueMany(t, tbl, n, 0, func(i int) string { return `{"i":` + strconv.Itoa(i) + `}` })
 	pub := &plainFailingPublisher{failCalls: 3, failedIDs: map[string]int{}, published: map[string]int{}}
-	sub, err := subscriber.New(testdb.Pool(t), subscriber.Config{Table: tbl, PollInterval: 50 * time.Millisecond,
+	sub, err := subscriber.New(context.Background(), testdb.Pool(t), subscriber.Config{Table: tbl, PollInterval: 50 * time.Millisecond,
 		Backoff: func(int) time.Duration { return 10 * time.Millisecond }}, watermill.NopLogger{})
+
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -294,7 +296,7 @@ func (p *blockingPublisher) Close() error { return nil }
 func TestBatchHandleGivesUpWithItsContext(t *testing.T) {
 	t.Parallel()
 	tbl := testdb.Table(t, "fwd_batch_ctx_outbox", schema.WithAllColumns())
-	sub, err := subscriber.New(testdb.Pool(t), subscriber.Config{Table: tbl}, watermill.NopLogger{})
+	sub, err := subscriber.New(context.Background(), testdb.Pool(t), subscriber.Config{Table: tbl}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -394,7 +396,7 @@ func TestBatchOrderedToKafka(t *testing.T) {
 	cfg := subscriber.Config{Table: tbl, Ordered: true, LockTTL: time.Second, ElectionInterval: 100 * time.Millisecond,
 		Backoff: func(int) time.Duration { return 10 * time.Millisecond }, MaxAttempts: 1000}
 	for range 2 {
-		sub, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+		sub, err := subscriber.New(context.Background(), pool, cfg, watermill.NopLogger{})
 		if err != nil {
 			t.Fatal(err)
 		}

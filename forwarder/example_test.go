@@ -63,7 +63,7 @@ func ExampleForwarder_AddTo() {
 	if err != nil {
 		panic(err)
 	}
-	sub, err := subscriber.New(pool, subscriber.Config{Table: table}, watermill.NopLogger{})
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: table}, watermill.NopLogger{})
 	if err != nil {
 		panic(err)
 	}

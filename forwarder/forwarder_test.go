@@ -23,7 +23,7 @@ import (
 func TestForwarderConfigValidation(t *testing.T) {
 	t.Parallel()
 	tbl := testdb.Table(t, "fwd_cfg_outbox")
-	sub, err := subscriber.New(testdb.Pool(t), subscriber.Config{Table: tbl}, nil)
+	sub, err := subscriber.New(context.Background(), testdb.Pool(t), subscriber.Config{Table: tbl}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -64,7 +64,7 @@ func TestForwarderZeroConfig(t *testing.T) {
 		t.Fatal(err)
 	}
 	id := enqueueIn(t, tbl, producerSpan(t), `{"name":"acme"}`)
-	sub, err := subscriber.New(testdb.Pool(t), subscriber.Config{Table: tbl, PollInterval: 50 * time.Millisecond}, nil)
+	sub, err := subscriber.New(context.Background(), testdb.Pool(t), subscriber.Config{Table: tbl, PollInterval: 50 * time.Millisecond}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -118,8 +118,9 @@ func TestForwarderFailures(t *testing.T) {
 	gc := newGoChannel(t)
 	pub := &flakyPublisher{Publisher: gc}
 	retried := enqueueIn(t, tbl, producerSpan(t), `{"n":1}`)
-	sub, err := subscriber.New(testdb.Pool(t), subscriber.Config{Table: tbl, PollInterval: 50 * time.Millisecond,
+	sub, err := subscriber.New(context.Background(), testdb.Pool(t), subscriber.Config{Table: tbl, PollInterval: 50 * time.Millisecond,
 		Backoff: func(int) time.Duration { return 10 * time.Millisecond }}, watermill.NopLogger{})
+
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -69,8 +69,9 @@ func newPoisonRigAttempts(t *testing.T, name string, routerWide func(poison mess
 			m.Ack()
 		}
 	}()
-	sub, err := subscriber.New(testdb.Pool(t), subscriber.Config{Table: rig.tbl, PollInterval: 50 * time.Millisecond, MaxAttempts: maxAttempts,
+	sub, err := subscriber.New(context.Background(), testdb.Pool(t), subscriber.Config{Table: rig.tbl, PollInterval: 50 * time.Millisecond, MaxAttempts: maxAttempts,
 		Backoff: func(int) time.Duration { return 10 * time.Millisecond }}, watermill.NopLogger{})
+
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -64,7 +64,7 @@ func enqueueIn(t *testing.T, tbl schema.Table, sc trace.SpanContext, payload str
 // startForwarder relays tbl to pub with cfg until the test ends.
 func startForwarder(t *testing.T, tbl schema.Table, pub message.Publisher, cfg forwarder.Config) {
 	t.Helper()
-	sub, err := subscriber.New(testdb.Pool(t), subscriber.Config{Table: tbl, PollInterval: 50 * time.Millisecond}, watermill.NopLogger{})
+	sub, err := subscriber.New(context.Background(), testdb.Pool(t), subscriber.Config{Table: tbl, PollInterval: 50 * time.Millisecond}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}

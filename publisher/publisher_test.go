@@ -877,7 +877,7 @@ func TestReenqueueDoesNotBlockRelayAck(t *testing.T) {
 			t.Fatal(err)
 		}
 	})
-	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, DisableNotify: true, PollInterval: 50 * time.Millisecond}, nil)
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, DisableNotify: true, PollInterval: 50 * time.Millisecond}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

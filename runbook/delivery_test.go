@@ -65,7 +65,7 @@ func TestReplayedDeadRowIsDelivered(t *testing.T) {
 	})
 	live := enqueue(t, pool, tbl, tenantA, []string{topicA}, nil)
 
-	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, nil)
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -65,7 +65,7 @@ func ExampleRunbook_ReplayEvent() {
 	}
 
 	// A relay allowed one attempt, whose publish fails.
-	sub, err := subscriber.New(pool, subscriber.Config{Table: table, MaxAttempts: 1}, watermill.NopLogger{})
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: table, MaxAttempts: 1}, watermill.NopLogger{})
 	if err != nil {
 		panic(err)
 	}

@@ -241,9 +241,10 @@ func TestHoldLifecycleOrdered(t *testing.T) {
 	permanent := map[uuid.UUID]bool{d1: true, d2: true, k: true}
 	release := make(chan struct{})
 	inReplay := make(chan struct{}, 1)
-	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, Ordered: true, MaxAttempts: 100, LockTTL: time.Second,
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, Ordered: true, MaxAttempts: 100, LockTTL: time.Second,
 		ElectionInterval: 100 * time.Millisecond, PollInterval: 100 * time.Millisecond, CloseTimeout: time.Second,
 		Backoff: func(int) time.Duration { return time.Hour }}, watermill.NopLogger{})
+
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -377,8 +378,9 @@ func TestHoldLifecycleOrdered(t *testing.T) {
 	// A relay applies the accepted actions: the skipped rows are never
 	// delivered (p's skipped replay included) and their keys go on; the
 	// replayed rows are delivered; no key stays held.
-	sub2, err := subscriber.New(pool, subscriber.Config{Table: tbl, Ordered: true, LockTTL: time.Second,
+	sub2, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, Ordered: true, LockTTL: time.Second,
 		ElectionInterval: 100 * time.Millisecond, PollInterval: 100 * time.Millisecond, CloseTimeout: time.Second}, watermill.NopLogger{})
+
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -34,9 +34,10 @@ func forgetMode(t *testing.T, pool *pgxpool.Pool, tbl schema.Table) {
 // every 100 ms, and stops it when the test ends; stop stops it earlier.
 func relayOf(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, ordered bool, m *metrics.Metrics, fail map[uuid.UUID]bool) (stop func()) {
 	t.Helper()
-	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, Ordered: ordered, MaxAttempts: 1, LockTTL: time.Second,
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, Ordered: ordered, MaxAttempts: 1, LockTTL: time.Second,
 		ElectionInterval: 100 * time.Millisecond, PollInterval: 100 * time.Millisecond, CloseTimeout: 2 * time.Second,
 		Metrics: m, StatsInterval: 100 * time.Millisecond}, watermill.NopLogger{})
+
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -243,8 +243,9 @@ func TestUpgradeDefaultTableToOrdered(t *testing.T) {
 	}
 	fresh := enqueueKeys(t, pool, tbl, "k1", "k2", "k1", "", "k2", "k1")
 
-	sub, err := subscriber.New(pool, subscriber.Config{Table: tbl, Ordered: true, LockTTL: time.Second, ElectionInterval: 100 * time.Millisecond,
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, Ordered: true, LockTTL: time.Second, ElectionInterval: 100 * time.Millisecond,
 		PollInterval: 100 * time.Millisecond, CloseTimeout: 2 * time.Second}, watermill.NopLogger{})
+
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -340,7 +341,7 @@ func TestUpgradeWhileDefaultRelayRuns(t *testing.T) {
 			}
 		}()
 	}
-	def, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	def, err := subscriber.New(context.Background(), pool, cfg, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -360,14 +361,14 @@ func TestUpgradeWhileDefaultRelayRuns(t *testing.T) {
 			t.Fatal("the default relay was not elected within 2 minutes")
 		}
 	}
-	if _, err := subscriber.New(pool, ocfg, watermill.NopLogger{}); !errors.Is(err, schema.ErrRelayModeMix) {
+	if _, err := subscriber.New(context.Background(), pool, ocfg, watermill.NopLogger{}); !errors.Is(err, schema.ErrRelayModeMix) {
 		t.Fatalf("ordered relay beside the default relay: %v, want ErrRelayModeMix", err)
 	}
 	if err := def.Close(); err != nil {
 		t.Fatal(err)
 	}
 	after := enqueueKeys(t, pool, tbl, "a", "c", "")
-	ord, err := subscriber.New(pool, ocfg, watermill.NopLogger{})
+	ord, err := subscriber.New(context.Background(), pool, ocfg, watermill.NopLogger{})
 	if err != nil {
 		t.Fatalf("ordered relay once the default relay stopped: %v", err)
 	}

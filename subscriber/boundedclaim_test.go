@@ -283,7 +283,7 @@ func TestBoundedClaimHiddenWriter(t *testing.T) {
 		t.Fatalf("the relay's role reads all stats (%v, %v): the test needs one that does not", member, err)
 	}
 	const lockTTL = 20 * time.Minute
-	s, err := subscriber.New(relayPool, subscriber.Config{Table: tbl, LockTTL: lockTTL, Metrics: m}, watermill.NopLogger{})
+	s, err := subscriber.New(context.Background(), relayPool, subscriber.Config{Table: tbl, LockTTL: lockTTL, Metrics: m}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -72,7 +72,7 @@ func testCloseWithUnackedInFlight(t *testing.T, ordered bool) {
 		PollInterval:     50 * time.Millisecond,
 		ElectionInterval: 50 * time.Millisecond,
 	}
-	s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	s, err := subscriber.New(context.Background(), pool, cfg, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}

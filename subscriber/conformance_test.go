@@ -48,7 +48,7 @@ func conformanceRelay(ordered bool) relaytest.Relay {
 		if o.MaxInFlight > 0 && o.MaxInFlight < subscriber.ClaimBatchSizeDefault {
 			cfg.BatchSize = o.MaxInFlight
 		}
-		return subscriber.New(pool, cfg, o.Logger)
+		return subscriber.New(context.Background(), pool, cfg, o.Logger)
 	}
 	return r
 }

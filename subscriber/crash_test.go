@@ -40,7 +40,7 @@ func crashRelay(table string) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	s, err := subscriber.New(pool, subscriber.Config{Table: tbl}, watermill.NopLogger{})
+	s, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl}, watermill.NopLogger{})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2

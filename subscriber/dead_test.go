@@ -115,8 +115,9 @@ func TestDeadDoesNotDependOnMaxAttempts(t *testing.T) {
 	tbl := testdb.Table(t, "maxchange_outbox")
 	ids := enqueue(t, pool, tbl, "org.max.v1", 2)
 	nackAll := func(max int, want int) {
-		s, err := subscriber.New(pool, subscriber.Config{Table: tbl, MaxAttempts: max, PollInterval: 20 * time.Millisecond,
+		s, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, MaxAttempts: max, PollInterval: 20 * time.Millisecond,
 			Backoff: func(int) time.Duration { return 0 }}, nil)
+
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -176,8 +177,9 @@ func TestReleaseAtLastAttemptGoesDead(t *testing.T) {
 	const topic = "org.release.v1"
 	ids := enqueue(t, pool, tbl, topic, 1)
 	_, m := newMetrics(t)
-	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, MaxAttempts: 1, PollInterval: 20 * time.Millisecond,
+	s, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, MaxAttempts: 1, PollInterval: 20 * time.Millisecond,
 		CloseTimeout: 200 * time.Millisecond, Metrics: m}, nil)
+
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -55,7 +55,7 @@ func ExampleNew() {
 		panic(err)
 	}
 
-	sub, err := subscriber.New(pool, subscriber.Config{Table: table}, watermill.NopLogger{})
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: table}, watermill.NopLogger{})
 	if err != nil {
 		panic(err)
 	}
@@ -110,7 +110,7 @@ func ExampleNew_ordered() {
 		}
 	}
 
-	sub, err := subscriber.New(pool, subscriber.Config{Table: table, Ordered: true}, watermill.NopLogger{})
+	sub, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: table, Ordered: true}, watermill.NopLogger{})
 	if err != nil {
 		panic(err)
 	}

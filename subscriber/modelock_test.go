@@ -36,7 +36,7 @@ func TestRelayModeRefusalHoldsWhileBothCouldRun(t *testing.T) {
 			msg.Ack()
 		}
 	}()
-	_, err = subscriber.New(pool, orderedCfg(tbl), nil)
+	_, err = subscriber.New(context.Background(), pool, orderedCfg(tbl), nil)
 	if !errors.Is(err, schema.ErrRelayModeMix) {
 		t.Fatalf("ordered relay beside an idle default relay: %v, want ErrRelayModeMix", err)
 	}
@@ -55,7 +55,7 @@ func TestRelayModeRefusalHoldsWhileBothCouldRun(t *testing.T) {
 	events := enqueueKeyed(t, pool, tbl, "k", "k", "k")
 	rec.waitAcked(t, events, 30*time.Second)
 	rec.checkOrder(t)
-	if _, err := subscriber.New(pool, subscriber.Config{Table: tbl, DisableSingleActive: true}, nil); !errors.Is(err, schema.ErrRelayModeMix) ||
+	if _, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, DisableSingleActive: true}, nil); !errors.Is(err, schema.ErrRelayModeMix) ||
 		!strings.Contains(err.Error(), "an ordered-mode relay is subscribed") {
 		t.Fatalf("default relay beside a subscribed ordered relay: %v, want ErrRelayModeMix naming the subscribed ordered relay", err)
 	}
@@ -74,7 +74,7 @@ func TestRelayModeStaleLeaseProvesNothing(t *testing.T) {
   available_at = now() - interval '1 hour' WHERE event_id = $1`, events[0].event); err != nil {
 		t.Fatal(err)
 	}
-	o, err := subscriber.New(pool, orderedCfg(tbl), nil)
+	o, err := subscriber.New(context.Background(), pool, orderedCfg(tbl), nil)
 	if err != nil {
 		t.Fatalf("ordered relay after a stale lease: %v", err)
 	}
@@ -93,7 +93,7 @@ func subOnceOtherModeGone(t *testing.T, pool *pgxpool.Pool, cfg subscriber.Confi
 	t.Helper()
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
-		s, err := subscriber.New(pool, cfg, nil)
+		s, err := subscriber.New(context.Background(), pool, cfg, nil)
 		if err == nil {
 			t.Cleanup(func() { _ = s.Close() })
 			return s

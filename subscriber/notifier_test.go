@@ -56,7 +56,7 @@ func TestListenerReconnectsFastAfterEachLoss(t *testing.T) {
 	app := "relisten_" + tbl.Schema()
 	own := testdb.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["application_name"] = app })
 	logs := &reconnectLog{}
-	s, err := subscriber.New(own, subscriber.Config{Table: tbl, PollInterval: time.Hour}, logs)
+	s, err := subscriber.New(context.Background(), own, subscriber.Config{Table: tbl, PollInterval: time.Hour}, logs)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -243,7 +243,7 @@ type hRelay struct {
 func (h *history) startRelay(n int) *hRelay {
 	t := h.t
 	p := testdb.NewPool(t, nil)
-	s, err := subscriber.New(p, h.cfg, nil)
+	s, err := subscriber.New(context.Background(), p, h.cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -44,19 +44,7 @@ func (r *orderedRelay) tick(ctx context.Context) {
 			r.dropPartLocked(id)
 			continue
 		}
-		// A floor that moved is written at the tick, with the lease,
-		// unless the xmin horizon is pinned: then a floor that keeps
-		// moving is written at most every floorEvery, so that the
-		// progress of a busy relay leaves a bounded number of row
-		// versions (the pinned horizon keeps them all): 64 partitions
-		// every 6 s at the default LockTTL. A floor that stopped moving
-		// (the partition has nothing open and its floor did not move
-		// since the previous tick: a burst or a drain ended) is written
-		// at once, so the written progress follows a burst's end within
-		// two ticks even then.
-		quiet := p.floor == p.ticked && len(p.open) == 0 && len(p.watches) == 0
-		p.ticked = p.floor
-		if (p.floor != p.persisted && (!pinned || quiet || now.Sub(p.renewed) >= r.floorEvery())) || now.Sub(p.renewed) >= cfg.LockTTL/3 {
+		if r.floorDue(p, pinned, now) {
 			renIDs, renFloors, renEpochs = append(renIDs, int32(id)), append(renFloors, p.floor), append(renEpochs, p.term.Epoch()) //nolint:gosec // partition < 64
 		}
 	}
@@ -262,4 +250,21 @@ func (s *Subscriber) refreshHeldKeys(ctx context.Context) {
 		return
 	}
 	s.cfg.Metrics.HeldKeys.WithLabelValues(s.label).Set(float64(all))
+}
+
+// floorDue reports whether the tick writes p's lease and floor. A floor
+// that moved is written at the tick, with the lease, unless the xmin horizon
+// is pinned: then a floor that keeps moving is written at most every
+// floorEvery, so that the progress of a busy relay leaves a bounded number
+// of row versions (the pinned horizon keeps them all): 64 partitions every
+// 6 s at the default LockTTL. A floor that stopped moving (the partition has
+// nothing open and its floor did not move since the previous tick: a burst
+// or a drain ended) is written at once, so the written progress follows a
+// burst's end within two ticks even then. The lease is renewed every
+// LockTTL/3 whatever the floor does. It records the floor of this tick.
+func (r *orderedRelay) floorDue(p *partState, pinned bool, now time.Time) bool {
+	quiet := p.floor == p.ticked && len(p.open) == 0 && len(p.watches) == 0
+	p.ticked = p.floor
+	moved := p.floor != p.persisted && (!pinned || quiet || now.Sub(p.renewed) >= r.floorEvery())
+	return moved || now.Sub(p.renewed) >= r.s.cfg.LockTTL/3
 }

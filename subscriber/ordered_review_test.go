@@ -549,7 +549,7 @@ func TestOrderedNeedsHoldStates(t *testing.T) {
 	if _, err := pool.Exec(context.Background(), testdb.MigrationSQL(t, tbl, "000005", "down")); err != nil {
 		t.Fatal(err)
 	}
-	_, err := subscriber.New(pool, orderedCfg(tbl), nil)
+	_, err := subscriber.New(context.Background(), pool, orderedCfg(tbl), nil)
 	if !errors.Is(err, subscriber.ErrOrderedNotMigrated) || !strings.Contains(err.Error(), "000005") ||
 		!strings.Contains(err.Error(), "outbox migrate --ordered") {
 		t.Fatalf("ordered relay on holds without the hold states: %v", err)
@@ -557,7 +557,7 @@ func TestOrderedNeedsHoldStates(t *testing.T) {
 	if _, err := pool.Exec(context.Background(), testdb.MigrationSQL(t, tbl, "000005", "up")); err != nil {
 		t.Fatal(err)
 	}
-	s, err := subscriber.New(pool, orderedCfg(tbl), nil)
+	s, err := subscriber.New(context.Background(), pool, orderedCfg(tbl), nil)
 	if err != nil {
 		t.Fatalf("after the migration: %v", err)
 	}
@@ -566,7 +566,7 @@ func TestOrderedNeedsHoldStates(t *testing.T) {
 	if _, err := pool.Exec(context.Background(), testdb.MigrationSQL(t, tbl, "000006", "down")); err != nil {
 		t.Fatal(err)
 	}
-	_, err = subscriber.New(pool, orderedCfg(tbl), nil)
+	_, err = subscriber.New(context.Background(), pool, orderedCfg(tbl), nil)
 	if !errors.Is(err, subscriber.ErrOrderedNotMigrated) || !strings.Contains(err.Error(), "000006") {
 		t.Fatalf("ordered relay on partitions without the term: %v", err)
 	}
@@ -575,7 +575,7 @@ func TestOrderedNeedsHoldStates(t *testing.T) {
 	if err := schema.Migrate(context.Background(), pool, tbl, schema.WithOrderingKeyColumn()); err != nil {
 		t.Fatal(err)
 	}
-	if s, err = subscriber.New(pool, orderedCfg(tbl), nil); err != nil {
+	if s, err = subscriber.New(context.Background(), pool, orderedCfg(tbl), nil); err != nil {
 		t.Fatalf("after schema.Migrate: %v", err)
 	}
 	_ = s.Close()

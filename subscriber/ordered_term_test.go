@@ -295,7 +295,7 @@ func TestOrderedRefusesCachedSequence(t *testing.T) {
 	if _, err := pool.Exec(ctx, `DO $$BEGIN EXECUTE format('ALTER SEQUENCE %s CACHE 20', pg_get_serial_sequence('`+tbl.Sanitize()+`', 'sequence')); END$$`); err != nil {
 		t.Fatal(err)
 	}
-	_, err := subscriber.New(pool, orderedCfg(tbl), nil)
+	_, err := subscriber.New(context.Background(), pool, orderedCfg(tbl), nil)
 	if !errors.Is(err, schema.ErrSequenceCached) || !strings.Contains(err.Error(), "CACHE 1") {
 		t.Fatalf("New with a cached sequence: %v, want ErrSequenceCached naming ALTER SEQUENCE ... CACHE 1", err)
 	}
@@ -386,7 +386,7 @@ func TestRelayModesDoNotMix(t *testing.T) {
 	o := orderedSub(t, pool, orderedCfg(tbl))
 	consume(t, o, newRecorder(), nil)
 	waitUntil(t, 5*time.Second, func() bool { return liveLeases(t, pool, tbl) > 0 })
-	if _, err := subscriber.New(pool, def, nil); !errors.Is(err, schema.ErrRelayModeMix) || !strings.Contains(err.Error(), "OUTBOX_RELAY_ORDERED") {
+	if _, err := subscriber.New(context.Background(), pool, def, nil); !errors.Is(err, schema.ErrRelayModeMix) || !strings.Contains(err.Error(), "OUTBOX_RELAY_ORDERED") {
 		t.Errorf("default relay beside ordered relays: %v, want ErrRelayModeMix naming OUTBOX_RELAY_ORDERED", err)
 	}
 	if err := o.Close(); err != nil {
@@ -403,7 +403,7 @@ func TestRelayModesDoNotMix(t *testing.T) {
 		}
 	}()
 	waitUntil(t, 5*time.Second, d.IsLeader)
-	if _, err := subscriber.New(pool, orderedCfg(tbl), nil); !errors.Is(err, schema.ErrRelayModeMix) {
+	if _, err := subscriber.New(context.Background(), pool, orderedCfg(tbl), nil); !errors.Is(err, schema.ErrRelayModeMix) {
 		t.Errorf("ordered relay beside a default-mode relay: %v, want ErrRelayModeMix", err)
 	}
 }

@@ -190,7 +190,7 @@ func orderedSub(t *testing.T, pool *pgxpool.Pool, cfg subscriber.Config) *subscr
 	if os.Getenv("ORDERED_DEBUG") != "" {
 		logger = watermill.NewStdLogger(false, false)
 	}
-	s, err := subscriber.New(pool, cfg, logger)
+	s, err := subscriber.New(context.Background(), pool, cfg, logger)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -411,7 +411,7 @@ func TestOrderedBadInput(t *testing.T) {
 	if _, err := publisher.Enqueue(ctx, nil, tbl, publisher.Message{}); err == nil {
 		t.Error("nil tx accepted")
 	}
-	_, err := subscriber.New(pool, subscriber.Config{Table: plain, Ordered: true}, nil)
+	_, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: plain, Ordered: true}, nil)
 	if err == nil || !strings.Contains(err.Error(), "outbox migrate --ordered --table="+plain.String()) || !strings.Contains(err.Error(), "ordering_key") {
 		t.Fatalf("Ordered on a table without the column: %v", err)
 	}

@@ -125,7 +125,7 @@ func TestPausedTopicDefaultRelay(t *testing.T) {
 		t.Fatal(err)
 	}
 	const poll = 2 * time.Second
-	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: poll, Metrics: m}, watermill.NopLogger{})
+	s, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, PollInterval: poll, Metrics: m}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -262,7 +262,7 @@ func TestPausedTopicOrderedRelay(t *testing.T) {
 		[2]string{"", topicA})
 	a1, b2, unkeyedA := ids[0], ids[1], ids[5]
 	cfg := orderedCfg(tbl)
-	s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	s, err := subscriber.New(context.Background(), pool, cfg, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -350,7 +350,7 @@ func TestPausedTopicsReadAtPollAndLoggedOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	logs := watermill.NewCaptureLogger()
-	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 200 * time.Millisecond, DisableNotify: true, Metrics: m}, logs)
+	s, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, PollInterval: 200 * time.Millisecond, DisableNotify: true, Metrics: m}, logs)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -393,7 +393,7 @@ func TestPausedTopicsTableMissing(t *testing.T) {
 		t.Fatal(err)
 	}
 	logs := watermill.NewCaptureLogger()
-	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, logs)
+	s, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, logs)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -470,7 +470,7 @@ func TestPausedTopicHeldRowWaits(t *testing.T) {
 	cfg := orderedCfg(tbl)
 	cfg.Metrics = m
 	cfg.Backoff = func(int) time.Duration { return 500 * time.Millisecond }
-	s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	s, err := subscriber.New(context.Background(), pool, cfg, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}

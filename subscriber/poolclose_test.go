@@ -28,11 +28,11 @@ func TestRouterRunEndsThenPoolCloses(t *testing.T) {
 	ids := enqueue(t, pool, tbl, "org.poolclose.v1", 3)
 	logs := watermill.NewCaptureLogger()
 	cfg := subscriber.Config{Table: tbl, PollInterval: 50 * time.Millisecond, ElectionInterval: 100 * time.Millisecond}
-	leader, err := subscriber.New(pool, cfg, logs)
+	leader, err := subscriber.New(context.Background(), pool, cfg, logs)
 	if err != nil {
 		t.Fatal(err)
 	}
-	standby, err := subscriber.New(pool, cfg, logs)
+	standby, err := subscriber.New(context.Background(), pool, cfg, logs)
 	if err != nil {
 		t.Fatal(err)
 	}

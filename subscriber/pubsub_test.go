@@ -83,14 +83,15 @@ func (p *suitePubSub) Subscribe(ctx context.Context, topic string) (<-chan *mess
 	if err != nil {
 		return nil, err
 	}
-	sub, err := subscriber.New(p.pool, subscriber.Config{
+	sub, err := subscriber.New(context.Background(), p.pool, subscriber.Config{
 		Table:               t,
 		PollInterval:        100 * time.Millisecond,
 		LockTTL:             5 * time.Second,
 		CloseTimeout:        time.Second,
-		DisableSingleActive: true, // single-active has tests of its own
+		DisableSingleActive: true,
 		Backoff:             func(int) time.Duration { return 100 * time.Millisecond },
 	}, watermill.NopLogger{})
+
 	if err != nil {
 		return nil, err
 	}

@@ -70,7 +70,7 @@ func TestCloseCancelsInFlightAfterCloseTimeout(t *testing.T) {
 	tbl := testdb.Table(t, "drain_late_outbox")
 	ids := enqueue(t, pool, tbl, "org.drain.v1", 1)
 	const closeTimeout = 700 * time.Millisecond
-	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 20 * time.Millisecond, CloseTimeout: closeTimeout}, nil)
+	s, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, PollInterval: 20 * time.Millisecond, CloseTimeout: closeTimeout}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

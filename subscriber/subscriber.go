@@ -85,8 +85,10 @@ var _ message.Subscriber = (*Subscriber)(nil)
 // and all subscribers on a pool share one listening connection: size the
 // pool for them. When the context of every subscription has ended, the
 // subscriber holds no connection (a deferred pool.Close returns) until it
-// is subscribed again; Close is still needed to end it.
-func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subscriber, error) {
+// is subscribed again; Close is still needed to end it. ctx bounds the
+// checks New makes (30 s at most); the subscriber does not keep it. New has
+// the shape of walrelay.New.
+func New(ctx context.Context, pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	if pool == nil {
 		return nil, errors.New("subscriber: nil pool; pass a *pgxpool.Pool")
 	}
@@ -97,7 +99,7 @@ func New(pool *pgxpool.Pool, cfg Config, logger watermill.LoggerAdapter) (*Subsc
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	cols, err := schema.DetectColumns(ctx, pool, cfg.Table)
 	if err != nil {

@@ -55,7 +55,7 @@ func enqueue(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, topic string, n
 
 func newSub(t *testing.T, pool *pgxpool.Pool, cfg subscriber.Config) *subscriber.Subscriber {
 	t.Helper()
-	s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	s, err := subscriber.New(context.Background(), pool, cfg, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -119,19 +119,19 @@ func TestConfigValidation(t *testing.T) {
 		{subscriber.Config{Table: tbl, LeaderTimeout: -time.Second}, "LeaderTimeout is negative"},
 	}
 	for _, b := range bad {
-		if _, err := subscriber.New(pool, b.cfg, nil); err == nil || !strings.Contains(err.Error(), b.want) {
+		if _, err := subscriber.New(context.Background(), pool, b.cfg, nil); err == nil || !strings.Contains(err.Error(), b.want) {
 			t.Errorf("config %+v: got %v, want %q", b.cfg, err, b.want)
 		}
 	}
 	// One mistake, one message: a negative BatchSize does not also report
 	// the MaxInFlight derived from it.
-	if _, err := subscriber.New(pool, subscriber.Config{Table: tbl, BatchSize: -1}, nil); err == nil || strings.Contains(err.Error(), "MaxInFlight") {
+	if _, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, BatchSize: -1}, nil); err == nil || strings.Contains(err.Error(), "MaxInFlight") {
 		t.Errorf("BatchSize -1: %v, want only the BatchSize error", err)
 	}
-	if _, err := subscriber.New(pool, subscriber.Config{Table: schema.MustParseTable(tbl.Schema() + ".missing")}, nil); !errors.Is(err, schema.ErrTableNotFound) {
+	if _, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: schema.MustParseTable(tbl.Schema() + ".missing")}, nil); !errors.Is(err, schema.ErrTableNotFound) {
 		t.Errorf("missing table: %v", err)
 	}
-	if _, err := subscriber.New(nil, subscriber.Config{Table: tbl}, nil); err == nil {
+	if _, err := subscriber.New(context.Background(), nil, subscriber.Config{Table: tbl}, nil); err == nil {
 		t.Error("nil pool accepted")
 	}
 }
@@ -624,7 +624,7 @@ func TestCloseWhileBlockedGivesLeasesBack(t *testing.T) {
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "close_outbox")
 	enqueue(t, pool, tbl, "org.close.v1", 50)
-	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, BatchSize: 50, CloseTimeout: 200 * time.Millisecond}, nil)
+	s, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, BatchSize: 50, CloseTimeout: 200 * time.Millisecond}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -233,7 +233,7 @@ func TestWakeUpCommitBeforeIdleLock(t *testing.T) {
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "wake_outbox")
 	const poll = 10 * time.Minute
-	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: poll}, nil)
+	s, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, PollInterval: poll}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -82,7 +82,7 @@ func startRelay(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, pub message.
 	if cfg.PollInterval == 0 {
 		cfg.PollInterval = 50 * time.Millisecond
 	}
-	sub, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	sub, err := subscriber.New(context.Background(), pool, cfg, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}

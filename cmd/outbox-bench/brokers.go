@@ -317,7 +317,7 @@ func drainForwarder(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n i
 // or every partition floor past every row (ordered mode).
 func drainForwarderWith(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n int, pub message.Publisher, cfg subscriber.Config, fcfg forwarder.Config) (float64, error) {
 	cfg.Table = t
-	sub, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	sub, err := subscriber.New(ctx, pool, cfg, watermill.NopLogger{})
 	if err != nil {
 		return 0, err
 	}

@@ -225,7 +225,7 @@ func drainTimes(ctx context.Context, pool *pgxpool.Pool, tables []schema.Table, 
 			// acks are.
 			cfg.ElectionInterval = 100 * time.Millisecond
 		}
-		s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+		s, err := subscriber.New(ctx, pool, cfg, watermill.NopLogger{})
 		if err != nil {
 			return 0, 0, err
 		}
@@ -271,7 +271,7 @@ func drainTimes(ctx context.Context, pool *pgxpool.Pool, tables []schema.Table, 
 // before, when set, starts something that stays open for the run.
 func orderedLatency(ctx context.Context, pool *pgxpool.Pool, t schema.Table, o orderedOptions, d time.Duration,
 	before func(context.Context) (func(), error)) (float64, float64, error) {
-	s, err := subscriber.New(pool, subscriber.Config{Table: t, Ordered: true}, watermill.NopLogger{})
+	s, err := subscriber.New(ctx, pool, subscriber.Config{Table: t, Ordered: true}, watermill.NopLogger{})
 	if err != nil {
 		return 0, 0, err
 	}

@@ -63,7 +63,7 @@ func enqueueBenchBatch(ctx context.Context, pool *pgxpool.Pool, enq *publisher.E
 // published, not when none is pending.
 func drainSubscriber(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n int, partial bool, cfg subscriber.Config) (float64, error) {
 	cfg.Table = t
-	s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	s, err := subscriber.New(ctx, pool, cfg, watermill.NopLogger{})
 	if err != nil {
 		return 0, err
 	}
@@ -343,7 +343,7 @@ func isPoison(eventID string) bool {
 // events' latencies and how many poison events it saw.
 func measureLatencyPoisoned(ctx context.Context, pool *pgxpool.Pool, t schema.Table, rate int, d time.Duration, cfg subscriber.Config, poison bool) ([]time.Duration, int, error) {
 	cfg.Table = t
-	s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	s, err := subscriber.New(ctx, pool, cfg, watermill.NopLogger{})
 	if err != nil {
 		return nil, 0, err
 	}

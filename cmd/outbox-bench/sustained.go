@@ -38,7 +38,7 @@ func sustainedSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, 
 	if err := schema.Migrate(ctx, pool, t); err != nil {
 		return err
 	}
-	s, err := subscriber.New(pool, subscriber.Config{Table: t}, watermill.NopLogger{})
+	s, err := subscriber.New(ctx, pool, subscriber.Config{Table: t}, watermill.NopLogger{})
 	if err != nil {
 		return err
 	}

@@ -94,7 +94,7 @@ type relayRun struct {
 
 func startRelay(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cfg subscriber.Config, track bool) (*relayRun, error) {
 	cfg.Table = t
-	s, err := subscriber.New(pool, cfg, watermill.NopLogger{})
+	s, err := subscriber.New(ctx, pool, cfg, watermill.NopLogger{})
 	if err != nil {
 		return nil, err
 	}

@@ -214,7 +214,7 @@ func xminMode(ctx context.Context, pool *pgxpool.Pool, schemaName string, xo xmi
 	default:
 		// unbounded: the default mode with the claim of the versions before
 		// the bounded claim (docs/XMIN.md), the baseline.
-		s, err := subscriber.New(pool, subscriber.Config{Table: t, Ordered: mode == "ordered", DisableBoundedClaim: mode == "unbounded"}, watermill.NopLogger{})
+		s, err := subscriber.New(ctx, pool, subscriber.Config{Table: t, Ordered: mode == "ordered", DisableBoundedClaim: mode == "unbounded"}, watermill.NopLogger{})
 		if err != nil {
 			return nil, err
 		}

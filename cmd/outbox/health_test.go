@@ -299,7 +299,7 @@ func TestReadinessFollowsEveryTable(t *testing.T) {
 	defer gc.Close()
 	var subs []*subscriber.Subscriber
 	for _, tbl := range tables {
-		s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, watermill.NopLogger{})
+		s, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond}, watermill.NopLogger{})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -354,11 +354,12 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 				s = w
 				return nil
 			}
-			ts, err := subscriber.New(pool, subscriber.Config{
+			ts, err := subscriber.New(ctx, pool, subscriber.Config{
 				Table: t, BatchSize: cfg.batchSize, PollInterval: cfg.pollInterval, LockTTL: cfg.lockTTL, LeaderTimeout: cfg.leaderTimeout,
 				MaxAttempts: cfg.maxAttempts, DisableSingleActive: !cfg.singleActive, DisableBoundedClaim: !cfg.boundedClaim, Ordered: cfg.ordered, LastErrorMaxBytes: cfg.lastErrorMax,
 				CloseTimeout: cfg.dispatchTimeout, DispatchTimeout: cfg.dispatchTimeout, Metrics: m,
 			}, logger)
+
 			if err != nil {
 				return err
 			}

@@ -214,7 +214,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 		return fmt.Errorf("RabbitMQ at %s: %w", redactURL(brokerURL), err)
 	}
 	defer amqpPublisher.Close()
-	sub, err := subscriber.New(pool, subscriber.Config{Table: outbox}, logger)
+	sub, err := subscriber.New(ctx, pool, subscriber.Config{Table: outbox}, logger)
 	if err != nil {
 		return err
 	}

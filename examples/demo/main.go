@@ -133,7 +133,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 		return err
 	}
 	defer kafkaPublisher.Close()
-	sub, err := subscriber.New(pool, subscriber.Config{Table: table}, logger)
+	sub, err := subscriber.New(ctx, pool, subscriber.Config{Table: table}, logger)
 	if err != nil {
 		return err
 	}

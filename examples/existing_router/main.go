@@ -121,7 +121,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	r.AddConsumerHandler("search_indexer", TopicOrganizationCreated, bus, indexer.Handle)
 
 	// --- Adding the outbox relay to it. ---
-	sub, err := subscriber.New(pool, subscriber.Config{Table: t.outbox, Metrics: outboxMetrics}, logger)
+	sub, err := subscriber.New(ctx, pool, subscriber.Config{Table: t.outbox, Metrics: outboxMetrics}, logger)
 	if err != nil {
 		return err
 	}

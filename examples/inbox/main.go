@@ -132,7 +132,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	fmt.Fprintf(out, "enqueued %s event_id=%s\n", TopicOrderPlaced, eventID)
 
 	// 2. The relay delivers it.
-	sub, err := subscriber.New(pool, subscriber.Config{Table: t.shopOutbox}, logger)
+	sub, err := subscriber.New(ctx, pool, subscriber.Config{Table: t.shopOutbox}, logger)
 	if err != nil {
 		return err
 	}

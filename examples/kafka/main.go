@@ -164,7 +164,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 		return err
 	}
 	defer kafkaPublisher.Close()
-	sub, err := subscriber.New(pool, subscriber.Config{Table: t.outbox}, logger)
+	sub, err := subscriber.New(ctx, pool, subscriber.Config{Table: t.outbox}, logger)
 	if err != nil {
 		return err
 	}

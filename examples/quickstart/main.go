@@ -151,7 +151,7 @@ func run(ctx context.Context, w io.Writer, dbURL string) (err error) {
 	defer func() { err = errors.Join(err, stopConsumer()) }()
 
 	// 4. The relay: lease committed rows, publish them, mark them published.
-	sub, err := subscriber.New(pool, subscriber.Config{Table: t.outbox}, logger)
+	sub, err := subscriber.New(ctx, pool, subscriber.Config{Table: t.outbox}, logger)
 	if err != nil {
 		return err
 	}

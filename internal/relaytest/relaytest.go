@@ -709,15 +709,17 @@ func retry(within time.Duration, op func() error, transient func(error) bool) er
 // TestSwitchFromDefault), not as the relay under test.
 func (e *env) newDefault(shared bool, o Options) (message.Subscriber, error) {
 	o = o.withDefaults()
-	return subscriber.New(e.pool, subscriber.Config{Table: e.tbl, DisableSingleActive: shared, LockTTL: 2 * time.Second,
+	return subscriber.New(context.Background(), e.pool, subscriber.Config{Table: e.tbl, DisableSingleActive: shared, LockTTL: 2 * time.Second,
 		PollInterval: 100 * time.Millisecond, ElectionInterval: 100 * time.Millisecond, MaxAttempts: o.MaxAttempts,
 		CloseTimeout: o.CloseTimeout, Backoff: func(int) time.Duration { return 20 * time.Millisecond }}, watermill.NopLogger{})
+
 }
 
 // newOrdered starts an ordered relay on e's table as a fixture.
 func (e *env) newOrdered(o Options) (message.Subscriber, error) {
 	o = o.withDefaults()
-	return subscriber.New(e.pool, subscriber.Config{Table: e.tbl, Ordered: true, LockTTL: time.Second, ElectionInterval: 100 * time.Millisecond,
+	return subscriber.New(context.Background(), e.pool, subscriber.Config{Table: e.tbl, Ordered: true, LockTTL: time.Second, ElectionInterval: 100 * time.Millisecond,
 		PollInterval: 100 * time.Millisecond, BatchSize: 50, MaxAttempts: o.MaxAttempts, CloseTimeout: o.CloseTimeout,
 		Backoff: func(int) time.Duration { return 20 * time.Millisecond }}, watermill.NopLogger{})
+
 }

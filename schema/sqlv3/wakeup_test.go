@@ -43,7 +43,7 @@ func TestWakeUpWatermillSQLPublisher(t *testing.T) {
 		t.Fatal(err)
 	}
 	const poll = 10 * time.Minute
-	s, err := subscriber.New(pool, subscriber.Config{Table: tbl, PollInterval: poll}, watermill.NopLogger{})
+	s, err := subscriber.New(context.Background(), pool, subscriber.Config{Table: tbl, PollInterval: poll}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
