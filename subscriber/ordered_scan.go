@@ -89,10 +89,15 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		all = append(all, int32(id)) //nolint:gosec // partition < 64
 		readHolds = readHolds || p.fresh
 		p.full = len(p.open) >= r.readAhead()
+		stalled := p.full && r.stalledLocked(p)
 		for _, w := range p.watches {
 			// A full partition rescans nothing either: what an ended
-			// writer committed stays parked until there is room.
-			if !p.full && !locks[cutLock{w.vxid, w.hash}] {
+			// writer committed stays parked until there is room, unless
+			// nothing of the partition can move (its open rows are parked
+			// behind watches, or wait): then the rows that fill it wait for
+			// a watch to end, and it ends (at most limit rows more are
+			// read, the ended writer's, which come before them).
+			if (!p.full || stalled) && !locks[cutLock{w.vxid, w.hash}] {
 				w.ended = true
 				ended = append(ended, w)
 				endedParts = append(endedParts, p)
@@ -447,4 +452,16 @@ func parkedLocked(p *partState, row *sqlq.OrderedRow) bool {
 		}
 	}
 	return false
+}
+
+// stalledLocked reports whether no key of p can move: none has a runner or
+// a next action (its first row is parked behind a watch, its topic is
+// paused, or its hold waits for a retry).
+func (r *orderedRelay) stalledLocked(p *partState) bool {
+	for _, k := range r.keys {
+		if k.p == p && (k.busy || k.flying != 0 || r.nextActionLocked(k) != actNone) {
+			return false
+		}
+	}
+	return true
 }

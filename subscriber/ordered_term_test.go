@@ -504,3 +504,48 @@ func TestOrderedCutSeesLegacyWriters(t *testing.T) {
 	rec.waitAcked(t, append([]keyed{{k, late}}, next...), 10*time.Second)
 	rec.checkOrder(t)
 }
+
+// TestOrderedFullPartitionEndsWatches: rows of a key parked behind an open
+// writer's watch fill the partition's read-ahead window (4 x BatchSize);
+// when the writer ends, its watch ends although the partition is full, and
+// the parked rows are delivered in order. The history checker found the
+// stall: a full partition ended no watch, and nothing else could empty it.
+func TestOrderedFullPartitionEndsWatches(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	ctx := context.Background()
+	cfg := orderedCfg(tbl)
+	cfg.BatchSize = 5 // a window of 20 rows
+	s := orderedSub(t, pool, cfg)
+	rec := newRecorder()
+	consume(t, s, rec, nil)
+	k := "full-k"
+	first := enqueueKeyed(t, pool, tbl, k)
+	rec.waitAcked(t, first, 10*time.Second)
+	// An old writer holds the key's lock in the legacy class: writers of
+	// this version do not wait for it, and the relay's cut sees it.
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1::int4, hashtext($2))`, sqlq.LegacyOrderingLockClass(tbl), k); err != nil {
+		t.Fatal(err)
+	}
+	// A row of another key of the partition moves the scan past the
+	// writer: the relay watches the key's hash from there.
+	other := enqueueKeyed(t, pool, tbl, sameSlot(t, pool, k))
+	rec.waitAcked(t, other, 10*time.Second)
+	// 30 rows of the key commit meanwhile: each is parked behind the watch,
+	// and 20 of them fill the window.
+	var parked []keyed
+	for range 30 {
+		parked = append(parked, enqueueKeyed(t, pool, tbl, k)...)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rec.waitAcked(t, parked, 30*time.Second)
+	rec.checkOrder(t)
+}
