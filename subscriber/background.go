@@ -212,8 +212,16 @@ func (e *elector) stepTimeout() time.Duration { return e.s.cfg.LeaderTimeout / 3
 func (e *elector) tick(ctx context.Context) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if ctx.Err() != nil {
+		return // stopping: resign ends the term
+	}
 	s := e.s
-	sctx, cancel := context.WithTimeout(ctx, e.stepTimeout())
+	// The relay's stop does not cut a statement on the leader's connection
+	// short: pgx closes a connection whose statement is cancelled, and its
+	// session, with the leader lock, would end only after Close returned (a
+	// relay of the other mode started then was refused). resign unlocks
+	// once the statement is done.
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.stepTimeout())
 	defer cancel()
 	if e.conn != nil {
 		// A ping that does not answer in time means this relay cannot reach

@@ -75,6 +75,31 @@ func enqueueTraced(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, topic str
 	return out
 }
 
+// enqueueTracedInOneTx is enqueueTraced with the n messages committed in one
+// transaction, each with its own trace.
+func enqueueTracedInOneTx(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, topic string, n int) map[string]sent {
+	t.Helper()
+	out := map[string]sent{}
+	tx, err := pool.Begin(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	for i := range n {
+		ctx, parent := traced(t)
+		m := publisher.Message{TenantID: uuid.New(), Topic: topic, EventID: uuid.New(),
+			Payload: json.RawMessage(fmt.Sprintf(`{"n":%d,"name":"acme"}`, i)), Headers: map[string]string{"correlation_id": fmt.Sprintf("c-%d", i)}}
+		if _, err := publisher.Enqueue(ctx, tx, tbl, m); err != nil {
+			t.Fatal(err)
+		}
+		out[m.EventID.String()] = sent{m, parent}
+	}
+	if err := tx.Commit(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
 // startRelay runs subscriber + forwarder (zero Config) from tbl to pub.
 func startRelay(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, pub message.Publisher, cfg subscriber.Config) *forwarder.Forwarder {
 	t.Helper()
