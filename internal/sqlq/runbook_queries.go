@@ -189,28 +189,6 @@ type RunbookQueries struct {
 // NewRunbookQueries returns the runbook statements of table t.
 func NewRunbookQueries(t schema.Table) RunbookQueries { return RunbookQueries{Table: t} }
 
-// Backlog lists pending rows (not published, not dead) oldest first: ORDER
-// BY available_at, sequence, the order in which the relay claims them. An
-// empty topic lists every topic; limit must be positive. Returns
-// RunbookColumns.
-func (q RunbookQueries) Backlog(topic string, limit int) Statement {
-	var args []any
-	where := "published_at IS NULL AND dead_at IS NULL"
-	if topic != "" {
-		args = append(args, topic)
-		where += " AND topic = $1::text"
-	}
-	args = append(args, limit)
-	return Statement{
-		SQL: `SELECT ` + RunbookColumns + `
-FROM ` + q.Table.Sanitize() + `
-WHERE ` + where + `
-ORDER BY available_at, sequence
-LIMIT $` + strconv.Itoa(len(args)) + `::int`,
-		Args: args,
-	}
-}
-
 // conds renders f's topic, tenant, error text and sequence conditions on
 // the columns of row alias prefix ("" or "s."), each value through arg
 // (which appends it to the statement's arguments and returns $n with cast).
@@ -275,14 +253,6 @@ func deadTarget(tbl string, f RunbookFilter, cols string, replay, lock bool) (st
   FOR UPDATE`
 	}
 	return sql, args
-}
-
-// Dead lists the dead rows matching f (published_at IS NULL AND dead_at IS
-// NOT NULL) in sequence order, from AfterSequence on. A Limit of 0 lists
-// them all. Returns RunbookColumns.
-func (q RunbookQueries) Dead(f RunbookFilter) Statement {
-	sql, args := deadTarget(q.Table.Sanitize(), f, RunbookColumns, false, false)
-	return Statement{SQL: sql, Args: args}
 }
 
 // CountReplayDead takes the snapshot of the rows ReplayDead would change
@@ -364,57 +334,6 @@ WHERE event_id = $1::uuid
   AND (dead_at IS NOT NULL OR last_error IS NOT NULL)
   AND NOT ` + LeaseLiveWithin("$2::float8") + `
 RETURNING sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
-}
-
-// Stats reads the runbook's counters of the table. Returns: pending
-// (unpublished, not dead), retrying (pending whose last attempt failed),
-// locked (unpublished with locked_at set), dead (dead_at set), the
-// created_at of the oldest pending row (NULL when none), its age in seconds
-// (0 when none), the rows published in the last hour and in the last
-// minute.
-func (q RunbookQueries) Stats() Statement {
-	tbl := q.Table.Sanitize()
-	return Statement{SQL: `SELECT
-  count(*) FILTER (WHERE dead_at IS NULL),
-  count(*) FILTER (WHERE dead_at IS NULL AND last_error IS NOT NULL),
-  count(*) FILTER (WHERE locked_at IS NOT NULL),
-  count(*) FILTER (WHERE dead_at IS NOT NULL),
-  min(created_at) FILTER (WHERE dead_at IS NULL),
-  COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE dead_at IS NULL))::float8, 0),
-  (SELECT count(*) FROM ` + tbl + ` WHERE published_at IS NOT NULL AND published_at >= now() - interval '1 hour'),
-  (SELECT count(*) FROM ` + tbl + ` WHERE published_at IS NOT NULL AND published_at >= now() - interval '1 minute')
-FROM ` + tbl + `
-WHERE published_at IS NULL`}
-}
-
-// ReplayProgress counts, among the rows with the given event_ids (a text
-// array of canonical UUIDs), those published, those dead again and those
-// still pending. Args: the ids. Returns: rows found, published, dead,
-// pending.
-func (q RunbookQueries) ReplayProgress(eventIDs []string) Statement {
-	return Statement{SQL: `SELECT count(*),
-  count(*) FILTER (WHERE published_at IS NOT NULL),
-  count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NOT NULL),
-  count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NULL)
-FROM ` + q.Table.Sanitize() + `
-WHERE event_id = ANY($1::uuid[])`, Args: []any{eventIDs}}
-}
-
-// TopicBacklog counts the unpublished rows of every topic: pending (not
-// dead), retrying (pending with a last_error), dead, and the age in seconds
-// of the oldest pending row (0 when none), the largest backlog first. Args:
-// the most topics to return. Returns one row per topic.
-func (q RunbookQueries) TopicBacklog(limit int) Statement {
-	return Statement{SQL: `SELECT topic,
-  count(*) FILTER (WHERE dead_at IS NULL),
-  count(*) FILTER (WHERE dead_at IS NULL AND last_error IS NOT NULL),
-  count(*) FILTER (WHERE dead_at IS NOT NULL),
-  COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE dead_at IS NULL))::float8, 0)
-FROM ` + q.Table.Sanitize() + `
-WHERE published_at IS NULL
-GROUP BY topic
-ORDER BY count(*) DESC, topic
-LIMIT $1::int`, Args: []any{limit}}
 }
 
 // Leader finds the session that holds the table's single-active lock

@@ -422,44 +422,6 @@ SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`
 // cleaner deletes no WAL-relayed row.
 const WALStaleAfter = "10 minutes"
 
-// walSettled is the condition, on a row o of table t, that the WAL relay
-// settled it: o was written by a transaction older than the horizon every
-// slot of t has passed, with progress recorded in the last WALStaleAfter.
-// Rows are compared by age (distance from the current transaction id), so
-// it holds for rows younger than 2^31 transactions; a frozen row counts as
-// settled (freezing takes vacuum_freeze_min_age transactions; the relay
-// settles in seconds).
-func walSettled(t schema.Table) string {
-	return `o.published_at IS NULL AND o.dead_at IS NULL AND age(o.xmin) > (
-    SELECT age((min(horizon)::text::numeric % 4294967296)::text::xid) FROM ` + t.WALProgressTable() + `
-    HAVING count(*) > 0 AND bool_and(horizon IS NOT NULL AND updated_at > now() - interval '` + WALStaleAfter + `'))`
-}
-
-// WALDeleteSettled deletes up to a batch ($2) of the rows of t that the WAL
-// relay settled and that were written more than $1 seconds ago (by
-// available_at, the insert time of a row the WAL relay never updates, so
-// the pending index serves it).
-func WALDeleteSettled(t schema.Table) string {
-	tbl := t.Sanitize()
-	return `WITH victims AS (
-  SELECT o.id FROM ` + tbl + ` AS o
-  WHERE o.published_at IS NULL AND o.available_at < now() - make_interval(secs => $1::float8) AND ` + walSettled(t) + `
-  LIMIT $2 FOR UPDATE SKIP LOCKED
-)
-DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
-}
-
-// WALSettledCount counts the unpublished, not dead rows of t that the WAL
-// relay settled (the runbook subtracts them from its pending count), and
-// reads the created_at and age in seconds of the oldest one it has not
-// (NULL and 0 when none).
-func WALSettledCount(t schema.Table) string {
-	return `SELECT count(*) FILTER (WHERE s), min(created_at) FILTER (WHERE NOT s),
-  COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE NOT s))::float8, 0)
-FROM (SELECT o.created_at, COALESCE(` + walSettled(t) + `, false) AS s
-  FROM ` + t.Sanitize() + ` AS o WHERE o.published_at IS NULL AND o.dead_at IS NULL) AS x`
-}
-
 // WALHoldsTableExists tells whether t has a WAL holds table. Returns:
 // exists.
 func WALHoldsTableExists(t schema.Table) string {
