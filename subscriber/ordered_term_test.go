@@ -478,14 +478,7 @@ func TestOrderedCutSeesLegacyWriters(t *testing.T) {
 	first := enqueueKeyed(t, pool, tbl, k)
 	rec.waitAcked(t, first, 10*time.Second)
 	// An old writer: the legacy class lock, its row inserted by hand.
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1::int4, hashtext($2))`, sqlq.LegacyOrderingLockClass(tbl), k); err != nil {
-		t.Fatal(err)
-	}
+	tx := legacyWriter(t, pool, tbl, k)
 	late := uuid.New()
 	if _, err := tx.Exec(ctx, `INSERT INTO `+tbl.Sanitize()+` (tenant_id, topic, payload, event_id, ordering_key) VALUES ($1, 'org.thing.changed.v1', '{}', $2, $3)`,
 		tenant, late, k); err != nil {
@@ -525,14 +518,7 @@ func TestOrderedFullPartitionEndsWatches(t *testing.T) {
 	rec.waitAcked(t, first, 10*time.Second)
 	// An old writer holds the key's lock in the legacy class: writers of
 	// this version do not wait for it, and the relay's cut sees it.
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1::int4, hashtext($2))`, sqlq.LegacyOrderingLockClass(tbl), k); err != nil {
-		t.Fatal(err)
-	}
+	tx := legacyWriter(t, pool, tbl, k)
 	// A row of another key of the partition moves the scan past the
 	// writer: the relay watches the key's hash from there.
 	other := enqueueKeyed(t, pool, tbl, sameSlot(t, pool, k))
@@ -548,4 +534,21 @@ func TestOrderedFullPartitionEndsWatches(t *testing.T) {
 	}
 	rec.waitAcked(t, parked, 30*time.Second)
 	rec.checkOrder(t)
+}
+
+// legacyWriter opens a transaction holding key's lock in the name-hash class
+// of writers before the OID class (an old writer during a rolling upgrade);
+// the test's end rolls it back if the test did not end it.
+func legacyWriter(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, key string) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1::int4, hashtext($2))`, sqlq.LegacyOrderingLockClass(tbl), key); err != nil {
+		t.Fatal(err)
+	}
+	return tx
 }
