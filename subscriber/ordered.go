@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
@@ -258,9 +257,7 @@ type horizonWatch struct {
 // pinned reads the horizon (sqlq.Horizon) and reports whether it is pinned.
 // A failed read counts as pinned (the floors are then written at the bounded
 // rate).
-func (w *horizonWatch) pinned(ctx context.Context, q interface {
-	QueryRow(context.Context, string, ...any) pgx.Row
-}, pinnedAfter time.Duration) bool {
+func (w *horizonWatch) pinned(ctx context.Context, q schema.Querier, pinnedAfter time.Duration) bool {
 	var xmin, xmax string
 	var oldest float64
 	if err := q.QueryRow(ctx, sqlq.Horizon).Scan(&xmin, &xmax, &oldest); err != nil {

@@ -89,15 +89,22 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		all = append(all, int32(id)) //nolint:gosec // partition < 64
 		readHolds = readHolds || p.fresh
 		p.full = len(p.open) >= r.readAhead()
-		stalled := p.full && r.stalledLocked(p)
+		// A full partition rescans nothing either: what an ended writer
+		// committed stays parked until there is room, unless nothing of the
+		// partition can move (its open rows are parked behind watches, or
+		// wait): then the rows that fill it wait for a watch to end, and it
+		// ends (at most limit rows more are read, the ended writer's, which
+		// come before them). Whether it can move is read once, and only
+		// when a watched writer has ended.
+		canEnd, known := !p.full, !p.full
 		for _, w := range p.watches {
-			// A full partition rescans nothing either: what an ended
-			// writer committed stays parked until there is room, unless
-			// nothing of the partition can move (its open rows are parked
-			// behind watches, or wait): then the rows that fill it wait for
-			// a watch to end, and it ends (at most limit rows more are
-			// read, the ended writer's, which come before them).
-			if (!p.full || stalled) && !locks[cutLock{w.vxid, w.hash}] {
+			if locks[cutLock{w.vxid, w.hash}] {
+				continue
+			}
+			if !known {
+				canEnd, known = r.stalledLocked(p), true
+			}
+			if canEnd {
 				w.ended = true
 				ended = append(ended, w)
 				endedParts = append(endedParts, p)
