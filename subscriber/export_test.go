@@ -59,8 +59,8 @@ func DumpOrderedMemory(s *Subscriber, parts ...int) string {
 	var b strings.Builder
 	for _, r := range relays {
 		r.mu.Lock()
-		fmt.Fprintf(&b, "relay %s: in flight %d starved %v needHolds %v holdsRead %s ago gen %d\n",
-			r.id, r.sub.slots.InUse(), r.starved, r.needHolds, time.Since(r.holdsRead).Round(time.Millisecond), r.gen)
+		fmt.Fprintf(&b, "relay %s: in flight %d due %s needHolds %v holdsRead %s ago gen %d\n",
+			r.id, r.sub.slots.InUse(), r.keyed.Due().Format(time.StampMilli), r.needHolds, time.Since(r.holdsRead).Round(time.Millisecond), r.gen)
 		for id, p := range r.parts {
 			if len(want) > 0 && !want[id] {
 				continue
@@ -75,8 +75,8 @@ func DumpOrderedMemory(s *Subscriber, parts ...int) string {
 			if len(want) > 0 && !want[k.p.id] {
 				continue
 			}
-			fmt.Fprintf(&b, "  key %s part %d (current %v): queue %d busy %v lastDone %d holdGen %d action %d",
-				name, k.p.id, r.parts[k.p.id] == k.p, len(k.queue), k.busy, k.lastDone, k.holdGen, r.nextActionLocked(k))
+			fmt.Fprintf(&b, "  key %s part %d (current %v): queue %d out %v lastDone %d holdGen %d action %d",
+				name, k.p.id, r.parts[k.p.id] == k.p, len(k.queue), k.Out(), k.lastDone, k.holdGen, r.nextActionLocked(k))
 			if h := k.hold; h != nil {
 				fmt.Fprintf(&b, " hold %+v due in %s", *h, time.Until(h.DueAt).Round(time.Millisecond))
 			}

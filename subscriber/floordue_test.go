@@ -15,7 +15,7 @@ import (
 // whatever the floor does.
 func TestFloorDue(t *testing.T) {
 	t.Parallel()
-	r := &orderedRelay{s: &Subscriber{cfg: Config{LockTTL: time.Minute}}} // floorEvery 6 s, renewal 20 s
+	times := timesOf(Config{LockTTL: time.Minute, ElectionInterval: time.Minute}) // floorEvery 6 s, renewal 20 s
 	now := time.Now()
 	for _, c := range []struct {
 		name                   string
@@ -37,7 +37,7 @@ func TestFloorDue(t *testing.T) {
 		if c.open {
 			p.open[c.floor+1] = struct{}{}
 		}
-		if got := r.floorDue(p, c.pinned, now); got != c.want {
+		if got := p.floorDue(c.pinned, now, times); got != c.want {
 			t.Errorf("%s: floorDue = %v, want %v", c.name, got, c.want)
 		}
 		if p.ticked != c.floor {

@@ -117,24 +117,25 @@ type orderedRelay struct {
 	s      *Subscriber
 	wake   chan struct{} // NOTIFY and leadership wake-ups, apart from the claim loop's
 	oq     *sqlq.OrderedQueries
+	times  orderedTimes
 	id     string
 	logger watermill.LoggerAdapter
 	kick   chan struct{}
-	class  int32
-	// legacy is the key-lock class of writers of earlier versions
-	// (sqlq.LegacyOrderingLockClass), watched beside class.
-	legacy int32
+	locks  lockClasses // the writers' key-lock classes the cut watches
 
 	// terms is the relay's term ledger: one term per partition lease, the
 	// copies handed out under them, and the copies left in handlers by
 	// ended terms (docs/ARCHITECTURE.md, "The term core").
 	terms *term.Ledger
 
-	mu      sync.Mutex
-	parts   map[int]*partState
-	keys    map[string]*keyState
-	starved bool // the last startRunnersLocked stopped at MaxInFlight: keys may wait for a runner
-	runWg   sync.WaitGroup
+	mu    sync.Mutex
+	parts map[int]*partState
+	keys  map[string]*keyState
+	// keyed is the per-key engine (internal/keyed), over the
+	// subscription's slots: a key with a runner holds one of them, keys
+	// ready beyond MaxInFlight wait in line for one, oldest first.
+	keyed *keyed.Engine
+	runWg sync.WaitGroup
 
 	// gen counts local hold changes, so that a holds read that started
 	// before a change does not undo it.
@@ -185,11 +186,13 @@ type entry struct {
 }
 
 type keyState struct {
+	// keyed.Key: Out while a runner works on the key (it holds one of the
+	// subscription's slots).
+	keyed.Key
 	name     string
 	p        *partState // the partition state the key belongs to
 	queue    []*entry   // loaded, open rows in sequence order; none in flight
 	flying   int64      // the queued row a runner delivers now (0: none); open until its verdict or a hold covers it
-	busy     bool       // a runner works on the key
 	hold     *holdState
 	holdGen  int64 // gen of the last local change of hold
 	lastDone int64 // highest sequence acked or skipped here, to check order
@@ -213,12 +216,13 @@ func newOrderedRelay(sub *subscription) *orderedRelay {
 		s:      sub.s,
 		wake:   sub.s.wake.register(),
 		oq:     sub.s.oq,
+		times:  timesOf(sub.s.cfg),
 		id:     host + "-" + strconv.Itoa(os.Getpid()) + "-" + hex.EncodeToString(b),
 		logger: sub.logger,
 		kick:   make(chan struct{}, 1),
 		parts:  map[int]*partState{},
 		keys:   map[string]*keyState{},
-		legacy: sqlq.LegacyOrderingLockClass(sub.s.cfg.Table),
+		locks:  lockClasses{legacy: sqlq.LegacyOrderingLockClass(sub.s.cfg.Table)},
 		terms:  newTermLedger(sub.s),
 	}
 }
@@ -231,17 +235,35 @@ func newTermLedger(s *Subscriber) *term.Ledger {
 	return term.New(term.Config{Overrun: s.overrunAfter()})
 }
 
-func (r *orderedRelay) tickInterval() time.Duration {
-	return min(r.s.cfg.ElectionInterval, r.s.cfg.LockTTL/3)
+// orderedTimes are the ordered relay's periods and bounds, derived once
+// from its Config.
+type orderedTimes struct {
+	// tick is the period of membership, leases and floors.
+	tick time.Duration
+	// renew is how often a lease is renewed whatever its floor does.
+	renew time.Duration
+	// floorEvery is how often at most the floor of a partition whose floor
+	// keeps moving is written while the xmin horizon is pinned; a floor
+	// that stopped moving is written at the next tick (tick). While rows
+	// flow under a pinned horizon, written floors lag the relay's by up to
+	// this much: the cleaner, the runbook's replay of a delivered row and
+	// the state readers see a row as done that much later, and a new owner
+	// delivers again up to that much of acked rows.
+	floorEvery time.Duration
+	// pinnedAfter is how long a transaction may hold the horizon before the
+	// floors' writes are spaced out: two ticks, at least a second.
+	pinnedAfter time.Duration
+	// margin is how long before its lease ends a relay stops delivering.
+	margin time.Duration
+	// readAhead bounds the open rows of a partition: a scan stops there.
+	readAhead int
 }
 
-// floorEvery is how often at most the floor of a partition whose floor
-// keeps moving is written while the xmin horizon is pinned; a floor that
-// stopped moving is written at the next tick (tick). While rows flow under a
-// pinned horizon, written floors lag the relay's by up to this much: the cleaner, the runbook's replay of a delivered row and
-// the state readers see a row as done that much later, and a new owner
-// delivers again up to that much of acked rows.
-func (r *orderedRelay) floorEvery() time.Duration { return r.s.cfg.LockTTL / 10 }
+func timesOf(cfg Config) orderedTimes {
+	tick := min(cfg.ElectionInterval, cfg.LockTTL/3)
+	return orderedTimes{tick: tick, renew: cfg.LockTTL / 3, floorEvery: cfg.LockTTL / 10,
+		pinnedAfter: max(2*tick, time.Second), margin: cfg.LockTTL / 5, readAhead: 4 * cfg.BatchSize}
+}
 
 // horizonWatch tells whether the xmin horizon is pinned: a transaction open
 // for longer than pinnedAfter holds a snapshot, or the oldest running
@@ -270,16 +292,6 @@ func (w *horizonWatch) pinned(ctx context.Context, q schema.Querier, pinnedAfter
 	return oldest >= pinnedAfter.Seconds() || (xmin != xmax && now.Sub(w.since) >= pinnedAfter)
 }
 
-// pinnedAfter is how long a transaction may hold the horizon before the
-// floors' writes are spaced out: two ticks, at least a second.
-func (r *orderedRelay) pinnedAfter() time.Duration { return max(2*r.tickInterval(), time.Second) }
-
-// margin is how long before its lease ends a relay stops delivering.
-func (r *orderedRelay) margin() time.Duration { return r.s.cfg.LockTTL / 5 }
-
-// readAhead is how many open rows a partition keeps loaded at most.
-func (r *orderedRelay) readAhead() int { return 4 * r.s.cfg.BatchSize }
-
 func (r *orderedRelay) signal() {
 	select {
 	case r.kick <- struct{}{}:
@@ -293,7 +305,7 @@ func (r *orderedRelay) signal() {
 // while it sleeps, so writers notify only then.
 func (r *orderedRelay) run(stop <-chan struct{}) {
 	defer r.shutdown()
-	tick := time.NewTicker(r.tickInterval())
+	tick := time.NewTicker(r.times.tick)
 	defer tick.Stop()
 	ctx := r.sub.ctx
 	s := r.s
@@ -407,7 +419,7 @@ func (r *orderedRelay) nextDue() time.Time {
 	var due time.Time
 	for _, k := range r.keys {
 		h := k.hold
-		if h == nil || !h.Open() || h.State == keyed.Dead || h.inflight || h.advancing || k.busy {
+		if h == nil || !h.Open() || h.State == keyed.Dead || h.inflight || h.advancing || k.Out() {
 			continue
 		}
 		if due.IsZero() || h.DueAt.Before(due) {
@@ -433,7 +445,7 @@ func (r *orderedRelay) shutdown() {
 	var ids []int32
 	var floors, epochs []int64
 	for id, p := range r.parts {
-		r.advanceFloorLocked(p)
+		p.advanceFloor()
 		ids, floors, epochs = append(ids, int32(p.id)), append(floors, p.floor), append(epochs, p.term.Epoch()) //nolint:gosec // partition < 64
 		r.dropPartLocked(id)
 	}
@@ -448,9 +460,9 @@ func (r *orderedRelay) shutdown() {
 	}
 }
 
-// assigned returns the partitions that rendezvous hashing gives this relay
+// assigned returns the partitions that rendezvous hashing gives relay self
 // among the live relays.
-func (r *orderedRelay) assigned(live []string) map[int]bool {
+func assigned(self string, live []string) map[int]bool {
 	out := map[int]bool{}
 	hashes := make([]uint64, len(live))
 	for i, id := range live {
@@ -466,7 +478,7 @@ func (r *orderedRelay) assigned(live []string) map[int]bool {
 				best, bestScore = id, sc
 			}
 		}
-		if best == r.id {
+		if best == self {
 			out[p] = true
 		}
 	}

@@ -16,20 +16,43 @@ import (
 // startRunnersLocked starts a runner for every key with work, while the
 // subscription's MaxInFlight slots (keyed.Slots: its runners, each with at
 // most one message, the unkeyed rows of its claim loop, and the copies left
-// in handlers by ended terms) have room.
+// in handlers by ended terms) have room; the others wait in line.
 func (r *orderedRelay) startRunnersLocked() {
-	r.starved = false
+	now := time.Now()
 	for _, k := range r.keys {
-		if k.busy || !r.deliverableLocked(k) || r.nextActionLocked(k) == actNone {
-			continue
-		}
-		if r.sub.slots.Reserve(1) == 0 {
-			r.starved = true
-			return
-		}
-		k.busy = true
+		r.startLocked(k, now)
+	}
+}
+
+// startLocked starts a runner for k when k has work and the engine gives
+// it a slot (keyed.Engine.Start: one runner per key; without a free slot
+// the key waits in line). It reports false when k had to wait.
+func (r *orderedRelay) startLocked(k *keyState, now time.Time) bool {
+	if k.Out() || !r.deliverableLocked(k) || r.nextActionLocked(k) == actNone {
+		return true
+	}
+	switch r.keyed.Start(k.name, &k.Key, now) {
+	case keyed.Started:
 		r.runWg.Add(1)
 		go r.runKey(k)
+	case keyed.Waiting:
+		return false
+	}
+	return true
+}
+
+// readyLocked starts the keys that waited for a slot, oldest first, while
+// slots are free.
+func (r *orderedRelay) readyLocked() {
+	now := time.Now()
+	for {
+		name, ok := r.keyed.Ready()
+		if !ok {
+			return
+		}
+		if k := r.keys[name]; k != nil && !r.startLocked(k, now) {
+			return // the slot went meanwhile (the claim loop): it waits again
+		}
 	}
 }
 
@@ -105,8 +128,11 @@ func (r *orderedRelay) runKey(k *keyState) {
 			h.inflight = true
 			seq, attempts := h.Seq, h.Attempts
 			r.mu.Unlock()
-			row, err := r.rowAt(k.name, seq)
-			if errors.Is(err, pgx.ErrNoRows) && r.rowGone(k.name, seq) {
+			ctx, cancel := context.WithTimeout(r.sub.ctx, opTimeout)
+			row, err := r.oq.HeldRow(ctx, r.s.pool, k.name, seq)
+			gone := errors.Is(err, pgx.ErrNoRows) && r.oq.Gone(ctx, r.s.pool, k.name, seq)
+			cancel()
+			if gone {
 				// The held row was deleted (by hand, or by a cleaner that
 				// raced an operator's replay): there is nothing left to
 				// deliver, and the key goes on with its next row.
@@ -192,44 +218,20 @@ func (r *orderedRelay) refreshLaterLocked(k *keyState) {
 // freedLocked starts a cycle when p's scan had stopped for the read-ahead
 // limit and has room again.
 func (r *orderedRelay) freedLocked(p *partState) {
-	if p.full && len(p.open) < r.readAhead()/2 {
+	if p.full && len(p.open) < r.times.readAhead/2 {
 		p.full = false
 		r.signal()
 	}
 }
 
 func (r *orderedRelay) endRunLocked(k *keyState) {
-	k.busy = false
-	r.sub.slots.Unreserve(1)
+	r.keyed.Finish(&k.Key)
 	if r.keys[k.name] == k {
 		r.pruneKeyLocked(k.name, k)
 	}
-	// A key with work has a runner unless the last start stopped at
-	// MaxInFlight (cycles, due timers and freed slots start the others):
-	// walk the keys only then, not at the end of every key's run.
-	if r.starved {
-		r.startRunnersLocked()
-	}
-}
-
-func (r *orderedRelay) rowAt(name string, seq int64) (*sqlq.OrderedRow, error) {
-	ctx, cancel := context.WithTimeout(r.sub.ctx, opTimeout)
-	defer cancel()
-	row := &sqlq.OrderedRow{}
-	if err := row.Scan(r.s.pool.QueryRow(ctx, r.oq.RowAt, name, seq), r.oq.Columns); err != nil {
-		return nil, err
-	}
-	return row, nil
-}
-
-// rowGone reports whether the key's row at seq is no longer in the table
-// (false when that cannot be read).
-func (r *orderedRelay) rowGone(name string, seq int64) bool {
-	ctx, cancel := context.WithTimeout(r.sub.ctx, opTimeout)
-	defer cancel()
-	var exists bool
-	err := r.s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+r.oq.Table.Sanitize()+` WHERE ordering_key = $1 AND sequence = $2)`, name, seq).Scan(&exists)
-	return err == nil && !exists
+	// The slot goes to the key that waited longest for one (cycles and
+	// due timers start the keys whose work came later).
+	r.readyLocked()
 }
 
 type verdict int
@@ -405,7 +407,7 @@ func (r *orderedRelay) fail(k *keyState, row *sqlq.OrderedRow, c *claimed) {
 	// (the hold reaches them), also when a holds read applied it first.
 	delete(k.p.open, row.Sequence)
 	if h == nil || h.Seq != row.Sequence || !h.Open() {
-		r.setHoldLocked(k, &holdState{Hold: keyed.Hold{Seq: row.Sequence, State: keyed.Retrying}})
+		k.setHold(&holdState{Hold: keyed.Hold{Seq: row.Sequence, State: keyed.Retrying}})
 		h = k.hold
 	}
 	r.freedLocked(k.p)
@@ -472,11 +474,11 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 		r.s.fenceRejected("ack")
 	case next != nil:
 		k.lastDone = max(k.lastDone, seq)
-		r.setHoldLocked(k, &holdState{Hold: keyed.Hold{Seq: *next, DueAt: time.Now(), State: keyed.Retrying}})
+		k.setHold(&holdState{Hold: keyed.Hold{Seq: *next, DueAt: time.Now(), State: keyed.Retrying}})
 		r.freedLocked(k.p)
 	case resolved:
 		k.lastDone = max(k.lastDone, seq)
-		r.setHoldLocked(k, &holdState{Hold: keyed.Hold{Seq: seq, State: keyed.Resolved}})
+		k.setHold(&holdState{Hold: keyed.Hold{Seq: seq, State: keyed.Resolved}})
 	case deleted:
 		k.hold = nil
 	default:
@@ -490,7 +492,5 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 func (r *orderedRelay) slotFreed() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.starved {
-		r.startRunnersLocked()
-	}
+	r.readyLocked()
 }

@@ -24,8 +24,8 @@ func (r *orderedRelay) tick(ctx context.Context) {
 		r.fence()
 		return
 	}
-	mine := r.assigned(live)
-	pinned := r.horizon.pinned(qctx, r.s.pool, r.pinnedAfter())
+	mine := assigned(r.id, live)
+	pinned := r.horizon.pinned(qctx, r.s.pool, r.times.pinnedAfter)
 	now := time.Now()
 
 	r.mu.Lock()
@@ -34,17 +34,16 @@ func (r *orderedRelay) tick(ctx context.Context) {
 	var renIDs []int32
 	var renFloors, renEpochs []int64
 	for id, p := range r.parts {
-		if !mine[id] && !p.releasing {
+		if !mine[id] {
 			p.releasing = true
-			r.dropQueuesLocked(p)
 		}
-		r.advanceFloorLocked(p)
-		if p.releasing && !r.partBusyLocked(p) {
+		p.advanceFloor()
+		if p.releasing && !r.releaseKeysLocked(p) {
 			relIDs, relFloors, relEpochs = append(relIDs, int32(id)), append(relFloors, p.floor), append(relEpochs, p.term.Epoch()) //nolint:gosec // partition < 64
 			r.dropPartLocked(id)
 			continue
 		}
-		if r.floorDue(p, pinned, now) {
+		if p.floorDue(pinned, now, r.times) {
 			renIDs, renFloors, renEpochs = append(renIDs, int32(id)), append(renFloors, p.floor), append(renEpochs, p.term.Epoch()) //nolint:gosec // partition < 64
 		}
 	}
@@ -96,7 +95,7 @@ func (r *orderedRelay) tick(ctx context.Context) {
 				}
 				p.persisted = max(p.persisted, renFloors[i])
 				p.renewed = t0
-				p.deadline = t0.Add(cfg.LockTTL - r.margin())
+				p.deadline = t0.Add(cfg.LockTTL - r.times.margin)
 			}
 		}
 		clean := r.resolvedBelowPersistedLocked()
@@ -138,7 +137,7 @@ func (r *orderedRelay) tick(ctx context.Context) {
 				r.dropPartLocked(t.id) // not expected: want has no owned partition
 			}
 			p := &partState{id: t.id, floor: t.floor, persisted: t.floor, seen: t.floor, fresh: true,
-				open: map[int64]struct{}{}, renewed: t0, deadline: t0.Add(cfg.LockTTL - r.margin()),
+				open: map[int64]struct{}{}, renewed: t0, deadline: t0.Add(cfg.LockTTL - r.times.margin),
 				term: r.terms.Begin(context.Background(), t.id, t.epoch)}
 			p.expiry = time.AfterFunc(time.Until(p.deadline), func() { r.expire(p) })
 			r.parts[t.id] = p
@@ -199,24 +198,17 @@ func (r *orderedRelay) expireLocked(p *partState) bool {
 	return true
 }
 
-// partBusyLocked reports whether a runner works on a key of p.
-func (r *orderedRelay) partBusyLocked(p *partState) bool {
-	for _, k := range r.keys {
-		if k.p == p && k.busy {
-			return true
-		}
-	}
-	return false
-}
-
-// dropQueuesLocked stops the deliveries of p's keys; their rows stay open,
-// so the floor stays below them.
-func (r *orderedRelay) dropQueuesLocked(p *partState) {
+// releaseKeysLocked stops the deliveries of the keys of p, which is being
+// given back (their rows stay open, so the floor stays below them), and
+// reports whether a runner still works on one of them.
+func (r *orderedRelay) releaseKeysLocked(p *partState) (busy bool) {
 	for _, k := range r.keys {
 		if k.p == p {
 			k.queue = nil
+			busy = busy || k.Out()
 		}
 	}
+	return busy
 }
 
 // dropPartLocked ends a partition's term and forgets it and its keys: the
@@ -262,9 +254,9 @@ func (s *Subscriber) refreshHeldKeys(ctx context.Context) {
 // or a drain ended) is written at once, so the written progress follows a
 // burst's end within two ticks even then. The lease is renewed every
 // LockTTL/3 whatever the floor does. It records the floor of this tick.
-func (r *orderedRelay) floorDue(p *partState, pinned bool, now time.Time) bool {
+func (p *partState) floorDue(pinned bool, now time.Time, t orderedTimes) bool {
 	quiet := p.floor == p.ticked && len(p.open) == 0 && len(p.watches) == 0
 	p.ticked = p.floor
-	moved := p.floor != p.persisted && (!pinned || quiet || now.Sub(p.renewed) >= r.floorEvery())
-	return moved || now.Sub(p.renewed) >= r.s.cfg.LockTTL/3
+	moved := p.floor != p.persisted && (!pinned || quiet || now.Sub(p.renewed) >= t.floorEvery)
+	return moved || now.Sub(p.renewed) >= t.renew
 }

@@ -5,6 +5,7 @@ import (
 	"sort"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
@@ -59,12 +60,12 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		vxids  []string
 		hashes []int64
 	)
-	if err := r.lockClass(qctx); err != nil {
-		r.cycleError(ctx, err)
+	if err := r.locks.resolve(qctx, r.s.pool, r.s.cfg.Table); err != nil {
+		cycleError(ctx, r.logger, err)
 		return 0, false
 	}
-	if err := r.s.pool.QueryRow(qctx, r.oq.Cut, r.class, r.legacy).Scan(&s0, &vxids, &hashes); err != nil {
-		r.cycleError(ctx, err)
+	if err := r.s.pool.QueryRow(qctx, r.oq.Cut, r.locks.class, r.locks.legacy).Scan(&s0, &vxids, &hashes); err != nil {
+		cycleError(ctx, r.logger, err)
 		return 0, false
 	}
 	locks := map[cutLock]bool{}
@@ -88,7 +89,7 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 	for id, p := range r.parts {
 		all = append(all, int32(id)) //nolint:gosec // partition < 64
 		readHolds = readHolds || p.fresh
-		p.full = len(p.open) >= r.readAhead()
+		p.full = len(p.open) >= r.times.readAhead
 		// A full partition rescans nothing either: what an ended writer
 		// committed stays parked until there is room, unless nothing of the
 		// partition can move (its open rows are parked behind watches, or
@@ -197,7 +198,7 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		}
 		r.needHolds = r.needHolds || readHolds
 		r.mu.Unlock()
-		r.cycleError(ctx, err)
+		cycleError(ctx, r.logger, err)
 		return 0, false
 	}
 
@@ -270,7 +271,7 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 			more = true
 		}
 		for _, l := range byPart[id] {
-			r.watchLocked(p, l, p.seen, to)
+			p.watch(l, p.seen, to)
 		}
 		for _, row := range rows {
 			for _, w := range p.watches {
@@ -285,15 +286,15 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		p.seen = to
 	}
 	for _, p := range r.parts {
-		r.advanceFloorLocked(p)
+		p.advanceFloor()
 	}
 	r.startRunnersLocked()
 	return loaded, more
 }
 
-// watchLocked records that the writer of l may commit rows of its hash in
+// watch records that the writer of l may commit rows of its hash in
 // (from, to] of p later.
-func (r *orderedRelay) watchLocked(p *partState, l cutLock, from, to int64) {
+func (p *partState) watch(l cutLock, from, to int64) {
 	if to <= from {
 		return
 	}
@@ -339,7 +340,7 @@ func (r *orderedRelay) applyHoldsLocked(holds []dbHold, g0 int64, read []int32) 
 			cur.Attempts, cur.State, cur.DueAt = h.attempts, state, due
 			continue
 		}
-		r.setHoldLocked(k, &holdState{Hold: keyed.Hold{Seq: h.seq, Attempts: h.attempts, DueAt: due, State: state}, replay: h.replay})
+		k.setHold(&holdState{Hold: keyed.Hold{Seq: h.seq, Attempts: h.attempts, DueAt: due, State: state}, replay: h.replay})
 	}
 	inRead := map[int]bool{}
 	for _, id := range read {
@@ -353,11 +354,11 @@ func (r *orderedRelay) applyHoldsLocked(holds []dbHold, g0 int64, read []int32) 
 	}
 }
 
-// setHoldLocked makes h the hold of k and applies what it says to the
-// key's loaded rows: rows below an active hold are done, rows at or above
-// it are covered (the hold delivers them); rows at or below a resolved hold
-// are done; a replay hold changes nothing.
-func (r *orderedRelay) setHoldLocked(k *keyState, h *holdState) {
+// setHold makes h the hold of k and applies what it says to the key's
+// loaded rows: rows below an active hold are done, rows at or above it are
+// covered (the hold delivers them); rows at or below a resolved hold are
+// done; a replay hold changes nothing. The relay's mutex is held.
+func (k *keyState) setHold(h *holdState) {
 	k.hold = h
 	if h == nil || h.replay {
 		return
@@ -380,11 +381,12 @@ func (r *orderedRelay) setHoldLocked(k *keyState, h *holdState) {
 	}
 }
 
-func (r *orderedRelay) cycleError(ctx context.Context, err error) {
+// cycleError logs a failed scan and waits a moment before the next.
+func cycleError(ctx context.Context, logger watermill.LoggerAdapter, err error) {
 	if ctx.Err() != nil {
 		return
 	}
-	r.logger.Error("Ordered relay scan failed, retrying", err, nil)
+	logger.Error("Ordered relay scan failed, retrying", err, nil)
 	select {
 	case <-ctx.Done():
 	case <-time.After(100 * time.Millisecond):
@@ -431,9 +433,10 @@ func (r *orderedRelay) loadLocked(p *partState, row *sqlq.OrderedRow) bool {
 	return true
 }
 
-// advanceFloorLocked raises the in-memory floor of p to the highest value
-// its invariant allows: below every open row and every watch, at most seen.
-func (r *orderedRelay) advanceFloorLocked(p *partState) {
+// advanceFloor raises the in-memory floor of p to the highest value its
+// invariant allows: below every open row and every watch, at most seen.
+// The relay's mutex is held.
+func (p *partState) advanceFloor() {
 	f := p.seen
 	for seq := range p.open {
 		f = min(f, seq-1)
@@ -445,7 +448,7 @@ func (r *orderedRelay) advanceFloorLocked(p *partState) {
 }
 
 func (r *orderedRelay) pruneKeyLocked(name string, k *keyState) {
-	if !k.busy && k.hold == nil && len(k.queue) == 0 {
+	if !k.Out() && k.hold == nil && len(k.queue) == 0 {
 		delete(r.keys, name)
 	}
 }
@@ -466,7 +469,7 @@ func parkedLocked(p *partState, row *sqlq.OrderedRow) bool {
 // paused, or its hold waits for a retry).
 func (r *orderedRelay) stalledLocked(p *partState) bool {
 	for _, k := range r.keys {
-		if k.p == p && (k.busy || k.flying != 0 || r.nextActionLocked(k) != actNone) {
+		if k.p == p && (k.Out() || k.flying != 0 || r.nextActionLocked(k) != actNone) {
 			return false
 		}
 	}

@@ -262,6 +262,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		stale = sub.ordered.terms.StaleCount
 	}
 	sub.slots = keyed.NewSlots(s.cfg.MaxInFlight, stale)
+	if sub.ordered != nil {
+		sub.ordered.keyed = keyed.NewEngine(sub.slots)
+	}
 	s.subsWg.Add(1)
 	go func() {
 		defer s.subsWg.Done()

@@ -9,11 +9,12 @@ import (
 	"github.com/outboxkit/watermill-outbox/metrics"
 )
 
+// keyQueue is a key's rows in order; its keyed.Key says whether its head
+// is out (one at a time) and when a failed head is due again.
 type keyQueue struct {
-	items    []*item
-	inFlight bool
-	retryAt  time.Time
-	backoff  bool // the head failed and waits for its retry: the queue's streamed rows count in stream.behind
+	keyed.Key
+	items   []*item
+	backoff bool // the head failed and waits for its retry: the queue's streamed rows count in stream.behind
 }
 
 // dispatchAll delivers the head of every key that is free and due, with
@@ -27,13 +28,16 @@ func (st *stream) dispatchAll(ctx context.Context) {
 	}
 }
 
-// schedule arms the retry timer for t unless it fires earlier already.
+// schedule asks the engine for a wake-up at t and arms the retry timer
+// for its earliest one, unless the timer fires earlier already.
 func (st *stream) schedule(t time.Time) {
-	if !st.retryAt.IsZero() && !t.Before(st.retryAt) {
+	st.keyed.At(t)
+	due := st.keyed.Due()
+	if due.IsZero() || (!st.retryAt.IsZero() && !due.Before(st.retryAt)) {
 		return
 	}
-	st.retryAt = t
-	st.retry.Reset(time.Until(t))
+	st.retryAt = due
+	st.retry.Reset(time.Until(due))
 }
 
 func (st *stream) dispatch(ctx context.Context, key string) {
@@ -45,20 +49,17 @@ func (st *stream) dispatch(ctx context.Context, key string) {
 		delete(st.keys, key)
 		return
 	}
-	if q.inFlight || st.draining || st.s.terms.Stale(key) {
+	if st.draining || st.s.terms.Stale(key) {
 		return // a stale copy's end dispatches again (terms.Freed); one copy per key
 	}
-	if q.retryAt.After(time.Now()) {
-		st.schedule(q.retryAt)
-		return
+	switch st.keyed.Start(key, &q.Key, time.Now()) {
+	case keyed.Later:
+		st.schedule(q.RetryAt)
+	case keyed.Started:
+		st.deliver(ctx, q, q.items[0])
 	}
-	if st.slots.Reserve(1) == 0 {
-		// MaxInFlight messages are out: the key waits for a settle
-		// (unwait), in order.
-		st.waiters.Add(key)
-		return
-	}
-	st.deliver(ctx, q, q.items[0])
+	// Busy: its verdict dispatches again; Waiting: MaxInFlight messages
+	// are out, and a settle hands the key back (unwait), in order.
 }
 
 // backoffReadAhead bounds the unsettled rows, those behind retrying heads
@@ -104,8 +105,8 @@ func (st *stream) readable() bool {
 // unwait dispatches the keys that waited for room, oldest first, while
 // there is room.
 func (st *stream) unwait(ctx context.Context) {
-	for !st.slots.Full() {
-		key, ok := st.waiters.Pop()
+	for {
+		key, ok := st.keyed.Ready()
 		if !ok {
 			return
 		}
@@ -114,8 +115,7 @@ func (st *stream) unwait(ctx context.Context) {
 }
 
 func (st *stream) deliver(ctx context.Context, q *keyQueue, it *item) {
-	q.inFlight = true // its slot is reserved (dispatch)
-	st.backedOff(q)
+	st.backedOff(q) // its slot is reserved (dispatch)
 	it.attempts++
 	it.row.Attempts = int32(it.attempts) //nolint:gosec // bounded by MaxAttempts
 	st.inFlight.Add(1)
@@ -130,9 +130,8 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	if q == nil {
 		return
 	}
-	q.inFlight = false
 	if v.stopped {
-		st.slots.Unreserve(1)
+		st.keyed.Finish(&q.Key)
 		return // stopping: the row stays unsettled, the next relay delivers it
 	}
 	defer st.unwait(ctx)
@@ -149,8 +148,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			st.s.logger.Error("Could not tell whether a rejected row is visible; trying again", err, watermill.LogFields{"sequence": it.row.Sequence})
 		}
 		if err != nil || !ok {
-			q.inFlight = true // it keeps its slot until the settle comes back
-			st.inFlight.Add(1)
+			st.inFlight.Add(1) // the key keeps its slot until the settle comes back
 			time.AfterFunc(visibleDelay(it.unseen), func() {
 				defer st.inFlight.Done()
 				st.send(v)
@@ -160,7 +158,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			return
 		}
 	}
-	st.slots.Unreserve(1)
+	st.keyed.Finish(&q.Key)
 	if m := st.s.cfg.Metrics; m != nil {
 		label := st.s.cfg.Table.Qualified()
 		result := metrics.ResultFailure
@@ -173,7 +171,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		m.DispatchTotal.WithLabelValues(label, it.row.Topic, result).Inc()
 	}
 	if !v.ack && !f.Dead {
-		q.retryAt = time.Now().Add(f.RetryIn)
+		q.RetryAt = time.Now().Add(f.RetryIn)
 		it.lastErr = f.Summary
 		st.backingOff(q)
 		st.s.logger.Debug("Nacked: key held until the retry", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
@@ -202,7 +200,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		if err != nil {
 			// Not recorded: keep the key held and try again later.
 			st.s.logger.Error("Could not park a row dead; retrying", err, watermill.LogFields{"sequence": it.row.Sequence})
-			q.retryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
+			q.RetryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
 			it.attempts--
 			st.backingOff(q)
 			st.dispatch(ctx, it.key)
@@ -222,7 +220,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 		}
 	}
 	q.items = q.items[1:]
-	q.retryAt = time.Time{}
+	q.RetryAt = time.Time{}
 	if h := st.holdOf(it); v.ack && it.tx != nil && h.replayedBy(it) {
 		// The held row's replay: settled once its drain is written
 		// (a replay's ack waits for its drain, hold.acked).

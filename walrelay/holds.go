@@ -321,9 +321,9 @@ func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
 			st.fromTable-- // a drained row is read again at the retry
 		}
 	}
-	h := &hold{Hold: keyed.Hold{Seq: head.row.Sequence, State: keyed.Retrying, DueAt: q.retryAt, Attempts: head.attempts}, through: through}
+	h := &hold{Hold: keyed.Hold{Seq: head.row.Sequence, State: keyed.Retrying, DueAt: q.RetryAt, Attempts: head.attempts}, through: through}
 	st.holds[okey] = h
-	q.items, q.retryAt = nil, time.Time{}
+	q.items, q.RetryAt = nil, time.Time{}
 	st.s.spilled.Add(1)
 	st.schedule(h.DueAt)
 	st.s.logger.Info("A retrying key's rows spilled to its hold: they are delivered from the table at the retry", watermill.LogFields{"sequence": h.Seq, "rows": rows})
@@ -349,7 +349,7 @@ func (st *stream) moreInTable(it *item) bool {
 // behind the head may come before it in sequence order: the retry reads
 // neither back), and its key is not held by a dead row.
 func (st *stream) spillable(q *keyQueue) bool {
-	if !st.s.spills || st.draining || !q.backoff || q.inFlight || len(q.items) == 0 {
+	if !st.s.spills || st.draining || !q.backoff || q.Out() || len(q.items) == 0 {
 		return false
 	}
 	head := q.items[0]
@@ -423,7 +423,7 @@ func (st *stream) retryHolds(ctx context.Context) {
 // restarted behind a streamed row of the key).
 func mergeDrained(q *keyQueue, drained []*item) []*item {
 	head := 0
-	if q.inFlight && len(q.items) > 0 {
+	if q.Out() && len(q.items) > 0 {
 		head = 1
 	}
 	rest := q.items[head:]

@@ -84,12 +84,12 @@ type stream struct {
 	holds      map[string]*hold // by ordering key
 	hand       *handoff         // hands the deliveries to out and their verdicts back (handoff.go)
 	vis        visibility       // which transactions read are visible yet (visible.go)
-	// slots counts the keys with a message handed out and not settled,
-	// with the copies ended sessions left in handlers: at most
-	// MaxInFlight, however many keys one transaction brings. Keys ready
-	// beyond it wait in waiters, in order.
-	slots   *keyed.Slots
-	waiters keyed.Waiters
+	// keyed is the per-key engine (internal/keyed): one slot per key
+	// with a message handed out and not settled, with the copies ended
+	// sessions left in handlers, at most MaxInFlight however many keys
+	// one transaction brings; keys ready beyond it wait in line, oldest
+	// first; the earliest retry due arms the retry timer.
+	keyed *keyed.Engine
 	// behind counts the streamed rows queued on keys whose head waits for
 	// its retry: the stream is read on while the other unsettled rows are
 	// under MaxInFlight (a retrying key does not stop the other keys), up
@@ -212,7 +212,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	s.logger.Info("WAL relay active", nil)
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*relation{}, keys: map[string]*keyQueue{},
 		settles: make(chan settle, 1024), gone: make(chan struct{}),
-		slots: keyed.NewSlots(s.cfg.MaxInFlight, s.terms.StaleCount), vis: visibility{pool: s.pool, waits: &s.unseen}}
+		keyed: keyed.NewEngine(keyed.NewSlots(s.cfg.MaxInFlight, s.terms.StaleCount)), vis: visibility{pool: s.pool, waits: &s.unseen}}
 	if err := s.pool.QueryRow(ctx, sqlq.WALTableOID, s.cfg.Table.Sanitize()).Scan(&st.oid); err != nil {
 		return fmt.Errorf("look up the relation id of %s: %w", s.cfg.Table, err)
 	}
@@ -452,6 +452,7 @@ func (st *stream) loop(ctx, dctx context.Context) error {
 			}
 		case <-st.retry.C:
 			st.retryAt = time.Time{}
+			st.keyed.Woke()
 			if ctx.Err() == nil { // closing: the drain comes next, nothing new goes out
 				st.dispatchAll(dctx)
 				st.retryHolds(dctx)
@@ -566,7 +567,7 @@ func (st *stream) stop() {
 func (st *stream) unsettledInFlight() int {
 	n := 0
 	for _, q := range st.keys {
-		if q.inFlight {
+		if q.Out() {
 			n++
 		}
 	}

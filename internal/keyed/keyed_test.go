@@ -161,3 +161,65 @@ func TestHoldStates(t *testing.T) {
 		t.Fatal("a resolved hold is not open")
 	}
 }
+
+// TestEngineOneSlotPerKeyOldestFirst: a key takes at most one slot; a key
+// whose head is due later is not started and asks for a wake-up at that
+// time; keys beyond the limit wait and come back oldest first as slots
+// are given back.
+func TestEngineOneSlotPerKeyOldestFirst(t *testing.T) {
+	t.Parallel()
+	slots := NewSlots(2, nil)
+	e := NewEngine(slots)
+	now := time.Now()
+	var a, b, c, d Key
+	if got := e.Start("a", &a, now); got != Started || !a.Out() {
+		t.Fatalf("Start(a) = %v (out %v), want Started", got, a.Out())
+	}
+	if got := e.Start("a", &a, now); got != Busy || slots.InUse() != 1 {
+		t.Fatalf("Start(a) again = %v with %d slots in use, want Busy and 1", got, slots.InUse())
+	}
+	d.RetryAt = now.Add(time.Minute)
+	if got := e.Start("d", &d, now); got != Later || !e.Due().Equal(d.RetryAt) || d.Out() {
+		t.Fatalf("Start(d) due in a minute = %v, Due %v, want Later and its RetryAt", got, e.Due())
+	}
+	if !e.At(now.Add(time.Second)) || e.At(now.Add(time.Hour)) || !e.Due().Equal(now.Add(time.Second)) {
+		t.Fatalf("At keeps the earliest wake-up: Due %v", e.Due())
+	}
+	e.Woke()
+	if !e.Due().IsZero() {
+		t.Fatalf("Due after Woke = %v, want zero", e.Due())
+	}
+	if got := e.Start("b", &b, now); got != Started {
+		t.Fatalf("Start(b) = %v, want Started", got)
+	}
+	if got := e.Start("c", &c, now); got != Waiting || c.Out() {
+		t.Fatalf("Start(c) with no free slot = %v, want Waiting", got)
+	}
+	if got := e.Start("d", &d, now.Add(2*time.Minute)); got != Waiting {
+		t.Fatalf("Start(d) once due, no free slot = %v, want Waiting", got)
+	}
+	if _, ok := e.Ready(); ok {
+		t.Fatal("Ready with no free slot handed a key back")
+	}
+	e.Finish(&a)
+	e.Finish(&a) // a second Finish gives nothing back
+	if slots.InUse() != 1 {
+		t.Fatalf("slots in use after Finish(a) twice = %d, want 1", slots.InUse())
+	}
+	if key, ok := e.Ready(); !ok || key != "c" {
+		t.Fatalf("Ready = %q %v, want c (it waited first)", key, ok)
+	}
+	if got := e.Start("c", &c, now); got != Started {
+		t.Fatalf("Start(c) after Ready = %v, want Started", got)
+	}
+	if _, ok := e.Ready(); ok {
+		t.Fatal("Ready handed d back with no free slot")
+	}
+	e.Finish(&b)
+	if key, ok := e.Ready(); !ok || key != "d" {
+		t.Fatalf("Ready = %q %v, want d", key, ok)
+	}
+	if _, ok := e.Ready(); ok {
+		t.Fatal("Ready handed a key back twice")
+	}
+}

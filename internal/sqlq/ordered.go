@@ -99,6 +99,8 @@ type OrderedQueries struct {
 	// at that sequence, not resolved and no skip is requested (OrderedRow
 	// columns; no row otherwise).
 	RowAt string
+	// rowExists tells whether the key $1 has a row at sequence $2 (Gone).
+	rowExists string
 	// fail records a failed attempt as its key's hold (Fail).
 	fail string
 	// advance moves a hold on (Advance).
@@ -159,6 +161,24 @@ type OrderedRow struct {
 
 // Scan reads a row produced by Scan, Rescan or RowAt for a table with
 // columns c.
+// HeldRow reads, through RowAt, the row of key at seq that the key's hold
+// holds; pgx.ErrNoRows when there is none (see Gone).
+func (q *OrderedQueries) HeldRow(ctx context.Context, db schema.Querier, key string, seq int64) (*OrderedRow, error) {
+	row := &OrderedRow{}
+	if err := row.Scan(db.QueryRow(ctx, q.RowAt, key, seq), q.Columns); err != nil {
+		return nil, err
+	}
+	return row, nil
+}
+
+// Gone reports whether key's row at seq is no longer in the table (false
+// when that cannot be read).
+func (q *OrderedQueries) Gone(ctx context.Context, db schema.Querier, key string, seq int64) bool {
+	var exists bool
+	err := db.QueryRow(ctx, q.rowExists, key, seq).Scan(&exists)
+	return err == nil && !exists
+}
+
 func (r *OrderedRow) Scan(s Scanner, c schema.Columns) error {
 	dest := []any{&r.Partition, &r.Key, &r.KeyHash, &r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.CreatedAt}
 	if c.TraceContext {
@@ -231,6 +251,7 @@ CROSS JOIN LATERAL (
 ) AS o ORDER BY o.sequence`
 	q.RowAt = `SELECT ` + ret + ` FROM ` + tbl + ` AS o JOIN ` + holds + ` AS h ON h.ordering_key = o.ordering_key AND h.sequence = o.sequence
 WHERE o.ordering_key = $1 AND o.sequence = $2 AND h.resolved_at IS NULL AND h.skip_requested_at IS NULL`
+	q.rowExists = `SELECT EXISTS (SELECT 1 FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence = $2)`
 	own := func(epoch string) string {
 		return `SELECT 1 FROM ` + parts + ` WHERE partition = $2 AND owner = $1 AND epoch = ` + epoch + `::bigint AND lease_until > now()`
 	}
