@@ -66,21 +66,45 @@ func (st *stream) dispatch(ctx context.Context, key string) {
 // included, at this many times MaxInFlight.
 const backoffReadAhead = 4
 
+// window counts the rows a session read and has not settled, against
+// MaxInFlight: the stream is read on while they are under it, not counting
+// the streamed rows queued behind heads that wait for their retry (a
+// retrying key does not stop the other keys), up to backoffReadAhead x
+// MaxInFlight rows in all.
+type window struct {
+	limit int // MaxInFlight
+	// unsettled counts the streamed rows read and not settled.
+	unsettled int
+	// behind counts the streamed rows queued on keys whose head waits for
+	// its retry.
+	behind int
+	// fromTable counts the rows drains read from the table (items without
+	// a transaction) and not settled yet.
+	fromTable int
+}
+
 // backingOff counts q's streamed rows in behind: its head waits for a retry.
-func (st *stream) backingOff(q *keyQueue) {
+func (w *window) backingOff(q *keyQueue) {
 	if !q.backoff {
 		q.backoff = true
-		st.behind += streamed(q.items)
+		w.behind += streamed(q.items)
 	}
 }
 
 // backedOff takes q's rows out of behind: its head goes out again (or the
 // key is held and its rows parked).
-func (st *stream) backedOff(q *keyQueue) {
+func (w *window) backedOff(q *keyQueue) {
 	if q.backoff {
 		q.backoff = false
-		st.behind -= streamed(q.items)
+		w.behind -= streamed(q.items)
 	}
+}
+
+// crowded reports whether the read-ahead bound (backoffReadAhead x
+// MaxInFlight rows, those behind retrying heads included) is what stops the
+// stream: spilling a retrying key's backlog lets it read on.
+func (w *window) crowded() bool {
+	return w.behind > 0 && w.unsettled-w.behind < w.limit && w.unsettled >= backoffReadAhead*w.limit
 }
 
 // streamed counts the items read from the stream (not from the table).
@@ -97,9 +121,8 @@ func streamed(items []*item) int {
 // readable reports whether the loop reads the stream on: fewer than
 // MaxInFlight unsettled rows besides those behind retrying heads, and
 // fewer than backoffReadAhead x MaxInFlight in all.
-func (st *stream) readable() bool {
-	limit := st.s.cfg.MaxInFlight
-	return st.unsettled-st.behind < limit && st.unsettled < backoffReadAhead*limit
+func (w *window) readable() bool {
+	return w.unsettled-w.behind < w.limit && w.unsettled < backoffReadAhead*w.limit
 }
 
 // unwait dispatches the keys that waited for room, oldest first, while
@@ -115,7 +138,7 @@ func (st *stream) unwait(ctx context.Context) {
 }
 
 func (st *stream) deliver(ctx context.Context, q *keyQueue, it *item) {
-	st.backedOff(q) // its slot is reserved (dispatch)
+	st.win.backedOff(q) // its slot is reserved (dispatch)
 	it.attempts++
 	it.row.Attempts = int32(it.attempts) //nolint:gosec // bounded by MaxAttempts
 	st.inFlight.Add(1)
@@ -173,9 +196,9 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	if !v.ack && !f.Dead {
 		q.RetryAt = time.Now().Add(f.RetryIn)
 		it.lastErr = f.Summary
-		st.backingOff(q)
+		st.win.backingOff(q)
 		st.s.logger.Debug("Nacked: key held until the retry", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
-		if (len(q.items) > st.s.cfg.MaxInFlight || st.moreInTable(it)) && st.spill(ctx, it.key, q) {
+		if (len(q.items) > st.s.cfg.MaxInFlight || st.holds.moreInTable(it)) && st.holds.spill(ctx, it.key, q) {
 			return
 		}
 		st.dispatch(ctx, it.key)
@@ -202,7 +225,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			st.s.logger.Error("Could not park a row dead; retrying", err, watermill.LogFields{"sequence": it.row.Sequence})
 			q.RetryAt = time.Now().Add(st.s.cfg.Backoff(it.attempts))
 			it.attempts--
-			st.backingOff(q)
+			st.win.backingOff(q)
 			st.dispatch(ctx, it.key)
 			return
 		}
@@ -221,18 +244,18 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	}
 	q.items = q.items[1:]
 	q.RetryAt = time.Time{}
-	if h := st.holdOf(it); v.ack && it.tx != nil && h.replayedBy(it) {
+	if h := st.holds.holdOf(it); v.ack && it.tx != nil && h.replayedBy(it) {
 		// The held row's replay: settled once its drain is written
 		// (a replay's ack waits for its drain, hold.acked).
-		st.settleAcked(h)
+		st.holds.settleAcked(h)
 		h.acked = it
 	} else {
 		st.settled(it)
 	}
 	if !v.ack && it.row.OrderingKey != nil && *it.row.OrderingKey != "" && st.s.cols.OrderingKey && deadChanged {
-		st.holdKey(*it.row.OrderingKey, it.row.Sequence, q)
+		st.holds.holdKey(*it.row.OrderingKey, it.row.Sequence, q)
 	} else if v.ack {
-		st.afterAck(ctx, it)
+		st.holds.afterAck(ctx, it)
 	}
 	st.advance()
 	st.dispatch(ctx, it.key)
@@ -241,12 +264,12 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 // settled accounts for a row that needs nothing more.
 func (st *stream) settled(it *item) {
 	if it.tx != nil {
-		st.unsettled--
+		st.win.unsettled--
 		it.tx.pending--
 		return
 	}
-	st.fromTable--
-	if h := st.holdOf(it); h != nil && h.State == keyed.Draining {
+	st.win.fromTable--
+	if h := st.holds.holdOf(it); h != nil && h.State == keyed.Draining {
 		h.left--
 	}
 }

@@ -12,6 +12,18 @@ import (
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
 )
 
+// holdBook is the session's holds, by ordering key, and their lifecycle:
+// a key held by a dead row, a retrying key's backlog spilled to its hold,
+// drains of parked rows in bounded batches, tombstones until the confirmed
+// position passes them. Its statements are the session's fenced writes.
+type holdBook struct {
+	st *stream
+	m  map[string]*hold // by ordering key
+	// spillPause: a spill failed (a database error); none is tried again
+	// before it.
+	spillPause time.Time
+}
+
 // hold is an ordering key held back by a dead row (persisted in the holds
 // table): the key's later rows are parked, not delivered, until the dead
 // row is delivered again (a replay) or skipped; then the parked rows are
@@ -57,7 +69,8 @@ func (h *hold) replayedBy(it *item) bool {
 
 // settleAcked settles the held row's acked replay that waited for its
 // drain (hold.acked), if any.
-func (st *stream) settleAcked(h *hold) {
+func (hb *holdBook) settleAcked(h *hold) {
+	st := hb.st
 	if h != nil && h.acked != nil {
 		st.settled(h.acked)
 		h.acked = nil
@@ -65,19 +78,19 @@ func (st *stream) settleAcked(h *hold) {
 }
 
 // holdOf is the hold of the item's key, or nil.
-func (st *stream) holdOf(it *item) *hold {
+func (hb *holdBook) holdOf(it *item) *hold {
 	if it.row.OrderingKey == nil || *it.row.OrderingKey == "" {
 		return nil
 	}
-	return st.holds[*it.row.OrderingKey]
+	return hb.m[*it.row.OrderingKey]
 }
 
 // parks reports whether a streamed row of a held key is parked instead of
 // delivered: a copy of a row a drain delivered (or skipped), every row of
 // the key from the dead row on but the dead row's own replay, and while the
 // hold drains, the rows it read from the table.
-func (st *stream) parks(it *item) bool {
-	h := st.holdOf(it)
+func (hb *holdBook) parks(it *item) bool {
+	h := hb.holdOf(it)
 	if h == nil {
 		return false
 	}
@@ -110,14 +123,15 @@ func (st *stream) parks(it *item) bool {
 // holdKey holds the key of a row that went dead: its queued rows are
 // parked (the holds table keeps them back). A tombstone's or an earlier
 // drain's through is kept.
-func (st *stream) holdKey(key string, seq int64, q *keyQueue) {
-	st.backedOff(q)
+func (hb *holdBook) holdKey(key string, seq int64, q *keyQueue) {
+	st := hb.st
+	st.win.backedOff(q)
 	h := &hold{Hold: keyed.Hold{Seq: seq, State: keyed.Dead}}
-	if old := st.holds[key]; old != nil {
+	if old := hb.m[key]; old != nil {
 		h.through = max(old.through, old.maxRead)
-		st.settleAcked(old)
+		hb.settleAcked(old)
 	}
-	st.holds[key] = h
+	hb.m[key] = h
 	for _, it := range q.items {
 		st.settled(it)
 	}
@@ -128,29 +142,29 @@ func (st *stream) holdKey(key string, seq int64, q *keyQueue) {
 
 // afterAck drains a hold whose dead row was delivered again, and releases
 // a draining hold once its rows are delivered.
-func (st *stream) afterAck(ctx context.Context, it *item) {
-	h := st.holdOf(it)
+func (hb *holdBook) afterAck(ctx context.Context, it *item) {
+	h := hb.holdOf(it)
 	if h == nil {
 		return
 	}
 	key := *it.row.OrderingKey
 	switch {
 	case h.replayedBy(it):
-		st.startDrain(ctx, key, h)
+		hb.startDrain(ctx, key, h)
 	case h.State == keyed.Draining && h.left == 0:
-		st.drained(ctx, key, h)
+		hb.drained(ctx, key, h)
 	}
 }
 
 // drained follows a drain whose rows read so far are all settled: it
 // reads the next batch when the last one was full, and releases the hold
 // otherwise.
-func (st *stream) drained(ctx context.Context, key string, h *hold) {
+func (hb *holdBook) drained(ctx context.Context, key string, h *hold) {
 	if h.more {
-		st.drainFrom(ctx, key, h, drainNext)
+		hb.drainFrom(ctx, key, h, drainNext)
 		return
 	}
-	st.release(ctx, key, h)
+	hb.release(ctx, key, h)
 }
 
 // drainMode is what drainFrom reads: the rows after the held row (a
@@ -165,16 +179,16 @@ const (
 )
 
 // startDrain reads the rows the hold kept back and queues them first.
-func (st *stream) startDrain(ctx context.Context, key string, h *hold) {
-	st.drainFrom(ctx, key, h, drainStart)
+func (hb *holdBook) startDrain(ctx context.Context, key string, h *hold) {
+	hb.drainFrom(ctx, key, h, drainStart)
 }
 
 // startRetry retries a retrying hold: it reads the key's rows from the
 // held row on and queues them, the held row first with its attempts.
 // When a skip was requested meanwhile (RetryDrain changes nothing), the
 // skip is applied instead (startDrain).
-func (st *stream) startRetry(ctx context.Context, key string, h *hold) {
-	st.drainFrom(ctx, key, h, drainRetry)
+func (hb *holdBook) startRetry(ctx context.Context, key string, h *hold) {
+	hb.drainFrom(ctx, key, h, drainRetry)
 }
 
 // drainFrom reads the rows of the hold's key after its row (and, for a
@@ -185,7 +199,8 @@ func (st *stream) startRetry(ctx context.Context, key string, h *hold) {
 // read once this one is settled (drained), so a drain holds at most
 // MaxInFlight rows read from the table and not settled, however long the
 // key's backlog.
-func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drainMode) {
+func (hb *holdBook) drainFrom(ctx context.Context, key string, h *hold, mode drainMode) {
+	st := hb.st
 	retry := mode == drainRetry
 	s := st.s
 	h.wantDrain = true
@@ -245,7 +260,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 		// A skip was requested while the hold was retrying: the held row
 		// is not delivered, the rows behind it are.
 		h.State = keyed.SkipRequested
-		st.startDrain(ctx, key, h)
+		hb.startDrain(ctx, key, h)
 		return
 	}
 	if retry && len(items) > 0 && items[0].row.Sequence == h.Seq {
@@ -257,7 +272,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 	h.State, h.wantDrain, h.maxRead, h.left, h.untilLSN = keyed.Draining, false, maxRead, len(items), lsn
 	h.more = len(items) == batch
 	if h.acked != nil {
-		st.settleAcked(h) // the hold says draining: the replay's position may pass
+		hb.settleAcked(h) // the hold says draining: the replay's position may pass
 		st.advance()
 	}
 	if mode != drainNext {
@@ -265,7 +280,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 	}
 	s.logger.Trace("Drain", watermill.LogFields{"key": key, "sequence": h.Seq, "rows": len(items), "max_read": h.maxRead, "retry": retry, "more": h.more})
 	if len(items) == 0 {
-		st.release(ctx, key, h)
+		hb.release(ctx, key, h)
 		return
 	}
 	k := keyOf(items[0].row)
@@ -275,7 +290,7 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 		st.keys[k] = q
 	}
 	q.items = mergeDrained(q, items)
-	st.fromTable += len(items)
+	st.win.fromTable += len(items)
 	st.peakRows()
 	st.dispatch(ctx, k)
 }
@@ -287,14 +302,15 @@ func (st *stream) drainFrom(ctx context.Context, key string, h *hold, mode drain
 // stream as parked rows, and the hold retries at the head's retry time.
 // It reports whether the key was spilled; a key that cannot be
 // (spillable) or a failed write leaves q as it is.
-func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
-	if !st.spillable(q) || time.Now().Before(st.spillPause) {
+func (hb *holdBook) spill(ctx context.Context, key string, q *keyQueue) bool {
+	st := hb.st
+	if !hb.spillable(q) || time.Now().Before(hb.spillPause) {
 		return false
 	}
 	head := q.items[0]
 	okey := *head.row.OrderingKey
 	var through int64
-	if old := st.holds[okey]; old != nil {
+	if old := hb.m[okey]; old != nil {
 		through = max(old.through, old.maxRead)
 	}
 	var n int
@@ -308,21 +324,21 @@ func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
 			err = errors.New("the key's hold could not be written")
 		}
 		st.s.logger.Error("Could not spill a retrying key's rows; they stay in memory", err, watermill.LogFields{"sequence": head.row.Sequence})
-		st.spillPause = time.Now().Add(st.s.cfg.StatusInterval)
+		hb.spillPause = time.Now().Add(st.s.cfg.StatusInterval)
 		return false
 	}
-	st.backedOff(q)
+	st.win.backedOff(q)
 	rows := len(q.items)
 	for _, it := range q.items {
 		if it.tx != nil {
-			st.unsettled--
+			st.win.unsettled--
 			it.tx.pending--
 		} else {
-			st.fromTable-- // a drained row is read again at the retry
+			st.win.fromTable-- // a drained row is read again at the retry
 		}
 	}
 	h := &hold{Hold: keyed.Hold{Seq: head.row.Sequence, State: keyed.Retrying, DueAt: q.RetryAt, Attempts: head.attempts}, through: through}
-	st.holds[okey] = h
+	hb.m[okey] = h
 	q.items, q.RetryAt = nil, time.Time{}
 	st.s.spilled.Add(1)
 	st.schedule(h.DueAt)
@@ -337,8 +353,8 @@ func (st *stream) spill(ctx context.Context, key string, q *keyQueue) bool {
 // the batch it read (hold.more): the key's backlog is in the table, and
 // its head that waits for a retry is spilled again rather than kept in
 // memory with the batch.
-func (st *stream) moreInTable(it *item) bool {
-	h := st.holdOf(it)
+func (hb *holdBook) moreInTable(it *item) bool {
+	h := hb.holdOf(it)
 	return h != nil && h.State == keyed.Draining && h.more
 }
 
@@ -348,7 +364,8 @@ func (st *stream) moreInTable(it *item) bool {
 // replayed head's later rows may have been delivered, and a replayed row
 // behind the head may come before it in sequence order: the retry reads
 // neither back), and its key is not held by a dead row.
-func (st *stream) spillable(q *keyQueue) bool {
+func (hb *holdBook) spillable(q *keyQueue) bool {
+	st := hb.st
 	if !st.s.spills || st.draining || !q.backoff || q.Out() || len(q.items) == 0 {
 		return false
 	}
@@ -361,7 +378,7 @@ func (st *stream) spillable(q *keyQueue) bool {
 			return false
 		}
 	}
-	h := st.holdOf(head)
+	h := hb.holdOf(head)
 	return h == nil || h.State == keyed.Resolved || h.State == keyed.Draining
 }
 
@@ -369,17 +386,17 @@ func (st *stream) spillable(q *keyQueue) bool {
 // read-ahead bound (backoffReadAhead x MaxInFlight rows, those behind
 // retrying heads included) is what stops the stream, until it no longer
 // does or no key can be spilled.
-func (st *stream) relieve(ctx context.Context) {
-	limit := st.s.cfg.MaxInFlight
-	for st.s.spills && !st.draining && st.behind > 0 && st.unsettled-st.behind < limit && st.unsettled >= backoffReadAhead*limit {
+func (hb *holdBook) relieve(ctx context.Context) {
+	st := hb.st
+	for st.s.spills && !st.draining && st.win.crowded() {
 		var key string
 		var most *keyQueue
 		for k, q := range st.keys {
-			if (most == nil || len(q.items) > len(most.items)) && st.spillable(q) {
+			if (most == nil || len(q.items) > len(most.items)) && hb.spillable(q) {
 				key, most = k, q
 			}
 		}
-		if most == nil || !st.spill(ctx, key, most) {
+		if most == nil || !hb.spill(ctx, key, most) {
 			return
 		}
 	}
@@ -387,14 +404,15 @@ func (st *stream) relieve(ctx context.Context) {
 
 // retryHolds retries the retrying holds that are due, and arms the retry
 // timer for the others.
-func (st *stream) retryHolds(ctx context.Context) {
+func (hb *holdBook) retryHolds(ctx context.Context) {
+	st := hb.st
 	if st.draining {
 		return
 	}
 	now := time.Now()
-	for key, h := range st.holds {
+	for key, h := range hb.m {
 		if h.State == keyed.Draining && h.left == 0 && h.more && h.wantDrain {
-			st.drainFrom(ctx, key, h, drainNext) // its next batch waited for the stream's rows to be visible
+			hb.drainFrom(ctx, key, h, drainNext) // its next batch waited for the stream's rows to be visible
 			continue
 		}
 		if h.State == keyed.Draining || h.State == keyed.Resolved {
@@ -402,7 +420,7 @@ func (st *stream) retryHolds(ctx context.Context) {
 		}
 		if h.State != keyed.Retrying {
 			if h.unseen > 0 && h.wantDrain {
-				st.startDrain(ctx, key, h) // it waited for the stream's rows to be visible
+				hb.startDrain(ctx, key, h) // it waited for the stream's rows to be visible
 			}
 			continue
 		}
@@ -410,7 +428,7 @@ func (st *stream) retryHolds(ctx context.Context) {
 			st.schedule(h.DueAt)
 			continue
 		}
-		st.startRetry(ctx, key, h)
+		hb.startRetry(ctx, key, h)
 		if st.fencedOut {
 			return
 		}
@@ -443,7 +461,8 @@ func mergeDrained(q *keyQueue, drained []*item) []*item {
 }
 
 // release turns a drained hold into a tombstone.
-func (st *stream) release(ctx context.Context, key string, h *hold) {
+func (hb *holdBook) release(ctx context.Context, key string, h *hold) {
+	st := hb.st
 	through := max(h.through, h.maxRead)
 	var n int
 	if ok, err := st.write(ctx, "release", st.s.q.Release, []any{&n}, key, h.Seq, through); err != nil || !ok {
@@ -454,12 +473,13 @@ func (st *stream) release(ctx context.Context, key string, h *hold) {
 	}
 	h.State, h.through = keyed.Resolved, through
 	st.s.logger.Trace("Release", watermill.LogFields{"key": key, "sequence": h.Seq, "through": through})
-	st.forget(ctx, key, h)
+	hb.forget(ctx, key, h)
 }
 
 // forget deletes a tombstone once the confirmed position passed every copy
 // of the rows it parks.
-func (st *stream) forget(ctx context.Context, key string, h *hold) {
+func (hb *holdBook) forget(ctx context.Context, key string, h *hold) {
+	st := hb.st
 	if h.Open() || h.untilLSN > st.confirmed {
 		return
 	}
@@ -470,7 +490,7 @@ func (st *stream) forget(ctx context.Context, key string, h *hold) {
 		}
 		return
 	}
-	delete(st.holds, key)
+	delete(hb.m, key)
 }
 
 // holdRow is one row of the holds table.
@@ -481,7 +501,8 @@ type holdRow struct {
 	until                               string
 }
 
-func (st *stream) readHolds(ctx context.Context) ([]holdRow, error) {
+func (hb *holdBook) readHolds(ctx context.Context) ([]holdRow, error) {
+	st := hb.st
 	rows, err := st.s.pool.Query(ctx, st.s.q.Holds)
 	if err != nil {
 		return nil, fmt.Errorf("read the holds: %w", err)
@@ -499,12 +520,13 @@ func (st *stream) readHolds(ctx context.Context) ([]holdRow, error) {
 }
 
 // loadHolds reads the holds table at the start of a session.
-func (st *stream) loadHolds(ctx context.Context) error {
-	st.holds = map[string]*hold{}
+func (hb *holdBook) loadHolds(ctx context.Context) error {
+	st := hb.st
+	hb.m = map[string]*hold{}
 	if !st.s.cols.OrderingKey {
 		return nil
 	}
-	list, err := st.readHolds(ctx)
+	list, err := hb.readHolds(ctx)
 	if err != nil {
 		return err
 	}
@@ -526,7 +548,7 @@ func (st *stream) loadHolds(ctx context.Context) error {
 			h.State, h.DueAt = keyed.Retrying, time.Now()
 		}
 		h.wantDrain = r.draining && !r.released && h.State != keyed.Retrying
-		st.holds[r.key] = h
+		hb.m[r.key] = h
 	}
 	return nil
 }
@@ -535,31 +557,32 @@ func (st *stream) loadHolds(ctx context.Context) error {
 // restarts drains (a session that began with a draining hold, or a drain
 // whose statements failed), retries releases and forgets tombstones the
 // confirmed position passed.
-func (st *stream) tickHolds(ctx context.Context) {
-	if len(st.holds) == 0 {
+func (hb *holdBook) tickHolds(ctx context.Context) {
+	st := hb.st
+	if len(hb.m) == 0 {
 		return
 	}
-	list, err := st.readHolds(ctx)
+	list, err := hb.readHolds(ctx)
 	if err != nil {
 		st.s.logger.Error("Could not read the holds", err, nil)
 		return
 	}
 	for _, r := range list {
-		h := st.holds[r.key]
+		h := hb.m[r.key]
 		if h == nil || h.Seq != r.seq {
 			continue
 		}
 		switch {
 		case h.State == keyed.Resolved:
-			st.forget(ctx, r.key, h)
+			hb.forget(ctx, r.key, h)
 		case h.State == keyed.Retrying && !r.skipd:
 			if !time.Now().Before(h.DueAt) {
-				st.startRetry(ctx, r.key, h) // a retry whose statements failed before
+				hb.startRetry(ctx, r.key, h) // a retry whose statements failed before
 			}
 		case h.State != keyed.Draining && (r.skipd || r.draining || h.wantDrain):
-			st.startDrain(ctx, r.key, h)
+			hb.startDrain(ctx, r.key, h)
 		case h.State == keyed.Draining && h.left == 0:
-			st.drained(ctx, r.key, h) // a next batch or a release that failed before
+			hb.drained(ctx, r.key, h) // a next batch or a release that failed before
 		}
 	}
 }

@@ -66,12 +66,12 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 // dispatches the key; the row of a held key is parked (settled without
 // delivery).
 func (st *stream) queue(ctx context.Context, it *item) {
-	if st.parks(it) || st.backfilledCopy(it) {
+	if st.holds.parks(it) || st.backfilledCopy(it) {
 		return
 	}
 	st.replayed(it)
 	it.tx.pending++
-	st.unsettled++
+	st.win.unsettled++
 	st.peakRows()
 	q := st.keys[it.key]
 	if q == nil {
@@ -80,8 +80,8 @@ func (st *stream) queue(ctx context.Context, it *item) {
 	}
 	q.items = append(q.items, it)
 	if q.backoff {
-		st.behind++
-		if len(q.items) > st.s.cfg.MaxInFlight && st.spill(ctx, it.key, q) {
+		st.win.behind++
+		if len(q.items) > st.s.cfg.MaxInFlight && st.holds.spill(ctx, it.key, q) {
 			return
 		}
 	}
@@ -104,7 +104,7 @@ func (st *stream) backfilledCopy(it *item) bool {
 // delivered now, as the replay of a dead held row is; the hold no longer
 // retries on its own (its drain follows the replay's ack).
 func (st *stream) replayed(it *item) {
-	if h := st.holdOf(it); h != nil && h.State == keyed.Retrying && it.replay && it.row.Sequence == h.Seq {
+	if h := st.holds.holdOf(it); h != nil && h.State == keyed.Retrying && it.replay && it.row.Sequence == h.Seq {
 		h.State = keyed.Replayed
 	}
 }
@@ -112,7 +112,7 @@ func (st *stream) replayed(it *item) {
 // peakRows records the most rows the session held read and not settled
 // (buffered transactions included), for the tests.
 func (st *stream) peakRows() {
-	n := int64(st.unsettled + st.fromTable)
+	n := int64(st.win.unsettled + st.win.fromTable)
 	if st.cur != nil && st.cur.buffered {
 		n += int64(len(st.cur.items))
 	}
@@ -128,7 +128,7 @@ func (st *stream) commit(ctx context.Context, tx *txn) {
 	tx.committed = true
 	kept := tx.items[:0]
 	for _, it := range tx.items {
-		if !st.parks(it) {
+		if !st.holds.parks(it) {
 			st.replayed(it)
 			kept = append(kept, it)
 		}
@@ -144,7 +144,7 @@ func (st *stream) commit(ctx context.Context, tx *txn) {
 		return
 	}
 	st.txns = append(st.txns, tx)
-	st.unsettled += tx.pending
+	st.win.unsettled += tx.pending
 	st.peakRows()
 	for _, it := range tx.items {
 		q := st.keys[it.key]
@@ -154,7 +154,7 @@ func (st *stream) commit(ctx context.Context, tx *txn) {
 		}
 		q.items = append(q.items, it)
 		if q.backoff {
-			st.behind++ // every item here is streamed (it.tx != nil)
+			st.win.behind++ // every item here is streamed (it.tx != nil)
 		}
 	}
 	st.markOldest()
@@ -320,7 +320,7 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 			// The replay of an earlier row of a held key is delivered if
 			// the row is still reset: read it, as below (earlierOfHeld).
 			seq, serr := r.int(tuple, r.sequence)
-			unchanged = serr == nil && st.earlierOfHeld(get(r.orderingKey), seq)
+			unchanged = serr == nil && st.holds.earlierOfHeld(get(r.orderingKey), seq)
 		}
 	}
 	var row sqlq.ClaimedRow
@@ -377,11 +377,11 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 // table first and drops the replay when the row is no longer reset (dead
 // again, or skipped since: the stream carries an old replay again after a
 // session's end).
-func (st *stream) earlierOfHeld(key *string, seq int64) bool {
+func (hb *holdBook) earlierOfHeld(key *string, seq int64) bool {
 	if key == nil || *key == "" {
 		return false
 	}
-	h := st.holds[*key]
+	h := hb.m[*key]
 	return h != nil && h.Open() && seq < h.Seq
 }
 

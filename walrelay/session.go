@@ -68,7 +68,6 @@ type stream struct {
 	cur       *txn
 	txns      []*txn
 	keys      map[string]*keyQueue
-	unsettled int
 	confirmed pglogrepl.LSN
 	idleEnd   pglogrepl.LSN // the server's position, when nothing was pending
 	settles   chan settle
@@ -81,26 +80,16 @@ type stream struct {
 	// horizon candidates (xid8 text, the WAL position after it), oldest
 	// first; one becomes the horizon once the confirmed position passes it.
 	candidates []candidate
-	holds      map[string]*hold // by ordering key
-	hand       *handoff         // hands the deliveries to out and their verdicts back (handoff.go)
-	vis        visibility       // which transactions read are visible yet (visible.go)
+	holds      *holdBook  // the keys' holds and their lifecycle (holds.go)
+	hand       *handoff   // hands the deliveries to out and their verdicts back (handoff.go)
+	vis        visibility // which transactions read are visible yet (visible.go)
 	// keyed is the per-key engine (internal/keyed): one slot per key
 	// with a message handed out and not settled, with the copies ended
 	// sessions left in handlers, at most MaxInFlight however many keys
 	// one transaction brings; keys ready beyond it wait in line, oldest
 	// first; the earliest retry due arms the retry timer.
 	keyed *keyed.Engine
-	// behind counts the streamed rows queued on keys whose head waits for
-	// its retry: the stream is read on while the other unsettled rows are
-	// under MaxInFlight (a retrying key does not stop the other keys), up
-	// to backoffReadAhead x MaxInFlight rows in all.
-	behind int
-	// fromTable counts the rows drains read from the table (items without
-	// a transaction) and not settled yet.
-	fromTable int
-	// spillPause: a spill failed (a database error); none is tried again
-	// before it.
-	spillPause time.Time
+	win   window // the rows read and not settled, against MaxInFlight
 	// settledThrough: transactions ending at or before it were settled by
 	// an earlier session (the slot moved back after a server restart).
 	settledThrough pglogrepl.LSN
@@ -213,6 +202,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*relation{}, keys: map[string]*keyQueue{},
 		settles: make(chan settle, 1024), gone: make(chan struct{}),
 		keyed: keyed.NewEngine(keyed.NewSlots(s.cfg.MaxInFlight, s.terms.StaleCount)), vis: visibility{pool: s.pool, waits: &s.unseen}}
+	st.holds, st.win = &holdBook{st: st}, window{limit: s.cfg.MaxInFlight}
 	if err := s.pool.QueryRow(ctx, sqlq.WALTableOID, s.cfg.Table.Sanitize()).Scan(&st.oid); err != nil {
 		return fmt.Errorf("look up the relation id of %s: %w", s.cfg.Table, err)
 	}
@@ -242,7 +232,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 		return err
 	}
 	st.retry = time.NewTimer(time.Hour)
-	for _, h := range st.holds {
+	for _, h := range st.holds.m {
 		if h.State == keyed.Retrying {
 			st.schedule(h.DueAt) // a retrying hold of an earlier session: due at once
 		}
@@ -303,7 +293,7 @@ func (st *stream) start(ctx context.Context) (*txn, error) {
 	if err != nil {
 		return nil, fmt.Errorf("slot %s position %q: %w", s.cfg.Names.Slot, slotText, err)
 	}
-	if err := st.loadHolds(ctx); err != nil {
+	if err := st.holds.loadHolds(ctx); err != nil {
 		return nil, err
 	}
 	st.confirmed = slot
@@ -410,11 +400,11 @@ func (st *stream) loop(ctx, dctx context.Context) error {
 		if st.fencedOut {
 			return errFenced
 		}
-		if !st.readable() && ctx.Err() == nil {
-			st.relieve(dctx) // spill retrying keys' backlogs, so that the stream is read on
+		if !st.win.readable() && ctx.Err() == nil {
+			st.holds.relieve(dctx) // spill retrying keys' backlogs, so that the stream is read on
 		}
 		var in chan received
-		if st.readable() {
+		if st.win.readable() {
 			in = recv
 		}
 		select {
@@ -428,7 +418,7 @@ func (st *stream) loop(ctx, dctx context.Context) error {
 				if err := st.onReceived(dctx, r); err != nil {
 					return err
 				}
-				if n == loopBatch || !st.readable() {
+				if n == loopBatch || !st.win.readable() {
 					break
 				}
 				var ok bool
@@ -455,7 +445,7 @@ func (st *stream) loop(ctx, dctx context.Context) error {
 			st.keyed.Woke()
 			if ctx.Err() == nil { // closing: the drain comes next, nothing new goes out
 				st.dispatchAll(dctx)
-				st.retryHolds(dctx)
+				st.holds.retryHolds(dctx)
 			}
 		case <-s.terms.Freed():
 			// A copy an ended session left in a handler ended: its key
@@ -472,7 +462,7 @@ func (st *stream) loop(ctx, dctx context.Context) error {
 			if err := st.status(false); err != nil {
 				return err
 			}
-			st.tickHolds(dctx)
+			st.holds.tickHolds(dctx)
 		}
 	}
 }
@@ -665,7 +655,7 @@ const recordSpacing = 4
 // small transactions costs one statement per StatusInterval/4, not one per
 // transaction, and an idle relay records only at its ticks.
 func (st *stream) caughtUp() error {
-	if st.burst == burstNone || st.draining || st.unsettled > 0 || st.cur != nil || len(st.txns) > 0 {
+	if st.burst == burstNone || st.draining || st.win.unsettled > 0 || st.cur != nil || len(st.txns) > 0 {
 		return nil
 	}
 	pos := st.position()
