@@ -183,22 +183,15 @@ func (c *Config) setDefaults() {
 func (c *Config) validate() error {
 	var errs []error
 	if c.Table.IsZero() {
-		errs = append(errs, errors.New("config field Table is required; build it with schema.ParseTable"))
+		errs = append(errs, keyed.ErrNoTable)
 	}
-	positive := []struct {
-		name string
-		v    int64
-	}{
-		{"BatchSize", int64(c.BatchSize)}, {"MaxInFlight", int64(c.MaxInFlight)}, {"MaxAttempts", int64(c.MaxAttempts)},
-		{"PollInterval", int64(c.PollInterval)}, {"LockTTL", int64(c.LockTTL)}, {"ElectionInterval", int64(c.ElectionInterval)},
-		{"LeaderTimeout", int64(c.LeaderTimeout)},
-		{"CloseTimeout", int64(c.CloseTimeout)}, {"DispatchTimeout", int64(c.DispatchTimeout)}, {"LastErrorMaxBytes", int64(c.LastErrorMaxBytes)}, {"StatsInterval", int64(c.StatsInterval)},
-	}
-	for _, p := range positive {
-		if p.v < 0 {
-			errs = append(errs, fmt.Errorf("%s is negative; leave it 0 for the default or set a positive value", p.name))
-		}
-	}
+	errs = append(errs, keyed.CheckSettings(
+		keyed.Setting{Name: "BatchSize", Value: int64(c.BatchSize)}, keyed.Setting{Name: "MaxInFlight", Value: int64(c.MaxInFlight)},
+		keyed.Setting{Name: "MaxAttempts", Value: int64(c.MaxAttempts)}, keyed.Setting{Name: "PollInterval", Value: int64(c.PollInterval)},
+		keyed.Setting{Name: "LockTTL", Value: int64(c.LockTTL)}, keyed.Setting{Name: "ElectionInterval", Value: int64(c.ElectionInterval)},
+		keyed.Setting{Name: "LeaderTimeout", Value: int64(c.LeaderTimeout)}, keyed.Setting{Name: "CloseTimeout", Value: int64(c.CloseTimeout)},
+		keyed.Setting{Name: "DispatchTimeout", Value: int64(c.DispatchTimeout)}, keyed.Setting{Name: "LastErrorMaxBytes", Value: int64(c.LastErrorMaxBytes)},
+		keyed.Setting{Name: "StatsInterval", Value: int64(c.StatsInterval)}))
 	if c.MaxInFlight > 0 && c.MaxInFlight < c.BatchSize {
 		errs = append(errs, fmt.Errorf("MaxInFlight (%d) is below BatchSize (%d); raise MaxInFlight or lower BatchSize", c.MaxInFlight, c.BatchSize))
 	}

@@ -67,16 +67,16 @@ const (
 
 func (r *orderedRelay) nextActionLocked(k *keyState) action {
 	if h := k.hold; h != nil && h.Open() {
-		switch {
-		case h.inflight || h.advancing:
+		if h.inflight || h.advancing {
 			return actNone
-		case h.State == keyed.SkipRequested:
+		}
+		switch h.Next(time.Now()) {
+		case keyed.MoveOn:
 			return actAdvance
-		case !h.Due(time.Now()):
-			return actNone
-		default:
+		case keyed.Deliver:
 			return actHeld
 		}
+		return actNone
 	}
 	if len(k.queue) > 0 && !parkedLocked(k.p, k.queue[0].row) && !r.s.paused.set.Load().has(k.queue[0].row.Topic) {
 		return actQueue

@@ -424,7 +424,7 @@ func (hb *holdBook) retryHolds(ctx context.Context) {
 			}
 			continue
 		}
-		if h.DueAt.After(now) {
+		if h.Next(now) != keyed.Deliver {
 			st.schedule(h.DueAt)
 			continue
 		}
@@ -576,7 +576,7 @@ func (hb *holdBook) tickHolds(ctx context.Context) {
 		case h.State == keyed.Resolved:
 			hb.forget(ctx, r.key, h)
 		case h.State == keyed.Retrying && !r.skipd:
-			if !time.Now().Before(h.DueAt) {
+			if h.Next(time.Now()) == keyed.Deliver {
 				hb.startRetry(ctx, r.key, h) // a retry whose statements failed before
 			}
 		case h.State != keyed.Draining && (r.skipd || r.draining || h.wantDrain):

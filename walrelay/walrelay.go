@@ -190,16 +190,21 @@ func (c *Config) setDefaults() {
 	}
 }
 
+// validate checks c with the rule of every relay's configuration
+// (keyed.CheckSettings): a table, and no negative count or duration (0
+// takes the default).
 func (c Config) validate() error {
-	switch {
-	case c.Table.IsZero():
-		return errors.New("walrelay: invalid config: no table; build one with schema.ParseTable")
-	case c.MaxAttempts < 1:
-		return fmt.Errorf("walrelay: invalid config: MaxAttempts %d; use at least 1", c.MaxAttempts)
-	case c.MaxInFlight < 1, c.StatusInterval < 0, c.ElectionInterval < 0, c.CloseTimeout < 0, c.LastErrorMaxBytes < 0:
-		return errors.New("walrelay: invalid config: MaxInFlight must be positive and the intervals not negative")
-	case c.DispatchTimeout < 0:
-		return fmt.Errorf("walrelay: invalid config: DispatchTimeout %s is negative; leave it 0 for the default (%s) or set a positive value", c.DispatchTimeout, subscriber.DispatchTimeoutDefault)
+	var errs []error
+	if c.Table.IsZero() {
+		errs = append(errs, keyed.ErrNoTable)
+	}
+	errs = append(errs, keyed.CheckSettings(
+		keyed.Setting{Name: "MaxAttempts", Value: int64(c.MaxAttempts)}, keyed.Setting{Name: "MaxInFlight", Value: int64(c.MaxInFlight)},
+		keyed.Setting{Name: "StatusInterval", Value: int64(c.StatusInterval)}, keyed.Setting{Name: "ElectionInterval", Value: int64(c.ElectionInterval)},
+		keyed.Setting{Name: "CloseTimeout", Value: int64(c.CloseTimeout)}, keyed.Setting{Name: "DispatchTimeout", Value: int64(c.DispatchTimeout)},
+		keyed.Setting{Name: "LastErrorMaxBytes", Value: int64(c.LastErrorMaxBytes)}))
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("walrelay: invalid config: %w", err)
 	}
 	return nil
 }

@@ -34,6 +34,8 @@
 //     (TestSlotsNeverExceedTheLimit).
 //   - A waiting key is served once per Add, in the order keys were added
 //     (TestWaitersOldestFirstOnce).
+//   - A hold's next step is one rule: a requested skip moves on, a due
+//     retry or replay is delivered, anything else waits (TestHoldNext).
 //   - A failure is dead exactly when it is permanent or its attempts reached
 //     MaxAttempts; the backoff is asked once per failed attempt; the
 //     summary never holds the payload's text (TestJudge).

@@ -77,3 +77,32 @@ func (h *Hold) Open() bool { return h.State != Resolved }
 func (h *Hold) Due(now time.Time) bool {
 	return (h.State == Retrying || h.State == Replayed) && !now.Before(h.DueAt)
 }
+
+// Step is what a relay does next with an open hold.
+type Step uint8
+
+// The steps of a hold (Hold.Next).
+const (
+	// Wait: the hold waits: for an operator (dead), for the relay's own
+	// work (draining), or for its DueAt (retrying, replayed).
+	Wait Step = iota
+	// Deliver: the held row is delivered again, with its attempts
+	// (retrying or replayed, and due).
+	Deliver
+	// MoveOn: an operator asked to skip the held row: the key moves on
+	// without delivering it.
+	MoveOn
+)
+
+// Next is the hold's next step at now, the same rule in both keyed relays:
+// a requested skip moves on, a due retry or replay is delivered, anything
+// else waits.
+func (h *Hold) Next(now time.Time) Step {
+	switch {
+	case h.State == SkipRequested:
+		return MoveOn
+	case h.Due(now):
+		return Deliver
+	}
+	return Wait
+}

@@ -223,3 +223,31 @@ func TestEngineOneSlotPerKeyOldestFirst(t *testing.T) {
 		t.Fatal("Ready handed a key back twice")
 	}
 }
+
+// TestHoldNext: a requested skip moves on whatever its time; a retrying or
+// replayed hold is delivered once due and waits before; a dead, draining
+// or resolved hold waits.
+func TestHoldNext(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	later := now.Add(time.Minute)
+	for _, c := range []struct {
+		state HoldState
+		due   time.Time
+		want  Step
+	}{
+		{SkipRequested, later, MoveOn},
+		{Retrying, now, Deliver},
+		{Retrying, later, Wait},
+		{Replayed, now, Deliver},
+		{Replayed, later, Wait},
+		{Dead, now, Wait},
+		{Draining, now, Wait},
+		{Resolved, now, Wait},
+	} {
+		h := Hold{State: c.state, DueAt: c.due}
+		if got := h.Next(now); got != c.want {
+			t.Errorf("%s hold due %s: Next = %d, want %d", c.state, c.due.Sub(now), got, c.want)
+		}
+	}
+}
