@@ -72,7 +72,7 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 //     invisible to the scan belongs to a writer that held its lock at the
 //     cut. When that writer has ended, one rescan of its hash over the
 //     watch's range finds what it committed; until then the loaded rows of
-//     that hash above the range's start are parked (not delivered), so a
+//     that hash above the range's start are watched (not delivered), so a
 //     late row can never be overtaken by a later row of its key.
 //   - Floor (per partition): floor = min(seen, every open row - 1, every
 //     watch's start). Open rows are loaded rows neither acked nor covered by

@@ -78,7 +78,7 @@ func (r *orderedRelay) nextActionLocked(k *keyState) action {
 		}
 		return actNone
 	}
-	if len(k.queue) > 0 && !parkedLocked(k.p, k.queue[0].row) && !r.s.paused.set.Load().has(k.queue[0].row.Topic) {
+	if len(k.queue) > 0 && !watchedLocked(k.p, k.queue[0].row) && !r.s.paused.set.Load().has(k.queue[0].row.Topic) {
 		return actQueue
 	}
 	return actNone

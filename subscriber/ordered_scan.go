@@ -91,8 +91,8 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 		readHolds = readHolds || p.fresh
 		p.full = len(p.open) >= r.times.readAhead
 		// A full partition rescans nothing either: what an ended writer
-		// committed stays parked until there is room, unless nothing of the
-		// partition can move (its open rows are parked behind watches, or
+		// committed stays unread until there is room, unless nothing of the
+		// partition can move (its open rows are watched, or
 		// wait): then the rows that fill it wait for a watch to end, and it
 		// ends (at most limit rows more are read, the ended writer's, which
 		// come before them). Whether it can move is read once, and only
@@ -213,7 +213,7 @@ func (r *orderedRelay) cycle(ctx context.Context) (int, bool) {
 	// limit rows per watch and cycle (a transaction of thousands of rows
 	// is read like a backlog, not at once); a watch that returned limit
 	// rows is rescanned from its last row in the next cycle, and the rows
-	// above it stay parked.
+	// above it stay watched.
 	got := make([]int, len(ended))
 	last := make([]int64, len(ended))
 	for _, row := range rescan {
@@ -453,9 +453,9 @@ func (r *orderedRelay) pruneKeyLocked(name string, k *keyState) {
 	}
 }
 
-// parkedLocked reports whether row waits for a watch of its hash: a writer
+// watchedLocked reports whether row waits for a watch of its hash: a writer
 // that may still commit a lower row of its key.
-func parkedLocked(p *partState, row *sqlq.OrderedRow) bool {
+func watchedLocked(p *partState, row *sqlq.OrderedRow) bool {
 	for _, w := range p.watches {
 		if w.hash == row.KeyHash && row.Sequence > w.from {
 			return true
@@ -465,7 +465,7 @@ func parkedLocked(p *partState, row *sqlq.OrderedRow) bool {
 }
 
 // stalledLocked reports whether no key of p can move: none has a runner or
-// a next action (its first row is parked behind a watch, its topic is
+// a next action (its first row is watched, its topic is
 // paused, or its hold waits for a retry).
 func (r *orderedRelay) stalledLocked(p *partState) bool {
 	for _, k := range r.keys {

@@ -20,7 +20,7 @@ type keyQueue struct {
 // dispatchAll delivers the head of every key that is free and due, with
 // dispatch's rules (the retry timer armed for the earliest retry).
 func (st *stream) dispatchAll(ctx context.Context) {
-	if st.draining {
+	if st.stopping {
 		return
 	}
 	for key := range st.keys {
@@ -49,8 +49,8 @@ func (st *stream) dispatch(ctx context.Context, key string) {
 		delete(st.keys, key)
 		return
 	}
-	if st.draining || st.s.terms.Stale(key) {
-		return // a stale copy's end dispatches again (terms.Freed); one copy per key
+	if q.Out() || st.stopping || st.s.terms.Stale(key) {
+		return // its verdict, or a stale copy's end (terms.Freed), dispatches again; one copy per key
 	}
 	switch st.keyed.Start(key, &q.Key, time.Now()) {
 	case keyed.Later:
@@ -58,8 +58,8 @@ func (st *stream) dispatch(ctx context.Context, key string) {
 	case keyed.Started:
 		st.deliver(ctx, q, q.items[0])
 	}
-	// Busy: its verdict dispatches again; Waiting: MaxInFlight messages
-	// are out, and a settle hands the key back (unwait), in order.
+	// Waiting: MaxInFlight messages are out, and a settle hands the key
+	// back (unwait), in order.
 }
 
 // backoffReadAhead bounds the unsettled rows, those behind retrying heads
@@ -217,7 +217,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			// Refused: this session no longer holds the slot. The row
 			// stays as it is, unsettled; the session that holds the slot
 			// delivers it. Nothing more goes out here: the session ends.
-			st.draining = true
+			st.stopping = true
 			return
 		}
 		if err != nil {
@@ -257,7 +257,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	} else if v.ack {
 		st.holds.afterAck(ctx, it)
 	}
-	st.advance()
+	st.confirmSettled()
 	st.dispatch(ctx, it.key)
 }
 

@@ -273,7 +273,7 @@ func (hb *holdBook) drainFrom(ctx context.Context, key string, h *hold, mode dra
 	h.more = len(items) == batch
 	if h.acked != nil {
 		hb.settleAcked(h) // the hold says draining: the replay's position may pass
-		st.advance()
+		st.confirmSettled()
 	}
 	if mode != drainNext {
 		s.logger.Info("Hold drains: the key's parked rows are delivered", watermill.LogFields{"rows": len(items), "retry": retry, "more": h.more})
@@ -317,7 +317,7 @@ func (hb *holdBook) spill(ctx context.Context, key string, q *keyQueue) bool {
 	ok, err := st.write(ctx, "spill", st.s.q.Spill, []any{&n}, head.row.ID, okey, through, head.attempts, head.lastErr)
 	switch {
 	case err == nil && !ok:
-		st.draining = true // refused: the session ends (as for a dead row)
+		st.stopping = true // refused: the session ends (as for a dead row)
 		return false
 	case err != nil || n == 0:
 		if err == nil {
@@ -344,7 +344,7 @@ func (hb *holdBook) spill(ctx context.Context, key string, q *keyQueue) bool {
 	st.schedule(h.DueAt)
 	st.s.logger.Info("A retrying key's rows spilled to its hold: they are delivered from the table at the retry", watermill.LogFields{"sequence": h.Seq, "rows": rows})
 	st.s.logger.Trace("Spill", watermill.LogFields{"key": okey, "sequence": h.Seq, "rows": rows})
-	st.advance()
+	st.confirmSettled()
 	st.dispatch(ctx, key) // drops the empty queue
 	return true
 }
@@ -366,7 +366,7 @@ func (hb *holdBook) moreInTable(it *item) bool {
 // neither back), and its key is not held by a dead row.
 func (hb *holdBook) spillable(q *keyQueue) bool {
 	st := hb.st
-	if !st.s.spills || st.draining || !q.backoff || q.Out() || len(q.items) == 0 {
+	if !st.s.spills || st.stopping || !q.backoff || q.Out() || len(q.items) == 0 {
 		return false
 	}
 	head := q.items[0]
@@ -388,7 +388,7 @@ func (hb *holdBook) spillable(q *keyQueue) bool {
 // does or no key can be spilled.
 func (hb *holdBook) relieve(ctx context.Context) {
 	st := hb.st
-	for st.s.spills && !st.draining && st.win.crowded() {
+	for st.s.spills && !st.stopping && st.win.crowded() {
 		var key string
 		var most *keyQueue
 		for k, q := range st.keys {
@@ -406,7 +406,7 @@ func (hb *holdBook) relieve(ctx context.Context) {
 // timer for the others.
 func (hb *holdBook) retryHolds(ctx context.Context) {
 	st := hb.st
-	if st.draining {
+	if st.stopping {
 		return
 	}
 	now := time.Now()

@@ -57,7 +57,7 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 			return nil
 		}
 		tx.committed = true
-		st.advance()
+		st.confirmSettled()
 	}
 	return nil
 }

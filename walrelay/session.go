@@ -73,7 +73,7 @@ type stream struct {
 	settles   chan settle
 	gone      chan struct{} // closed when the loop ends: verdicts are dropped
 	term      *term.Term    // the session's term in the relay's ledger
-	draining  bool          // no new deliveries
+	stopping  bool          // the session ends: no new deliveries
 	retry     *time.Timer
 	retryAt   time.Time      // when retry fires; zero when it is not armed
 	inFlight  sync.WaitGroup // deliveries under way
@@ -506,7 +506,7 @@ func (st *stream) onReceived(ctx context.Context, r received) error {
 // draining): without it the position stopped before rows already acked,
 // and the next relay delivered them again (TestWALHandover).
 func (st *stream) drain(recv chan received) error {
-	st.draining = true
+	st.stopping = true
 	deadline := time.After(st.s.cfg.CloseTimeout)
 	for st.unsettledInFlight() > 0 || (st.cur != nil && !st.cur.buffered) {
 		var in chan received
@@ -655,7 +655,7 @@ const recordSpacing = 4
 // small transactions costs one statement per StatusInterval/4, not one per
 // transaction, and an idle relay records only at its ticks.
 func (st *stream) caughtUp() error {
-	if st.burst == burstNone || st.draining || st.win.unsettled > 0 || st.cur != nil || len(st.txns) > 0 {
+	if st.burst == burstNone || st.stopping || st.win.unsettled > 0 || st.cur != nil || len(st.txns) > 0 {
 		return nil
 	}
 	pos := st.position()
@@ -740,9 +740,9 @@ func (st *stream) write(ctx context.Context, op, sql string, dest []any, args ..
 	return ok, nil
 }
 
-// advance moves the confirmed position over the settled prefix of
+// confirmSettled moves the confirmed position over the settled prefix of
 // transactions.
-func (st *stream) advance() {
+func (st *stream) confirmSettled() {
 	n := 0
 	for n < len(st.txns) && st.txns[n].committed && st.txns[n].pending == 0 {
 		st.confirmed = max(st.confirmed, st.txns[n].end)

@@ -19,7 +19,7 @@ var keyedSources = map[string][]string{
 
 // TestKeyedRelaysShape: no non-test Go file of subscriber, walrelay or
 // this package is over 1,000 lines, and no type there has more than 30
-// methods (docs/ARCHITECTURE.md, "One keyed core").
+// methods (docs/ARCHITECTURE.md, "The keyed core").
 func TestKeyedRelaysShape(t *testing.T) {
 	t.Parallel()
 	for _, dir := range []string{"../../subscriber", "../../walrelay", "."} {
