@@ -159,8 +159,6 @@ type OrderedRow struct {
 	KeyHash int32
 }
 
-// Scan reads a row produced by Scan, Rescan or RowAt for a table with
-// columns c.
 // HeldRow reads, through RowAt, the row of key at seq that the key's hold
 // holds; pgx.ErrNoRows when there is none (see Gone).
 func (q *OrderedQueries) HeldRow(ctx context.Context, db schema.Querier, key string, seq int64) (*OrderedRow, error) {
@@ -179,6 +177,8 @@ func (q *OrderedQueries) Gone(ctx context.Context, db schema.Querier, key string
 	return err == nil && !exists
 }
 
+// Scan reads a row produced by Scan, Rescan or RowAt for a table with
+// columns c.
 func (r *OrderedRow) Scan(s Scanner, c schema.Columns) error {
 	dest := []any{&r.Partition, &r.Key, &r.KeyHash, &r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.CreatedAt}
 	if c.TraceContext {
