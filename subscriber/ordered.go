@@ -382,7 +382,10 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 			misses++
 			wait = idleRetry(misses)
 		}
-		if due := r.nextDue(); !due.IsZero() {
+		r.mu.Lock()
+		due := r.keyed.Due() // the earliest held row that waits for its time, as of the last walk
+		r.mu.Unlock()
+		if !due.IsZero() {
 			wait = min(wait, max(0, time.Until(due)))
 		}
 		timer := time.NewTimer(wait)
@@ -410,23 +413,6 @@ func (r *orderedRelay) run(stop <-chan struct{}) {
 		}
 		timer.Stop()
 	}
-}
-
-// nextDue is when the next held row of an owned key is due, zero if none.
-func (r *orderedRelay) nextDue() time.Time {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	var due time.Time
-	for _, k := range r.keys {
-		h := k.hold
-		if h == nil || !h.Open() || h.State == keyed.Dead || h.inflight || h.advancing || k.Out() {
-			continue
-		}
-		if due.IsZero() || h.DueAt.Before(due) {
-			due = h.DueAt
-		}
-	}
-	return due
 }
 
 // shutdown waits for the runners and gives the partitions back.

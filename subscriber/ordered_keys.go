@@ -16,11 +16,18 @@ import (
 // startRunnersLocked starts a runner for every key with work, while the
 // subscription's MaxInFlight slots (keyed.Slots: its runners, each with at
 // most one message, the unkeyed rows of its claim loop, and the copies left
-// in handlers by ended terms) have room; the others wait in line.
+// in handlers by ended terms) have room; the others wait in line. The same
+// walk asks the engine to wake the relay when the earliest held row that
+// waits for its time is due (keyed.Engine.At; the loop sleeps until Due).
 func (r *orderedRelay) startRunnersLocked() {
 	now := time.Now()
+	r.keyed.Woke()
 	for _, k := range r.keys {
 		r.startLocked(k, now)
+		if h := k.hold; h != nil && h.Open() && !h.inflight && !h.advancing && !k.Out() &&
+			h.Next(now) == keyed.Wait && h.State != keyed.Dead && now.Before(h.DueAt) {
+			r.keyed.At(h.DueAt)
+		}
 	}
 }
 
