@@ -235,6 +235,13 @@ func (r *orderedRelay) endRunLocked(k *keyState) {
 	r.keyed.Finish(&k.Key)
 	if r.keys[k.name] == k {
 		r.pruneKeyLocked(k.name, k)
+		// A run that ends on a held row waiting for its retry (a nack, a
+		// failed read) asks for a wake-up at its time: the loop may sleep
+		// for PollInterval; its next walk asks again for what still waits.
+		if h := k.hold; h != nil && !h.inflight && !h.advancing && h.State != keyed.Dead &&
+			h.Next(time.Now()) == keyed.Wait && time.Now().Before(h.DueAt) && r.keyed.At(h.DueAt) {
+			r.signal()
+		}
 	}
 	// The slot goes to the key that waited longest for one (cycles and
 	// due timers start the keys whose work came later).
