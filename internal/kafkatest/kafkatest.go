@@ -51,15 +51,12 @@ func StartOn(host string, partitions int32) (*Cluster, error) {
 // Brokers are the bootstrap addresses.
 func (c *Cluster) Brokers() []string { return c.c.ListenAddrs() }
 
-// SlowProduce makes the broker answer the next n produce requests d late,
-// like a slow or distant broker. Other requests are served meanwhile; the
-// produce requests after the n-th are answered at once.
-func (c *Cluster) SlowProduce(d time.Duration, n int) {
-	left := n
+// SlowProduce makes the broker answer every produce request d late, like a
+// slow or distant broker, until the cluster closes. Other requests are
+// served meanwhile.
+func (c *Cluster) SlowProduce(d time.Duration) {
 	c.c.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
-		if left--; left > 0 {
-			c.c.KeepControl()
-		}
+		c.c.KeepControl()
 		c.c.SleepControl(func() { time.Sleep(d) })
 		return nil, nil, false
 	})
