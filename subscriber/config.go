@@ -181,17 +181,13 @@ func (c *Config) setDefaults() {
 }
 
 func (c *Config) validate() error {
-	var errs []error
-	if c.Table.IsZero() {
-		errs = append(errs, keyed.ErrNoTable)
-	}
-	errs = append(errs, keyed.CheckSettings(
+	errs := []error{keyed.CheckSettings(c.Table,
 		keyed.Setting{Name: "BatchSize", Value: int64(c.BatchSize)}, keyed.Setting{Name: "MaxInFlight", Value: int64(c.MaxInFlight)},
 		keyed.Setting{Name: "MaxAttempts", Value: int64(c.MaxAttempts)}, keyed.Setting{Name: "PollInterval", Value: int64(c.PollInterval)},
 		keyed.Setting{Name: "LockTTL", Value: int64(c.LockTTL)}, keyed.Setting{Name: "ElectionInterval", Value: int64(c.ElectionInterval)},
 		keyed.Setting{Name: "LeaderTimeout", Value: int64(c.LeaderTimeout)}, keyed.Setting{Name: "CloseTimeout", Value: int64(c.CloseTimeout)},
 		keyed.Setting{Name: "DispatchTimeout", Value: int64(c.DispatchTimeout)}, keyed.Setting{Name: "LastErrorMaxBytes", Value: int64(c.LastErrorMaxBytes)},
-		keyed.Setting{Name: "StatsInterval", Value: int64(c.StatsInterval)}))
+		keyed.Setting{Name: "StatsInterval", Value: int64(c.StatsInterval)})}
 	if c.MaxInFlight > 0 && c.MaxInFlight < c.BatchSize {
 		errs = append(errs, fmt.Errorf("MaxInFlight (%d) is below BatchSize (%d); raise MaxInFlight or lower BatchSize", c.MaxInFlight, c.BatchSize))
 	}

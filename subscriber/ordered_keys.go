@@ -24,9 +24,8 @@ func (r *orderedRelay) startRunnersLocked() {
 	r.keyed.Woke()
 	for _, k := range r.keys {
 		r.startLocked(k, now)
-		if h := k.hold; h != nil && h.Open() && !h.inflight && !h.advancing && !k.Out() &&
-			h.Next(now) == keyed.Wait && h.State != keyed.Dead && now.Before(h.DueAt) {
-			r.keyed.At(h.DueAt)
+		if at, ok := k.retryAt(now); ok {
+			r.keyed.At(at)
 		}
 	}
 }
@@ -46,6 +45,16 @@ func (r *orderedRelay) startLocked(k *keyState, now time.Time) bool {
 		return false
 	}
 	return true
+}
+
+// retryAt is when k's held row is due again, if it waits for its time and
+// no runner or statement works on it (keyed.Hold.Waits); the relay wakes
+// then. The relay's mutex is held.
+func (k *keyState) retryAt(now time.Time) (time.Time, bool) {
+	if h := k.hold; h != nil && !h.inflight && !h.advancing && !k.Out() && h.Waits(now) {
+		return h.DueAt, true
+	}
+	return time.Time{}, false
 }
 
 // readyLocked starts the keys that waited for a slot, oldest first, while
@@ -238,8 +247,7 @@ func (r *orderedRelay) endRunLocked(k *keyState) {
 		// A run that ends on a held row waiting for its retry (a nack, a
 		// failed read) asks for a wake-up at its time: the loop may sleep
 		// for PollInterval; its next walk asks again for what still waits.
-		if h := k.hold; h != nil && !h.inflight && !h.advancing && h.State != keyed.Dead &&
-			h.Next(time.Now()) == keyed.Wait && time.Now().Before(h.DueAt) && r.keyed.At(h.DueAt) {
+		if at, ok := k.retryAt(time.Now()); ok && r.keyed.At(at) {
 			r.signal()
 		}
 	}

@@ -194,16 +194,11 @@ func (c *Config) setDefaults() {
 // (keyed.CheckSettings): a table, and no negative count or duration (0
 // takes the default).
 func (c Config) validate() error {
-	var errs []error
-	if c.Table.IsZero() {
-		errs = append(errs, keyed.ErrNoTable)
-	}
-	errs = append(errs, keyed.CheckSettings(
+	if err := keyed.CheckSettings(c.Table,
 		keyed.Setting{Name: "MaxAttempts", Value: int64(c.MaxAttempts)}, keyed.Setting{Name: "MaxInFlight", Value: int64(c.MaxInFlight)},
 		keyed.Setting{Name: "StatusInterval", Value: int64(c.StatusInterval)}, keyed.Setting{Name: "ElectionInterval", Value: int64(c.ElectionInterval)},
 		keyed.Setting{Name: "CloseTimeout", Value: int64(c.CloseTimeout)}, keyed.Setting{Name: "DispatchTimeout", Value: int64(c.DispatchTimeout)},
-		keyed.Setting{Name: "LastErrorMaxBytes", Value: int64(c.LastErrorMaxBytes)}))
-	if err := errors.Join(errs...); err != nil {
+		keyed.Setting{Name: "LastErrorMaxBytes", Value: int64(c.LastErrorMaxBytes)}); err != nil {
 		return fmt.Errorf("walrelay: invalid config: %w", err)
 	}
 	return nil

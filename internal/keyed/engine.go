@@ -77,10 +77,6 @@ func (e *Engine) Start(name string, k *Key, now time.Time) Start {
 	return Started
 }
 
-// Keep marks k as holding a slot taken for it elsewhere (a settle that
-// comes back later keeps the slot it had).
-func (e *Engine) Keep(k *Key) { k.out = true }
-
 // Finish gives back the slot k holds, if any: its row was settled, or its
 // runner ended.
 func (e *Engine) Finish(k *Key) {

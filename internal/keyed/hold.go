@@ -78,6 +78,12 @@ func (h *Hold) Due(now time.Time) bool {
 	return (h.State == Retrying || h.State == Replayed) && !now.Before(h.DueAt)
 }
 
+// Waits reports whether the held row is retrying or replayed and its time
+// has not come at now: the relay wakes for it at DueAt (Engine.At).
+func (h *Hold) Waits(now time.Time) bool {
+	return (h.State == Retrying || h.State == Replayed) && now.Before(h.DueAt)
+}
+
 // Step is what a relay does next with an open hold.
 type Step uint8
 

@@ -249,5 +249,9 @@ func TestHoldNext(t *testing.T) {
 		if got := h.Next(now); got != c.want {
 			t.Errorf("%s hold due %s: Next = %d, want %d", c.state, c.due.Sub(now), got, c.want)
 		}
+		// Waits: a retrying or replayed hold whose time has not come.
+		if waits := (c.state == Retrying || c.state == Replayed) && c.due.After(now); h.Waits(now) != waits {
+			t.Errorf("%s hold due %s: Waits = %v, want %v", c.state, c.due.Sub(now), h.Waits(now), waits)
+		}
 	}
 }
