@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/relaytest"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -41,14 +42,33 @@ func conformanceRelay(ordered bool) relaytest.Relay {
 		cfg := subscriber.Config{Table: tbl, Ordered: ordered, LockTTL: 2 * time.Second, PollInterval: 100 * time.Millisecond,
 			ElectionInterval: 100 * time.Millisecond, MaxAttempts: o.MaxAttempts, MaxInFlight: o.MaxInFlight,
 			CloseTimeout: o.CloseTimeout, DispatchTimeout: o.DispatchTimeout, DisableSingleActive: o.DisableSingleActive && !ordered,
-			Backoff: func(int) time.Duration { return 20 * time.Millisecond }}
+			Backoff: func(int) time.Duration { return o.Backoff }}
 		if ordered {
 			cfg.LockTTL = time.Second
+		}
+		if o.PollInterval > 0 {
+			// Every periodic look at rows as far: ordered mode's membership
+			// tick is min(ElectionInterval, LockTTL/3), the default relay's
+			// sweep runs every LockTTL/4.
+			cfg.PollInterval, cfg.ElectionInterval, cfg.LockTTL = o.PollInterval, o.PollInterval, 3*o.PollInterval
 		}
 		if o.MaxInFlight > 0 && o.MaxInFlight < subscriber.ClaimBatchSizeDefault {
 			cfg.BatchSize = o.MaxInFlight
 		}
 		return subscriber.New(context.Background(), pool, cfg, o.Logger)
+	}
+	// Asleep: the relay holds the table's idle lock exclusively (ordered
+	// mode's own lock for keyed rows), as it does only while it sleeps
+	// (docs/ARCHITECTURE.md, "Wake-up").
+	r.Asleep = func(ctx context.Context, pool *pgxpool.Pool, tbl schema.Table) (bool, error) {
+		key := sqlq.IdleLockKey(tbl)
+		if ordered {
+			key = sqlq.OrderedIdleLockKey(tbl)
+		}
+		var held bool
+		err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1
+  AND ((classid::bigint << 32) | objid::bigint) = $1 AND mode = 'ExclusiveLock' AND granted)`, key).Scan(&held)
+		return held, err
 	}
 	return r
 }

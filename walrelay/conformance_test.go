@@ -29,9 +29,14 @@ func conformanceRelay(pool *pgxpool.Pool) relaytest.Relay {
 			return err
 		},
 		New: func(ctx context.Context, pool *pgxpool.Pool, tbl schema.Table, o relaytest.Options) (message.Subscriber, error) {
-			return walrelay.New(ctx, pool, walrelay.Config{Table: tbl, MaxAttempts: o.MaxAttempts, MaxInFlight: o.MaxInFlight,
+			cfg := walrelay.Config{Table: tbl, MaxAttempts: o.MaxAttempts, MaxInFlight: o.MaxInFlight,
 				CloseTimeout: o.CloseTimeout, StatusInterval: 100 * time.Millisecond, ElectionInterval: 100 * time.Millisecond,
-				Backoff: func(int) time.Duration { return 20 * time.Millisecond }}, watermill.NopLogger{})
+				Backoff: func(int) time.Duration { return o.Backoff }}
+			if o.PollInterval > 0 {
+				// The stream loop's only tick is StatusInterval's.
+				cfg.StatusInterval, cfg.ElectionInterval = o.PollInterval, o.PollInterval
+			}
+			return walrelay.New(ctx, pool, cfg, watermill.NopLogger{})
 		},
 		// The session's end: its walsender is terminated; the relay starts
 		// another session on the slot.

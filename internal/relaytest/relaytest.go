@@ -94,6 +94,18 @@ type Options struct {
 	// know when the relay has seen a pause (the relays promise to claim no
 	// row of a paused topic from the wake-up that tells them of it).
 	Logger watermill.LoggerAdapter
+	// Backoff is the delay before every retry of a nacked row (the relay's
+	// Config.Backoff returns it for every attempt).
+	Backoff time.Duration
+	// PollInterval, when set, is how long the relay sleeps when nothing
+	// wakes it: its poll for due rows and every periodic tick of its own
+	// that could look at rows. The adapters map it: the table relays'
+	// PollInterval and ElectionInterval, and a LockTTL of 3 x it (ordered
+	// mode's membership tick is LockTTL/3, the default relay's sweep
+	// LockTTL/4); the WAL relay's StatusInterval and ElectionInterval.
+	// 0: the adapters' short test intervals (polls and ticks of about
+	// 100 ms).
+	PollInterval time.Duration
 }
 
 func (o Options) withDefaults() Options {
@@ -105,6 +117,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.Logger == nil {
 		o.Logger = watermill.NopLogger{}
+	}
+	if o.Backoff == 0 {
+		o.Backoff = 20 * time.Millisecond
 	}
 	return o
 }
@@ -133,6 +148,13 @@ type Relay struct {
 	// closing the relay (the WAL relay: its replication session is
 	// terminated), so that a copy in a handler outlives its term.
 	EndTerm func(ctx context.Context, pool *pgxpool.Pool, tbl schema.Table) error
+	// Asleep, when set, reports whether the running relay on tbl sleeps:
+	// only a wake-up (a notification, its poll, a retry coming due) makes
+	// it look at rows again (the table relays: they hold the table's idle
+	// lock). A case that must act while the relay sleeps waits for it. Nil:
+	// the relay has no such state to wait for (the WAL relay's loop waits
+	// on its stream, its handlers' verdicts and its timers at all times).
+	Asleep func(ctx context.Context, pool *pgxpool.Pool, tbl schema.Table) (bool, error)
 }
 
 func (r Relay) keyed() bool { return r.Mode == ModeOrdered || r.Mode == ModeWAL }
@@ -155,6 +177,7 @@ func Run(t *testing.T, r Relay) {
 		{"BacklogBeforeSetUp", TestBacklogBeforeSetUp},
 		{"SwitchFromDefault", TestSwitchFromDefault},
 		{"TwoModesOnOneTable", TestTwoModesOnOneTable},
+		{"RetryAfterBackoffWhileIdle", TestRetryAfterBackoffWhileIdle},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -711,7 +734,7 @@ func (e *env) newDefault(shared bool, o Options) (message.Subscriber, error) {
 	o = o.withDefaults()
 	return subscriber.New(context.Background(), e.pool, subscriber.Config{Table: e.tbl, DisableSingleActive: shared, LockTTL: 2 * time.Second,
 		PollInterval: 100 * time.Millisecond, ElectionInterval: 100 * time.Millisecond, MaxAttempts: o.MaxAttempts,
-		CloseTimeout: o.CloseTimeout, Backoff: func(int) time.Duration { return 20 * time.Millisecond }}, watermill.NopLogger{})
+		CloseTimeout: o.CloseTimeout, Backoff: func(int) time.Duration { return o.Backoff }}, watermill.NopLogger{})
 
 }
 
@@ -720,6 +743,6 @@ func (e *env) newOrdered(o Options) (message.Subscriber, error) {
 	o = o.withDefaults()
 	return subscriber.New(context.Background(), e.pool, subscriber.Config{Table: e.tbl, Ordered: true, LockTTL: time.Second, ElectionInterval: 100 * time.Millisecond,
 		PollInterval: 100 * time.Millisecond, BatchSize: 50, MaxAttempts: o.MaxAttempts, CloseTimeout: o.CloseTimeout,
-		Backoff: func(int) time.Duration { return 20 * time.Millisecond }}, watermill.NopLogger{})
+		Backoff: func(int) time.Duration { return o.Backoff }}, watermill.NopLogger{})
 
 }
