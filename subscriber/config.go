@@ -46,8 +46,11 @@ type Config struct {
 	// yet delivered (the batch in hand, the pre-claimed next batch, the
 	// bounded claim's sweep). Defaults to 2 * BatchSize.
 	MaxInFlight int
-	// PollInterval is how often an idle subscriber looks for due rows (retries
-	// coming due, missed notifications). Defaults to 1s.
+	// PollInterval is how often an idle subscriber looks for due rows that
+	// nothing announced: missed notifications, rows another relay nacked or
+	// written with a future available_at. A row this subscriber nacked is
+	// claimed again when its Backoff ends, without waiting for the poll.
+	// Defaults to 1s.
 	PollInterval time.Duration
 	// LockTTL is how long a lease lasts before another claim may take the row.
 	// Leases of messages still in flight are renewed at LockTTL/2. With
@@ -60,8 +63,9 @@ type Config struct {
 	// to 25.
 	MaxAttempts int
 	// Backoff returns the delay before the next attempt after attempt
-	// (1-based) failed. Defaults to DefaultBackoff; ExponentialBackoff
-	// builds another.
+	// (1-based) failed: the relay delivers a nacked row again that long
+	// after the nack, also while it sleeps. Defaults to DefaultBackoff;
+	// ExponentialBackoff builds another.
 	Backoff func(attempt int) time.Duration
 	// DisableSingleActive lets several subscribers share the table through
 	// SKIP LOCKED alone. Defaults to false: one active subscriber per table,

@@ -253,6 +253,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		ctx:    ctx,
 		cancel: cancel,
 		wake:   s.wake.register(),
+		retry:  keyed.NewAlarm(),
 		logger: s.logger.With(watermill.LogFields{"topic": topic}),
 	}
 	var stale func() int
@@ -489,8 +490,9 @@ type claimed struct {
 
 func (c *claimed) fence() (string, int32, time.Time) { return c.row.ID, c.row.Attempts, c.row.LockedAt }
 
-// nack records a failed attempt of c.
-func (s *Subscriber) nack(c *claimed) {
+// nack records a failed attempt of c. It reports when the row is due
+// again, false when it is not retried (dead, or the nack not recorded).
+func (s *Subscriber) nack(c *claimed) (time.Time, bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), s.writeTimeout)
 	defer cancel()
 	f := s.cfg.policy().Judge(c.slot.get(), int(c.row.Attempts), c.row.Payload)
@@ -518,7 +520,9 @@ func (s *Subscriber) nack(c *claimed) {
 	default:
 		fields["retry_in"] = backoff.String()
 		s.logger.Info("Outbox message nacked, retrying later", fields)
+		return time.Now().Add(backoff), true
 	}
+	return time.Time{}, false
 }
 
 // extend renews the lease of c. The fence token (id, attempts, locked_at)

@@ -21,6 +21,9 @@ type subscription struct {
 	cancel context.CancelFunc
 	logger watermill.LoggerAdapter
 	wake   chan struct{}
+	// retry rings when the earliest row this subscription nacked is due
+	// again: the claim loop claims it then, not at its next poll.
+	retry *keyed.Alarm
 
 	ordered *orderedRelay // keyed rows, in ordered mode
 
@@ -70,6 +73,7 @@ func (sub *subscription) run() {
 	}
 	defer func() {
 		sub.watchers.Wait()
+		sub.retry.Stop()
 		s.wake.unregister(sub.wake)
 		sub.cancel()
 		close(sub.out)
@@ -87,15 +91,17 @@ func (sub *subscription) run() {
 			}
 		}
 		poll.Reset(d)
-		wake := sub.wake
+		wake, retry := sub.wake, sub.retry.C()
 		if !wakeable {
-			wake = nil
+			wake, retry = nil, nil
 		}
 		select {
 		case <-stop:
 			return false, false
 		case <-wake:
 			return true, true
+		case <-retry:
+			return true, false // a nacked row is due: claim it (not a notification)
 		case <-poll.C:
 			return true, false
 		}
@@ -381,7 +387,9 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 			s.acks <- ackReq{c: c}
 			return
 		case <-c.msg.Nacked():
-			s.nack(c)
+			if at, ok := s.nack(c); ok {
+				sub.retry.At(at)
+			}
 			return
 		case <-overrun.C:
 			// No more renewals: the handler loses its lease and the attempt
@@ -390,7 +398,9 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 			cancel()
 			sub.logger.Error("Handler overran its dispatch timeout; taking its lease back and counting a failed attempt",
 				s.overrunError(), watermill.LogFields{"event_id": c.row.EventID})
-			s.nack(c)
+			if at, ok := s.nack(c); ok {
+				sub.retry.At(at)
+			}
 			return
 		case <-renew:
 			if !s.IsLeader() {

@@ -255,3 +255,38 @@ func TestHoldNext(t *testing.T) {
 		}
 	}
 }
+
+// TestAlarmRingsAtTheEarliestTime: an alarm rings once at the earliest
+// time asked for; a later time asked meanwhile changes nothing, an earlier
+// one moves the ring; a stopped alarm rings no more and Stop is idempotent.
+func TestAlarmRingsAtTheEarliestTime(t *testing.T) {
+	a := NewAlarm()
+	start := time.Now()
+	a.At(start.Add(time.Hour))
+	a.At(start.Add(20 * time.Millisecond)) // earlier: moves the ring
+	a.At(start.Add(30 * time.Minute))      // later: changes nothing
+	select {
+	case <-a.C():
+		if d := time.Since(start); d < 20*time.Millisecond {
+			t.Fatalf("rang %s after start, before the 20ms asked for", d)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("the alarm did not ring at the earliest time asked for")
+	}
+	// Rung: a new time is asked afresh, however late.
+	a.At(time.Now().Add(10 * time.Millisecond))
+	select {
+	case <-a.C():
+	case <-time.After(time.Minute):
+		t.Fatal("the alarm did not ring again after a new At")
+	}
+	a.At(time.Now().Add(10 * time.Millisecond))
+	a.Stop()
+	a.Stop()
+	a.At(time.Now())
+	select {
+	case <-a.C():
+		t.Fatal("a stopped alarm rang")
+	case <-time.After(200 * time.Millisecond):
+	}
+}

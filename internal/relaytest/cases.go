@@ -733,43 +733,26 @@ func TestTwoModesOnOneTable(t *testing.T, r Relay) {
 	})
 }
 
-// TestRetryAfterBackoffWhileIdle checks when a nacked row is delivered
-// again while nothing else happens: no row is committed after it.
-//
-// Ordered mode and the WAL relay: a keyed row whose handler nacks is
-// delivered again Backoff after the nack even while the relay is idle,
-// with its poll and every periodic tick 10 minutes away, so that nothing
-// but the relay's own wake-up for the retry can deliver it; and before the
+// TestRetryAfterBackoffWhileIdle: a row whose handler nacks is delivered
+// again Backoff after the nack even while the relay is idle, with its poll
+// and every periodic tick 10 minutes away and no row committed after it,
+// so that nothing but the relay's own wake-up for the retry can deliver
+// it; never before Backoff has passed; and, for a keyed row, before its
 // key's next row (committed with it). docs/ORDERING.md ("the key waits
 // until the next try, Backoff after the nack, when the relay delivers the
 // row again even if nothing else wakes it"), docs/WAL.md ("A nack retries
-// the row after Backoff while the key's later rows wait").
-//
-// The default relay does not promise that, and is checked for what it
-// promises: a nack makes the row due again Backoff later (available_at)
-// and an idle relay looks for due rows every PollInterval
-// (subscriber.Config.PollInterval: "retries coming due"; docs/OPERATIONS.md,
-// "The life of a row": "retried at available_at"; docs/ARCHITECTURE.md,
-// "Wake-up": an idle relay sleeps "until a notification or PollInterval"),
-// so its retry comes at its first poll after the backoff, up to
-// PollInterval late. Its PollInterval is 1 s here: it must deliver the
-// row again on its own, while idle, within the same bound.
-//
-// Every relay: the row is not delivered again before Backoff has passed
-// since the nack (docs/RELIABILITY.md, "backoff between attempts"). The
-// bound on the redelivery is generous (a minute, against the keyed
-// relays' 10 minutes to their next poll or tick), so a slow machine cannot
-// fail the case; one where the relay is slow to fall asleep can only miss
-// a relay that waits for its poll.
+// the row after Backoff while the key's later rows wait"),
+// subscriber.Config.Backoff ("the relay delivers a nacked row again that
+// long after the nack, also while it sleeps"). The bound on the
+// redelivery is generous (a minute, against 10 minutes to the next poll or
+// tick), so a slow machine cannot fail the case; one where the relay is
+// slow to fall asleep can only miss a relay that waits for its poll.
 func TestRetryAfterBackoffWhileIdle(t *testing.T, r Relay) {
 	const (
 		backoff     = 100 * time.Millisecond
 		retryWithin = time.Minute
 	)
-	poll := 10 * time.Minute
-	if !r.keyed() {
-		poll = time.Second
-	}
+	const poll = 10 * time.Minute
 	e := setup(t, r, true)
 	evs := e.enqueue(topicA, "w", "w") // the row that is nacked, and its key's next row
 	first, nack := make(chan struct{}), make(chan struct{})
