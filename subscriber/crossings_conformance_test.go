@@ -9,9 +9,6 @@ import (
 // crossingKnownBroken names the crossings (internal/relaytest/crossings.go)
 // that fail for a relay today, by relay and case, with why.
 var crossingKnownBroken = map[[2]string]string{
-	{"ordered", "CleanerPassesHeldKey"}: "the ordered cleaner deletes nothing of a partition whose lowest BatchSize rows below the floor are " +
-		"a held key's (sqlq DeleteDone takes LIMIT $2 rows per partition before the hold filter, internal/sqlq/ordered.go:322-333, and " +
-		"cleaner.deleteAll stops at a short batch); see relaytest.TestCleanerPassesHeldKey",
 }
 
 // TestCrossing runs the crossing cases of the conformance suite against the

@@ -319,15 +319,19 @@ SELECT u.pending + (SELECT count(*) FROM marked WHERE NOT dead), u.locked, u.dea
   COALESCE(extract(epoch FROM now() - LEAST(u.oldest, (SELECT min(created_at) FROM marked WHERE NOT dead)))::float8, 0)
 FROM unkeyed AS u`
 	q.HeldKeys = `SELECT count(*), count(*) FILTER (WHERE dead_at IS NOT NULL) FROM ` + holds + ` AS h WHERE ` + active
+	// The rows a hold keeps (its row and, but for a replay hold, the key's
+	// later rows) are left out before each partition's LIMIT: a held key's
+	// backlog at the bottom of a partition must not fill the batch and stop
+	// the cleaning of the partition's other keys.
 	q.DeleteDone = `WITH victims AS (
   SELECT o.id, o.x FROM ` + parts + ` AS p CROSS JOIN LATERAL (
-    SELECT k.id, k.xmin AS x, k.ordering_key, k.sequence FROM ` + tbl + ` AS k
+    SELECT k.id, k.xmin AS x FROM ` + tbl + ` AS k
     WHERE k.ordering_partition = p.partition AND k.ordering_key IS NOT NULL AND k.sequence <= p.floor_sequence
       AND k.dead_at IS NULL AND k.created_at < now() - ` + ttl("$1") + `
+      AND NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = k.ordering_key AND ` + active + `
+        AND (k.sequence = h.sequence OR (k.sequence > h.sequence AND NOT h.replay)))
     ORDER BY k.sequence LIMIT $2
   ) AS o
-  WHERE NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key AND ` + active + `
-    AND (o.sequence = h.sequence OR (o.sequence > h.sequence AND NOT h.replay)))
   LIMIT $2
 )
 DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id AND o.xmin = victims.x`
