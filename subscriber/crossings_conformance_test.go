@@ -8,8 +8,7 @@ import (
 
 // crossingKnownBroken names the crossings (internal/relaytest/crossings.go)
 // that fail for a relay today, by relay and case, with why.
-var crossingKnownBroken = map[[2]string]string{
-}
+var crossingKnownBroken = map[[2]string]string{}
 
 // TestCrossing runs the crossing cases of the conformance suite against the
 // default relay and ordered mode.
