@@ -12,10 +12,7 @@ import (
 
 // crossingKnownBroken names the crossings (internal/relaytest/crossings.go)
 // that fail for the WAL relay today, by case, with why.
-var crossingKnownBroken = map[string]string{
-	"PauseKeptAcrossModeSwitch": "a topic paused before the table is switched to the WAL relay is ignored by it (walrelay.Setup and New never read " +
-		"<table>_paused_topics) while the runbook still lists it paused; see relaytest.TestPauseKeptAcrossModeSwitch",
-}
+var crossingKnownBroken = map[string]string{}
 
 // TestCrossing runs the crossing cases of the conformance suite against the
 // WAL relay, on a private wal_level=logical cluster that the cases share.

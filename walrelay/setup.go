@@ -24,6 +24,14 @@ var ErrWALLevel = errors.New("walrelay: the server's wal_level is not logical")
 // slot is missing: run Setup (or `outbox migrate --wal`) first.
 var ErrNotSetUp = errors.New("walrelay: publication or replication slot missing")
 
+// ErrTopicsPaused is returned (wrapped) by Setup and New while topics of
+// the table are paused (runbook.PauseTopic, `outbox topics pause`): the WAL
+// relay cannot pause a topic (its slot would retain WAL for as long as the
+// pause lasts), so it does not take a table over while a pause it would
+// ignore is in force. Resume the topics first, or keep the table on the
+// default or ordered relay until the pause can end.
+var ErrTopicsPaused = errors.New("walrelay: topics of the table are paused")
+
 // Names are the publication and slot of one table.
 type Names struct {
 	// Publication publishes the table's inserts and updates.
@@ -96,6 +104,11 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	if _, err := schema.DetectColumns(ctx, pool, t); err != nil {
 		return n, fmt.Errorf("walrelay: %w", err)
 	}
+	// Before anything is created: a table with the WAL relay's tables reads
+	// as streamed to writers and readers.
+	if err := refusePaused(ctx, pool, t, "walrelay.Setup"); err != nil {
+		return n, err
+	}
 	if _, err := pool.Exec(ctx, sqlq.WALCreateProgressTable(t)); err != nil {
 		return n, fmt.Errorf("walrelay: create the progress table of %s: %w", t, err)
 	}
@@ -161,12 +174,43 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 // without the mode table (migrated by an earlier version) is left to
 // readers that infer its mode; another failure to write the record does
 // not stop the relay either (readers infer the mode, as before).
+//
+// It first refuses a table with paused topics (ErrTopicsPaused): Setup and
+// every start of the relay record the mode through it, and once the mode
+// is recorded a pause is refused (runbook.PauseTopic), so a pause made
+// before is never left in force beside the relay.
 func recordMode(ctx context.Context, pool *pgxpool.Pool, t schema.Table, by string) error {
+	if err := refusePaused(ctx, pool, t, by); err != nil {
+		return err
+	}
 	err := schema.RecordMode(ctx, pool, t, schema.ModeWAL, by)
 	if errors.Is(err, schema.ErrRelayModeMix) {
 		return fmt.Errorf("walrelay: %w", err)
 	}
 	return nil
+}
+
+// refusePaused fails with ErrTopicsPaused, naming the topics and how to
+// resume them, while topics of t are paused.
+func refusePaused(ctx context.Context, pool *pgxpool.Pool, t schema.Table, by string) error {
+	ok, err := sqlq.PausedTopicsExist(ctx, pool, t)
+	if err != nil || !ok {
+		return err // no table of paused topics: nothing is paused
+	}
+	rows, err := pool.Query(ctx, sqlq.NewPausedTopicsQueries(t).Topics)
+	if err != nil {
+		return fmt.Errorf("walrelay: read the paused topics of %s: %w", t, err)
+	}
+	topics, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return fmt.Errorf("walrelay: read the paused topics of %s: %w", t, err)
+	}
+	if len(topics) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: %s refused for %s: %d topic(s) paused (%s), and the WAL relay cannot pause a topic (its slot would retain WAL for as long as "+
+		"the pause lasts); resume them first (`outbox topics resume --table=%s <topic>`, or runbook.ResumeTopic), or keep the table on the default "+
+		"or ordered relay until the pause can end; nothing changed", ErrTopicsPaused, by, t, len(topics), strings.Join(topics, ", "), t)
 }
 
 // setupRecord is the position Setup records for a slot that starts at
