@@ -24,12 +24,11 @@ import (
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
-// Crossings lists the cases of this file by name, for a package that runs
-// them one by one (as Run does for cases.go).
-var Crossings = []struct {
-	Name string
-	Fn   func(*testing.T, Relay)
-}{
+// crossings are the cases where two features meet (a paused topic and a
+// retry, a replay, a handover, a skip, the cleaner or a mode switch; holds
+// beside MaxInFlight, replays, handovers, term ends, the cleaner and a lost
+// slot); Run runs them with the others.
+var crossings = []suiteCase{
 	{"PausedRetryWaits", TestPausedRetryWaits},
 	{"PausedReplayWaits", TestPausedReplayWaits},
 	{"PausedReplayOfRelayedRow", TestPausedReplayOfRelayedRow},

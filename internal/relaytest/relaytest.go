@@ -162,10 +162,7 @@ func (r Relay) keyed() bool { return r.Mode == ModeOrdered || r.Mode == ModeWAL 
 // Run runs every case of the suite against r, each as a parallel subtest.
 func Run(t *testing.T, r Relay) {
 	t.Helper()
-	cases := []struct {
-		name string
-		fn   func(*testing.T, Relay)
-	}{
+	cases := []suiteCase{
 		{"OrderThroughHandoverAndRestart", TestOrderThroughHandoverAndRestart},
 		{"OneCopyPerKey", TestOneCopyPerKey},
 		{"PauseAndResume", TestPauseAndResume},
@@ -179,12 +176,18 @@ func Run(t *testing.T, r Relay) {
 		{"TwoModesOnOneTable", TestTwoModesOnOneTable},
 		{"RetryAfterBackoffWhileIdle", TestRetryAfterBackoffWhileIdle},
 	}
-	for _, c := range cases {
+	for _, c := range append(cases, crossings...) {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
 			c.fn(t, r)
 		})
 	}
+}
+
+// suiteCase is one case of the suite, by name.
+type suiteCase struct {
+	name string
+	fn   func(*testing.T, Relay)
 }
 
 // ---- the fixture of one case ----
