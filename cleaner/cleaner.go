@@ -36,8 +36,10 @@ type Config struct {
 	// Defaults to 168h.
 	Retention time.Duration
 	// DeadRetention, when positive, also deletes dead rows (dead_at set)
-	// that died longer ago than it, however old they are. Defaults to 0:
-	// dead rows are kept for replay.
+	// that died longer ago than it, however old they are, except the row a
+	// held key waits for (ordered mode, the WAL relay): that key waits for
+	// an operator's replay or skip. Defaults to 0: dead rows are kept for
+	// replay.
 	DeadRetention time.Duration
 	// BatchSize bounds the rows one DELETE removes. Defaults to
 	// DeleteBatchSizeDefault (1000).
@@ -138,7 +140,7 @@ func (c *Cleaner) CleanOnce(ctx context.Context) (published, dead int64, err err
 		}
 		return published, 0, err
 	}
-	dead, err = c.deleteAll(ctx, "dead", c.q.DeleteDead, c.cfg.DeadRetention.Seconds(), c.cfg.BatchSize)
+	dead, err = c.deleteAll(ctx, "dead", st.DeleteDead(), c.cfg.DeadRetention.Seconds(), c.cfg.BatchSize)
 	if err == nil && c.cfg.Vacuum && published+dead > 0 {
 		err = c.vacuum(ctx)
 	}

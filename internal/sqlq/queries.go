@@ -167,10 +167,6 @@ type Queries struct {
 	// retention. Args: retention seconds, batch size. Command tag: rows.
 	DeletePublished string
 
-	// DeleteDead deletes up to a batch of dead rows that died (dead_at)
-	// longer ago than a retention. Args: retention seconds, batch size.
-	DeleteDead string
-
 	// AckUpToInTx is the watermill-sql offsets-style ack used by Adapter: it
 	// marks published the rows this same transaction claimed (locked_at =
 	// now()) up to a sequence. Args: sequence.
@@ -379,14 +375,6 @@ FROM ` + tbl + ` WHERE published_at IS NULL`
   SELECT id FROM ` + tbl + `
   WHERE published_at IS NOT NULL AND published_at < now() - make_interval(secs => $1::float8)
   ORDER BY published_at, sequence LIMIT $2 FOR UPDATE SKIP LOCKED
-)
-DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
-
-	q.DeleteDead = `WITH victims AS (
-  SELECT id FROM ` + tbl + `
-  WHERE published_at IS NULL AND dead_at IS NOT NULL
-    AND dead_at < now() - make_interval(secs => $1::float8)
-  LIMIT $2 FOR UPDATE SKIP LOCKED
 )
 DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
 

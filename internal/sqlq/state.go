@@ -107,6 +107,28 @@ func (q StateQueries) DeleteStreamed() string {
 DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
 }
 
+// DeleteDead deletes up to a batch ($2) of the dead rows that died (dead_at)
+// more than $1 seconds ago (the cleaner's dead retention), never the row a
+// held key waits for: a held key waits for an operator's replay or skip in
+// every mode, so no retention deletes its row from under it. In ordered mode
+// a held row's dead_at is the hold's, so the rows with dead_at set are
+// unheld already; the WAL relay's dead held row is its hold's (event_id).
+func (q StateQueries) DeleteDead() string {
+	tbl := q.Table.Sanitize()
+	held := ``
+	if q.Mode == schema.ModeWAL && q.Columns.OrderingKey {
+		held = `
+    AND NOT EXISTS (SELECT 1 FROM ` + q.Table.WALHoldsTable() + ` AS w WHERE w.ordering_key = o.ordering_key AND w.event_id = o.event_id AND NOT w.released)`
+	}
+	return `WITH victims AS (
+  SELECT o.id FROM ` + tbl + ` AS o
+  WHERE o.published_at IS NULL AND o.dead_at IS NOT NULL
+    AND o.dead_at < now() - make_interval(secs => $1::float8)` + held + `
+  LIMIT $2 FOR UPDATE OF o SKIP LOCKED
+)
+DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
+}
+
 // classified wraps src, a query returning rows of the table as "k.*,
 // k.xmin AS row_xmin", into the relation of StateColumns plus id,
 // row_xmin and dead (not done, and dead), with the mode's rules.
