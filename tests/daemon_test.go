@@ -74,9 +74,13 @@ func (s *syncBuffer) String() string {
 
 // TestDaemonRelaysAndDrainsOnSIGTERM starts `outbox relay` from the
 // environment, checks that it relays to Kafka, then makes the broker slow
-// (every produce answered 1.5s late), enqueues more events and sends SIGTERM
-// while they are in flight: the daemon lets them finish, acks them on their
-// first attempt (none nacked, none left locked) and exits 0.
+// (every produce answered 1.5s late), enqueues ten more events and sends
+// SIGTERM while the broker holds a produce request of them: the daemon
+// lets the messages in the forwarder's hands finish and acks them on their
+// first attempt, gives back the leases of the rows it had claimed and not
+// yet handed over (no attempt counted), leaves nothing leased and exits 0.
+// A second daemon, the broker fast again, relays the rows given back: every
+// event is on the broker exactly once.
 func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
@@ -92,10 +96,7 @@ func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 	for id, s := range want {
 		all[id] = s
 	}
-
-	var stdout, stderr syncBuffer
-	cmd := exec.Command(outboxBinary(t), "relay")
-	cmd.Env = append(os.Environ(),
+	env := append(os.Environ(),
 		"OUTBOX_DATABASE_URL="+testdb.URL(),
 		"OUTBOX_RELAY_TABLES="+tbl.String(),
 		"OUTBOX_BACKEND=kafka",
@@ -105,17 +106,7 @@ func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 		"PROMETHEUS_METRICS_ENABLED=true",
 		"PROMETHEUS_METRICS_ADDR=127.0.0.1:0",
 	)
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	defer func() {
-		if cmd.ProcessState == nil {
-			_ = cmd.Process.Kill()
-		}
-	}()
+	d := startDaemon(t, env)
 	waitAllPublished(t, pool, tbl, len(want))
 
 	sub, err := cluster.NewSubscriber("daemon-e2e", watermill.NopLogger{})
@@ -125,15 +116,15 @@ func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 	defer sub.Close()
 	receiveAll(t, sub, topic, tbl, want, nil)
 
-	// A slow broker, new events, and SIGTERM once they are all in flight.
-	cluster.SlowProduce(1500 * time.Millisecond)
+	// A slow broker, new events, and SIGTERM while the broker holds a
+	// produce request of them (a message in the forwarder's hands: a
+	// produce takes 1.5 s, so the wait sees it whatever the machine's
+	// speed), every new row leased or published.
+	slow := cluster.SlowProduce(1500 * time.Millisecond)
 	more := enqueueTracedInOneTx(t, pool, tbl, topic, 10)
 	for id, s := range more {
 		all[id] = s
 	}
-	// The ten commit together, so one claim leases them all; wait until
-	// every one is leased or published, with at least one still in flight
-	// (a produce takes 1.5 s: the wait sees it whatever the machine's speed).
 	ctx := context.Background()
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
@@ -142,42 +133,63 @@ func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 			Scan(&leased, &published); err != nil {
 			t.Fatal(err)
 		}
-		if leased > 0 && leased+published-30 == len(more) {
-			t.Logf("SIGTERM with %d of the %d new events in flight", leased, len(more))
+		if leased > 0 && leased+published-30 == len(more) && slow.Held() > 0 {
+			t.Logf("SIGTERM with %d of the %d new events leased, a produce request held by the broker", leased, len(more))
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d events in flight, %d of them published; stderr:\n%s", leased, len(more), published-30, stderr.String())
+			t.Fatalf("%d of %d new events leased, %d published, %d produce requests held by the broker; stderr:\n%s",
+				leased, len(more), published-30, slow.Held(), d.stderr.String())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	signalled := time.Now()
-	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	var signalled time.Time // the database's clock, as published_at
+	if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&signalled); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case err := <-exited:
-		if err != nil {
-			t.Fatalf("daemon exit: %v\nstderr:\n%s", err, stderr.String())
-		}
-	case <-time.After(60 * time.Second):
-		t.Fatalf("daemon did not exit after SIGTERM; stderr:\n%s", stderr.String())
-	}
-	t.Logf("daemon exited %s after SIGTERM", time.Since(signalled).Round(time.Millisecond))
+	d.stop(t)
+	// Each new row: published on its first attempt, or given back (leased,
+	// not yet handed to the forwarder: no attempt counted); none leased;
+	// the messages in flight at SIGTERM finished after it.
+	var finished, before, givenBack int
 	for id := range more {
 		var (
-			isPublished, locked bool
-			attempts            int
-			lastError           *string
+			publishedAt *time.Time
+			locked      bool
+			attempts    int
+			lastError   *string
 		)
-		if err := pool.QueryRow(ctx, `SELECT published_at IS NOT NULL, locked_at IS NOT NULL, attempts, last_error FROM `+tbl.Sanitize()+` WHERE event_id = $1`, id).
-			Scan(&isPublished, &locked, &attempts, &lastError); err != nil {
+		if err := pool.QueryRow(ctx, `SELECT published_at, locked_at IS NOT NULL, attempts, last_error FROM `+tbl.Sanitize()+` WHERE event_id = $1`, id).
+			Scan(&publishedAt, &locked, &attempts, &lastError); err != nil {
 			t.Fatal(err)
 		}
-		if !isPublished || locked || attempts != 1 || lastError != nil {
-			t.Fatalf("in-flight event %s after SIGTERM: published %v, locked %v, attempts %d, last_error %v; want acked on its first attempt\nstderr:\n%s",
-				id, isPublished, locked, attempts, lastError, stderr.String())
+		switch {
+		case locked || lastError != nil:
+			t.Fatalf("event %s after SIGTERM: locked %v, last_error %v; want acked or given back\nstderr:\n%s", id, locked, lastError, d.stderr.String())
+		case publishedAt != nil && attempts != 1:
+			t.Fatalf("event %s after SIGTERM: published after %d attempts; want acked on its first\nstderr:\n%s", id, attempts, d.stderr.String())
+		case publishedAt == nil && attempts != 0:
+			t.Fatalf("event %s after SIGTERM: given back with %d attempts counted; want 0 (it was never handed over)\nstderr:\n%s", id, attempts, d.stderr.String())
+		case publishedAt == nil:
+			givenBack++
+		case publishedAt.After(signalled):
+			finished++
+		default:
+			before++
 		}
+	}
+	t.Logf("after SIGTERM: %d events finished after it, %d published before it, %d given back", finished, before, givenBack)
+	if finished == 0 {
+		t.Fatalf("no event in flight at SIGTERM was finished after it (%d published before, %d given back)\nstderr:\n%s", before, givenBack, d.stderr.String())
+	}
+	if !strings.Contains(d.stdout.String(), "relaying 1 table(s) to kafka") || !strings.Contains(d.stdout.String(), "relay stopped") {
+		t.Fatalf("daemon stdout:\n%s", d.stdout.String())
+	}
+	if givenBack > 0 {
+		slow.Fast()
+		d2 := startDaemon(t, env)
+		waitAllPublished(t, pool, tbl, len(all))
+		d2.stop(t)
 	}
 	// Every event on the broker exactly once, each with attempts = 1.
 	again, err := cluster.NewSubscriber("daemon-e2e-after-sigterm", watermill.NopLogger{})
@@ -186,9 +198,57 @@ func TestDaemonRelaysAndDrainsOnSIGTERM(t *testing.T) {
 	}
 	defer again.Close()
 	receiveAll(t, again, topic, tbl, all, nil)
-	if !strings.Contains(stdout.String(), "relaying 1 table(s) to kafka") || !strings.Contains(stdout.String(), "relay stopped") {
-		t.Fatalf("daemon stdout:\n%s", stdout.String())
+}
+
+// daemon is an `outbox relay` process started by a test.
+type daemon struct {
+	cmd            *exec.Cmd
+	exited         chan error
+	stdout, stderr *syncBuffer
+}
+
+// startDaemon starts `outbox relay` with env; it is killed when the test
+// ends unless stop ended it.
+func startDaemon(t *testing.T, env []string) *daemon {
+	t.Helper()
+	d := &daemon{cmd: exec.Command(outboxBinary(t), "relay"), exited: make(chan error, 1), stdout: &syncBuffer{}, stderr: &syncBuffer{}}
+	d.cmd.Env = env
+	d.cmd.Stdout, d.cmd.Stderr = d.stdout, d.stderr
+	if err := d.cmd.Start(); err != nil {
+		t.Fatal(err)
 	}
+	go func() { d.exited <- d.cmd.Wait() }()
+	t.Cleanup(func() {
+		if d.cmd.ProcessState == nil {
+			_ = d.cmd.Process.Kill()
+			<-d.exited
+		}
+	})
+	return d
+}
+
+// stop sends SIGTERM once the daemon relays (before, its signal handler
+// may not be installed yet) and waits for a clean exit.
+func (d *daemon) stop(t *testing.T) {
+	t.Helper()
+	for deadline := time.Now().Add(2 * time.Minute); !strings.Contains(d.stdout.String(), "relaying 1 table(s)"); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("daemon not relaying within 2 minutes; stdout:\n%s\nstderr:\n%s", d.stdout.String(), d.stderr.String())
+		}
+	}
+	signalled := time.Now()
+	if err := d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-d.exited:
+		if err != nil {
+			t.Fatalf("daemon exit: %v\nstderr:\n%s", err, d.stderr.String())
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("daemon did not exit within 2 minutes of SIGTERM; stderr:\n%s", d.stderr.String())
+	}
+	t.Logf("daemon exited %s after SIGTERM", time.Since(signalled).Round(time.Millisecond))
 }
 
 // TestDaemonRefusesBadEnvironment: a bad setting stops the daemon at start

@@ -8,6 +8,7 @@ package kafkatest
 import (
 	"fmt"
 	"net"
+	"sync/atomic"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -52,15 +53,37 @@ func StartOn(host string, partitions int32) (*Cluster, error) {
 func (c *Cluster) Brokers() []string { return c.c.ListenAddrs() }
 
 // SlowProduce makes the broker answer every produce request d late, like a
-// slow or distant broker, until the cluster closes. Other requests are
-// served meanwhile.
-func (c *Cluster) SlowProduce(d time.Duration) {
+// slow or distant broker, until Produces.Fast or the cluster closes. Other
+// requests are served meanwhile. The Produces it returns counts the
+// produce requests the broker holds.
+func (c *Cluster) SlowProduce(d time.Duration) *Produces {
+	p := &Produces{}
 	c.c.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
 		c.c.KeepControl()
+		if p.fast.Load() {
+			return nil, nil, false
+		}
+		p.held.Add(1)
 		c.c.SleepControl(func() { time.Sleep(d) })
+		p.held.Add(-1)
 		return nil, nil, false
 	})
+	return p
 }
+
+// Produces counts the produce requests a slow broker (SlowProduce) holds.
+type Produces struct {
+	held atomic.Int64
+	fast atomic.Bool
+}
+
+// Held is the number of produce requests the broker received and has not
+// answered yet: messages in a producer's hands, waiting for the broker.
+func (p *Produces) Held() int64 { return p.held.Load() }
+
+// Fast makes the broker answer the produce requests it receives from now on
+// at once.
+func (p *Produces) Fast() { p.fast.Store(true) }
 
 // Close stops the cluster; its data is gone.
 func (c *Cluster) Close() { c.c.Close() }
