@@ -221,7 +221,9 @@ func startDaemon(t *testing.T, env []string) *daemon {
 	t.Cleanup(func() {
 		if d.cmd.ProcessState == nil {
 			_ = d.cmd.Process.Kill()
-			<-d.exited
+			if err := <-d.exited; err != nil {
+				t.Logf("daemon killed at the end of the test: %v", err)
+			}
 		}
 	})
 	return d

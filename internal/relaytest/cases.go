@@ -733,7 +733,7 @@ func TestTwoModesOnOneTable(t *testing.T, r Relay) {
 	})
 }
 
-// TestRetryAfterBackoffWhileIdle: a row whose handler nacks is delivered
+// TestRetryAfterBackoffWhileIdle checks: a row whose handler nacks is delivered
 // again Backoff after the nack even while the relay is idle, with its poll
 // and every periodic tick 10 minutes away and no row committed after it,
 // so that nothing but the relay's own wake-up for the retry can deliver

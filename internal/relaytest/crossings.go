@@ -221,7 +221,7 @@ func (e *env) ackedInOrder(key string, want ...event) {
 
 // ---- the cases ----
 
-// TestPausedRetryWaits: a row of topic A is in a handler when A is paused,
+// TestPausedRetryWaits checks: a row of topic A is in a handler when A is paused,
 // and its handler nacks it after the relay read the pause. Its retry is not
 // delivered while A is paused (no attempt counted), nor, in a keyed mode,
 // the key's next row (of a topic that flows); after the resume the row is
@@ -288,7 +288,7 @@ func TestPausedRetryWaits(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestPausedReplayWaits: rows of topic A go dead; A is paused; one dead
+// TestPausedReplayWaits checks: rows of topic A go dead; A is paused; one dead
 // row of a key and an unkeyed one are replayed one by one
 // (runbook.Runbook.ReplayEvent), another of each by a bulk replay of A
 // (runbook.Runbook.ReplayDead). The replayed rows are not delivered while A
@@ -348,7 +348,7 @@ func TestPausedReplayWaits(t *testing.T, r Relay) {
 	}
 }
 
-// TestPausedReplayOfRelayedRow: in ordered mode a keyed row of topic A
+// TestPausedReplayOfRelayedRow checks: in ordered mode a keyed row of topic A
 // already relayed is replayed while A is paused (a replay hold), and a row
 // of its key of a topic that flows is committed after it. Neither is
 // delivered while A is paused; after the resume the replayed row is
@@ -392,7 +392,7 @@ func TestPausedReplayOfRelayedRow(t *testing.T, r Relay) {
 	}
 }
 
-// TestPausedThroughHandover: topic A is paused while relay a runs; a row of
+// TestPausedThroughHandover checks: topic A is paused while relay a runs; a row of
 // A that a nacked after the pause retries, rows of A and (keyed) rows
 // behind them wait. a is closed and relay b started while A is still
 // paused: b delivers nothing of A (nor the keys' rows behind it) until the
@@ -454,7 +454,7 @@ func TestPausedThroughHandover(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestSkipWhilePaused: two keys are held by dead rows of topic A; A is
+// TestSkipWhilePaused checks: two keys are held by dead rows of topic A; A is
 // paused and both held rows are skipped. Key m's next row is of topic B,
 // which flows: it is delivered while A is paused. Key k's next row is of A:
 // it waits, and so does k's row of B behind it, until the resume. The
@@ -504,7 +504,7 @@ func TestSkipWhilePaused(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestPausedRowsSurviveCleaner: while topic A is paused the cleaner runs
+// TestPausedRowsSurviveCleaner checks: while topic A is paused the cleaner runs
 // with a retention of a nanosecond (dead rows too): the rows of A, a row of
 // A retrying, and (keyed modes) the rows of their keys waiting behind them
 // stay; after the resume all are delivered, in order per key.
@@ -588,7 +588,7 @@ func TestPausedRowsSurviveCleaner(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestMaxInFlightWithHeldKeys: MaxInFlight is 2. Three keys are held by
+// TestMaxInFlightWithHeldKeys checks: MaxInFlight is 2. Three keys are held by
 // dead rows with seven rows each behind them, and a slow message takes one
 // slot for the whole case: rows of ten other keys are delivered through the
 // one slot left (a held key's parked rows take no slot). Then the held rows
@@ -664,7 +664,7 @@ func TestMaxInFlightWithHeldKeys(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestReplayEarlierRowWhileHeld: key k went past its dead row x1 (skipped),
+// TestReplayEarlierRowWhileHeld checks: key k went past its dead row x1 (skipped),
 // then x2 was acked, then x3 went dead and holds k, with x4 parked behind
 // it. An operator replays x1 while x3 holds k: the replay is delivered (as
 // new work) or refused with the row left as it was; either way x4 is not
@@ -741,7 +741,7 @@ func TestReplayEarlierRowWhileHeld(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestSkipAcrossHandover: key k is held by a dead row; the relay is closed,
+// TestSkipAcrossHandover checks: key k is held by a dead row; the relay is closed,
 // an operator skips the row while no relay runs, and another relay starts:
 // it continues k with its next rows, in order, and never delivers the
 // skipped row.
@@ -779,7 +779,7 @@ func TestSkipAcrossHandover(t *testing.T, r Relay) {
 	e.ackedInOrder("k", evs[1], evs[2], more[0])
 }
 
-// TestPauseKeptAcrossModeSwitch: a default relay runs on a table (every
+// TestPauseKeptAcrossModeSwitch checks: a default relay runs on a table (every
 // optional column) and topic A is paused; the relay is closed and the table
 // switched to the relay under test while A is still paused. The relay under
 // test delivers nothing of A while the runbook still lists A as paused (or
@@ -883,7 +883,7 @@ func (e *env) startOnceOtherModeGoneTry(name string, o Options, h handler, withi
 	}
 }
 
-// TestCleanerPassesHeldKey: key d is held by a dead row with ten rows
+// TestCleanerPassesHeldKey checks: key d is held by a dead row with ten rows
 // parked behind it, the lowest sequences of their partition (ordered mode:
 // every key here shares d's partition). Rows of other keys committed after
 // them are delivered and recorded done; the cleaner, with a retention of a
@@ -988,7 +988,7 @@ WHERE hashtext(k) & 63 = hashtext('d') & 63 ORDER BY length(k), k LIMIT 8`)
 	e.rec.checkOrder(t)
 }
 
-// TestSkipDrainAcrossTermEnd: MaxInFlight is 2; key d is held by a dead
+// TestSkipDrainAcrossTermEnd checks: MaxInFlight is 2; key d is held by a dead
 // row with twelve rows parked behind it. The dead row is skipped; while d's
 // rows are being delivered (WAL: the hold drains, in batches of
 // MaxInFlight rows) three more rows of d are committed and the relay's term
@@ -1075,7 +1075,7 @@ func TestSkipDrainAcrossTermEnd(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestDeadRetentionOfHeldRow: key k is held by a dead row with rows parked
+// TestDeadRetentionOfHeldRow checks: key k is held by a dead row with rows parked
 // behind it; the cleaner runs with a dead retention of a nanosecond. The
 // dead retention deletes dead rows, but never the row a held key waits for
 // (in every keyed relay): the key waits for an operator, nothing of k is
@@ -1147,7 +1147,7 @@ func TestDeadRetentionOfHeldRow(t *testing.T, r Relay) {
 	e.ackedInOrder("k", k[1:]...)
 }
 
-// TestLostSlotKeepsHolds: the WAL relay's key k is held by a dead row with
+// TestLostSlotKeepsHolds checks: the WAL relay's key k is held by a dead row with
 // rows parked behind it; the relay is closed, its replication slot is
 // dropped (a lost slot) and another row of k and rows of other keys are
 // committed; a relay started then recreates the slot and reads the rows it
