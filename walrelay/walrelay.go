@@ -130,7 +130,10 @@ type Config struct {
 	// reached, so a retrying key does not stop the stream; rows without an
 	// ordering key (ordered by topic) are not spilled. A transaction's rows
 	// count as they are read (they are not buffered until its commit).
-	// Defaults to MaxInFlightDefault.
+	// Defaults to MaxInFlightDefault (4096). It is not the table relay's
+	// 2 x BatchSize: the table relays lease what they claim, so their bound
+	// is also how many leases one relay holds; the WAL relay leases
+	// nothing, and its bound only limits the memory of rows read ahead.
 	MaxInFlight int
 	// StatusInterval is how often the relay confirms its position to the
 	// server. Defaults to StatusIntervalDefault.
