@@ -43,6 +43,13 @@ var crossings = []suiteCase{
 	{"SkipDrainAcrossTermEnd", TestSkipDrainAcrossTermEnd},
 	{"DeadRetentionOfHeldRow", TestDeadRetentionOfHeldRow},
 	{"LostSlotKeepsHolds", TestLostSlotKeepsHolds},
+	{"SwitchKeyedModesWithHeldKey", TestSwitchKeyedModesWithHeldKey},
+	{"OverrunWhileSkipped", TestOverrunWhileSkipped},
+	{"CloseWhileHoldsDrain", TestCloseWhileHoldsDrain},
+	{"BulkReplayWithPreview", TestBulkReplayWithPreview},
+	{"MaxAttemptsLoweredBetweenRuns", TestMaxAttemptsLoweredBetweenRuns},
+	{"SharedRelaysPausedAndRetrying", TestSharedRelaysPausedAndRetrying},
+	{"SkipRacingCleaner", TestSkipRacingCleaner},
 }
 
 const topicB = "org.relaytest.crossing.b.v1"
