@@ -162,6 +162,14 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	if !v.ack {
 		f = st.s.policy().Judge(v.err, it.attempts, it.row.Payload)
 	}
+	// skipped: a nack of the held row of a hold that drains (an operator
+	// skipped the row while this copy was in the handler): a skip is final,
+	// so the row is not tried again; it stays dead without holding its key.
+	h := st.holds.holdOf(it)
+	skipped := !v.ack && h != nil && h.State == keyed.Draining && it.row.Sequence == h.Seq
+	if skipped {
+		f.Dead = true
+	}
 	if !v.ack && f.Dead && it.tx != nil {
 		// The dead write must find the row (a dead write waits for its row to be visible): it waits for the
 		// row's transaction to be visible, the verdict kept, the row not
@@ -208,7 +216,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	if !v.ack {
 		last := f.Summary
 		var key *string
-		if k := it.row.OrderingKey; k != nil && *k != "" && st.s.cols.OrderingKey {
+		if k := it.row.OrderingKey; k != nil && *k != "" && st.s.cols.OrderingKey && !skipped {
 			key = k
 		}
 		var changed, held int
@@ -244,7 +252,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	}
 	q.items = q.items[1:]
 	q.RetryAt = time.Time{}
-	if h := st.holds.holdOf(it); v.ack && it.tx != nil && h.replayedBy(it) {
+	if v.ack && it.tx != nil && h.replayedBy(it) {
 		// The held row's replay: settled once its drain is written
 		// (a replay's ack waits for its drain, hold.acked).
 		st.holds.settleAcked(h)
