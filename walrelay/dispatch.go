@@ -162,11 +162,13 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	if !v.ack {
 		f = st.s.policy().Judge(v.err, it.attempts, it.row.Payload)
 	}
-	// skipped: a nack of the held row of a hold that drains (an operator
-	// skipped the row while this copy was in the handler): a skip is final,
-	// so the row is not tried again; it stays dead without holding its key.
+	// skipped: a nack of the held row of a hold that drains after a skip
+	// (an operator skipped the row while this copy was in the handler): a
+	// skip is final, so the row is not tried again; it stays dead without
+	// holding its key. A retry's drain delivers the held row itself: its
+	// nack is an ordinary failure.
 	h := st.holds.holdOf(it)
-	skipped := !v.ack && h != nil && h.State == keyed.Draining && it.row.Sequence == h.Seq
+	skipped := !v.ack && h != nil && h.State == keyed.Draining && !h.retried && it.row.Sequence == h.Seq
 	if skipped {
 		f.Dead = true
 	}

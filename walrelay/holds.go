@@ -52,8 +52,13 @@ type hold struct {
 	// more: the drain's last batch was full; the key's rows after maxRead
 	// are read from the table in the next batch once this one is settled
 	// (drained), and their streamed copies are parked meanwhile.
-	more   bool
-	unseen int // the drain waits for streamed rows to be visible: its tries so far (visible.go)
+	more bool
+	// retried: the drain is a retrying hold's retry, which delivers the
+	// held row itself again; a drain after the held row's skip (or its
+	// replay's ack) does not, and a copy of the held row still in a handler
+	// then is one the skip found there (onSettle).
+	retried bool
+	unseen  int // the drain waits for streamed rows to be visible: its tries so far (visible.go)
 	// acked is the held row's replay, acked and not settled until the
 	// drain it starts is written (a replay's ack waits for its drain): the confirmed position
 	// does not pass the replay's UPDATE before the hold says draining, so
@@ -271,6 +276,9 @@ func (hb *holdBook) drainFrom(ctx context.Context, key string, h *hold, mode dra
 	// is settled).
 	h.State, h.wantDrain, h.maxRead, h.left, h.untilLSN = keyed.Draining, false, maxRead, len(items), lsn
 	h.more = len(items) == batch
+	if mode != drainNext {
+		h.retried = retry
+	}
 	if h.acked != nil {
 		hb.settleAcked(h) // the hold says draining: the replay's position may pass
 		st.confirmSettled()

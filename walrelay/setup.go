@@ -106,7 +106,7 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	}
 	// Before anything is created: a table with the WAL relay's tables reads
 	// as streamed to writers and readers.
-	if err := refusePaused(ctx, pool, t, "walrelay.Setup"); err != nil {
+	if err := refuseSwitch(ctx, pool, t, "walrelay.Setup"); err != nil {
 		return n, err
 	}
 	if _, err := pool.Exec(ctx, sqlq.WALCreateProgressTable(t)); err != nil {
@@ -175,17 +175,36 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 // readers that infer its mode; another failure to write the record does
 // not stop the relay either (readers infer the mode, as before).
 //
-// It first refuses a table with paused topics (ErrTopicsPaused): Setup and
-// every start of the relay record the mode through it, and once the mode
-// is recorded a pause is refused (runbook.PauseTopic), so a pause made
-// before is never left in force beside the relay.
+// It first refuses a table the relay must not take over (refuseSwitch):
+// Setup and every start of the relay record the mode through it, and once
+// the mode is recorded a pause is refused (runbook.PauseTopic), so a pause
+// made before is never left in force beside the relay.
 func recordMode(ctx context.Context, pool *pgxpool.Pool, t schema.Table, by string) error {
-	if err := refusePaused(ctx, pool, t, by); err != nil {
+	if err := refuseSwitch(ctx, pool, t, by); err != nil {
 		return err
 	}
 	err := schema.RecordMode(ctx, pool, t, schema.ModeWAL, by)
 	if errors.Is(err, schema.ErrRelayModeMix) {
 		return fmt.Errorf("walrelay: %w", err)
+	}
+	return nil
+}
+
+// refuseSwitch refuses a table the WAL relay must not take over: one with
+// paused topics (refusePaused), or with keys ordered mode holds
+// (schema.ErrKeysHeld): the WAL relay reads neither.
+func refuseSwitch(ctx context.Context, pool *pgxpool.Pool, t schema.Table, by string) error {
+	if err := refusePaused(ctx, pool, t, by); err != nil {
+		return err
+	}
+	n, err := sqlq.OpenHoldsOfOtherMode(ctx, pool, t, schema.ModeWAL)
+	if err != nil {
+		return fmt.Errorf("walrelay: %w", err)
+	}
+	if n > 0 {
+		return fmt.Errorf("walrelay: %w: %s refused for %s: ordered mode holds %d key(s) (%s: a failing or dead row each), and the WAL relay does not read "+
+			"those holds; resolve them with the ordered relay running (`outbox keys held` lists them; replay or skip each held row, or wait for the failing ones "+
+			"to be delivered), then switch; nothing changed", schema.ErrKeysHeld, by, t, n, t.HoldsTable())
 	}
 	return nil
 }

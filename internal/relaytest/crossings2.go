@@ -154,9 +154,6 @@ func reportAll(t *testing.T, what string, list []string) {
 // between them is in docs/ORDERING.md#switching-modes"; docs/WAL.md: Setup
 // and New "record wal as the table's mode".
 func TestSwitchKeyedModesWithHeldKey(t *testing.T, r Relay) {
-	if r.Mode == ModeWAL {
-		t.Skip("known broken: a switch between ordered mode and the WAL relay ignores the other mode's holds: ordered to wal, the WAL relay's first session backfills the ordered dead held row (dead_at NULL, its death is in <table>_holds) and delivers it again; wal to ordered, the ordered relay delivers the key's parked rows past the WAL-dead row")
-	}
 	if r.Mode != ModeWAL {
 		t.Skipf("the switch between the keyed modes needs the WAL relay (wal_level=logical, not the shared server's): the wal run of this case switches both ways, with an ordered relay as the other mode")
 	}

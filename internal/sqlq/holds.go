@@ -1,6 +1,8 @@
 package sqlq
 
 import (
+	"context"
+	"fmt"
 	"time"
 
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -202,4 +204,30 @@ RETURNING o.sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL), r.Held, r.O
 func WALHoldOfKeyOfEvent(t schema.Table) string {
 	return `SELECT h.ordering_key, h.sequence, ` + WALHoldStateSQL(t) + `, h.event_id = r.event_id
 FROM ` + t.WALHoldsTable() + ` AS h JOIN ` + t.Sanitize() + ` AS r ON h.ordering_key = r.ordering_key WHERE r.event_id = $1::uuid`
+}
+
+// OpenHoldsOfOtherMode counts the holds of t that the keyed mode other than
+// m keeps open: for the WAL relay (m = schema.ModeWAL) the ordered relay's
+// holds not resolved, for ordered mode the WAL relay's holds not released.
+// A table without that holds table has none. A switch between the keyed
+// modes is refused while it is not 0: the relay after the switch does not
+// read the other mode's holds, and would deliver a held key's rows past its
+// failing or dead row (or deliver that row again).
+func OpenHoldsOfOtherMode(ctx context.Context, q schema.Querier, t schema.Table, m schema.Mode) (int64, error) {
+	holds, open := t.HoldsTable(), `resolved_at IS NULL`
+	if m == schema.ModeOrdered {
+		holds, open = t.WALHoldsTable(), `NOT released`
+	}
+	var exists bool
+	if err := q.QueryRow(ctx, `SELECT to_regclass(`+quoteLiteral(holds)+`) IS NOT NULL`).Scan(&exists); err != nil {
+		return 0, fmt.Errorf("look up the holds table %s: %w", holds, err)
+	}
+	if !exists {
+		return 0, nil
+	}
+	var n int64
+	if err := q.QueryRow(ctx, `SELECT count(*) FROM `+holds+` WHERE `+open).Scan(&n); err != nil {
+		return 0, fmt.Errorf("count the open holds of %s: %w", holds, err)
+	}
+	return n, nil
 }
