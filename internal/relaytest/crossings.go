@@ -50,6 +50,11 @@ var crossings = []suiteCase{
 	{"MaxAttemptsLoweredBetweenRuns", TestMaxAttemptsLoweredBetweenRuns},
 	{"SharedRelaysPausedAndRetrying", TestSharedRelaysPausedAndRetrying},
 	{"SkipRacingCleaner", TestSkipRacingCleaner},
+	{"BulkSkipAndReplayAcrossHandover", TestBulkSkipAndReplayAcrossHandover},
+	{"DeadReplayedBeforePausedRow", TestDeadReplayedBeforePausedRow},
+	{"MaxInFlightOneWithRetryingKey", TestMaxInFlightOneWithRetryingKey},
+	{"RetryScheduledAcrossClose", TestRetryScheduledAcrossClose},
+	{"ReplayOfRetryingHold", TestReplayOfRetryingHold},
 }
 
 const topicB = "org.relaytest.crossing.b.v1"
