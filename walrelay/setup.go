@@ -120,6 +120,9 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	if err := recordMode(ctx, pool, t, "walrelay.Setup"); err != nil {
 		return n, err
 	}
+	if err := markOrderedDone(ctx, pool, t); err != nil {
+		return n, err
+	}
 	var exists, hasTable, ins, upd bool
 	var others []string
 	if err := pool.QueryRow(ctx, sqlq.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd, &others); err != nil {
@@ -186,6 +189,21 @@ func recordMode(ctx context.Context, pool *pgxpool.Pool, t schema.Table, by stri
 	err := schema.RecordMode(ctx, pool, t, schema.ModeWAL, by)
 	if errors.Is(err, schema.ErrRelayModeMix) {
 		return fmt.Errorf("walrelay: %w", err)
+	}
+	return nil
+}
+
+// markOrderedDone marks published the keyed rows ordered mode delivered or
+// skipped, when t is switched from ordered mode (sqlq.OrderedDonePublished):
+// the first session's backfill would deliver them again. A table that was
+// never relayed in ordered mode has none.
+func markOrderedDone(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
+	ok, err := sqlq.OrderedTablesExist(ctx, pool, t)
+	if err != nil || !ok {
+		return err
+	}
+	if _, err := pool.Exec(ctx, sqlq.OrderedDonePublished(t)); err != nil {
+		return fmt.Errorf("walrelay: mark published the keyed rows ordered mode is done with in %s: %w", t, err)
 	}
 	return nil
 }

@@ -134,7 +134,7 @@ func reportAll(t *testing.T, what string, list []string) {
 
 // ---- the cases ----
 
-// TestSwitchKeyedModesWithHeldKey: key k is held by a dead row k1 with two
+// TestSwitchKeyedModesWithHeldKey checks: key k is held by a dead row k1 with two
 // rows parked behind it when the table is switched between the two keyed
 // modes, both ways (ordered mode to the WAL relay, and the WAL relay to
 // ordered mode). The relay of the new mode keeps the dead row dead and
@@ -166,18 +166,33 @@ func TestSwitchKeyedModesWithHeldKey(t *testing.T, r Relay) {
 			done := e.enqueue(topicA, "a", "b")
 			k := e.enqueue(topicA, "k", "k", "k")
 			bad := newFailing(k[0])
-			var old *relay
-			if toWAL {
-				sub, err := e.newOrdered(Options{MaxAttempts: 1})
-				if err != nil {
-					t.Fatalf("the ordered relay: %v", err)
+			// startOrdered starts an ordered relay once relays of the other
+			// mode are gone (it fails the case on any other refusal).
+			startOrdered := func(name string, h handler) *relay {
+				deadline := time.Now().Add(within)
+				for {
+					sub, err := e.newOrdered(Options{MaxAttempts: 1})
+					var rl *relay
+					if err == nil {
+						rl, err = e.consume(name, sub, h)
+					}
+					if err == nil {
+						return rl
+					}
+					if !errors.Is(err, schema.ErrRelayModeMix) || time.Now().After(deadline) {
+						t.Fatalf("start the ordered relay %s: %v", name, err)
+					}
+					time.Sleep(100 * time.Millisecond)
 				}
-				if old, err = e.consume("old", sub, permanentFor(bad)); err != nil {
-					t.Fatal(err)
-				}
-			} else {
-				old = e.start("old", Options{MaxAttempts: 1}, permanentFor(bad))
 			}
+			// startOld starts a relay of the mode the table is switched from.
+			startOld := func(name string) *relay {
+				if toWAL {
+					return startOrdered(name, permanentFor(bad))
+				}
+				return e.startOnceOtherModeGone(name, Options{MaxAttempts: 1}, permanentFor(bad), within)
+			}
+			old := startOld("old")
 			e.waitAcked(within, done...)
 			e.waitDead(k[0])
 			e.eventually(within, func() bool { return e.row(done[0].ID).Delivered && e.row(done[1].ID).Delivered },
@@ -198,6 +213,49 @@ func TestSwitchKeyedModesWithHeldKey(t *testing.T, r Relay) {
 				}
 				e.notDeliveredBeyond(1, "the switch was refused", k[0])
 				e.notDeliveredBeyond(0, "the switch was refused", k[1:]...)
+				if !errors.Is(err, schema.ErrKeysHeld) {
+					t.Errorf("%s refused with %v, want schema.ErrKeysHeld", what, err)
+				}
+				// What the refusal says to do: resolve the hold with the old
+				// mode's relay running (a skip), then switch.
+				again := startOld("old2")
+				if _, err := runbook.New(e.pool, e.tbl).SkipEvent(ctx, k[0].ID, false); err != nil {
+					t.Fatalf("skip the dead held row %s with the old mode's relay running: %v", k[0], err)
+				}
+				e.waitAcked(within, k[1:]...)
+				e.ackedInOrder("k", k[1:]...)
+				e.eventually(within, func() bool {
+					held, err := runbook.New(e.pool, e.tbl).HeldKeys(ctx, 10)
+					return err == nil && len(held) == 0
+				}, func() string { return "key k still held after the skip: " + e.rowStates(k) })
+				if err := again.Close(); err != nil {
+					t.Fatalf("close the old mode's relay: %v", err)
+				}
+				if toWAL {
+					if err := r.SetUp(ctx, e.pool, e.tbl); err != nil {
+						t.Fatalf("walrelay.Setup once no key is held: %v", err)
+					}
+					e.startOnceOtherModeGone("new", Options{MaxAttempts: 1}, nil, within)
+				} else {
+					startOrdered("new", nil)
+				}
+				more := e.enqueue(topicA, "k", "k")
+				e.waitAcked(within, more...)
+				e.ackedInOrder("k", append(append([]event(nil), k[1:]...), more...)...)
+				if e.rec.acked(k[0]) {
+					t.Errorf("the skipped row %s was delivered after the switch", k[0])
+				}
+				e.wait(quietSpell)
+				// walrelay.Setup marks published what ordered mode is done
+				// with (docs/ORDERING.md, "Switching modes"); the way from the
+				// WAL relay delivers its settled keyed rows again (documented).
+				for _, ev := range done {
+					if n := e.rec.delivered(ev); n > 1 && toWAL {
+						t.Errorf("row %s, delivered by ordered mode before the switch, was delivered again by the WAL relay (%d deliveries)", ev, n)
+					} else if n > 1 {
+						t.Logf("row %s, delivered before the switch (%s), was delivered again after it (%d deliveries)", ev, dir, n)
+					}
+				}
 			}
 			if toWAL {
 				if err := r.SetUp(ctx, e.pool, e.tbl); err != nil {
@@ -261,7 +319,7 @@ func TestSwitchKeyedModesWithHeldKey(t *testing.T, r Relay) {
 	}
 }
 
-// TestOverrunWhileSkipped: key k is held by a dead row k1 with rows parked
+// TestOverrunWhileSkipped checks: key k is held by a dead row k1 with rows parked
 // behind it; the operator replays k1, and its handler keeps the redelivery
 // past its context (past DispatchTimeout, where the relay has it) and then
 // nacks it. While it hangs the operator skips k1. The skip is final: k1 is
@@ -365,7 +423,7 @@ func TestOverrunWhileSkipped(t *testing.T, r Relay) {
 	}
 }
 
-// TestCloseWhileHoldsDrain: key d is held by a dead row that the operator
+// TestCloseWhileHoldsDrain checks: key d is held by a dead row that the operator
 // skips, key p by a dead row that the operator replays; each has rows
 // parked behind it. While each key's fourth row is in a handler (the hold
 // drains, or has moved on) relay a is closed, with more rows of both keys
@@ -453,7 +511,7 @@ func TestCloseWhileHoldsDrain(t *testing.T, r Relay) {
 	reportAll(t, "one copy per key within a relay", e.overlapsInRelays())
 }
 
-// TestBulkReplayWithPreview: a bulk replay given its preview's snapshot
+// TestBulkReplayWithPreview checks: a bulk replay given its preview's snapshot
 // changes exactly the previewed rows or nothing. Rows of a failing topic
 // go dead (their first delivery fails for good; a replay is acked). (1) A
 // previewed row replayed by itself meanwhile makes the bulk replay refuse
@@ -621,7 +679,7 @@ func TestBulkReplayWithPreview(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestMaxAttemptsLoweredBetweenRuns: a keyed row and an unkeyed row fail
+// TestMaxAttemptsLoweredBetweenRuns checks: a keyed row and an unkeyed row fail
 // (transiently) under relay a with MaxAttempts 1000 until each was tried
 // three times; a is closed and relay b starts with MaxAttempts 2. b tries
 // each row again before it is dead (lowering MaxAttempts does not kill a
@@ -688,7 +746,7 @@ func TestMaxAttemptsLoweredBetweenRuns(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestSharedRelaysPausedAndRetrying: three table relays share a table (the
+// TestSharedRelaysPausedAndRetrying checks: three table relays share a table (the
 // default relay with DisableSingleActive; ordered relays share it by
 // partition leases) while topic A is paused and rows of topic B fail twice
 // before they are acked. No relay delivers a row of A (nor, ordered, the
@@ -763,7 +821,7 @@ func TestSharedRelaysPausedAndRetrying(t *testing.T, r Relay) {
 	e.rec.checkOrder(t)
 }
 
-// TestSkipRacingCleaner: key d is held by a dead row with twelve rows
+// TestSkipRacingCleaner checks: key d is held by a dead row with twelve rows
 // parked behind it, and rows of other keys are done; two cleaners with a
 // retention of a nanosecond (dead rows too) run in a loop while the
 // operator skips d's dead row and the relay delivers d's parked rows. No

@@ -358,6 +358,25 @@ SELECT EXISTS (SELECT 1 FROM ins), NOT COALESCE((SELECT done FROM r), false),
 	return q
 }
 
+// OrderedDonePublished marks published, in table t switched from ordered
+// mode to the WAL relay, the keyed rows ordered mode is done with: at or
+// below their partition's written floor, or covered by a resolved hold of
+// their key (its row and the rows before it were acked or skipped). Ordered
+// mode never marks a keyed row published, and the WAL relay's first session
+// delivers every row neither published nor dead (its backfill): without
+// this, it would deliver those rows again, a skipped one included. Run with
+// no open ordered hold (OpenHoldsOfOtherMode) and no ordered relay running
+// (schema.RecordMode), when every such row is done. A table without ordered
+// mode's tables has nothing to mark. Command tag: the rows marked.
+func OrderedDonePublished(t schema.Table) string {
+	return `UPDATE ` + t.Sanitize() + ` AS o SET published_at = now()
+FROM ` + t.PartitionsTable() + ` AS p
+WHERE to_regclass(` + quoteLiteral(t.PartitionsTable()) + `) IS NOT NULL AND p.partition = o.ordering_partition
+  AND o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
+  AND (o.sequence <= p.floor_sequence OR EXISTS (SELECT 1 FROM ` + t.HoldsTable() + ` AS h
+    WHERE h.ordering_key = o.ordering_key AND h.resolved_at IS NOT NULL AND o.sequence <= h.sequence))`
+}
+
 // OrderedTablesExist reports whether the companion tables of ordered mode
 // exist for t.
 func OrderedTablesExist(ctx context.Context, q schema.Querier, t schema.Table) (bool, error) {
