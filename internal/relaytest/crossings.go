@@ -55,6 +55,11 @@ var crossings = []suiteCase{
 	{"MaxInFlightOneWithRetryingKey", TestMaxInFlightOneWithRetryingKey},
 	{"RetryScheduledAcrossClose", TestRetryScheduledAcrossClose},
 	{"ReplayOfRetryingHold", TestReplayOfRetryingHold},
+	{"OverrunFencedAcrossRelays", TestOverrunFencedAcrossRelays},
+	{"PermanentDefectBesideRetryingKey", TestPermanentDefectBesideRetryingKey},
+	{"CleanerAcrossHandovers", TestCleanerAcrossHandovers},
+	{"StatsDuringHoldDrain", TestStatsDuringHoldDrain},
+	{"OverrunBesideReplay", TestOverrunBesideReplay},
 }
 
 const topicB = "org.relaytest.crossing.b.v1"
