@@ -30,7 +30,7 @@ func conformanceRelay(pool *pgxpool.Pool) relaytest.Relay {
 		},
 		New: func(ctx context.Context, pool *pgxpool.Pool, tbl schema.Table, o relaytest.Options) (message.Subscriber, error) {
 			cfg := walrelay.Config{Table: tbl, MaxAttempts: o.MaxAttempts, MaxInFlight: o.MaxInFlight,
-				CloseTimeout: o.CloseTimeout, StatusInterval: 100 * time.Millisecond, ElectionInterval: 100 * time.Millisecond,
+				CloseTimeout: o.CloseTimeout, DispatchTimeout: o.DispatchTimeout, StatusInterval: 100 * time.Millisecond, ElectionInterval: 100 * time.Millisecond,
 				Backoff: func(int) time.Duration { return o.Backoff }}
 			if o.PollInterval > 0 {
 				// The stream loop's only tick is StatusInterval's.
