@@ -120,16 +120,7 @@ func TestOneCopyPerKey(t *testing.T, r Relay) {
 		}
 	}
 	e.waitAcked(within, evs...)
-	e.rec.mu.Lock()
-	over := append([]string(nil), e.rec.overlapsOf...)
-	e.rec.mu.Unlock()
-	for i, o := range over {
-		if i == 3 {
-			t.Errorf("... and %d more", len(over)-3)
-			break
-		}
-		t.Error(o)
-	}
+	reportAll(t, "one copy per key within a relay", e.overlapsInRelays())
 	e.rec.checkOrder(t)
 }
 
