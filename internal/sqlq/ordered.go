@@ -494,6 +494,22 @@ func relayModeFix(ordered bool) string {
 	return "start this relay with Ordered (OUTBOX_RELAY_ORDERED=true), or stop them first"
 }
 
+// OrderedReady reports, in one round trip, whether t has what ordered mode
+// needs (OrderedTablesExist and OrderedTermExists together) and whether it
+// has a WAL holds table (a table the WAL relay relayed: its open holds
+// refuse the switch, OpenHoldsOfOtherMode).
+func OrderedReady(ctx context.Context, q schema.Querier, t schema.Table) (ready, walHolds bool, err error) {
+	err = q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND to_regclass($3) IS NOT NULL
+  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($3) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2
+  AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'epoch' AND NOT attisdropped),
+  to_regclass($4) IS NOT NULL`,
+		t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), t.WALHoldsTable()).Scan(&ready, &walHolds)
+	if err != nil {
+		return false, false, fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)
+	}
+	return ready, walHolds, nil
+}
+
 // OrderedTermExists reports whether the partitions table of t has the
 // lease's term (epoch, migration 000006), which ordered relays of this
 // version fence their writes on. The runbook and the cleaner do not need
