@@ -334,7 +334,7 @@ func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 			// A row whose stored headers cannot be read is a permanent defect.
 			c.slot = &errorSlot{err: Permanent(err)}
 			c.delivered = time.Now()
-			s.nack(c)
+			sub.nack(c)
 			sub.slots.Unreserve(1)
 			continue
 		}
@@ -358,6 +358,14 @@ func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 		}
 	}
 	return true
+}
+
+// nack records a failed attempt of c and, when it is retried, asks the
+// claim loop's alarm for its due time.
+func (sub *subscription) nack(c *claimed) {
+	if at, ok := sub.s.nack(c); ok {
+		sub.retry.At(at)
+	}
 }
 
 // watch waits for the consumer's verdict on c and renews its lease meanwhile.
@@ -387,9 +395,7 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 			s.acks <- ackReq{c: c}
 			return
 		case <-c.msg.Nacked():
-			if at, ok := s.nack(c); ok {
-				sub.retry.At(at)
-			}
+			sub.nack(c)
 			return
 		case <-overrun.C:
 			// No more renewals: the handler loses its lease and the attempt
@@ -398,9 +404,7 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 			cancel()
 			sub.logger.Error("Handler overran its dispatch timeout; taking its lease back and counting a failed attempt",
 				s.overrunError(), watermill.LogFields{"event_id": c.row.EventID})
-			if at, ok := s.nack(c); ok {
-				sub.retry.At(at)
-			}
+			sub.nack(c)
 			return
 		case <-renew:
 			if !s.IsLeader() {

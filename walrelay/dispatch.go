@@ -28,16 +28,13 @@ func (st *stream) dispatchAll(ctx context.Context) {
 	}
 }
 
-// schedule asks the engine for a wake-up at t and arms the retry timer
-// for its earliest one, unless the timer fires earlier already.
+// schedule asks the engine for a wake-up at t and the retry alarm for its
+// earliest one (the alarm keeps an earlier ring it has already).
 func (st *stream) schedule(t time.Time) {
 	st.keyed.At(t)
-	due := st.keyed.Due()
-	if due.IsZero() || (!st.retryAt.IsZero() && !due.Before(st.retryAt)) {
-		return
+	if due := st.keyed.Due(); !due.IsZero() {
+		st.retry.At(due)
 	}
-	st.retryAt = due
-	st.retry.Reset(time.Until(due))
 }
 
 func (st *stream) dispatch(ctx context.Context, key string) {

@@ -71,11 +71,10 @@ type stream struct {
 	confirmed pglogrepl.LSN
 	idleEnd   pglogrepl.LSN // the server's position, when nothing was pending
 	settles   chan settle
-	gone      chan struct{} // closed when the loop ends: verdicts are dropped
-	term      *term.Term    // the session's term in the relay's ledger
-	stopping  bool          // the session ends: no new deliveries
-	retry     *time.Timer
-	retryAt   time.Time      // when retry fires; zero when it is not armed
+	gone      chan struct{}  // closed when the loop ends: verdicts are dropped
+	term      *term.Term     // the session's term in the relay's ledger
+	stopping  bool           // the session ends: no new deliveries
+	retry     *keyed.Alarm   // rings at the earliest retry the engine asked for (schedule)
 	inFlight  sync.WaitGroup // deliveries under way
 	// horizon candidates (xid8 text, the WAL position after it), oldest
 	// first; one becomes the horizon once the confirmed position passes it.
@@ -231,7 +230,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	if err != nil {
 		return err
 	}
-	st.retry = time.NewTimer(time.Hour)
+	st.retry = keyed.NewAlarm()
 	for _, h := range st.holds.m {
 		if h.State == keyed.Retrying {
 			st.schedule(h.DueAt) // a retrying hold of an earlier session: due at once
@@ -440,8 +439,7 @@ func (st *stream) loop(ctx, dctx context.Context) error {
 			if err := st.caughtUp(); err != nil {
 				return err
 			}
-		case <-st.retry.C:
-			st.retryAt = time.Time{}
+		case <-st.retry.C():
 			st.keyed.Woke()
 			if ctx.Err() == nil { // closing: the drain comes next, nothing new goes out
 				st.dispatchAll(dctx)

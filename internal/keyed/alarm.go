@@ -6,9 +6,10 @@ import (
 )
 
 // Alarm wakes a relay's loop at the earliest time asked for and not rung
-// yet: the default relay's claim loop asks for the time a row it nacked is
-// due again, so that the retry follows Backoff instead of waiting for the
-// next poll while the relay sleeps. The zero value is not usable; use
+// yet, so that a retry follows Backoff instead of waiting for the next poll
+// or tick while the relay sleeps: the default relay's claim loop asks for
+// the time a row it nacked is due again, the WAL relay's loop for the
+// engine's earliest wake-up (Engine.Due). The zero value is not usable; use
 // NewAlarm.
 type Alarm struct {
 	mu    sync.Mutex

@@ -366,12 +366,12 @@ SELECT EXISTS (SELECT 1 FROM ins), NOT COALESCE((SELECT done FROM r), false),
 // delivers every row neither published nor dead (its backfill): without
 // this, it would deliver those rows again, a skipped one included. Run with
 // no open ordered hold (OpenHoldsOfOtherMode) and no ordered relay running
-// (schema.RecordMode), when every such row is done. A table without ordered
-// mode's tables has nothing to mark. Command tag: the rows marked.
+// (schema.RecordMode), when every such row is done; only on a table with
+// ordered mode's tables (OrderedTablesExist). Command tag: the rows marked.
 func OrderedDonePublished(t schema.Table) string {
 	return `UPDATE ` + t.Sanitize() + ` AS o SET published_at = now()
 FROM ` + t.PartitionsTable() + ` AS p
-WHERE to_regclass(` + quoteLiteral(t.PartitionsTable()) + `) IS NOT NULL AND p.partition = o.ordering_partition
+WHERE p.partition = o.ordering_partition
   AND o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
   AND (o.sequence <= p.floor_sequence OR EXISTS (SELECT 1 FROM ` + t.HoldsTable() + ` AS h
     WHERE h.ordering_key = o.ordering_key AND h.resolved_at IS NOT NULL AND o.sequence <= h.sequence))`
