@@ -64,7 +64,8 @@ func TestCleanerKeepsRowsParkedBehindAWALHold(t *testing.T) {
 		`UPDATE ` + tbl.Sanitize() + ` SET available_at = now() - interval '10 days', created_at = now() - interval '10 days'`,
 		`WITH d AS (UPDATE ` + tbl.Sanitize() + ` SET attempts = 25, last_error = 'no', dead_at = now() - interval '9 days', available_at = 'infinity'
   WHERE event_id = $1 RETURNING sequence, event_id)
-INSERT INTO ` + tbl.WALHoldsTable() + ` (ordering_key, sequence, event_id, held_at) SELECT 'held', sequence, event_id, now() - interval '9 days' FROM d`,
+INSERT INTO ` + tbl.HoldsTable() + ` (mode, ordering_key, partition, sequence, event_id, created_at, dead_at)
+  SELECT 'wal', 'held', 0, sequence, event_id, now() - interval '9 days', now() - interval '9 days' FROM d`,
 	} {
 		args := []any{}
 		if len(sql) > 0 && sql[:4] == "WITH" {

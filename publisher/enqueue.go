@@ -194,7 +194,7 @@ func (e *Enqueuer) queries(ctx context.Context, tx Tx, table schema.Table) (*sql
 	// A table the WAL relay streams needs no wake-up: Enqueue takes the
 	// quiet statement there (detected once, like the columns).
 	var wal bool
-	if err := tx.QueryRow(ctx, sqlq.WALHoldsTableExists(table)).Scan(&wal); err != nil {
+	if err := tx.QueryRow(ctx, sqlq.WALProgressTableExists(table)).Scan(&wal); err != nil {
 		return nil, fmt.Errorf("publisher: enqueue into %s: look up the WAL relay's tables: %w", table, err)
 	}
 	e.wal.Store(table, wal)

@@ -224,7 +224,7 @@ func TestEnqueueIntoWALTable(t *testing.T) {
 	if err := schema.Migrate(ctx, pool, other, schema.WithOrderingKeyColumn()); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := pool.Exec(ctx, sqlq.WALCreateHoldsTable(other)); err != nil {
+	if _, err := pool.Exec(ctx, sqlq.WALCreateProgressTable(other)); err != nil {
 		t.Fatal(err)
 	}
 	oq := sqlq.NewQueries(other, schema.Columns{OrderingKey: true})

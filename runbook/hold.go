@@ -10,8 +10,8 @@ import (
 )
 
 // HoldState is where the hold of an ordering key is in its lifecycle, in
-// either keyed mode: the ordered relay (<table>_holds) and the WAL relay
-// (<table>_wal_holds). HeldKeys reads it from the holds table; Allows says
+// either keyed mode: the ordered relay and the WAL relay keep their holds
+// in one table (<table>_holds), whose state column HeldKeys reads; Allows says
 // which operator actions it accepts. The runbook (SkipEvent, ReplayEvent),
 // the CLI (`outbox keys held`, `outbox dead skip|replay`) and the console
 // (the held keys page, the event page) all decide with Allows, so they

@@ -135,8 +135,8 @@ func TestHoldLifecycleWAL(t *testing.T) {
 	if c.count(c.acked, g) != 1 {
 		t.Fatalf("g's replay acked %d times, want once", c.count(c.acked, g))
 	}
-	refuses(t, pool, tbl, tbl.WALHoldsTable(), p, runbook.HoldReplay, runbook.OpReplay)
-	refuses(t, pool, tbl, tbl.WALHoldsTable(), g, runbook.HoldDraining, runbook.OpSkip, runbook.OpReplay)
+	refuses(t, pool, tbl, tbl.HoldsTable(), p, runbook.HoldReplay, runbook.OpReplay)
+	refuses(t, pool, tbl, tbl.HoldsTable(), g, runbook.HoldDraining, runbook.OpSkip, runbook.OpReplay)
 
 	// Close ends the session: it cancels the held messages' contexts and
 	// records no verdict for them, so p's row stays reset and g's hold
@@ -156,14 +156,14 @@ func TestHoldLifecycleWAL(t *testing.T) {
 		t.Fatalf("skip of the dead row: %+v, %v", sk, err)
 	}
 	want["k"] = runbook.HoldSkipRequested
-	exec(t, pool, tbl, `UPDATE `+tbl.WALHoldsTable()+` SET released = true, through = sequence WHERE event_id = $1`, x)
+	exec(t, pool, tbl, `UPDATE `+tbl.HoldsTable()+` SET resolved_at = now(), through = sequence WHERE event_id = $1`, x)
 	delete(want, "x")
 	withResolved := checkHoldStates(t, pool, tbl, schema.ModeWAL, want)
 
-	refuses(t, pool, tbl, tbl.WALHoldsTable(), k, runbook.HoldSkipRequested, runbook.OpSkip, runbook.OpReplay)
-	refuses(t, pool, tbl, tbl.WALHoldsTable(), p, runbook.HoldReplay, runbook.OpReplay)
-	refuses(t, pool, tbl, tbl.WALHoldsTable(), g, runbook.HoldDraining, runbook.OpSkip, runbook.OpReplay)
-	refuses(t, pool, tbl, tbl.WALHoldsTable(), x, runbook.HoldResolved, runbook.OpSkip)
+	refuses(t, pool, tbl, tbl.HoldsTable(), k, runbook.HoldSkipRequested, runbook.OpSkip, runbook.OpReplay)
+	refuses(t, pool, tbl, tbl.HoldsTable(), p, runbook.HoldReplay, runbook.OpReplay)
+	refuses(t, pool, tbl, tbl.HoldsTable(), g, runbook.HoldDraining, runbook.OpSkip, runbook.OpReplay)
+	refuses(t, pool, tbl, tbl.HoldsTable(), x, runbook.HoldResolved, runbook.OpSkip)
 	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, x, false); !errors.Is(err, runbook.ErrNotHeld) {
 		t.Errorf("skip of a resolved hold: %v, want ErrNotHeld too", err)
 	}
@@ -203,7 +203,7 @@ func TestHoldLifecycleWAL(t *testing.T) {
 			t.Errorf("replayed row %s not reset: %+v", id, st)
 		}
 	}
-	before := holdSnapshot(t, pool, tbl, tbl.WALHoldsTable())
+	before := holdSnapshot(t, pool, tbl, tbl.HoldsTable())
 	if err := pool.QueryRow(ctx, dry.Statement.SQL, dry.Statement.Args...).Scan(new(string), new(int64)); !errors.Is(err, pgx.ErrNoRows) {
 		t.Fatalf("the skip's statement run on a hold that moved on: %v, want no row", err)
 	}
@@ -212,7 +212,7 @@ func TestHoldLifecycleWAL(t *testing.T) {
 	if err := pool.QueryRow(ctx, dryReplay.Statement.SQL, dryReplay.Statement.Args...).Scan(new(int64)); !errors.Is(err, pgx.ErrNoRows) {
 		t.Fatalf("the replay's statement run on a hold that moved on: %v, want no row", err)
 	}
-	if after := holdSnapshot(t, pool, tbl, tbl.WALHoldsTable()); after != before {
+	if after := holdSnapshot(t, pool, tbl, tbl.HoldsTable()); after != before {
 		t.Fatalf("the guarded statements changed a hold that moved on:\n%s\n%s", before, after)
 	}
 

@@ -99,7 +99,7 @@ func TestWALBulkReplayWhileDraining(t *testing.T) {
 	}
 	waitUntil(t, 20*time.Second, "k's hold draining", heldAt(x3, runbook.HoldDraining))
 
-	before := holdSnapshot(t, pool, tbl, tbl.WALHoldsTable())
+	before := holdSnapshot(t, pool, tbl, tbl.HoldsTable())
 	all := runbook.DeadFilter{Topic: topicA}
 	if res, err := runbook.New(pool, tbl).ReplayDead(ctx, all, false); err != nil || res.Rows != 0 {
 		t.Errorf("bulk replay by topic while k's hold drains: %d rows, %v; want 0 (refused)", res.Rows, err)
@@ -127,7 +127,7 @@ func TestWALBulkReplayWhileDraining(t *testing.T) {
 			t.Errorf("replay of %s while k's hold drains: %v; want a refusal by the hold's rules (draining)", id, err)
 		}
 	}
-	if after := holdSnapshot(t, pool, tbl, tbl.WALHoldsTable()); after != before {
+	if after := holdSnapshot(t, pool, tbl, tbl.HoldsTable()); after != before {
 		t.Fatalf("the refused replays changed the table:\nbefore %s\nafter  %s", before, after)
 	}
 
@@ -225,7 +225,7 @@ func TestWALBulkReplayWaitsForAConcurrentSkip(t *testing.T) {
 	}
 	// x is dead and holds k, as the relay leaves it.
 	exec(t, pool, tbl, `UPDATE `+tbl.Sanitize()+` SET dead_at = now(), attempts = 1, last_error = 'poison', available_at = 'infinity' WHERE event_id = $1`, x)
-	exec(t, pool, tbl, `INSERT INTO `+tbl.WALHoldsTable()+` (ordering_key, sequence, event_id) SELECT ordering_key, sequence, event_id FROM `+tbl.Sanitize()+` WHERE event_id = $1`, x)
+	exec(t, pool, tbl, `INSERT INTO `+tbl.HoldsTable()+` (mode, ordering_key, partition, sequence, event_id, dead_at) SELECT 'wal', ordering_key, ordering_partition, sequence, event_id, now() FROM `+tbl.Sanitize()+` WHERE event_id = $1`, x)
 	skip, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)

@@ -735,6 +735,13 @@ const modeNote = "-- Adds <table>_mode, the relay mode the table is relayed in (
 	"-- outbox migrate --ordered|--wal|--mode and by every relay that starts on the table, and read by the\n" +
 	"-- runbook, the console, the cleaner and the gauges. Without a record they infer the mode from what exists.\n"
 
+// oneHoldsNote heads the one-holds-table migration.
+const oneHoldsNote = "-- Ordered tables only (skip it for a table without ordered mode): gives <table>_holds the shape\n" +
+	"-- both keyed modes share (the WAL relay's hold columns, and state, generated from the hold's facts).\n" +
+	"-- Ordered relays of this version refuse a holds table without it. Rewrites the (small) holds table once.\n" +
+	"-- A table the WAL relay streams is brought to it by `outbox migrate --wal` (walrelay.Setup), which also\n" +
+	"-- moves the holds of <table>_wal_holds into it.\n"
+
 // MigrationFiles renders the migration files for table t, by path (as
 // Migrations holds them for public.app_outbox): numbered up and down files
 // under migrations/ for golang-migrate and similar tools, and one file per
@@ -766,6 +773,8 @@ func MigrationFiles(t Table) map[string]string {
 	down9 := availableAtDownSQL(t)
 	up10 := modeUpSQL(t)
 	down10 := modeDownSQL(t)
+	up11 := oneHoldsTableUpSQL(t)
+	down11 := oneHoldsTableDownSQL(t)
 	return map[string]string{
 		"migrations/000001_create_" + name + ".up.sql":                     h + "\n" + up1,
 		"migrations/000001_create_" + name + ".down.sql":                   h + destructive + "\n" + down1,
@@ -787,6 +796,8 @@ func MigrationFiles(t Table) map[string]string {
 		"migrations/000009_set_" + name + "_available_at_default.down.sql": h + "\n" + down9,
 		"migrations/000010_add_" + name + "_mode.up.sql":                   h + modeNote + "\n" + up10,
 		"migrations/000010_add_" + name + "_mode.down.sql":                 h + "\n" + down10,
+		"migrations/000011_add_" + name + "_one_holds_table.up.sql":        h + oneHoldsNote + "\n" + up11,
+		"migrations/000011_add_" + name + "_one_holds_table.down.sql":      h + "\n" + down11,
 		"migrations/goose/00001_create_" + name + ".sql": h + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
 		"migrations/goose/00002_add_" + name + "_dead_at.sql": h + deadAtNote + "\n-- +goose Up\n" + up4 +
@@ -803,5 +814,7 @@ func MigrationFiles(t Table) map[string]string {
 			"\n-- +goose Down\n" + down9,
 		"migrations/goose/00008_add_" + name + "_mode.sql": h + modeNote + "\n-- +goose Up\n" + up10 +
 			"\n-- +goose Down\n" + down10,
+		"migrations/goose/00009_add_" + name + "_one_holds_table.sql": h + oneHoldsNote + "\n-- +goose Up\n" + up11 +
+			"\n-- +goose Down\n" + down11,
 	}
 }

@@ -18,7 +18,7 @@ const (
 	ModeOrdered Mode = "ordered"
 	// ModeWAL: the WAL relay never marks rows published; a row is done when
 	// it was written before the recorded horizon (<table>_wal) and is not
-	// parked behind a held key (<table>_wal_holds); a dead row is parked
+	// parked behind a held key (<table>_holds); a dead row is parked
 	// with dead_at as in the default mode.
 	ModeWAL Mode = "wal"
 )

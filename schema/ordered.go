@@ -61,7 +61,7 @@ func orderedColumnStatements(t Table) []string {
 
 // orderedCompanionStatements create the companion tables, idempotently.
 func orderedCompanionStatements(t Table) []string {
-	return []string{
+	stmts := []string{
 		`CREATE TABLE IF NOT EXISTS ` + t.PartitionsTable() + ` (
   partition      SMALLINT    NOT NULL,
   owner          TEXT        NULL,
@@ -75,22 +75,9 @@ func orderedCompanionStatements(t Table) []string {
   heartbeat_at TIMESTAMPTZ NOT NULL DEFAULT now(),
   CONSTRAINT ` + t.ident(suffixRelays+suffixPkey) + ` PRIMARY KEY (relay_id)
 )`,
-		`CREATE TABLE IF NOT EXISTS ` + t.HoldsTable() + ` (
-  ordering_key      TEXT        NOT NULL,
-  partition         SMALLINT    NOT NULL,
-  sequence          BIGINT      NOT NULL,
-  attempts          INT         NOT NULL DEFAULT 0,
-  available_at      TIMESTAMPTZ NOT NULL DEFAULT now(),
-  last_error        TEXT        NULL,
-  dead_at           TIMESTAMPTZ NULL,
-  skip_requested_at TIMESTAMPTZ NULL,
-  created_at        TIMESTAMPTZ NOT NULL DEFAULT now(),
-  CONSTRAINT ` + t.ident(suffixHolds+suffixPkey) + ` PRIMARY KEY (ordering_key)
-)`,
-		`CREATE INDEX IF NOT EXISTS ` + t.ident(suffixHoldsByPartition) + ` ON ` + t.HoldsTable() + ` (partition)`,
-		holdsStateStatement(t),
 		termStatement(t),
 	}
+	return append(stmts, holdsTableStatements(t)...)
 }
 
 // termStatement adds the partition lease's term (epoch) to a partitions
@@ -129,7 +116,7 @@ func holdsStateUpSQL(t Table) string { return holdsStateStatement(t) + ";\n" }
 
 // HoldsStateDownSQL reverts HoldsStateUpSQL.
 func holdsStateDownSQL(t Table) string {
-	return `ALTER TABLE ` + t.HoldsTable() + ` DROP COLUMN IF EXISTS resolved_at, DROP COLUMN IF EXISTS replay;` + "\n"
+	return `ALTER TABLE ` + t.HoldsTable() + ` DROP COLUMN IF EXISTS state, DROP COLUMN IF EXISTS resolved_at, DROP COLUMN IF EXISTS replay;` + "\n"
 }
 
 func orderedCompanionDrops(t Table) []string {

@@ -127,9 +127,13 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 		"migrations/000009_set_app_outbox_available_at_default.down.sql",
 		"migrations/000009_set_app_outbox_available_at_default.up.sql",
 		"migrations/000003_add_app_outbox_ordering.up.sql",
+		"migrations/000011_add_app_outbox_one_holds_table.up.sql", // a no-op after 000003 of this version
+		"migrations/000011_add_app_outbox_one_holds_table.down.sql",
+		"migrations/000011_add_app_outbox_one_holds_table.up.sql",
 		"migrations/000005_add_app_outbox_hold_states.up.sql", // a no-op after 000003 of this version
 		"migrations/000005_add_app_outbox_hold_states.down.sql",
 		"migrations/000005_add_app_outbox_hold_states.up.sql",
+		"migrations/000011_add_app_outbox_one_holds_table.up.sql",
 		"migrations/000004_add_app_outbox_dead_at.up.sql", // a no-op after 000001 of this version
 		"migrations/000004_add_app_outbox_dead_at.down.sql",
 		"migrations/000004_add_app_outbox_dead_at.up.sql",
@@ -164,6 +168,13 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 			ok, err := sqlq.OrderedTablesExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
 			if want := strings.HasSuffix(f, ".up.sql"); err != nil || ok != want {
 				t.Fatalf("after %s: ordered tables ready %v (%v), want %v", f, ok, err, want)
+			}
+		}
+		if strings.Contains(f, "000011_") {
+			// Ordered relays of this version need the one holds table.
+			ready, _, err := sqlq.OrderedReady(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
+			if want := strings.HasSuffix(f, ".up.sql"); err != nil || ready != want {
+				t.Fatalf("after %s: ready for ordered relays %v (%v), want %v", f, ready, err, want)
 			}
 		}
 		if strings.Contains(f, "000007_") || strings.Contains(f, "000001_") {

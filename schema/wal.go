@@ -37,8 +37,3 @@ func WALSlotName(t Table) string {
 // name plus "_wal"): per slot, the confirmed position and the transaction
 // horizon below which every row was settled (docs/WAL.md, "Retention").
 func (t Table) WALProgressTable() string { return t.companion("_wal") }
-
-// WALHoldsTable names the WAL relay's holds table of t (name plus
-// "_wal_holds"): one row per ordering key held back by a dead row, or by a
-// retrying row whose key's backlog the relay spilled (retrying).
-func (t Table) WALHoldsTable() string { return t.companion("_wal_holds") }

@@ -234,6 +234,12 @@ func (s *Subscriber) recordMode(ctx context.Context) error {
 	rctx, cancel := context.WithTimeout(ctx, opTimeout)
 	defer cancel()
 	err := schema.RecordMode(rctx, s.pool, s.cfg.Table, mode, by)
+	if err == nil && s.cfg.Ordered {
+		// No WAL relay streams the table now: its tombstones go.
+		if _, err := s.pool.Exec(rctx, sqlq.ForgetWALTombstones(s.cfg.Table)); err != nil {
+			s.logger.Error("Could not delete the WAL relay's resolved holds; ordered mode reads them as resolved holds", err, nil)
+		}
+	}
 	switch {
 	case err == nil, errors.Is(err, schema.ErrNoModeTable):
 		return nil

@@ -39,22 +39,19 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 	if !cols.OrderingKey {
 		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the ordering_key column in %s; %s: %w", t, run, ErrOrderedNotMigrated)
 	}
-	ok, walHolds, err := sqlq.OrderedReady(ctx, pool, t)
+	ok, walOpen, err := sqlq.OrderedReady(ctx, pool, t)
 	if err != nil {
 		return nil, fmt.Errorf("subscriber: %w", err)
 	}
 	if !ok {
-		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the tables %s, %s and %s, with the hold states of migration 000005 (resolved_at, replay) and the partitions' term of migration 000006 (epoch); %s: %w",
+		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the tables %s, %s and %s, with the hold states of migration 000005 (resolved_at, replay), "+
+			"the partitions' term of migration 000006 (epoch) and the one holds table of migration 000011 (mode, state); %s: %w",
 			t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), run, ErrOrderedNotMigrated)
 	}
-	if walHolds {
-		if n, err := sqlq.OpenHoldsOfOtherMode(ctx, pool, t, schema.ModeOrdered); err != nil {
-			return nil, fmt.Errorf("subscriber: %w", err)
-		} else if n > 0 {
-			return nil, fmt.Errorf("subscriber: %w: Ordered refused for %s: the WAL relay holds %d key(s) (%s: a dead or retrying row each), and ordered mode "+
-				"does not read those holds; resolve them with the WAL relay running (`outbox keys held` lists them; replay or skip each held row, or wait for the "+
-				"retrying ones to be delivered), then switch", schema.ErrKeysHeld, t, n, t.WALHoldsTable())
-		}
+	if walOpen > 0 {
+		return nil, fmt.Errorf("subscriber: %w: Ordered refused for %s: the WAL relay holds %d key(s) (in %s: a dead or retrying row each), and ordered mode "+
+			"does not read those holds; resolve them with the WAL relay running (`outbox keys held` lists them; replay or skip each held row, or wait for the "+
+			"retrying ones to be delivered), then switch", schema.ErrKeysHeld, t, walOpen, t.HoldsTable())
 	}
 	if err := sqlq.CheckOrderedSequence(ctx, pool, t); err != nil {
 		return nil, fmt.Errorf("subscriber: invalid config: Ordered: %w", err)

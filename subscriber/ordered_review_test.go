@@ -540,42 +540,124 @@ func TestOrderedIdleFleet(t *testing.T) {
 }
 
 // TestOrderedNeedsHoldStates: a table migrated by an earlier version
-// (holds without the hold states, partitions without the term) is refused
-// with the migration to run.
+// (holds without the one holds table's columns, without the hold states,
+// partitions without the term) is refused with the migration to run, and
+// migration 000011 brings a holds table with live holds to the shape both
+// keyed modes share: each hold keeps its state, read from the generated
+// state column.
 func TestOrderedNeedsHoldStates(t *testing.T) {
 	t.Parallel()
+	ctx := context.Background()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
-	if _, err := pool.Exec(context.Background(), testdb.MigrationSQL(t, tbl, "000005", "down")); err != nil {
+	if err := schema.RecordMode(ctx, pool, tbl, schema.ModeOrdered, "test"); err != nil {
+		t.Fatal(err) // as the older version's relays left it
+	}
+	rows := enqueueKeyed(t, pool, tbl, "dead", "dead", "retry", "skip", "replay", "done")
+	// Live holds, as an ordered relay of an older version leaves them.
+	for _, h := range []struct {
+		key, set string
+	}{
+		{"dead", `dead_at = now(), available_at = 'infinity', attempts = 3, last_error = 'poison'`},
+		{"retry", `available_at = now() + interval '1 hour', attempts = 1, last_error = 'transient'`},
+		{"skip", `dead_at = now(), available_at = 'infinity', skip_requested_at = now()`},
+		{"replay", `replay = true`},
+		{"done", `resolved_at = now()`},
+	} {
+		if _, err := pool.Exec(ctx, `INSERT INTO `+tbl.HoldsTable()+` (ordering_key, partition, sequence)
+  SELECT ordering_key, ordering_partition, min(sequence) FROM `+tbl.Sanitize()+` WHERE ordering_key = $1 GROUP BY 1, 2`, h.key); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pool.Exec(ctx, `UPDATE `+tbl.HoldsTable()+` SET `+h.set+` WHERE ordering_key = $1`, h.key); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, "000011", "down")); err != nil {
 		t.Fatal(err)
 	}
-	_, err := subscriber.New(context.Background(), pool, orderedCfg(tbl), nil)
-	if !errors.Is(err, subscriber.ErrOrderedNotMigrated) || !strings.Contains(err.Error(), "000005") ||
+	_, err := subscriber.New(ctx, pool, orderedCfg(tbl), nil)
+	if !errors.Is(err, subscriber.ErrOrderedNotMigrated) || !strings.Contains(err.Error(), "000011") ||
 		!strings.Contains(err.Error(), "outbox migrate --ordered") {
+		t.Fatalf("ordered relay on a holds table without the one holds table's columns: %v", err)
+	}
+	if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, "000011", "up")); err != nil {
+		t.Fatal(err)
+	}
+	list, err := runbook.New(pool, tbl).ListHolds(ctx, runbook.HoldsFilter{Resolved: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]runbook.HoldState{}
+	for _, h := range list {
+		got[h.Key] = h.State
+	}
+	want := map[string]runbook.HoldState{"dead": runbook.HoldDead, "retry": runbook.HoldRetrying, "skip": runbook.HoldSkipRequested,
+		"replay": runbook.HoldReplay, "done": runbook.HoldResolved}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("holds after migration 000011: %v, want %v", got, want)
+	}
+	// The relay of this version starts on it, delivers the free key and
+	// applies the requested skip; the dead key stays held.
+	s, err := subscriber.New(ctx, pool, orderedCfg(tbl), nil)
+	if err != nil {
+		t.Fatalf("after migration 000011: %v", err)
+	}
+	rec := newRecorder()
+	consume(t, s, rec, nil)
+	rec.waitAcked(t, []keyed{rows[4]}, 2*time.Minute, func() { t.Error("the replayed row was not delivered") })
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(50 * time.Millisecond) {
+		open := map[string]runbook.HoldState{}
+		list, err := runbook.New(pool, tbl).ListHolds(ctx, runbook.HoldsFilter{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, h := range list {
+			open[h.Key] = h.State
+		}
+		if fmt.Sprint(open) == fmt.Sprint(map[string]runbook.HoldState{"dead": runbook.HoldDead, "retry": runbook.HoldRetrying}) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("open holds with the relay running: %v, want the dead and the retrying key's only (the skip applied, the replay delivered)", open)
+		}
+	}
+	if _ = s.Close(); rec.isAcked(rows[1].event) || rec.isAcked(rows[3].event) || rec.isAcked(rows[5].event) {
+		t.Errorf("delivered: the row behind the dead hold %v, the skipped row %v, the resolved hold's row %v; want none", rec.isAcked(rows[1].event),
+			rec.isAcked(rows[3].event), rec.isAcked(rows[5].event))
+	}
+
+	// The hold states of migration 000005 likewise (their down migration
+	// drops the state column that depends on them).
+	if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, "000005", "down")); err != nil {
+		t.Fatal(err)
+	}
+	_, err = subscriber.New(ctx, pool, orderedCfg(tbl), nil)
+	if !errors.Is(err, subscriber.ErrOrderedNotMigrated) || !strings.Contains(err.Error(), "000005") {
 		t.Fatalf("ordered relay on holds without the hold states: %v", err)
 	}
-	if _, err := pool.Exec(context.Background(), testdb.MigrationSQL(t, tbl, "000005", "up")); err != nil {
-		t.Fatal(err)
+	for _, step := range []string{"000005", "000011"} {
+		if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, step, "up")); err != nil {
+			t.Fatal(err)
+		}
 	}
-	s, err := subscriber.New(context.Background(), pool, orderedCfg(tbl), nil)
-	if err != nil {
-		t.Fatalf("after the migration: %v", err)
+	if s, err = subscriber.New(ctx, pool, orderedCfg(tbl), nil); err != nil {
+		t.Fatalf("after the migrations: %v", err)
 	}
 	_ = s.Close()
 	// The partitions' term (migration 000006) likewise.
-	if _, err := pool.Exec(context.Background(), testdb.MigrationSQL(t, tbl, "000006", "down")); err != nil {
+	if _, err := pool.Exec(ctx, testdb.MigrationSQL(t, tbl, "000006", "down")); err != nil {
 		t.Fatal(err)
 	}
-	_, err = subscriber.New(context.Background(), pool, orderedCfg(tbl), nil)
+	_, err = subscriber.New(ctx, pool, orderedCfg(tbl), nil)
 	if !errors.Is(err, subscriber.ErrOrderedNotMigrated) || !strings.Contains(err.Error(), "000006") {
 		t.Fatalf("ordered relay on partitions without the term: %v", err)
 	}
 	// What the error says to run (schema.Migrate, as `outbox migrate
 	// --ordered` does) adds it.
-	if err := schema.Migrate(context.Background(), pool, tbl, schema.WithOrderingKeyColumn()); err != nil {
+	if err := schema.Migrate(ctx, pool, tbl, schema.WithOrderingKeyColumn()); err != nil {
 		t.Fatal(err)
 	}
-	if s, err = subscriber.New(context.Background(), pool, orderedCfg(tbl), nil); err != nil {
+	if s, err = subscriber.New(ctx, pool, orderedCfg(tbl), nil); err != nil {
 		t.Fatalf("after schema.Migrate: %v", err)
 	}
 	_ = s.Close()

@@ -80,7 +80,7 @@ func rowState(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, id uuid.UUID) 
 	if err := pool.QueryRow(ctx, `SELECT dead_at IS NOT NULL FROM `+tbl.Sanitize()+` WHERE event_id = $1`, id).Scan(&dead); err != nil {
 		t.Fatal(err)
 	}
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.WALHoldsTable()).Scan(&holds); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.HoldsTable()).Scan(&holds); err != nil {
 		t.Fatal(err)
 	}
 	return dead, holds

@@ -20,9 +20,10 @@ import (
 // wal_level is not logical.
 var ErrWALLevel = errors.New("walrelay: the server's wal_level is not logical")
 
-// ErrNotSetUp is returned (wrapped) by New when the table's publication or
-// slot is missing: run Setup (or `outbox migrate --wal`) first.
-var ErrNotSetUp = errors.New("walrelay: publication or replication slot missing")
+// ErrNotSetUp is returned (wrapped) by New when the table's publication,
+// its slot, or this version's holds table is missing: run Setup (or
+// `outbox migrate --wal`) first.
+var ErrNotSetUp = errors.New("walrelay: the table is not set up for the WAL relay")
 
 // ErrTopicsPaused is returned (wrapped) by Setup and New while topics of
 // the table are paused (runbook.PauseTopic, `outbox topics pause`): the WAL
@@ -112,8 +113,8 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	if _, err := pool.Exec(ctx, sqlq.WALCreateProgressTable(t)); err != nil {
 		return n, fmt.Errorf("walrelay: create the progress table of %s: %w", t, err)
 	}
-	if _, err := pool.Exec(ctx, sqlq.WALCreateHoldsTable(t)); err != nil {
-		return n, fmt.Errorf("walrelay: create the holds table of %s: %w", t, err)
+	if err := setupHolds(ctx, pool, t); err != nil {
+		return n, err
 	}
 	// Before the publication and the slot, so that a refusal leaves no
 	// slot retaining WAL.
@@ -205,6 +206,47 @@ func markOrderedDone(ctx context.Context, pool *pgxpool.Pool, t schema.Table) er
 	if _, err := pool.Exec(ctx, sqlq.OrderedDonePublished(t)); err != nil {
 		return fmt.Errorf("walrelay: mark published the keyed rows ordered mode is done with in %s: %w", t, err)
 	}
+	// Ordered mode's tombstones said which rows it was done with; with
+	// those rows published, they say nothing more to the WAL relay.
+	if _, err := pool.Exec(ctx, sqlq.ForgetOrderedTombstones(t)); err != nil {
+		return fmt.Errorf("walrelay: delete ordered mode's resolved holds of %s: %w", t, err)
+	}
+	return nil
+}
+
+// setupHolds creates the holds table of t, or brings it to this version's
+// shape, and moves into it, in one transaction, the holds a WAL relay of an
+// older version kept in <table>_wal_holds (sqlq.WALMoveLegacyHolds).
+func setupHolds(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("walrelay: create the holds table of %s: %w", t, err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, sqlq.WALCreateHoldsTable(t)); err != nil {
+		return fmt.Errorf("walrelay: create the holds table of %s: %w", t, err)
+	}
+	var legacy bool
+	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlq.LegacyWALHoldsTable(t)).Scan(&legacy); err != nil {
+		return fmt.Errorf("walrelay: look up %s: %w", sqlq.LegacyWALHoldsTable(t), err)
+	}
+	if legacy {
+		var moved, total int64
+		if err := tx.QueryRow(ctx, sqlq.WALMoveLegacyHolds(t)).Scan(&moved, &total); err != nil {
+			return fmt.Errorf("walrelay: move the holds of %s into %s: %w", sqlq.LegacyWALHoldsTable(t), t.HoldsTable(), err)
+		}
+		if moved != total {
+			return fmt.Errorf("walrelay: %w: moving the holds of %s into %s refused: %d of its %d key(s) are held by ordered mode too; resolve ordered "+
+				"mode's holds with the ordered relay running (`outbox keys held`), then run Setup again; nothing changed",
+				schema.ErrKeysHeld, sqlq.LegacyWALHoldsTable(t), t.HoldsTable(), total-moved, total)
+		}
+		if _, err := tx.Exec(ctx, `DROP TABLE `+sqlq.LegacyWALHoldsTable(t)); err != nil {
+			return fmt.Errorf("walrelay: drop %s: %w", sqlq.LegacyWALHoldsTable(t), err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("walrelay: create the holds table of %s: %w", t, err)
+	}
 	return nil
 }
 
@@ -256,8 +298,9 @@ func refusePaused(ctx context.Context, pool *pgxpool.Pool, t schema.Table, by st
 // Setup); one further ahead was recreated after a loss.
 func setupRecord(start pglogrepl.LSN) pglogrepl.LSN { return start - 1 }
 
-// Teardown drops the slot, the publication and the progress table of t (names n, defaults when
-// empty). A dropped slot retains no WAL; events committed after it are no
+// Teardown drops the slot, the publication, the progress table and the
+// holds of t (names n, defaults when empty; the holds table itself when
+// ordered mode has no tables on t). A dropped slot retains no WAL; events committed after it are no
 // longer streamed. A slot still active is waited for up to
 // teardownSlotWait: the walsender of a relay that has just closed ends a
 // moment after the relay's connection.
@@ -285,8 +328,29 @@ func Teardown(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) 
 	if _, err := pool.Exec(ctx, sqlq.WALDropPublication(n.Publication)); err != nil {
 		return fmt.Errorf("walrelay: drop publication %s: %w", n.Publication, err)
 	}
-	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS `+t.WALProgressTable()+`, `+t.WALHoldsTable()); err != nil {
+	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS `+t.WALProgressTable()+`, `+sqlq.LegacyWALHoldsTable(t)); err != nil {
 		return fmt.Errorf("walrelay: drop the progress table of %s: %w", t, err)
+	}
+	return dropHolds(ctx, pool, t)
+}
+
+// dropHolds deletes the WAL relay's holds of t: the holds table with them
+// when it is the WAL relay's alone (t has no ordered mode's tables), else
+// only the holds the WAL relay wrote.
+func dropHolds(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
+	var holds, ordered bool
+	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL`, t.HoldsTable(), t.PartitionsTable()).Scan(&holds, &ordered); err != nil {
+		return fmt.Errorf("walrelay: look up the holds table of %s: %w", t, err)
+	}
+	sql := `DROP TABLE IF EXISTS ` + t.HoldsTable()
+	switch {
+	case !holds:
+		return nil
+	case ordered:
+		sql = `DELETE FROM ` + t.HoldsTable() + ` WHERE mode = 'wal'`
+	}
+	if _, err := pool.Exec(ctx, sql); err != nil {
+		return fmt.Errorf("walrelay: drop the holds of %s: %w", t, err)
 	}
 	return nil
 }

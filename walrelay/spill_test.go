@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -337,113 +338,84 @@ func TestWALSpillSurvivesARestart(t *testing.T) {
 	}})
 }
 
-// TestWALHoldsTableWithoutRetryingColumn: a holds table created before the
-// retrying column keeps working. The runbook reads its holds; a relay
-// whose role does not own the table (it may not add the column) relays as
-// before, retries in memory without spilling, and parks a dead row's key;
-// a relay whose role owns it adds the column in New.
-func TestWALHoldsTableWithoutRetryingColumn(t *testing.T) {
+// TestWALSetupMovesLegacyHolds: a WAL relay of an older version kept its
+// holds in <table>_wal_holds. A relay of this version refuses to start on
+// such a table (ErrNotSetUp, naming the fix); walrelay.Setup moves the live
+// holds into the one holds table, each in its state (dead, retrying with its
+// key spilled, replayed, resolved), and drops the old table; the relay then
+// retries the spilled key from the table, in order, and keeps the dead
+// key held.
+func TestWALSetupMovesLegacyHolds(t *testing.T) {
 	t.Parallel()
-	pool, tbl, pg := clusterPG(t)
+	pool, tbl, _ := clusterPG(t)
 	ctx := context.Background()
-	has := func() bool {
-		var ok bool
-		if err := pool.QueryRow(ctx, sqlq.WALHoldsHaveRetrying(tbl)).Scan(&ok); err != nil {
-			t.Fatal(err)
-		}
-		return ok
-	}
-	for _, sql := range []string{
-		`ALTER TABLE ` + tbl.WALHoldsTable() + ` DROP COLUMN retrying`,
-		`CREATE ROLE relayer LOGIN REPLICATION`,
-		`GRANT ALL ON ALL TABLES IN SCHEMA public TO relayer`,
-		`GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO relayer`,
+	legacy := sqlq.LegacyWALHoldsTable(tbl)
+	ids := enqueue(t, pool, tbl, "dead", "dead", "spill", "spill", "rep")
+	d1, d2, s1, s2, r1 := ids[0], ids[1], ids[2], ids[3], ids[4]
+	for _, st := range []struct {
+		sql  string
+		args []any
+	}{
+		// The holds as an older version kept them.
+		{sql: `DROP TABLE ` + tbl.HoldsTable()},
+		{sql: `CREATE TABLE ` + legacy + ` (
+  ordering_key TEXT NOT NULL PRIMARY KEY, sequence BIGINT NOT NULL, event_id UUID NOT NULL, draining BOOLEAN NOT NULL DEFAULT false,
+  skip_requested_at TIMESTAMPTZ NULL, held_at TIMESTAMPTZ NOT NULL DEFAULT now(), through BIGINT NOT NULL DEFAULT 0,
+  released BOOLEAN NOT NULL DEFAULT false, until_lsn PG_LSN NULL, retrying BOOLEAN NOT NULL DEFAULT false)`},
+		{sql: `UPDATE ` + tbl.Sanitize() + ` SET dead_at = now(), attempts = 1, last_error = 'poison', available_at = 'infinity' WHERE event_id = $1`, args: []any{d1}},
+		{sql: `UPDATE ` + tbl.Sanitize() + ` SET attempts = 1, last_error = 'transient' WHERE event_id = $1`, args: []any{s1}},
+		{sql: `INSERT INTO ` + legacy + ` (ordering_key, sequence, event_id, retrying, through)
+  SELECT ordering_key, sequence, event_id, ordering_key = 'spill', (SELECT max(sequence) FROM ` + tbl.Sanitize() + `)
+  FROM ` + tbl.Sanitize() + ` WHERE event_id = ANY($1::uuid[])`, args: []any{[]uuid.UUID{d1, s1, r1}}},
+		{sql: `INSERT INTO ` + legacy + ` (ordering_key, sequence, event_id, released) VALUES ('done', 0, gen_random_uuid(), true)`},
 	} {
-		if _, err := pool.Exec(ctx, sql); err != nil {
-			t.Fatal(err)
+		if _, err := pool.Exec(ctx, st.sql, st.args...); err != nil {
+			t.Fatalf("%s: %v", st.sql, err)
 		}
 	}
-	if held, err := runbook.New(pool, tbl).HeldKeys(ctx, 10); err != nil || len(held) != 0 {
-		t.Fatalf("held keys of a holds table without the column: %v, %v", held, err)
+	if _, err := walrelay.New(ctx, pool, walrelay.Config{Table: tbl}, nil); !errors.Is(err, walrelay.ErrNotSetUp) || !strings.Contains(err.Error(), "walrelay.Setup") {
+		t.Fatalf("New beside an older version's holds table: %v, want ErrNotSetUp naming walrelay.Setup", err)
 	}
-	cfg, err := pgxpool.ParseConfig(pg.URL("", ""))
+	// Readers refuse it too: reading it as holding no key would let the
+	// cleaner delete the rows its holds park.
+	if _, err := runbook.New(pool, tbl).Stats(ctx); err == nil || !strings.Contains(err.Error(), "outbox migrate --wal") {
+		t.Fatalf("Stats beside an older version's holds table: %v, want a refusal naming outbox migrate --wal", err)
+	}
+	if _, err := walrelay.Setup(ctx, pool, tbl, walrelay.Names{}); err != nil {
+		t.Fatal(err)
+	}
+	var left bool
+	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, legacy).Scan(&left); err != nil || left {
+		t.Fatalf("%s after Setup: exists %v (%v), want dropped", legacy, left, err)
+	}
+	list, err := runbook.New(pool, tbl).ListHolds(ctx, runbook.HoldsFilter{Resolved: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg.ConnConfig.User = "relayer"
-	limited, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
+	got := map[string]runbook.HoldState{}
+	for _, h := range list {
+		got[h.Key] = h.State
 	}
-	t.Cleanup(limited.Close)
+	want := map[string]runbook.HoldState{"dead": runbook.HoldDead, "spill": runbook.HoldRetrying, "rep": runbook.HoldReplay, "done": runbook.HoldResolved}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("holds after Setup moved them: %v, want %v", got, want)
+	}
 
+	s := relay(t, pool, tbl, nil)
 	l := newSpillLog()
-	keys := []string{"dead"}
-	for range 3 * spillInFlight {
-		keys = append(keys, "hot")
+	l.consume(t, s, uuid.Nil)
+	waitFor(t, 2*time.Minute, "the spilled key's rows acked", func() bool { return l.allAcked([]uuid.UUID{s1, s2}) })
+	l.mu.Lock()
+	order, dead2 := l.seqs["spill"], l.acks[d2.String()]
+	l.mu.Unlock()
+	if len(order) != 2 || order[0] >= order[1] {
+		t.Fatalf("the spilled key's rows were acked in the order %v, want its two rows in sequence order", order)
 	}
-	ids := l.enqueue(t, pool, tbl, keys...)
-	dead, head := ids[0], ids[1]
-	s := relay(t, limited, tbl, func(c *walrelay.Config) {
-		spillConfig(c)
-		c.Backoff = func(int) time.Duration { return 300 * time.Millisecond }
-	})
-	if has() {
-		t.Fatal("a relay whose role does not own the holds table added the column")
+	if dead2 != 0 {
+		t.Fatalf("the row behind the dead hold was delivered %d times, want none", dead2)
 	}
-	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex
-	handed := map[string]int{}
-	var hot []int64
-	go func() {
-		for msg := range ch {
-			mu.Lock()
-			handed[msg.UUID]++
-			n := handed[msg.UUID]
-			mu.Unlock()
-			switch {
-			case msg.UUID == dead.String():
-				subscriber.RecordError(msg, subscriber.Permanent(errors.New("poison")))
-				msg.Nack()
-			case msg.UUID == head.String() && n == 1:
-				subscriber.RecordError(msg, errors.New("transient"))
-				msg.Nack()
-			default:
-				seq, _ := strconv.ParseInt(msg.Metadata.Get(schema.MetadataSequence), 10, 64)
-				mu.Lock()
-				hot = append(hot, seq)
-				mu.Unlock()
-				msg.Ack()
-			}
-		}
-	}()
-	waitFor(t, 20*time.Second, "the hot key's rows acked and the dead row held", func() bool {
-		mu.Lock()
-		n := len(hot)
-		mu.Unlock()
-		held, err := runbook.New(pool, tbl).HeldKeys(ctx, 10)
-		return n == len(ids)-1 && err == nil && len(held) == 1 && held[0].Key == "dead" && held[0].State == runbook.HoldDead
-	})
-	mu.Lock()
-	if !slices.IsSorted(hot) || handed[head.String()] != 2 {
-		t.Errorf("hot key: sequences in order %v, head handed %d times (want 2)", slices.IsSorted(hot), handed[head.String()])
-	}
-	mu.Unlock()
-	if n := walrelay.Spilled(s); n != 0 {
-		t.Errorf("%d keys spilled without the retrying column", n)
-	}
-	if err := s.Close(); err != nil {
-		t.Fatal(err)
-	}
-	relay(t, pool, tbl, nil)
-	if !has() {
-		t.Fatal("a relay whose role owns the holds table did not add the column")
-	}
-	if held, err := runbook.New(pool, tbl).HeldKeys(ctx, 10); err != nil || len(held) != 1 || held[0].State != runbook.HoldDead {
-		t.Fatalf("held keys after the column was added: %+v, %v", held, err)
+	if held, err := runbook.New(pool, tbl).HeldKeys(ctx, 10); err != nil || len(held) == 0 {
+		t.Fatalf("held keys after the relay started: %+v, %v; want the dead key still held", held, err)
 	}
 }
 

@@ -221,7 +221,7 @@ func heldBy(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, id uuid.UUID) {
 	t.Helper()
 	waitFor(t, 10*time.Second, "the key held by "+id.String(), func() bool {
 		var n int
-		err := pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.WALHoldsTable()+` WHERE event_id = $1 AND NOT released`, id).Scan(&n)
+		err := pool.QueryRow(context.Background(), `SELECT count(*) FROM `+tbl.HoldsTable()+` WHERE event_id = $1 AND resolved_at IS NULL`, id).Scan(&n)
 		return err == nil && n == 1
 	})
 }
@@ -278,7 +278,7 @@ func TestWALSkipWhileReplayInFlight(t *testing.T) {
 	rec.waitAcked(t, ids, 10*time.Second)
 	waitFor(t, 10*time.Second, "the hold resolved", func() bool {
 		var n int
-		err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.WALHoldsTable()+` WHERE NOT released`).Scan(&n)
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.HoldsTable()+` WHERE resolved_at IS NULL`).Scan(&n)
 		return err == nil && n == 0
 	})
 	time.Sleep(300 * time.Millisecond)
@@ -328,7 +328,7 @@ func TestWALEarlierDeadRowKeepsHold(t *testing.T) {
 		t.Fatalf("earlier row dead: changed %d held %d fence ok %v, %v; want the row dead and the hold kept", changed, held, ok, err)
 	}
 	var holder uuid.UUID
-	if err := pool.QueryRow(ctx, `SELECT event_id FROM `+tbl.WALHoldsTable()+` WHERE ordering_key = 'eh'`).Scan(&holder); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT event_id FROM `+tbl.HoldsTable()+` WHERE ordering_key = 'eh'`).Scan(&holder); err != nil {
 		t.Fatal(err)
 	}
 	if holder != ids[1] {
@@ -372,7 +372,7 @@ func TestWALReplayOfSkippedRowWhileTombstoned(t *testing.T) {
 	rec.waitAcked(t, ids[1:], 15*time.Second)
 	waitFor(t, 10*time.Second, "the skipped row's tombstone", func() bool {
 		var n int
-		err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.WALHoldsTable()+` WHERE released`).Scan(&n)
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.HoldsTable()+` WHERE resolved_at IS NOT NULL`).Scan(&n)
 		return err == nil && n == 1
 	})
 	mu.Lock()
@@ -415,7 +415,7 @@ func TestWALCrashRestartKeepsSkip(t *testing.T) {
 	rec.waitAcked(t, more, 10*time.Second)
 	waitFor(t, 15*time.Second, "the tombstone forgotten", func() bool {
 		var n int
-		err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.WALHoldsTable()).Scan(&n)
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl.HoldsTable()).Scan(&n)
 		return err == nil && n == 0
 	})
 	waitRecorded(t, pool, tbl) // progress recorded past everything

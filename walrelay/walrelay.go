@@ -240,8 +240,8 @@ type Subscriber struct {
 	terms    *term.Ledger
 	sessions atomic.Int64 // sessions started: the epoch of each term
 
-	// spills: the holds table has its retrying column, so a retrying
-	// key's backlog can be spilled to a retrying hold (sqlq.WALQueries.Spill).
+	// spills: the table has keys to hold, so a retrying key's backlog can
+	// be spilled to a retrying hold (sqlq.WALQueries.Spill).
 	spills  bool
 	spilled atomic.Int64 // keys spilled (tests)
 	unseen  atomic.Int64 // statements put off until a streamed transaction was visible (tests)
@@ -288,34 +288,34 @@ func New(ctx context.Context, pool *pgxpool.Pool, cfg Config, logger watermill.L
 	}
 	s := &Subscriber{pool: pool, cfg: cfg, cols: cols, q: sqlq.NewWALQueries(cfg.Table, cols), conn: conn,
 		logger: logger.With(watermill.LogFields{"table": cfg.Table.String(), "slot": cfg.Names.Slot})}
-	if err := s.checkRetryingColumn(ctx); err != nil {
+	if err := s.checkHolds(ctx); err != nil {
 		return nil, err
 	}
 	s.terms = s.newTerms()
 	return s, nil
 }
 
-// checkRetryingColumn adds the retrying column to a holds table created
-// before it (sqlq.WALAddRetryingColumn, a metadata-only change). When
-// the relay's role may not, it runs as before the column: retrying rows
-// stay in memory, bounded by the read-ahead (docs/WAL.md, Limits), and it
-// says so once.
-func (s *Subscriber) checkRetryingColumn(ctx context.Context) error {
+// checkHolds verifies that the holds of t are kept where this version
+// keeps them: in the one holds table both keyed modes share
+// (schema.Table.HoldsTable), with no table of an older version's holds
+// left (<table>_wal_holds, which Setup moves). A table without the
+// ordering_key column holds no key.
+func (s *Subscriber) checkHolds(ctx context.Context) error {
+	t := s.cfg.Table
 	if !s.cols.OrderingKey {
-		s.q = sqlq.NewWALQueriesWithoutRetrying(s.cfg.Table, s.cols)
+		s.q = sqlq.NewWALQueriesWithoutHolds(t, s.cols)
 		return nil
 	}
-	var has bool
-	if err := s.pool.QueryRow(ctx, sqlq.WALHoldsHaveRetrying(s.cfg.Table)).Scan(&has); err != nil {
-		return fmt.Errorf("walrelay: look up the holds table of %s: %w", s.cfg.Table, err)
+	var legacy, ready bool
+	if err := s.pool.QueryRow(ctx, sqlq.WALHoldsReady(t)).Scan(&legacy, &ready); err != nil {
+		return fmt.Errorf("walrelay: look up the holds table of %s: %w", t, err)
 	}
-	if !has {
-		if _, err := s.pool.Exec(ctx, sqlq.WALAddRetryingColumn(s.cfg.Table)); err != nil {
-			s.logger.Error("The WAL holds table has no retrying column and the relay could not add it: a retrying key's backlog stays in memory; run `outbox migrate --wal` (walrelay.Setup) as the table's owner", err, nil)
-			s.q = sqlq.NewWALQueriesWithoutRetrying(s.cfg.Table, s.cols)
-			return nil
-		}
+	if legacy || !ready {
+		return fmt.Errorf("%w: this version keeps the WAL relay's holds of %s in %s, which is missing or not yet in this version's shape"+
+			" (the holds of an older version, if any, are in %s); run walrelay.Setup (outbox migrate --wal) once, as the table's owner, with the"+
+			" table's older WAL relays stopped: it moves them", ErrNotSetUp, t, t.HoldsTable(), sqlq.LegacyWALHoldsTable(t))
 	}
+	s.q = sqlq.NewWALQueries(t, s.cols)
 	s.spills = true
 	return nil
 }

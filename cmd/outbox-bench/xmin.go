@@ -187,7 +187,7 @@ func xminMode(ctx context.Context, pool *pgxpool.Pool, schemaName string, xo xmi
 	if err := schema.Migrate(ctx, pool, t, opts...); err != nil {
 		return nil, err
 	}
-	relations := []string{t.Sanitize(), t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), t.WALProgressTable(), t.WALHoldsTable()}
+	relations := []string{t.Sanitize(), t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), t.WALProgressTable()}
 	enq, err := publisher.NewEnqueuer(publisher.EnqueuerConfig{DisableNotify: mode == "wal"})
 	if err != nil {
 		return nil, err

@@ -104,7 +104,7 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 			if *wal {
 				n := walrelay.DefaultNames(t)
 				fmt.Fprintf(stdout, "\n-- WAL relay of %s: progress and holds tables\n%s;\n\n%s;\n\n%s", t,
-					sqlq.WALCreateProgressTable(t), sqlq.WALCreateHoldsTable(t),
+					sqlq.WALCreateProgressTable(t), strings.TrimSuffix(strings.TrimSpace(sqlq.WALCreateHoldsTable(t)), ";"),
 					commentOut(fmt.Sprintf("Run once (outbox migrate --wal does it, checking first), by a role with REPLICATION, on wal_level = logical:\n%s;\n%s;",
 						sqlq.WALCreatePublication(n.Publication, t), strings.Replace(sqlq.WALCreateSlot, "$1", "'"+n.Slot+"'", 1))))
 			}

@@ -163,7 +163,7 @@ func TestMigrateWALOnExistingTable(t *testing.T) {
 	var rows, slots, pubs int
 	var progress, holds bool
 	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+tbl+`), (SELECT count(*) FROM pg_replication_slots), (SELECT count(*) FROM pg_publication_rel WHERE prrelid = $1::regclass),
-  to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL`, tbl, schema.MustParseTable(tbl).WALProgressTable(), schema.MustParseTable(tbl).WALHoldsTable()).Scan(&rows, &slots, &pubs, &progress, &holds); err != nil {
+  to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL`, tbl, schema.MustParseTable(tbl).WALProgressTable(), schema.MustParseTable(tbl).HoldsTable()).Scan(&rows, &slots, &pubs, &progress, &holds); err != nil {
 		t.Fatal(err)
 	}
 	if rows != 50 || slots != 1 || pubs != 1 || !progress || !holds {

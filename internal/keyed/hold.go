@@ -8,8 +8,8 @@ import (
 
 // HoldState is where a key's hold is in its lifecycle, in both keyed
 // relays. Its values and their order are runbook.HoldState's, which the
-// runbook, the CLI and the console read from the holds tables with the
-// same precedence (sqlq.OrderedHoldStateSQL, sqlq.WALHoldStateSQL).
+// runbook, the CLI and the console read from the one holds table's state
+// column, generated with the same precedence (schema's holdStateExpr).
 type HoldState uint8
 
 // The hold states.
@@ -42,9 +42,10 @@ func (s HoldState) String() string {
 	return holdWords[0]
 }
 
-// StateOf is the state of a hold read from the ordered relay's holds
-// table, with sqlq.OrderedHoldStateSQL's precedence: resolved, then a
-// requested skip, then dead, then a replay, else retrying.
+// StateOf is the state of an ordered relay's hold from its facts, with the
+// holds table's state column's precedence (ordered mode neither drains nor
+// spills): resolved, then a requested skip, then dead, then a replay, else
+// retrying.
 func StateOf(dead, skip, replay, resolved bool) HoldState {
 	switch {
 	case resolved:

@@ -20,48 +20,22 @@ const (
 	HoldWordResolved      = "resolved"
 )
 
-// OrderedHoldStateSQL is the state of the ordered-mode hold h (a row of
-// <table>_holds aliased as h), one of the words above: resolved (a
-// tombstone), skip_requested, dead, replay (a replay hold), else retrying.
-// Ordered mode has no draining state.
-const OrderedHoldStateSQL = `CASE WHEN h.resolved_at IS NOT NULL THEN '` + HoldWordResolved + `'
-  WHEN h.skip_requested_at IS NOT NULL THEN '` + HoldWordSkipRequested + `'
-  WHEN h.dead_at IS NOT NULL THEN '` + HoldWordDead + `'
-  WHEN h.replay THEN '` + HoldWordReplay + `' ELSE '` + HoldWordRetrying + `' END`
-
-// WALHoldStateSQL is the state of the WAL relay's hold h (a row of
-// <table>_wal_holds aliased as h) of table t: resolved (released, a
-// tombstone), draining, skip_requested, retrying (the held row is not
-// dead: it failed and waits for its retry, its key's backlog spilled to
-// the table), replay (the held row is no longer dead: an operator's replay
-// reset it and the relay delivers it again), else dead. A holds table
-// created before the retrying column has no retrying hold
-// (WALRetryingSQL).
-func WALHoldStateSQL(t schema.Table) string {
-	return `CASE WHEN h.released THEN '` + HoldWordResolved + `'
-  WHEN h.draining THEN '` + HoldWordDraining + `'
-  WHEN h.skip_requested_at IS NOT NULL THEN '` + HoldWordSkipRequested + `'
-  WHEN ` + WALRetryingSQL("h") + ` THEN '` + HoldWordRetrying + `'
-  WHEN EXISTS (SELECT 1 FROM ` + t.Sanitize() + ` AS hr WHERE hr.event_id = h.event_id AND hr.published_at IS NULL AND hr.dead_at IS NULL) THEN '` + HoldWordReplay + `'
-  ELSE '` + HoldWordDead + `' END`
-}
-
-// WALRetryingSQL is the retrying column of the WAL hold aliased alias, or
-// false for a holds table created before the column: the runbook's
-// statements read either.
-func WALRetryingSQL(alias string) string {
-	return `COALESCE((to_jsonb(` + alias + `) ->> 'retrying')::boolean, false)`
-}
+// holdState is the state of the hold h (a row of <table>_holds aliased as
+// h), one of the words above: the holds table's generated column, which
+// both keyed modes share (schema's holdStateExpr: resolved, draining,
+// skip_requested, retrying when the WAL relay spilled the key, dead,
+// replay, else retrying).
+const holdState = `h.state`
 
 // HoldList lists up to $1 holds for the runbook, oldest first, the
 // resolved ones (tombstones) only when $2 is true: ordering_key, partition,
 // sequence, attempts, available_at (NULL when dead), last_error, dead_at,
 // skip_requested_at, event_id, topic (event_id and topic NULL when the row
-// is gone), replay, state (OrderedHoldStateSQL).
+// is gone), replay, state (the holds table's state column).
 func (q *OrderedQueries) HoldList() string {
 	return `SELECT h.ordering_key, h.partition::int, h.sequence, h.attempts,
   CASE WHEN h.available_at = 'infinity' THEN NULL ELSE h.available_at END, h.last_error, h.dead_at, h.skip_requested_at,
-  o.event_id::text, o.topic, h.replay, ` + OrderedHoldStateSQL + `
+  o.event_id::text, o.topic, h.replay, ` + holdState + `
 FROM ` + q.Table.HoldsTable() + ` AS h LEFT JOIN ` + q.Table.Sanitize() + ` AS o ON o.ordering_key = h.ordering_key AND o.sequence = h.sequence
 WHERE ($2::bool OR h.resolved_at IS NULL)
 ORDER BY h.created_at, h.ordering_key LIMIT $1`
@@ -71,7 +45,7 @@ ORDER BY h.created_at, h.ordering_key LIMIT $1`
 // ones included: ordering_key, sequence, dead, state. No row when the row
 // holds no key.
 func (q *OrderedQueries) HoldOfEvent() string {
-	return `SELECT h.ordering_key, h.sequence, h.dead_at IS NOT NULL, ` + OrderedHoldStateSQL + `
+	return `SELECT h.ordering_key, h.sequence, h.dead_at IS NOT NULL, ` + holdState + `
 FROM ` + q.Table.Sanitize() + ` AS o JOIN ` + q.Table.HoldsTable() + ` AS h ON h.ordering_key = o.ordering_key AND h.sequence = o.sequence
 WHERE o.event_id = $1::uuid`
 }
@@ -81,7 +55,7 @@ WHERE o.event_id = $1::uuid`
 // the state the runbook checked cannot change under it. Command tag: rows.
 func (q *OrderedQueries) RetryHoldIn() string {
 	return `UPDATE ` + q.Table.HoldsTable() + ` AS h SET dead_at = NULL, attempts = 0, available_at = now()
-WHERE h.ordering_key = $1 AND h.sequence = $2 AND ` + OrderedHoldStateSQL + ` = ANY($3::text[])`
+WHERE h.ordering_key = $1 AND h.sequence = $2 AND ` + holdState + ` = ANY($3::text[])`
 }
 
 // SkipHoldIn asks the relay to drop the hold of key $1 at sequence $2 and
@@ -91,7 +65,7 @@ WHERE h.ordering_key = $1 AND h.sequence = $2 AND ` + OrderedHoldStateSQL + ` = 
 func (q *OrderedQueries) SkipHoldIn() string {
 	return `WITH h AS (
   UPDATE ` + q.Table.HoldsTable() + ` AS h SET skip_requested_at = now()
-  WHERE h.ordering_key = $1 AND h.sequence = $2 AND ` + OrderedHoldStateSQL + ` = ANY($3::text[]) RETURNING sequence
+  WHERE h.ordering_key = $1 AND h.sequence = $2 AND ` + holdState + ` = ANY($3::text[]) RETURNING sequence
 ), o AS (
   UPDATE ` + q.Table.Sanitize() + ` SET last_error = '` + SkippedErrorPrefix + ` at ' || now()::text || COALESCE('; was: ' || last_error, '')
   WHERE ordering_key = $1 AND sequence = $2 AND EXISTS (SELECT 1 FROM h) RETURNING 1
@@ -104,17 +78,17 @@ SELECT EXISTS (SELECT 1 FROM h)`
 // OrderedQueries.HoldList (partition 0, replay false).
 func WALHoldList(t schema.Table) string {
 	return `SELECT h.ordering_key, 0, h.sequence, COALESCE(o.attempts, 0), NULLIF(o.available_at, 'infinity'), o.last_error, o.dead_at,
-  h.skip_requested_at, h.event_id::text, o.topic, false, ` + WALHoldStateSQL(t) + `
-FROM ` + t.WALHoldsTable() + ` AS h LEFT JOIN ` + t.Sanitize() + ` AS o ON o.event_id = h.event_id
-WHERE ($2::bool OR NOT h.released)
-ORDER BY h.held_at, h.ordering_key LIMIT $1`
+  h.skip_requested_at, h.event_id::text, o.topic, false, ` + holdState + `
+FROM ` + t.HoldsTable() + ` AS h LEFT JOIN ` + t.Sanitize() + ` AS o ON o.event_id = h.event_id
+WHERE h.mode = 'wal' AND ($2::bool OR h.resolved_at IS NULL)
+ORDER BY h.created_at, h.ordering_key LIMIT $1`
 }
 
 // WALHoldOfEvent finds the hold of the WAL table t whose row's event_id is
 // $1, released ones included: ordering_key, sequence, state. No row when
 // the event holds no key.
 func WALHoldOfEvent(t schema.Table) string {
-	return `SELECT h.ordering_key, h.sequence, ` + WALHoldStateSQL(t) + ` FROM ` + t.WALHoldsTable() + ` AS h WHERE h.event_id = $1::uuid`
+	return `SELECT h.ordering_key, h.sequence, ` + holdState + ` FROM ` + t.HoldsTable() + ` AS h WHERE h.mode = 'wal' AND h.event_id = $1::uuid`
 }
 
 // WALSkipHoldIn asks the WAL relay to skip the row $1 (event_id text) that
@@ -122,8 +96,8 @@ func WALHoldOfEvent(t schema.Table) string {
 // the relay then delivers the key's later rows; the row stays dead.
 // Returns: the key and the sequence, no row otherwise.
 func WALSkipHoldIn(t schema.Table) string {
-	return `UPDATE ` + t.WALHoldsTable() + ` AS h SET skip_requested_at = now()
-WHERE h.event_id = $1::uuid AND ` + WALHoldStateSQL(t) + ` = ANY($2::text[]) RETURNING h.ordering_key, h.sequence`
+	return `UPDATE ` + t.HoldsTable() + ` AS h SET skip_requested_at = now()
+WHERE h.mode = 'wal' AND h.event_id = $1::uuid AND ` + holdState + ` = ANY($2::text[]) RETURNING h.ordering_key, h.sequence`
 }
 
 // WALReplayRule is the hold rule of a replay in a WAL table, as the states
@@ -143,8 +117,8 @@ type WALReplayRule struct {
 // <table>_wal_holds aliased h, the hold of row's key) accepts a replay of
 // row (an alias of a row of t): its state (WALHoldStateSQL) is one of held
 // (a text array expression) when row is the held row, else one of others.
-func WALReplayAllowsSQL(t schema.Table, row, held, others string) string {
-	return WALHoldStateSQL(t) + ` = ANY(CASE WHEN h.event_id = ` + row + `.event_id THEN ` + held + ` ELSE ` + others + ` END)`
+func WALReplayAllowsSQL(row, held, others string) string {
+	return holdState + ` = ANY(CASE WHEN h.event_id = ` + row + `.event_id THEN ` + held + ` ELSE ` + others + ` END)`
 }
 
 // guard is the condition, on row o of a dead row's selection, that the
@@ -153,12 +127,12 @@ func WALReplayAllowsSQL(t schema.Table, row, held, others string) string {
 // the statement's CTE lh (lockHolds): as locked, not as of the
 // statement's snapshot.
 func (r WALReplayRule) guard(arg func(v any, cast string) string, locked bool) string {
-	holds := r.Table.WALHoldsTable()
+	holds := r.Table.HoldsTable()
 	if locked {
 		holds = "lh"
 	}
-	return `NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key
-      AND NOT (` + WALReplayAllowsSQL(r.Table, "o", arg(r.Held, "::text[]"), arg(r.Others, "::text[]")) + `))`
+	return `NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key AND h.mode = 'wal'
+      AND NOT (` + WALReplayAllowsSQL("o", arg(r.Held, "::text[]"), arg(r.Others, "::text[]")) + `))`
 }
 
 // lockHolds is the CTE lh of a bulk replay's statement: the holds of the
@@ -167,8 +141,8 @@ func (r WALReplayRule) guard(arg func(v any, cast string) string, locked bool) s
 // after the replay, never beside it (as WALReplayEvent's lock).
 func (r WALReplayRule) lockHolds() string {
 	return `lh AS MATERIALIZED (
-  SELECT h.* FROM ` + r.Table.WALHoldsTable() + ` AS h
-  WHERE h.ordering_key IN (SELECT d.ordering_key FROM ` + r.Table.Sanitize() + ` AS d WHERE d.published_at IS NULL AND d.dead_at IS NOT NULL)
+  SELECT h.* FROM ` + r.Table.HoldsTable() + ` AS h
+  WHERE h.mode = 'wal' AND h.ordering_key IN (SELECT d.ordering_key FROM ` + r.Table.Sanitize() + ` AS d WHERE d.published_at IS NULL AND d.dead_at IS NOT NULL)
   FOR SHARE
 ), `
 }
@@ -183,18 +157,32 @@ func (r WALReplayRule) lockHolds() string {
 // it. Returns: sequence, no row when nothing was reset.
 func WALReplayEvent(r WALReplayRule, eventID string, lockTTL time.Duration) Statement {
 	t := r.Table
-	holds := t.WALHoldsTable()
+	holds := t.HoldsTable()
 	return Statement{SQL: `WITH g AS (
-  UPDATE ` + holds + ` AS h SET held_at = h.held_at FROM ` + t.Sanitize() + ` AS r
-  WHERE r.event_id = $1::uuid AND h.ordering_key = r.ordering_key AND ` + WALReplayAllowsSQL(t, "r", "$3::text[]", "$4::text[]") + ` RETURNING 1
+  SELECT h.ordering_key FROM ` + holds + ` AS h JOIN ` + t.Sanitize() + ` AS r ON h.ordering_key = r.ordering_key
+  WHERE r.event_id = $1::uuid AND h.mode = 'wal' AND ` + WALReplayAllowsSQL("r", "$3::text[]", "$4::text[]") + `
+  FOR UPDATE OF h
+), u AS (
+  UPDATE ` + t.Sanitize() + ` AS o SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
+  WHERE o.event_id = $1::uuid
+    AND o.published_at IS NULL
+    AND (o.dead_at IS NOT NULL OR o.last_error IS NOT NULL)
+    AND NOT ` + LeaseLiveWithin("$2::float8") + `
+    AND (EXISTS (SELECT 1 FROM g) OR NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key AND h.mode = 'wal'))
+  RETURNING o.sequence, o.event_id
+), hr AS (
+  ` + walHeldReplayed(t, "u") + `
 )
-UPDATE ` + t.Sanitize() + ` AS o SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
-WHERE o.event_id = $1::uuid
-  AND o.published_at IS NULL
-  AND (o.dead_at IS NOT NULL OR o.last_error IS NOT NULL)
-  AND NOT ` + LeaseLiveWithin("$2::float8") + `
-  AND (EXISTS (SELECT 1 FROM g) OR NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key))
-RETURNING o.sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL), r.Held, r.Others}}
+SELECT sequence FROM u`, Args: []any{eventID, lockTTLSeconds(lockTTL), r.Held, r.Others}}
+}
+
+// walHeldReplayed is the statement that records, on the WAL relay's open
+// holds, that their held row is among the rows of rel (a relation with
+// event_id) an operator's replay just reset: the hold is no longer dead but
+// replayed (state replay), until the relay delivers the row again.
+func walHeldReplayed(t schema.Table, rel string) string {
+	return `UPDATE ` + t.HoldsTable() + ` AS h SET dead_at = NULL, replay = true FROM ` + rel + ` AS x
+  WHERE h.event_id = x.event_id AND h.mode = 'wal' AND h.resolved_at IS NULL`
 }
 
 // WALHoldOfKeyOfEvent finds the hold of the key of the row of the WAL
@@ -202,8 +190,8 @@ RETURNING o.sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL), r.Held, r.O
 // sequence, state, and whether the row is the held one. No row when the
 // key holds nothing.
 func WALHoldOfKeyOfEvent(t schema.Table) string {
-	return `SELECT h.ordering_key, h.sequence, ` + WALHoldStateSQL(t) + `, h.event_id = r.event_id
-FROM ` + t.WALHoldsTable() + ` AS h JOIN ` + t.Sanitize() + ` AS r ON h.ordering_key = r.ordering_key WHERE r.event_id = $1::uuid`
+	return `SELECT h.ordering_key, h.sequence, ` + holdState + `, h.event_id = r.event_id
+FROM ` + t.HoldsTable() + ` AS h JOIN ` + t.Sanitize() + ` AS r ON h.ordering_key = r.ordering_key WHERE h.mode = 'wal' AND r.event_id = $1::uuid`
 }
 
 // OpenHoldsOfOtherMode counts the holds of t that the keyed mode other than
@@ -214,20 +202,39 @@ FROM ` + t.WALHoldsTable() + ` AS h JOIN ` + t.Sanitize() + ` AS r ON h.ordering
 // read the other mode's holds, and would deliver a held key's rows past its
 // failing or dead row (or deliver that row again).
 func OpenHoldsOfOtherMode(ctx context.Context, q schema.Querier, t schema.Table, m schema.Mode) (int64, error) {
-	holds, open := t.HoldsTable(), `resolved_at IS NULL`
-	if m == schema.ModeOrdered {
-		holds, open = t.WALHoldsTable(), `NOT released`
-	}
-	var exists bool
-	if err := q.QueryRow(ctx, `SELECT to_regclass(`+quoteLiteral(holds)+`) IS NOT NULL`).Scan(&exists); err != nil {
-		return 0, fmt.Errorf("look up the holds table %s: %w", holds, err)
-	}
-	if !exists {
-		return 0, nil
+	other := string(schema.ModeWAL)
+	if m == schema.ModeWAL {
+		other = string(schema.ModeOrdered)
 	}
 	var n int64
-	if err := q.QueryRow(ctx, `SELECT count(*) FROM `+holds+` WHERE `+open).Scan(&n); err != nil {
-		return 0, fmt.Errorf("count the open holds of %s: %w", holds, err)
+	var exists bool
+	if err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, t.HoldsTable()).Scan(&exists); err != nil {
+		return 0, fmt.Errorf("look up the holds table %s: %w", t.HoldsTable(), err)
 	}
-	return n, nil
+	if exists {
+		// The mode is read through to_jsonb: a holds table made by an
+		// older version has no mode column, and holds ordered mode's only.
+		err := q.QueryRow(ctx, `SELECT count(*) FROM `+t.HoldsTable()+` AS h
+  WHERE COALESCE(to_jsonb(h)->>'mode', 'ordered') = $1 AND h.resolved_at IS NULL`, other).Scan(&n)
+		if err != nil {
+			return 0, fmt.Errorf("count the open holds of %s: %w", t.HoldsTable(), err)
+		}
+	}
+	if m != schema.ModeOrdered {
+		return n, nil
+	}
+	// A WAL relay of an older version kept its holds in <table>_wal_holds
+	// (walrelay.Setup moves them).
+	var legacy bool
+	if err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, LegacyWALHoldsTable(t)).Scan(&legacy); err != nil || !legacy {
+		if err != nil {
+			return 0, fmt.Errorf("look up %s: %w", LegacyWALHoldsTable(t), err)
+		}
+		return n, nil
+	}
+	var l int64
+	if err := q.QueryRow(ctx, `SELECT count(*) FROM `+LegacyWALHoldsTable(t)+` WHERE NOT released`).Scan(&l); err != nil {
+		return 0, fmt.Errorf("count the open holds of %s: %w", LegacyWALHoldsTable(t), err)
+	}
+	return n + l, nil
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -271,7 +272,8 @@ ON CONFLICT (ordering_key) DO UPDATE SET
   dead_at = CASE WHEN ` + deadNow + ` THEN now() END,
   skip_requested_at = CASE WHEN ` + same + ` THEN h.skip_requested_at END,
   replay = CASE WHEN ` + same + ` THEN h.replay ELSE false END,
-  resolved_at = NULL, created_at = CASE WHEN ` + same + ` THEN h.created_at ELSE now() END
+  resolved_at = NULL, created_at = CASE WHEN ` + same + ` THEN h.created_at ELSE now() END,
+  mode = 'ordered', event_id = NULL, draining = false, spilled = false, through = 0, until_lsn = NULL
 WHERE ` + same + ` OR (h.resolved_at IS NOT NULL AND h.sequence < EXCLUDED.sequence)
 RETURNING h.dead_at IS NOT NULL, h.attempts, h.skip_requested_at IS NOT NULL`
 	q.advance = `WITH own AS (` + own("$6") + `),
@@ -348,7 +350,8 @@ DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id AND o.xmin = 
   INSERT INTO ` + holds + ` AS h (ordering_key, partition, sequence, attempts, available_at, replay)
   SELECT r.ordering_key, r.ordering_partition, r.sequence, 0, now(), true FROM r WHERE r.done AND EXISTS (SELECT 1 FROM touch)
   ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, partition = EXCLUDED.partition, attempts = 0,
-    available_at = now(), last_error = NULL, dead_at = NULL, skip_requested_at = NULL, replay = true, resolved_at = NULL, created_at = now()
+    available_at = now(), last_error = NULL, dead_at = NULL, skip_requested_at = NULL, replay = true, resolved_at = NULL, created_at = now(),
+    mode = 'ordered', event_id = NULL, draining = false, spilled = false, through = 0, until_lsn = NULL
   WHERE h.resolved_at IS NOT NULL AND h.sequence <= (SELECT floor FROM r)
   RETURNING 1
 )
@@ -375,6 +378,22 @@ WHERE p.partition = o.ordering_partition
   AND o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
   AND (o.sequence <= p.floor_sequence OR EXISTS (SELECT 1 FROM ` + t.HoldsTable() + ` AS h
     WHERE h.ordering_key = o.ordering_key AND h.resolved_at IS NOT NULL AND o.sequence <= h.sequence))`
+}
+
+// ForgetOrderedTombstones deletes ordered mode's resolved holds of t
+// (tombstones), once t is switched to the WAL relay and the rows they
+// covered are marked published (OrderedDonePublished).
+func ForgetOrderedTombstones(t schema.Table) string {
+	return `DELETE FROM ` + t.HoldsTable() + ` WHERE mode = 'ordered' AND resolved_at IS NOT NULL`
+}
+
+// ForgetWALTombstones deletes the WAL relay's resolved holds of t
+// (tombstones), once t is relayed in ordered mode: they kept the WAL relay
+// from delivering the stream's copies of rows it had delivered, which
+// ordered mode does not read. The WAL relay's open holds refuse the switch
+// (OpenHoldsOfOtherMode).
+func ForgetWALTombstones(t schema.Table) string {
+	return `DELETE FROM ` + t.HoldsTable() + ` WHERE mode = 'wal' AND resolved_at IS NOT NULL`
 }
 
 // OrderedTablesExist reports whether the companion tables of ordered mode
@@ -494,20 +513,35 @@ func relayModeFix(ordered bool) string {
 	return "start this relay with Ordered (OUTBOX_RELAY_ORDERED=true), or stop them first"
 }
 
-// OrderedReady reports, in one round trip, whether t has what ordered mode
-// needs (OrderedTablesExist and OrderedTermExists together) and whether it
-// has a WAL holds table (a table the WAL relay relayed: its open holds
-// refuse the switch, OpenHoldsOfOtherMode).
-func OrderedReady(ctx context.Context, q schema.Querier, t schema.Table) (ready, walHolds bool, err error) {
-	err = q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND to_regclass($3) IS NOT NULL
-  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($3) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2
+// OrderedReady reports whether t has what ordered mode needs (its
+// companion tables, the hold states of migration 000005, the partitions'
+// term of 000006 and the one holds table of 000011) and how many holds the
+// WAL relay keeps open in it (they refuse the switch, OpenHoldsOfOtherMode):
+// one round trip, but for a table a WAL relay of an older version left its
+// holds table in.
+func OrderedReady(ctx context.Context, q schema.Querier, t schema.Table) (ready bool, walOpen int64, err error) {
+	var legacy bool
+	err = q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL
   AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'epoch' AND NOT attisdropped),
-  to_regclass($4) IS NOT NULL`,
-		t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), t.WALHoldsTable()).Scan(&ready, &walHolds)
-	if err != nil {
-		return false, false, fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)
+  (SELECT count(*) FROM `+t.HoldsTable()+` AS h WHERE h.mode = 'wal' AND h.resolved_at IS NULL),
+  to_regclass($3) IS NOT NULL`,
+		t.PartitionsTable(), t.RelaysTable(), LegacyWALHoldsTable(t)).Scan(&ready, &walOpen, &legacy)
+	var pgErr *pgconn.PgError
+	// No holds table (42P01), or one without this version's columns: 42703,
+	// or 42809 for h.mode, which PostgreSQL reads as the aggregate mode(h)
+	// when the table has no such column.
+	if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42703" || pgErr.Code == "42809") {
+		return false, 0, nil
 	}
-	return ready, walHolds, nil
+	if err != nil {
+		return false, 0, fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)
+	}
+	if ready && legacy {
+		if walOpen, err = OpenHoldsOfOtherMode(ctx, q, t, schema.ModeOrdered); err != nil {
+			return false, 0, err
+		}
+	}
+	return ready, walOpen, nil
 }
 
 // OrderedTermExists reports whether the partitions table of t has the

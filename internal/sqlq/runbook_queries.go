@@ -170,6 +170,18 @@ func (f RunbookFilter) lockHolds() string {
 	return f.WALReplay.lockHolds()
 }
 
+// heldReplayed is the CTE that marks replayed the WAL holds whose held row
+// is among the rows of rel (a relation with event_id) a bulk replay resets
+// (walHeldReplayed), "" without a hold rule.
+func (f RunbookFilter) heldReplayed(rel string) string {
+	if f.WALReplay == nil {
+		return ""
+	}
+	return `, hr AS (
+  ` + walHeldReplayed(f.WALReplay.Table, rel) + `
+)`
+}
+
 func lockTTLSeconds(d time.Duration) float64 {
 	if d <= 0 {
 		d = LockTTLDefault
@@ -291,7 +303,7 @@ func (q RunbookQueries) ReplayDeadExpecting(f RunbookFilter, maxSequence, rows i
   UPDATE ` + tbl + ` AS o SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
   FROM target, snap WHERE o.id = target.id AND snap.n = $` + m + `::bigint AND snap.digest = $` + n + `::text
   RETURNING o.event_id
-)
+)` + f.heldReplayed("upd") + `
 SELECT snap.n, snap.digest, (SELECT count(*) FROM upd), ARRAY(SELECT event_id::text FROM upd) FROM snap`, Args: args}
 }
 
@@ -302,10 +314,14 @@ SELECT snap.n, snap.digest, (SELECT count(*) FROM upd), ARRAY(SELECT event_id::t
 // the rows changed.
 func (q RunbookQueries) ReplayDead(f RunbookFilter) Statement {
 	tbl := q.Table.Sanitize()
-	target, args := deadTarget(tbl, f, "id", true, true)
+	cols := "id"
+	if f.WALReplay != nil {
+		cols = "id, event_id"
+	}
+	target, args := deadTarget(tbl, f, cols, true, true)
 	return Statement{SQL: `WITH ` + f.lockHolds() + `target AS (
   ` + target + `
-)
+)` + f.heldReplayed("target") + `
 UPDATE ` + tbl + ` AS o SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
 FROM target WHERE o.id = target.id`, Args: args}
 }

@@ -77,16 +77,16 @@ func (q StateQueries) walHorizonAge() string {
 // hold is not released and o comes after the held row, or o is the held
 // row of a retrying hold (not dead: the relay delivers it from the table
 // at its retry).
-var walParked = `COALESCE(NOT w.released AND (o.sequence > w.sequence OR (o.sequence = w.sequence AND ` + WALRetryingSQL("w") + `)), false)`
+var walParked = `COALESCE(w.resolved_at IS NULL AND (o.sequence > w.sequence OR (o.sequence = w.sequence AND w.spilled)), false)`
 
 // walHoldJoin joins a row o to its key's WAL hold w, or to nothing when
 // the table has no ordering column.
 func (q StateQueries) walHoldJoin() string {
 	if q.Columns.OrderingKey {
-		return `LEFT JOIN ` + q.Table.WALHoldsTable() + ` AS w ON w.ordering_key = o.ordering_key`
+		return `LEFT JOIN ` + q.Table.HoldsTable() + ` AS w ON w.ordering_key = o.ordering_key AND w.mode = 'wal'`
 	}
-	return `LEFT JOIN (SELECT NULL::text AS ordering_key, NULL::bigint AS sequence, NULL::uuid AS event_id, NULL::boolean AS released,
-    NULL::timestamptz AS skip_requested_at WHERE false) AS w ON false`
+	return `LEFT JOIN (SELECT NULL::text AS ordering_key, NULL::bigint AS sequence, NULL::uuid AS event_id, NULL::timestamptz AS resolved_at,
+    NULL::boolean AS spilled, NULL::timestamptz AS skip_requested_at WHERE false) AS w ON false`
 }
 
 // DeleteStreamed deletes, in a WAL table, up to a batch ($2) of the rows
@@ -118,7 +118,7 @@ func (q StateQueries) DeleteDead() string {
 	held := ``
 	if q.Mode == schema.ModeWAL && q.Columns.OrderingKey {
 		held = `
-    AND NOT EXISTS (SELECT 1 FROM ` + q.Table.WALHoldsTable() + ` AS w WHERE w.ordering_key = o.ordering_key AND w.event_id = o.event_id AND NOT w.released)`
+    AND NOT EXISTS (SELECT 1 FROM ` + q.Table.HoldsTable() + ` AS w WHERE w.ordering_key = o.ordering_key AND w.event_id = o.event_id AND w.mode = 'wal' AND w.resolved_at IS NULL)`
 	}
 	return `WITH victims AS (
   SELECT o.id FROM ` + tbl + ` AS o
@@ -166,7 +166,7 @@ func (q StateQueries) classified(src string) string {
     NOT d.done AND o.dead_at IS NOT NULL AS dead
   FROM (` + src + `) AS o
   ` + hold + `
-  CROSS JOIN LATERAL (SELECT COALESCE(NOT w.released AND w.event_id = o.event_id, false) AS holds_it,
+  CROSS JOIN LATERAL (SELECT COALESCE(w.resolved_at IS NULL AND w.event_id = o.event_id, false) AS holds_it,
     ` + walParked + ` AS parked,
     COALESCE(o.dead_at IS NULL AND age(o.row_xmin) > ` + q.walHorizonAge() + `, false) AS settled) AS f
   CROSS JOIN LATERAL (SELECT o.published_at IS NOT NULL OR (f.settled AND NOT f.parked) AS done) AS d`
@@ -232,10 +232,10 @@ func (q StateQueries) Stats() string {
   (SELECT count(*) FROM ` + q.Table.HoldsTable() + ` WHERE resolved_at IS NULL AND replay),
   (SELECT count(*) FROM ` + q.Table.HoldsTable() + ` WHERE resolved_at IS NULL AND skip_requested_at IS NOT NULL)`
 	case q.Mode == schema.ModeWAL && q.Columns.OrderingKey:
-		held = `(SELECT count(*) FROM ` + q.Table.WALHoldsTable() + ` WHERE NOT released),
-  (SELECT count(*) FROM ` + q.Table.WALHoldsTable() + ` AS w JOIN ` + tbl + ` AS o ON o.event_id = w.event_id WHERE NOT w.released AND o.dead_at IS NOT NULL),
+		held = `(SELECT count(*) FROM ` + q.Table.HoldsTable() + ` WHERE mode = 'wal' AND resolved_at IS NULL),
+  (SELECT count(*) FROM ` + q.Table.HoldsTable() + ` AS w JOIN ` + tbl + ` AS o ON o.event_id = w.event_id WHERE w.mode = 'wal' AND w.resolved_at IS NULL AND o.dead_at IS NOT NULL),
   0::bigint,
-  (SELECT count(*) FROM ` + q.Table.WALHoldsTable() + ` WHERE NOT released AND skip_requested_at IS NOT NULL)`
+  (SELECT count(*) FROM ` + q.Table.HoldsTable() + ` WHERE mode = 'wal' AND resolved_at IS NULL AND skip_requested_at IS NOT NULL)`
 	}
 	pending := `NOT s.done AND NOT s.dead`
 	return `WITH s AS (
@@ -386,14 +386,17 @@ SELECT count(*), count(*) FILTER (WHERE s.done), count(*) FILTER (WHERE s.dead),
 
 // ModeProbe reads what decides a table's mode. No args. Returns: the WAL
 // progress table exists, the table is named in a publication, the ordered
-// companion tables (with this version's hold states) exist, the WAL holds
-// table exists.
+// companion tables (with the hold states of migration 000005) exist, the
+// holds table has this version's shape (its state column, migration 000011
+// or walrelay.Setup), a WAL relay of an older version's holds table
+// (<table>_wal_holds) exists.
 func ModeProbe(t schema.Table) string {
 	return `SELECT to_regclass(` + quoteLiteral(t.WALProgressTable()) + `) IS NOT NULL,
   EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = to_regclass(` + quoteLiteral(t.Sanitize()) + `)),
   to_regclass(` + quoteLiteral(t.PartitionsTable()) + `) IS NOT NULL AND to_regclass(` + quoteLiteral(t.HoldsTable()) + `) IS NOT NULL
   AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.HoldsTable()) + `) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2,
-  to_regclass(` + quoteLiteral(t.WALHoldsTable()) + `) IS NOT NULL`
+  EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.HoldsTable()) + `) AND attname = 'state' AND NOT attisdropped),
+  to_regclass(` + quoteLiteral(LegacyWALHoldsTable(t)) + `) IS NOT NULL`
 }
 
 // DecideMode turns the answers of ModeProbe and the table's columns into

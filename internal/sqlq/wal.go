@@ -83,38 +83,65 @@ func WALCreateProgressTable(t schema.Table) string {
 )`
 }
 
-// WALCreateHoldsTable creates the holds table of t, and adds the retrying
-// column to a table created before it (WALAddRetryingColumn): two
-// statements, for a call without arguments (simple protocol) or a script.
-func WALCreateHoldsTable(t schema.Table) string {
-	return `CREATE TABLE IF NOT EXISTS ` + t.WALHoldsTable() + ` (
-  ordering_key      TEXT        NOT NULL PRIMARY KEY,
-  sequence          BIGINT      NOT NULL,
-  event_id          UUID        NOT NULL,
-  draining          BOOLEAN     NOT NULL DEFAULT false,
-  skip_requested_at TIMESTAMPTZ NULL,
-  held_at           TIMESTAMPTZ NOT NULL DEFAULT now(),
-  through           BIGINT      NOT NULL DEFAULT 0,
-  released          BOOLEAN     NOT NULL DEFAULT false,
-  until_lsn         PG_LSN      NULL,
-  retrying          BOOLEAN     NOT NULL DEFAULT false
-);
-` + WALAddRetryingColumn(t)
+// WALCreateHoldsTable creates the holds table of t (schema.HoldsTableSQL:
+// the one holds table both keyed modes share), or brings one made by an
+// older version to this version's shape: statements for a call without
+// arguments (simple protocol) or a script.
+func WALCreateHoldsTable(t schema.Table) string { return schema.HoldsTableSQL(t) }
+
+// WALMoveLegacyHolds copies the holds of <table>_wal_holds, where WAL
+// relays of older versions kept them, into the holds table (mode wal; a
+// hold of a key replaces only a resolved hold of it, never an open one of
+// ordered mode), in one transaction after WALCreateHoldsTable, which then
+// drops the old table when every hold was copied. An old hold is dead
+// unless its row was spilled (retrying) or an operator's replay reset its
+// row (replay). Returns: holds copied, holds in the old table.
+func WALMoveLegacyHolds(t schema.Table) string {
+	legacy := LegacyWALHoldsTable(t)
+	spilled := `COALESCE((to_jsonb(w) ->> 'retrying')::boolean, false)`
+	replayed := `EXISTS (SELECT 1 FROM ` + t.Sanitize() + ` AS o WHERE o.event_id = w.event_id AND o.published_at IS NULL AND o.dead_at IS NULL)`
+	return `WITH moved AS (
+INSERT INTO ` + t.HoldsTable() + ` AS h (mode, ordering_key, partition, sequence, event_id, draining, skip_requested_at, created_at,
+  through, resolved_at, until_lsn, spilled, dead_at, replay)
+SELECT 'wal', w.ordering_key, ` + partitionOf("w.ordering_key") + `, w.sequence, w.event_id, w.draining, w.skip_requested_at, w.held_at,
+  w.through, CASE WHEN w.released THEN now() END, w.until_lsn, ` + spilled + `,
+  CASE WHEN NOT ` + spilled + ` AND NOT ` + replayed + ` THEN w.held_at END,
+  NOT ` + spilled + ` AND ` + replayed + `
+FROM ` + legacy + ` AS w
+ON CONFLICT (ordering_key) DO UPDATE SET mode = 'wal', partition = EXCLUDED.partition, sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id,
+  attempts = 0, available_at = now(), last_error = NULL, draining = EXCLUDED.draining, skip_requested_at = EXCLUDED.skip_requested_at,
+  created_at = EXCLUDED.created_at, through = EXCLUDED.through, resolved_at = EXCLUDED.resolved_at, until_lsn = EXCLUDED.until_lsn,
+  spilled = EXCLUDED.spilled, dead_at = EXCLUDED.dead_at, replay = EXCLUDED.replay
+WHERE h.resolved_at IS NOT NULL OR h.mode = 'wal'
+RETURNING 1
+)
+SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM ` + legacy + `)`
 }
 
-// WALAddRetryingColumn adds the retrying column to a holds table of t
-// created before it (a metadata-only change): true while the held row is
-// not dead but waits for its retry, its key's backlog spilled to the table
-// (docs/WAL.md, "Failures hold only their key").
-func WALAddRetryingColumn(t schema.Table) string {
-	return `ALTER TABLE ` + t.WALHoldsTable() + ` ADD COLUMN IF NOT EXISTS retrying BOOLEAN NOT NULL DEFAULT false`
+// LegacyWALHoldsTable names the table (name plus "_wal_holds") in which
+// the WAL relay of versions before the one holds table kept its holds;
+// walrelay.Setup moves them into schema.Table.HoldsTable and drops it.
+func LegacyWALHoldsTable(t schema.Table) string {
+	if t.Schema() == "" {
+		return pgx.Identifier{t.Name() + "_wal_holds"}.Sanitize()
+	}
+	return pgx.Identifier{t.Schema(), t.Name() + "_wal_holds"}.Sanitize()
 }
 
-// WALHoldsHaveRetrying tells whether the holds table of t has the
-// retrying column. Returns: has it.
-func WALHoldsHaveRetrying(t schema.Table) string {
-	return `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.WALHoldsTable()) + `)
-  AND attname = 'retrying' AND NOT attisdropped)`
+// partitionOf is the partition of the ordering key expression key, as the
+// outbox table's generated ordering_partition computes it: a hold written
+// by the WAL relay carries it as the ordered relay's do.
+func partitionOf(key string) string {
+	return `(hashtext(` + key + `) & ` + strconv.Itoa(schema.OrderingPartitions-1) + `)::smallint`
+}
+
+// WALHoldsReady tells whether t is ready for the WAL relay's holds: no
+// table of older versions' holds (<table>_wal_holds) is left, and the holds
+// table has this version's shape. Returns: legacy table exists, holds
+// table ready.
+func WALHoldsReady(t schema.Table) string {
+	return `SELECT to_regclass(` + quoteLiteral(LegacyWALHoldsTable(t)) + `) IS NOT NULL,
+  EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.HoldsTable()) + `) AND attname = 'state' AND NOT attisdropped)`
 }
 
 // WALProgressTableExists tells whether t has a progress table: t is
@@ -329,58 +356,22 @@ type WALQueries struct {
 // NewWALQueries renders the WAL relay's row statements for table t with
 // columns c.
 func NewWALQueries(t schema.Table, c schema.Columns) WALQueries {
-	return newWALQueries(t, c, true)
+	return newWALQueries(t, c, c.OrderingKey)
 }
 
-// NewWALQueriesWithoutRetrying renders the statements for a holds table
-// created before its retrying column (WALAddRetryingColumn): no hold is
-// ever retrying, and Spill and RetryDrain are empty (the relay then keeps
-// retrying rows in memory).
-func NewWALQueriesWithoutRetrying(t schema.Table, c schema.Columns) WALQueries {
+// NewWALQueriesWithoutHolds renders the statements for a table without
+// the ordering_key column: no key is ever held, and Spill and RetryDrain
+// are empty.
+func NewWALQueriesWithoutHolds(t schema.Table, c schema.Columns) WALQueries {
 	return newWALQueries(t, c, false)
 }
 
-func newWALQueries(t schema.Table, c schema.Columns, retrying bool) WALQueries {
+func newWALQueries(t schema.Table, c schema.Columns, holdsTable bool) WALQueries {
 	tbl := t.Sanitize()
-	// notRetrying is the SET clause that ends a hold's retrying state, and
-	// retryingCol the column as Holds reads it, for a table with or
-	// without the column.
-	notRetrying, retryingCol := `, retrying = false`, `retrying`
-	if !retrying {
-		notRetrying, retryingCol = ``, `false`
-	}
 	cols := walClaimColumns(c)
 	prog := t.WALProgressTable()
-	holds := t.WALHoldsTable()
+	holds := t.HoldsTable()
 	q := WALQueries{
-		MarkDeadHold: `WITH ` + walFence(5) + `, d AS (
-  UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, dead_at = now(), available_at = 'infinity', locked_at = NULL
-  WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL AND (SELECT ok FROM f)
-  RETURNING sequence, event_id
-), h AS (
-  INSERT INTO ` + holds + ` AS h (ordering_key, sequence, event_id) SELECT $4::text, sequence, event_id FROM d WHERE $4::text IS NOT NULL
-  ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id, draining = false,
-    skip_requested_at = NULL, held_at = now(), released = false, until_lsn = NULL` + notRetrying + `
-  WHERE h.released OR h.sequence <= EXCLUDED.sequence
-  RETURNING 1
-)
-SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM h), (SELECT ok FROM f)`,
-		Holds: `SELECT ordering_key, sequence, draining, skip_requested_at IS NOT NULL, through, released, COALESCE(until_lsn::text, ''), ` + retryingCol + ` FROM ` + holds,
-		Drain: `WITH ` + walFence(5) + `, u AS (
-  UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn` + notRetrying + `
-  WHERE ordering_key = $1 AND sequence = $2 AND NOT released AND (SELECT ok FROM f) RETURNING 1
-)
-SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
-		Parked: `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence LIMIT $3::int`,
-		Release: `WITH ` + walFence(4) + `, u AS (
-  UPDATE ` + holds + ` SET released = true, draining = false, through = GREATEST(through, $3)
-  WHERE ordering_key = $1 AND sequence = $2 AND (SELECT ok FROM f) RETURNING 1
-)
-SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
-		Forget: `WITH ` + walFence(3) + `, u AS (
-  DELETE FROM ` + holds + ` WHERE ordering_key = $1 AND sequence = $2 AND released AND (SELECT ok FROM f) RETURNING 1
-)
-SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`,
 		InsertPosition: `SELECT pg_current_wal_insert_lsn()::text`,
 		Start: `SELECT COALESCE((SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1), ''),
   COALESCE((SELECT confirmed_lsn::text FROM ` + prog + ` WHERE slot = $1), '')`,
@@ -395,25 +386,61 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text, pg_current_wal_insert_lsn(
 WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
 		Row: `SELECT ` + cols + ` FROM ` + tbl + ` WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
 	}
-	if retrying {
-		q.Spill = `WITH ` + walFence(6) + `, h AS (
-  INSERT INTO ` + holds + ` AS h (ordering_key, sequence, event_id, retrying, through)
-  SELECT $2::text, o.sequence, o.event_id, true, $3::bigint FROM ` + tbl + ` AS o
+	if !holdsTable {
+		return q
+	}
+	// A hold the WAL relay writes replaces only the ordered relay's
+	// tombstone of its key (a switch is refused while the other mode holds
+	// keys) and takes the mode wal.
+	q.MarkDeadHold = `WITH ` + walFence(5) + `, d AS (
+  UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, dead_at = now(), available_at = 'infinity', locked_at = NULL
+  WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL AND (SELECT ok FROM f)
+  RETURNING sequence, event_id
+), h AS (
+  INSERT INTO ` + holds + ` AS h (mode, ordering_key, partition, sequence, event_id, dead_at)
+  SELECT 'wal', $4::text, ` + partitionOf("$4::text") + `, sequence, event_id, now() FROM d WHERE $4::text IS NOT NULL
+  ON CONFLICT (ordering_key) DO UPDATE SET mode = 'wal', sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id, draining = false,
+    skip_requested_at = NULL, created_at = now(), resolved_at = NULL, until_lsn = NULL, spilled = false, dead_at = now(), replay = false
+  WHERE h.resolved_at IS NOT NULL OR (h.mode = 'wal' AND h.sequence <= EXCLUDED.sequence)
+  RETURNING 1
+)
+SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM h), (SELECT ok FROM f)`
+	q.Holds = `SELECT ordering_key, sequence, draining, skip_requested_at IS NOT NULL, through, resolved_at IS NOT NULL, COALESCE(until_lsn::text, ''), spilled
+FROM ` + holds + ` WHERE mode = 'wal'`
+	q.Drain = `WITH ` + walFence(5) + `, u AS (
+  UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn, spilled = false
+  WHERE ordering_key = $1 AND sequence = $2 AND mode = 'wal' AND resolved_at IS NULL AND (SELECT ok FROM f) RETURNING 1
+)
+SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`
+	q.Parked = `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence LIMIT $3::int`
+	q.Release = `WITH ` + walFence(4) + `, u AS (
+  UPDATE ` + holds + ` SET resolved_at = now(), draining = false, spilled = false, through = GREATEST(through, $3)
+  WHERE ordering_key = $1 AND sequence = $2 AND mode = 'wal' AND (SELECT ok FROM f) RETURNING 1
+)
+SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`
+	q.Forget = `WITH ` + walFence(3) + `, u AS (
+  DELETE FROM ` + holds + ` WHERE ordering_key = $1 AND sequence = $2 AND mode = 'wal' AND resolved_at IS NOT NULL AND (SELECT ok FROM f) RETURNING 1
+)
+SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`
+	q.Spill = `WITH ` + walFence(6) + `, h AS (
+  INSERT INTO ` + holds + ` AS h (mode, ordering_key, partition, sequence, event_id, spilled, through)
+  SELECT 'wal', $2::text, ` + partitionOf("$2::text") + `, o.sequence, o.event_id, true, $3::bigint FROM ` + tbl + ` AS o
   WHERE o.id = $1::uuid AND o.published_at IS NULL AND o.dead_at IS NULL AND (SELECT ok FROM f)
-  ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id, retrying = true, draining = false,
-    skip_requested_at = NULL, held_at = now(), released = false, until_lsn = NULL, through = GREATEST(h.through, EXCLUDED.through)
-  WHERE (h.released OR h.draining OR h.retrying) AND h.sequence <= EXCLUDED.sequence
+  ON CONFLICT (ordering_key) DO UPDATE SET mode = 'wal', sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id, spilled = true, draining = false,
+    skip_requested_at = NULL, created_at = now(), resolved_at = NULL, until_lsn = NULL, dead_at = NULL, replay = false,
+    through = CASE WHEN h.mode = 'wal' THEN GREATEST(h.through, EXCLUDED.through) ELSE EXCLUDED.through END
+  WHERE (h.mode <> 'wal' AND h.resolved_at IS NOT NULL)
+    OR (h.mode = 'wal' AND (h.resolved_at IS NOT NULL OR h.draining OR h.spilled) AND h.sequence <= EXCLUDED.sequence)
   RETURNING 1
 ), d AS (
   UPDATE ` + tbl + ` SET attempts = $4, last_error = $5 WHERE id = $1::uuid AND EXISTS (SELECT 1 FROM h)
 )
 SELECT (SELECT count(*) FROM h), (SELECT ok FROM f)`
-		q.RetryDrain = `WITH ` + walFence(5) + `, u AS (
+	q.RetryDrain = `WITH ` + walFence(5) + `, u AS (
   UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn
-  WHERE ordering_key = $1 AND sequence = $2 AND retrying AND NOT released AND skip_requested_at IS NULL AND (SELECT ok FROM f) RETURNING 1
+  WHERE ordering_key = $1 AND sequence = $2 AND mode = 'wal' AND spilled AND resolved_at IS NULL AND skip_requested_at IS NULL AND (SELECT ok FROM f) RETURNING 1
 )
 SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`
-	}
 	return q
 }
 
@@ -422,18 +449,12 @@ SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`
 // cleaner deletes no WAL-relayed row.
 const WALStaleAfter = "10 minutes"
 
-// WALHoldsTableExists tells whether t has a WAL holds table. Returns:
-// exists.
-func WALHoldsTableExists(t schema.Table) string {
-	return `SELECT to_regclass(` + quoteLiteral(t.WALHoldsTable()) + `) IS NOT NULL`
-}
-
 // WALSkipHold asks the WAL relay to skip the dead row $1 (event_id text)
 // that holds its key (the relay's tests use it; the runbook uses
 // WALSkipHoldIn, which applies the hold's rules): the relay then delivers
 // the key's later rows; the row stays dead. Returns: the key and the sequence, no row when the event
 // holds no key (or its hold drains already).
 func WALSkipHold(t schema.Table) string {
-	return `UPDATE ` + t.WALHoldsTable() + ` SET skip_requested_at = now()
-WHERE event_id = $1::uuid AND NOT draining AND NOT released RETURNING ordering_key, sequence`
+	return `UPDATE ` + t.HoldsTable() + ` SET skip_requested_at = now()
+WHERE event_id = $1::uuid AND mode = 'wal' AND NOT draining AND resolved_at IS NULL RETURNING ordering_key, sequence`
 }

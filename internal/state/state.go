@@ -13,11 +13,17 @@ package state
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
+
+// ErrNotMigrated is matched (errors.Is) by the error of Of for a keyed
+// table whose holds this version cannot read yet; the error names the step
+// to run.
+var ErrNotMigrated = errors.New("the table's holds are not migrated to this version")
 
 // Reader is the state reader of one table.
 type Reader struct {
@@ -37,8 +43,8 @@ func Of(ctx context.Context, q schema.Querier, t schema.Table) (Reader, error) {
 	if err != nil {
 		return Reader{}, err
 	}
-	var walProgress, published, ordered, walHolds bool
-	if err := q.QueryRow(ctx, sqlq.ModeProbe(t)).Scan(&walProgress, &published, &ordered, &walHolds); err != nil {
+	var walProgress, published, ordered, holdsShaped, legacy bool
+	if err := q.QueryRow(ctx, sqlq.ModeProbe(t)).Scan(&walProgress, &published, &ordered, &holdsShaped, &legacy); err != nil {
 		return Reader{}, fmt.Errorf("find the relay mode of %s: %w", t, err)
 	}
 	rec, recorded, err := schema.RecordedMode(ctx, q, t)
@@ -58,8 +64,19 @@ func Of(ctx context.Context, q schema.Querier, t schema.Table) (Reader, error) {
 	if recorded {
 		mode, r.Record = rec.Mode, &rec
 	}
-	if mode == schema.ModeWAL && !walHolds {
+	switch {
+	case mode == schema.ModeWAL && legacy && cols.OrderingKey:
+		// Its holds are where this version does not read them: reading
+		// the table as holding no key would let the cleaner delete the rows
+		// they park, and replays pass their rule.
+		return Reader{}, fmt.Errorf("%w: the WAL relay's holds of %s are in %s, kept by an older version; this version reads them from %s: "+
+			"stop the older WAL relays and run `outbox migrate --wal --table=%s` (walrelay.Setup) once, which moves them", ErrNotMigrated, t,
+			sqlq.LegacyWALHoldsTable(t), t.HoldsTable(), t)
+	case mode == schema.ModeWAL && !holdsShaped:
 		cols.OrderingKey = false // a WAL set-up without a holds table: no key is held
+	case mode == schema.ModeOrdered && !holdsShaped:
+		return Reader{}, fmt.Errorf("%w: the holds table %s of %s has no state column; apply migration 000011 (`outbox migrate --ordered --table=%s`, "+
+			"or the shipped 000011_add_<table>_one_holds_table.up.sql)", ErrNotMigrated, t.HoldsTable(), t, t)
 	}
 	r.StateQueries = sqlq.NewStateQueries(t, mode, cols)
 	return r, nil

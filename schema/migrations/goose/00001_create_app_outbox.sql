@@ -57,6 +57,8 @@ CREATE TABLE IF NOT EXISTS "public"."app_outbox_relays" (
   CONSTRAINT "app_outbox_relays_pkey" PRIMARY KEY (relay_id)
 );
 
+ALTER TABLE "public"."app_outbox_partitions" ADD COLUMN IF NOT EXISTS epoch BIGINT NOT NULL DEFAULT 0;
+
 CREATE TABLE IF NOT EXISTS "public"."app_outbox_holds" (
   ordering_key      TEXT        NOT NULL,
   partition         SMALLINT    NOT NULL,
@@ -75,7 +77,21 @@ CREATE INDEX IF NOT EXISTS "app_outbox_holds_by_part" ON "public"."app_outbox_ho
 ALTER TABLE "public"."app_outbox_holds" ADD COLUMN IF NOT EXISTS resolved_at TIMESTAMPTZ NULL,
   ADD COLUMN IF NOT EXISTS replay BOOLEAN NOT NULL DEFAULT false;
 
-ALTER TABLE "public"."app_outbox_partitions" ADD COLUMN IF NOT EXISTS epoch BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE "public"."app_outbox_holds" ADD COLUMN IF NOT EXISTS mode TEXT NOT NULL DEFAULT 'ordered'
+    CONSTRAINT "app_outbox_holds_mode" CHECK (mode IN ('ordered', 'wal')),
+  ADD COLUMN IF NOT EXISTS event_id UUID NULL,
+  ADD COLUMN IF NOT EXISTS draining BOOLEAN NOT NULL DEFAULT false,
+  ADD COLUMN IF NOT EXISTS spilled BOOLEAN NOT NULL DEFAULT false,
+  ADD COLUMN IF NOT EXISTS through BIGINT NOT NULL DEFAULT 0,
+  ADD COLUMN IF NOT EXISTS until_lsn PG_LSN NULL;
+
+ALTER TABLE "public"."app_outbox_holds" ADD COLUMN IF NOT EXISTS state TEXT GENERATED ALWAYS AS (CASE WHEN resolved_at IS NOT NULL THEN 'resolved'
+  WHEN draining THEN 'draining'
+  WHEN skip_requested_at IS NOT NULL THEN 'skip_requested'
+  WHEN spilled THEN 'retrying'
+  WHEN dead_at IS NOT NULL THEN 'dead'
+  WHEN replay THEN 'replay'
+  ELSE 'retrying' END) STORED;
 
 -- +goose Down
 -- DESTRUCTIVE: this down migration deletes data, published or not.

@@ -8,4 +8,4 @@ ALTER TABLE "public"."app_outbox_holds" ADD COLUMN IF NOT EXISTS resolved_at TIM
   ADD COLUMN IF NOT EXISTS replay BOOLEAN NOT NULL DEFAULT false;
 
 -- +goose Down
-ALTER TABLE "public"."app_outbox_holds" DROP COLUMN IF EXISTS resolved_at, DROP COLUMN IF EXISTS replay;
+ALTER TABLE "public"."app_outbox_holds" DROP COLUMN IF EXISTS state, DROP COLUMN IF EXISTS resolved_at, DROP COLUMN IF EXISTS replay;
