@@ -15,6 +15,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/outboxkit/watermill-outbox/cleaner"
+	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -214,6 +215,60 @@ func TestSkipHeld(t *testing.T, r Relay) {
 		t.Errorf("the skipped row %s was delivered again", key[0])
 	}
 	e.rec.checkOrder(t)
+}
+
+// TestOneHoldsTable checks that the keyed relays keep their holds in one
+// table of one shape, <table>_holds, each hold marked with the mode that
+// wrote it, and that the state the runbook reports is that table's state
+// column, through a hold's lifecycle: dead, skip requested (asked while no
+// relay runs), then no open hold once a relay applied the skip.
+// docs/ARCHITECTURE.md "The keyed core", docs/ORDERING.md "Switching
+// modes", docs/WAL.md "Upgrading from <table>_wal_holds".
+func TestOneHoldsTable(t *testing.T, r Relay) {
+	if !r.keyed() {
+		t.Skipf("the %s relay holds no key: it writes no hold", r.Name)
+	}
+	e := setup(t, r, true)
+	ctx := context.Background()
+	mode := map[Mode]string{ModeOrdered: "ordered", ModeWAL: "wal"}[r.Mode]
+	key := e.enqueue(topicA, "h", "h")
+	bad := newFailing(key[0])
+	a := e.start("a", Options{MaxAttempts: 1}, permanentFor(bad))
+	e.waitHold(within, key[0], runbook.HoldDead)
+	check := func(want runbook.HoldState) {
+		t.Helper()
+		var m, state string
+		if err := e.pool.QueryRow(ctx, `SELECT mode, state FROM `+e.tbl.HoldsTable()+` WHERE ordering_key = 'h'`).Scan(&m, &state); err != nil {
+			t.Fatalf("read the hold of key h from %s: %v", e.tbl.HoldsTable(), err)
+		}
+		st, held := e.holdState(key[0])
+		if m != mode || state != want.String() || !held || st != want {
+			t.Errorf("hold of key h: %s has mode %q and state %q, the runbook says held=%t %s; want mode %q, state %s in both",
+				e.tbl.HoldsTable(), m, state, held, st, mode, want)
+		}
+	}
+	check(runbook.HoldDead)
+	if err := a.Close(); err != nil {
+		t.Fatalf("close relay a: %v", err)
+	}
+	if _, err := runbook.New(e.pool, e.tbl).SkipEvent(ctx, key[0].ID, false); err != nil {
+		t.Fatalf("skip the dead held row %s: %v", key[0], err)
+	}
+	check(runbook.HoldSkipRequested)
+	e.start("b", Options{MaxAttempts: 1}, nil)
+	e.waitAcked(within, key[1])
+	e.eventually(within, func() bool {
+		var open, others int
+		var legacy bool
+		err := e.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE resolved_at IS NULL), count(*) FILTER (WHERE mode <> $1),
+  to_regclass($2) IS NOT NULL FROM `+e.tbl.HoldsTable(), mode, sqlq.LegacyWALHoldsTable(e.tbl)).Scan(&open, &others, &legacy)
+		return err == nil && open == 0 && others == 0 && !legacy
+	}, func() string {
+		return "after the skip, an open hold, a hold of another mode or a second holds table is left: " + e.rowStates(key)
+	})
+	if e.rec.acked(key[0]) {
+		t.Errorf("the skipped row %s was delivered", key[0])
+	}
 }
 
 // TestReplayDead checks that a row that failed for good is dead (kept, never retried

@@ -167,6 +167,7 @@ func Run(t *testing.T, r Relay) {
 		{"OneCopyPerKey", TestOneCopyPerKey},
 		{"PauseAndResume", TestPauseAndResume},
 		{"SkipHeld", TestSkipHeld},
+		{"OneHoldsTable", TestOneHoldsTable},
 		{"ReplayDead", TestReplayDead},
 		{"BulkReplayWhileHoldDrains", TestBulkReplayWhileHoldDrains},
 		{"CleanerRacingReplays", TestCleanerRacingReplays},
