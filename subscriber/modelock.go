@@ -236,7 +236,7 @@ func (s *Subscriber) recordMode(ctx context.Context) error {
 	err := schema.RecordMode(rctx, s.pool, s.cfg.Table, mode, by)
 	if err == nil && s.cfg.Ordered {
 		// No WAL relay streams the table now: its tombstones go.
-		if _, err := s.pool.Exec(rctx, sqlq.ForgetWALTombstones(s.cfg.Table)); err != nil {
+		if _, err := s.pool.Exec(rctx, sqlq.ForgetTombstones(s.cfg.Table, schema.ModeWAL)); err != nil {
 			s.logger.Error("Could not delete the WAL relay's resolved holds; ordered mode reads them as resolved holds", err, nil)
 		}
 	}

@@ -367,14 +367,14 @@ func (hb *holdBook) moreInTable(it *item) bool {
 }
 
 // spillable reports whether q's backlog can be spilled: the relay is not
-// stopping, the table has the retrying column, q's head waits for its
+// stopping, the table has keys to hold (ordering_key), q's head waits for its
 // retry and has an ordering key, no queued row is an operator's replay (a
 // replayed head's later rows may have been delivered, and a replayed row
 // behind the head may come before it in sequence order: the retry reads
 // neither back), and its key is not held by a dead row.
 func (hb *holdBook) spillable(q *keyQueue) bool {
 	st := hb.st
-	if !st.s.spills || st.stopping || !q.backoff || q.Out() || len(q.items) == 0 {
+	if !st.s.cols.OrderingKey || st.stopping || !q.backoff || q.Out() || len(q.items) == 0 {
 		return false
 	}
 	head := q.items[0]
@@ -396,7 +396,7 @@ func (hb *holdBook) spillable(q *keyQueue) bool {
 // does or no key can be spilled.
 func (hb *holdBook) relieve(ctx context.Context) {
 	st := hb.st
-	for st.s.spills && !st.stopping && st.win.crowded() {
+	for st.s.cols.OrderingKey && !st.stopping && st.win.crowded() {
 		var key string
 		var most *keyQueue
 		for k, q := range st.keys {

@@ -208,7 +208,7 @@ func markOrderedDone(ctx context.Context, pool *pgxpool.Pool, t schema.Table) er
 	}
 	// Ordered mode's tombstones said which rows it was done with; with
 	// those rows published, they say nothing more to the WAL relay.
-	if _, err := pool.Exec(ctx, sqlq.ForgetOrderedTombstones(t)); err != nil {
+	if _, err := pool.Exec(ctx, sqlq.ForgetTombstones(t, schema.ModeOrdered)); err != nil {
 		return fmt.Errorf("walrelay: delete ordered mode's resolved holds of %s: %w", t, err)
 	}
 	return nil

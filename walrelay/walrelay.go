@@ -240,9 +240,6 @@ type Subscriber struct {
 	terms    *term.Ledger
 	sessions atomic.Int64 // sessions started: the epoch of each term
 
-	// spills: the table has keys to hold, so a retrying key's backlog can
-	// be spilled to a retrying hold (sqlq.WALQueries.Spill).
-	spills  bool
 	spilled atomic.Int64 // keys spilled (tests)
 	unseen  atomic.Int64 // statements put off until a streamed transaction was visible (tests)
 
@@ -303,11 +300,10 @@ func New(ctx context.Context, pool *pgxpool.Pool, cfg Config, logger watermill.L
 func (s *Subscriber) checkHolds(ctx context.Context) error {
 	t := s.cfg.Table
 	if !s.cols.OrderingKey {
-		s.q = sqlq.NewWALQueriesWithoutHolds(t, s.cols)
 		return nil
 	}
-	var legacy, ready bool
-	if err := s.pool.QueryRow(ctx, sqlq.WALHoldsReady(t)).Scan(&legacy, &ready); err != nil {
+	var ready, legacy bool
+	if err := s.pool.QueryRow(ctx, sqlq.WALHoldsReady(t)).Scan(&ready, &legacy); err != nil {
 		return fmt.Errorf("walrelay: look up the holds table of %s: %w", t, err)
 	}
 	if legacy || !ready {
@@ -315,8 +311,6 @@ func (s *Subscriber) checkHolds(ctx context.Context) error {
 			" (the holds of an older version, if any, are in %s); run walrelay.Setup (outbox migrate --wal) once, as the table's owner, with the"+
 			" table's older WAL relays stopped: it moves them", ErrNotSetUp, t, t.HoldsTable(), sqlq.LegacyWALHoldsTable(t))
 	}
-	s.q = sqlq.NewWALQueries(t, s.cols)
-	s.spills = true
 	return nil
 }
 

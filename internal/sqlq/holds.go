@@ -223,18 +223,23 @@ func OpenHoldsOfOtherMode(ctx context.Context, q schema.Querier, t schema.Table,
 	if m != schema.ModeOrdered {
 		return n, nil
 	}
-	// A WAL relay of an older version kept its holds in <table>_wal_holds
-	// (walrelay.Setup moves them).
 	var legacy bool
-	if err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, LegacyWALHoldsTable(t)).Scan(&legacy); err != nil || !legacy {
-		if err != nil {
-			return 0, fmt.Errorf("look up %s: %w", LegacyWALHoldsTable(t), err)
-		}
+	if err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, LegacyWALHoldsTable(t)).Scan(&legacy); err != nil {
+		return 0, fmt.Errorf("look up %s: %w", LegacyWALHoldsTable(t), err)
+	}
+	if !legacy {
 		return n, nil
 	}
-	var l int64
-	if err := q.QueryRow(ctx, `SELECT count(*) FROM `+LegacyWALHoldsTable(t)+` WHERE NOT released`).Scan(&l); err != nil {
+	l, err := legacyOpenWALHolds(ctx, q, t)
+	return n + l, err
+}
+
+// legacyOpenWALHolds counts the open holds a WAL relay of an older version
+// kept in <table>_wal_holds (walrelay.Setup moves them), which must exist.
+func legacyOpenWALHolds(ctx context.Context, q schema.Querier, t schema.Table) (int64, error) {
+	var n int64
+	if err := q.QueryRow(ctx, `SELECT count(*) FROM `+LegacyWALHoldsTable(t)+` WHERE NOT released`).Scan(&n); err != nil {
 		return 0, fmt.Errorf("count the open holds of %s: %w", LegacyWALHoldsTable(t), err)
 	}
-	return n + l, nil
+	return n, nil
 }

@@ -195,6 +195,12 @@ func (r *OrderedRow) Scan(s Scanner, c schema.Columns) error {
 	return nil
 }
 
+// orderedTakeover is the SET list by which an ordered-mode upsert that
+// takes over a resolved hold of the key makes it ordered mode's: the mode,
+// and the WAL relay's columns cleared (a WAL tombstone left by a switch
+// would otherwise keep spilled, which the state column reads).
+const orderedTakeover = `mode = 'ordered', event_id = NULL, draining = false, spilled = false, through = 0, until_lsn = NULL`
+
 // NewOrderedQueries renders the ordered-mode statements for table t with
 // columns c (c.OrderingKey must be true).
 func NewOrderedQueries(t schema.Table, c schema.Columns) *OrderedQueries {
@@ -273,7 +279,7 @@ ON CONFLICT (ordering_key) DO UPDATE SET
   skip_requested_at = CASE WHEN ` + same + ` THEN h.skip_requested_at END,
   replay = CASE WHEN ` + same + ` THEN h.replay ELSE false END,
   resolved_at = NULL, created_at = CASE WHEN ` + same + ` THEN h.created_at ELSE now() END,
-  mode = 'ordered', event_id = NULL, draining = false, spilled = false, through = 0, until_lsn = NULL
+  ` + orderedTakeover + `
 WHERE ` + same + ` OR (h.resolved_at IS NOT NULL AND h.sequence < EXCLUDED.sequence)
 RETURNING h.dead_at IS NOT NULL, h.attempts, h.skip_requested_at IS NOT NULL`
 	q.advance = `WITH own AS (` + own("$6") + `),
@@ -351,7 +357,7 @@ DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id AND o.xmin = 
   SELECT r.ordering_key, r.ordering_partition, r.sequence, 0, now(), true FROM r WHERE r.done AND EXISTS (SELECT 1 FROM touch)
   ON CONFLICT (ordering_key) DO UPDATE SET sequence = EXCLUDED.sequence, partition = EXCLUDED.partition, attempts = 0,
     available_at = now(), last_error = NULL, dead_at = NULL, skip_requested_at = NULL, replay = true, resolved_at = NULL, created_at = now(),
-    mode = 'ordered', event_id = NULL, draining = false, spilled = false, through = 0, until_lsn = NULL
+    ` + orderedTakeover + `
   WHERE h.resolved_at IS NOT NULL AND h.sequence <= (SELECT floor FROM r)
   RETURNING 1
 )
@@ -380,20 +386,15 @@ WHERE p.partition = o.ordering_partition
     WHERE h.ordering_key = o.ordering_key AND h.resolved_at IS NOT NULL AND o.sequence <= h.sequence))`
 }
 
-// ForgetOrderedTombstones deletes ordered mode's resolved holds of t
-// (tombstones), once t is switched to the WAL relay and the rows they
-// covered are marked published (OrderedDonePublished).
-func ForgetOrderedTombstones(t schema.Table) string {
-	return `DELETE FROM ` + t.HoldsTable() + ` WHERE mode = 'ordered' AND resolved_at IS NOT NULL`
-}
-
-// ForgetWALTombstones deletes the WAL relay's resolved holds of t
-// (tombstones), once t is relayed in ordered mode: they kept the WAL relay
-// from delivering the stream's copies of rows it had delivered, which
-// ordered mode does not read. The WAL relay's open holds refuse the switch
-// (OpenHoldsOfOtherMode).
-func ForgetWALTombstones(t schema.Table) string {
-	return `DELETE FROM ` + t.HoldsTable() + ` WHERE mode = 'wal' AND resolved_at IS NOT NULL`
+// ForgetTombstones deletes the resolved holds (tombstones) keyed mode m
+// wrote in t, once t is relayed in the other keyed mode, which does not
+// read them: ordered mode's once the WAL relay's set-up has marked the rows
+// they covered published (OrderedDonePublished), the WAL relay's (which
+// kept it from delivering the stream's copies of rows it had delivered)
+// once an ordered relay has recorded its mode. The other mode's open holds
+// refuse the switch (OpenHoldsOfOtherMode).
+func ForgetTombstones(t schema.Table, m schema.Mode) string {
+	return `DELETE FROM ` + t.HoldsTable() + ` WHERE mode = ` + quoteLiteral(string(m)) + ` AND resolved_at IS NOT NULL`
 }
 
 // OrderedTablesExist reports whether the companion tables of ordered mode
@@ -537,9 +538,11 @@ func OrderedReady(ctx context.Context, q schema.Querier, t schema.Table) (ready 
 		return false, 0, fmt.Errorf("look up the ordered-mode tables of %s: %w", t, err)
 	}
 	if ready && legacy {
-		if walOpen, err = OpenHoldsOfOtherMode(ctx, q, t, schema.ModeOrdered); err != nil {
+		n, err := legacyOpenWALHolds(ctx, q, t)
+		if err != nil {
 			return false, 0, err
 		}
+		walOpen += n
 	}
 	return ready, walOpen, nil
 }

@@ -395,8 +395,7 @@ func ModeProbe(t schema.Table) string {
   EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = to_regclass(` + quoteLiteral(t.Sanitize()) + `)),
   to_regclass(` + quoteLiteral(t.PartitionsTable()) + `) IS NOT NULL AND to_regclass(` + quoteLiteral(t.HoldsTable()) + `) IS NOT NULL
   AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.HoldsTable()) + `) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2,
-  EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.HoldsTable()) + `) AND attname = 'state' AND NOT attisdropped),
-  to_regclass(` + quoteLiteral(LegacyWALHoldsTable(t)) + `) IS NOT NULL`
+  ` + holdsShape(t)
 }
 
 // DecideMode turns the answers of ModeProbe and the table's columns into

@@ -135,13 +135,20 @@ func partitionOf(key string) string {
 	return `(hashtext(` + key + `) & ` + strconv.Itoa(schema.OrderingPartitions-1) + `)::smallint`
 }
 
-// WALHoldsReady tells whether t is ready for the WAL relay's holds: no
-// table of older versions' holds (<table>_wal_holds) is left, and the holds
-// table has this version's shape. Returns: legacy table exists, holds
-// table ready.
+// WALHoldsReady tells whether t is ready for the WAL relay's holds: the
+// holds table has this version's shape, and no table of older versions'
+// holds (<table>_wal_holds) is left. Returns: holds table shaped, legacy
+// table exists (holdsShape, as ModeProbe reads them).
 func WALHoldsReady(t schema.Table) string {
-	return `SELECT to_regclass(` + quoteLiteral(LegacyWALHoldsTable(t)) + `) IS NOT NULL,
-  EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.HoldsTable()) + `) AND attname = 'state' AND NOT attisdropped)`
+	return `SELECT ` + holdsShape(t)
+}
+
+// holdsShape is the select list of two facts about t's holds: the holds
+// table has this version's shape (its generated state column), and the
+// table of a WAL relay of an older version (<table>_wal_holds) exists.
+func holdsShape(t schema.Table) string {
+	return `EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.HoldsTable()) + `) AND attname = 'state' AND NOT attisdropped),
+  to_regclass(` + quoteLiteral(LegacyWALHoldsTable(t)) + `) IS NOT NULL`
 }
 
 // WALProgressTableExists tells whether t has a progress table: t is
@@ -354,19 +361,10 @@ type WALQueries struct {
 }
 
 // NewWALQueries renders the WAL relay's row statements for table t with
-// columns c.
+// columns c. Without the ordering_key column no key is ever held: the hold
+// statements (MarkDeadHold, Holds, Drain, Release, Forget, Spill,
+// RetryDrain) are empty.
 func NewWALQueries(t schema.Table, c schema.Columns) WALQueries {
-	return newWALQueries(t, c, c.OrderingKey)
-}
-
-// NewWALQueriesWithoutHolds renders the statements for a table without
-// the ordering_key column: no key is ever held, and Spill and RetryDrain
-// are empty.
-func NewWALQueriesWithoutHolds(t schema.Table, c schema.Columns) WALQueries {
-	return newWALQueries(t, c, false)
-}
-
-func newWALQueries(t schema.Table, c schema.Columns, holdsTable bool) WALQueries {
 	tbl := t.Sanitize()
 	cols := walClaimColumns(c)
 	prog := t.WALProgressTable()
@@ -386,7 +384,7 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text, pg_current_wal_insert_lsn(
 WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
 		Row: `SELECT ` + cols + ` FROM ` + tbl + ` WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
 	}
-	if !holdsTable {
+	if !c.OrderingKey {
 		return q
 	}
 	// A hold the WAL relay writes replaces only the ordered relay's
