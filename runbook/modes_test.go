@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
+	statemodel "github.com/outboxkit/watermill-outbox/internal/state"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 	"github.com/outboxkit/watermill-outbox/publisher"
 	"github.com/outboxkit/watermill-outbox/runbook"
@@ -84,7 +85,7 @@ func TestOrderedTableStateIsTrue(t *testing.T) {
 	hold(t, pool, tbl, before[4], "dead")
 	hold(t, pool, tbl, before[6], "retrying")
 	hold(t, pool, tbl, before[8], "resolved")
-	exec(t, pool, tbl, `UPDATE %s SET last_error = '`+sqlq.SkippedErrorPrefix+` at now' WHERE event_id = $1`, before[8])
+	exec(t, pool, tbl, `UPDATE %s SET skipped_at = now() WHERE event_id = $1`, before[8])
 	hold(t, pool, tbl, before[9], "replay")
 	hold(t, pool, tbl, after[3], "resolved") // acked, the floor not written yet
 	markDead(t, pool, tbl, "unkeyed boom", after[5])
@@ -407,5 +408,58 @@ func TestUpgradeWhileDefaultRelayRuns(t *testing.T) {
 				t.Errorf("key %s delivered out of order: %v", k, s)
 			}
 		}
+	}
+}
+
+// TestSkippedAtMigration: an ordered table of an earlier version records a
+// skip as a last_error text and has no skipped_at. The runbook refuses to
+// read it (a skipped row would read as delivered) and ordered relays
+// refuse it, each naming migration 000012; schema.Migrate (what `outbox
+// migrate --ordered` runs, and the shipped 000012) adds the column and
+// marks skipped the rows the text recorded as skipped, and only those; the
+// runbook then says skipped.
+func TestSkippedAtMigration(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "old_outbox", schema.WithMode(schema.ModeOrdered))
+	ids := enqueueKeys(t, pool, tbl, "s", "s", "f")
+	exec(t, pool, tbl, `UPDATE `+tbl.PartitionsTable()+` SET floor_sequence = (SELECT max(sequence) FROM %s)`)
+	hold(t, pool, tbl, ids[0], "resolved")
+	exec(t, pool, tbl, `ALTER TABLE %s DROP COLUMN skipped_at`)
+	exec(t, pool, tbl, `UPDATE %s SET last_error = 'skipped by an operator at 2026-01-01; was: boom' WHERE event_id = $1`, ids[0])
+	exec(t, pool, tbl, `UPDATE %s SET last_error = 'boom' WHERE event_id = $1`, ids[2])
+
+	if _, err := runbook.New(pool, tbl).Stats(ctx); !errors.Is(err, statemodel.ErrNotMigrated) || !strings.Contains(err.Error(), "000012") {
+		t.Fatalf("runbook on a table without skipped_at: %v, want state.ErrNotMigrated naming 000012", err)
+	}
+	if s, err := subscriber.New(ctx, pool, subscriber.Config{Table: tbl, Ordered: true}, watermill.NopLogger{}); !errors.Is(err, subscriber.ErrOrderedNotMigrated) ||
+		!strings.Contains(err.Error(), "000012") {
+		if err == nil {
+			_ = s.Close()
+		}
+		t.Fatalf("an ordered relay on a table without skipped_at: %v, want subscriber.ErrOrderedNotMigrated naming 000012", err)
+	}
+	if err := schema.Migrate(ctx, pool, tbl, schema.WithMode(schema.ModeOrdered)); err != nil {
+		t.Fatal(err)
+	}
+	if ready, _, err := sqlq.OrderedReady(ctx, pool, tbl); err != nil || !ready {
+		t.Fatalf("after the migration: ready %t (%v), want ready", ready, err)
+	}
+	for i, want := range []bool{true, false, false} {
+		var skipped bool
+		if err := pool.QueryRow(ctx, `SELECT skipped_at IS NOT NULL FROM `+tbl.Sanitize()+` WHERE event_id = $1`, ids[i]).Scan(&skipped); err != nil {
+			t.Fatal(err)
+		}
+		if skipped != want {
+			t.Errorf("row %d after the migration: skipped_at set %t, want %t", i, skipped, want)
+		}
+	}
+	ev, err := runbook.New(pool, tbl).Event(ctx, ids[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !ev.Skipped || ev.Delivered {
+		t.Errorf("the row skipped by an earlier version: skipped %t, delivered %t; want skipped", ev.Skipped, ev.Delivered)
 	}
 }

@@ -73,21 +73,28 @@ var ErrNoDeadAt = errors.New("outbox table has no dead_at column")
 // migrate`, or the shipped 000004 migration), which adds the column without
 // rewriting the table.
 func CheckDeadAt(ctx context.Context, q Querier, t Table) error {
-	_, ok, err := detectColumns(ctx, q, t)
+	_, facts, err := detectColumns(ctx, q, t)
 	if err != nil {
 		return err
 	}
-	if !ok {
+	if !facts.deadAt {
 		return fmt.Errorf("%w: %s (add it with schema.Migrate or `outbox migrate --table=%s`; it does not rewrite the table)", ErrNoDeadAt, t, t)
 	}
 	return nil
 }
 
-func detectColumns(ctx context.Context, q Querier, t Table) (Columns, bool, error) {
+// tableFacts are what detectColumns finds besides the optional columns:
+// whether t has dead_at (migration 000004) and skipped_at (000012).
+type tableFacts struct {
+	deadAt, skippedAt bool
+}
+
+func detectColumns(ctx context.Context, q Querier, t Table) (Columns, tableFacts, error) {
 	var (
 		found                bool
 		parent, state, heads bool
-		okey, deadAt         bool
+		okey                 bool
+		f                    tableFacts
 	)
 	err := q.QueryRow(ctx, `
 SELECT to_regclass($1) IS NOT NULL,
@@ -95,13 +102,14 @@ SELECT to_regclass($1) IS NOT NULL,
        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'tracestate'  AND NOT attisdropped),
        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'headers'     AND NOT attisdropped),
        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'ordering_partition' AND NOT attisdropped),
-       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'dead_at' AND NOT attisdropped)`,
-		t.Sanitize()).Scan(&found, &parent, &state, &heads, &okey, &deadAt)
+       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'dead_at' AND NOT attisdropped),
+       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'skipped_at' AND NOT attisdropped)`,
+		t.Sanitize()).Scan(&found, &parent, &state, &heads, &okey, &f.deadAt, &f.skippedAt)
 	if err != nil {
-		return Columns{}, false, fmt.Errorf("detect columns of %s: %w", t, err)
+		return Columns{}, tableFacts{}, fmt.Errorf("detect columns of %s: %w", t, err)
 	}
 	if !found {
-		return Columns{}, false, fmt.Errorf("%w: %s (create it with schema.Migrate or `outbox migrate`)", ErrTableNotFound, t)
+		return Columns{}, tableFacts{}, fmt.Errorf("%w: %s (create it with schema.Migrate or `outbox migrate`)", ErrTableNotFound, t)
 	}
-	return Columns{TraceContext: parent && state, Headers: heads, OrderingKey: okey}, deadAt, nil
+	return Columns{TraceContext: parent && state, Headers: heads, OrderingKey: okey}, f, nil
 }

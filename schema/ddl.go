@@ -123,7 +123,7 @@ var ErrTableRewrite = errors.New("adding the ordering columns rewrites the table
 // companion tables, idempotently. Existing rows keep ordering_key NULL and
 // are relayed as in the default mode (docs/ORDERING.md, "Switching modes").
 func OrderedUpgradeSQL(t Table) string {
-	return joinStatements(append(orderedColumnStatements(t), orderedCompanionStatements(t)...))
+	return joinStatements(append(append(orderedColumnStatements(t), orderedCompanionStatements(t)...), skippedAtStatements(t)...))
 }
 
 // WithMode records m as the relay mode of the table (in <table>_mode,
@@ -255,7 +255,11 @@ func UpStatements(t Table, c Columns) []string {
 		stmts = append(stmts, ix.stmt)
 	}
 	stmts = append(stmts, pausedTopicsStatement(t), replayJobsStatement(t), availableAtStatement(t), modeStatement(t))
-	return append(stmts, optionalColumnStatements(t, c)...)
+	stmts = append(stmts, optionalColumnStatements(t, c)...)
+	if c.OrderingKey {
+		stmts = append(stmts, skippedAtStatements(t)[0])
+	}
+	return stmts
 }
 
 // legacyDeadAttempts is the attempts count at or above which the migration
@@ -589,11 +593,11 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 				stmts = append(stmts, ix.stmt)
 			}
 		}
-		have, deadAt, err := detectColumns(ctx, tx, t)
+		have, facts, err := detectColumns(ctx, tx, t)
 		if err != nil {
 			return fmt.Errorf("migrate %s: %w", t, err)
 		}
-		if !deadAt {
+		if !facts.deadAt {
 			stmts = append(stmts, deadAtStatements(t)...)
 		}
 		// The paused topics' table (migration 000007) does not lock t.
@@ -642,6 +646,11 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 			}
 			stmts = append(stmts, orderedColumnStatements(t)...)
 			stmts = append(stmts, orderedCompanionStatements(t)...)
+		}
+		// skipped_at (migration 000012) is added without a rewrite, and
+		// only when missing (the ALTER locks t).
+		if want.OrderingKey && !facts.skippedAt {
+			stmts = append(stmts, skippedAtStatements(t)...)
 		}
 	}
 	for _, stmt := range stmts {
@@ -775,6 +784,8 @@ func MigrationFiles(t Table) map[string]string {
 	down10 := modeDownSQL(t)
 	up11 := oneHoldsTableUpSQL(t)
 	down11 := oneHoldsTableDownSQL(t)
+	up12 := skippedAtUpSQL(t)
+	down12 := skippedAtDownSQL(t)
 	return map[string]string{
 		"migrations/000001_create_" + name + ".up.sql":                     h + "\n" + up1,
 		"migrations/000001_create_" + name + ".down.sql":                   h + destructive + "\n" + down1,
@@ -798,6 +809,8 @@ func MigrationFiles(t Table) map[string]string {
 		"migrations/000010_add_" + name + "_mode.down.sql":                 h + "\n" + down10,
 		"migrations/000011_add_" + name + "_one_holds_table.up.sql":        h + oneHoldsNote + "\n" + up11,
 		"migrations/000011_add_" + name + "_one_holds_table.down.sql":      h + "\n" + down11,
+		"migrations/000012_add_" + name + "_skipped_at.up.sql":             h + skippedNote + "\n" + up12,
+		"migrations/000012_add_" + name + "_skipped_at.down.sql":           h + "\n" + down12,
 		"migrations/goose/00001_create_" + name + ".sql": h + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
 		"migrations/goose/00002_add_" + name + "_dead_at.sql": h + deadAtNote + "\n-- +goose Up\n" + up4 +
@@ -816,5 +829,7 @@ func MigrationFiles(t Table) map[string]string {
 			"\n-- +goose Down\n" + down10,
 		"migrations/goose/00009_add_" + name + "_one_holds_table.sql": h + oneHoldsNote + "\n-- +goose Up\n" + up11 +
 			"\n-- +goose Down\n" + down11,
+		"migrations/goose/00010_add_" + name + "_skipped_at.sql": h + skippedNote + "\n-- +goose Up\n" + up12 +
+			"\n-- +goose Down\n" + down12,
 	}
 }

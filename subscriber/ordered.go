@@ -45,8 +45,8 @@ func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols 
 	}
 	if !ok {
 		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the tables %s, %s and %s, with the hold states of migration 000005 (resolved_at, replay), "+
-			"the partitions' term of migration 000006 (epoch) and the one holds table of migration 000011 (mode, state); %s: %w",
-			t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), run, ErrOrderedNotMigrated)
+			"the partitions' term of migration 000006 (epoch), the one holds table of migration 000011 (mode, state) and %s.skipped_at of migration 000012; %s: %w",
+			t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), t, run, ErrOrderedNotMigrated)
 	}
 	if walOpen > 0 {
 		return nil, fmt.Errorf("subscriber: %w: Ordered refused for %s: the WAL relay holds %d key(s) (in %s: a dead or retrying row each), and ordered mode "+
@@ -206,6 +206,7 @@ type holdState struct {
 	replay    bool // a replay hold: the replay of a row already relayed; it covers no later row
 	advancing bool // an Advance statement is running
 	inflight  bool // the held row is being delivered
+	acked     bool // the held row was acked: moving the hold on records no skip
 }
 
 func newOrderedRelay(sub *subscription) *orderedRelay {

@@ -203,6 +203,7 @@ func (r *orderedRelay) runKey(k *keyState) {
 			}
 			switch v {
 			case verdictAck:
+				h.acked = true
 				r.mu.Unlock()
 				r.advance(k, h)
 			case verdictNack:
@@ -467,6 +468,9 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 	h.advancing = true
 	bound := k.p.seen
 	seq := h.Seq
+	// A hold moved on without its row's ack is an operator's skip being
+	// applied (actAdvance): the row records it (skipped_at).
+	skipped := !h.acked
 	r.gen++
 	k.holdGen = r.gen
 	r.mu.Unlock()
@@ -476,7 +480,7 @@ func (r *orderedRelay) advance(k *keyState, h *holdState) {
 		owned, resolved, deleted bool
 		next                     *int64
 	)
-	err := r.oq.Advance(sqlq.AdvanceArgs{Relay: r.id, Partition: k.p.id, Key: k.name, Sequence: seq, Bound: bound, Epoch: k.p.term.Epoch()}).
+	err := r.oq.Advance(sqlq.AdvanceArgs{Relay: r.id, Partition: k.p.id, Key: k.name, Sequence: seq, Bound: bound, Epoch: k.p.term.Epoch(), Skipped: skipped}).
 		QueryRow(ctx, r.s.pool).Scan(&owned, &next, &resolved, &deleted)
 	r.mu.Lock()
 	defer r.mu.Unlock()

@@ -161,9 +161,9 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	}
 	// skipped: a nack of the held row of a hold that drains after a skip
 	// (an operator skipped the row while this copy was in the handler): a
-	// skip is final, so the row is not tried again; it stays dead without
-	// holding its key. A retry's drain delivers the held row itself: its
-	// nack is an ordinary failure.
+	// skip is final, so the row is not tried again; it is marked skipped
+	// (MarkSkipped) and holds nothing. A retry's drain delivers the held
+	// row itself: its nack is an ordinary failure.
 	h := st.holds.holdOf(it)
 	skipped := !v.ack && h != nil && h.State == keyed.Draining && !h.retried && it.row.Sequence == h.Seq
 	if skipped {
@@ -219,7 +219,11 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			key = k
 		}
 		var changed, held int
-		ok, err := st.write(ctx, "dead", st.s.q.MarkDeadHold, []any{&changed, &held}, it.row.ID, it.attempts, last, key)
+		sql, args := st.s.q.MarkDeadHold, []any{it.row.ID, it.attempts, last, key}
+		if skipped {
+			sql, args = st.s.q.MarkSkipped, args[:3]
+		}
+		ok, err := st.write(ctx, "dead", sql, []any{&changed, &held}, args...)
 		if err == nil && !ok {
 			// Refused: this session no longer holds the slot. The row
 			// stays as it is, unsettled; the session that holds the slot
@@ -236,17 +240,21 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 			st.dispatch(ctx, it.key)
 			return
 		}
-		// A row already dead (a copy of a skipped row) or published holds
-		// nothing: the statement changed no row.
+		// A row already dead or skipped (a copy of a skipped row) or
+		// published holds nothing: the statement changed no row.
 		// An earlier row of a key that a later dead row holds goes dead
 		// without moving the hold (MarkDeadHold keeps it).
 		deadChanged = changed > 0 && held > 0
-		st.s.logger.Info("Row dead", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
-		if k := it.row.OrderingKey; k != nil {
-			st.s.logger.Trace("Dead", watermill.LogFields{"key": *k, "sequence": it.row.Sequence, "drained": it.tx == nil, "replay": it.replay})
+		if skipped {
+			st.s.logger.Info("Row skipped", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
+		} else {
+			st.s.logger.Info("Row dead", watermill.LogFields{"sequence": it.row.Sequence, "attempts": it.attempts})
+			if m := st.s.cfg.Metrics; m != nil {
+				m.DeadTotal.WithLabelValues(st.s.cfg.Table.Qualified(), it.row.Topic).Inc()
+			}
 		}
-		if m := st.s.cfg.Metrics; m != nil {
-			m.DeadTotal.WithLabelValues(st.s.cfg.Table.Qualified(), it.row.Topic).Inc()
+		if k := it.row.OrderingKey; k != nil {
+			st.s.logger.Trace("Dead", watermill.LogFields{"key": *k, "sequence": it.row.Sequence, "drained": it.tx == nil, "replay": it.replay, "skipped": skipped})
 		}
 	}
 	q.items = q.items[1:]

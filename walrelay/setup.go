@@ -102,7 +102,8 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	if err := checkWALLevel(ctx, pool); err != nil {
 		return n, err
 	}
-	if _, err := schema.DetectColumns(ctx, pool, t); err != nil {
+	cols, err := schema.DetectColumns(ctx, pool, t)
+	if err != nil {
 		return n, fmt.Errorf("walrelay: %w", err)
 	}
 	// Before anything is created: a table with the WAL relay's tables reads
@@ -113,7 +114,7 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	if _, err := pool.Exec(ctx, sqlq.WALCreateProgressTable(t)); err != nil {
 		return n, fmt.Errorf("walrelay: create the progress table of %s: %w", t, err)
 	}
-	if err := setupHolds(ctx, pool, t); err != nil {
+	if err := setupHolds(ctx, pool, t, cols.OrderingKey); err != nil {
 		return n, err
 	}
 	// Before the publication and the slot, so that a refusal leaves no
@@ -216,8 +217,10 @@ func markOrderedDone(ctx context.Context, pool *pgxpool.Pool, t schema.Table) er
 
 // setupHolds creates the holds table of t, or brings it to this version's
 // shape, and moves into it, in one transaction, the holds a WAL relay of an
-// older version kept in <table>_wal_holds (sqlq.WALMoveLegacyHolds).
-func setupHolds(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
+// older version kept in <table>_wal_holds (sqlq.WALMoveLegacyHolds); a
+// keyed table gets skipped_at (sqlq.WALAddSkippedAt) in the same
+// transaction.
+func setupHolds(ctx context.Context, pool *pgxpool.Pool, t schema.Table, keyed bool) error {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("walrelay: create the holds table of %s: %w", t, err)
@@ -242,6 +245,20 @@ func setupHolds(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
 		}
 		if _, err := tx.Exec(ctx, `DROP TABLE `+sqlq.LegacyWALHoldsTable(t)); err != nil {
 			return fmt.Errorf("walrelay: drop %s: %w", sqlq.LegacyWALHoldsTable(t), err)
+		}
+	}
+	// skipped_at (migration 000012), where the relay records a skip: added
+	// only when missing (the ALTER locks t).
+	if keyed {
+		var has bool
+		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'skipped_at' AND NOT attisdropped)`,
+			t.Sanitize()).Scan(&has); err != nil {
+			return fmt.Errorf("walrelay: look up skipped_at of %s: %w", t, err)
+		}
+		if !has {
+			if _, err := tx.Exec(ctx, sqlq.WALAddSkippedAt(t)); err != nil {
+				return fmt.Errorf("walrelay: add skipped_at to %s: %w", t, err)
+			}
 		}
 	}
 	if err := tx.Commit(ctx); err != nil {

@@ -339,10 +339,11 @@ func TestWALSpillSurvivesARestart(t *testing.T) {
 }
 
 // TestWALSetupMovesLegacyHolds: a WAL relay of an older version kept its
-// holds in <table>_wal_holds. A relay of this version refuses to start on
-// such a table (ErrNotSetUp, naming the fix); walrelay.Setup moves the live
-// holds into the one holds table, each in its state (dead, retrying with its
-// key spilled, replayed, resolved), and drops the old table; the relay then
+// holds in <table>_wal_holds, and the table had no skipped_at. A relay of
+// this version refuses to start on such a table (ErrNotSetUp, naming the
+// fix); walrelay.Setup adds skipped_at, moves the live holds into the one
+// holds table, each in its state (dead, retrying with its key spilled,
+// replayed, resolved), and drops the old table; the relay then
 // retries the spilled key from the table, in order, and keeps the dead
 // key held.
 func TestWALSetupMovesLegacyHolds(t *testing.T) {
@@ -356,8 +357,9 @@ func TestWALSetupMovesLegacyHolds(t *testing.T) {
 		sql  string
 		args []any
 	}{
-		// The holds as an older version kept them.
+		// The holds as an older version kept them, and no skipped_at.
 		{sql: `DROP TABLE ` + tbl.HoldsTable()},
+		{sql: `ALTER TABLE ` + tbl.Sanitize() + ` DROP COLUMN skipped_at`},
 		{sql: `CREATE TABLE ` + legacy + ` (
   ordering_key TEXT NOT NULL PRIMARY KEY, sequence BIGINT NOT NULL, event_id UUID NOT NULL, draining BOOLEAN NOT NULL DEFAULT false,
   skip_requested_at TIMESTAMPTZ NULL, held_at TIMESTAMPTZ NOT NULL DEFAULT now(), through BIGINT NOT NULL DEFAULT 0,
@@ -383,6 +385,11 @@ func TestWALSetupMovesLegacyHolds(t *testing.T) {
 	}
 	if _, err := walrelay.Setup(ctx, pool, tbl, walrelay.Names{}); err != nil {
 		t.Fatal(err)
+	}
+	var skippedAt bool
+	if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = $1::regclass AND attname = 'skipped_at' AND NOT attisdropped)`,
+		tbl.Sanitize()).Scan(&skippedAt); err != nil || !skippedAt {
+		t.Fatalf("after Setup the table has skipped_at: %t (%v), want it added", skippedAt, err)
 	}
 	var left bool
 	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, legacy).Scan(&left); err != nil || left {

@@ -295,16 +295,20 @@ func New(ctx context.Context, pool *pgxpool.Pool, cfg Config, logger watermill.L
 // checkHolds verifies that the holds of t are kept where this version
 // keeps them: in the one holds table both keyed modes share
 // (schema.Table.HoldsTable), with no table of an older version's holds
-// left (<table>_wal_holds, which Setup moves). A table without the
-// ordering_key column holds no key.
+// left (<table>_wal_holds, which Setup moves), and that t has skipped_at.
+// A table without the ordering_key column holds no key.
 func (s *Subscriber) checkHolds(ctx context.Context) error {
 	t := s.cfg.Table
 	if !s.cols.OrderingKey {
 		return nil
 	}
-	var ready, legacy bool
-	if err := s.pool.QueryRow(ctx, sqlq.WALHoldsReady(t)).Scan(&ready, &legacy); err != nil {
+	var ready, legacy, skippedAt bool
+	if err := s.pool.QueryRow(ctx, sqlq.WALHoldsReady(t)).Scan(&ready, &legacy, &skippedAt); err != nil {
 		return fmt.Errorf("walrelay: look up the holds table of %s: %w", t, err)
+	}
+	if !skippedAt {
+		return fmt.Errorf("%w: %s has no skipped_at column, where this version records a skip; run walrelay.Setup (outbox migrate --wal) once, "+
+			"as the table's owner, with the table's older WAL relays stopped: it adds the column without rewriting the table", ErrNotSetUp, t)
 	}
 	if legacy || !ready {
 		return fmt.Errorf("%w: this version keeps the WAL relay's holds of %s in %s, which is missing or not yet in this version's shape"+

@@ -893,7 +893,7 @@ func TestWALSlotLossFallback(t *testing.T) {
 
 // TestWALSkipSurvivesRestart: a dead row holds its key across a relay
 // restart; a skip (runbook.Runbook.SkipEvent) lets the key's later rows through in
-// order, the skipped row stays dead and is never delivered.
+// order, the skipped row is marked skipped (not dead) and is never delivered.
 func TestWALSkipSurvivesRestart(t *testing.T) {
 	t.Parallel()
 	pool, tbl := cluster(t)
@@ -950,9 +950,9 @@ func TestWALSkipSurvivesRestart(t *testing.T) {
 	if rec.has(ids[0]) {
 		t.Fatal("the skipped row was delivered")
 	}
-	var dead bool
-	if err := pool.QueryRow(ctx, `SELECT dead_at IS NOT NULL FROM `+tbl.Sanitize()+` WHERE event_id = $1`, ids[0]).Scan(&dead); err != nil || !dead {
-		t.Fatalf("the skipped row is not dead (%v)", err)
+	var skipped, dead bool
+	if err := pool.QueryRow(ctx, `SELECT skipped_at IS NOT NULL, dead_at IS NOT NULL FROM `+tbl.Sanitize()+` WHERE event_id = $1`, ids[0]).Scan(&skipped, &dead); err != nil || !skipped || dead {
+		t.Fatalf("the skipped row: skipped_at set %t, dead_at set %t (%v); want skipped, not dead", skipped, dead, err)
 	}
 }
 

@@ -121,3 +121,23 @@ FROM pg_attribute AS a LEFT JOIN pg_attrdef AS d ON d.adrelid = a.attrelid AND d
 WHERE a.attrelid = $1::text::regclass AND a.attname = $2 AND NOT a.attisdropped`, table, column).Scan(&def)
 	return def, err
 }
+
+// legacySkippedPrefix starts the last_error that ordered relays of earlier
+// versions wrote on a row an operator skipped.
+const legacySkippedPrefix = "skipped by an operator"
+
+// SkippedAt is the DDL that adds skipped_at to the keyed outbox table tbl
+// (sanitized), idempotently and without a rewrite (the column is nullable
+// without a default), and marks skipped the rows that earlier versions
+// recorded as skipped in their last_error: migration 000012, which
+// walrelay.Setup also runs. skipped_at is the time a keyed relay (ordered
+// mode or the WAL relay) applied an operator's skip to the row: the key went
+// on without it; it is done, not dead and not delivered, and never
+// delivered again unless an operator replays it.
+func SkippedAt(tbl string) []string {
+	return []string{
+		`ALTER TABLE ` + tbl + ` ADD COLUMN IF NOT EXISTS skipped_at TIMESTAMPTZ NULL`,
+		`UPDATE ` + tbl + ` SET skipped_at = now()
+WHERE skipped_at IS NULL AND published_at IS NULL AND ordering_key IS NOT NULL AND last_error LIKE '` + legacySkippedPrefix + `%'`,
+	}
+}

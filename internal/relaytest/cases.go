@@ -271,6 +271,85 @@ func TestOneHoldsTable(t *testing.T, r Relay) {
 	}
 }
 
+// TestSkippedIsAState checks that a skip is recorded as a state of the row,
+// the same in both keyed modes: once a relay applied the skip, the row has
+// skipped_at, is neither dead nor delivered (the runbook says skipped; the
+// dead count does not include it), keeps the failure that made it dead as
+// its last_error, and is not caught by a bulk replay of dead rows; a
+// replay of that one row delivers it, and it is then delivered, no longer
+// skipped. docs/ORDERING.md "Operating held keys", docs/WAL.md "Skip".
+func TestSkippedIsAState(t *testing.T, r Relay) {
+	if !r.keyed() {
+		t.Skipf("the %s relay holds no key: nothing is skipped (runbook's SkipEvent refuses with ErrNotHeld)", r.Name)
+	}
+	e := setup(t, r, true)
+	ctx := context.Background()
+	rb := runbook.New(e.pool, e.tbl)
+	key := e.enqueue(topicA, "k", "k")
+	bad := newFailing(key[0])
+	e.start("a", Options{MaxAttempts: 2}, permanentFor(bad))
+	e.waitHold(within, key[0], runbook.HoldDead)
+	cause := e.row(key[0].ID).RunbookError
+	if !strings.Contains(cause, errBroken.Error()) {
+		t.Fatalf("the dead held row's last_error is %q, want the handler's error", cause)
+	}
+	if _, err := rb.SkipEvent(ctx, key[0].ID, false); err != nil {
+		t.Fatalf("skip the dead held row %s: %v", key[0], err)
+	}
+	e.waitAcked(within, key[1])
+	skippedAt := func() (skipped, dead bool) {
+		t.Helper()
+		if err := e.pool.QueryRow(ctx, `SELECT skipped_at IS NOT NULL, dead_at IS NOT NULL FROM `+e.tbl.Sanitize()+` WHERE event_id = $1`, key[0].ID).
+			Scan(&skipped, &dead); err != nil {
+			t.Fatalf("read skipped_at of %s: %v", key[0], err)
+		}
+		return skipped, dead
+	}
+	e.eventually(within, func() bool {
+		s := e.row(key[0].ID)
+		col, dead := skippedAt()
+		return s.Skipped && !s.Delivered && !s.Dead() && col && !dead
+	}, func() string { return "the skipped row is not recorded as skipped: " + e.rowStates(key[:1]) })
+	if s := e.row(key[0].ID); s.RunbookError != cause {
+		t.Errorf("the skipped row's last_error is %q, want the failure that made it dead, %q", s.RunbookError, cause)
+	}
+	st, err := rb.Stats(ctx)
+	if err != nil {
+		t.Fatalf("stats: %v", err)
+	}
+	if st.Dead != 0 || st.HeldKeys != 0 {
+		t.Errorf("after the skip the stats count %d dead rows and %d held keys, want none (a skipped row is not dead)", st.Dead, st.HeldKeys)
+	}
+	tries := e.rec.delivered(key[0]) // the attempts that made it dead
+	rep, err := rb.ReplayDead(ctx, runbook.DeadFilter{AllTopics: true}, false)
+	if err != nil {
+		t.Fatalf("bulk replay of the dead rows: %v", err)
+	}
+	if rep.Rows != 0 {
+		t.Errorf("a bulk replay of the dead rows replayed %d rows, want 0: the skipped row is not dead", rep.Rows)
+	}
+	e.wait(quietSpell)
+	if n := e.rec.delivered(key[0]); n != tries {
+		t.Fatalf("the skipped row %s was delivered again after the skip (%d deliveries, %d before)", key[0], n, tries)
+	}
+	bad.fix(key[0])
+	err = retry(within, func() error {
+		_, err := rb.ReplayEvent(ctx, key[0].ID, runbook.ReplayOptions{})
+		return err
+	}, func(err error) bool {
+		return errors.Is(err, runbook.ErrLocked) || errors.Is(err, runbook.ErrNotRelayedYet)
+	})
+	if err != nil {
+		t.Fatalf("replay the skipped row %s: %v", key[0], err)
+	}
+	e.waitAcked(within, key[0])
+	e.eventually(within, func() bool {
+		s := e.row(key[0].ID)
+		col, _ := skippedAt()
+		return !s.Skipped && s.Delivered && !col
+	}, func() string { return "the replayed skipped row is not delivered: " + e.rowStates(key[:1]) })
+}
+
 // TestReplayDead checks that a row that failed for good is dead (kept, never retried
 // on its own); ReplayEvent delivers it again, and in a keyed mode before
 // the rest of its key. README "Dead rows", docs/ORDERING.md, docs/WAL.md

@@ -168,6 +168,7 @@ func Run(t *testing.T, r Relay) {
 		{"PauseAndResume", TestPauseAndResume},
 		{"SkipHeld", TestSkipHeld},
 		{"OneHoldsTable", TestOneHoldsTable},
+		{"SkippedIsAState", TestSkippedIsAState},
 		{"ReplayDead", TestReplayDead},
 		{"BulkReplayWhileHoldDrains", TestBulkReplayWhileHoldDrains},
 		{"CleanerRacingReplays", TestCleanerRacingReplays},
@@ -437,10 +438,12 @@ type rowState struct {
 	Attempts  int
 	LastError string
 
-	Delivered    bool // runbook: delivered in the table's mode
-	HoldDead     bool // runbook: dead (dead_at, or a dead hold at the row)
-	HoldAttempts int  // runbook: attempts (the hold's at a held row)
-	Held         bool // runbook: the row its key waits for
+	Delivered    bool   // runbook: delivered in the table's mode
+	HoldDead     bool   // runbook: dead (dead_at, or a dead hold at the row)
+	HoldAttempts int    // runbook: attempts (the hold's at a held row)
+	Held         bool   // runbook: the row its key waits for
+	Skipped      bool   // runbook: skipped by an operator (done, not delivered)
+	RunbookError string // runbook: last_error (the hold's at a held row)
 }
 
 // Dead is true when the row is dead, by its column or by its hold.
@@ -450,8 +453,8 @@ func (s rowState) String() string {
 	if !s.Found {
 		return "not in the table"
 	}
-	return fmt.Sprintf("published_at=%t dead_at=%t attempts=%d last_error=%q; runbook: delivered=%t dead=%t held=%t attempts=%d",
-		s.Published, s.DeadAt, s.Attempts, s.LastError, s.Delivered, s.HoldDead, s.Held, s.HoldAttempts)
+	return fmt.Sprintf("published_at=%t dead_at=%t attempts=%d last_error=%q; runbook: delivered=%t skipped=%t dead=%t held=%t attempts=%d last_error=%q",
+		s.Published, s.DeadAt, s.Attempts, s.LastError, s.Delivered, s.Skipped, s.HoldDead, s.Held, s.HoldAttempts, s.RunbookError)
 }
 
 func (e *env) row(id uuid.UUID) rowState {
@@ -477,7 +480,10 @@ func (e *env) row(id uuid.UUID) rowState {
 	if err != nil {
 		e.t.Fatalf("runbook's Event %s: %v", id, err)
 	}
-	s.Delivered, s.HoldDead, s.HoldAttempts, s.Held = r.Delivered, r.DeadAt != nil, r.Attempts, r.Held
+	s.Delivered, s.HoldDead, s.HoldAttempts, s.Held, s.Skipped = r.Delivered, r.DeadAt != nil, r.Attempts, r.Held, r.Skipped
+	if r.LastError != nil {
+		s.RunbookError = *r.LastError
+	}
 	return s
 }
 

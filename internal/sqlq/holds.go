@@ -60,15 +60,12 @@ WHERE h.ordering_key = $1 AND h.sequence = $2 AND ` + holdState + ` = ANY($3::te
 
 // SkipHoldIn asks the relay to drop the hold of key $1 at sequence $2 and
 // continue with the key's next row, only while its state is one of $3
-// (text array); it records the skip in the row's last_error. Returns:
-// skipped (bool).
+// (text array); the relay marks the row skipped (skipped_at) when it
+// applies the skip (OrderedQueries.Advance). Returns: skipped (bool).
 func (q *OrderedQueries) SkipHoldIn() string {
 	return `WITH h AS (
   UPDATE ` + q.Table.HoldsTable() + ` AS h SET skip_requested_at = now()
   WHERE h.ordering_key = $1 AND h.sequence = $2 AND ` + holdState + ` = ANY($3::text[]) RETURNING sequence
-), o AS (
-  UPDATE ` + q.Table.Sanitize() + ` SET last_error = '` + SkippedErrorPrefix + ` at ' || now()::text || COALESCE('; was: ' || last_error, '')
-  WHERE ordering_key = $1 AND sequence = $2 AND EXISTS (SELECT 1 FROM h) RETURNING 1
 )
 SELECT EXISTS (SELECT 1 FROM h)`
 }
@@ -163,7 +160,7 @@ func WALReplayEvent(r WALReplayRule, eventID string, lockTTL time.Duration) Stat
   WHERE r.event_id = $1::uuid AND h.mode = 'wal' AND ` + WALReplayAllowsSQL("r", "$3::text[]", "$4::text[]") + `
   FOR UPDATE OF h
 ), u AS (
-  UPDATE ` + t.Sanitize() + ` AS o SET dead_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
+  UPDATE ` + t.Sanitize() + ` AS o SET dead_at = NULL, skipped_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
   WHERE o.event_id = $1::uuid
     AND o.published_at IS NULL
     AND (o.dead_at IS NOT NULL OR o.last_error IS NOT NULL)

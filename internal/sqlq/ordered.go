@@ -246,6 +246,7 @@ FROM unnest($1::int[], $2::bigint[]) AS p(part, lo)
 CROSS JOIN LATERAL (
   SELECT * FROM ` + tbl + ` AS k
   WHERE k.ordering_partition = p.part AND k.ordering_key IS NOT NULL AND k.sequence > p.lo AND k.sequence <= $3 AND k.published_at IS NULL AND k.dead_at IS NULL
+    AND k.skipped_at IS NULL
   ORDER BY k.sequence LIMIT $4
 ) AS o`
 	q.Rescan = `SELECT ` + ret + `
@@ -253,7 +254,7 @@ FROM unnest($1::int[], $2::int4[], $3::bigint[], $4::bigint[]) AS w(part, h, lo,
 CROSS JOIN LATERAL (
   SELECT * FROM ` + tbl + ` AS k
   WHERE k.ordering_partition = w.part AND k.ordering_key IS NOT NULL AND k.sequence > w.lo AND k.sequence <= w.hi
-    AND hashtext(k.ordering_key) = w.h AND k.published_at IS NULL AND k.dead_at IS NULL
+    AND hashtext(k.ordering_key) = w.h AND k.published_at IS NULL AND k.dead_at IS NULL AND k.skipped_at IS NULL
   ORDER BY k.sequence LIMIT $5
 ) AS o ORDER BY o.sequence`
 	q.RowAt = `SELECT ` + ret + ` FROM ` + tbl + ` AS o JOIN ` + holds + ` AS h ON h.ordering_key = o.ordering_key AND h.sequence = o.sequence
@@ -283,8 +284,13 @@ ON CONFLICT (ordering_key) DO UPDATE SET
 WHERE ` + same + ` OR (h.resolved_at IS NOT NULL AND h.sequence < EXCLUDED.sequence)
 RETURNING h.dead_at IS NOT NULL, h.attempts, h.skip_requested_at IS NOT NULL`
 	q.advance = `WITH own AS (` + own("$6") + `),
-h0 AS (SELECT replay FROM ` + holds + ` WHERE ordering_key = $3 AND sequence = $4 AND resolved_at IS NULL AND EXISTS (SELECT 1 FROM own) FOR UPDATE),
-nxt AS (SELECT min(sequence) AS s FROM ` + tbl + ` WHERE ordering_key = $3 AND sequence > $4 AND sequence <= $5 AND published_at IS NULL AND dead_at IS NULL),
+h0 AS (SELECT replay, attempts, last_error, skip_requested_at IS NOT NULL AS skip FROM ` + holds + `
+  WHERE ordering_key = $3 AND sequence = $4 AND resolved_at IS NULL AND EXISTS (SELECT 1 FROM own) FOR UPDATE),
+sk AS (
+  UPDATE ` + tbl + ` AS o SET skipped_at = now(), attempts = h0.attempts, last_error = h0.last_error FROM h0
+  WHERE $7::bool AND h0.skip AND NOT h0.replay AND o.ordering_key = $3 AND o.sequence = $4 AND o.published_at IS NULL
+),
+nxt AS (SELECT min(sequence) AS s FROM ` + tbl + ` WHERE ordering_key = $3 AND sequence > $4 AND sequence <= $5 AND published_at IS NULL AND dead_at IS NULL AND skipped_at IS NULL),
 del AS (
   DELETE FROM ` + holds + ` AS h WHERE h.ordering_key = $3 AND h.sequence = $4 AND (SELECT replay FROM h0)
   RETURNING 1
@@ -305,7 +311,7 @@ WHERE h.partition = p.partition AND p.owner = $1 AND p.lease_until > now() AND h
   FROM ` + parts + ` AS p CROSS JOIN LATERAL (
     SELECT k.sequence, k.created_at, k.ordering_key FROM ` + tbl + ` AS k
     WHERE k.ordering_partition = p.partition AND k.ordering_key IS NOT NULL AND k.sequence > p.floor_sequence AND k.published_at IS NULL
-      AND k.dead_at IS NULL
+      AND k.dead_at IS NULL AND k.skipped_at IS NULL
   ) AS o
   UNION
   SELECT o.sequence, o.created_at, o.ordering_key
@@ -350,7 +356,7 @@ DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id AND o.xmin = 
   FROM ` + tbl + ` AS o JOIN ` + parts + ` AS p ON p.partition = o.ordering_partition
   WHERE o.event_id = $1::uuid AND o.ordering_key IS NOT NULL
 ), touch AS (
-  UPDATE ` + tbl + ` AS o SET dead_at = NULL FROM r WHERE o.event_id = $1::uuid AND r.done AND r.free
+  UPDATE ` + tbl + ` AS o SET dead_at = NULL, skipped_at = NULL FROM r WHERE o.event_id = $1::uuid AND r.done AND r.free
   RETURNING 1
 ), ins AS (
   INSERT INTO ` + holds + ` AS h (ordering_key, partition, sequence, attempts, available_at, replay)
@@ -381,7 +387,7 @@ func OrderedDonePublished(t schema.Table) string {
 	return `UPDATE ` + t.Sanitize() + ` AS o SET published_at = now()
 FROM ` + t.PartitionsTable() + ` AS p
 WHERE p.partition = o.ordering_partition
-  AND o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
+  AND o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL AND o.skipped_at IS NULL
   AND (o.sequence <= p.floor_sequence OR EXISTS (SELECT 1 FROM ` + t.HoldsTable() + ` AS h
     WHERE h.ordering_key = o.ordering_key AND h.resolved_at IS NOT NULL AND o.sequence <= h.sequence))`
 }
@@ -516,14 +522,16 @@ func relayModeFix(ordered bool) string {
 
 // OrderedReady reports whether t has what ordered mode needs (its
 // companion tables, the hold states of migration 000005, the partitions'
-// term of 000006 and the one holds table of 000011) and how many holds the
+// term of 000006, the one holds table of 000011 and skipped_at of 000012)
+// and how many holds the
 // WAL relay keeps open in it (they refuse the switch, OpenHoldsOfOtherMode):
 // one round trip, but for a table a WAL relay of an older version left its
 // holds table in.
 func OrderedReady(ctx context.Context, q schema.Querier, t schema.Table) (ready bool, walOpen int64, err error) {
 	var legacy bool
 	err = q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL
-  AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'epoch' AND NOT attisdropped),
+  AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'epoch' AND NOT attisdropped)
+  AND `+skippedAtExists(t)+`,
   (SELECT count(*) FROM `+t.HoldsTable()+` AS h WHERE h.mode = 'wal' AND h.resolved_at IS NULL),
   to_regclass($3) IS NOT NULL`,
 		t.PartitionsTable(), t.RelaysTable(), LegacyWALHoldsTable(t)).Scan(&ready, &walOpen, &legacy)
@@ -610,15 +618,20 @@ type AdvanceArgs struct {
 	Sequence  int64  // the hold's sequence, whose row succeeded or was skipped
 	Bound     int64  // the highest sequence the next row may have
 	Epoch     int64  // the lease's term the write is fenced on
+	// Skipped: the row was not acked (the relay applies an operator's
+	// skip). When the hold's skip was requested, the row records it:
+	// skipped_at, with the hold's attempts and last_error.
+	Skipped bool
 }
 
 // Advance moves the hold of a key, whose row succeeded or was skipped, to
 // the key's next row at or below Bound, fenced on the relay's lease in its
 // term; without a next row the hold is resolved (kept as a tombstone); a
-// replay hold is deleted. Returns: owned, next sequence (NULL when none),
-// resolved, deleted.
+// replay hold is deleted. A skipped row is marked skipped in the same
+// statement (AdvanceArgs.Skipped). Returns: owned, next sequence (NULL
+// when none), resolved, deleted.
 func (q *OrderedQueries) Advance(a AdvanceArgs) Statement {
-	return Statement{SQL: q.advance, Args: []any{a.Relay, a.Partition, a.Key, a.Sequence, a.Bound, a.Epoch}}
+	return Statement{SQL: q.advance, Args: []any{a.Relay, a.Partition, a.Key, a.Sequence, a.Bound, a.Epoch, a.Skipped}}
 }
 
 // Release gives the relay's partitions back with their floors (same order),

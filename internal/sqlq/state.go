@@ -7,11 +7,6 @@ import (
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
-// SkippedErrorPrefix starts the last_error that a skip writes on an ordered
-// table's keyed row (OrderedQueries.SkipHoldIn): the state layer reads it as
-// "skipped".
-const SkippedErrorPrefix = "skipped by an operator"
-
 // StateQueries renders, for one table in one mode, the statements that say
 // which rows are delivered, pending, retrying, dead, held or waiting behind
 // a held key. It is the one place that knows each mode's state: the
@@ -142,7 +137,7 @@ func (q StateQueries) classified(src string) string {
     o.locked_at, o.published_at,
     CASE WHEN f.holds_it OR f.replay_it THEN h.last_error ELSE o.last_error END AS last_error,
     CASE WHEN f.holds_it THEN h.dead_at ELSE o.dead_at END AS dead_at,
-    o.ordering_key, d.done, d.done AND o.published_at IS NULL AND f.keyed AND COALESCE(o.last_error LIKE '` + SkippedErrorPrefix + `%', false) AS skipped,
+    o.ordering_key, d.done, d.done AND o.published_at IS NULL AND f.keyed AND o.skipped_at IS NOT NULL AS skipped,
     f.holds_it AS held, CASE WHEN f.behind_it THEN h.sequence END AS behind,
     f.holds_it AND h.skip_requested_at IS NOT NULL AS skip_requested, f.replay_it AS replay,
     NOT d.done AND CASE WHEN f.holds_it THEN h.dead_at IS NOT NULL ELSE o.dead_at IS NOT NULL END AS dead
@@ -156,20 +151,27 @@ func (q StateQueries) classified(src string) string {
     COALESCE((h.resolved_at IS NOT NULL AND o.sequence <= h.sequence) OR (h.resolved_at IS NULL AND NOT h.replay AND o.sequence < h.sequence), false) AS covered,
     COALESCE(o.sequence <= p.floor_sequence, false) AS below_floor) AS f
   CROSS JOIN LATERAL (SELECT o.published_at IS NOT NULL
-    OR (f.keyed AND o.dead_at IS NULL AND NOT (f.holds_it OR f.behind_it OR f.replay_it) AND (f.below_floor OR f.covered)) AS done) AS d`
+    OR (f.keyed AND o.dead_at IS NULL AND NOT (f.holds_it OR f.behind_it OR f.replay_it) AND (f.below_floor OR f.covered))
+    OR o.skipped_at IS NOT NULL AS done) AS d`
 	case schema.ModeWAL:
 		hold := q.walHoldJoin()
+		// A skipped row (the relay wrote skipped_at when it applied the
+		// skip) is done, not dead.
+		skipped := `false`
+		if q.Columns.OrderingKey {
+			skipped = `o.skipped_at IS NOT NULL`
+		}
 		return `SELECT o.id, o.row_xmin, o.sequence, o.event_id, o.topic, o.tenant_id, o.attempts, o.created_at,
     NULLIF(o.available_at, 'infinity') AS available_at, o.locked_at, o.published_at, o.last_error, o.dead_at,
-    ` + key + ` AS ordering_key, d.done, false AS skipped, f.holds_it AS held, CASE WHEN f.parked AND NOT f.holds_it THEN w.sequence END AS behind,
+    ` + key + ` AS ordering_key, d.done, f.skipped, f.holds_it AS held, CASE WHEN f.parked AND NOT f.holds_it AND NOT f.skipped THEN w.sequence END AS behind,
     f.holds_it AND w.skip_requested_at IS NOT NULL AS skip_requested, false AS replay,
     NOT d.done AND o.dead_at IS NOT NULL AS dead
   FROM (` + src + `) AS o
   ` + hold + `
   CROSS JOIN LATERAL (SELECT COALESCE(w.resolved_at IS NULL AND w.event_id = o.event_id, false) AS holds_it,
-    ` + walParked + ` AS parked,
+    ` + walParked + ` AS parked, ` + skipped + ` AS skipped,
     COALESCE(o.dead_at IS NULL AND age(o.row_xmin) > ` + q.walHorizonAge() + `, false) AS settled) AS f
-  CROSS JOIN LATERAL (SELECT o.published_at IS NOT NULL OR (f.settled AND NOT f.parked) AS done) AS d`
+  CROSS JOIN LATERAL (SELECT o.published_at IS NOT NULL OR f.skipped OR (f.settled AND NOT f.parked) AS done) AS d`
 	default:
 		return `SELECT o.id, o.row_xmin, o.sequence, o.event_id, o.topic, o.tenant_id, o.attempts, o.created_at,
     NULLIF(o.available_at, 'infinity') AS available_at, o.locked_at, o.published_at, o.last_error, o.dead_at,
@@ -248,7 +250,7 @@ SELECT count(*) FILTER (WHERE ` + pending + `),
   min(s.created_at) FILTER (WHERE ` + pending + `),
   COALESCE(extract(epoch FROM now() - min(s.created_at) FILTER (WHERE ` + pending + `))::float8, 0),
   count(*) FILTER (WHERE ` + pending + ` AND s.behind IS NOT NULL),
-  count(*) FILTER (WHERE s.done AND s.published_at IS NULL),
+  count(*) FILTER (WHERE s.done AND NOT s.skipped AND s.published_at IS NULL),
   (SELECT count(*) FROM ` + tbl + ` WHERE published_at IS NOT NULL AND published_at >= now() - interval '1 hour'),
   (SELECT count(*) FROM ` + tbl + ` WHERE published_at IS NOT NULL AND published_at >= now() - interval '1 minute'),
   ` + held + `
@@ -389,7 +391,8 @@ SELECT count(*), count(*) FILTER (WHERE s.done), count(*) FILTER (WHERE s.dead),
 // companion tables (with the hold states of migration 000005) exist, the
 // holds table has this version's shape (its state column, migration 000011
 // or walrelay.Setup), a WAL relay of an older version's holds table
-// (<table>_wal_holds) exists.
+// (<table>_wal_holds) exists, the table has skipped_at (migration 000012,
+// or walrelay.Setup).
 func ModeProbe(t schema.Table) string {
 	return `SELECT to_regclass(` + quoteLiteral(t.WALProgressTable()) + `) IS NOT NULL,
   EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = to_regclass(` + quoteLiteral(t.Sanitize()) + `)),

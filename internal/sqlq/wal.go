@@ -2,6 +2,7 @@ package sqlq
 
 import (
 	"strconv"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
@@ -89,6 +90,13 @@ func WALCreateProgressTable(t schema.Table) string {
 // arguments (simple protocol) or a script.
 func WALCreateHoldsTable(t schema.Table) string { return schema.HoldsTableSQL(t) }
 
+// WALAddSkippedAt adds skipped_at to the keyed table t (migration 000012,
+// pgmeta.SkippedAt), where the WAL relay records a skip; walrelay.Setup
+// runs it when the column is missing.
+func WALAddSkippedAt(t schema.Table) string {
+	return strings.Join(pgmeta.SkippedAt(t.Sanitize()), ";\n")
+}
+
 // WALMoveLegacyHolds copies the holds of <table>_wal_holds, where WAL
 // relays of older versions kept them, into the holds table (mode wal; a
 // hold of a key replaces only a resolved hold of it, never an open one of
@@ -138,17 +146,26 @@ func partitionOf(key string) string {
 // WALHoldsReady tells whether t is ready for the WAL relay's holds: the
 // holds table has this version's shape, and no table of older versions'
 // holds (<table>_wal_holds) is left. Returns: holds table shaped, legacy
-// table exists (holdsShape, as ModeProbe reads them).
+// table exists, skipped_at exists (holdsShape, as ModeProbe reads them).
 func WALHoldsReady(t schema.Table) string {
 	return `SELECT ` + holdsShape(t)
 }
 
-// holdsShape is the select list of two facts about t's holds: the holds
-// table has this version's shape (its generated state column), and the
-// table of a WAL relay of an older version (<table>_wal_holds) exists.
+// holdsShape is the select list of three facts about t's holds: the holds
+// table has this version's shape (its generated state column), the table
+// of a WAL relay of an older version (<table>_wal_holds) exists, and t has
+// skipped_at (migration 000012), where a skip is recorded on the row.
 func holdsShape(t schema.Table) string {
 	return `EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.HoldsTable()) + `) AND attname = 'state' AND NOT attisdropped),
-  to_regclass(` + quoteLiteral(LegacyWALHoldsTable(t)) + `) IS NOT NULL`
+  to_regclass(` + quoteLiteral(LegacyWALHoldsTable(t)) + `) IS NOT NULL,
+  ` + skippedAtExists(t)
+}
+
+// skippedAtExists is the condition that t has skipped_at (migration
+// 000012), which the keyed relays write when they apply a skip and every
+// reader of a keyed table reads.
+func skippedAtExists(t schema.Table) string {
+	return `EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.Sanitize()) + `) AND attname = 'skipped_at' AND NOT attisdropped)`
 }
 
 // WALProgressTableExists tells whether t has a progress table: t is
@@ -207,9 +224,20 @@ func WALBackfill(t schema.Table, c schema.Columns, beforeSetup, commitTimestamps
 		order = `ORDER BY CASE WHEN ` + unkeyed + ` THEN pg_xact_commit_timestamp(o.xmin) END NULLS FIRST, sequence`
 	}
 	return `SELECT ` + cols + `, ` + key + ` FROM ` + t.Sanitize() + ` AS o
-WHERE published_at IS NULL AND dead_at IS NULL
+WHERE published_at IS NULL AND dead_at IS NULL` + notSkipped(c) + `
   AND ` + bound + `
 ` + order
+}
+
+// notSkipped is the condition, appended to a WHERE clause on a row of a
+// table with columns c, that the row was not skipped: a keyed table's
+// skipped row (skipped_at) is done, never delivered again unless replayed.
+// A table without ordering_key has no skips.
+func notSkipped(c schema.Columns) string {
+	if !c.OrderingKey {
+		return ``
+	}
+	return ` AND skipped_at IS NULL`
 }
 
 // walClaimColumns are the columns ClaimedRow.Scan reads, for a table with
@@ -298,6 +326,11 @@ type WALQueries struct {
 	// stays the one that holds the key). Returns: rows changed, holds
 	// written, fence ok.
 	MarkDeadHold string
+	// MarkSkipped records the nack of row $1 (id) whose hold's skip was
+	// applied while the copy was in a handler: attempts $2, last_error
+	// $3, skipped (skipped_at), not dead; it holds nothing. Returns: rows
+	// changed, 0, fence ok (the columns of MarkDeadHold).
+	MarkSkipped string
 	// Spill holds the key $2 of row $1 (id), which failed and waits for
 	// its retry, with a retrying hold (the key, the row's sequence and
 	// event_id, retrying), so that the relay can drop the key's queued rows
@@ -314,7 +347,8 @@ type WALQueries struct {
 	// through, released, until_lsn (text, '' when NULL), retrying.
 	Holds string
 	// Drain marks the hold of key $1 at sequence $2 as draining (its held
-	// row was delivered again or skipped: it is no longer retrying), with
+	// row was delivered again or skipped: it is no longer retrying; a
+	// skipped held row that failed is marked skipped), with
 	// $3 the last sequence its drain read (through never moves back) and
 	// $4 (text) the WAL position after that read. Returns: holds changed,
 	// fence ok.
@@ -362,7 +396,7 @@ type WALQueries struct {
 
 // NewWALQueries renders the WAL relay's row statements for table t with
 // columns c. Without the ordering_key column no key is ever held: the hold
-// statements (MarkDeadHold, Holds, Drain, Release, Forget, Spill,
+// statements (MarkDeadHold, MarkSkipped, Holds, Drain, Release, Forget, Spill,
 // RetryDrain) are empty.
 func NewWALQueries(t schema.Table, c schema.Columns) WALQueries {
 	tbl := t.Sanitize()
@@ -382,7 +416,7 @@ func NewWALQueries(t schema.Table, c schema.Columns) WALQueries {
 SELECT pg_snapshot_xmin(pg_current_snapshot())::text, pg_current_wal_insert_lsn()::text, (SELECT ok FROM f)`,
 		MarkDead: `UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, dead_at = now(), available_at = 'infinity', locked_at = NULL
 WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
-		Row: `SELECT ` + cols + ` FROM ` + tbl + ` WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
+		Row: `SELECT ` + cols + ` FROM ` + tbl + ` WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL` + notSkipped(c),
 	}
 	if !c.OrderingKey {
 		return q
@@ -405,12 +439,28 @@ WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
 SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM h), (SELECT ok FROM f)`
 	q.Holds = `SELECT ordering_key, sequence, draining, skip_requested_at IS NOT NULL, through, resolved_at IS NOT NULL, COALESCE(until_lsn::text, ''), spilled
 FROM ` + holds + ` WHERE mode = 'wal'`
+	// A drain that applies a skip marks the held row skipped: not dead,
+	// never delivered again; the cleaner deletes it like a delivered row
+	// (available_at, from which its retention counts, is the skip's time). Only a row that failed (attempts above 0: dead,
+	// or spilled for its retry) is marked here; the copy of a replayed row
+	// still in a handler records its own verdict (MarkSkipped on a nack).
 	q.Drain = `WITH ` + walFence(5) + `, u AS (
   UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn, spilled = false
   WHERE ordering_key = $1 AND sequence = $2 AND mode = 'wal' AND resolved_at IS NULL AND (SELECT ok FROM f) RETURNING 1
+), s AS (
+  UPDATE ` + tbl + ` AS o SET skipped_at = now(), dead_at = NULL, available_at = now(), locked_at = NULL FROM ` + holds + ` AS h
+  WHERE h.ordering_key = $1 AND h.sequence = $2 AND h.mode = 'wal' AND h.resolved_at IS NULL AND h.skip_requested_at IS NOT NULL
+    AND o.event_id = h.event_id AND o.published_at IS NULL AND o.skipped_at IS NULL AND o.attempts > 0 AND EXISTS (SELECT 1 FROM u)
 )
 SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`
-	q.Parked = `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL ORDER BY sequence LIMIT $3::int`
+	q.MarkSkipped = `WITH ` + walFence(4) + `, d AS (
+  UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, skipped_at = now(), available_at = now(), locked_at = NULL
+  WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL AND skipped_at IS NULL AND (SELECT ok FROM f)
+  RETURNING 1
+)
+SELECT (SELECT count(*) FROM d), 0, (SELECT ok FROM f)`
+	q.Parked = `SELECT ` + cols + `, ordering_key FROM ` + tbl + ` WHERE ordering_key = $1 AND sequence > $2 AND published_at IS NULL AND dead_at IS NULL AND skipped_at IS NULL
+ORDER BY sequence LIMIT $3::int`
 	q.Release = `WITH ` + walFence(4) + `, u AS (
   UPDATE ` + holds + ` SET resolved_at = now(), draining = false, spilled = false, through = GREATEST(through, $3)
   WHERE ordering_key = $1 AND sequence = $2 AND mode = 'wal' AND (SELECT ok FROM f) RETURNING 1

@@ -43,8 +43,8 @@ func Of(ctx context.Context, q schema.Querier, t schema.Table) (Reader, error) {
 	if err != nil {
 		return Reader{}, err
 	}
-	var walProgress, published, ordered, holdsShaped, legacy bool
-	if err := q.QueryRow(ctx, sqlq.ModeProbe(t)).Scan(&walProgress, &published, &ordered, &holdsShaped, &legacy); err != nil {
+	var walProgress, published, ordered, holdsShaped, legacy, skippedAt bool
+	if err := q.QueryRow(ctx, sqlq.ModeProbe(t)).Scan(&walProgress, &published, &ordered, &holdsShaped, &legacy, &skippedAt); err != nil {
 		return Reader{}, fmt.Errorf("find the relay mode of %s: %w", t, err)
 	}
 	rec, recorded, err := schema.RecordedMode(ctx, q, t)
@@ -77,6 +77,13 @@ func Of(ctx context.Context, q schema.Querier, t schema.Table) (Reader, error) {
 	case mode == schema.ModeOrdered && !holdsShaped:
 		return Reader{}, fmt.Errorf("%w: the holds table %s of %s has no state column; apply migration 000011 (`outbox migrate --ordered --table=%s`, "+
 			"or the shipped 000011_add_<table>_one_holds_table.up.sql)", ErrNotMigrated, t.HoldsTable(), t, t)
+	case mode == schema.ModeWAL && cols.OrderingKey && !skippedAt:
+		// A skipped row would read as dead or delivered.
+		return Reader{}, fmt.Errorf("%w: %s has no skipped_at column, where this version records a skip; stop the older WAL relays and run "+
+			"`outbox migrate --wal --table=%s` (walrelay.Setup) once", ErrNotMigrated, t, t)
+	case mode == schema.ModeOrdered && cols.OrderingKey && !skippedAt:
+		return Reader{}, fmt.Errorf("%w: %s has no skipped_at column, where this version records a skip; apply migration 000012 "+
+			"(`outbox migrate --ordered --table=%s`, or the shipped 000012_add_<table>_skipped_at.up.sql)", ErrNotMigrated, t, t)
 	}
 	r.StateQueries = sqlq.NewStateQueries(t, mode, cols)
 	return r, nil
