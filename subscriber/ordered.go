@@ -229,12 +229,13 @@ func newOrderedRelay(sub *subscription) *orderedRelay {
 	}
 }
 
-// newTermLedger is an ordered relay's term ledger: a copy left in a handler
-// by an ended term holds its key (and its partition) back for as long as a
-// copy of a live term may stay out, its overrun (DispatchTimeout +
-// LockTTL/2), counted from the term's end.
+// newTermLedger is an ordered relay's term ledger: a copy of a live term
+// is overdue after its overrun (DispatchTimeout + LockTTL/2), as a leased
+// row of the default relay is, and a copy left in a handler by an ended
+// term holds its key (and its partition) back for as long, counted from the
+// term's end.
 func newTermLedger(s *Subscriber) *term.Ledger {
-	return term.New(term.Config{Overrun: s.overrunAfter()})
+	return term.New(term.Config{Overrun: s.overrunAfter(), Overdue: s.overrunAfter()})
 }
 
 // orderedTimes are the ordered relay's periods and bounds, derived once

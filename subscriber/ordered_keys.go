@@ -312,11 +312,9 @@ func (r *orderedRelay) deliverRow(k *keyState, row *sqlq.OrderedRow, attempts in
 		return verdictNone
 	}
 	var grace <-chan time.Time
-	overrun := time.NewTimer(s.overrunAfter())
-	defer overrun.Stop()
 	for {
 		select {
-		case <-overrun.C:
+		case <-cp.Overdue():
 			// As in the default mode: the attempt counts as failed and holds
 			// the key like any failure; ending the copy cancels the
 			// message's context.

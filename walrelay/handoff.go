@@ -162,6 +162,18 @@ func (h *handoff) waiter(w waiting) {
 				break
 			}
 			h.send(settle{it: w.it, err: w.recorded()}) // nil: nacked without an error (keyed.NoErrorText)
+		case <-w.cp.Overdue():
+			// The handler kept the message past its overrun: the relay
+			// gives up on it (its context is cancelled) and counts a
+			// failed attempt; the key is delivered again after Backoff (its
+			// copies may overlap by the overrun, as in ordered mode).
+			if !w.cp.End(term.Overran) {
+				h.send(settle{it: w.it, stopped: true}) // the session ended first
+				break
+			}
+			err := h.s.overrunError()
+			h.s.logger.Error("Handler overran its dispatch timeout; counting a failed attempt", err, watermill.LogFields{"sequence": w.it.row.Sequence})
+			h.send(settle{it: w.it, err: err})
 		case <-w.ctx.Done():
 			// The session ended with the message in a handler: its
 			// context is cancelled (a term's end cancels its messages), and the ledger follows the

@@ -148,11 +148,14 @@ type Config struct {
 	// message's context ends DispatchTimeout after it was handed over (or
 	// earlier, at its ack or nack or the session's end). A handler that
 	// returns when its context ends and nacks has its row retried after
-	// Backoff, as for any nack; the relay does not hand the key's message
-	// out again before the verdict (one copy per key), so a handler that
-	// ignores its context keeps its key until it answers or its session
-	// ends. Set it to the router's dispatch timeout, as for
-	// subscriber.Config.DispatchTimeout. Defaults to
+	// Backoff, as for any nack. A handler that ignores its context and
+	// has not answered CloseTimeout later has overrun, as in ordered mode:
+	// the relay gives up on it, counts a failed attempt and delivers the
+	// key again after Backoff (or the row is dead), so that a hung handler
+	// does not hold its key, and the slot's confirmed position, for good;
+	// until then the key's message is not handed out again (one copy per
+	// key, within the overrun). Set it to the router's dispatch timeout,
+	// as for subscriber.Config.DispatchTimeout. Defaults to
 	// subscriber.DispatchTimeoutDefault.
 	DispatchTimeout time.Duration
 	// LastErrorMaxBytes bounds last_error. Defaults to
@@ -320,9 +323,22 @@ func (s *Subscriber) checkHolds(ctx context.Context) error {
 
 // newTerms is the relay's term ledger: a copy a session's end left in a
 // handler holds its key back for CloseTimeout at most after the session
-// ended.
+// ended, and a copy of a live session is overdue after its overrun
+// (overrunAfter), as in ordered mode.
 func (s *Subscriber) newTerms() *term.Ledger {
-	return term.New(term.Config{Overrun: s.cfg.CloseTimeout, OnStaleEnd: s.staleEnded})
+	return term.New(term.Config{Overrun: s.cfg.CloseTimeout, Overdue: s.overrunAfter(), OnStaleEnd: s.staleEnded})
+}
+
+// overrunAfter is how long a handler may keep a message before the relay
+// gives up on it and counts a failed attempt: DispatchTimeout (when the
+// message's context ends) plus CloseTimeout, the time a handler is given to
+// answer after its context ended, as after a session's end.
+func (s *Subscriber) overrunAfter() time.Duration { return s.cfg.DispatchTimeout + s.cfg.CloseTimeout }
+
+// overrunError is the failure an overdue copy's attempt records.
+func (s *Subscriber) overrunError() error {
+	return fmt.Errorf("handler overran: no ack or nack %s after delivery (DispatchTimeout %s plus CloseTimeout %s); the key is delivered again",
+		s.overrunAfter(), s.cfg.DispatchTimeout, s.cfg.CloseTimeout)
 }
 
 // staleEnded logs the end of a copy that a session's end left in a handler.

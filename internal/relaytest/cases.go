@@ -277,7 +277,9 @@ func TestOneHoldsTable(t *testing.T, r Relay) {
 // dead count does not include it), keeps the failure that made it dead as
 // its last_error, and is not caught by a bulk replay of dead rows; a
 // replay of that one row delivers it, and it is then delivered, no longer
-// skipped. docs/ORDERING.md "Operating held keys", docs/WAL.md "Skip".
+// skipped; the cleaner deletes a skipped row by the retention of delivered
+// rows. docs/ORDERING.md "Operating held keys", docs/WAL.md "Skip",
+// docs/ARCHITECTURE.md "skipped".
 func TestSkippedIsAState(t *testing.T, r Relay) {
 	if !r.keyed() {
 		t.Skipf("the %s relay holds no key: nothing is skipped (runbook's SkipEvent refuses with ErrNotHeld)", r.Name)
@@ -286,17 +288,21 @@ func TestSkippedIsAState(t *testing.T, r Relay) {
 	ctx := context.Background()
 	rb := runbook.New(e.pool, e.tbl)
 	key := e.enqueue(topicA, "k", "k")
-	bad := newFailing(key[0])
+	other := e.enqueue(topicA, "c", "c")
+	bad := newFailing(key[0], other[0])
 	e.start("a", Options{MaxAttempts: 2}, permanentFor(bad))
 	e.waitHold(within, key[0], runbook.HoldDead)
+	e.waitHold(within, other[0], runbook.HoldDead)
 	cause := e.row(key[0].ID).RunbookError
 	if !strings.Contains(cause, errBroken.Error()) {
 		t.Fatalf("the dead held row's last_error is %q, want the handler's error", cause)
 	}
-	if _, err := rb.SkipEvent(ctx, key[0].ID, false); err != nil {
-		t.Fatalf("skip the dead held row %s: %v", key[0], err)
+	for _, ev := range []event{key[0], other[0]} {
+		if _, err := rb.SkipEvent(ctx, ev.ID, false); err != nil {
+			t.Fatalf("skip the dead held row %s: %v", ev, err)
+		}
 	}
-	e.waitAcked(within, key[1])
+	e.waitAcked(within, key[1], other[1])
 	skippedAt := func() (skipped, dead bool) {
 		t.Helper()
 		if err := e.pool.QueryRow(ctx, `SELECT skipped_at IS NOT NULL, dead_at IS NOT NULL FROM `+e.tbl.Sanitize()+` WHERE event_id = $1`, key[0].ID).
@@ -348,6 +354,66 @@ func TestSkippedIsAState(t *testing.T, r Relay) {
 		col, _ := skippedAt()
 		return !s.Skipped && s.Delivered && !col
 	}, func() string { return "the replayed skipped row is not delivered: " + e.rowStates(key[:1]) })
+	// The cleaner deletes a skipped row like a delivered one (its
+	// retention), not by the dead retention.
+	cl, err := cleaner.New(e.pool, cleaner.Config{Table: e.tbl, Retention: time.Nanosecond, DeadRetention: time.Hour}, nil)
+	if err != nil {
+		t.Fatalf("cleaner: %v", err)
+	}
+	e.eventually(within, func() bool {
+		_, _, err := cl.CleanOnce(ctx)
+		return err == nil && !e.row(other[0].ID).Found
+	}, func() string { return "the cleaner does not delete the skipped row: " + e.rowStates(other[:1]) })
+}
+
+// TestHandlerPastDispatchTimeout checks one rule for every relay: a handler
+// that keeps a message past DispatchTimeout and ignores its context has
+// overrun once the relay's margin passed (the table relays: LockTTL/2; the
+// WAL relay: CloseTimeout): the message's context has ended, the attempt
+// counts as failed and the row is delivered again (attempts 2), before the
+// later rows of its key in the keyed relays; other keys flow meanwhile.
+// README "Which relay?", docs/RELIABILITY.md, docs/WAL.md
+// "DispatchTimeout".
+func TestHandlerPastDispatchTimeout(t *testing.T, r Relay) {
+	e := setup(t, r, true)
+	key := e.enqueue(topicA, "o", "o")
+	gate := make(chan struct{})
+	t.Cleanup(func() { close(gate) })
+	var mu sync.Mutex
+	var first context.Context
+	var attempts []string
+	h := func(ctx context.Context, m *message.Message) error {
+		if m.UUID != key[0].ID.String() {
+			return nil
+		}
+		mu.Lock()
+		attempts = append(attempts, m.Metadata.Get(schema.MetadataAttempts))
+		hang := first == nil
+		if hang {
+			first = ctx
+		}
+		mu.Unlock()
+		if hang {
+			e.block(gate) // ignores its context
+		}
+		return nil
+	}
+	e.start("a", Options{MaxAttempts: 5, DispatchTimeout: 300 * time.Millisecond, CloseTimeout: 300 * time.Millisecond, Backoff: 10 * time.Millisecond}, h)
+	e.eventually(within, func() bool { return e.rec.delivered(key[0]) > 0 }, func() string { return "the row was not delivered: " + e.rowStates(key[:1]) })
+	free := e.enqueue(topicA, "free")
+	e.waitAcked(within, free...)
+	e.waitAcked(within, key...)
+	mu.Lock()
+	defer mu.Unlock()
+	if first.Err() == nil {
+		t.Error("the overrun handler's message context has not ended")
+	}
+	if len(attempts) < 2 || attempts[0] != "1" || attempts[1] != "2" {
+		t.Errorf("deliveries of the overrun row carried attempts %v, want 1 then 2 (the overrun counted a failed attempt)", attempts)
+	}
+	if r.keyed() {
+		e.rec.checkOrder(t)
+	}
 }
 
 // TestReplayDead checks that a row that failed for good is dead (kept, never retried

@@ -169,6 +169,7 @@ func Run(t *testing.T, r Relay) {
 		{"SkipHeld", TestSkipHeld},
 		{"OneHoldsTable", TestOneHoldsTable},
 		{"SkippedIsAState", TestSkippedIsAState},
+		{"HandlerPastDispatchTimeout", TestHandlerPastDispatchTimeout},
 		{"ReplayDead", TestReplayDead},
 		{"BulkReplayWhileHoldDrains", TestBulkReplayWhileHoldDrains},
 		{"CleanerRacingReplays", TestCleanerRacingReplays},

@@ -10,8 +10,10 @@
 //
 //   - by its verdict: the relay saw the message acked or nacked and calls
 //     Copy.End, or, once the copy's term has ended, the ledger sees it;
-//   - by an overrun: the relay gave up on the handler (Copy.End(Overran)),
-//     or Config.Overrun passed after the copy's term ended;
+//   - by an overrun: the relay gave up on the handler (Copy.End(Overran))
+//     when the copy was overdue (Copy.Overdue: Config.Overdue after Hand,
+//     the same rule for both keyed relays), or Config.Overrun passed after
+//     the copy's term ended;
 //   - withdrawn: the relay did not hand the message over after all;
 //   - by Ledger.Close.
 //
@@ -49,10 +51,12 @@
 //     TestVerdictOfAnEndedTermIsNotLive, TestEnterHoldsQuiescence.
 //   - Nothing waits forever: a stale copy ends by its verdict, by
 //     Config.Overrun after its term ended, or by Close; each end signals
-//     Freed. Close ends every term and copy, releases every waiter and
-//     returns once the ledger's goroutines have ended; it is idempotent.
-//     TestStaleCopyEndsByVerdict, TestStaleCopyEndsByOverrun,
-//     TestCloseEndsEverything, TestWithdrawnCopyFreesItsKey.
+//     Freed. A live copy is overdue Config.Overdue after Hand (Copy.Overdue),
+//     and its relay then ends it. Close ends every term and copy, releases
+//     every waiter and returns once the ledger's goroutines have ended; it
+//     is idempotent. TestStaleCopyEndsByVerdict, TestStaleCopyEndsByOverrun,
+//     TestLiveCopyOverdue, TestCloseEndsEverything,
+//     TestWithdrawnCopyFreesItsKey.
 //   - Quiescence: a term has quiesced when it ended, every copy handed
 //     out under it ended and every Enter under it left (Term.Quiesced); a
 //     scope has quiesced when every ended term of it has (Ledger.Quiesced).

@@ -58,6 +58,11 @@ type Config struct {
 	// the ledger ends it (Overran) and frees its key. Zero or negative: a
 	// stale copy ends at once. No default.
 	Overrun time.Duration
+	// Overdue is how long a copy may stay out under a live term, from
+	// Hand, before it is overdue: Copy.Overdue fires, and the relay gives
+	// up on the handler (it ends the copy with Overran and counts a failed
+	// attempt). Zero or negative: never overdue. No default.
+	Overdue time.Duration
 	// OnStaleEnd, when set, is called each time a stale copy ends, with its
 	// key and why, on the goroutine that ended it and without the ledger's
 	// lock. Defaults to nil.
@@ -114,6 +119,7 @@ type Copy struct {
 	key    string
 	msg    *message.Message
 	cancel context.CancelFunc
+	due    *time.Timer // Config.Overdue after Hand; nil: never
 
 	// Under t.l.mu.
 	ended bool
@@ -364,6 +370,9 @@ func (t *Term) Hand(parent context.Context, key string, msg *message.Message) (*
 	ctx, cancel := context.WithCancel(parent)
 	msg.SetContext(ctx)
 	c := &Copy{t: t, key: key, msg: msg, cancel: cancel}
+	if l.cfg.Overdue > 0 {
+		c.due = time.NewTimer(l.cfg.Overdue)
+	}
 	l.out[key] = c
 	t.copies[c] = struct{}{}
 	return c, nil
@@ -371,6 +380,17 @@ func (t *Term) Hand(parent context.Context, key string, msg *message.Message) (*
 
 // Term is the term the copy was handed out under.
 func (c *Copy) Term() *Term { return c.t }
+
+// Overdue fires once the copy has been out Config.Overdue (never when that
+// is not positive): its handler has not answered in the time a relay
+// allows, and the relay gives up on it (End with Overran) and counts a
+// failed attempt. The same rule for every keyed relay.
+func (c *Copy) Overdue() <-chan time.Time {
+	if c.due == nil {
+		return nil
+	}
+	return c.due.C
+}
 
 // Key is the copy's key.
 func (c *Copy) Key() string { return c.key }
@@ -402,6 +422,9 @@ func (c *Copy) End(why Reason) bool {
 	}
 	l.mu.Unlock()
 	c.cancel()
+	if c.due != nil {
+		c.due.Stop()
+	}
 	if stale {
 		select {
 		case l.freed <- struct{}{}:

@@ -592,3 +592,42 @@ func BenchmarkHandEnd(b *testing.B) {
 		c.End(term.Acked)
 	}
 }
+
+// TestLiveCopyOverdue: a copy out under a live term is overdue
+// Config.Overdue after Hand (not before), whatever its term does; the
+// relay then ends it (Overran), which cancels its message's context and
+// frees its key. Without Config.Overdue a copy is never overdue.
+func TestLiveCopyOverdue(t *testing.T) {
+	t.Parallel()
+	const overdue = 100 * time.Millisecond
+	l := term.New(term.Config{Overrun: time.Hour, Overdue: overdue})
+	t.Cleanup(l.Close)
+	tm := l.Begin(context.Background(), 0, 1)
+	start := time.Now()
+	m := msg()
+	c := hand(t, tm, "k", m)
+	select {
+	case <-c.Overdue():
+	case <-time.After(time.Minute):
+		t.Fatal("a live copy was not overdue after a minute")
+	}
+	if d := time.Since(start); d < overdue {
+		t.Errorf("copy overdue %s after Hand, want at least %s", d, overdue)
+	}
+	if m.Context().Err() != nil {
+		t.Error("an overdue copy's context ended before its relay ended it")
+	}
+	if !c.End(term.Overran) {
+		t.Error("ending an overdue copy of a live term reported not live")
+	}
+	if m.Context().Err() == nil {
+		t.Error("the overdue copy's context did not end with it")
+	}
+	hand(t, tm, "k", msg()) // the key is free again
+
+	never, _ := ledger(t, time.Hour)
+	c2 := hand(t, never.Begin(context.Background(), 0, 1), "n", msg())
+	if c2.Overdue() != nil {
+		t.Error("a copy of a ledger without Overdue can be overdue")
+	}
+}
