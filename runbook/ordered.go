@@ -365,8 +365,9 @@ type EventSkip struct {
 // hold its key, in a state whose rules allow a skip (HoldState.Allows:
 // retrying, dead or replay); the relay then continues the key with its next
 // row and never delivers the skipped row again. The row stays in the
-// table (ordered mode: its last_error records the skip; WAL: it stays
-// dead). A row that holds no key is refused with ErrNotHeld, a hold whose
+// table: when the relay applies the skip it marks the row skipped
+// (skipped_at; done, not dead, not delivered, with the failure that held
+// the key as its last_error), in both keyed modes. A row that holds no key is refused with ErrNotHeld, a hold whose
 // state refuses the skip with a *HoldRuleError (ErrHoldRefused); nothing
 // is changed then.
 func (r *Runbook) SkipEvent(ctx context.Context, eventID uuid.UUID, dryRun bool) (EventSkip, error) {

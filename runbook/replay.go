@@ -185,7 +185,7 @@ func replayEvent(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.
 			return EventReplay{}, err
 		}
 	}
-	res, err := inspectEvent(ctx, db, q, eventID, lockTTL)
+	res, err := inspectEvent(ctx, db, q, eventID, lockTTL, wal)
 	if err != nil {
 		return EventReplay{}, err
 	}
@@ -201,7 +201,7 @@ func replayEvent(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.
 	err = db.QueryRow(ctx, res.Statement.SQL, res.Statement.Args...).Scan(&seq)
 	if errors.Is(err, pgx.ErrNoRows) {
 		// The row changed between the look-up and the update: say how.
-		if _, again := inspectEvent(ctx, db, q, eventID, lockTTL); again != nil {
+		if _, again := inspectEvent(ctx, db, q, eventID, lockTTL, wal); again != nil {
 			return EventReplay{}, again
 		}
 		if wal {
@@ -218,8 +218,9 @@ func replayEvent(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.
 }
 
 // inspectEvent looks the row up and returns a *NotReplayableError unless it
-// can be replayed.
-func inspectEvent(ctx context.Context, db DB, q sqlq.RunbookQueries, eventID uuid.UUID, lockTTL time.Duration) (EventReplay, error) {
+// can be replayed. keyed: the table has skipped_at (a keyed WAL table),
+// and a skipped row can be replayed, whether or not it failed.
+func inspectEvent(ctx context.Context, db DB, q sqlq.RunbookQueries, eventID uuid.UUID, lockTTL time.Duration, keyed bool) (EventReplay, error) {
 	st := q.Event(eventID.String(), lockTTL)
 	var dead, leased bool
 	row, err := scanRow(db.QueryRow(ctx, st.SQL, st.Args...), &dead, &leased)
@@ -233,12 +234,24 @@ func inspectEvent(ctx context.Context, db DB, q sqlq.RunbookQueries, eventID uui
 		return EventReplay{}, dbError(q.Table, "look up event "+eventID.String()+" in", err)
 	case row.PublishedAt != nil:
 		return refuse(ErrAlreadyPublished, &row)
-	case !dead && row.LastError == nil:
+	case !dead && row.LastError == nil && !skippedRow(ctx, db, q.Table, eventID, keyed):
 		return refuse(ErrNotFailed, &row)
 	case leased:
 		return refuse(ErrLocked, &row)
 	}
 	return EventReplay{Table: q.Table.String(), Row: row, Dead: dead}, nil
+}
+
+// skippedRow reports whether the row eventID of the keyed table t was
+// skipped (skipped_at); false for a table without the column (keyed false)
+// or when it cannot tell (the replay statement checks again).
+func skippedRow(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, keyed bool) bool {
+	if !keyed {
+		return false
+	}
+	var skipped bool
+	err := db.QueryRow(ctx, sqlq.Skipped(t), eventID.String()).Scan(&skipped)
+	return err == nil && skipped
 }
 
 // walReplayRefused returns the refusal of walReplayRule for the row of

@@ -283,3 +283,32 @@ func TestWALBulkReplayWaitsForAConcurrentSkip(t *testing.T) {
 		t.Fatalf("the held row was reset beside the skip: %+v", st)
 	}
 }
+
+// TestWALReplayOfSkippedRowWithoutError: a skipped row need not have
+// failed (ordered mode moves a hold to its key's next row before that row
+// is tried, and a skip of that hold marks the row skipped with attempts 0
+// and no last_error); in a WAL table (after a switch) ReplayEvent resets
+// it like any skipped row, instead of refusing it as not failed.
+func TestWALReplayOfSkippedRowWithoutError(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, tbl := walCluster(t)
+	id := uuid.New()
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := publisher.Enqueue(ctx, tx, tbl, publisher.Message{TenantID: tenantA, Topic: topicA, EventID: id, Payload: json.RawMessage(`{"n":1}`), OrderingKey: "k"})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE `+tbl.Sanitize()+` SET skipped_at = now() WHERE event_id = $1`, id); err != nil {
+		t.Fatal(err)
+	}
+	res, err := runbook.New(pool, tbl).ReplayEvent(ctx, id, runbook.ReplayOptions{})
+	if err != nil || res.Changed != 1 {
+		t.Fatalf("replay of a skipped row that never failed: %+v, %v; want it reset", res, err)
+	}
+	var skipped bool
+	if err := pool.QueryRow(ctx, `SELECT skipped_at IS NOT NULL FROM `+tbl.Sanitize()+` WHERE event_id = $1`, id).Scan(&skipped); err != nil || skipped {
+		t.Fatalf("after the replay: skipped_at set %t (%v), want cleared", skipped, err)
+	}
+}

@@ -137,8 +137,9 @@ type Row struct {
 	// a held key). Read by Event; rows of Backlog and Dead are never
 	// delivered.
 	Delivered bool `json:"delivered"`
-	// Skipped is true for a keyed row of an ordered table that an operator
-	// skipped (its last_error records it): done without delivery.
+	// Skipped is true for a keyed row (ordered mode or the WAL relay) an
+	// operator skipped, once the relay applied the skip (skipped_at): done
+	// without delivery, not dead.
 	Skipped bool `json:"skipped,omitempty"`
 	// Held is true for the row its ordering key waits for (ordered: the
 	// key's hold is at the row; Attempts, AvailableAt, LastError and DeadAt

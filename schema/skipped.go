@@ -19,4 +19,5 @@ func skippedAtDownSQL(t Table) string {
 const skippedNote = "-- Keyed tables only (skip it for a table without ordering_key): adds skipped_at, the time a keyed\n" +
 	"-- relay applied an operator's skip to the row (done, not dead, never delivered again unless replayed),\n" +
 	"-- without rewriting the table, and marks skipped the rows earlier versions recorded as skipped in\n" +
-	"-- last_error (one pass over the table). Keyed relays of this version refuse a table without it.\n"
+	"-- last_error: one pass over the table while the ALTER's lock is held (writers wait), so on a large\n" +
+	"-- table apply it in a quiet moment. Keyed relays of this version refuse a table without it.\n"

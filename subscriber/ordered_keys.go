@@ -304,6 +304,7 @@ func (r *orderedRelay) deliverRow(k *keyState, row *sqlq.OrderedRow, attempts in
 	select {
 	case r.sub.out <- msg:
 		c.delivered = time.Now()
+		cp.Delivered()
 	case <-stop:
 		cp.End(term.Withdrawn)
 		return verdictNone

@@ -127,6 +127,7 @@ func (h *handoff) handOver(d delivery) {
 	}
 	select {
 	case h.out <- msg:
+		cp.Delivered()
 	case <-d.ctx.Done():
 		cp.End(term.Withdrawn)
 		cancel()

@@ -178,7 +178,7 @@ func keyOf(r sqlq.ClaimedRow) string {
 type relation struct {
 	*pglogrepl.RelationMessage
 	id, eventID, tenantID, topic, payload, sequence, traceParent, traceState,
-	headers, orderingKey, publishedAt, deadAt, lockedAt, attempts int
+	headers, orderingKey, publishedAt, deadAt, lockedAt, attempts, skippedAt int
 }
 
 func newRelation(m *pglogrepl.RelationMessage) *relation {
@@ -190,7 +190,7 @@ func newRelation(m *pglogrepl.RelationMessage) *relation {
 		{"id", &r.id}, {"event_id", &r.eventID}, {"tenant_id", &r.tenantID}, {"topic", &r.topic}, {"payload", &r.payload},
 		{"sequence", &r.sequence}, {"traceparent", &r.traceParent}, {"tracestate", &r.traceState}, {"headers", &r.headers},
 		{"ordering_key", &r.orderingKey}, {"published_at", &r.publishedAt}, {"dead_at", &r.deadAt}, {"locked_at", &r.lockedAt},
-		{"attempts", &r.attempts},
+		{"attempts", &r.attempts}, {"skipped_at", &r.skippedAt},
 	} {
 		*f.pos = -1
 		for i, c := range m.Columns {
@@ -309,8 +309,9 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 	if update {
 		replay = true
 		// Only a replay's reset is delivered: not published, not dead,
-		// attempts 0, no lease. The relay's own UPDATE (a dead row) is not.
-		if get(r.publishedAt) != nil || get(r.deadAt) != nil || get(r.lockedAt) != nil || str(r.attempts) != "0" {
+		// not skipped, attempts 0, no lease. The relay's own UPDATE (a dead
+		// or skipped row) is not.
+		if get(r.publishedAt) != nil || get(r.deadAt) != nil || get(r.lockedAt) != nil || get(r.skippedAt) != nil || str(r.attempts) != "0" {
 			return err
 		}
 		for _, c := range tuple.Columns {

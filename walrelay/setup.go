@@ -195,9 +195,10 @@ func recordMode(ctx context.Context, pool *pgxpool.Pool, t schema.Table, by stri
 	return nil
 }
 
-// markOrderedDone marks published the keyed rows ordered mode delivered or
-// skipped, when t is switched from ordered mode (sqlq.OrderedDonePublished):
-// the first session's backfill would deliver them again. A table that was
+// markOrderedDone marks published the keyed rows ordered mode delivered
+// (its skipped rows keep skipped_at), when t is switched from ordered mode
+// (sqlq.OrderedDonePublished): the first session's backfill would deliver
+// them again. A table that was
 // never relayed in ordered mode has none.
 func markOrderedDone(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
 	ok, err := sqlq.OrderedTablesExist(ctx, pool, t)

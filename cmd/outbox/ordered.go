@@ -111,6 +111,6 @@ func runDeadSkip(ctx context.Context, env Env, args []string, stdout, stderr io.
 		printStatement(stdout, res.Statement, 1)
 		return fmt.Errorf("%w: nothing changed: this was a preview; add --confirm to skip event %s of %s", errUsage, id, t)
 	}
-	fmt.Fprintf(stdout, "Skipped event %s of %s: key %q continues with its next row; the row stays, its last_error records the skip.\n", id, t, res.Key)
+	fmt.Fprintf(stdout, "Skipped event %s of %s: key %q continues with its next row; the row stays in the table, marked skipped (skipped_at) once the relay applies the skip.\n", id, t, res.Key)
 	return nil
 }

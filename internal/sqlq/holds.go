@@ -90,7 +90,8 @@ func WALHoldOfEvent(t schema.Table) string {
 
 // WALSkipHoldIn asks the WAL relay to skip the row $1 (event_id text) that
 // holds its key, only while the hold's state is one of $2 (text array):
-// the relay then delivers the key's later rows; the row stays dead.
+// the relay then delivers the key's later rows and marks the row skipped
+// (WALQueries.Drain, MarkSkipped).
 // Returns: the key and the sequence, no row otherwise.
 func WALSkipHoldIn(t schema.Table) string {
 	return `UPDATE ` + t.HoldsTable() + ` AS h SET skip_requested_at = now()
@@ -144,6 +145,12 @@ func (r WALReplayRule) lockHolds() string {
 ), `
 }
 
+// Skipped reads whether the row $1 (event_id) of the keyed table t was
+// skipped (skipped_at set). No row when it is not in the table.
+func Skipped(t schema.Table) string {
+	return `SELECT skipped_at IS NOT NULL FROM ` + t.Sanitize() + ` WHERE event_id = $1::uuid`
+}
+
 // WALReplayEvent is RunbookQueries.ReplayEvent for the WAL table t (with
 // an ordering_key column): it resets row $1 (event_id) as that statement
 // does, and when the row's key has a hold, only while the hold accepts the
@@ -163,7 +170,7 @@ func WALReplayEvent(r WALReplayRule, eventID string, lockTTL time.Duration) Stat
   UPDATE ` + t.Sanitize() + ` AS o SET dead_at = NULL, skipped_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
   WHERE o.event_id = $1::uuid
     AND o.published_at IS NULL
-    AND (o.dead_at IS NOT NULL OR o.last_error IS NOT NULL)
+    AND (o.dead_at IS NOT NULL OR o.last_error IS NOT NULL OR o.skipped_at IS NOT NULL)
     AND NOT ` + LeaseLiveWithin("$2::float8") + `
     AND (EXISTS (SELECT 1 FROM g) OR NOT EXISTS (SELECT 1 FROM ` + holds + ` AS h WHERE h.ordering_key = o.ordering_key AND h.mode = 'wal'))
   RETURNING o.sequence, o.event_id

@@ -316,7 +316,7 @@ WHERE h.partition = p.partition AND p.owner = $1 AND p.lease_until > now() AND h
   UNION
   SELECT o.sequence, o.created_at, o.ordering_key
   FROM ` + holds + ` AS h JOIN ` + tbl + ` AS o ON o.ordering_key = h.ordering_key AND o.published_at IS NULL AND o.dead_at IS NULL
-    AND (o.sequence = h.sequence OR (o.sequence > h.sequence AND NOT h.replay))
+    AND o.skipped_at IS NULL AND (o.sequence = h.sequence OR (o.sequence > h.sequence AND NOT h.replay))
   WHERE ` + active
 	q.Stats = `WITH keyed AS (` + keyed + `),
 marked AS (
@@ -374,12 +374,13 @@ SELECT EXISTS (SELECT 1 FROM ins), NOT COALESCE((SELECT done FROM r), false),
 }
 
 // OrderedDonePublished marks published, in table t switched from ordered
-// mode to the WAL relay, the keyed rows ordered mode is done with: at or
+// mode to the WAL relay, the keyed rows ordered mode delivered: at or
 // below their partition's written floor, or covered by a resolved hold of
-// their key (its row and the rows before it were acked or skipped). Ordered
-// mode never marks a keyed row published, and the WAL relay's first session
-// delivers every row neither published nor dead (its backfill): without
-// this, it would deliver those rows again, a skipped one included. Run with
+// their key (its row and the rows before it were acked or skipped), and
+// not skipped (a skipped row keeps skipped_at, which the WAL relay's reads
+// leave out). Ordered mode never marks a keyed row published, and the WAL
+// relay's first session delivers every row neither published, dead nor
+// skipped (its backfill): without this, it would deliver those rows again. Run with
 // no open ordered hold (OpenHoldsOfOtherMode) and no ordered relay running
 // (schema.RecordMode), when every such row is done; only on a table with
 // ordered mode's tables (OrderedTablesExist). Command tag: the rows marked.

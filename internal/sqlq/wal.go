@@ -2,7 +2,6 @@ package sqlq
 
 import (
 	"strconv"
-	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
@@ -90,12 +89,13 @@ func WALCreateProgressTable(t schema.Table) string {
 // arguments (simple protocol) or a script.
 func WALCreateHoldsTable(t schema.Table) string { return schema.HoldsTableSQL(t) }
 
-// WALAddSkippedAt adds skipped_at to the keyed table t (migration 000012,
-// pgmeta.SkippedAt), where the WAL relay records a skip; walrelay.Setup
-// runs it when the column is missing.
-func WALAddSkippedAt(t schema.Table) string {
-	return strings.Join(pgmeta.SkippedAt(t.Sanitize()), ";\n")
-}
+// WALAddSkippedAt adds skipped_at to the keyed table t (the ALTER of
+// migration 000012, pgmeta.SkippedAt), where the WAL relay records a skip;
+// walrelay.Setup runs it when the column is missing. Not the backfill of
+// the migration: no WAL relay wrote the old last_error text, and the rows
+// an ordered relay wrote it on were marked published when the table was
+// switched to the WAL relay.
+func WALAddSkippedAt(t schema.Table) string { return pgmeta.SkippedAt(t.Sanitize())[0] }
 
 // WALMoveLegacyHolds copies the holds of <table>_wal_holds, where WAL
 // relays of older versions kept them, into the holds table (mode wal; a
@@ -426,7 +426,7 @@ WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL`,
 	// keys) and takes the mode wal.
 	q.MarkDeadHold = `WITH ` + walFence(5) + `, d AS (
   UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, dead_at = now(), available_at = 'infinity', locked_at = NULL
-  WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL AND (SELECT ok FROM f)
+  WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL AND skipped_at IS NULL AND (SELECT ok FROM f)
   RETURNING sequence, event_id
 ), h AS (
   INSERT INTO ` + holds + ` AS h (mode, ordering_key, partition, sequence, event_id, dead_at)
@@ -473,7 +473,7 @@ SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`
 	q.Spill = `WITH ` + walFence(6) + `, h AS (
   INSERT INTO ` + holds + ` AS h (mode, ordering_key, partition, sequence, event_id, spilled, through)
   SELECT 'wal', $2::text, ` + partitionOf("$2::text") + `, o.sequence, o.event_id, true, $3::bigint FROM ` + tbl + ` AS o
-  WHERE o.id = $1::uuid AND o.published_at IS NULL AND o.dead_at IS NULL AND (SELECT ok FROM f)
+  WHERE o.id = $1::uuid AND o.published_at IS NULL AND o.dead_at IS NULL AND o.skipped_at IS NULL AND (SELECT ok FROM f)
   ON CONFLICT (ordering_key) DO UPDATE SET mode = 'wal', sequence = EXCLUDED.sequence, event_id = EXCLUDED.event_id, spilled = true, draining = false,
     skip_requested_at = NULL, created_at = now(), resolved_at = NULL, until_lsn = NULL, dead_at = NULL, replay = false,
     through = CASE WHEN h.mode = 'wal' THEN GREATEST(h.through, EXCLUDED.through) ELSE EXCLUDED.through END
@@ -500,7 +500,7 @@ const WALStaleAfter = "10 minutes"
 // WALSkipHold asks the WAL relay to skip the dead row $1 (event_id text)
 // that holds its key (the relay's tests use it; the runbook uses
 // WALSkipHoldIn, which applies the hold's rules): the relay then delivers
-// the key's later rows; the row stays dead. Returns: the key and the sequence, no row when the event
+// the key's later rows and marks the row skipped. Returns: the key and the sequence, no row when the event
 // holds no key (or its hold drains already).
 func WALSkipHold(t schema.Table) string {
 	return `UPDATE ` + t.HoldsTable() + ` SET skip_requested_at = now()

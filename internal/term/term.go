@@ -58,10 +58,11 @@ type Config struct {
 	// the ledger ends it (Overran) and frees its key. Zero or negative: a
 	// stale copy ends at once. No default.
 	Overrun time.Duration
-	// Overdue is how long a copy may stay out under a live term, from
-	// Hand, before it is overdue: Copy.Overdue fires, and the relay gives
-	// up on the handler (it ends the copy with Overran and counts a failed
-	// attempt). Zero or negative: never overdue. No default.
+	// Overdue is how long a copy may stay out under a live term once its
+	// message reached the consumer (Copy.Delivered) before it is overdue:
+	// Copy.Overdue fires, and the relay gives up on the handler (it ends
+	// the copy with Overran and counts a failed attempt). Zero or
+	// negative: never overdue. No default.
 	Overdue time.Duration
 	// OnStaleEnd, when set, is called each time a stale copy ends, with its
 	// key and why, on the goroutine that ended it and without the ledger's
@@ -119,7 +120,7 @@ type Copy struct {
 	key    string
 	msg    *message.Message
 	cancel context.CancelFunc
-	due    *time.Timer // Config.Overdue after Hand; nil: never
+	due    atomic.Pointer[time.Timer] // Config.Overdue after Delivered; nil: not delivered, or never overdue
 
 	// Under t.l.mu.
 	ended bool
@@ -370,9 +371,6 @@ func (t *Term) Hand(parent context.Context, key string, msg *message.Message) (*
 	ctx, cancel := context.WithCancel(parent)
 	msg.SetContext(ctx)
 	c := &Copy{t: t, key: key, msg: msg, cancel: cancel}
-	if l.cfg.Overdue > 0 {
-		c.due = time.NewTimer(l.cfg.Overdue)
-	}
 	l.out[key] = c
 	t.copies[c] = struct{}{}
 	return c, nil
@@ -381,15 +379,28 @@ func (t *Term) Hand(parent context.Context, key string, msg *message.Message) (*
 // Term is the term the copy was handed out under.
 func (c *Copy) Term() *Term { return c.t }
 
-// Overdue fires once the copy has been out Config.Overdue (never when that
-// is not positive): its handler has not answered in the time a relay
-// allows, and the relay gives up on it (End with Overran) and counts a
-// failed attempt. The same rule for every keyed relay.
-func (c *Copy) Overdue() <-chan time.Time {
-	if c.due == nil {
-		return nil
+// Delivered starts the copy's overdue clock: its message has reached the
+// consumer (the time it waited to be taken does not count). Call it once,
+// before Overdue.
+func (c *Copy) Delivered() {
+	if d := c.t.l.cfg.Overdue; d > 0 {
+		t := time.NewTimer(d)
+		if !c.due.CompareAndSwap(nil, t) {
+			t.Stop()
+		}
 	}
-	return c.due.C
+}
+
+// Overdue fires once the copy's message has been with the consumer
+// Config.Overdue (never before Delivered, nor when Config.Overdue is not
+// positive): its handler has not answered in the time a relay allows, and
+// the relay gives up on it (End with Overran) and counts a failed attempt.
+// The same rule for every keyed relay.
+func (c *Copy) Overdue() <-chan time.Time {
+	if t := c.due.Load(); t != nil {
+		return t.C
+	}
+	return nil
 }
 
 // Key is the copy's key.
@@ -422,8 +433,8 @@ func (c *Copy) End(why Reason) bool {
 	}
 	l.mu.Unlock()
 	c.cancel()
-	if c.due != nil {
-		c.due.Stop()
+	if t := c.due.Load(); t != nil {
+		t.Stop()
 	}
 	if stale {
 		select {

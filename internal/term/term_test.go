@@ -594,7 +594,8 @@ func BenchmarkHandEnd(b *testing.B) {
 }
 
 // TestLiveCopyOverdue: a copy out under a live term is overdue
-// Config.Overdue after Hand (not before), whatever its term does; the
+// Config.Overdue after Delivered (not before, and never before Delivered:
+// the time its message waits to be taken does not count); the
 // relay then ends it (Overran), which cancels its message's context and
 // frees its key. Without Config.Overdue a copy is never overdue.
 func TestLiveCopyOverdue(t *testing.T) {
@@ -603,9 +604,13 @@ func TestLiveCopyOverdue(t *testing.T) {
 	l := term.New(term.Config{Overrun: time.Hour, Overdue: overdue})
 	t.Cleanup(l.Close)
 	tm := l.Begin(context.Background(), 0, 1)
-	start := time.Now()
 	m := msg()
 	c := hand(t, tm, "k", m)
+	if c.Overdue() != nil {
+		t.Fatal("a copy not delivered yet can be overdue")
+	}
+	start := time.Now()
+	c.Delivered()
 	select {
 	case <-c.Overdue():
 	case <-time.After(time.Minute):
@@ -627,6 +632,7 @@ func TestLiveCopyOverdue(t *testing.T) {
 
 	never, _ := ledger(t, time.Hour)
 	c2 := hand(t, never.Begin(context.Background(), 0, 1), "n", msg())
+	c2.Delivered()
 	if c2.Overdue() != nil {
 		t.Error("a copy of a ledger without Overdue can be overdue")
 	}

@@ -3,7 +3,8 @@
 -- Keyed tables only (skip it for a table without ordering_key): adds skipped_at, the time a keyed
 -- relay applied an operator's skip to the row (done, not dead, never delivered again unless replayed),
 -- without rewriting the table, and marks skipped the rows earlier versions recorded as skipped in
--- last_error (one pass over the table). Keyed relays of this version refuse a table without it.
+-- last_error: one pass over the table while the ALTER's lock is held (writers wait), so on a large
+-- table apply it in a quiet moment. Keyed relays of this version refuse a table without it.
 
 -- +goose Up
 ALTER TABLE "public"."app_outbox" ADD COLUMN IF NOT EXISTS skipped_at TIMESTAMPTZ NULL;
