@@ -66,7 +66,11 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 // dispatches the key; the row of a held key is parked (settled without
 // delivery).
 func (st *stream) queue(ctx context.Context, it *item) {
-	if st.holds.parks(it) || st.backfilledCopy(it) {
+	if st.holds.parks(it) {
+		it.tx.parked = true
+		return
+	}
+	if st.backfilledCopy(it) {
 		return
 	}
 	st.replayed(it)

@@ -120,6 +120,16 @@ func (v *visibility) saw(xid uint32) {
 	v.unseen = append(v.unseen, xid)
 }
 
+// unseenHas reports whether xid is among the unseen transactions.
+func (v *visibility) unseenHas(xid uint32) bool {
+	for _, x := range v.unseen {
+		if x == xid {
+			return true
+		}
+	}
+	return false
+}
+
 // pruneBefore drops the unseen transactions older than xmin, the oldest
 // transaction running in a snapshot: they are visible.
 func (v *visibility) pruneBefore(xmin uint64) {

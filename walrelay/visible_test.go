@@ -220,6 +220,48 @@ func TestWALDrainWaitsForParkedRowsToBeVisible(t *testing.T) {
 	})
 }
 
+// A parked row that is not visible yet when its session ends: the next
+// session starts after its transaction (the ended session confirmed it,
+// parked), so its own stream never saw it, and its drain (after a skip)
+// read nothing, released the hold, and the row was never delivered (found
+// by TestWALHistory once in CI). Now a transaction that parked a row is
+// confirmed only once it is visible: the next session streams it again,
+// parks the row itself, and its drain waits for it.
+func TestWALDrainInANewSessionWaitsForRowsParkedInvisible(t *testing.T) {
+	t.Parallel()
+	pool, tbl := unseenCluster(t)
+	ctx := context.Background()
+	s := relay(t, pool, tbl, nil)
+	rec := newRecorder()
+	rejecting, handle := rejectK()
+	rec.consume(t, s, handle)
+	doomed := enqueue(t, pool, tbl, "k")
+	waitHeldOnce(t, pool, tbl)
+	parked, see := enqueueUnseen(t, pool, tbl, "k")
+	// Streamed in commit order: once z is delivered, the invisible row of
+	// k was read and parked behind the hold.
+	z := enqueue(t, pool, tbl, "z")
+	rec.waitAcked(t, z, 10*time.Second)
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, doomed[0], false); err != nil {
+		t.Fatal(err)
+	}
+	rejecting.Store(false)
+	s2 := relay(t, pool, tbl, nil)
+	rec.consume(t, s2, handle)
+	time.Sleep(500 * time.Millisecond) // the new session's drain has tried
+	if rec.has(parked) {
+		t.Fatal("a row nobody can see yet was delivered")
+	}
+	see()
+	rec.waitAcked(t, []uuid.UUID{parked}, 10*time.Second)
+	if rec.has(doomed[0]) {
+		t.Fatal("the skipped row was delivered")
+	}
+}
+
 // The replay of a row whose payload is stored out of line (TOAST): its
 // UPDATE leaves the payload out and the relay reads the row. With the
 // replay's transaction not visible yet, the read found the row still dead
