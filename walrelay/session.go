@@ -458,7 +458,9 @@ func (st *stream) loop(ctx, dctx context.Context) error {
 				return err
 			}
 		case <-tick.C:
-			st.confirmVisible(dctx)
+			if st.vis.heldBackVisible(dctx, st.txns, st.s.logger) {
+				st.confirmSettled()
+			}
 			if err := st.status(false); err != nil {
 				return err
 			}
@@ -744,7 +746,7 @@ func (st *stream) write(ctx context.Context, op, sql string, dest []any, args ..
 // transactions.
 func (st *stream) confirmSettled() {
 	n := 0
-	for n < len(st.txns) && st.txns[n].committed && st.txns[n].pending == 0 && !st.parkedUnseen(st.txns[n]) {
+	for n < len(st.txns) && st.txns[n].committed && st.txns[n].pending == 0 && !st.vis.holdsBack(st.txns[n]) {
 		st.confirmed = max(st.confirmed, st.txns[n].end)
 		n++
 	}
@@ -755,32 +757,6 @@ func (st *stream) confirmSettled() {
 		st.backfillIDs = nil // the stream is past every copy
 	}
 	st.markOldest()
-}
-
-// parkedUnseen reports whether tx parked a row behind a hold and is not
-// known visible yet: it is not confirmed until it is, so that a session
-// that ends before leaves it to the next session's stream, whose own drain
-// then waits for it to be visible. A drain reads parked rows from the
-// table, and a session's drain waits only for the transactions its own
-// stream read (TestWALDrainInANewSessionWaitsForRowsParkedInvisible).
-func (st *stream) parkedUnseen(tx *txn) bool {
-	return tx.parked && st.vis.unseenHas(tx.xid)
-}
-
-// confirmVisible, at a status tick, asks whether the oldest unconfirmed
-// transaction, settled but for a parked row not known visible, is visible
-// now, and confirms what it held back.
-func (st *stream) confirmVisible(ctx context.Context) {
-	if len(st.txns) == 0 || !st.parkedUnseen(st.txns[0]) || !st.txns[0].committed || st.txns[0].pending > 0 {
-		return
-	}
-	if ok, err := st.vis.visible(ctx, st.txns[0].xid); err != nil || !ok {
-		if err != nil {
-			st.s.logger.Error("Could not tell whether a transaction with parked rows is visible; asking again at the next tick", err, nil)
-		}
-		return
-	}
-	st.confirmSettled()
 }
 
 // markOldest publishes the commit time of the oldest unsettled

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -120,14 +121,36 @@ func (v *visibility) saw(xid uint32) {
 	v.unseen = append(v.unseen, xid)
 }
 
-// unseenHas reports whether xid is among the unseen transactions.
-func (v *visibility) unseenHas(xid uint32) bool {
+// holdsBack reports whether tx parked a row behind a hold and is not
+// known visible yet: the stream does not confirm it until it is, so that a
+// session that ends before leaves it to the next session's stream, whose
+// own drain then waits for it to be visible. A drain reads parked rows from
+// the table, and a session's drain waits only for the transactions its own
+// stream read (TestWALDrainInANewSessionWaitsForRowsParkedInvisible).
+func (v *visibility) holdsBack(tx *txn) bool {
+	if !tx.parked {
+		return false
+	}
 	for _, x := range v.unseen {
-		if x == xid {
+		if x == tx.xid {
 			return true
 		}
 	}
 	return false
+}
+
+// heldBackVisible, at a status tick, asks whether the oldest unconfirmed
+// transaction of txns, settled but held back (holdsBack), is visible now:
+// true when the stream may confirm it.
+func (v *visibility) heldBackVisible(ctx context.Context, txns []*txn, logger watermill.LoggerAdapter) bool {
+	if len(txns) == 0 || !txns[0].committed || txns[0].pending > 0 || !v.holdsBack(txns[0]) {
+		return false
+	}
+	ok, err := v.visible(ctx, txns[0].xid)
+	if err != nil {
+		logger.Error("Could not tell whether a transaction with parked rows is visible; asking again at the next tick", err, nil)
+	}
+	return err == nil && ok
 }
 
 // pruneBefore drops the unseen transactions older than xmin, the oldest

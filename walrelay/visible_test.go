@@ -20,6 +20,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
+	"github.com/outboxkit/watermill-outbox/walrelay"
 )
 
 // A transaction is streamed once its commit record is flushed, and becomes
@@ -182,25 +183,36 @@ func TestWALDeadVerdictWaitsForTheRowToBeVisible(t *testing.T) {
 	}
 }
 
+// parkedInvisible starts a relay on a cluster whose writers wait for a
+// synchronous standby that does not exist, makes the first row of key k
+// dead (doomed), then commits a row of k (parked) that the relay streams
+// and parks behind the hold while nobody can see it: see makes it visible.
+// The relay's handler rejects k's rows only until the hold exists.
+func parkedInvisible(t *testing.T) (pool *pgxpool.Pool, tbl schema.Table, rec *recorder, s *walrelay.Subscriber, doomed []uuid.UUID, parked uuid.UUID, see func()) {
+	t.Helper()
+	pool, tbl = unseenCluster(t)
+	s = relay(t, pool, tbl, nil)
+	rec = newRecorder()
+	rejecting, handle := rejectK()
+	rec.consume(t, s, handle)
+	doomed = enqueue(t, pool, tbl, "k")
+	waitHeldOnce(t, pool, tbl)
+	rejecting.Store(false)
+	parked, see = enqueueUnseen(t, pool, tbl, "k")
+	// Streamed in commit order: once z is delivered, the invisible row of
+	// k was read and parked behind the hold.
+	z := enqueue(t, pool, tbl, "z")
+	rec.waitAcked(t, z, 10*time.Second)
+	return pool, tbl, rec, s, doomed, parked, see
+}
+
 // A held key's drain while a parked row of the key is not visible yet: the
 // drain read nothing, released the hold, and the parked row was never
 // delivered. Now the drain waits until every streamed row is visible.
 func TestWALDrainWaitsForParkedRowsToBeVisible(t *testing.T) {
 	t.Parallel()
-	pool, tbl := unseenCluster(t)
 	ctx := context.Background()
-	s := relay(t, pool, tbl, nil)
-	rec := newRecorder()
-	rejecting, handle := rejectK()
-	rec.consume(t, s, handle)
-	doomed := enqueue(t, pool, tbl, "k")
-	waitHeldOnce(t, pool, tbl)
-	rejecting.Store(false)
-	parked, see := enqueueUnseen(t, pool, tbl, "k")
-	// Streamed in commit order: once z is delivered, the invisible row of
-	// k was read and parked behind the hold.
-	z := enqueue(t, pool, tbl, "z")
-	rec.waitAcked(t, z, 10*time.Second)
+	pool, tbl, rec, _, doomed, parked, see := parkedInvisible(t)
 	if _, err := runbook.New(pool, tbl).ReplayEvent(ctx, doomed[0], runbook.ReplayOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -229,25 +241,15 @@ func TestWALDrainWaitsForParkedRowsToBeVisible(t *testing.T) {
 // parks the row itself, and its drain waits for it.
 func TestWALDrainInANewSessionWaitsForRowsParkedInvisible(t *testing.T) {
 	t.Parallel()
-	pool, tbl := unseenCluster(t)
 	ctx := context.Background()
-	s := relay(t, pool, tbl, nil)
-	rec := newRecorder()
-	rejecting, handle := rejectK()
-	rec.consume(t, s, handle)
-	doomed := enqueue(t, pool, tbl, "k")
-	waitHeldOnce(t, pool, tbl)
-	parked, see := enqueueUnseen(t, pool, tbl, "k")
-	// Streamed in commit order: once z is delivered, the invisible row of
-	// k was read and parked behind the hold.
-	z := enqueue(t, pool, tbl, "z")
-	rec.waitAcked(t, z, 10*time.Second)
+	pool, tbl, rec, s, doomed, parked, see := parkedInvisible(t)
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := runbook.New(pool, tbl).SkipEvent(ctx, doomed[0], false); err != nil {
 		t.Fatal(err)
 	}
+	rejecting, handle := rejectK()
 	rejecting.Store(false)
 	s2 := relay(t, pool, tbl, nil)
 	rec.consume(t, s2, handle)
