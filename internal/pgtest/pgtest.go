@@ -13,6 +13,7 @@ package pgtest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/url"
@@ -73,8 +74,9 @@ func Start(tb testing.TB, o Options) *Cluster {
 	if len(o.Trust) == 0 {
 		o.Trust = []string{"127.0.0.1/32"}
 	}
-	if o.Port == 0 {
-		o.Port = FreePort(tb, o.Listen[0])
+	pickPort := o.Port == 0
+	if pickPort {
+		o.Port = freePort(tb, o.Listen[0])
 	}
 	bin, err := binDir()
 	if err != nil {
@@ -133,17 +135,33 @@ func Start(tb testing.TB, o Options) *Cluster {
 	for k, v := range o.Settings {
 		settings[k] = v
 	}
-	keys := make([]string, 0, len(settings))
-	for k := range settings {
-		keys = append(keys, k)
+	render := func() {
+		keys := make([]string, 0, len(settings))
+		for k := range settings {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		var opts []string
+		for _, k := range keys {
+			opts = append(opts, fmt.Sprintf("-c %s=%s", k, settings[k]))
+		}
+		c.opts = strings.Join(opts, " ")
 	}
-	sort.Strings(keys)
-	var opts []string
-	for _, k := range keys {
-		opts = append(opts, fmt.Sprintf("-c %s=%s", k, settings[k]))
+	render()
+	// A port FreePort found free can be taken by another process before the
+	// server binds it: then the server starts on another free port.
+	for tries := 1; ; tries++ {
+		err := c.tryStart()
+		if err == nil {
+			break
+		}
+		if !pickPort || tries == 5 || !errors.Is(err, errPortTaken) {
+			tb.Fatalf("pgtest: %v", err)
+		}
+		c.Port = freePort(tb, o.Listen[0])
+		settings["port"] = strconv.Itoa(c.Port)
+		render()
 	}
-	c.opts = strings.Join(opts, " ")
-	c.start()
 	if len(o.PasswordRoles) > 0 {
 		ctx := context.Background()
 		conn, err := pgx.Connect(ctx, c.URL("", ""))
@@ -191,10 +209,25 @@ func (c *Cluster) Start() { c.tb.Helper(); c.start() }
 
 func (c *Cluster) start() {
 	c.tb.Helper()
+	if err := c.tryStart(); err != nil {
+		c.tb.Fatalf("pgtest: %v", err)
+	}
+}
+
+// errPortTaken is matched by the error of tryStart when the server could
+// not bind its port: another process took it.
+var errPortTaken = errors.New("the port is taken")
+
+// tryStart starts the server and waits until it accepts connections.
+func (c *Cluster) tryStart() error {
+	_ = os.Remove(c.logf) // the log of this start only
 	out, err := c.command("pg_ctl", "start", "-w", "-t", "60", "-D", c.Dir, "-l", c.logf, "-o", c.opts).CombinedOutput()
 	if err != nil {
 		log, _ := os.ReadFile(c.logf)
-		c.tb.Fatalf("pgtest: pg_ctl start: %v\n%s\n%s", err, out, log)
+		if strings.Contains(string(log), "Address already in use") {
+			return fmt.Errorf("pg_ctl start on port %d: %w: %w\n%s\n%s", c.Port, errPortTaken, err, out, log)
+		}
+		return fmt.Errorf("pg_ctl start: %w\n%s\n%s", err, out, log)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -202,10 +235,10 @@ func (c *Cluster) start() {
 		conn, err := pgx.Connect(ctx, c.URL("", ""))
 		if err == nil {
 			_ = conn.Close(ctx)
-			return
+			return nil
 		}
 		if ctx.Err() != nil {
-			c.tb.Fatalf("pgtest: the cluster does not accept connections at %s: %v", c.URL("", ""), err)
+			return fmt.Errorf("the cluster does not accept connections at %s: %w", c.URL("", ""), err)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
@@ -252,6 +285,9 @@ func binDir() (string, error) {
 	}
 	return "", fmt.Errorf("PostgreSQL server binaries (initdb, pg_ctl) not found: install the postgresql package or set PG_BIN")
 }
+
+// freePort is FreePort; tests replace it.
+var freePort = FreePort
 
 // FreePort returns a TCP port free on host at the time of the call.
 func FreePort(tb testing.TB, host string) int {
