@@ -252,8 +252,7 @@ func setupHolds(ctx context.Context, pool *pgxpool.Pool, t schema.Table, keyed b
 	// only when missing (the ALTER locks t).
 	if keyed {
 		var has bool
-		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'skipped_at' AND NOT attisdropped)`,
-			t.Sanitize()).Scan(&has); err != nil {
+		if err := tx.QueryRow(ctx, sqlq.WALSkippedAtExists(t)).Scan(&has); err != nil {
 			return fmt.Errorf("walrelay: look up skipped_at of %s: %w", t, err)
 		}
 		if !has {

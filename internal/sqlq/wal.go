@@ -168,6 +168,15 @@ func skippedAtExists(t schema.Table) string {
 	return `EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(` + quoteLiteral(t.Sanitize()) + `) AND attname = 'skipped_at' AND NOT attisdropped)`
 }
 
+// WALSkippedAtExists tells whether t has skipped_at (migration 000012).
+// Args: none. Returns: exists.
+func WALSkippedAtExists(t schema.Table) string { return `SELECT ` + skippedAtExists(t) }
+
+// walSkipRow is what the WAL relay writes on a row when it marks it
+// skipped (Drain, MarkSkipped): skipped, not dead, and its retention,
+// available_at, counted from the skip.
+const walSkipRow = `skipped_at = now(), dead_at = NULL, available_at = now(), locked_at = NULL`
+
 // WALProgressTableExists tells whether t has a progress table: t is
 // relayed by the WAL relay. Args: none. Returns: exists.
 func WALProgressTableExists(t schema.Table) string {
@@ -448,13 +457,13 @@ FROM ` + holds + ` WHERE mode = 'wal'`
   UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn, spilled = false
   WHERE ordering_key = $1 AND sequence = $2 AND mode = 'wal' AND resolved_at IS NULL AND (SELECT ok FROM f) RETURNING 1
 ), s AS (
-  UPDATE ` + tbl + ` AS o SET skipped_at = now(), dead_at = NULL, available_at = now(), locked_at = NULL FROM ` + holds + ` AS h
+  UPDATE ` + tbl + ` AS o SET ` + walSkipRow + ` FROM ` + holds + ` AS h
   WHERE h.ordering_key = $1 AND h.sequence = $2 AND h.mode = 'wal' AND h.resolved_at IS NULL AND h.skip_requested_at IS NOT NULL
     AND o.event_id = h.event_id AND o.published_at IS NULL AND o.skipped_at IS NULL AND o.attempts > 0 AND EXISTS (SELECT 1 FROM u)
 )
 SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`
 	q.MarkSkipped = `WITH ` + walFence(4) + `, d AS (
-  UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, skipped_at = now(), available_at = now(), locked_at = NULL
+  UPDATE ` + tbl + ` SET attempts = $2, last_error = $3, ` + walSkipRow + `
   WHERE id = $1::uuid AND published_at IS NULL AND dead_at IS NULL AND skipped_at IS NULL AND (SELECT ok FROM f)
   RETURNING 1
 )
