@@ -17,6 +17,12 @@
 //     Publish in a transaction of its own: use it when there is no
 //     business write to join (tools, tests, events that stand alone).
 //
+// Only a transaction is accepted: publisher.Tx asks for Commit and Rollback,
+// so passing a *pgxpool.Pool, *pgxpool.Conn or *pgx.Conn to Enqueue,
+// EnqueueBatch or NewTxPublisher (or a *sql.DB or *sql.Conn to StdlibTx) is
+// a compile error. An event enqueued outside the business transaction would
+// commit on its own, and the outbox's one promise would be lost.
+//
 // Every enqueue is idempotent on event_id and wakes the relays of the table
 // through NOTIFY on the table's channel ("outbox:" and the qualified table
 // name), which PostgreSQL delivers at commit and drops at rollback.

@@ -50,14 +50,27 @@ type Message struct {
 	OrderingKey string
 }
 
-// Tx is the part of a transaction Enqueue needs. pgx.Tx satisfies it; wrap a
-// *sql.Tx with StdlibTx.
+// Tx is a transaction Enqueue writes into: pgx.Tx (from pool.Begin,
+// conn.Begin or pgx.BeginFunc) satisfies it; wrap a *sql.Tx with StdlibTx.
+//
+// Only a transaction fits. A *pgxpool.Pool, *pgxpool.Conn or *pgx.Conn (and,
+// through StdlibTx, a *sql.DB or *sql.Conn) does not compile where a Tx is
+// asked for, because it has no Commit and Rollback: an event enqueued on a
+// pool would commit on its own, apart from the business rows, and lose the
+// atomicity an outbox exists for. Enqueue never calls Commit or Rollback;
+// the caller ends the transaction.
 type Tx interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	// Commit and Rollback are what a transaction has and a pool or a
+	// connection does not; Enqueue calls neither.
+	Commit(ctx context.Context) error
+	Rollback(ctx context.Context) error
 }
 
 // StdlibTx adapts a database/sql transaction (on the pgx stdlib driver, or
-// any PostgreSQL driver) to Tx.
+// any PostgreSQL driver) to Tx. It takes a *sql.Tx, so a *sql.DB or
+// *sql.Conn does not compile here: begin a transaction with BeginTx and
+// write the business rows in it.
 func StdlibTx(tx *sql.Tx) Tx { return stdlibTx{tx} }
 
 type stdlibTx struct{ tx *sql.Tx }
@@ -65,6 +78,12 @@ type stdlibTx struct{ tx *sql.Tx }
 func (s stdlibTx) QueryRow(ctx context.Context, query string, args ...any) pgx.Row {
 	return s.tx.QueryRowContext(ctx, query, args...)
 }
+
+// Commit commits the *sql.Tx (database/sql's Commit takes no context).
+func (s stdlibTx) Commit(context.Context) error { return s.tx.Commit() }
+
+// Rollback rolls the *sql.Tx back.
+func (s stdlibTx) Rollback(context.Context) error { return s.tx.Rollback() }
 
 // ErrEventIDConflict is matched (errors.Is) by a ConflictError.
 var ErrEventIDConflict = errors.New("publisher: event_id already enqueued with another tenant, topic or payload")

@@ -63,7 +63,8 @@ func (c *TxPublisherConfig) setDefaults() error {
 	return nil
 }
 
-// NewTxPublisher binds a publisher to tx.
+// NewTxPublisher binds a publisher to tx, a transaction: a pool or a
+// connection does not compile here (see Tx).
 func NewTxPublisher(tx Tx, cfg TxPublisherConfig) (*TxPublisher, error) {
 	if tx == nil {
 		return nil, errors.New("publisher: invalid config: nil Tx; pass the transaction that writes the business rows")
