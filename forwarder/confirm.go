@@ -19,10 +19,13 @@ import (
 )
 
 // ErrNotPublished is the reason stored as last_error when the router acked
-// an outbox message that the forwarder did not publish: a middleware
-// swallowed the failure (Watermill's middleware.PoisonQueue does, for
-// example) or acked the message without calling the handler. The row is
-// nacked instead of marked published.
+// an outbox message that the forwarder did not publish: the router's own
+// dead-letter path took it (Watermill's middleware.PoisonQueue and
+// PoisonQueueWithFilter copy a failed message and ack it), or a middleware
+// acked it without calling the handler. The row is never marked published:
+// it goes dead at once, Permanent, with ErrNotPublished and the failure as
+// last_error, so the outbox does not deliver it again and a poison queue
+// copies it once. Replay it (outbox dead replay) once the cause is fixed.
 var ErrNotPublished = errors.New("acked by the router but not published")
 
 // outcomeKey carries a *outcome in the context of the message the router
@@ -66,9 +69,11 @@ func recordOutcome(msg *message.Message, err error) {
 // confirmingSubscriber stands between the outbox subscriber and the router:
 // the router handles a copy of each outbox message, and the outbox message
 // is acked only when the router acked the copy and the forwarder's handler
-// published it; an ack without a confirmed publish becomes a nack. So what
-// the user's router middleware does with the handler's error cannot mark a
-// row published that was not.
+// published it; an ack without a confirmed publish becomes a Permanent
+// nack (the row goes dead at once). So what the user's router middleware
+// does with the handler's error cannot mark a row published that was not,
+// and a router whose dead-letter path acks (Watermill's poison queue) makes
+// one copy per dead event, not one per attempt.
 type confirmingSubscriber struct {
 	sub         message.Subscriber
 	logger      watermill.LoggerAdapter
@@ -134,8 +139,11 @@ func (c *confirmingSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 	return out, nil
 }
 
-// watch passes the router's verdict on cp to orig, refusing an ack without
-// a confirmed publish.
+// watch passes the router's verdict on cp to orig. An ack without a
+// confirmed publish means the router took the message off the delivery path
+// itself (its poison queue copied it, or a middleware skipped the handler):
+// orig is nacked Permanent, so its row goes dead at once with the failure
+// as last_error instead of being delivered, and copied, again.
 func (c *confirmingSubscriber) watch(orig, cp *message.Message, o *outcome) {
 	defer c.wg.Done()
 	select {
@@ -159,14 +167,16 @@ func (c *confirmingSubscriber) watch(orig, cp *message.Message, o *outcome) {
 		fields := watermill.LogFields{"event_id": orig.UUID}
 		if poisoned != "" {
 			// Expected with Watermill's poison queue: it acks what it copied.
-			c.logger.Info("Outbox message copied to a poison queue, which acked it; nacking the row with the failure instead of marking it published "+
-				"(forwarder.PoisonQueue copies a dead event once and does not ack)", fields.Add(watermill.LogFields{"reason": redact.Summary(reason.Error(), orig.Payload, 0)}))
+			c.logger.Info("Outbox message copied to the router's poison queue, which acked it; the row goes dead with the failure instead of being marked published",
+				fields.Add(watermill.LogFields{"reason": redact.Summary(reason.Error(), orig.Payload, 0)}))
 		} else {
-			c.logger.Error("Outbox message acked without a confirmed publish; nacking it instead of marking the row published. "+
+			c.logger.Error("Outbox message acked without a confirmed publish; the row goes dead instead of being marked published. "+
 				"A router middleware swallowed the forwarder's error or skipped its handler; "+
-				"see the README's router section", reason, fields)
+				"see the README's router section", errors.New(redact.Summary(reason.Error(), orig.Payload, 0)), fields)
 		}
-		subscriber.RecordError(orig, reason)
+		// Permanent: the router's own dead-letter path took the message, so
+		// the row goes dead now; another attempt would be copied again.
+		subscriber.RecordError(orig, subscriber.Permanent(reason))
 		orig.Nack()
 	case <-cp.Nacked():
 		orig.Nack()
@@ -204,17 +214,17 @@ func (e *handlerError) Unwrap() error { return e.err }
 // PoisonFilter reports whether a handler's error should be copied to a
 // poison topic. For an error of the forwarder's handler it is true only
 // when the error sends the row dead (a Permanent error, or a failure on the
-// row's last allowed attempt): earlier failures are retried by the outbox
-// itself. Any other error reports true: a filter sees the error, not the
-// message, so it cannot tell a retried attempt of another middleware (a
-// check that refuses an event) from its last one. With Watermill's
+// row's last allowed attempt): earlier failures pass through as errors, and
+// the outbox retries the row with its backoff. Any other error reports
+// true: a filter sees the error, not the message. With Watermill's
 //
 //	pq, err := middleware.PoisonQueueWithFilter(pub, "poison", forwarder.PoisonFilter)
 //
-// the forwarder's own failures are copied once per dead event, but another
-// middleware's failure is copied at every attempt (and acked, which the
-// forwarder refuses: see AddTo). PoisonQueue copies once per dead event
-// whatever failed; prefer it.
+// the forwarder's own failures are retried by the outbox and copied once,
+// on the row's last attempt; another middleware's failure is copied at its
+// first attempt and, acked by the poison queue, sends the row dead at once
+// (see AddTo). PoisonQueue gives every failure the outbox's retries and
+// copies once, on the last.
 func PoisonFilter(err error) bool {
 	var he *handlerError
 	if errors.As(err, &he) {

@@ -320,10 +320,14 @@ func (f *Forwarder) Handle(msg *message.Message) (err error) {
 // Whatever middleware the router runs, a row is marked published only when
 // its publish succeeded: the router handles a copy of each outbox message,
 // and an ack of the copy acks the outbox message only if Handle published
-// it. An ack without a confirmed publish (a middleware such as Watermill's
-// PoisonQueue swallowed the publish error, or acked without calling the
-// handler) is logged, counted (RefusedAcks) and turned into a nack with
-// the handler's error, so the row is retried and in the end goes dead.
+// it. An ack without a confirmed publish means the router's own
+// dead-letter path took the message (Watermill's middleware.PoisonQueue or
+// PoisonQueueWithFilter copied it and acked, after the router's Retry
+// middleware, if any, gave up), or a middleware acked it without calling
+// the handler: it is logged, counted (RefusedAcks), and the row goes dead
+// at once with ErrNotPublished and the failure as last_error. So a router
+// with Watermill's stock Retry and PoisonQueue makes one poison copy per
+// dead event, and the outbox does not retry what the router gave up on.
 func (f *Forwarder) AddTo(r *message.Router) *message.Handler {
 	h := r.AddConsumerHandler(f.cfg.HandlerName, f.cfg.SubscribeTopic, newConfirmingSubscriber(f.sub, f.logger, &f.refused, f.maxAttempts), f.Handle)
 	for _, m := range f.cfg.Middleware {
@@ -333,7 +337,8 @@ func (f *Forwarder) AddTo(r *message.Router) *message.Handler {
 }
 
 // RefusedAcks is how many outbox messages the router acked although their
-// publish had not succeeded, each nacked instead (see AddTo). Above zero, a
+// publish had not succeeded, each sent dead instead of marked published
+// (see AddTo). Above zero, the router's poison queue took messages, or a
 // middleware of the router swallows the forwarder's errors.
 func (f *Forwarder) RefusedAcks() int64 { return f.refused.Load() }
 

@@ -24,6 +24,14 @@ import (
 // middleware.PoisonQueue handles them: every failure is copied and the
 // message acked.
 //
+// Watermill's own middleware.PoisonQueue works with the forwarder too, and
+// makes one copy per dead event: it acks what it copied, which the
+// forwarder takes as the router's dead-letter path, so the row goes dead at
+// once (see Forwarder.AddTo). PoisonQueue is for what that does not do: the
+// outbox's own retries with backoff (which survive a restart and a
+// handover) before the single copy, and the row's last_error set from the
+// failure by the nack rather than by a refused ack.
+//
 // Add it router-wide before the middleware whose failures it should copy
 // (a middleware sees the errors of those added after it):
 //

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/outboxkit/watermill-outbox/forwarder"
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
@@ -49,7 +50,10 @@ func newPoisonRigAttempts(t *testing.T, name string, routerWide func(poison mess
 	t.Helper()
 	rig := &poisonRig{tbl: testdb.Table(t, name, schema.WithAllColumns()), dest: router.NewInProcess(), reasons: make(chan string, 100), metas: make(chan message.Metadata, 100)}
 	t.Cleanup(func() { _ = rig.dest.Close() })
-	poison := newGoChannel(t)
+	// Publish returns once the copy is counted, so a count read after the
+	// row settled is final.
+	poison := gochannel.NewGoChannel(gochannel.Config{Persistent: true, BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+	t.Cleanup(func() { _ = poison.Close() })
 	copies, err := poison.Subscribe(context.Background(), "poison")
 	if err != nil {
 		t.Fatal(err)
@@ -139,12 +143,12 @@ func poisonQueue(t *testing.T, filter func(error) bool) func(message.Publisher) 
 
 // TestPoisonQueueRouterWideNeverMarksPublished: with Watermill's own
 // PoisonQueue router-wide, a failed publish swallows the forwarder's error
-// and the router acks; the row must not be marked published. Each such ack
-// is refused and counted, and the row goes dead with the publish error as
-// last_error: at once for an in-process topic with no subscriber (a
-// permanent error), after MaxAttempts for a broker that is down. Plain
-// PoisonQueue copies every failed attempt (its own rule); with
-// forwarder.PoisonFilter it copies the dead event once.
+// and the router acks; the row must not be marked published. Such an ack
+// is refused and counted, and the row goes dead at once with the publish
+// error as last_error: the router's dead-letter path took it, one copy.
+// With forwarder.PoisonFilter the first failures of a broker that is down
+// pass through as errors, the outbox retries them, and the last attempt is
+// copied once.
 func TestPoisonQueueRouterWideNeverMarksPublished(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
@@ -158,7 +162,9 @@ func TestPoisonQueueRouterWideNeverMarksPublished(t *testing.T) {
 	}{
 		{"NoSubscriber/PoisonQueue", false, nil, 1, router.ErrNoSubscribers.Error(), 1, 1},
 		{"NoSubscriber/PoisonQueueWithFilter", false, forwarder.PoisonFilter, 1, router.ErrNoSubscribers.Error(), 1, 1},
-		{"BrokerDown/PoisonQueue", true, nil, poisonMaxAttempts, "broker unavailable", poisonMaxAttempts, poisonMaxAttempts},
+		// The poison queue copies the first failure and acks: the router's
+		// dead-letter path took the event, so its row goes dead at once.
+		{"BrokerDown/PoisonQueue", true, nil, 1, "broker unavailable", 1, 1},
 		// The filtered queue passes the first errors on (plain nacks): only
 		// the last attempt's ack is refused.
 		{"BrokerDown/PoisonQueueWithFilter", true, forwarder.PoisonFilter, poisonMaxAttempts, "broker unavailable", 1, 1},
@@ -206,7 +212,7 @@ func TestPoisonQueueRouterWideStillPublishes(t *testing.T) {
 
 // TestMiddlewareSkippingTheHandler: a router-wide middleware that acks
 // without calling the handler publishes nothing, so the row is never marked
-// published; it goes dead with ErrNotPublished as last_error.
+// published; it goes dead at once with ErrNotPublished as last_error.
 func TestMiddlewareSkippingTheHandler(t *testing.T) {
 	t.Parallel()
 	skip := func(message.Publisher) []message.HandlerMiddleware {
@@ -217,11 +223,11 @@ func TestMiddlewareSkippingTheHandler(t *testing.T) {
 	rig := newPoisonRig(t, "fwd_skip_outbox", skip, func(*message.Message) error { return nil }, false)
 	id := enqueueIn(t, rig.tbl, producerSpan(t), `{"n":1}`)
 	published, dead, attempts, lastError := rig.settle(t, id.String())
-	if published || !dead || attempts != poisonMaxAttempts || lastError != forwarder.ErrNotPublished.Error() {
-		t.Fatalf("published %v dead %v attempts %d last_error %q, want dead with %q", published, dead, attempts, lastError, forwarder.ErrNotPublished)
+	if want := subscriber.Permanent(forwarder.ErrNotPublished).Error(); published || !dead || attempts != 1 || lastError != want {
+		t.Fatalf("published %v dead %v attempts %d last_error %q, want dead at the first attempt with %q", published, dead, attempts, lastError, want)
 	}
-	if got := rig.fwd.RefusedAcks(); got != poisonMaxAttempts {
-		t.Fatalf("RefusedAcks %d, want %d", got, poisonMaxAttempts)
+	if got := rig.fwd.RefusedAcks(); got != 1 {
+		t.Fatalf("RefusedAcks %d, want 1", got)
 	}
 }
 
@@ -275,8 +281,9 @@ func fraudCheck(permanent bool) message.HandlerMiddleware {
 // is refused, and the copy names the outbox subscriber, not the
 // forwarder's wrapper; an order that is not flagged is relayed. With
 // Watermill's PoisonQueueWithFilter and forwarder.PoisonFilter (which sees
-// the error, not the message) every attempt is copied, as PoisonFilter's
-// documentation says, but last_error still names the refusal.
+// the error, not the message) the refusal is copied at its first attempt
+// and acked, so the row goes dead at once: one copy too, and last_error
+// names the refusal.
 func TestPoisonQueueOneCopyWhateverMiddlewareFailed(t *testing.T) {
 	t.Parallel()
 	const maxAttempts = 5
@@ -301,7 +308,7 @@ func TestPoisonQueueOneCopyWhateverMiddlewareFailed(t *testing.T) {
 	}{
 		{"PoisonQueue", outboxPQ(false), maxAttempts, 1, 0},
 		{"PoisonQueue/Permanent", outboxPQ(true), 1, 1, 0},
-		{"PoisonQueueWithFilter", watermillPQ, maxAttempts, maxAttempts, maxAttempts},
+		{"PoisonQueueWithFilter", watermillPQ, 1, 1, 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -331,6 +338,117 @@ func TestPoisonQueueOneCopyWhateverMiddlewareFailed(t *testing.T) {
 			}
 			if got := md.Get("event_id"); got != flagged.String() {
 				t.Errorf("poison copy event_id %q, want %s", got, flagged)
+			}
+		})
+	}
+}
+
+// TestStockRetryAndPoisonQueueOneCopyPerDeadEvent: a router with Watermill's
+// stock router-wide middleware.Retry inside middleware.PoisonQueue (or
+// PoisonQueueWithFilter), as Watermill's documentation sets them up, over a
+// real default relay and PostgreSQL. Each event whose publish keeps failing
+// (a broker that is down) or that a middleware refuses is retried by the
+// router's Retry, copied once by the poison queue and acked: its row goes
+// dead at once with the failure as last_error (without the payload), is
+// never marked published, and is copied exactly once. Before, the forwarder
+// nacked the ack and the relay delivered the row again, one copy per
+// attempt: MaxAttempts copies per dead event.
+func TestStockRetryAndPoisonQueueOneCopyPerDeadEvent(t *testing.T) {
+	t.Parallel()
+	const maxAttempts = 4
+	// handled counts the calls of the handler chain inside Retry.
+	stock := func(filter func(error) bool, refuse bool, handled *atomic.Int64) func(message.Publisher) []message.HandlerMiddleware {
+		return func(pub message.Publisher) []message.HandlerMiddleware {
+			pq, err := middleware.PoisonQueue(pub, "poison")
+			if filter != nil {
+				pq, err = middleware.PoisonQueueWithFilter(pub, "poison", filter)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			count := func(h message.HandlerFunc) message.HandlerFunc {
+				return func(msg *message.Message) ([]*message.Message, error) {
+					handled.Add(1)
+					return h(msg)
+				}
+			}
+			stack := []message.HandlerMiddleware{pq, middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond}.Middleware, count}
+			if refuse {
+				stack = append(stack, fraudCheck(false))
+			}
+			return stack
+		}
+	}
+	always := func(error) bool { return true }
+	for _, tc := range []struct {
+		name      string
+		stack     func(*atomic.Int64) func(message.Publisher) []message.HandlerMiddleware
+		down      bool
+		payload   string
+		wantError string
+	}{
+		{"Retry+PoisonQueue/BrokerDown", func(h *atomic.Int64) func(message.Publisher) []message.HandlerMiddleware { return stock(nil, false, h) }, true, `{"order":"a-payload-never-in-last-error"}`, "broker unavailable"},
+		{"Retry+PoisonQueueWithFilter/BrokerDown", func(h *atomic.Int64) func(message.Publisher) []message.HandlerMiddleware {
+			return stock(always, false, h)
+		}, true, `{"order":"a-payload-never-in-last-error"}`, "broker unavailable"},
+		{"Retry+PoisonQueue/MiddlewareRefuses", func(h *atomic.Int64) func(message.Publisher) []message.HandlerMiddleware { return stock(nil, true, h) }, false, `{"order":"flagged"}`, "fraud check: order flagged"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var handled atomic.Int64
+			rig := newPoisonRigAttempts(t, "fwd_stock_pq_outbox", tc.stack(&handled), func(*message.Message) error { return nil }, tc.down, maxAttempts)
+			const events = 3
+			ids := map[string]bool{}
+			for range events {
+				ids[enqueueIn(t, rig.tbl, producerSpan(t), tc.payload).String()] = true
+			}
+			for id := range ids {
+				waitRow(t, rig.tbl, id, func(published, dead bool, _ int) bool { return published || dead })
+			}
+			rows, err := testdb.Pool(t).Query(context.Background(), `SELECT event_id::text, published_at IS NOT NULL, dead_at IS NOT NULL, attempts, coalesce(last_error, '') FROM `+rig.tbl.Sanitize())
+			if err != nil {
+				t.Fatal(err)
+			}
+			for rows.Next() {
+				var (
+					id              string
+					published, dead bool
+					attempts        int
+					lastError       string
+				)
+				if err := rows.Scan(&id, &published, &dead, &attempts, &lastError); err != nil {
+					t.Fatal(err)
+				}
+				if published || !dead || attempts != 1 {
+					t.Errorf("event %s: published %v dead %v attempts %d, want dead at the first attempt, never published", id, published, dead, attempts)
+				}
+				if !strings.Contains(lastError, tc.wantError) || !strings.Contains(lastError, forwarder.ErrNotPublished.Error()) || strings.Contains(lastError, "a-payload-never") {
+					t.Errorf("event %s: last_error %q, want %q and %q, no payload", id, lastError, tc.wantError, forwarder.ErrNotPublished)
+				}
+			}
+			if err := rows.Err(); err != nil {
+				t.Fatal(err)
+			}
+			// The poison copies, counted before their publish returned.
+			perEvent := map[string]int{}
+			for n := rig.copies.Load(); n > 0; n-- {
+				md := <-rig.metas
+				perEvent[md.Get(schema.MetadataEventID)]++
+			}
+			for id := range ids {
+				if perEvent[id] != 1 {
+					t.Errorf("event %s: %d poison copies, want 1", id, perEvent[id])
+				}
+			}
+			if got := rig.copies.Load(); got != events {
+				t.Errorf("%d poison copies of %d dead events, want %d", got, events, events)
+			}
+			if got := rig.fwd.RefusedAcks(); got != events {
+				t.Errorf("RefusedAcks %d, want %d", got, events)
+			}
+			// The router's Retry ran each delivery 1 + MaxRetries times.
+			if got := handled.Load(); got != 3*events {
+				t.Errorf("handler chain ran %d times, want %d (3 per event)", got, 3*events)
 			}
 		})
 	}
