@@ -128,9 +128,14 @@ type OrderedQueries struct {
 	// it is at or below its partition's written floor and its key has no
 	// hold (or only a resolved one at or below that floor): the relay
 	// delivers it once more before the key's next row. It writes the row
-	// (dead_at = NULL: a row that died in default mode before the table
-	// was switched is revived), so that DeleteDone racing it keeps the row,
-	// and inserts the hold only when the row is still there. Returns: inserted,
+	// back to pending in its own columns (dead_at, skipped_at and
+	// published_at NULL: a row that died in default mode before the table
+	// was switched is revived, a skipped row is no longer skipped, a row the
+	// default relay published is no longer read as delivered nor deleted by
+	// the published retention while its replay is due; the relay's Advance
+	// marks it skipped again when the replay is skipped), so that
+	// DeleteDone racing it keeps the row, and inserts the hold only when the
+	// row is still there. Returns: inserted,
 	// above floor, held sequence (NULL when the key has no hold).
 	ReplayDone string
 	// Keyed reports whether the row whose event_id is $1 has an ordering
@@ -287,8 +292,10 @@ RETURNING h.dead_at IS NOT NULL, h.attempts, h.skip_requested_at IS NOT NULL`
 h0 AS (SELECT replay, attempts, last_error, skip_requested_at IS NOT NULL AS skip FROM ` + holds + `
   WHERE ordering_key = $3 AND sequence = $4 AND resolved_at IS NULL AND EXISTS (SELECT 1 FROM own) FOR UPDATE),
 sk AS (
-  UPDATE ` + tbl + ` AS o SET skipped_at = now(), attempts = h0.attempts, last_error = h0.last_error FROM h0
-  WHERE $7::bool AND h0.skip AND NOT h0.replay AND o.ordering_key = $3 AND o.sequence = $4 AND o.published_at IS NULL
+  UPDATE ` + tbl + ` AS o SET skipped_at = now(),
+    attempts = CASE WHEN h0.last_error IS NULL THEN o.attempts ELSE h0.attempts END, last_error = COALESCE(h0.last_error, o.last_error)
+  FROM h0
+  WHERE $7::bool AND h0.skip AND o.ordering_key = $3 AND o.sequence = $4 AND o.published_at IS NULL
 ),
 nxt AS (SELECT min(sequence) AS s FROM ` + tbl + ` WHERE ordering_key = $3 AND sequence > $4 AND sequence <= $5 AND published_at IS NULL AND dead_at IS NULL AND skipped_at IS NULL),
 del AS (
@@ -356,7 +363,7 @@ DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id AND o.xmin = 
   FROM ` + tbl + ` AS o JOIN ` + parts + ` AS p ON p.partition = o.ordering_partition
   WHERE o.event_id = $1::uuid AND o.ordering_key IS NOT NULL
 ), touch AS (
-  UPDATE ` + tbl + ` AS o SET dead_at = NULL, skipped_at = NULL FROM r WHERE o.event_id = $1::uuid AND r.done AND r.free
+  UPDATE ` + tbl + ` AS o SET dead_at = NULL, skipped_at = NULL, published_at = NULL FROM r WHERE o.event_id = $1::uuid AND r.done AND r.free
   RETURNING 1
 ), ins AS (
   INSERT INTO ` + holds + ` AS h (ordering_key, partition, sequence, attempts, available_at, replay)
@@ -621,7 +628,10 @@ type AdvanceArgs struct {
 	Epoch     int64  // the lease's term the write is fenced on
 	// Skipped: the row was not acked (the relay applies an operator's
 	// skip). When the hold's skip was requested, the row records it:
-	// skipped_at, with the hold's attempts and last_error.
+	// skipped_at, with the hold's attempts and last_error (the row's own
+	// when the hold has none: a replay skipped before it was tried). A
+	// replay hold's row too: a skip is final once applied, whatever replay
+	// came before it (docs/OPERATIONS.md, "The row's states").
 	Skipped bool
 }
 

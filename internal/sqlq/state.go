@@ -45,8 +45,9 @@ func NewStateQueries(t schema.Table, m schema.Mode, c schema.Columns) StateQueri
 // NULL when none), skip requested, replay (an operator's replay of a row
 // already relayed is due).
 //
-// For a keyed row of an ordered table that holds its key, attempts,
-// available_at, last_error and dead_at are the hold's.
+// For a keyed row of an ordered table that holds its key or whose replay
+// is due (a replay hold), attempts, available_at, last_error and dead_at
+// are the hold's.
 const StateColumns = "s.sequence, s.event_id::text, s.topic, s.tenant_id::text, s.attempts, s.created_at, s.available_at, s.locked_at, s.published_at, s.last_error, s.dead_at, " +
 	"s.ordering_key, s.done, s.skipped, s.held, s.behind, s.skip_requested, s.replay"
 
@@ -136,11 +137,11 @@ func (q StateQueries) classified(src string) string {
     CASE WHEN f.holds_it OR f.replay_it THEN NULLIF(h.available_at, 'infinity') ELSE NULLIF(o.available_at, 'infinity') END AS available_at,
     o.locked_at, o.published_at,
     CASE WHEN f.holds_it OR f.replay_it THEN h.last_error ELSE o.last_error END AS last_error,
-    CASE WHEN f.holds_it THEN h.dead_at ELSE o.dead_at END AS dead_at,
-    o.ordering_key, d.done, d.done AND o.published_at IS NULL AND f.keyed AND o.skipped_at IS NOT NULL AS skipped,
+    CASE WHEN f.holds_it OR f.replay_it THEN h.dead_at ELSE o.dead_at END AS dead_at,
+    o.ordering_key, d.done, d.done AND o.published_at IS NULL AND o.skipped_at IS NOT NULL AS skipped,
     f.holds_it AS held, CASE WHEN f.behind_it THEN h.sequence END AS behind,
-    f.holds_it AND h.skip_requested_at IS NOT NULL AS skip_requested, f.replay_it AS replay,
-    NOT d.done AND CASE WHEN f.holds_it THEN h.dead_at IS NOT NULL ELSE o.dead_at IS NOT NULL END AS dead
+    (f.holds_it OR f.replay_it) AND h.skip_requested_at IS NOT NULL AS skip_requested, f.replay_it AS replay,
+    NOT d.done AND CASE WHEN f.holds_it OR f.replay_it THEN h.dead_at IS NOT NULL ELSE o.dead_at IS NOT NULL END AS dead
   FROM (` + src + `) AS o
   LEFT JOIN ` + q.Table.PartitionsTable() + ` AS p ON p.partition = o.ordering_partition
   LEFT JOIN ` + q.Table.HoldsTable() + ` AS h ON h.ordering_key = o.ordering_key

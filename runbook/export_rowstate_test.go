@@ -1,0 +1,4 @@
+package runbook
+
+// RowRulesTable is rowRulesTable, for the external tests.
+var RowRulesTable = rowRulesTable
