@@ -43,6 +43,11 @@ type Columns struct {
 	// OrderingKey is true when the table has the ordering_key column (and
 	// the ordering_partition column derived from it) of ordered mode.
 	OrderingKey bool
+	// SkippedAt is true when the table has the skipped_at column of a keyed
+	// table (migration 000012), where a keyed relay records a skip: every
+	// claim then leaves skipped rows out (a skipped row is done, never
+	// delivered again unless replayed).
+	SkippedAt bool
 }
 
 // ErrTableNotFound is returned (wrapped) by DetectColumns when the table does
@@ -111,5 +116,5 @@ SELECT to_regclass($1) IS NOT NULL,
 	if !found {
 		return Columns{}, tableFacts{}, fmt.Errorf("%w: %s (create it with schema.Migrate or `outbox migrate`)", ErrTableNotFound, t)
 	}
-	return Columns{TraceContext: parent && state, Headers: heads, OrderingKey: okey}, f, nil
+	return Columns{TraceContext: parent && state, Headers: heads, OrderingKey: okey, SkippedAt: f.skippedAt}, f, nil
 }

@@ -176,8 +176,11 @@ func Run(t *testing.T, r Relay) {
 		{"MaxInFlight", TestMaxInFlight},
 		{"BacklogBeforeSetUp", TestBacklogBeforeSetUp},
 		{"SwitchFromDefault", TestSwitchFromDefault},
+		{"SwitchEveryPair", TestSwitchEveryPair},
 		{"TwoModesOnOneTable", TestTwoModesOnOneTable},
 		{"RetryAfterBackoffWhileIdle", TestRetryAfterBackoffWhileIdle},
+		{"KafkaKeyIsOrderingKey", TestKafkaKeyIsOrderingKey},
+		{"SkippedNeverDelivered", TestSkippedNeverDelivered},
 	}
 	for _, c := range append(cases, crossings...) {
 		t.Run(c.name, func(t *testing.T) {

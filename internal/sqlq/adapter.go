@@ -184,7 +184,11 @@ func (a Adapter) ClaimStatement(topic string) Statement {
 // metadata (see ClaimedRow.Message).
 func (a Adapter) ScanClaimed(row Scanner) (sequence int64, msg *message.Message, err error) {
 	var r ClaimedRow
-	if err := r.Scan(row, a.Columns); err != nil {
+	scan := r.Scan
+	if a.Columns.OrderingKey {
+		scan = r.ScanKeyed // the claim returns ordering_key last
+	}
+	if err := scan(row, a.Columns); err != nil {
 		return 0, nil, err
 	}
 	msg, err = r.Message(a.Table)

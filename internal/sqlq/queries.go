@@ -68,7 +68,8 @@ type Queries struct {
 	UndoEnqueue string
 
 	// ClaimAll and ClaimTopic lease up to a batch of due rows: unpublished,
-	// not dead (dead_at IS NULL), due, and not leased or with an expired
+	// not dead (dead_at IS NULL), not skipped (skipped_at IS NULL, when
+	// schema.Columns.SkippedAt), due, and not leased or with an expired
 	// lease. Re-claiming a row whose lease expired records that in
 	// last_error. A row whose lease expired on its last allowed attempt
 	// (attempts >= max_attempts) is not claimed but parked dead (dead_at =
@@ -79,8 +80,9 @@ type Queries struct {
 	// that are retrying (they die when their next attempt fails). See
 	// docs/ARCHITECTURE.md, "The relay".
 	// Args: max_attempts, lock_ttl seconds (float8), batch size, and for
-	// ClaimTopic the topic. Returns the claimed columns (see ClaimedRow),
-	// then parked; read them with ClaimedRow.ScanClaim.
+	// ClaimTopic the topic. Returns the claimed columns (see ClaimedRow;
+	// ordering_key last when schema.Columns.OrderingKey), then parked; read
+	// them with ClaimedRow.ScanClaim.
 	ClaimAll   string
 	ClaimTopic string
 
@@ -297,6 +299,11 @@ SELECT count(*) FROM d`
 		if adapter {
 			filter = ` WHERE NOT parked`
 		}
+		// A skipped row (skipped_at, written by a keyed relay) is done:
+		// no claim delivers it again (a replay clears skipped_at).
+		if c.SkippedAt {
+			topicFilter = "\n    AND skipped_at IS NULL" + topicFilter
+		}
 		return `WITH due AS (
   SELECT id FROM ` + tbl + `
   WHERE published_at IS NULL AND dead_at IS NULL AND available_at <= now()
@@ -413,6 +420,12 @@ func claimReturning(c schema.Columns) string {
 	if c.Headers {
 		cols = append(cols, "o.headers::text")
 	}
+	if c.OrderingKey {
+		// Every claim reads the key, so that a keyed row carries
+		// schema.MetadataOrderingKey whichever relay delivers it (the
+		// forwarder keys a Kafka record by it).
+		cols = append(cols, "o.ordering_key")
+	}
 	for i := range cols {
 		cols[i] += " AS c" + itoa(i+1)
 	}
@@ -425,6 +438,9 @@ func claimColumns(c schema.Columns) string {
 		n += 2
 	}
 	if c.Headers {
+		n++
+	}
+	if c.OrderingKey {
 		n++
 	}
 	cols := make([]string, n)

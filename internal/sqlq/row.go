@@ -26,8 +26,9 @@ type ClaimedRow struct {
 	TraceParent *string
 	TraceState  *string
 	Headers     *string
-	// OrderingKey is the row's ordering key; only ordered-mode reads fill
-	// it.
+	// OrderingKey is the row's ordering key: every claim of a table with
+	// the column fills it (ScanClaim, ScanKeyed), as do the keyed relays'
+	// reads.
 	OrderingKey *string
 	// Parked is true for a row that the claim did not lease but parked dead
 	// (its lease expired on the last allowed attempt); ScanClaim fills it.
@@ -39,8 +40,10 @@ type Scanner interface {
 	Scan(dest ...any) error
 }
 
-// Scan reads a row produced by Queries.AdapterClaimAll or
-// AdapterClaimTopic (Adapter.ClaimStatement) with columns c.
+// Scan reads, for a table with columns c, the columns a claim returns
+// before ordering_key: a row of Queries.AdapterClaimAll or
+// AdapterClaimTopic (Adapter.ClaimStatement) when the table has no
+// ordering_key (with one, read it with ScanKeyed), or of WALQueries.Row.
 func (r *ClaimedRow) Scan(s Scanner, c schema.Columns) error {
 	if err := s.Scan(r.dest(c)...); err != nil {
 		return fmt.Errorf("scan claimed outbox row: %w", err)
@@ -49,7 +52,8 @@ func (r *ClaimedRow) Scan(s Scanner, c schema.Columns) error {
 }
 
 // ScanKeyed reads the columns Scan reads, then ordering_key (the WAL
-// relay's reads of held and missed rows).
+// relay's reads of held and missed rows, and an adapter's claim of a table
+// with ordering_key).
 func (r *ClaimedRow) ScanKeyed(s Scanner, c schema.Columns) error {
 	if err := s.Scan(append(r.dest(c), &r.OrderingKey)...); err != nil {
 		return fmt.Errorf("scan outbox row: %w", err)
@@ -70,8 +74,8 @@ func (r *ClaimedRow) dest(c schema.Columns) []any {
 }
 
 // ScanClaim reads a row produced by Queries.ClaimAll, ClaimTopic,
-// ClaimAllUnkeyed or ClaimTopicUnkeyed: the columns Scan reads, then
-// Parked.
+// ClaimAllUnkeyed or ClaimTopicUnkeyed: the columns Scan reads (with
+// ordering_key when c.OrderingKey), then Parked.
 //
 // extra receives the columns a caller appended after parked (the default
 // relay's bounded claim appends the rows' available_at).
@@ -83,6 +87,9 @@ func (r *ClaimedRow) ScanClaim(s Scanner, c schema.Columns, extra ...any) error 
 	}
 	if c.Headers {
 		dest = append(dest, &r.Headers)
+	}
+	if c.OrderingKey {
+		dest = append(dest, &r.OrderingKey)
 	}
 	dest = append(dest, &r.Parked)
 	dest = append(dest, extra...)
