@@ -176,7 +176,6 @@ func Run(t *testing.T, r Relay) {
 		{"MaxInFlight", TestMaxInFlight},
 		{"BacklogBeforeSetUp", TestBacklogBeforeSetUp},
 		{"SwitchFromDefault", TestSwitchFromDefault},
-		{"SwitchEveryPair", TestSwitchEveryPair},
 		{"TwoModesOnOneTable", TestTwoModesOnOneTable},
 		{"RetryAfterBackoffWhileIdle", TestRetryAfterBackoffWhileIdle},
 		{"KafkaKeyIsOrderingKey", TestKafkaKeyIsOrderingKey},
