@@ -70,6 +70,11 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	}
 	env := Env{getenv: getenv}
 	if err := cmd.run(ctx, env, args[1:], stdout, stderr); err != nil {
+		var help *helpText
+		if errors.As(err, &help) {
+			fmt.Fprint(stdout, help.text)
+			return 0
+		}
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
 		}

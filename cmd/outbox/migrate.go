@@ -33,7 +33,10 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	createSchema := fs.Bool("create-schema", false, "create the table's schema if it does not exist (otherwise a missing schema is an error)")
 	printSQL := fs.Bool("print", false, "print the up migration's SQL instead of running it (safe to pipe into psql)")
 	down := fs.Bool("down", false, "with --print: also print the down migration, every line commented out (it drops the table and every event in it); never run by outbox")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args, "outbox migrate [--table=T] [flags]",
+		helpVar{"OUTBOX_RELAY_TABLES", "-", "the tables to migrate when --table is not given (comma-separated, such as public.org_outbox)"},
+		helpVar{"OUTBOX_RELAY_ORDERED", "false", "true: as --ordered"},
+		helpVar{"OUTBOX_RELAY_SOURCE", "table", "wal: as --wal"}); err != nil {
 		return err
 	}
 	var tables []schema.Table

@@ -17,8 +17,12 @@ func init() {
 }
 
 func runKeys(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 && isHelpArg(args[0]) {
+		return helpFor("outbox keys held --table=T [--limit=N] [--resolved] [--json]",
+			"  held     the ordering keys held back by a failing or dead row (ordered mode and the WAL relay), with each hold's state and the actions it allows\n\nRun `outbox keys held --help` for the flags.", nil)
+	}
 	if len(args) == 0 || args[0] != "held" {
-		return fmt.Errorf("%w: keys needs the subcommand held: `outbox keys held --table=T`", errUsage)
+		return fmt.Errorf("%w: keys needs the subcommand held: `outbox keys held --table=T` (see `outbox keys --help`)", errUsage)
 	}
 	f, err := newRunbookFlags("keys held", env, stderr)
 	if err != nil {

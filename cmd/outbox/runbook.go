@@ -43,7 +43,7 @@ const (
 
 func init() {
 	registerCommand("backlog", "list the pending rows of --table, oldest first", runBacklog)
-	registerCommand("dead", "list dead rows (dead list) or replay them (dead replay, needs --confirm)", runDead)
+	registerCommand("dead", "list dead rows (dead list), replay them (dead replay, needs --confirm) or skip one (dead skip, needs --confirm)", runDead)
 	registerCommand("stats", "show the pending, locked and dead counts and the oldest pending age of --table", runStats)
 }
 
@@ -52,6 +52,9 @@ type runbookFlags struct {
 	fs    *flag.FlagSet
 	table string
 	json  bool
+	// vars are the variables the command reads besides
+	// OUTBOX_DATABASE_URL, for its help.
+	vars []helpVar
 }
 
 func newRunbookFlags(name string, env Env, stderr io.Writer) (*runbookFlags, error) {
@@ -64,8 +67,8 @@ func newRunbookFlags(name string, env Env, stderr io.Writer) (*runbookFlags, err
 
 // parse parses args and returns the table of --table.
 func (f *runbookFlags) parse(args []string) (schema.Table, error) {
-	if err := f.fs.Parse(args); err != nil {
-		return schema.Table{}, fmt.Errorf("%w: %w", errUsage, err)
+	if err := parseFlags(f.fs, args, "outbox "+f.fs.Name()+" --table=T [flags]", f.vars...); err != nil {
+		return schema.Table{}, err
 	}
 	if f.fs.NArg() > 0 {
 		return schema.Table{}, fmt.Errorf("%w: unexpected argument %q; every option is a flag, such as --table=public.org_outbox", errUsage, f.fs.Arg(0))
@@ -206,7 +209,7 @@ func runStats(ctx context.Context, env Env, args []string, stdout, stderr io.Wri
 
 func runDead(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 {
-		return fmt.Errorf("%w: dead needs a subcommand: `outbox dead list --table=T` or `outbox dead replay --table=T ...`", errUsage)
+		return fmt.Errorf("%w: dead needs a subcommand: `outbox dead list --table=T`, `outbox dead replay --table=T ...` or `outbox dead skip --table=T --event-id=E`", errUsage)
 	}
 	switch args[0] {
 	case "list":
@@ -215,9 +218,10 @@ func runDead(ctx context.Context, env Env, args []string, stdout, stderr io.Writ
 		return runDeadReplay(ctx, env, args[1:], stdout, stderr)
 	case "skip":
 		return runDeadSkip(ctx, env, args[1:], stdout, stderr)
-	case "-h", "-help", "--help", "help":
-		fmt.Fprintln(stdout, "usage: outbox dead list --table=T [flags] | outbox dead replay --table=T (--event-id=E | --topic=X | --all) [flags]\n\nRun `outbox dead list --help` or `outbox dead replay --help` for the flags.")
-		return nil
+	}
+	if isHelpArg(args[0]) {
+		return helpFor("outbox dead list --table=T [flags]\n   or: outbox dead replay --table=T (--event-id=E | --topic=X | --all) [flags]\n   or: outbox dead skip --table=T --event-id=E [--confirm]",
+			"  list     list the dead rows of the table\n  replay   deliver dead rows again: one event (--event-id) or in bulk (--topic, --all); previews unless --confirm\n  skip     set a row aside: never delivered unless replayed; previews unless --confirm\n\nRun `outbox dead list --help`, `outbox dead replay --help` or `outbox dead skip --help` for the flags.", nil)
 	}
 	return fmt.Errorf("%w: unknown subcommand %q of dead; use list, replay or skip", errUsage, args[0])
 }
@@ -341,6 +345,10 @@ func runDeadReplay(ctx context.Context, env Env, args []string, stdout, stderr i
 	f, err := newRunbookFlags("dead replay", env, stderr)
 	if err != nil {
 		return err
+	}
+	f.vars = []helpVar{
+		{"OUTBOX_RELAY_LOCK_TTL", "60s", "the relays' lease length, as set for outbox relay (a lease older than it is expired)"},
+		{environmentVar, "(none)", environmentDevelopment + ": a bulk replay needs no --force"},
 	}
 	lockTTL, err := env.Duration("OUTBOX_RELAY_LOCK_TTL", sqlq.LockTTLDefault, false)
 	if err != nil {

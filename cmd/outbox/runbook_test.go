@@ -183,9 +183,9 @@ func TestRunbookUsageErrors(t *testing.T) {
 		}
 	}
 	r := rbRun(t, rbEnv(), "stats", "--help")
-	r.expect(t, 0, nil, []string{"-table", "-json"})
+	r.expect(t, 0, []string{"-table", "-json", "OUTBOX_DATABASE_URL"}, nil)
 	r = rbRun(t, rbEnv(), "dead", "replay", "--help")
-	r.expect(t, 0, nil, []string{"-confirm", "-force", "-dry-run", "-event-id", "-all"})
+	r.expect(t, 0, []string{"-confirm", "-force", "-dry-run", "-event-id", "-all", "OUTBOX_ENVIRONMENT"}, nil)
 }
 
 func TestRunbookStatsCommand(t *testing.T) {

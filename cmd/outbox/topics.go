@@ -16,6 +16,10 @@ func init() {
 }
 
 func runTopics(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 && isHelpArg(args[0]) {
+		return helpFor("outbox topics [list] --table=T [--limit=N] [--json]\n   or: outbox topics pause --table=T --topic=X [--reason=TEXT] [--dry-run]\n   or: outbox topics resume --table=T --topic=X [--dry-run]",
+			"  list     the backlog of the table by topic, with the paused topics (the default)\n  pause    stop relaying one topic; its rows wait\n  resume   relay a paused topic again\n\nRun `outbox topics list --help`, `outbox topics pause --help` or `outbox topics resume --help` for the flags.", nil)
+	}
 	sub := "list"
 	if len(args) > 0 && len(args[0]) > 0 && args[0][0] != '-' {
 		sub, args = args[0], args[1:]
@@ -25,9 +29,6 @@ func runTopics(ctx context.Context, env Env, args []string, stdout, stderr io.Wr
 		return runTopicsList(ctx, env, args, stdout, stderr)
 	case "pause", "resume":
 		return runTopicsPause(ctx, env, sub, args, stdout, stderr)
-	case "help":
-		fmt.Fprintln(stdout, "usage: outbox topics [list] --table=T | outbox topics pause --table=T --topic=X [--reason=TEXT] [--dry-run] | outbox topics resume --table=T --topic=X [--dry-run]")
-		return nil
 	}
 	return fmt.Errorf("%w: unknown subcommand %q of topics; use list, pause or resume", errUsage, sub)
 }
