@@ -37,7 +37,7 @@ func TestCleanerKeepsRowsParkedBehindAWALHold(t *testing.T) {
 	}
 	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), sqlq.WALDropPublication(pub)) })
 	// What walrelay.Setup records.
-	if err := schema.RecordMode(ctx, pool, tbl, schema.ModeWAL, "test"); err != nil {
+	if err := schema.SwitchMode(ctx, pool, tbl, schema.ModeWAL, "test"); err != nil {
 		t.Fatal(err)
 	}
 

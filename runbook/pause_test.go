@@ -188,7 +188,7 @@ func TestPauseTopicRefusals(t *testing.T) {
 		_, _ = pool.Exec(context.Background(), `DROP PUBLICATION IF EXISTS `+pgx.Identifier{pub}.Sanitize())
 	})
 	// walrelay.Setup records the mode so.
-	if err := schema.RecordMode(ctx, pool, tbl, schema.ModeWAL, "test"); err != nil {
+	if err := schema.SwitchMode(ctx, pool, tbl, schema.ModeWAL, "test"); err != nil {
 		t.Fatal(err)
 	}
 	if m, err := runbook.New(pool, tbl).Mode(ctx); err != nil || m != schema.ModeWAL {

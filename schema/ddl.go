@@ -572,13 +572,16 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 	}
 	created := !ok
 	if o.mode != "" && !created {
-		// Refuse a switch before changing anything (adding the ordering
-		// columns rewrites the table).
-		if rec, recorded, err := RecordedMode(ctx, tx, t); err != nil {
+		// The switch first (SwitchMode: it settles the old mode into the
+		// rows' columns and records the new one), so that a refusal
+		// changes nothing (adding the ordering columns rewrites the
+		// table). A table without the mode table gets it below, and the
+		// mode then.
+		if ok, err := modeTableExists(ctx, tx, t); err != nil {
 			return fmt.Errorf("migrate %s: %w", t, err)
-		} else if !recorded || rec.Mode != o.mode {
-			if err := checkModeSwitch(ctx, tx, t, o.mode); err != nil {
-				return fmt.Errorf("migrate %s: cannot record mode %s: %w; nothing changed", t, o.mode, err)
+		} else if ok {
+			if err := SwitchMode(ctx, tx, t, o.mode, "migrate"); err != nil {
+				return fmt.Errorf("migrate %s: cannot record mode %s: %w", t, o.mode, err)
 			}
 		}
 	}
@@ -663,7 +666,7 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 		mode = ModeDefault
 	}
 	if mode != "" {
-		if err := RecordMode(ctx, tx, t, mode, "migrate"); err != nil {
+		if err := SwitchMode(ctx, tx, t, mode, "migrate"); err != nil {
 			return fmt.Errorf("migrate %s: cannot record mode %s: %w; nothing changed", t, mode, err)
 		}
 	}

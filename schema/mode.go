@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -104,47 +103,6 @@ func modeTableExists(ctx context.Context, q Querier, t Table) (bool, error) {
 		return false, fmt.Errorf("look up the relay mode of %s: %w", t, err)
 	}
 	return ok, nil
-}
-
-// RecordMode records m as the relay mode of t, by who (such as "default
-// relay"), unless it is recorded already. When t's mode changes (another
-// mode recorded, or none recorded and another inferred), it first checks
-// that no relay of another mode works on t (CheckModeSwitch) and refuses
-// with ErrRelayModeMix otherwise, changing nothing. It fails with
-// ErrNoModeTable (wrapped) when t has no mode table.
-func RecordMode(ctx context.Context, q Querier, t Table, m Mode, by string) error {
-	if !m.Valid() {
-		return fmt.Errorf("record the relay mode of %s: unknown mode %q; use %s, %s or %s", t, m, ModeDefault, ModeOrdered, ModeWAL)
-	}
-	ok, err := modeTableExists(ctx, q, t)
-	if err != nil {
-		return err
-	}
-	if !ok {
-		return fmt.Errorf("record the relay mode of %s: %w; run `outbox migrate --table=%s` (or schema.Migrate)", t, ErrNoModeTable, t)
-	}
-	rec, recorded, err := RecordedMode(ctx, q, t)
-	if err != nil {
-		return err
-	}
-	if recorded && rec.Mode == m {
-		return nil
-	}
-	if err := checkModeSwitch(ctx, q, t, m); err != nil {
-		return err
-	}
-	if len(by) > modeRecordedByMaxBytes {
-		by = strings.ToValidUTF8(by[:modeRecordedByMaxBytes], "")
-	}
-	var changed bool
-	err = q.QueryRow(ctx, `INSERT INTO `+t.modeTable()+` AS r (mode, recorded_by) VALUES ($1, $2)
-ON CONFLICT (singleton) DO UPDATE SET mode = EXCLUDED.mode, recorded_at = now(), recorded_by = EXCLUDED.recorded_by
-  WHERE r.mode IS DISTINCT FROM EXCLUDED.mode
-RETURNING true`, string(m), by).Scan(&changed)
-	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
-		return fmt.Errorf("record the relay mode of %s: %w", t, err)
-	}
-	return nil
 }
 
 // recordModeStatement records m as t's mode in SQL, for UpSQL.

@@ -145,13 +145,14 @@ func modeName(ordered bool) string {
 	return "a default-mode"
 }
 
-// ErrKeysHeld is matched (errors.Is) by the error of a keyed relay (ordered
-// mode, the WAL relay) refusing to take over a table whose other keyed mode
-// still holds keys: a failing or dead row each, whose key's later rows wait.
-// The relay after the switch does not read the other mode's holds; resolve
-// them first (replay or skip each held row with the old mode's relay
-// running), then switch.
-var ErrKeysHeld = errors.New("keys of the table are held by the other keyed mode")
+// ErrKeysHeld is matched (errors.Is) by the error of a mode switch
+// (SwitchMode, and so Migrate's WithMode, walrelay.Setup and a relay
+// starting on a table of another mode) refused while a hold of any mode is
+// open: a failing, dead or draining row that holds its key, whose later
+// rows wait. The relay after the switch does not read the old mode's
+// holds; resolve them first (replay or skip each held row with the old
+// mode's relay running), then switch.
+var ErrKeysHeld = errors.New("keys of the table are held")
 
 // ErrSequenceCached is matched (errors.Is) by the error of an ordered relay
 // or a WAL relay refusing to start when the table's sequence hands out values from a

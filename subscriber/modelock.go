@@ -220,12 +220,14 @@ func failModeOps(ops []modeOp, err error) {
 	}
 }
 
-// recordMode records the mode of s as its table's relay mode
-// (schema.RecordMode), once s holds its mode's lock: every reader of the
-// table's state reads it. A WAL relay streaming the table refuses it
-// (schema.ErrRelayModeMix). A table without the mode table (migrated by an
-// earlier version), or a record that cannot be written, leaves readers
-// inferring the mode; the relay runs all the same.
+// recordMode switches s's table to the mode of s (schema.SwitchMode, the
+// one switch every path takes: it settles the old mode's state into the
+// rows' columns, so s delivers only what was pending), once s holds its
+// mode's lock: every reader of the table's state reads the record. A relay
+// of another mode refuses it (schema.ErrRelayModeMix), and so does an open
+// hold of any mode (schema.ErrKeysHeld: s would not read it); any other
+// failure of the switch stops s too. A table without the mode table
+// (migrated by an earlier version) leaves readers inferring the mode.
 func (s *Subscriber) recordMode(ctx context.Context) error {
 	mode, by := schema.ModeDefault, "default relay"
 	if s.cfg.Ordered {
@@ -233,21 +235,12 @@ func (s *Subscriber) recordMode(ctx context.Context) error {
 	}
 	rctx, cancel := context.WithTimeout(ctx, opTimeout)
 	defer cancel()
-	err := schema.RecordMode(rctx, s.pool, s.cfg.Table, mode, by)
-	if err == nil && s.cfg.Ordered {
-		// No WAL relay streams the table now: its tombstones go.
-		if _, err := s.pool.Exec(rctx, sqlq.ForgetTombstones(s.cfg.Table, schema.ModeWAL)); err != nil {
-			s.logger.Error("Could not delete the WAL relay's resolved holds; ordered mode reads them as resolved holds", err, nil)
-		}
-	}
+	err := schema.SwitchMode(rctx, s.pool, s.cfg.Table, mode, by)
 	switch {
 	case err == nil, errors.Is(err, schema.ErrNoModeTable):
 		return nil
-	case errors.Is(err, schema.ErrRelayModeMix):
-		return fmt.Errorf("subscriber: %w", err)
 	case ctx.Err() != nil:
 		return fmt.Errorf("subscriber: record the relay mode of %s: %w", s.cfg.Table, ctx.Err())
 	}
-	s.logger.Error("Could not record the table's relay mode; readers infer it from the tables that exist", err, nil)
-	return nil
+	return fmt.Errorf("subscriber: %w", err)
 }

@@ -550,7 +550,7 @@ func TestOrderedNeedsHoldStates(t *testing.T) {
 	ctx := context.Background()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
-	if err := schema.RecordMode(ctx, pool, tbl, schema.ModeOrdered, "test"); err != nil {
+	if err := schema.SwitchMode(ctx, pool, tbl, schema.ModeOrdered, "test"); err != nil {
 		t.Fatal(err) // as the older version's relays left it
 	}
 	rows := enqueueKeyed(t, pool, tbl, "dead", "dead", "retry", "skip", "replay", "done")

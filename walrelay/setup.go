@@ -122,9 +122,6 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	if err := recordMode(ctx, pool, t, "walrelay.Setup"); err != nil {
 		return n, err
 	}
-	if err := markOrderedDone(ctx, pool, t); err != nil {
-		return n, err
-	}
 	var exists, hasTable, ins, upd bool
 	var others []string
 	if err := pool.QueryRow(ctx, sqlq.WALPublicationExists, n.Publication, t.Sanitize()).Scan(&exists, &hasTable, &ins, &upd, &others); err != nil {
@@ -173,12 +170,14 @@ func Setup(ctx context.Context, pool *pgxpool.Pool, t schema.Table, n Names) (Na
 	return n, nil
 }
 
-// recordMode records the WAL relay's mode as t's relay mode
-// (schema.RecordMode; every reader of t's state reads it), refusing with
-// schema.ErrRelayModeMix while default or ordered relays work on t. A table
-// without the mode table (migrated by an earlier version) is left to
-// readers that infer its mode; another failure to write the record does
-// not stop the relay either (readers infer the mode, as before).
+// recordMode switches t to the WAL relay's mode (schema.SwitchMode, the
+// one switch every path takes: it settles the old mode's state into the
+// rows' columns, so the relay's backfill delivers only what was pending),
+// refusing with schema.ErrRelayModeMix while default or ordered relays work
+// on t and with schema.ErrKeysHeld while a hold of any mode is open; any
+// other failure of the switch stops the relay too (it would deliver again
+// what the old mode delivered). A table without the mode table (migrated
+// by an earlier version) is left to readers that infer its mode.
 //
 // It first refuses a table the relay must not take over (refuseSwitch):
 // Setup and every start of the relay record the mode through it, and once
@@ -188,30 +187,8 @@ func recordMode(ctx context.Context, pool *pgxpool.Pool, t schema.Table, by stri
 	if err := refuseSwitch(ctx, pool, t, by); err != nil {
 		return err
 	}
-	err := schema.RecordMode(ctx, pool, t, schema.ModeWAL, by)
-	if errors.Is(err, schema.ErrRelayModeMix) {
+	if err := schema.SwitchMode(ctx, pool, t, schema.ModeWAL, by); err != nil && !errors.Is(err, schema.ErrNoModeTable) {
 		return fmt.Errorf("walrelay: %w", err)
-	}
-	return nil
-}
-
-// markOrderedDone marks published the keyed rows ordered mode delivered
-// (its skipped rows keep skipped_at), when t is switched from ordered mode
-// (sqlq.OrderedDonePublished): the first session's backfill would deliver
-// them again. A table that was
-// never relayed in ordered mode has none.
-func markOrderedDone(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
-	ok, err := sqlq.OrderedTablesExist(ctx, pool, t)
-	if err != nil || !ok {
-		return err
-	}
-	if _, err := pool.Exec(ctx, sqlq.OrderedDonePublished(t)); err != nil {
-		return fmt.Errorf("walrelay: mark published the keyed rows ordered mode is done with in %s: %w", t, err)
-	}
-	// Ordered mode's tombstones said which rows it was done with; with
-	// those rows published, they say nothing more to the WAL relay.
-	if _, err := pool.Exec(ctx, sqlq.ForgetTombstones(t, schema.ModeOrdered)); err != nil {
-		return fmt.Errorf("walrelay: delete ordered mode's resolved holds of %s: %w", t, err)
 	}
 	return nil
 }

@@ -28,7 +28,7 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	headers := fs.Bool("headers", false, "add the optional headers column")
 	ordered := fs.Bool("ordered", false, "add the ordering_key column and the companion tables of ordered mode, and record ordered mode as the table's mode unless relays of another mode run (default: OUTBOX_RELAY_ORDERED)")
 	wal := fs.Bool("wal", false, "also create the WAL relay's publication, replication slot and progress table, and record wal as the table's mode (needs wal_level = logical and a REPLICATION role; default: OUTBOX_RELAY_SOURCE=wal)")
-	modeFlag := fs.String("mode", "", "record the table's relay mode: default, ordered (as --ordered) or wal (as --wal); refused while relays of another mode run. A new table is recorded as default; a relay records its own mode when it starts")
+	modeFlag := fs.String("mode", "", "switch the table's relay mode: default, ordered (as --ordered) or wal (as --wal), from any mode: the rows the old mode delivered are marked published, dead and skipped rows stay as they are; refused while relays of another mode run or any key is held (`outbox keys held`). A new table is recorded as default; a relay records its own mode when it starts")
 	rewrite := fs.Bool("rewrite", false, "with --ordered on an existing table of more than 10,000 rows: allow the table rewrite that adding the ordering columns needs (it blocks the table meanwhile)")
 	createSchema := fs.Bool("create-schema", false, "create the table's schema if it does not exist (otherwise a missing schema is an error)")
 	printSQL := fs.Bool("print", false, "print the up migration's SQL instead of running it (safe to pipe into psql)")
@@ -135,6 +135,7 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	mctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	for _, t := range tables {
+		before, _ := recordedModeOf(mctx, pool, t)
 		if err := schema.Migrate(mctx, pool, t, opts...); err != nil {
 			return err
 		}
@@ -162,7 +163,7 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 			if mode == "" && !*wal {
 				// --ordered records the mode unless default relays still
 				// run: they are stopped after the columns are added.
-				err := schema.RecordMode(mctx, pool, t, schema.ModeOrdered, "outbox migrate --ordered")
+				err := schema.SwitchMode(mctx, pool, t, schema.ModeOrdered, "outbox migrate --ordered")
 				if errors.Is(err, schema.ErrRelayModeMix) {
 					fmt.Fprintf(stdout, "mode of %s not recorded as ordered yet: %v\nthe first ordered relay records it once they are stopped (or run `outbox migrate --mode=ordered --table=%s` then)\n", t, err, t)
 				} else if err != nil && !errors.Is(err, schema.ErrNoModeTable) {
@@ -182,8 +183,26 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 			}
 			fmt.Fprintf(stdout, "set up the WAL relay of %s: publication %s, slot %s, progress table %s; recorded as relayed in wal mode\n", t, n.Publication, n.Slot, t.WALProgressTable())
 		}
+		if after, ok := recordedModeOf(mctx, pool, t); ok && before != "" && after != before {
+			fmt.Fprintf(stdout, "switched %s from %s to %s mode: the rows %s mode delivered are marked published, its dead and skipped rows kept as they were\n",
+				t, before, after, before)
+			if before == schema.ModeWAL {
+				fmt.Fprintf(stdout, "dropped the replication slot of %s (its publication %s and progress table stay until walrelay.Teardown)\n",
+					t, walrelay.DefaultNames(t).Publication)
+			}
+		}
 	}
 	return nil
+}
+
+// recordedModeOf is t's recorded relay mode, if any (ok false when none is
+// recorded or t does not exist yet).
+func recordedModeOf(ctx context.Context, pool *pgxpool.Pool, t schema.Table) (schema.Mode, bool) {
+	rec, ok, err := schema.RecordedMode(ctx, pool, t)
+	if err != nil || !ok {
+		return "", false
+	}
+	return rec.Mode, true
 }
 
 // commentOut prefixes every line of sql with "-- ", so that no statement of

@@ -176,6 +176,7 @@ func Run(t *testing.T, r Relay) {
 		{"MaxInFlight", TestMaxInFlight},
 		{"BacklogBeforeSetUp", TestBacklogBeforeSetUp},
 		{"SwitchFromDefault", TestSwitchFromDefault},
+		{"SwitchEveryPair", TestSwitchEveryPair},
 		{"TwoModesOnOneTable", TestTwoModesOnOneTable},
 		{"RetryAfterBackoffWhileIdle", TestRetryAfterBackoffWhileIdle},
 		{"KafkaKeyIsOrderingKey", TestKafkaKeyIsOrderingKey},

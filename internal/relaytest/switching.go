@@ -1,0 +1,223 @@
+package relaytest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/outboxkit/watermill-outbox/runbook"
+	"github.com/outboxkit/watermill-outbox/schema"
+)
+
+// The one switch (schema.SwitchMode) for every pair of modes.
+
+// allModes are the relay modes a table can be switched between.
+var allModes = []schema.Mode{schema.ModeDefault, schema.ModeOrdered, schema.ModeWAL}
+
+// TestSwitchEveryPair checks the one mode switch for each ordered pair of
+// modes: a table relayed in the first mode holds delivered, dead, skipped
+// and held rows (a key held by a dead row in the keyed modes); the switch
+// is refused while the key is held (schema.ErrKeysHeld), nothing changed;
+// once the operator skips the held row, the switch goes through and every
+// row reads, through the runbook, as it did before it (delivered,
+// skipped, dead), and in its own columns: the rows the old mode delivered
+// are published, the dead ones dead and not published, the skipped ones
+// skipped. The relay of the new mode then delivers the new rows and none of
+// the old ones again.
+//
+// docs/OPERATIONS.md, "Switching modes": "one command for every pair";
+// "the rows the old mode delivered are marked published, its dead rows stay
+// dead and are never marked published, its skipped rows stay skipped".
+func TestSwitchEveryPair(t *testing.T, r Relay) {
+	if r.Mode != ModeWAL {
+		t.Skipf("the switch between every pair of modes needs the WAL relay (wal_level=logical, not the shared server's): the wal run of this case switches every pair")
+	}
+	for _, from := range allModes {
+		for _, to := range allModes {
+			if from == to {
+				continue
+			}
+			t.Run(fmt.Sprintf("%s to %s", from, to), func(t *testing.T) {
+				t.Parallel()
+				switchPair(t, r, from, to)
+			})
+		}
+	}
+}
+
+// keyedMode reports whether m holds a key behind its failing row.
+func keyedMode(m schema.Mode) bool { return m != schema.ModeDefault }
+
+// switchTo records mode m on e's table by the documented path: Setup for
+// the WAL relay, Migrate's WithMode for the others. A refusal because the
+// old relay's session has not ended yet on the server is tried again.
+func (e *env) switchTo(m schema.Mode) error {
+	op := func() error {
+		if m == schema.ModeWAL {
+			return e.r.SetUp(context.Background(), e.pool, e.tbl)
+		}
+		return schema.Migrate(context.Background(), e.pool, e.tbl, schema.WithAllColumns(), schema.WithMode(m))
+	}
+	return retry(within, op, func(err error) bool { return errors.Is(err, schema.ErrRelayModeMix) })
+}
+
+// startIn starts a relay of mode m on e's table (the WAL relay is the relay
+// under test), once relays of another mode are gone.
+func (e *env) startIn(m schema.Mode, name string, o Options, h handler) *relay {
+	e.t.Helper()
+	var rl *relay
+	err := retry(within, func() error {
+		var sub message.Subscriber
+		var err error
+		switch m {
+		case schema.ModeDefault:
+			sub, err = e.newDefault(false, o)
+		case schema.ModeOrdered:
+			sub, err = e.newOrdered(o)
+		default:
+			sub, err = e.r.New(context.Background(), e.pool, e.tbl, o.withDefaults())
+		}
+		if err == nil {
+			rl, err = e.consume(name, sub, h)
+		}
+		return err
+	}, func(err error) bool { return errors.Is(err, schema.ErrRelayModeMix) })
+	if err != nil {
+		e.t.Fatalf("start a relay of %s mode: %v", m, err)
+	}
+	return rl
+}
+
+// restState is how the runbook reads a row at rest.
+func restState(s rowState) string {
+	switch {
+	case !s.Found:
+		return "gone"
+	case s.Skipped:
+		return "skipped"
+	case s.Delivered:
+		return "delivered"
+	case s.Dead():
+		return "dead"
+	}
+	return "pending"
+}
+
+func switchPair(t *testing.T, r Relay, from, to schema.Mode) {
+	e := setup(t, r, false, schema.WithAllColumns())
+	ctx := context.Background()
+	if from != schema.ModeDefault {
+		if err := e.switchTo(from); err != nil {
+			t.Fatalf("switch the new table to %s mode: %v", from, err)
+		}
+	}
+	delivered := e.enqueue(topicA, "a", "", "a")
+	d := e.enqueue(topicA, "d", "d") // d[0] dies and holds d in the keyed modes
+	s := e.enqueue(topicA, "s", "s") // s[0] dies and is skipped in the keyed modes
+	ud := e.enqueue(topicA, "")      // an unkeyed row that dies
+	bad := newFailing(d[0], s[0], ud[0])
+	old := e.startIn(from, "old", Options{MaxAttempts: 1}, permanentFor(bad))
+	e.waitAcked(within, delivered...)
+	e.eventually(within, func() bool {
+		for _, ev := range delivered {
+			if !e.row(ev.ID).Delivered {
+				return false
+			}
+		}
+		return e.row(d[0].ID).Dead() && e.row(s[0].ID).Dead() && e.row(ud[0].ID).Dead()
+	}, func() string { return "rows not dead: " + e.rowStates([]event{d[0], s[0], ud[0]}) })
+	rb := runbook.New(e.pool, e.tbl)
+	if keyedMode(from) {
+		e.waitHold(within, s[0], runbook.HoldDead)
+		e.waitHold(within, d[0], runbook.HoldDead)
+		if _, err := rb.SkipEvent(ctx, s[0].ID, false); err != nil {
+			t.Fatalf("skip %s: %v", s[0], err)
+		}
+		e.waitAcked(within, s[1])
+		e.eventually(within, func() bool { return e.row(s[0].ID).Skipped && e.row(s[1].ID).Delivered },
+			func() string { return "skip not applied: " + e.rowStates(s) })
+		e.wait(quietSpell)
+		e.notDeliveredBeyond(0, "its key is held by a dead row", d[1])
+	} else {
+		e.waitAcked(within, d[1], s[1])
+		e.eventually(within, func() bool { return e.row(d[1].ID).Delivered && e.row(s[1].ID).Delivered },
+			func() string { return "acked rows not read delivered: " + e.rowStates([]event{d[1], s[1]}) })
+	}
+	if err := old.Close(); err != nil {
+		t.Fatalf("close the %s relay: %v", from, err)
+	}
+	if keyedMode(from) {
+		err := e.switchTo(to)
+		if !errors.Is(err, schema.ErrKeysHeld) {
+			t.Fatalf("switch from %s to %s with key d held by a dead row: %v, want schema.ErrKeysHeld", from, to, err)
+		}
+		if rec, ok, _ := schema.RecordedMode(ctx, e.pool, e.tbl); !ok || rec.Mode != from {
+			t.Fatalf("after the refused switch the recorded mode is %q (recorded %t), want %s", rec.Mode, ok, from)
+		}
+		// Resolve the hold as the refusal says: skip the held row with the
+		// old mode's relay running.
+		old = e.startIn(from, "old2", Options{MaxAttempts: 1}, permanentFor(bad))
+		if _, err := rb.SkipEvent(ctx, d[0].ID, false); err != nil {
+			t.Fatalf("skip %s: %v", d[0], err)
+		}
+		e.waitAcked(within, d[1])
+		e.eventually(within, func() bool {
+			_, held := e.holdState(d[0])
+			return e.row(d[0].ID).Skipped && !held && e.row(d[1].ID).Delivered
+		}, func() string { return "skip not applied: " + e.rowStates(d) })
+		if err := old.Close(); err != nil {
+			t.Fatalf("close the %s relay: %v", from, err)
+		}
+	}
+	all := append(append(append(append([]event{}, delivered...), d...), s...), ud...)
+	before := map[event]string{}
+	for _, ev := range all {
+		before[ev] = restState(e.row(ev.ID))
+	}
+	deliveries := map[event]int{}
+	for _, ev := range all {
+		deliveries[ev] = e.rec.delivered(ev)
+	}
+	if err := e.switchTo(to); err != nil {
+		t.Fatalf("switch from %s to %s: %v", from, to, err)
+	}
+	if rec, ok, err := schema.RecordedMode(ctx, e.pool, e.tbl); err != nil || !ok || rec.Mode != to {
+		t.Fatalf("after the switch the recorded mode is %q (recorded %t, %v), want %s", rec.Mode, ok, err, to)
+	}
+	checkAtRest := func(when string) {
+		t.Helper()
+		for _, ev := range all {
+			st := e.row(ev.ID)
+			if got := restState(st); got != before[ev] {
+				t.Errorf("%s: row %s reads %s, was %s before the switch from %s to %s: %s", when, ev, got, before[ev], from, to, st)
+			}
+			switch before[ev] {
+			case "delivered":
+				if !st.Published {
+					t.Errorf("%s: row %s was delivered in %s mode and is not marked published: %s", when, ev, from, st)
+				}
+			case "dead", "skipped":
+				if st.Published {
+					t.Errorf("%s: row %s was %s and is marked published: %s", when, ev, before[ev], st)
+				}
+			}
+		}
+	}
+	checkAtRest("after the switch")
+	fresh := e.enqueue(topicA, "a", "", "d", "s")
+	e.startIn(to, "new", Options{MaxAttempts: 1}, nil)
+	e.waitAcked(within, fresh...)
+	e.wait(quietSpell)
+	for _, ev := range all {
+		if n := e.rec.delivered(ev); n != deliveries[ev] {
+			t.Errorf("row %s (%s before the switch) delivered %d more time(s) by the %s relay after the switch from %s", ev, before[ev], n-deliveries[ev], to, from)
+		}
+	}
+	checkAtRest("after the new relay ran")
+	if !t.Failed() {
+		t.Logf("%s to %s: %d rows kept their state; 1 refusal while a key was held: %t", from, to, len(all), keyedMode(from))
+	}
+}
