@@ -205,6 +205,11 @@ type Forwarder struct {
 }
 
 // New returns a Forwarder from sub (usually a *subscriber.Subscriber) to pub.
+// The configuration comes before the logger, as in this module's other
+// constructors (subscriber.New) and Watermill's message.NewRouter; Watermill's
+// own forwarder.NewForwarder(sub, pub, logger, config) takes them the other
+// way round, and either order mistyped is a compile error. A nil logger is
+// watermill.NopLogger{}.
 func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger watermill.LoggerAdapter) (*Forwarder, error) {
 	if sub == nil || pub == nil {
 		return nil, errors.New("forwarder: nil subscriber or publisher")

@@ -252,7 +252,7 @@ func (e *Enqueuer) Enqueue(ctx context.Context, tx Tx, table schema.Table, msg M
 		return 0, err
 	}
 	if err := e.v.message(0, &msg, q.Columns); err != nil {
-		return 0, err
+		return 0, alone(err)
 	}
 	if e.quiet(table) && msg.OrderingKey == "" {
 		return e.enqueueQuiet(ctx, tx, q, msg)
@@ -343,7 +343,7 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 		}
 		if j, dup := first[msgs[i].EventID]; dup {
 			if msgs[j].TenantID != msgs[i].TenantID || msgs[j].Topic != msgs[i].Topic || !sameJSON(msgs[j].Payload, msgs[i].Payload) {
-				return nil, &ValidationError{i, "EventID", fmt.Sprintf("repeats the event_id of message #%d with another tenant, topic or payload", j)}
+				return nil, invalidMessage(i, "EventID", fmt.Sprintf("repeats the event_id of message #%d with another tenant, topic or payload", j))
 			}
 			continue
 		}

@@ -106,12 +106,12 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 func (p *TxPublisher) convert(i int, topic string, m *message.Message) (Message, error) {
 	id, err := uuid.Parse(m.UUID)
 	if err != nil {
-		return Message{}, &ValidationError{i, "EventID", fmt.Sprintf("message UUID %q is not a UUID; use watermill.NewUUID() or uuid.NewString()", m.UUID)}
+		return Message{}, invalidMessage(i, "EventID", fmt.Sprintf("message UUID %q is not a UUID; use watermill.NewUUID() or uuid.NewString()", m.UUID))
 	}
 	tenant := p.cfg.DefaultTenantID
 	if s := m.Metadata.Get(schema.MetadataTenantID); s != "" {
 		if tenant, err = uuid.Parse(s); err != nil {
-			return Message{}, &ValidationError{i, "TenantID", fmt.Sprintf("metadata tenant_id %q is not a UUID", s)}
+			return Message{}, invalidMessage(i, "TenantID", fmt.Sprintf("metadata tenant_id %q is not a UUID", s))
 		}
 	}
 	var headers map[string]string

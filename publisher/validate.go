@@ -21,16 +21,37 @@ var ErrInvalidMessage = errors.New("invalid outbox message")
 // ValidationError says which field of which message was wrong and why.
 type ValidationError struct {
 	// Index is the position of the message in an EnqueueBatch or Publish
-	// call; 0 for Enqueue.
+	// call; 0 for Enqueue, whose error names no position.
 	Index int
 	// Field is the Message field at fault: TenantID, Topic, EventID,
 	// Payload or Headers.
 	Field string
 	// Reason says what was wrong and what to do.
 	Reason string
+	// single: the error of Enqueue, one message, so the text names no
+	// position.
+	single bool
+}
+
+// invalidMessage returns the ValidationError of message i.
+func invalidMessage(i int, field, reason string) *ValidationError {
+	return &ValidationError{Index: i, Field: field, Reason: reason}
+}
+
+// alone marks err, if it is a *ValidationError, as the error of a single
+// message (Enqueue): its text names no position.
+func alone(err error) error {
+	var ve *ValidationError
+	if errors.As(err, &ve) {
+		ve.single = true
+	}
+	return err
 }
 
 func (e *ValidationError) Error() string {
+	if e.single {
+		return fmt.Sprintf("invalid outbox message: %s: %s", e.Field, e.Reason)
+	}
 	return fmt.Sprintf("invalid outbox message #%d: %s: %s", e.Index, e.Field, e.Reason)
 }
 
@@ -91,35 +112,35 @@ type validator struct {
 
 func (v validator) message(i int, m *Message, cols schema.Columns) error {
 	if m.TenantID == uuid.Nil {
-		return &ValidationError{i, "TenantID", "nil UUID; set the tenant the event belongs to"}
+		return invalidMessage(i, "TenantID", "nil UUID; set the tenant the event belongs to")
 	}
 	if m.EventID == uuid.Nil {
-		return &ValidationError{i, "EventID", "nil UUID; generate one per event (uuid.New()) and keep it when retrying, it is the idempotency key"}
+		return invalidMessage(i, "EventID", "nil UUID; generate one per event (uuid.New()) and keep it when retrying, it is the idempotency key")
 	}
 	if err := v.topic(m.Topic); err != nil {
-		return &ValidationError{i, "Topic", err.Error()}
+		return invalidMessage(i, "Topic", err.Error())
 	}
 	if err := v.payload(m.Payload); err != nil {
-		return &ValidationError{i, "Payload", err.Error()}
+		return invalidMessage(i, "Payload", err.Error())
 	}
 	if m.OrderingKey != "" {
 		if err := validOrderingKey(m.OrderingKey); err != nil {
-			return &ValidationError{i, "OrderingKey", err.Error()}
+			return invalidMessage(i, "OrderingKey", err.Error())
 		}
 		if !cols.OrderingKey {
-			return &ValidationError{i, "OrderingKey", "the table has no ordering_key column; add it with schema.Migrate(ctx, db, table, schema.WithOrderingKeyColumn()) or `outbox migrate`"}
+			return invalidMessage(i, "OrderingKey", "the table has no ordering_key column; add it with schema.Migrate(ctx, db, table, schema.WithOrderingKeyColumn()) or `outbox migrate`")
 		}
 	}
 	if len(m.Headers) > 0 {
 		if !cols.Headers {
-			return &ValidationError{i, "Headers", "the table has no headers column; add it with schema.Migrate(ctx, db, table, schema.WithHeadersColumn())"}
+			return invalidMessage(i, "Headers", "the table has no headers column; add it with schema.Migrate(ctx, db, table, schema.WithHeadersColumn())")
 		}
 		for k, val := range m.Headers {
 			if schema.ReservedMetadata(k) {
-				return &ValidationError{i, "Headers", fmt.Sprintf("key %q is reserved: the outbox sets it from its own columns", k)}
+				return invalidMessage(i, "Headers", fmt.Sprintf("key %q is reserved: the outbox sets it from its own columns", k))
 			}
 			if k == "" || strings.IndexByte(k, 0) >= 0 || strings.IndexByte(val, 0) >= 0 || !utf8.ValidString(k) || !utf8.ValidString(val) {
-				return &ValidationError{i, "Headers", fmt.Sprintf("key %q: keys must be non-empty and keys and values valid UTF-8 without NUL bytes", k)}
+				return invalidMessage(i, "Headers", fmt.Sprintf("key %q: keys must be non-empty and keys and values valid UTF-8 without NUL bytes", k))
 			}
 		}
 	}

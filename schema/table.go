@@ -41,10 +41,12 @@ func ParseTable(s string) (Table, error) {
 	if len(parts) > 2 {
 		return Table{}, fmt.Errorf("%w %q: has %d dot-separated parts; use \"table\" or \"schema.table\"", ErrInvalidTable, s, len(parts))
 	}
+	offset := 0 // of the part in s, so that a bad byte is named where it is in s
 	for _, p := range parts {
-		if err := validIdentifier(p); err != nil {
+		if err := validIdentifier(p, offset); err != nil {
 			return Table{}, fmt.Errorf("%w %q: %w", ErrInvalidTable, s, err)
 		}
+		offset += len(p) + 1
 	}
 	name := parts[len(parts)-1]
 	if len(name)+len(longestSuffix) > maxIdentifierBytes {
@@ -67,7 +69,9 @@ func MustParseTable(s string) Table {
 	return t
 }
 
-func validIdentifier(p string) error {
+// validIdentifier checks one part of a table name; offset is where p
+// starts in the whole name, for the byte an error names.
+func validIdentifier(p string, offset int) error {
 	if p == "" {
 		return errors.New("empty name part; use \"table\" or \"schema.table\"")
 	}
@@ -80,7 +84,7 @@ func validIdentifier(p string) error {
 		case c >= 'a' && c <= 'z', c == '_':
 		case c >= '0' && c <= '9' && i > 0:
 		default:
-			return fmt.Errorf("character %q at byte %d is not allowed; use lowercase letters, digits and underscores, starting with a letter or underscore", c, i)
+			return fmt.Errorf("character %q at byte %d is not allowed; use lowercase letters, digits and underscores, starting with a letter or underscore", c, offset+i)
 		}
 	}
 	return nil
