@@ -300,21 +300,40 @@ func (h *handler) eventAction(w http.ResponseWriter, r *http.Request, action str
 	return t, id, fields, true
 }
 
-// skip asks the relays to skip the row that holds its ordering key
-// (runbook.Runbook.SkipEvent).
+// skipReasonMaxBytes bounds the reason of a skip kept in the audit line.
+const skipReasonMaxBytes = 200
+
+// skip sets the row aside (runbook.Runbook.SkipEvent), in every mode: a
+// row that holds no key at once (back to its event page), the row a held
+// key waits for through its hold (back to the held keys). The audit line
+// (the log's "Console skip") carries who and the form's reason.
 func (h *handler) skip(w http.ResponseWriter, r *http.Request) {
 	t, id, fields, ok := h.eventAction(w, r, "skip")
 	if !ok {
 		return
 	}
+	reason := strings.Join(strings.Fields(r.PostFormValue("reason")), " ")
+	if len(reason) > skipReasonMaxBytes {
+		reason = strings.ToValidUTF8(reason[:skipReasonMaxBytes], "")
+	}
+	fields["reason"] = reason
 	res, err := runbook.New(h.pool, t).SkipEvent(r.Context(), id, false)
 	if err != nil {
 		h.logger.Info("Console skip refused", fields)
-		h.fail(w, r, http.StatusConflict, "not skipped: "+err.Error(), tablePath(t, "held"), "the held keys")
+		back, label := tablePath(t, "held"), "the held keys"
+		if !errors.Is(err, runbook.ErrNotHeld) && !errors.Is(err, runbook.ErrHoldRefused) {
+			back, label = tablePath(t, "event/"+id.String()), "the event"
+		}
+		h.fail(w, r, http.StatusConflict, "not skipped: "+err.Error(), back, label)
 		return
 	}
 	fields["ordering_key"] = res.Key
+	fields["applied"] = res.Applied
 	h.logger.Info("Console skip", fields)
+	if res.Applied {
+		http.Redirect(w, r, "/t/"+url.PathEscape(t.String())+"/event/"+id.String()+"?done=skipped", http.StatusSeeOther)
+		return
+	}
 	http.Redirect(w, r, "/t/"+url.PathEscape(t.String())+"/held?done=skip-requested", http.StatusSeeOther)
 }
 

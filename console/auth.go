@@ -322,6 +322,7 @@ func localPath(back string) string {
 var flashes = map[string]string{
 	"replayed":       "the event was replayed: it is pending again",
 	"skip-requested": "skip requested: the relay skips the row and the key goes on",
+	"skipped":        "the event was skipped: it is set aside, not dead, never delivered unless replayed",
 	"logged-out":     "logged out",
 	"paused":         "topic paused: the relays stop taking its rows at their next wake-up; rows in flight finish",
 	"resumed":        "topic resumed: the relays take its rows again at their next wake-up",

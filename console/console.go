@@ -652,6 +652,9 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 			noReplay = "Not replayable now: " + strings.TrimPrefix(err.Error(), "runbook: ") + "."
 		}
 	}
+	// The Skip button shows when the runbook's own rules accept the skip
+	// now (a dry run of it), in every mode.
+	_, skipErr := rb.SkipEvent(r.Context(), id, true)
 	h.render(w, r, "event.html", "Event "+id.String(), struct {
 		Table    string
 		Row      runbook.Row
@@ -659,7 +662,8 @@ func (h *handler) event(w http.ResponseWriter, r *http.Request) {
 		Flash    string
 		NoReplay string
 		TraceURL bool
-	}{t.String(), row, extras, flash(r), noReplay, h.cfg.TraceURL != ""})
+		CanSkip  bool
+	}{t.String(), row, extras, flash(r), noReplay, h.cfg.TraceURL != "", skipErr == nil})
 }
 
 // whyNoReplay says why runbook.Runbook.ReplayEvent would refuse row in a table of
@@ -670,6 +674,8 @@ func whyNoReplay(mode schema.Mode, row runbook.Row) string {
 	switch {
 	case row.PublishedAt != nil:
 		return "Published: replay only re-delivers dead or failed rows."
+	case row.Skipped:
+		return ""
 	case mode == schema.ModeOrdered && row.OrderingKey != nil:
 		return ""
 	case row.DeadAt != nil || row.LastError != nil:

@@ -358,18 +358,35 @@ type EventSkip struct {
 	Changed int64 `json:"changed"`
 	// DryRun is true when nothing was changed on purpose.
 	DryRun bool `json:"dry_run"`
+	// Applied is true when the skip was recorded on the row at once
+	// (skipped_at: a row that holds no key, in the default mode or an
+	// ordered table); false when it was requested of the relay that owns
+	// the row's held key, which marks the row skipped when it applies it.
+	Applied bool `json:"applied"`
 }
 
-// SkipEvent drops the row whose event_id is eventID from its ordering key's
-// order, in a keyed table (ordered mode or the WAL relay): the row must
-// hold its key, in a state whose rules allow a skip (HoldState.Allows:
-// retrying, dead or replay); the relay then continues the key with its next
-// row and never delivers the skipped row again. The row stays in the
-// table: when the relay applies the skip it marks the row skipped
-// (skipped_at; done, not dead, not delivered, with the failure that held
-// the key as its last_error), in both keyed modes. A row that holds no key is refused with ErrNotHeld, a hold whose
-// state refuses the skip with a *HoldRuleError (ErrHoldRefused); nothing
-// is changed then.
+// SkipEvent sets aside the row whose event_id is eventID: it is then
+// skipped (skipped_at; done, not dead, not delivered, never delivered
+// again unless replayed; it stays in the table). A skip is final once
+// applied, whatever replay came before it (docs/OPERATIONS.md, "The row's
+// states").
+//
+// A row that holds its ordering key (ordered mode or the WAL relay) is
+// dropped from its key's order: its hold's state must allow a skip
+// (HoldState.Allows: retrying, dead or replay, else a *HoldRuleError,
+// ErrHoldRefused); the relay that owns the key applies the skip at its next
+// tick, continues the key with its next row and marks the row skipped,
+// with the failure that held the key as its last_error. Any other keyed
+// row of a keyed table is refused with ErrNotHeld, but for a keyed row of
+// an ordered table that died under the default relay before the switch.
+//
+// Every other row (every row of a default-mode table, the unkeyed rows of
+// an ordered table) is skipped at once (EventSkip.Applied) when its state
+// allows it (RowState.Allows: pending, retrying or dead, and not leased by
+// a relay; else a *RowRuleError matching ErrLocked, ErrAlreadyPublished or
+// ErrAlreadySkipped); the table needs the skipped_at column
+// (ErrNoSkippedAt otherwise, naming the migration). Nothing is changed
+// when the skip is refused.
 func (r *Runbook) SkipEvent(ctx context.Context, eventID uuid.UUID, dryRun bool) (EventSkip, error) {
 	if err := r.check(); err != nil {
 		return EventSkip{}, err
@@ -392,9 +409,12 @@ func (r *Runbook) SkipEvent(ctx context.Context, eventID uuid.UUID, dryRun bool)
 			return EventSkip{}, err
 		}
 	}
-	if h == nil {
+	if h == nil && sq.Mode == schema.ModeWAL {
 		return EventSkip{}, fmt.Errorf("runbook: cannot skip event %s of %s: %w (skip applies to the row a held key waits for; list them with `outbox keys held`); nothing changed",
 			eventID, t, ErrNotHeld)
+	}
+	if h == nil {
+		return skipRow(ctx, db, sq, eventID, sqlq.LockTTLDefault, dryRun)
 	}
 	if err := h.state.Allows(OpSkip); err != nil {
 		return EventSkip{}, refusal(OpSkip, eventID, t, err)

@@ -126,10 +126,13 @@ type EventReplay struct {
 // ReplayEvent resets the row of the table whose event_id is eventID so that
 // the relay delivers it again (dead_at = NULL, attempts = 0, available_at =
 // now(), locked_at = NULL, last_error = NULL), and wakes the table's relays.
-// It acts only on a row that is dead or failed (published_at IS NULL AND
-// (dead_at IS NOT NULL OR last_error IS NOT NULL)) and not leased by a relay
-// right now; any other row is refused with a *NotReplayableError and left as
-// it is. A row that holds its ordering key (ordered mode or the WAL relay)
+// It acts only on a row that is dead, failed or skipped (published_at IS
+// NULL AND (dead_at IS NOT NULL OR last_error IS NOT NULL OR skipped_at IS
+// NOT NULL)) and not leased by a relay right now, and clears skipped_at: the
+// row is pending again, and a later skip sets it aside again
+// (docs/OPERATIONS.md, "The row's states"); any other row is refused with
+// a *NotReplayableError and left as it is. In an ordered table a keyed row
+// already relayed (delivered or skipped) becomes a replay hold. A row that holds its ordering key (ordered mode or the WAL relay)
 // is replayed only when its hold's state allows it (HoldState.Allows: not
 // while a skip is requested, a replay is pending or the hold drains);
 // otherwise the error is a *HoldRuleError (ErrHoldRefused) and nothing
@@ -185,13 +188,26 @@ func replayEvent(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.
 			return EventReplay{}, err
 		}
 	}
-	res, err := inspectEvent(ctx, db, q, eventID, lockTTL, wal)
+	// A table with skipped_at records a skip in the row (every mode): a
+	// skipped row can be replayed, and its replay clears skipped_at.
+	skippable := wal
+	if !wal {
+		var err error
+		if skippable, err = hasSkippedAt(ctx, db, t); err != nil {
+			return EventReplay{}, err
+		}
+	}
+	res, err := inspectEvent(ctx, db, q, eventID, lockTTL, skippable)
 	if err != nil {
 		return EventReplay{}, err
 	}
-	res.Statement = Statement(q.ReplayEvent(id, lockTTL))
-	if wal {
+	switch {
+	case wal:
 		res.Statement = Statement(sqlq.WALReplayEvent(walReplayGuard(t), id, lockTTL))
+	case skippable:
+		res.Statement = Statement(q.ReplayEventSkipped(id, lockTTL))
+	default:
+		res.Statement = Statement(q.ReplayEvent(id, lockTTL))
 	}
 	if dryRun {
 		res.DryRun = true
@@ -201,7 +217,7 @@ func replayEvent(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.
 	err = db.QueryRow(ctx, res.Statement.SQL, res.Statement.Args...).Scan(&seq)
 	if errors.Is(err, pgx.ErrNoRows) {
 		// The row changed between the look-up and the update: say how.
-		if _, again := inspectEvent(ctx, db, q, eventID, lockTTL, wal); again != nil {
+		if _, again := inspectEvent(ctx, db, q, eventID, lockTTL, skippable); again != nil {
 			return EventReplay{}, again
 		}
 		if wal {
@@ -218,8 +234,8 @@ func replayEvent(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.
 }
 
 // inspectEvent looks the row up and returns a *NotReplayableError unless it
-// can be replayed. keyed: the table has skipped_at (a keyed WAL table),
-// and a skipped row can be replayed, whether or not it failed.
+// can be replayed. keyed: the table has skipped_at (a skip is recorded in
+// the row), and a skipped row can be replayed, whether or not it failed.
 func inspectEvent(ctx context.Context, db DB, q sqlq.RunbookQueries, eventID uuid.UUID, lockTTL time.Duration, keyed bool) (EventReplay, error) {
 	st := q.Event(eventID.String(), lockTTL)
 	var dead, leased bool
@@ -242,8 +258,8 @@ func inspectEvent(ctx context.Context, db DB, q sqlq.RunbookQueries, eventID uui
 	return EventReplay{Table: q.Table.String(), Row: row, Dead: dead}, nil
 }
 
-// skippedRow reports whether the row eventID of the keyed table t was
-// skipped (skipped_at); false for a table without the column (keyed false)
+// skippedRow reports whether the row eventID of the table t was skipped
+// (skipped_at); false for a table without the column (keyed false)
 // or when it cannot tell (the replay statement checks again).
 func skippedRow(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, keyed bool) bool {
 	if !keyed {

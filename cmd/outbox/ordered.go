@@ -81,14 +81,18 @@ func holdActions(h runbook.HeldKey) string {
 	return strings.Join(out, ",")
 }
 
-// runDeadSkip is `outbox dead skip`: the held row of an ordered table is
-// dropped from its key's order.
+// runDeadSkip is `outbox dead skip`: the row is set aside, in every mode
+// (runbook.Runbook.SkipEvent): at once for a row that holds no key, by
+// the relay that owns its key for a held row. A confirmed skip prints an
+// audit line (operator and reason) on stderr.
 func runDeadSkip(ctx context.Context, env Env, args []string, stdout, stderr io.Writer) error {
 	f, err := newRunbookFlags("dead skip", env, stderr)
 	if err != nil {
 		return err
 	}
-	eventID := f.fs.String("event-id", "", "skip the held row with this event_id (a UUID); its key continues with its next row")
+	eventID := f.fs.String("event-id", "", "skip the row with this event_id (a UUID): a dead, failed or pending row, or the row a held key waits for (its key continues with its next row); it is never delivered unless replayed")
+	reason := f.fs.String("reason", "", "why, for the audit line (one line)")
+	operator := f.fs.String("operator", "", "who, for the audit line (defaults to OUTBOX_OPERATOR, else USER)")
 	confirm := f.fs.Bool("confirm", false, "record the skip; without it the command only previews and exits 2")
 	t, err := f.parse(args)
 	if err != nil {
@@ -97,6 +101,13 @@ func runDeadSkip(ctx context.Context, env Env, args []string, stdout, stderr io.
 	id, err := uuid.Parse(*eventID)
 	if err != nil || id == uuid.Nil {
 		return fmt.Errorf("%w: --event-id=%q is not an event_id (a non-nil UUID)", errUsage, *eventID)
+	}
+	if strings.ContainsAny(*reason, "\r\n") {
+		return fmt.Errorf("%w: --reason must be one line", errUsage)
+	}
+	who := *operator
+	if who == "" {
+		who = env.String("OUTBOX_OPERATOR", env.String("USER", "unknown"))
 	}
 	pool, err := openRunbookDB(ctx, env)
 	if err != nil {
@@ -107,13 +118,24 @@ func runDeadSkip(ctx context.Context, env Env, args []string, stdout, stderr io.
 	if err != nil {
 		return err
 	}
+	if *confirm {
+		fmt.Fprintf(stderr, "audit: action=skip table=%s event_id=%s operator=%q reason=%q applied=%t\n", t, id, who, *reason, res.Applied)
+	}
 	if f.json {
 		return writeJSON(stdout, res)
 	}
+	held := ""
+	if !res.Applied && res.Key != "" {
+		held = fmt.Sprintf(": key %q waits for it", res.Key)
+	}
 	if !*confirm {
-		fmt.Fprintf(stdout, "Skip event %s of %s: key %q waits for it (sequence %d).\n", id, t, res.Key, res.Sequence)
+		fmt.Fprintf(stdout, "Skip event %s of %s (sequence %d)%s.\n", id, t, res.Sequence, held)
 		printStatement(stdout, res.Statement, 1)
 		return fmt.Errorf("%w: nothing changed: this was a preview; add --confirm to skip event %s of %s", errUsage, id, t)
+	}
+	if res.Applied {
+		fmt.Fprintf(stdout, "Skipped event %s of %s: the row stays in the table, marked skipped (skipped_at), not dead and never delivered unless replayed (`outbox dead replay --event-id=%s --confirm`).\n", id, t, id)
+		return nil
 	}
 	fmt.Fprintf(stdout, "Skipped event %s of %s: key %q continues with its next row; the row stays in the table, marked skipped (skipped_at) once the relay applies the skip.\n", id, t, res.Key)
 	return nil

@@ -97,7 +97,7 @@ VALUES ('org-1', hashtext('org-1') & 63, $1, 3, 'infinity', 'boom', now())`, seq
 	}
 	r = rbRun(t, rbEnv(), "keys", "held", "--table="+tbl.String(), "--resolved", "--json")
 	r.expect(t, 0, []string{`"state": "skip_requested"`, `"ordering_key": "org-2"`, `"state": "resolved"`}, nil)
-	rbRun(t, rbEnv(), "dead", "skip", "--table="+tbl.String(), "--event-id="+uuid.NewString(), "--confirm").expect(t, 1, nil, []string{"does not hold its ordering key"})
+	rbRun(t, rbEnv(), "dead", "skip", "--table="+tbl.String(), "--event-id="+uuid.NewString(), "--confirm").expect(t, 1, nil, []string{"event not found"})
 }
 
 // heldLine returns the fields of the line of `outbox keys held` for key

@@ -352,6 +352,48 @@ WHERE event_id = $1::uuid
 RETURNING sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
 }
 
+// ReplayEventSkipped is ReplayEvent for a table with skipped_at (a skip
+// is recorded in the row): it also replays a skipped row, whether or not
+// it failed, and clears skipped_at: the row is pending again, so that a
+// later skip marks it skipped again (docs/OPERATIONS.md, "The row's
+// states"). Returns: sequence, for the row changed.
+func (q RunbookQueries) ReplayEventSkipped(eventID string, lockTTL time.Duration) Statement {
+	return Statement{SQL: `UPDATE ` + q.Table.Sanitize() + ` SET dead_at = NULL, skipped_at = NULL, attempts = 0, available_at = now(), locked_at = NULL, last_error = NULL
+WHERE event_id = $1::uuid
+  AND published_at IS NULL
+  AND (dead_at IS NOT NULL OR last_error IS NOT NULL OR skipped_at IS NOT NULL)
+  AND NOT ` + LeaseLiveWithin("$2::float8") + `
+RETURNING sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
+}
+
+// SkipRow sets aside, in a table with skipped_at, the row whose event_id
+// is $1 (canonical UUID string): skipped_at = now(), dead_at = NULL,
+// locked_at = NULL and available_at = 'infinity' (parked: no claim takes
+// it, whatever its filter on skipped_at), attempts and last_error kept as
+// the record of what failed. It changes the row only when it is not
+// published, not skipped already and not leased by a relay right now (not
+// LeaseLiveWithin lockTTL): a skip is never applied while a copy may be in
+// a handler, and a relay's late ack or nack of an expired lease is fenced
+// by the cleared locked_at. With heldKeys (an ordered table, whose relay
+// reads keyed rows without a lease), a keyed row is changed only when it
+// is dead in its own columns (dead_at: it died under the default relay
+// before the switch), which no ordered relay reads; a keyed row that holds
+// its key is skipped through its hold (OrderedQueries.SkipHoldIn).
+// Returns: sequence, for the row changed.
+func (q RunbookQueries) SkipRow(eventID string, lockTTL time.Duration, heldKeys bool) Statement {
+	keyed := ``
+	if heldKeys {
+		keyed = `
+  AND (ordering_key IS NULL OR dead_at IS NOT NULL)`
+	}
+	return Statement{SQL: `UPDATE ` + q.Table.Sanitize() + ` SET skipped_at = now(), dead_at = NULL, locked_at = NULL, available_at = 'infinity'
+WHERE event_id = $1::uuid
+  AND published_at IS NULL
+  AND skipped_at IS NULL
+  AND NOT ` + LeaseLiveWithin("$2::float8") + keyed + `
+RETURNING sequence`, Args: []any{eventID, lockTTLSeconds(lockTTL)}}
+}
+
 // Leader finds the session that holds the table's single-active lock
 // (schema.Table.LockKey): the active relay. Args: the lock key. Returns one row
 // when a relay holds it: pid, application_name, client address (text,

@@ -174,10 +174,16 @@ func (q StateQueries) classified(src string) string {
     COALESCE(o.dead_at IS NULL AND age(o.row_xmin) > ` + q.walHorizonAge() + `, false) AS settled) AS f
   CROSS JOIN LATERAL (SELECT o.published_at IS NOT NULL OR f.skipped OR (f.settled AND NOT f.parked) AS done) AS d`
 	default:
+		// A skipped row (an operator's skip recorded skipped_at: SkipEvent)
+		// is done, not dead and not delivered.
+		skipped := `false`
+		if q.Columns.SkippedAt {
+			skipped = `(o.published_at IS NULL AND o.skipped_at IS NOT NULL)`
+		}
 		return `SELECT o.id, o.row_xmin, o.sequence, o.event_id, o.topic, o.tenant_id, o.attempts, o.created_at,
     NULLIF(o.available_at, 'infinity') AS available_at, o.locked_at, o.published_at, o.last_error, o.dead_at,
-    ` + key + ` AS ordering_key, o.published_at IS NOT NULL AS done, false AS skipped, false AS held, NULL::bigint AS behind,
-    false AS skip_requested, false AS replay, o.published_at IS NULL AND o.dead_at IS NOT NULL AS dead
+    ` + key + ` AS ordering_key, o.published_at IS NOT NULL OR ` + skipped + ` AS done, ` + skipped + ` AS skipped, false AS held, NULL::bigint AS behind,
+    false AS skip_requested, false AS replay, o.published_at IS NULL AND o.dead_at IS NOT NULL AND NOT ` + skipped + ` AS dead
   FROM (` + src + `) AS o`
 	}
 }
