@@ -11,7 +11,7 @@ export TEST_DATABASE_URL
 help: ## List the targets.
 	@grep -E '^[a-z_]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-up: ## Check PostgreSQL and RabbitMQ and start whichever is down (fails loudly if it cannot).
+up: ## Prepare this machine for the tests (not needed by make demo); it says first what it may change: start PostgreSQL and RabbitMQ if down, install Chromium with apt-get if missing, raise max_connections to 300 (ALTER SYSTEM and a restart) if lower, create the database test.
 	@./scripts/services.sh up
 
 wait: ## Wait until PostgreSQL and RabbitMQ accept connections.
@@ -65,8 +65,10 @@ lint: ## gofmt check, go vet and golangci-lint (installed from the module proxy 
 		GOBIN=$(GOBIN) go install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
 	$(GOBIN)/golangci-lint run --build-tags fault,stress ./...
 
-demo: up ## Run the relay end to end: local PostgreSQL to an in-process Kafka cluster, printing what it forwarded.
-	go run ./examples/demo
+DEMO_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable
+
+demo: ## Run the relay end to end, from PostgreSQL to an in-process Kafka cluster, printing what it forwarded. Needs only a PostgreSQL database (OUTBOX_DATABASE_URL, else DEMO_DATABASE_URL: the local server's postgres database) and changes nothing on the machine: its table lives in a schema of its own, dropped at the end.
+	OUTBOX_DATABASE_URL="$${OUTBOX_DATABASE_URL:-$(DEMO_DATABASE_URL)}" go run ./examples/demo
 
 bench-wal: ## The WAL relay's benchmarks on a private wal_level=logical PostgreSQL (docs/BENCHMARKS.md section 9).
 	./scripts/bench-wal.sh -rounds 3

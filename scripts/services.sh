@@ -71,8 +71,21 @@ ensure_chromium() { # the console's browser test drives Debian's Chromium
 	echo "Chromium: installed"
 }
 
+# announce says, before any step, what `up` may change on this machine.
+announce() {
+	cat <<EOF
+make up prepares this machine for the tests and may change it; each step below runs only when needed:
+  - start PostgreSQL ($PG_HOST:$PG_PORT) and RabbitMQ ($AMQP_HOST:$AMQP_PORT) if they are down;
+  - install Chromium with apt-get if it is missing (the console's browser test);
+  - raise PostgreSQL's max_connections to $PG_MIN_CONNECTIONS with ALTER SYSTEM and restart the server if it is lower;
+  - create the database test if it does not exist.
+make demo needs none of this: only a PostgreSQL database.
+EOF
+}
+
 case "${1:-up}" in
 up)
+	announce
 	ensure_chromium
 	pg_up || start_pg
 	wait_for PostgreSQL pg_up 60

@@ -11,7 +11,8 @@
 // in a few seconds and leaves nothing behind.
 //
 // The database is OUTBOX_DATABASE_URL (default
-// postgres://postgres@127.0.0.1:5432/test).
+// postgres://postgres@127.0.0.1:5432/test; `make demo` defaults to the local
+// server's postgres database). It needs nothing else on the machine.
 package main
 
 import (

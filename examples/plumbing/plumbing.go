@@ -62,7 +62,7 @@ func Connect(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
 		if pool != nil {
 			pool.Close()
 		}
-		return nil, fmt.Errorf("PostgreSQL at %s:%d is unreachable (start it with `make up`, or set OUTBOX_DATABASE_URL): %w",
+		return nil, fmt.Errorf("PostgreSQL at %s:%d is unreachable (start it, or set OUTBOX_DATABASE_URL to a database you can use, such as postgres://user:password@host:5432/db): %w",
 			cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
 	}
 	return pool, nil
