@@ -109,20 +109,33 @@ func restState(s rowState) string {
 func switchPair(t *testing.T, r Relay, from, to schema.Mode) {
 	e := setup(t, r, false, schema.WithAllColumns())
 	ctx := context.Background()
+	// A keyed row that went dead under the default relay (docs/ORDERING.md
+	// says dead rows stay dead across a switch): its key's next row is
+	// delivered by the keyed mode, so the dead row ends below its
+	// partition's floor.
+	x := e.enqueue(topicA, "x")
+	{
+		first := e.startIn(schema.ModeDefault, "first", Options{MaxAttempts: 1}, permanentFor(newFailing(x...)))
+		e.eventually(within, func() bool { return e.row(x[0].ID).Dead() }, func() string { return "not dead: " + e.rowStates(x) })
+		if err := first.Close(); err != nil {
+			t.Fatalf("close the first default relay: %v", err)
+		}
+	}
 	if from != schema.ModeDefault {
 		if err := e.switchTo(from); err != nil {
 			t.Fatalf("switch the new table to %s mode: %v", from, err)
 		}
 	}
+	x = append(x, e.enqueue(topicA, "x")...)
 	delivered := e.enqueue(topicA, "a", "", "a")
 	d := e.enqueue(topicA, "d", "d") // d[0] dies and holds d in the keyed modes
 	s := e.enqueue(topicA, "s", "s") // s[0] dies and is skipped in the keyed modes
 	ud := e.enqueue(topicA, "")      // an unkeyed row that dies
 	bad := newFailing(d[0], s[0], ud[0])
 	old := e.startIn(from, "old", Options{MaxAttempts: 1}, permanentFor(bad))
-	e.waitAcked(within, delivered...)
+	e.waitAcked(within, append(delivered, x[1])...)
 	e.eventually(within, func() bool {
-		for _, ev := range delivered {
+		for _, ev := range append(delivered, x[1]) {
 			if !e.row(ev.ID).Delivered {
 				return false
 			}
@@ -154,9 +167,30 @@ func switchPair(t *testing.T, r Relay, from, to schema.Mode) {
 		if !errors.Is(err, schema.ErrKeysHeld) {
 			t.Fatalf("switch from %s to %s with key d held by a dead row: %v, want schema.ErrKeysHeld", from, to, err)
 		}
+		if to != schema.ModeWAL {
+			// A relay of the new mode starting is the same switch (the WAL
+			// relay's start needs Setup, refused above).
+			var sub message.Subscriber
+			if to == schema.ModeDefault {
+				sub, err = e.newDefault(false, Options{})
+			} else {
+				sub, err = e.newOrdered(Options{})
+			}
+			if err == nil {
+				var rl *relay
+				if rl, err = e.consume("refused", sub, nil); err == nil {
+					_ = rl.Close()
+				}
+			}
+			if !errors.Is(err, schema.ErrKeysHeld) {
+				t.Fatalf("a %s relay started on the %s table with key d held by a dead row: %v, want schema.ErrKeysHeld", to, from, err)
+			}
+		}
 		if rec, ok, _ := schema.RecordedMode(ctx, e.pool, e.tbl); !ok || rec.Mode != from {
 			t.Fatalf("after the refused switch the recorded mode is %q (recorded %t), want %s", rec.Mode, ok, from)
 		}
+		e.notDeliveredBeyond(1, "the switch was refused", d[0])
+		e.notDeliveredBeyond(0, "the switch was refused", d[1])
 		// Resolve the hold as the refusal says: skip the held row with the
 		// old mode's relay running.
 		old = e.startIn(from, "old2", Options{MaxAttempts: 1}, permanentFor(bad))
@@ -172,7 +206,7 @@ func switchPair(t *testing.T, r Relay, from, to schema.Mode) {
 			t.Fatalf("close the %s relay: %v", from, err)
 		}
 	}
-	all := append(append(append(append([]event{}, delivered...), d...), s...), ud...)
+	all := append(append(append(append(append([]event{}, delivered...), d...), s...), ud...), x...)
 	before := map[event]string{}
 	for _, ev := range all {
 		before[ev] = restState(e.row(ev.ID))
@@ -207,7 +241,7 @@ func switchPair(t *testing.T, r Relay, from, to schema.Mode) {
 		}
 	}
 	checkAtRest("after the switch")
-	fresh := e.enqueue(topicA, "a", "", "d", "s")
+	fresh := e.enqueue(topicA, "a", "", "d", "s", "x")
 	e.startIn(to, "new", Options{MaxAttempts: 1}, nil)
 	e.waitAcked(within, fresh...)
 	e.wait(quietSpell)
