@@ -130,8 +130,10 @@ func OrderedUpgradeSQL(t Table) string {
 // migration 000010): the explicit step that chooses or switches a table's
 // mode (`outbox migrate --ordered`, `--mode=default`). ModeOrdered also
 // adds what WithOrderingKeyColumn adds. When the recorded mode changes,
-// Migrate first checks that no relay of another mode works on the table
-// (CheckModeSwitch) and refuses with ErrRelayModeMix otherwise. ModeWAL is
+// Migrate switches it first, before adding anything, by SwitchMode (the one
+// switch of every path: refused with ErrRelayModeMix while a relay of
+// another mode works on the table, with ErrKeysHeld while a hold is open;
+// the rows the old mode delivered are marked published). ModeWAL is
 // recorded by walrelay.Setup (`outbox migrate --wal`), which creates the
 // WAL relay's objects; Migrate refuses it.
 //
