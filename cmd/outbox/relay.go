@@ -156,7 +156,9 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 			c.backend.AMQP.Layout = env.String("OUTBOX_AMQP_LAYOUT", amqpbackend.LayoutQueue)
 			c.backend.AMQP.Exchange = env.String("OUTBOX_AMQP_EXCHANGE", "")
 			if err == nil {
-				if verr := c.backend.AMQP.Validate(); verr != nil {
+				if uerr := amqpbackend.CheckURL(c.backend.AMQP.URL); uerr != nil {
+					errs = append(errs, fmt.Errorf("OUTBOX_AMQP_URL: %w", uerr)) // no password: CheckURL redacts it
+				} else if verr := c.backend.AMQP.Validate(); verr != nil {
 					errs = append(errs, fmt.Errorf("OUTBOX_AMQP_LAYOUT=%q, OUTBOX_AMQP_EXCHANGE=%q: %w", c.backend.AMQP.Layout, c.backend.AMQP.Exchange, verr))
 				}
 			}

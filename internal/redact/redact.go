@@ -5,7 +5,10 @@ package redact
 
 import (
 	"bytes"
+	"errors"
+	"net/url"
 	"regexp"
+	"strings"
 	"unicode/utf8"
 )
 
@@ -77,4 +80,98 @@ func Truncate(s string, maxBytes int) string {
 		cut--
 	}
 	return s[:cut]
+}
+
+// URL returns raw with the password of its userinfo replaced by ***. The
+// password is found by hand, not by url.Parse, so that a URL that does not
+// parse (a bad port, a bad escape, an unclosed [) is redacted too: the
+// userinfo runs from the scheme's // to the last @ of the authority (the
+// text up to the first /, ? or #, or, when that holds no @, up to the last
+// @ of raw: a password holding an unescaped / or #), and the password from
+// its first colon. A URL without a password is returned as is.
+func URL(raw string) string {
+	start, end := urlPasswordSpan(raw)
+	if start == end {
+		return raw
+	}
+	return raw[:start] + "***" + raw[end:]
+}
+
+// WithoutURLPassword returns text with every occurrence of the password of
+// the URL raw (as written, and percent-decoded) replaced by ***, and every
+// double-quoted fragment that shares a piece with the password (url.Parse
+// quotes a bad escape alone, or the port it took from a password holding a
+// slash) by "***", then the obvious secrets Summary removes: for an error
+// about raw, whose text may quote raw whole (url.Parse's errors do).
+func WithoutURLPassword(text, raw string) string {
+	start, end := urlPasswordSpan(raw)
+	if start < end {
+		pw := raw[start:end]
+		text = strings.ReplaceAll(text, pw, "***")
+		if dec, err := url.PathUnescape(pw); err == nil && dec != "" && dec != pw {
+			text = strings.ReplaceAll(text, dec, "***")
+		}
+		text = quoted.ReplaceAllStringFunc(text, func(q string) string {
+			if shares(q[1:len(q)-1], pw) {
+				return `"***"`
+			}
+			return q
+		})
+	}
+	return redactSecrets(text)
+}
+
+// URLProblem says what is wrong with raw, a URL that does not parse (err,
+// from url.Parse or a parser built on it), without quoting raw (url.Parse's
+// message quotes it whole) or any part of its password.
+func URLProblem(raw string, err error) string {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		err = ue.Err
+	}
+	return WithoutURLPassword(err.Error(), raw)
+}
+
+// quoted is a double-quoted fragment of an error message.
+var quoted = regexp.MustCompile(`"[^"]*"`)
+
+// urlPasswordSpan returns where the password of raw's userinfo starts and
+// ends (start == end when there is none); see URL.
+func urlPasswordSpan(raw string) (start, end int) {
+	i := strings.Index(raw, "://")
+	if i < 0 {
+		return 0, 0
+	}
+	rest := raw[i+3:]
+	auth := rest
+	if j := strings.IndexAny(rest, "/?#"); j >= 0 {
+		auth = rest[:j]
+	}
+	at := strings.LastIndexByte(auth, '@')
+	if at < 0 {
+		at = strings.LastIndexByte(rest, '@')
+	}
+	if at < 0 {
+		return 0, 0
+	}
+	colon := strings.IndexByte(rest[:at], ':')
+	if colon < 0 {
+		return 0, 0
+	}
+	return i + 3 + colon + 1, i + 3 + at
+}
+
+// shares reports whether fragment and pw have a piece in common: a
+// substring of 4 bytes (or the whole of a shorter pw or fragment).
+func shares(fragment, pw string) bool {
+	k := min(4, len(pw), len(fragment))
+	if k == 0 {
+		return false
+	}
+	for i := 0; i+k <= len(fragment); i++ {
+		if strings.Contains(pw, fragment[i:i+k]) {
+			return true
+		}
+	}
+	return false
 }

@@ -1,6 +1,7 @@
 package redact
 
 import (
+	"net/url"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -65,6 +66,42 @@ func TestSecretEndsWhereItsSyntaxEnds(t *testing.T) {
 	for in, want := range cases {
 		if got := Summary(in, nil, 0); got != want {
 			t.Errorf("Summary(%q)\n = %q\nwant %q", in, got, want)
+		}
+	}
+}
+
+// TestURLWhenItDoesNotParse: the password of a URL is found by hand, so a
+// URL that url.Parse refuses is redacted too, and an error about it (which
+// quotes it, or a fragment of its userinfo) shows no part of the password.
+func TestURLWhenItDoesNotParse(t *testing.T) {
+	t.Parallel()
+	cases := map[string]string{
+		"amqp://guest:s3cret@host:notaport/":   "amqp://guest:***@host:notaport/",
+		"amqp://guest:s3cret@host:5672/%zz":    "amqp://guest:***@host:5672/%zz",
+		"amqp://guest:s3cret@[host:5672/":      "amqp://guest:***@[host:5672/",
+		"amqp://guest:s3%zzcret@host:5672/":    "amqp://guest:***@host:5672/",
+		"amqp://guest:p@ss:w0rd@host/v":        "amqp://guest:***@host/v",
+		"amqp://guest:pa/ss@host:notaport/":    "amqp://guest:***@host:notaport/",
+		"amqp://guest:s3cret@host/v?x=a@b":     "amqp://guest:***@host/v?x=a@b",
+		"amqp://guest@host:5672/":              "amqp://guest@host:5672/",
+		"amqp://host:5672/":                    "amqp://host:5672/",
+		"not a url at all: user:pass@nothing":  "not a url at all: user:pass@nothing",
+		"https://u:tok@collector:4318/v1/x#f@": "https://u:***@collector:4318/v1/x#f@",
+	}
+	for in, want := range cases {
+		if got := URL(in); got != want {
+			t.Errorf("URL(%q) = %q, want %q", in, got, want)
+		}
+	}
+	for _, raw := range []string{"amqp://guest:s3cret@host:notaport/", "amqp://guest:s3%zzcret@host:5672/", "amqp://guest:s3cret@[host:5672/"} {
+		_, err := url.Parse(raw)
+		if err == nil {
+			t.Fatalf("url.Parse(%q) accepted it", raw)
+		}
+		for _, got := range []string{URLProblem(raw, err), WithoutURLPassword(err.Error(), raw)} {
+			if strings.Contains(got, "s3") || strings.Contains(got, "cret") || strings.Contains(got, "%zz") && strings.Contains(raw, "s3%zz") {
+				t.Errorf("%q: %q shows part of the password", raw, got)
+			}
 		}
 	}
 }

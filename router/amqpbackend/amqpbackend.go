@@ -21,8 +21,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/url"
-	"strings"
 	"sync"
 	"time"
 
@@ -30,6 +28,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/outboxkit/watermill-outbox/internal/redact"
 )
 
 // ChannelPoolSizeDefault is the default publisher channel pool: one channel
@@ -62,6 +62,8 @@ func (c Config) Validate() error {
 	var errs []error
 	if c.URL == "" {
 		errs = append(errs, invalidField("URL", "empty; set OUTBOX_AMQP_URL (amqp://user:password@host:5672/vhost)"))
+	} else if err := CheckURL(c.URL); err != nil {
+		errs = append(errs, invalidField("URL", "%w", err))
 	}
 	switch c.Layout {
 	case "", LayoutQueue:
@@ -76,6 +78,17 @@ func (c Config) Validate() error {
 		errs = append(errs, invalidField("ChannelPoolSize", "negative; leave it 0 for the default"))
 	}
 	return errors.Join(errs...)
+}
+
+// CheckURL reports why raw is not an AMQP URI that the client can dial,
+// with the URI's password replaced by *** and no part of its userinfo
+// quoted (the parser's own message quotes the whole URI), so that the error
+// can be logged.
+func CheckURL(raw string) error {
+	if _, err := amqp091.ParseURI(raw); err != nil {
+		return fmt.Errorf("%s is not an AMQP URI: %s; the form is amqp://user:password@host:5672/vhost", redact.URL(raw), redact.URLProblem(raw, err))
+	}
+	return nil
 }
 
 // invalidField renders a configuration error: "amqpbackend: invalid config:
@@ -133,7 +146,7 @@ func NewPublisher(c Config, logger watermill.LoggerAdapter) (message.Publisher, 
 	wc := WatermillConfig(c)
 	pub, err := amqp.NewPublisher(wc, logger)
 	if err != nil {
-		return nil, fmt.Errorf("amqpbackend: %w", err)
+		return nil, fmt.Errorf("amqpbackend: %w", redactURL(err, c.URL))
 	}
 	return &Publisher{Publisher: pub, cfg: wc, url: c.URL, declared: map[string]bool{}}, nil
 }
@@ -322,18 +335,15 @@ func (p *Publisher) Close() error {
 	return errors.Join(err, p.Publisher.Close())
 }
 
-// redactURL replaces the URL's password in err's text, which amqp091 may
-// include (no secrets in logs).
+// redactURL replaces the URL's password in err's text, which amqp091 and
+// url.Parse may include (no secrets in logs), also when the URL does not
+// parse (redact.WithoutURLPassword finds the password by hand).
 func redactURL(err error, raw string) error {
-	u, perr := url.Parse(raw)
-	if perr != nil || u.User == nil {
-		return err
+	msg := err.Error()
+	if red := redact.WithoutURLPassword(msg, raw); red != msg {
+		return errors.New(red)
 	}
-	pw, ok := u.User.Password()
-	if !ok || pw == "" || !strings.Contains(err.Error(), pw) {
-		return err
-	}
-	return errors.New(strings.ReplaceAll(err.Error(), pw, "xxxxx"))
+	return err
 }
 
 // queueDeclaringTopology declares, with each exchange, the queue of the same

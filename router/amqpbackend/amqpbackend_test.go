@@ -192,6 +192,35 @@ func TestConfigValidate(t *testing.T) {
 	}
 }
 
+// TestBadURLShowsNoPassword: a URL that does not parse (a bad port, a bad
+// escape in the vhost or the password, an unclosed [, a wrong scheme) is
+// refused by Validate and NewPublisher, before any connection, with the
+// field named and the password nowhere in the error.
+func TestBadURLShowsNoPassword(t *testing.T) {
+	t.Parallel()
+	const pw = "Pa55-w0rd-secret"
+	for _, raw := range []string{
+		"amqp://guest:" + pw + "@127.0.0.1:notaport/",
+		"amqp://guest:" + pw + "@127.0.0.1:5672/%zz",
+		"amqp://guest:" + pw + "%zz@127.0.0.1:5672/",
+		"amqp://guest:" + pw + "@[127.0.0.1:5672/",
+		"amqq://guest:" + pw + "@127.0.0.1:5672/",
+		"amqp://guest:" + pw + "/x@127.0.0.1:notaport/",
+	} {
+		for _, err := range []error{amqpbackend.Config{URL: raw}.Validate(), amqpbackend.CheckURL(raw), func() error {
+			_, err := amqpbackend.NewPublisher(amqpbackend.Config{URL: raw}, nil)
+			return err
+		}()} {
+			if err == nil || strings.Contains(err.Error(), pw) || strings.Contains(err.Error(), "w0rd") {
+				t.Errorf("%s: %v, want an error without the password", strings.ReplaceAll(raw, pw, "***"), err)
+			}
+		}
+		if err := (amqpbackend.Config{URL: raw}).Validate(); err != nil && !strings.Contains(err.Error(), "invalid config: URL: ") {
+			t.Errorf("Validate does not name the URL field: %v", err)
+		}
+	}
+}
+
 // TestPublishBatch: a batch goes out on one channel and is confirmed as a
 // whole: every message stored in the topic's queue, in order, with its
 // event_id as MessageId. A batch RabbitMQ refuses (the topic's exchange
