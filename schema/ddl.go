@@ -258,9 +258,7 @@ func UpStatements(t Table, c Columns) []string {
 	}
 	stmts = append(stmts, pausedTopicsStatement(t), replayJobsStatement(t), availableAtStatement(t), modeStatement(t))
 	stmts = append(stmts, optionalColumnStatements(t, c)...)
-	if c.OrderingKey {
-		stmts = append(stmts, skippedAtStatements(t)[0])
-	}
+	stmts = append(stmts, skippedAtEveryTableStatements(t)...)
 	return stmts
 }
 
@@ -657,6 +655,12 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 		if want.OrderingKey && !facts.skippedAt {
 			stmts = append(stmts, skippedAtStatements(t)...)
 		}
+		// skipped_at of every table (migration 000013), where an
+		// operator's skip is recorded in every mode: added without a
+		// rewrite, and only when missing.
+		if !want.OrderingKey && !facts.skippedAt {
+			stmts = append(stmts, skippedAtEveryTableStatements(t)...)
+		}
 	}
 	for _, stmt := range stmts {
 		if _, err = tx.Exec(ctx, stmt); err != nil {
@@ -791,31 +795,35 @@ func MigrationFiles(t Table) map[string]string {
 	down11 := oneHoldsTableDownSQL(t)
 	up12 := skippedAtUpSQL(t)
 	down12 := skippedAtDownSQL(t)
+	up13 := skippedAtEveryTableUpSQL(t)
+	down13 := skippedAtEveryTableDownSQL(t)
 	return map[string]string{
-		"migrations/000001_create_" + name + ".up.sql":                     h + "\n" + up1,
-		"migrations/000001_create_" + name + ".down.sql":                   h + destructive + "\n" + down1,
-		"migrations/000002_add_" + name + "_optional_columns.up.sql":       h + "\n" + up2,
-		"migrations/000002_add_" + name + "_optional_columns.down.sql":     h + destructive + "\n" + down2,
-		"migrations/000003_add_" + name + "_ordering.up.sql":               h + "\n" + up3,
-		"migrations/000003_add_" + name + "_ordering.down.sql":             h + destructive + "\n" + down3,
-		"migrations/000004_add_" + name + "_dead_at.up.sql":                h + deadAtNote + "\n" + up4,
-		"migrations/000004_add_" + name + "_dead_at.down.sql":              h + "\n" + down4,
-		"migrations/000005_add_" + name + "_hold_states.up.sql":            h + holdStatesNote + "\n" + up5,
-		"migrations/000005_add_" + name + "_hold_states.down.sql":          h + "\n" + down5,
-		"migrations/000006_add_" + name + "_partition_term.up.sql":         h + termNote + "\n" + up6,
-		"migrations/000006_add_" + name + "_partition_term.down.sql":       h + "\n" + down6,
-		"migrations/000007_add_" + name + "_paused_topics.up.sql":          h + pausedNote + "\n" + up7,
-		"migrations/000007_add_" + name + "_paused_topics.down.sql":        h + "\n" + down7,
-		"migrations/000008_add_" + name + "_replay_jobs.up.sql":            h + replayJobsNote + "\n" + up8,
-		"migrations/000008_add_" + name + "_replay_jobs.down.sql":          h + "\n" + down8,
-		"migrations/000009_set_" + name + "_available_at_default.up.sql":   h + availableAtNote + "\n" + up9,
-		"migrations/000009_set_" + name + "_available_at_default.down.sql": h + "\n" + down9,
-		"migrations/000010_add_" + name + "_mode.up.sql":                   h + modeNote + "\n" + up10,
-		"migrations/000010_add_" + name + "_mode.down.sql":                 h + "\n" + down10,
-		"migrations/000011_add_" + name + "_one_holds_table.up.sql":        h + oneHoldsNote + "\n" + up11,
-		"migrations/000011_add_" + name + "_one_holds_table.down.sql":      h + "\n" + down11,
-		"migrations/000012_add_" + name + "_skipped_at.up.sql":             h + skippedNote + "\n" + up12,
-		"migrations/000012_add_" + name + "_skipped_at.down.sql":           h + "\n" + down12,
+		"migrations/000001_create_" + name + ".up.sql":                       h + "\n" + up1,
+		"migrations/000001_create_" + name + ".down.sql":                     h + destructive + "\n" + down1,
+		"migrations/000002_add_" + name + "_optional_columns.up.sql":         h + "\n" + up2,
+		"migrations/000002_add_" + name + "_optional_columns.down.sql":       h + destructive + "\n" + down2,
+		"migrations/000003_add_" + name + "_ordering.up.sql":                 h + "\n" + up3,
+		"migrations/000003_add_" + name + "_ordering.down.sql":               h + destructive + "\n" + down3,
+		"migrations/000004_add_" + name + "_dead_at.up.sql":                  h + deadAtNote + "\n" + up4,
+		"migrations/000004_add_" + name + "_dead_at.down.sql":                h + "\n" + down4,
+		"migrations/000005_add_" + name + "_hold_states.up.sql":              h + holdStatesNote + "\n" + up5,
+		"migrations/000005_add_" + name + "_hold_states.down.sql":            h + "\n" + down5,
+		"migrations/000006_add_" + name + "_partition_term.up.sql":           h + termNote + "\n" + up6,
+		"migrations/000006_add_" + name + "_partition_term.down.sql":         h + "\n" + down6,
+		"migrations/000007_add_" + name + "_paused_topics.up.sql":            h + pausedNote + "\n" + up7,
+		"migrations/000007_add_" + name + "_paused_topics.down.sql":          h + "\n" + down7,
+		"migrations/000008_add_" + name + "_replay_jobs.up.sql":              h + replayJobsNote + "\n" + up8,
+		"migrations/000008_add_" + name + "_replay_jobs.down.sql":            h + "\n" + down8,
+		"migrations/000009_set_" + name + "_available_at_default.up.sql":     h + availableAtNote + "\n" + up9,
+		"migrations/000009_set_" + name + "_available_at_default.down.sql":   h + "\n" + down9,
+		"migrations/000010_add_" + name + "_mode.up.sql":                     h + modeNote + "\n" + up10,
+		"migrations/000010_add_" + name + "_mode.down.sql":                   h + "\n" + down10,
+		"migrations/000011_add_" + name + "_one_holds_table.up.sql":          h + oneHoldsNote + "\n" + up11,
+		"migrations/000011_add_" + name + "_one_holds_table.down.sql":        h + "\n" + down11,
+		"migrations/000012_add_" + name + "_skipped_at.up.sql":               h + skippedNote + "\n" + up12,
+		"migrations/000012_add_" + name + "_skipped_at.down.sql":             h + "\n" + down12,
+		"migrations/000013_add_" + name + "_skipped_at_every_table.up.sql":   h + skippedEveryTableNote + "\n" + up13,
+		"migrations/000013_add_" + name + "_skipped_at_every_table.down.sql": h + "\n" + down13,
 		"migrations/goose/00001_create_" + name + ".sql": h + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
 		"migrations/goose/00002_add_" + name + "_dead_at.sql": h + deadAtNote + "\n-- +goose Up\n" + up4 +
@@ -836,5 +844,7 @@ func MigrationFiles(t Table) map[string]string {
 			"\n-- +goose Down\n" + down11,
 		"migrations/goose/00010_add_" + name + "_skipped_at.sql": h + skippedNote + "\n-- +goose Up\n" + up12 +
 			"\n-- +goose Down\n" + down12,
+		"migrations/goose/00011_add_" + name + "_skipped_at_every_table.sql": h + skippedEveryTableNote + "\n-- +goose Up\n" + up13 +
+			"\n-- +goose Down\n-- +goose StatementBegin\n" + down13 + "-- +goose StatementEnd\n",
 	}
 }
