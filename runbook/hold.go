@@ -1,9 +1,13 @@
 package runbook
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -305,4 +309,33 @@ func holdRulesTable() string {
 		b.WriteString("\n")
 	}
 	return b.String()
+}
+
+// skipWALDeadRow is SkipEvent for a dead keyed row of a WAL table with no
+// hold at it (a tombstone at it refuses the skip by the hold rules until
+// the relay deletes it): the WAL relay parks a failed replay
+// of a row its key went past dead without holding the key (a failed
+// replay holds only its own row), and keeps nothing of it but the row's
+// columns, so the skip is applied on the row at once (skipped_at,
+// EventSkip.Applied), as the row's state machine says: dead -> skipped.
+// ok is false when the row is not such a row (nothing changed); the
+// caller then refuses as for a row that holds no key.
+func skipWALDeadRow(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryRun bool) (res EventSkip, ok bool, err error) {
+	res = EventSkip{Table: t.String(), Applied: !dryRun, DryRun: dryRun,
+		Statement: Statement{SQL: sqlq.WALSkipDeadRow(t), Args: []any{eventID.String()}}}
+	sql := res.Statement.SQL
+	if dryRun {
+		sql = sqlq.WALDeadRowUnheld(t)
+	}
+	err = db.QueryRow(ctx, sql, eventID.String()).Scan(&res.Key, &res.Sequence)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return EventSkip{}, false, nil
+	}
+	if err != nil {
+		return EventSkip{}, false, dbError(t, "skip event "+eventID.String()+" of", err)
+	}
+	if !dryRun {
+		res.Changed = 1
+	}
+	return res, true, nil
 }

@@ -378,7 +378,10 @@ type EventSkip struct {
 // tick, continues the key with its next row and marks the row skipped,
 // with the failure that held the key as its last_error. Any other keyed
 // row of a keyed table is refused with ErrNotHeld, but for a keyed row of
-// an ordered table that died under the default relay before the switch.
+// an ordered table that died under the default relay before the switch,
+// and a dead keyed row of a WAL table with no hold at it (a failed replay
+// of a row its key went past, which holds only its own row), skipped at
+// once (EventSkip.Applied).
 //
 // Every other row (every row of a default-mode table, the unkeyed rows of
 // an ordered table) is skipped at once (EventSkip.Applied) when its state
@@ -465,13 +468,18 @@ func walKeyed(sq sqlq.StateQueries) bool {
 
 // skipWAL is SkipEvent for a table the WAL relay streams: it records the
 // skip request on the hold, when its state allows it; the active relay
-// applies it at its next tick.
+// applies it at its next tick. A dead keyed row with no hold at it (a
+// failed replay, once its key's tombstone is gone) is skipped on the row
+// at once (skipWALDeadRow).
 func skipWAL(ctx context.Context, db DB, t schema.Table, eventID uuid.UUID, dryRun bool) (EventSkip, error) {
 	h, err := walHoldOf(ctx, db, t, eventID)
 	if err != nil {
 		return EventSkip{}, err
 	}
 	if h == nil {
+		if res, ok, err := skipWALDeadRow(ctx, db, t, eventID, dryRun); err != nil || ok {
+			return res, err
+		}
 		return EventSkip{}, fmt.Errorf("runbook: cannot skip event %s of %s: %w (skip applies to the dead row a held key waits for; list them with `outbox keys held`); nothing changed",
 			eventID, t, ErrNotHeld)
 	}

@@ -215,7 +215,7 @@ func (st *stream) onSettle(ctx context.Context, v settle) {
 	if !v.ack {
 		last := f.Summary
 		var key *string
-		if k := it.row.OrderingKey; k != nil && *k != "" && st.s.cols.OrderingKey && !skipped {
+		if k := it.row.OrderingKey; k != nil && *k != "" && st.s.cols.OrderingKey && !skipped && !st.holds.ownRowOnly(it) {
 			key = k
 		}
 		var changed, held int

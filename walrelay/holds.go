@@ -72,6 +72,22 @@ func (h *hold) replayedBy(it *item) bool {
 	return h != nil && h.State != keyed.Draining && h.Open() && it.row.Sequence == h.Seq
 }
 
+// ownRowOnly reports whether it, failed for good, is parked dead without
+// holding its key: an operator's replay of a row that does not hold its
+// key (a skipped or delivered row, or a dead row the key went past). A
+// failed replay holds only its own row: the key's later rows, delivered
+// before the replay or written after it, are neither delivered again nor
+// held back. The row waits, dead, for a replay or a skip, which the
+// runbook applies on the row itself (sqlq.WALSkipDeadRow). The replay of
+// the row an open hold holds holds the key again as it did.
+func (hb *holdBook) ownRowOnly(it *item) bool {
+	if !it.replay {
+		return false
+	}
+	h := hb.holdOf(it)
+	return h == nil || !h.Open() || h.Seq != it.row.Sequence
+}
+
 // settleAcked settles the held row's acked replay that waited for its
 // drain (hold.acked), if any.
 func (hb *holdBook) settleAcked(h *hold) {

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
@@ -309,7 +310,7 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 		return v
 	}
 	replay := false
-	unchanged := false
+	fromTable := false
 	if update {
 		replay = true
 		// Only a replay's reset is delivered: not published, not dead,
@@ -319,33 +320,33 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 			return err
 		}
 		for _, c := range tuple.Columns {
-			unchanged = unchanged || c.DataType == 'u'
+			fromTable = fromTable || c.DataType == 'u'
 		}
-		if !unchanged {
-			// The replay of an earlier row of a held key is delivered if
-			// the row is still reset: read it, as below (earlierOfHeld).
-			seq, serr := r.int(tuple, r.sequence)
-			unchanged = serr == nil && st.holds.earlierOfHeld(get(r.orderingKey), seq)
-		}
+		// A keyed row's replay is delivered as the table has the row now
+		// (readsReplay): an operator may have skipped it since.
+		fromTable = fromTable || readsReplay(st.s.cols, get(r.orderingKey))
 	}
 	var row sqlq.ClaimedRow
-	if update && unchanged {
-		// The payload was not in the UPDATE (or the replay is of an
-		// earlier row of a held key): read the row.
+	if update && fromTable {
+		// The payload was not in the UPDATE, or the replay is of a keyed
+		// row: read the row.
 		id := str(r.id)
 		if err != nil {
 			return err
 		}
 		// The read must see the replay, not the row before it.
-		wctx, cancel := context.WithTimeout(ctx, replayReadTimeout)
-		err = st.vis.waitVisible(wctx, st.cur.xid)
-		cancel()
-		if err != nil {
-			return err
+		if !st.cur.visible {
+			wctx, cancel := context.WithTimeout(ctx, replayReadTimeout)
+			err = st.vis.waitVisible(wctx, st.cur.xid)
+			cancel()
+			if err != nil {
+				return err
+			}
+			st.cur.visible = true
 		}
 		if serr := row.Scan(st.s.pool.QueryRow(ctx, st.s.q.Row, id), st.s.cols); serr != nil {
-			st.s.logger.Info("Replayed row not found; skipped", watermill.LogFields{"sequence": str(r.sequence)})
-			return nil //nolint:nilerr // the row was deleted, published or dead again since
+			st.s.logger.Info("Replayed row not found, or skipped since; not delivered", watermill.LogFields{"sequence": str(r.sequence)})
+			return nil //nolint:nilerr // the row was deleted, published, dead again or skipped since
 		}
 	} else {
 		row = sqlq.ClaimedRow{ID: str(r.id), EventID: str(r.eventID), TenantID: str(r.tenantID), Topic: str(r.topic),
@@ -376,18 +377,18 @@ func (st *stream) row(ctx context.Context, rel uint32, tuple *pglogrepl.TupleDat
 	return nil
 }
 
-// earlierOfHeld reports whether a replayed row of key (its sequence seq)
-// comes before the row that holds its key (a hold not resolved): parks
-// delivers such a replay as new work, so the row reads the row from the
-// table first and drops the replay when the row is no longer reset (dead
-// again, or skipped since: the stream carries an old replay again after a
-// session's end).
-func (hb *holdBook) earlierOfHeld(key *string, seq int64) bool {
-	if key == nil || *key == "" {
-		return false
-	}
-	h := hb.m[*key]
-	return h != nil && h.Open() && seq < h.Seq
+// readsReplay reports whether the replay of a row with ordering key key,
+// in a table with columns cols, is read from the table before it is delivered: every replay of a keyed
+// row. The UPDATE the stream carries is the replay as it committed; an
+// operator may have skipped the row since (a skip of the replay applied
+// while the stream was behind it, or the skip of a dead row that holds no
+// key), or the row may be dead again (the stream carries an old replay
+// again after a session's end). A row with skipped_at set is never
+// delivered by the stream: the read (sqlq.WALQueries.Row) finds only a
+// row still reset, and the replay is dropped otherwise. Unkeyed rows are
+// never skipped, and their replays are delivered from the UPDATE.
+func readsReplay(cols schema.Columns, key *string) bool {
+	return cols.OrderingKey && key != nil && *key != ""
 }
 
 // readItems reads rows from the table (the columns of ClaimedRow.Scan,

@@ -49,6 +49,7 @@ type txn struct {
 	committed bool
 	rows      int  // rows read
 	parked    bool // a row of it was parked behind a hold: confirmed only once it is visible (parkedUnseen)
+	visible   bool // a snapshot showed it visible: the reads of its replayed rows wait no more
 }
 
 // settle is the verdict on a delivered message.

@@ -60,6 +60,8 @@ var crossings = []suiteCase{
 	{"CleanerAcrossHandovers", TestCleanerAcrossHandovers},
 	{"StatsDuringHoldDrain", TestStatsDuringHoldDrain},
 	{"OverrunBesideReplay", TestOverrunBesideReplay},
+	{"SkipOfReplayWhileBusyIsFinal", TestSkipOfReplayWhileBusyIsFinal},
+	{"FailedReplayOfSkippedRowHoldsOnlyItself", TestFailedReplayOfSkippedRowHoldsOnlyItself},
 }
 
 const topicB = "org.relaytest.crossing.b.v1"

@@ -98,6 +98,34 @@ func WALSkipHoldIn(t schema.Table) string {
 WHERE h.mode = 'wal' AND h.event_id = $1::uuid AND ` + holdState + ` = ANY($2::text[]) RETURNING h.ordering_key, h.sequence`
 }
 
+// WALSkipDeadRow marks skipped the dead keyed row $1 (event_id text) of
+// the WAL table t that holds no key (no open hold at it: the WAL relay
+// parks a failed replay of a row its key went past dead without holding
+// the key). The relay keeps nothing of such a row but its columns, so the
+// skip is applied on the row at once: skipped (walSkipRow), not dead, its
+// attempts and last_error kept. A row reset by a replay meanwhile (dead_at
+// cleared) is left as it is. Returns: the key and the sequence, no row
+// when nothing changed.
+func WALSkipDeadRow(t schema.Table) string {
+	return `UPDATE ` + t.Sanitize() + ` AS o SET ` + walSkipRow + `
+WHERE ` + walDeadUnheld(t) + `
+RETURNING o.ordering_key, o.sequence`
+}
+
+// WALDeadRowUnheld reads the row WALSkipDeadRow would skip ($1 event_id
+// text), for a dry run: the key and the sequence, no row otherwise.
+func WALDeadRowUnheld(t schema.Table) string {
+	return `SELECT o.ordering_key, o.sequence FROM ` + t.Sanitize() + ` AS o WHERE ` + walDeadUnheld(t)
+}
+
+// walDeadUnheld is the condition that row o of the WAL table t is the row
+// $1 (event_id), dead, keyed, not skipped, and holds no key.
+func walDeadUnheld(t schema.Table) string {
+	return `o.event_id = $1::uuid AND o.dead_at IS NOT NULL AND o.published_at IS NULL AND o.skipped_at IS NULL
+  AND o.ordering_key IS NOT NULL AND o.ordering_key <> ''
+  AND NOT EXISTS (SELECT 1 FROM ` + t.HoldsTable() + ` AS h WHERE h.mode = 'wal' AND h.event_id = o.event_id AND h.resolved_at IS NULL)`
+}
+
 // WALReplayRule is the hold rule of a replay in a WAL table, as the states
 // (words) in which the hold of a row's key accepts the replay of the row:
 // Held when the row is the hold's own (held) row, Others for another row

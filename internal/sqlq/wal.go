@@ -356,8 +356,9 @@ type WALQueries struct {
 	// through, released, until_lsn (text, '' when NULL), retrying.
 	Holds string
 	// Drain marks the hold of key $1 at sequence $2 as draining (its held
-	// row was delivered again or skipped: it is no longer retrying; a
-	// skipped held row that failed is marked skipped), with
+	// row was delivered again or skipped: it is no longer retrying; when a
+	// skip was requested the held row is marked skipped, whatever its
+	// attempts), with
 	// $3 the last sequence its drain read (through never moves back) and
 	// $4 (text) the WAL position after that read. Returns: holds changed,
 	// fence ok.
@@ -398,8 +399,8 @@ type WALQueries struct {
 	Unsettled string
 	// Row reads row $1 (id) as a claim does (the columns of
 	// ClaimedRow.Scan), for a replay whose UPDATE did not carry every
-	// column (an unchanged TOASTed payload); no row when it is gone,
-	// published or dead again.
+	// column (an unchanged TOASTed payload) and for every replay of a
+	// keyed row; no row when it is gone, published, dead again or skipped.
 	Row string
 }
 
@@ -450,16 +451,19 @@ SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM h), (SELECT ok FROM f)`
 FROM ` + holds + ` WHERE mode = 'wal'`
 	// A drain that applies a skip marks the held row skipped: not dead,
 	// never delivered again; the cleaner deletes it like a delivered row
-	// (available_at, from which its retention counts, is the skip's time). Only a row that failed (attempts above 0: dead,
-	// or spilled for its retry) is marked here; the copy of a replayed row
-	// still in a handler records its own verdict (MarkSkipped on a nack).
+	// (available_at, from which its retention counts, is the skip's time).
+	// A skip is final once applied, whatever came before it: the row is
+	// marked whatever its attempts (a replay reset them to 0, and the
+	// relay may not have read that replay yet: the stream then reads the
+	// row from the table and drops it), and a copy of it still in a
+	// handler changes nothing (its nack's MarkSkipped finds it skipped).
 	q.Drain = `WITH ` + walFence(5) + `, u AS (
   UPDATE ` + holds + ` SET draining = true, through = GREATEST(through, $3), until_lsn = $4::pg_lsn, spilled = false
   WHERE ordering_key = $1 AND sequence = $2 AND mode = 'wal' AND resolved_at IS NULL AND (SELECT ok FROM f) RETURNING 1
 ), s AS (
   UPDATE ` + tbl + ` AS o SET ` + walSkipRow + ` FROM ` + holds + ` AS h
   WHERE h.ordering_key = $1 AND h.sequence = $2 AND h.mode = 'wal' AND h.resolved_at IS NULL AND h.skip_requested_at IS NOT NULL
-    AND o.event_id = h.event_id AND o.published_at IS NULL AND o.skipped_at IS NULL AND o.attempts > 0 AND EXISTS (SELECT 1 FROM u)
+    AND o.event_id = h.event_id AND o.published_at IS NULL AND o.skipped_at IS NULL AND EXISTS (SELECT 1 FROM u)
 )
 SELECT (SELECT count(*) FROM u), (SELECT ok FROM f)`
 	q.MarkSkipped = `WITH ` + walFence(4) + `, d AS (
