@@ -279,7 +279,10 @@ type txKey struct{}
 
 // Tx returns the transaction of the message being handled by the inbox
 // middleware: call it with msg.Context() inside the handler. The handler must
-// not commit or roll it back; the middleware does.
+// not commit or roll it back, with its methods or with a COMMIT or ROLLBACK
+// statement sent through it; the middleware does, and a handler that ended
+// the transaction gets an error (the message is nacked). Writes sent after
+// such a statement ran outside the transaction and stay.
 func Tx(ctx context.Context) (pgx.Tx, bool) {
 	tx, ok := ctx.Value(txKey{}).(pgx.Tx)
 	return tx, ok

@@ -741,3 +741,41 @@ func TestQueryExecModes(t *testing.T) {
 		}
 	}
 }
+
+// TestHandlerMustNotEndTxWithSQL: a handler that ends the inbox transaction
+// with a statement sent through it (ROLLBACK or COMMIT), writes its effect
+// outside any transaction and returns nil gets an error (a nack), not an
+// ack with no inbox record; its connection goes back to the pool idle.
+func TestHandlerMustNotEndTxWithSQL(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	pool := testdb.NewPool(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	ib, err := inbox.New(pool, inbox.Config{Table: e.table, Consumer: "billing"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ib.Close()
+	for _, end := range []string{"ROLLBACK", "COMMIT", "END", "ABORT"} {
+		msg := newMsg()
+		_, err := ib.Middleware(func(m *message.Message) ([]*message.Message, error) {
+			ctx := m.Context()
+			tx, _ := inbox.Tx(ctx)
+			if _, err := tx.Exec(ctx, end); err != nil {
+				return nil, err
+			}
+			_, err := tx.Exec(ctx, `INSERT INTO `+e.effects+` (consumer, key) VALUES ('billing', $1)`, m.UUID)
+			return nil, err
+		})(msg)
+		if err == nil || !strings.Contains(err.Error(), "never commit or roll back inbox.Tx") {
+			t.Errorf("%s through the inbox transaction: err = %v, want the inbox to refuse the handler (a nack)", end, err)
+		}
+		c, err := pool.Acquire(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s := c.Conn().PgConn().TxStatus(); s != 'I' {
+			t.Errorf("%s: the connection came back in transaction status %q", end, s)
+		}
+		c.Release()
+	}
+}

@@ -2,6 +2,7 @@ package inbox
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
@@ -15,7 +16,9 @@ import (
 // transaction: Commit reports pgx.ErrTxCommitRollback when the server rolled
 // back, every method after Commit or Rollback returns pgx.ErrTxClosed, Begin
 // starts a savepoint (pseudo nested transaction), and a failed Commit or
-// Rollback leaves a connection that the pool closes instead of reusing.
+// Rollback leaves a connection that the pool closes instead of reusing. One
+// difference: Commit refuses a transaction that a statement sent through it
+// already ended (errEndedBySQL), where pgx's would return nil.
 type connTx struct {
 	conn         *pgx.Conn
 	closed       bool
@@ -38,10 +41,22 @@ func (tx *connTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	return &savepointTx{parent: tx, name: name}, nil
 }
 
-// Commit commits the transaction.
+// errEndedBySQL is Commit's error when a statement sent through the
+// transaction (ROLLBACK, COMMIT, END, ABORT) already ended it.
+var errEndedBySQL = fmt.Errorf("the transaction was ended by a statement sent through it: %w", pgx.ErrTxClosed)
+
+// Commit commits the transaction. Unlike pgx's, it refuses (an error
+// matching pgx.ErrTxClosed) when the connection is no longer in a
+// transaction because a statement sent through it ended it: PostgreSQL would
+// only warn that there is no transaction in progress, and writes made after
+// that statement committed on their own.
 func (tx *connTx) Commit(ctx context.Context) error {
 	if tx.closed {
 		return pgx.ErrTxClosed
+	}
+	if tx.conn.PgConn().TxStatus() == 'I' {
+		tx.closed = true
+		return errEndedBySQL
 	}
 	tag, err := tx.conn.Exec(ctx, "commit")
 	tx.closed = true
