@@ -308,7 +308,11 @@ func (i *Inbox) key(msg *message.Message) (string, error) {
 // Middleware wraps h so that its effects commit once per event; it is a
 // message.HandlerMiddleware (router.AddMiddleware, or per handler with
 // handler.AddMiddleware). Add middleware.Recoverer before it (outside) to
-// turn a handler panic into a nack: the inbox rolls back and re-panics.
+// turn a handler panic into a nack: the inbox rolls back and re-panics. Add
+// middleware.Retry before it too (Watermill runs middleware in the order it
+// was added, router-wide and per handler alike): each attempt then has a
+// transaction of its own, whereas a Retry added after it runs every attempt
+// in one transaction, and a failed attempt's writes commit with the retry's.
 //
 // Errors: a message without a usable key (ErrInvalidKey), a database failure
 // (begin, record, commit; a closed pool included) and ErrInProgress
