@@ -26,7 +26,7 @@ func TestRetryBeforeTheInbox(t *testing.T) {
 	t.Parallel()
 	doc := doccheck.Doc(t, "..", "CONSUMERS.md")
 	doccheck.ExpectIn(t, "CONSUMERS.md", doc,
-		doccheck.Normalize("r.AddMiddleware(subscriber.CaptureError, middleware.Recoverer, retry.Middleware) // router-wide, outermost first, before the inbox"),
+		doccheck.Normalize("r.AddMiddleware(subscriber.CaptureError, retry.Middleware, middleware.Recoverer) // router-wide, outermost first, before the inbox"),
 		doccheck.Normalize("Add `middleware.Retry` before (outside) the inbox middleware"),
 	)
 	const events = 5
@@ -51,7 +51,7 @@ func TestRetryBeforeTheInbox(t *testing.T) {
 			}
 			retry := middleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond}
 			if tc.retryOutside {
-				r.AddMiddleware(middleware.Recoverer, retry.Middleware)
+				r.AddMiddleware(retry.Middleware, middleware.Recoverer)
 			} else {
 				r.AddMiddleware(middleware.Recoverer)
 			}
