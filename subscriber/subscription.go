@@ -21,8 +21,8 @@ type subscription struct {
 	cancel context.CancelFunc
 	logger watermill.LoggerAdapter
 	wake   chan struct{}
-	// retry rings when the earliest row this subscription nacked is due
-	// again: the claim loop claims it then, not at its next poll.
+	// retry rings when each row this subscription nacked is due again: the
+	// claim loop claims it then, not at its next poll.
 	retry *keyed.Alarm
 
 	ordered *orderedRelay // keyed rows, in ordered mode

@@ -256,15 +256,15 @@ func TestHoldNext(t *testing.T) {
 	}
 }
 
-// TestAlarmRingsAtTheEarliestTime: an alarm rings once at the earliest
-// time asked for; a later time asked meanwhile changes nothing, an earlier
-// one moves the ring; a stopped alarm rings no more and Stop is idempotent.
+// TestAlarmRingsAtTheEarliestTime: an alarm rings first at the earliest
+// time asked for (an earlier one moves the ring); a stopped alarm rings no
+// more and Stop is idempotent.
 func TestAlarmRingsAtTheEarliestTime(t *testing.T) {
 	a := NewAlarm()
 	start := time.Now()
 	a.At(start.Add(time.Hour))
 	a.At(start.Add(20 * time.Millisecond)) // earlier: moves the ring
-	a.At(start.Add(30 * time.Minute))      // later: changes nothing
+	a.At(start.Add(30 * time.Minute))      // later: rings in its turn
 	select {
 	case <-a.C():
 		if d := time.Since(start); d < 20*time.Millisecond {
@@ -287,6 +287,34 @@ func TestAlarmRingsAtTheEarliestTime(t *testing.T) {
 	select {
 	case <-a.C():
 		t.Fatal("a stopped alarm rang")
+	case <-time.After(200 * time.Millisecond):
+	}
+}
+
+// TestAlarmRingsAtEveryTime: a time asked for while an earlier one is
+// pending rings in its turn after the earlier one (issue 56 item 3: the
+// alarm kept only the earliest, so a loop woken for one nacked row slept
+// past the others), never before it comes.
+func TestAlarmRingsAtEveryTime(t *testing.T) {
+	a := NewAlarm()
+	defer a.Stop()
+	start := time.Now()
+	a.At(start.Add(20 * time.Millisecond))
+	a.At(start.Add(300 * time.Millisecond))
+	a.At(start.Add(300 * time.Millisecond)) // asked twice: rings once
+	for i, want := range []time.Duration{20 * time.Millisecond, 300 * time.Millisecond} {
+		select {
+		case <-a.C():
+			if d := time.Since(start); d < want {
+				t.Fatalf("ring %d came %s after start, before the %s asked for", i+1, d, want)
+			}
+		case <-time.After(time.Minute):
+			t.Fatalf("ring %d (at %s) did not come", i+1, want)
+		}
+	}
+	select {
+	case <-a.C():
+		t.Fatal("a time asked for twice rang twice")
 	case <-time.After(200 * time.Millisecond):
 	}
 }

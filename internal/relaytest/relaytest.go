@@ -182,7 +182,7 @@ func Run(t *testing.T, r Relay) {
 		{"KafkaKeyIsOrderingKey", TestKafkaKeyIsOrderingKey},
 		{"SkippedNeverDelivered", TestSkippedNeverDelivered},
 	}
-	for _, c := range append(cases, crossings...) {
+	for _, c := range append(append(cases, crossings...), crossings7...) {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
 			c.fn(t, r)
