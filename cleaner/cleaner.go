@@ -1,6 +1,7 @@
 // Package cleaner deletes what an outbox table no longer needs: rows
-// published longer ago than a retention and, when asked, dead rows that died
-// longer ago than a dead retention (by dead_at, the time of death). It deletes in bounded batches, each its
+// published (or skipped by an operator) longer ago than a retention and,
+// when asked, dead rows that died longer ago than a dead retention (by
+// dead_at, the time of death). It deletes in bounded batches, each its
 // own short statement, and never touches pending or recently published rows.
 package cleaner
 
@@ -32,8 +33,10 @@ type Config struct {
 	Table schema.Table
 	// Interval is the pause between cleaning passes. Defaults to 1m.
 	Interval time.Duration
-	// Retention keeps published rows this long after published_at.
-	// Defaults to 168h.
+	// Retention keeps published rows this long after published_at, and
+	// the rows an operator skipped (runbook.Runbook.SkipEvent) this long
+	// after skipped_at: a skipped row is done, deleted like a delivered
+	// one, never by DeadRetention. Defaults to 168h.
 	Retention time.Duration
 	// DeadRetention, when positive, also deletes dead rows (dead_at set)
 	// that died longer ago than it, however old they are, except the row a
@@ -111,7 +114,8 @@ func (c *Cleaner) Run(ctx context.Context) error {
 }
 
 // CleanOnce deletes, batch by batch, every row the retentions allow, and
-// returns how many published and dead rows it deleted.
+// returns how many done rows (published, delivered or skipped: Retention)
+// and dead rows (DeadRetention) it deleted.
 func (c *Cleaner) CleanOnce(ctx context.Context) (published, dead int64, err error) {
 	published, err = c.deleteAll(ctx, "published", c.q.DeletePublished, c.cfg.Retention.Seconds(), c.cfg.BatchSize)
 	if err != nil {
@@ -133,6 +137,15 @@ func (c *Cleaner) CleanOnce(ctx context.Context) (published, dead int64, err err
 	published += done
 	if err != nil {
 		return published, 0, err
+	}
+	// A skipped row is done like a delivered one: deleted by Retention
+	// after skipped_at, never by DeadRetention.
+	if q := st.DeleteSkipped(); q != "" {
+		done, err = c.deleteAll(ctx, "published", q, c.cfg.Retention.Seconds(), c.cfg.BatchSize)
+		published += done
+		if err != nil {
+			return published, 0, err
+		}
 	}
 	if c.cfg.DeadRetention <= 0 {
 		if c.cfg.Vacuum && published > 0 {

@@ -109,6 +109,8 @@ DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
 // every mode, so no retention deletes its row from under it. In ordered mode
 // a held row's dead_at is the hold's, so the rows with dead_at set are
 // unheld already; the WAL relay's dead held row is its hold's (event_id).
+// Never a skipped row (skipped_at): it is done, not dead, whatever its
+// dead_at says, and only DeleteSkipped deletes it.
 func (q StateQueries) DeleteDead() string {
 	tbl := q.Table.Sanitize()
 	held := ``
@@ -116,10 +118,42 @@ func (q StateQueries) DeleteDead() string {
 		held = `
     AND NOT EXISTS (SELECT 1 FROM ` + q.Table.HoldsTable() + ` AS w WHERE w.ordering_key = o.ordering_key AND w.event_id = o.event_id AND w.mode = 'wal' AND w.resolved_at IS NULL)`
 	}
+	if q.Columns.SkippedAt {
+		held += `
+    AND o.skipped_at IS NULL`
+	}
 	return `WITH victims AS (
   SELECT o.id FROM ` + tbl + ` AS o
   WHERE o.published_at IS NULL AND o.dead_at IS NOT NULL
     AND o.dead_at < now() - make_interval(secs => $1::float8)` + held + `
+  LIMIT $2 FOR UPDATE OF o SKIP LOCKED
+)
+DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
+}
+
+// DeleteSkipped deletes up to a batch ($2) of the rows an operator's skip
+// set aside (skipped_at, not published) more than $1 seconds ago, by
+// skipped_at: the cleaner's retention of delivered rows, as DeletePublished
+// deletes a delivered row by published_at, never the dead retention (a
+// skipped row is done, not dead). In the default mode every skipped row; in
+// ordered mode the unkeyed ones (a keyed row, delivered or skipped, is
+// deleted by OrderedQueries.DeleteDone once at or below its partition's
+// floor and not held). Empty in WAL mode (DeleteStreamed deletes the rows
+// the WAL relay skipped) and for a table without skipped_at: nothing to run.
+func (q StateQueries) DeleteSkipped() string {
+	if !q.Columns.SkippedAt || q.Mode == schema.ModeWAL {
+		return ""
+	}
+	tbl := q.Table.Sanitize()
+	keyed := ``
+	if q.Mode == schema.ModeOrdered {
+		keyed = `
+    AND o.ordering_key IS NULL`
+	}
+	return `WITH victims AS (
+  SELECT o.id FROM ` + tbl + ` AS o
+  WHERE o.published_at IS NULL AND o.skipped_at IS NOT NULL
+    AND o.skipped_at < now() - make_interval(secs => $1::float8)` + keyed + `
   LIMIT $2 FOR UPDATE OF o SKIP LOCKED
 )
 DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
