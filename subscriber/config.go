@@ -30,6 +30,10 @@ const (
 	LastErrorMaxBytesDefault = redact.DefaultMaxBytes
 )
 
+// LockTTLMin is the smallest LockTTL: a shorter lease cannot be renewed
+// reliably (renewals run every LockTTL/2).
+const LockTTLMin = 100 * time.Millisecond
+
 // LeaderTimeoutMin is the smallest LeaderTimeout: the keepalive settings
 // derived from it count whole seconds.
 const LeaderTimeoutMin = 3 * time.Second
@@ -56,8 +60,8 @@ type Config struct {
 	// Leases of messages still in flight are renewed at LockTTL/2. With
 	// single-active, a relay that is elected takes every lease left in the
 	// table back at once (the lock proves the previous leader's session
-	// gone), so a crashed leader's rows do not wait LockTTL. Defaults to
-	// 60s.
+	// gone), so a crashed leader's rows do not wait LockTTL. At least
+	// LockTTLMin. Defaults to 60s.
 	LockTTL time.Duration
 	// MaxAttempts is after how many failed attempts a row is dead. Defaults
 	// to 25.
@@ -195,8 +199,8 @@ func (c *Config) validate() error {
 	if c.MaxInFlight > 0 && c.MaxInFlight < c.BatchSize {
 		errs = append(errs, fmt.Errorf("MaxInFlight (%d) is below BatchSize (%d); raise MaxInFlight or lower BatchSize", c.MaxInFlight, c.BatchSize))
 	}
-	if c.LockTTL > 0 && c.LockTTL < 100*time.Millisecond {
-		errs = append(errs, fmt.Errorf("LockTTL %s is too short to renew leases reliably; use at least 100ms", c.LockTTL))
+	if c.LockTTL > 0 && c.LockTTL < LockTTLMin {
+		errs = append(errs, fmt.Errorf("LockTTL %s is too short to renew leases reliably; use at least %s", c.LockTTL, LockTTLMin))
 	}
 	if c.LeaderTimeout > 0 && c.LeaderTimeout < LeaderTimeoutMin {
 		errs = append(errs, fmt.Errorf("LeaderTimeout: %s is below %s (the TCP keepalive derived from it counts whole seconds); use at least %s", c.LeaderTimeout, LeaderTimeoutMin, LeaderTimeoutMin))

@@ -110,6 +110,9 @@ func loadRelayConfig(env Env) (relayConfig, error) {
 	must(err)
 	c.lockTTL, err = env.Duration("OUTBOX_RELAY_LOCK_TTL", subscriber.LockTTLDefault, false)
 	must(err)
+	if err == nil && c.lockTTL < subscriber.LockTTLMin {
+		errs = append(errs, fmt.Errorf("OUTBOX_RELAY_LOCK_TTL=%s is below %s: leases could not be renewed reliably; use at least %s", c.lockTTL, subscriber.LockTTLMin, subscriber.LockTTLMin))
+	}
 	c.leaderTimeout, err = env.Duration("OUTBOX_RELAY_LEADER_TIMEOUT", subscriber.LeaderTimeoutDefault, false)
 	must(err)
 	if err == nil && c.leaderTimeout < subscriber.LeaderTimeoutMin {
@@ -372,6 +375,9 @@ func relayTables(ctx context.Context, pool *pgxpool.Pool, cfg relayConfig, r *me
 			if ctx.Err() != nil {
 				return nil
 			}
+			if errors.Is(err, walrelay.ErrWALLevel) {
+				return fmt.Errorf("%w: OUTBOX_RELAY_SOURCE=wal: %w", errUsage, err)
+			}
 			return err
 		}
 		subs = append(subs, s)
@@ -423,13 +429,15 @@ const startupTimeout = 60 * time.Second
 // retryStartup runs step until it succeeds, retrying transient failures
 // (a restarting database) with backoff for up to startupTimeout; a missing
 // table, an error that cannot heal (a wrong password, user or database
-// name) or a stop signal ends it at once.
+// name, a wal_level that is not logical) or a stop signal ends it at once.
 func retryStartup(ctx context.Context, logger watermill.LoggerAdapter, step func() error) error {
 	deadline := time.Now().Add(startupTimeout)
 	delay := 100 * time.Millisecond
 	for {
 		err := step()
-		if err == nil || ctx.Err() != nil || errors.Is(err, schema.ErrTableNotFound) || errors.Is(err, subscriber.ErrOrderedNotMigrated) || time.Now().After(deadline) {
+		// wal_level changes only with a server restart: not waited for.
+		if err == nil || ctx.Err() != nil || errors.Is(err, schema.ErrTableNotFound) || errors.Is(err, subscriber.ErrOrderedNotMigrated) ||
+			errors.Is(err, walrelay.ErrWALLevel) || time.Now().After(deadline) {
 			return err
 		}
 		if hint, ok := unhealable(err); ok {
