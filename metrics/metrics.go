@@ -38,7 +38,18 @@ type Metrics struct {
 	HeldKeys         *prometheus.GaugeVec     // outbox_held_keys{table}
 	PausedTopics     *prometheus.GaugeVec     // outbox_paused_topics{table}
 	SweepClaimed     *prometheus.CounterVec   // outbox_sweep_claimed_total{table}
+	Delivered        *prometheus.CounterVec   // outbox_delivered_total{table,path}
+	HotFallback      *prometheus.CounterVec   // outbox_hot_fallback_total{table,reason}
+	HotLatency       *prometheus.HistogramVec // outbox_hot_commit_to_ack_seconds{table}
 }
+
+// The paths of outbox_delivered_total: the hot path (subscriber.HotPath:
+// handed over by the writer's process after its commit) and the cold path
+// (a relay's claim).
+const (
+	PathHot  = "hot"
+	PathCold = "cold"
+)
 
 // Names of the exported metrics, for alert rules and dashboards.
 var Names = []string{
@@ -58,6 +69,9 @@ var Names = []string{
 	"outbox_held_keys",
 	"outbox_paused_topics",
 	"outbox_sweep_claimed_total",
+	"outbox_delivered_total",
+	"outbox_hot_fallback_total",
+	"outbox_hot_commit_to_ack_seconds",
 }
 
 // New creates the collectors and registers them on reg. A nil reg creates
@@ -116,6 +130,16 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		SweepClaimed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_sweep_claimed_total", Help: "Rows the default relay's unbounded sweep leased beside the bounded claim: expired leases, or rows the claim's bound missed.",
 		}, []string{"table"}),
+		Delivered: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_delivered_total", Help: "Outbox messages acked by the default or ordered relay, by path (hot = handed over by the writer's process after its commit, cold = claimed).",
+		}, []string{"table", "path"}),
+		HotFallback: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_hot_fallback_total", Help: "Events the hot path left to the cold path, by reason (queue_full, no_subscription, paused, keyed, stopped, not_leased).",
+		}, []string{"table", "reason"}),
+		HotLatency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "outbox_hot_commit_to_ack_seconds", Help: "Time from the writer's commit to the ack of an event the hot path delivered (the forwarder acks after its publish).",
+			Buckets: latencyBuckets,
+		}, []string{"table"}),
 	}
 	if reg == nil {
 		return m, nil
@@ -135,7 +159,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 func (m *Metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.EnqueueTotal, m.DispatchTotal, m.DeadTotal, m.DispatchLatency,
 		m.Pending, m.Dead, m.Locked, m.RelayLeader, m.OldestPendingAge, m.DeliveryLag, m.CleanerDeleted,
-		m.LeaseExtended, m.FenceRejected, m.HeldKeys, m.PausedTopics, m.SweepClaimed}
+		m.LeaseExtended, m.FenceRejected, m.HeldKeys, m.PausedTopics, m.SweepClaimed, m.Delivered, m.HotFallback, m.HotLatency}
 }
 
 // Enqueued counts n new events of topic in table.

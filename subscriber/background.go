@@ -122,6 +122,7 @@ func (s *Subscriber) writeAcks(group []*claimed) {
 			continue
 		}
 		if m != nil {
+			observeDelivered(s, c)
 			s.observeDispatch(c, "success")
 			m.DeliveryLag.WithLabelValues(s.label).Observe(lag)
 		}

@@ -331,6 +331,7 @@ func (r *orderedRelay) deliverRow(k *keyState, row *sqlq.OrderedRow, attempts in
 			if !cp.End(term.Acked) {
 				return verdictNone // a verdict of an ended term is not progress
 			}
+			observeDelivered(s, c)
 			s.observeDispatch(c, metrics.ResultSuccess)
 			if m := s.cfg.Metrics; m != nil {
 				m.DeliveryLag.WithLabelValues(s.label).Observe(time.Since(row.CreatedAt).Seconds())

@@ -66,6 +66,8 @@ type Subscriber struct {
 	writeTimeout time.Duration   // bounds each ack, nack, renewal or release write
 	bounded      *boundedClaims  // the bounded claim (boundedclaim.go), nil when claims take no bound
 
+	hotSubs hotSubs // the subscriptions a HotPath hands events to (hot.go)
+
 	hooks testHooks // zero in production; set by tests only (export_test.go)
 }
 
@@ -255,17 +257,19 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		wake:   s.wake.register(),
 		retry:  keyed.NewAlarm(),
 		logger: s.logger.With(watermill.LogFields{"topic": topic}),
+		hot:    make(chan *claimed, maxHotQueue),
 	}
 	var stale func() int
 	if s.cfg.Ordered {
 		sub.ordered = newOrderedRelay(sub)
 		s.ordered = append(s.ordered, sub.ordered)
-		stale = sub.ordered.terms.StaleCount
+		stale = sub.ordered.terms.Lingering
 	}
 	sub.slots = keyed.NewSlots(s.cfg.MaxInFlight, stale)
 	if sub.ordered != nil {
 		sub.ordered.keyed = keyed.NewEngine(sub.slots)
 	}
+	s.hotSubs.add(sub)
 	s.subsWg.Add(1)
 	go func() {
 		defer s.subsWg.Done()
@@ -486,6 +490,10 @@ type claimed struct {
 	slot      *errorSlot
 	delivered time.Time
 	dueAt     time.Time // available_at before the claim (bounded claims only)
+	// hot is the hot path that handed the row over (nil: claimed), at
+	// hotCommitted, the writer's commit.
+	hot          *HotPath
+	hotCommitted time.Time
 }
 
 func (c *claimed) fence() (string, int32, time.Time) { return c.row.ID, c.row.Attempts, c.row.LockedAt }

@@ -33,6 +33,7 @@ type subscription struct {
 	// delivered and not yet acked or nacked, the ordered relay's keyed
 	// runners, and the copies ended terms left in handlers.
 	slots     *keyed.Slots
+	hot       chan *claimed // events a HotPath handed over (hot.go)
 	watchers  sync.WaitGroup
 	stopOnce  sync.Once
 	stoppedCh chan struct{}
@@ -64,6 +65,11 @@ func (sub *subscription) run() {
 			sub.ordered.run(stop)
 		}()
 	}
+	sub.watchers.Add(1)
+	go func() {
+		defer sub.watchers.Done()
+		sub.hotLoop(stop)
+	}()
 	if sub.s.bounded != nil && sub.topic == AllTopics && s.oq == nil {
 		sub.watchers.Add(1)
 		go func() {
@@ -392,6 +398,7 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 	for {
 		select {
 		case <-c.msg.Acked():
+			observeHot(s, c)
 			s.acks <- ackReq{c: c}
 			return
 		case <-c.msg.Nacked():
