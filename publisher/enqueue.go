@@ -39,7 +39,9 @@ type Message struct {
 	// kept.
 	Payload json.RawMessage
 	// Headers is optional extra string metadata; it needs the headers
-	// column (schema.WithHeadersColumn).
+	// column (schema.WithHeadersColumn). A name may not be one of the
+	// outbox's own metadata keys (schema.ReservedMetadata), start with
+	// WatermillMetadataPrefix, or be longer than MaxHeaderNameBytes.
 	Headers map[string]string
 	// OrderingKey is optional; events with the same key are relayed in
 	// order by an ordered subscriber (usually the aggregate id). Empty:

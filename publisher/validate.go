@@ -139,12 +139,42 @@ func (v validator) message(i int, m *Message, cols schema.Columns) error {
 			if schema.ReservedMetadata(k) {
 				return invalidMessage(i, "Headers", fmt.Sprintf("key %q is reserved: the outbox sets it from its own columns", k))
 			}
+			if strings.HasPrefix(k, WatermillMetadataPrefix) {
+				return invalidMessage(i, "Headers", fmt.Sprintf("key %q is reserved by Watermill (its metadata keys start with %q: the message UUID, delays, redelivery); rename it", k, WatermillMetadataPrefix))
+			}
+			if len(k) > MaxHeaderNameBytes {
+				return invalidMessage(i, "Headers", fmt.Sprintf("key %q... is %d bytes; a header name may have at most %d bytes (AMQP carries it as a short string and would cut it)",
+					truncateUTF8(k, 32), len(k), MaxHeaderNameBytes))
+			}
 			if k == "" || strings.IndexByte(k, 0) >= 0 || strings.IndexByte(val, 0) >= 0 || !utf8.ValidString(k) || !utf8.ValidString(val) {
 				return invalidMessage(i, "Headers", fmt.Sprintf("key %q: keys must be non-empty and keys and values valid UTF-8 without NUL bytes", k))
 			}
 		}
 	}
 	return nil
+}
+
+// MaxHeaderNameBytes is the longest header name (a key of Message.Headers)
+// that Enqueue accepts: AMQP carries a header name as a short string of at
+// most 255 bytes, and RabbitMQ would receive a longer one cut.
+const MaxHeaderNameBytes = 255
+
+// WatermillMetadataPrefix starts every metadata key that Watermill and its
+// backends set or read for themselves (_watermill_message_uuid, which the
+// Kafka marshaler refuses in metadata, _watermill_amqp_redelivered,
+// _watermill_delayed_until, ...): Enqueue refuses a header name with it.
+const WatermillMetadataPrefix = "_watermill_"
+
+// truncateUTF8 returns the first n bytes of s at most, cut on a UTF-8
+// boundary, for an error that quotes a long value.
+func truncateUTF8(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
 }
 
 // validOrderingKey checks an ordering key: at most 256 bytes of valid UTF-8
