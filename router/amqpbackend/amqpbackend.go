@@ -6,8 +6,13 @@
 // LayoutQueue (the default) declares, per topic, a durable direct exchange
 // and a durable queue, both named after the topic, bound with the topic as
 // routing key, before the first publish: a message RabbitMQ confirms is stored
-// even when no consumer runs yet. Consumers of one topic share that queue and
-// compete for its messages: it suits one consuming service per topic.
+// even when no consumer runs yet. Its messages are published mandatory: once
+// the queue is gone (deleted by an operator, or by an expiry policy),
+// RabbitMQ returns a message no queue received and its publish fails, so
+// the outbox retries the row (never marks it published), and the next
+// publish to the topic declares the queue again. Consumers of one topic share
+// that queue and compete for its messages: it suits one consuming service per
+// topic.
 //
 // LayoutFanout declares only exchanges and never a queue: per topic a
 // durable fanout exchange named after the topic or, with Config.Exchange set,
@@ -100,7 +105,7 @@ func invalidField(field, format string, args ...any) error {
 // WatermillConfig is the watermill-amqp configuration of c: persistent
 // messages with MessageId = event_id and ContentType application/json,
 // publisher confirms, a channel pool, and the exchanges (and, with
-// LayoutQueue, queues) of c's layout. With LayoutQueue a watermill-amqp
+// LayoutQueue, queues and mandatory publishing) of c's layout. With LayoutQueue a watermill-amqp
 // subscriber on the same configuration consumes the topic's queue.
 func WatermillConfig(c Config) amqp.Config {
 	if c.ChannelPoolSize == 0 {
@@ -120,6 +125,9 @@ func WatermillConfig(c Config) amqp.Config {
 	default:
 		wc.Exchange = amqp.ExchangeConfig{GenerateName: byTopic, Type: "direct", Durable: true}
 		wc.TopologyBuilder = queueDeclaringTopology{&amqp.DefaultTopologyBuilder{}}
+		// A message no queue receives comes back (basic.return) and its
+		// publish fails (Publisher.PublishBatch).
+		wc.Publish.Mandatory = true
 	}
 	wc.Marshaler = amqp.DefaultMarshaler{PostprocessPublishing: func(p amqp091.Publishing) amqp091.Publishing {
 		if id, ok := p.Headers[amqp.DefaultMessageUUIDHeaderKey].(string); ok {
@@ -133,9 +141,9 @@ func WatermillConfig(c Config) amqp.Config {
 	return wc
 }
 
-// NewPublisher validates c and returns its publisher, a *Publisher:
-// watermill-amqp's for Publish, and PublishBatch (forwarder.BatchPublisher)
-// on channels of its own in confirm mode.
+// NewPublisher validates c and returns its publisher, a *Publisher whose
+// Publish and PublishBatch (forwarder.BatchPublisher) publish on channels of
+// its own in confirm mode.
 func NewPublisher(c Config, logger watermill.LoggerAdapter) (message.Publisher, error) {
 	if err := c.Validate(); err != nil {
 		return nil, err
@@ -151,11 +159,14 @@ func NewPublisher(c Config, logger watermill.LoggerAdapter) (message.Publisher, 
 	return &Publisher{Publisher: pub, cfg: wc, url: c.URL, declared: map[string]bool{}}, nil
 }
 
-// Publisher publishes to RabbitMQ with publisher confirms. Publish is
-// watermill-amqp's: one confirm awaited per message. PublishBatch publishes
-// a batch on one channel and then awaits its confirms together, so a batch
-// costs about one broker round trip instead of one per message; a Forwarder
-// uses it by default (forwarder.BatchPublisher).
+// Publisher publishes to RabbitMQ with publisher confirms. PublishBatch
+// publishes a batch on one channel and then awaits its confirms together, so
+// a batch costs about one broker round trip instead of one per message; a
+// Forwarder uses it by default (forwarder.BatchPublisher). Publish is
+// PublishBatch of its messages. Both report a message RabbitMQ returned
+// (LayoutQueue: no queue received it) as failed, although RabbitMQ confirms
+// it. The embedded watermill-amqp publisher holds the connection checked at
+// NewPublisher; Close closes it.
 type Publisher struct {
 	*amqp.Publisher
 	cfg amqp.Config
@@ -163,9 +174,35 @@ type Publisher struct {
 
 	mu       sync.Mutex
 	conn     *amqp091.Connection
-	idle     []*amqp091.Channel // confirm-mode channels between batches
-	declared map[string]bool    // topics whose topology is declared
+	idle     []confirmChannel // confirm-mode channels between batches
+	declared map[string]bool  // topics whose topology is declared
 	closed   bool
+}
+
+// confirmChannel is a channel in confirm mode with its listener of returned
+// messages (basic.return). PublishBatch reads returns while it waits for
+// confirms; amqp091 sends them from the connection's reader, so a returned
+// message's return is read before its confirm resolves, and a channel that
+// is dropped with confirms outstanding gets a reader of returns until it is
+// closed (drainReturns).
+type confirmChannel struct {
+	*amqp091.Channel
+	returns chan amqp091.Return
+}
+
+// drainReturns reads cc's returns until the channel is closed, so that the
+// connection's reader never blocks on a channel no batch waits on.
+func (cc confirmChannel) drainReturns() {
+	go func() {
+		for range cc.returns { //nolint:revive // discard the returns of an abandoned batch
+		}
+	}()
+}
+
+// Publish publishes msgs to topic with PublishBatch and returns the errors
+// of the messages that failed, joined; nil when RabbitMQ has every message.
+func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
+	return errors.Join(p.PublishBatch(topic, msgs)...)
 }
 
 // idleChannelsMax is how many confirm-mode channels PublishBatch keeps open
@@ -181,8 +218,10 @@ const confirmTimeout = 30 * time.Second
 // PublishBatch publishes msgs to topic on one channel, in order, and then
 // waits for their confirms. It returns nil when RabbitMQ confirmed every
 // message, else one entry per message: nil for a confirmed one, the reason
-// for the others (nacked, not published because the channel closed, or not
-// confirmed within 30 s).
+// for the others (nacked, returned because no queue received it under
+// LayoutQueue, not published because the channel closed, or not confirmed
+// within 30 s). A returned message makes the next publish to topic declare
+// its topology again.
 func (p *Publisher) PublishBatch(topic string, msgs []*message.Message) []error {
 	if len(msgs) == 0 {
 		return nil
@@ -228,11 +267,32 @@ func (p *Publisher) PublishBatch(topic string, msgs []*message.Message) []error 
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), confirmTimeout)
 	defer cancel()
+	// RabbitMQ sends a message's basic.return before its basic.ack, and
+	// amqp091's reader hands it to ch.returns (unbuffered) before it reads
+	// the ack: a message returned is in returned once its confirm resolves.
+	returned := map[string]string{} // message id -> RabbitMQ's reason
+	returns := ch.returns
+	wait := func(dc *amqp091.DeferredConfirmation) (bool, error) {
+		for {
+			select {
+			case r, open := <-returns:
+				if !open {
+					returns = nil // the channel closed: its confirms resolve as nacks
+					continue
+				}
+				returned[r.MessageId] = fmt.Sprintf("%d %s", r.ReplyCode, r.ReplyText)
+			case <-dc.Done():
+				return dc.Acked(), nil
+			case <-ctx.Done():
+				return false, ctx.Err()
+			}
+		}
+	}
 	for i, dc := range confirms {
 		if dc == nil {
 			continue
 		}
-		ok, err := dc.WaitContext(ctx)
+		ok, err := wait(dc)
 		switch {
 		case err != nil:
 			healthy = false
@@ -240,6 +300,16 @@ func (p *Publisher) PublishBatch(topic string, msgs []*message.Message) []error 
 		case !ok:
 			errs[i], failed = fmt.Errorf("amqpbackend: RabbitMQ nacked message %s (or closed the channel before confirming it)", msgs[i].UUID), true
 		}
+	}
+	if len(returned) > 0 {
+		for i, msg := range msgs {
+			if reason, ok := returned[msg.UUID]; ok && errs[i] == nil {
+				errs[i], failed = fmt.Errorf("amqpbackend: RabbitMQ returned message %s: no queue received it from exchange %q with routing key %q (%s); the topic's topology is declared again before the next publish", msg.UUID, exchange, key, reason), true
+			}
+		}
+		p.mu.Lock()
+		delete(p.declared, topic)
+		p.mu.Unlock()
 	}
 	if ch.IsClosed() {
 		healthy = false
@@ -252,11 +322,11 @@ func (p *Publisher) PublishBatch(topic string, msgs []*message.Message) []error 
 
 // channel returns an idle confirm-mode channel or opens one, dialing when
 // the connection is missing or closed.
-func (p *Publisher) channel() (*amqp091.Channel, error) {
+func (p *Publisher) channel() (confirmChannel, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
-		return nil, errors.New("amqpbackend: publisher closed")
+		return confirmChannel{}, errors.New("amqpbackend: publisher closed")
 	}
 	for len(p.idle) > 0 {
 		ch := p.idle[len(p.idle)-1]
@@ -268,43 +338,47 @@ func (p *Publisher) channel() (*amqp091.Channel, error) {
 	if p.conn == nil || p.conn.IsClosed() {
 		conn, err := amqp091.DialConfig(p.url, amqp091.Config{Properties: amqp091.Table{"connection_name": "watermill-outbox batch publisher"}})
 		if err != nil {
-			return nil, fmt.Errorf("amqpbackend: connect: %w", redactURL(err, p.url))
+			return confirmChannel{}, fmt.Errorf("amqpbackend: connect: %w", redactURL(err, p.url))
 		}
 		p.conn = conn
 		p.declared = map[string]bool{} // a new node may lack what the old one had
 	}
 	ch, err := p.conn.Channel()
 	if err != nil {
-		return nil, fmt.Errorf("amqpbackend: open channel: %w", err)
+		return confirmChannel{}, fmt.Errorf("amqpbackend: open channel: %w", err)
 	}
 	if err := ch.Confirm(false); err != nil {
 		_ = ch.Close()
-		return nil, fmt.Errorf("amqpbackend: enable publisher confirms: %w", err)
+		return confirmChannel{}, fmt.Errorf("amqpbackend: enable publisher confirms: %w", err)
 	}
-	return ch, nil
+	return confirmChannel{Channel: ch, returns: ch.NotifyReturn(make(chan amqp091.Return))}, nil
 }
 
 // putChannel keeps a healthy channel for the next batch and closes the rest.
-func (p *Publisher) putChannel(ch *amqp091.Channel, healthy bool) {
+// A healthy channel has every confirm, and so every return, read.
+func (p *Publisher) putChannel(ch confirmChannel, healthy bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if healthy && !p.closed && !ch.IsClosed() && len(p.idle) < idleChannelsMax {
 		p.idle = append(p.idle, ch)
 		return
 	}
+	if !healthy {
+		ch.drainReturns()
+	}
 	_ = ch.Close()
 }
 
 // declare declares topic's topology once per connection, as watermill-amqp's
 // Publish does before its first message to a topic.
-func (p *Publisher) declare(ch *amqp091.Channel, topic, exchange string) error {
+func (p *Publisher) declare(ch confirmChannel, topic, exchange string) error {
 	p.mu.Lock()
 	done := p.declared[topic]
 	p.mu.Unlock()
 	if done || exchange == "" {
 		return nil
 	}
-	if err := p.cfg.TopologyBuilder.ExchangeDeclare(ch, exchange, p.cfg); err != nil {
+	if err := p.cfg.TopologyBuilder.ExchangeDeclare(ch.Channel, exchange, p.cfg); err != nil {
 		return fmt.Errorf("amqpbackend: topic %q: %w", topic, err)
 	}
 	p.mu.Lock()

@@ -288,3 +288,68 @@ func TestPublishBatch(t *testing.T) {
 		t.Fatalf("an empty batch: %v", errs)
 	}
 }
+
+// TestQueueLayoutDeletedQueue: once the topic's queue is deleted (by an
+// operator, or an expiry policy), a publish that no queue receives fails,
+// by PublishBatch and by Publish, instead of being confirmed into nothing;
+// the next publish declares the queue again and lands in it, so the row the
+// relay retries is delivered.
+func TestQueueLayoutDeletedQueue(t *testing.T) {
+	t.Parallel()
+	topic := unique("org.deleted")
+	exchanges, queues := []string{topic}, []string{topic}
+	ch := channel(t, &exchanges, &queues)
+	p, err := amqpbackend.NewPublisher(amqpbackend.Config{URL: amqpURL()}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub := p.(*amqpbackend.Publisher)
+	defer pub.Close()
+	newMsg := func() *message.Message {
+		m := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+		m.Metadata.Set("event_id", m.UUID)
+		return m
+	}
+	get := func(want *message.Message) {
+		t.Helper()
+		m, ok, err := ch.Get(topic, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ok || m.MessageId != want.UUID {
+			t.Fatalf("the queue holds %q (ok %v), want %s", m.MessageId, ok, want.UUID)
+		}
+	}
+	first := newMsg()
+	if errs := pub.PublishBatch(topic, []*message.Message{first}); errs != nil {
+		t.Fatal(errors.Join(errs...))
+	}
+	get(first)
+
+	publishers := map[string]func(*message.Message) error{
+		"PublishBatch": func(m *message.Message) error {
+			if errs := pub.PublishBatch(topic, []*message.Message{m, newMsg()}); errs != nil {
+				return errs[0]
+			}
+			return nil
+		},
+		"Publish": func(m *message.Message) error { return pub.Publish(topic, m) },
+	}
+	for _, name := range []string{"PublishBatch", "Publish"} {
+		if _, err := ch.QueueDelete(topic, false, false, false); err != nil {
+			t.Fatal(err)
+		}
+		lost := newMsg()
+		err := publishers[name](lost)
+		if err == nil || !strings.Contains(err.Error(), "no queue") {
+			t.Fatalf("%s after the queue was deleted: %v, want an error saying no queue received the message", name, err)
+		}
+		if err := publishers[name](lost); err != nil {
+			t.Fatalf("%s again (the relay's retry): %v", name, err)
+		}
+		get(lost)
+		if _, err := ch.QueuePurge(topic, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
