@@ -272,50 +272,63 @@ func TestOneHoldsTable(t *testing.T, r Relay) {
 }
 
 // TestSkippedIsAState checks that a skip is recorded as a state of the row,
-// the same in both keyed modes: once a relay applied the skip, the row has
-// skipped_at, is neither dead nor delivered (the runbook says skipped; the
-// dead count does not include it), keeps the failure that made it dead as
-// its last_error, and is not caught by a bulk replay of dead rows; a
-// replay of that one row delivers it, and it is then delivered, no longer
+// the same in every mode: once the skip is applied (at once by the runbook
+// for a row that holds no key: every row of a default table, an unkeyed row
+// of an ordered table; by the relay that owns a held key), the row has
+// skipped_at, is neither dead nor delivered (the runbook's Event says
+// skipped; the dead count, the dead list and the backlog leave it out), is
+// never delivered again, keeps the failure that made it dead as its
+// last_error, and is not caught by a bulk replay of dead rows; a replay of
+// that one row delivers it once, and it is then delivered, no longer
 // skipped; the cleaner deletes a skipped row by the retention of delivered
-// rows. docs/ORDERING.md "Operating held keys", docs/WAL.md "Skip",
+// rows, never by the dead retention. docs/OPERATIONS.md "The row's
+// states", docs/ORDERING.md "Operating held keys", docs/WAL.md "Skip",
 // docs/ARCHITECTURE.md "skipped".
 func TestSkippedIsAState(t *testing.T, r Relay) {
-	if !r.keyed() {
-		t.Skipf("the %s relay holds no key: nothing is skipped (runbook's SkipEvent refuses with ErrNotHeld)", r.Name)
-	}
 	e := setup(t, r, true)
 	ctx := context.Background()
 	rb := runbook.New(e.pool, e.tbl)
 	key := e.enqueue(topicA, "k", "k")
 	other := e.enqueue(topicA, "c", "c")
-	bad := newFailing(key[0], other[0])
+	skipped := []event{key[0], other[0]}
+	if r.Mode == ModeOrdered {
+		// An unkeyed row of an ordered table is a default-mode row.
+		skipped = append(skipped, e.enqueue(topicA, "")...)
+	}
+	bad := newFailing(skipped...)
 	e.start("a", Options{MaxAttempts: 2}, permanentFor(bad))
-	e.waitHold(within, key[0], runbook.HoldDead)
-	e.waitHold(within, other[0], runbook.HoldDead)
+	for _, ev := range skipped {
+		if e.keys && ev.Key != "" {
+			e.waitHold(within, ev, runbook.HoldDead)
+			continue
+		}
+		e.eventually(within, func() bool { return e.row(ev.ID).Dead() }, func() string { return "the row did not die: " + e.rowStates([]event{ev}) })
+	}
 	cause := e.row(key[0].ID).RunbookError
 	if !strings.Contains(cause, errBroken.Error()) {
-		t.Fatalf("the dead held row's last_error is %q, want the handler's error", cause)
+		t.Fatalf("the dead row's last_error is %q, want the handler's error", cause)
 	}
-	for _, ev := range []event{key[0], other[0]} {
+	for _, ev := range skipped {
 		if _, err := rb.SkipEvent(ctx, ev.ID, false); err != nil {
-			t.Fatalf("skip the dead held row %s: %v", ev, err)
+			t.Fatalf("skip the dead row %s: %v", ev, err)
 		}
 	}
 	e.waitAcked(within, key[1], other[1])
-	skippedAt := func() (skipped, dead bool) {
+	skippedAt := func(ev event) (skipped, dead bool) {
 		t.Helper()
-		if err := e.pool.QueryRow(ctx, `SELECT skipped_at IS NOT NULL, dead_at IS NOT NULL FROM `+e.tbl.Sanitize()+` WHERE event_id = $1`, key[0].ID).
+		if err := e.pool.QueryRow(ctx, `SELECT skipped_at IS NOT NULL, dead_at IS NOT NULL FROM `+e.tbl.Sanitize()+` WHERE event_id = $1`, ev.ID).
 			Scan(&skipped, &dead); err != nil {
-			t.Fatalf("read skipped_at of %s: %v", key[0], err)
+			t.Fatalf("read skipped_at of %s: %v", ev, err)
 		}
 		return skipped, dead
 	}
-	e.eventually(within, func() bool {
-		s := e.row(key[0].ID)
-		col, dead := skippedAt()
-		return s.Skipped && !s.Delivered && !s.Dead() && col && !dead
-	}, func() string { return "the skipped row is not recorded as skipped: " + e.rowStates(key[:1]) })
+	for _, ev := range skipped {
+		e.eventually(within, func() bool {
+			s := e.row(ev.ID)
+			col, dead := skippedAt(ev)
+			return s.Skipped && !s.Delivered && !s.Dead() && col && !dead
+		}, func() string { return "the skipped row is not recorded as skipped: " + e.rowStates([]event{ev}) })
+	}
 	if s := e.row(key[0].ID); s.RunbookError != cause {
 		t.Errorf("the skipped row's last_error is %q, want the failure that made it dead, %q", s.RunbookError, cause)
 	}
@@ -330,17 +343,37 @@ func TestSkippedIsAState(t *testing.T, r Relay) {
 	}, func() string {
 		return fmt.Sprintf("after the skips the stats count %d dead rows and %d held keys, want none (a skipped row is not dead)", st.Dead, st.HeldKeys)
 	})
-	tries := e.rec.delivered(key[0]) // the attempts that made it dead
+	dead, err := rb.Dead(ctx, runbook.DeadFilter{})
+	if err != nil {
+		t.Fatalf("list the dead rows: %v", err)
+	}
+	backlog, err := rb.Backlog(ctx, runbook.BacklogOptions{})
+	if err != nil {
+		t.Fatalf("list the backlog: %v", err)
+	}
+	for _, row := range append(dead, backlog...) {
+		for _, ev := range skipped {
+			if row.EventID == ev.ID {
+				t.Errorf("the skipped row %s is listed dead or pending (dead list %d rows, backlog %d rows)", ev, len(dead), len(backlog))
+			}
+		}
+	}
+	tries := map[uuid.UUID]int{} // the attempts that made each dead
+	for _, ev := range skipped {
+		tries[ev.ID] = e.rec.delivered(ev)
+	}
 	rep, err := rb.ReplayDead(ctx, runbook.DeadFilter{AllTopics: true}, false)
 	if err != nil {
 		t.Fatalf("bulk replay of the dead rows: %v", err)
 	}
 	if rep.Rows != 0 {
-		t.Errorf("a bulk replay of the dead rows replayed %d rows, want 0: the skipped row is not dead", rep.Rows)
+		t.Errorf("a bulk replay of the dead rows replayed %d rows, want 0: the skipped rows are not dead", rep.Rows)
 	}
 	e.wait(quietSpell)
-	if n := e.rec.delivered(key[0]); n != tries {
-		t.Fatalf("the skipped row %s was delivered again after the skip (%d deliveries, %d before)", key[0], n, tries)
+	for _, ev := range skipped {
+		if n := e.rec.delivered(ev); n != tries[ev.ID] {
+			t.Fatalf("the skipped row %s was delivered again after the skip (%d deliveries, %d before)", ev, n, tries[ev.ID])
+		}
 	}
 	bad.fix(key[0])
 	err = retry(within, func() error {
@@ -355,19 +388,38 @@ func TestSkippedIsAState(t *testing.T, r Relay) {
 	e.waitAcked(within, key[0])
 	e.eventually(within, func() bool {
 		s := e.row(key[0].ID)
-		col, _ := skippedAt()
+		col, _ := skippedAt(key[0])
 		return !s.Skipped && s.Delivered && !col
 	}, func() string { return "the replayed skipped row is not delivered: " + e.rowStates(key[:1]) })
+	e.wait(quietSpell)
+	if n := e.rec.delivered(key[0]); n != tries[key[0].ID]+1 {
+		t.Errorf("the replay of the skipped row %s delivered it %d times, want once", key[0], n-tries[key[0].ID])
+	}
 	// The cleaner deletes a skipped row like a delivered one (its
-	// retention), not by the dead retention.
-	cl, err := cleaner.New(e.pool, cleaner.Config{Table: e.tbl, Retention: time.Nanosecond, DeadRetention: time.Hour}, nil)
+	// retention), never by the dead retention.
+	rest := skipped[1:]
+	cl, err := cleaner.New(e.pool, cleaner.Config{Table: e.tbl, Retention: time.Hour, DeadRetention: time.Nanosecond}, nil)
 	if err != nil {
 		t.Fatalf("cleaner: %v", err)
 	}
-	e.eventually(within, func() bool {
-		_, _, err := cl.CleanOnce(ctx)
-		return err == nil && !e.row(other[0].ID).Found
-	}, func() string { return "the cleaner does not delete the skipped row: " + e.rowStates(other[:1]) })
+	if _, n, err := cl.CleanOnce(ctx); err != nil || n != 0 {
+		t.Errorf("the cleaner's dead retention deleted %d rows (%v), want none: a skipped row is not dead", n, err)
+	}
+	for _, ev := range rest {
+		if !e.row(ev.ID).Found {
+			t.Errorf("the cleaner's dead retention deleted the skipped row %s", ev)
+		}
+	}
+	cl, err = cleaner.New(e.pool, cleaner.Config{Table: e.tbl, Retention: time.Nanosecond, DeadRetention: time.Hour}, nil)
+	if err != nil {
+		t.Fatalf("cleaner: %v", err)
+	}
+	for _, ev := range rest {
+		e.eventually(within, func() bool {
+			_, _, err := cl.CleanOnce(ctx)
+			return err == nil && !e.row(ev.ID).Found
+		}, func() string { return "the cleaner does not delete the skipped row: " + e.rowStates([]event{ev}) })
+	}
 }
 
 // TestHandlerPastDispatchTimeout checks one rule for every relay: a handler
