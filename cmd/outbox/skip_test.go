@@ -22,9 +22,6 @@ func TestDeadSkipInDefaultMode(t *testing.T) {
 	ctx := context.Background()
 	pool := testdb.Pool(t)
 	tbl := testdb.Table(t, "skipcli_outbox")
-	if _, err := pool.Exec(ctx, `ALTER TABLE `+tbl.Sanitize()+` ADD COLUMN IF NOT EXISTS skipped_at TIMESTAMPTZ NULL`); err != nil {
-		t.Fatal(err)
-	}
 	id := uuid.New()
 	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		_, err := publisher.Enqueue(ctx, tx, tbl, publisher.Message{TenantID: uuid.New(), Topic: "org.skip.v1", EventID: id, Payload: json.RawMessage(`{}`)})
