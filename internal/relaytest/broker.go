@@ -110,11 +110,12 @@ func TestKafkaKeyIsOrderingKey(t *testing.T, r Relay) {
 // TestSkippedNeverDelivered checks that a skip is final for a default relay
 // too: a row an ordered relay skipped (skipped_at) and left unpublished,
 // as it leaves every keyed row, is never delivered by a default relay that
-// takes the table over, while the rows after it are. The keyed relays'
-// side is TestSkippedIsAState. docs/ARCHITECTURE.md "skipped".
+// takes the table over, while the rows after it are. A relay's own
+// skips (every mode) are TestSkippedIsAState's. docs/ARCHITECTURE.md
+// "skipped".
 func TestSkippedNeverDelivered(t *testing.T, r Relay) {
 	if r.Mode != ModeDefault {
-		t.Skipf("the %s relay is keyed: TestSkippedIsAState checks that it never delivers a skipped row", r.Name)
+		t.Skipf("the %s relay is keyed: TestSkippedIsAState checks that it never delivers a row skipped on its own table", r.Name)
 	}
 	e := setup(t, r, true, schema.WithAllColumns())
 	ctx := context.Background()
