@@ -137,7 +137,14 @@ type EnqueuerConfig struct {
 	// ValidateTopic (the project's topic convention); ValidateTopicRelaxed
 	// accepts broker-style names.
 	ValidateTopic func(topic string) error
-	// MaxPayloadBytes limits the size of one payload. Defaults to 1 MiB.
+	// MaxPayloadBytes bounds what a broker receives of a message beyond the
+	// relay's own metadata: its payload as the relay reads it (PostgreSQL's
+	// JSONB text, which may be longer than the JSON given: ", " and ": "
+	// between items, numbers written in full) and its headers (name, value
+	// and HeaderFramingBytes each). Defaults to DefaultMaxPayloadBytes
+	// (1,000,000), which fits Kafka's default message.max.bytes with the
+	// relay's metadata; raise it only with the broker's limit and the relay
+	// producer's (kafkabackend.MaxMessageBytes).
 	MaxPayloadBytes int
 	// DisableNotify stops the NOTIFY that wakes relays at commit; relays then
 	// learn of events at their next poll. Set it for transactions that are
@@ -172,7 +179,7 @@ func NewEnqueuer(cfg EnqueuerConfig) (*Enqueuer, error) {
 		cfg.MaxPayloadBytes = DefaultMaxPayloadBytes
 	}
 	if cfg.MaxPayloadBytes < 0 {
-		return nil, fmt.Errorf("publisher: invalid config: MaxPayloadBytes is %d; leave it 0 for the 1 MiB default or set a positive limit", cfg.MaxPayloadBytes)
+		return nil, fmt.Errorf("publisher: invalid config: MaxPayloadBytes is %d; leave it 0 for the default (%d bytes) or set a positive limit", cfg.MaxPayloadBytes, DefaultMaxPayloadBytes)
 	}
 	return &Enqueuer{cfg: cfg, v: validator{topic: cfg.ValidateTopic, maxPayload: cfg.MaxPayloadBytes}}, nil
 }

@@ -1,6 +1,7 @@
 package publisher_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -44,11 +45,15 @@ func FuzzPayloadValidation(f *testing.F) {
 		var ve *publisher.ValidationError
 		switch {
 		case err == nil:
+			// The limit bounds what the relay reads (JSONB's text output).
+			if n, ok := jsonbTextLength(ctx, tx, payload); ok && n > publisher.DefaultMaxPayloadBytes {
+				t.Fatalf("accepted a payload of %d bytes as JSONB text, over the limit", n)
+			}
 		case errors.As(err, &ve):
 			if len(payload) >= 4 && strings.Contains(err.Error(), string(payload)) {
 				t.Fatalf("the error quotes the payload: %v", err)
 			}
-			if ve.Field == "Payload" && json.Valid(payload) && len(payload) <= publisher.DefaultMaxPayloadBytes && storable(ctx, tx, payload) {
+			if n, ok := jsonbTextLength(ctx, tx, payload); ve.Field == "Payload" && json.Valid(payload) && ok && n <= publisher.DefaultMaxPayloadBytes && !bigger(payload) {
 				t.Fatalf("refused a payload PostgreSQL stores: %v", err)
 			}
 		default:
@@ -63,12 +68,24 @@ func FuzzPayloadValidation(f *testing.F) {
 
 // storable asks PostgreSQL whether it stores p as jsonb, in a savepoint so
 // that a refusal leaves tx usable.
-func storable(ctx context.Context, tx pgx.Tx, p []byte) bool {
+// jsonbTextLength is the length in bytes of PostgreSQL's text output of p
+// as JSONB, and whether PostgreSQL stores p at all.
+func jsonbTextLength(ctx context.Context, tx pgx.Tx, p []byte) (int, bool) {
 	sp, err := tx.Begin(ctx)
 	if err != nil {
-		return false
+		return 0, false
 	}
 	defer func() { _ = sp.Rollback(ctx) }()
 	var n int
-	return sp.QueryRow(ctx, `SELECT length($1::text::jsonb::text)`, string(p)).Scan(&n) == nil
+	if sp.QueryRow(ctx, `SELECT octet_length($1::text::jsonb::text)`, string(p)).Scan(&n) != nil {
+		return 0, false
+	}
+	return n, true
+}
+
+// bigger reports whether the limit's bound of p's JSONB text may exceed the
+// text itself: duplicate object keys (JSONB keeps the last) and escapes
+// JSONB writes shorter (\u00e9, \/) count in full.
+func bigger(p []byte) bool {
+	return bytes.Contains(p, []byte(`\`)) || bytes.Count(p, []byte(`:`)) > 1
 }

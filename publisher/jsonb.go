@@ -50,6 +50,94 @@ func jsonbStorable(p []byte) error {
 	return nil
 }
 
+// jsonbTextBytes bounds from above the length of PostgreSQL's text output of
+// the JSONB value of p (valid JSON that jsonbStorable accepted), which is
+// what the relay reads (payload::text) and publishes. That output drops the
+// white space, writes ": " and ", " between members and elements, keeps or
+// shortens strings (an escape \u00e9 becomes the character), and writes a
+// number in full, without exponent (1e900 is 901 digits).
+func jsonbTextBytes(p []byte) int {
+	n := 0
+	for i := 0; i < len(p); {
+		c := p[i]
+		switch {
+		case c == '"':
+			end, err := jsonbString(p, i)
+			if err != nil {
+				return len(p) // not reached for a valid payload
+			}
+			n += end - i
+			i = end
+		case c == '-' || (c >= '0' && c <= '9'):
+			end, digits := numberTextBytes(p, i)
+			n += digits
+			i = end
+		case c == ',' || c == ':':
+			n += 2
+			i++
+		case c == ' ' || c == '\t' || c == '\n' || c == '\r':
+			i++
+		default:
+			n++
+			i++
+		}
+	}
+	return n
+}
+
+// numberTextBytes returns the end of the JSON number at p[i] and the length
+// of PostgreSQL's numeric output of it at most: a sign, the digits before
+// the point (at least one, leading zeros dropped) and, when the display scale is positive, the
+// point and that many digits. jsonbNumber has checked the number's range.
+func numberTextBytes(p []byte, i int) (end, size int) {
+	if p[i] == '-' {
+		size++
+		i++
+	}
+	intDigits, fracDigits := 0, 0
+	firstNonZero := -1 // index among the mantissa's digits
+	for ; i < len(p) && p[i] >= '0' && p[i] <= '9'; i++ {
+		if firstNonZero < 0 && p[i] != '0' {
+			firstNonZero = intDigits
+		}
+		intDigits++
+	}
+	if i < len(p) && p[i] == '.' {
+		for i++; i < len(p) && p[i] >= '0' && p[i] <= '9'; i++ {
+			if firstNonZero < 0 && p[i] != '0' {
+				firstNonZero = intDigits + fracDigits
+			}
+			fracDigits++
+		}
+	}
+	exp := 0
+	if i < len(p) && (p[i] == 'e' || p[i] == 'E') {
+		i++
+		neg := false
+		if i < len(p) && (p[i] == '+' || p[i] == '-') {
+			neg = p[i] == '-'
+			i++
+		}
+		for ; i < len(p) && p[i] >= '0' && p[i] <= '9'; i++ {
+			if exp < numericMaxExponent {
+				exp = exp*10 + int(p[i]-'0')
+			}
+		}
+		if neg {
+			exp = -exp
+		}
+	}
+	// Digits before the point, leading zeros dropped: "0" for a zero.
+	size++
+	if firstNonZero >= 0 {
+		size += max(0, intDigits+exp-firstNonZero-1)
+	}
+	if scale := fracDigits - exp; scale > 0 {
+		size += 1 + scale
+	}
+	return i, size
+}
+
 func invalidUTF8At(p []byte) int {
 	for i := 0; i < len(p); {
 		r, n := utf8.DecodeRune(p[i:])

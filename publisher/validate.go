@@ -61,8 +61,20 @@ func (e *ValidationError) Is(target error) bool { return target == ErrInvalidMes
 // MaxTopicBytes is the exclusive upper bound on a topic's length in bytes.
 const MaxTopicBytes = 128
 
-// DefaultMaxPayloadBytes is the default payload size limit: 1 MiB.
-const DefaultMaxPayloadBytes = 1 << 20
+// DefaultMaxPayloadBytes is the default limit of EnqueuerConfig.MaxPayloadBytes:
+// 1,000,000 bytes of payload (as the relay reads it from JSONB) and headers
+// together. It leaves 48,527 bytes of Kafka's default message.max.bytes
+// (1,048,588, of which the relay's producer may use
+// kafkabackend.MaxMessageBytes, 1,048,527) for what the relay adds: its
+// metadata headers (event_id, tenant_id, topic, sequence, attempts, table,
+// partition_key, trace context, Watermill's message UUID), the record key
+// and the record's framing.
+const DefaultMaxPayloadBytes = 1_000_000
+
+// HeaderFramingBytes is what each header costs, beyond its name and value,
+// in the size MaxPayloadBytes bounds: the two length prefixes a Kafka
+// record header may take (Sarama counts as much).
+const HeaderFramingBytes = 10
 
 var defaultTopicPattern = regexp.MustCompile(`^[a-z0-9-]+(\.[a-z0-9-]+)*\.v[0-9]+$`)
 
@@ -131,6 +143,9 @@ func (v validator) message(i int, m *Message, cols schema.Columns) error {
 			return invalidMessage(i, "OrderingKey", "the table has no ordering_key column; add it with schema.Migrate(ctx, db, table, schema.WithOrderingKeyColumn()) or `outbox migrate`")
 		}
 	}
+	if size := messageBytes(m); size > v.maxPayload {
+		return invalidMessage(i, "Payload", fmt.Sprintf("%d bytes with the headers, as the broker would receive them (the payload as JSONB writes it: %d bytes), exceeds the limit of %d bytes; store large data elsewhere and reference it, or raise EnqueuerConfig.MaxPayloadBytes together with the broker's limit", size, jsonbTextBytes(m.Payload), v.maxPayload))
+	}
 	if len(m.Headers) > 0 {
 		if !cols.Headers {
 			return invalidMessage(i, "Headers", "the table has no headers column; add it with schema.Migrate(ctx, db, table, schema.WithHeadersColumn())")
@@ -152,6 +167,18 @@ func (v validator) message(i int, m *Message, cols schema.Columns) error {
 		}
 	}
 	return nil
+}
+
+// messageBytes bounds from above what a broker receives of m beyond the
+// relay's own metadata: its payload as PostgreSQL's JSONB text output writes
+// it (what the relay reads) and each header's name and value with
+// HeaderFramingBytes. m's payload has passed v.payload.
+func messageBytes(m *Message) int {
+	n := jsonbTextBytes(m.Payload)
+	for k, val := range m.Headers {
+		n += len(k) + len(val) + HeaderFramingBytes
+	}
+	return n
 }
 
 // MaxHeaderNameBytes is the longest header name (a key of Message.Headers)

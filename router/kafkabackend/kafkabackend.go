@@ -17,11 +17,19 @@ import (
 	"github.com/outboxkit/watermill-outbox/router"
 )
 
+// MaxMessageBytes is the relay producer's Producer.MaxMessageBytes: Kafka's
+// default message.max.bytes (1,048,588), which bounds a record batch, less
+// the batch's 61 bytes of framing, so that a batch Sarama fills up to it is
+// one the broker takes. publisher.DefaultMaxPayloadBytes (1,000,000) leaves
+// the rest for the relay's metadata headers, the key and the record framing.
+const MaxMessageBytes = 1_048_588 - 61
+
 // PublisherConfig is the watermill-kafka publisher configuration the relay
 // uses: acks from all in-sync replicas, an idempotent producer with one
-// request in flight (so a key's messages reach the broker in order), and the
-// record key taken from router.MetadataPartitionKey (else the message UUID,
-// which is the event_id). Every metadata entry becomes a Kafka header.
+// request in flight (so a key's messages reach the broker in order), records
+// of at most MaxMessageBytes, and the record key taken from
+// router.MetadataPartitionKey (else the message UUID, which is the
+// event_id). Every metadata entry becomes a Kafka header.
 func PublisherConfig(brokers []string) kafka.PublisherConfig {
 	sc := kafka.DefaultSaramaSyncPublisherConfig()
 	sc.Version = sarama.V2_8_0_0
@@ -29,6 +37,7 @@ func PublisherConfig(brokers []string) kafka.PublisherConfig {
 	sc.Producer.Idempotent = true
 	sc.Net.MaxOpenRequests = 1
 	sc.Producer.Retry.Max = 10
+	sc.Producer.MaxMessageBytes = MaxMessageBytes
 	return kafka.PublisherConfig{
 		Brokers:               brokers,
 		Marshaler:             kafka.NewWithPartitioningMarshaler(PartitionKey),
