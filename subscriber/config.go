@@ -48,7 +48,11 @@ type Config struct {
 	// MaxInFlight bounds the messages delivered and not yet acked or nacked,
 	// per subscription, counting the rows already claimed for it and not
 	// yet delivered (the batch in hand, the pre-claimed next batch, the
-	// bounded claim's sweep). Defaults to 2 * BatchSize.
+	// bounded claim's sweep). A message counts from its delivery until its
+	// handler returns (acks or nacks it), also after the relay gave up on it
+	// (DispatchTimeout passed, or its partition lease ended: it is delivered
+	// again, and that copy counts too), until CloseTimeout after Close.
+	// Defaults to 2 * BatchSize.
 	MaxInFlight int
 	// PollInterval is how often an idle subscriber looks for due rows that
 	// nothing announced: missed notifications, rows another relay nacked or

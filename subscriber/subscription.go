@@ -375,6 +375,9 @@ func (sub *subscription) nack(c *claimed) {
 }
 
 // watch waits for the consumer's verdict on c and renews its lease meanwhile.
+// c keeps its slot until its handler returns (its verdict), also after an
+// overrun: MaxInFlight counts every message from its delivery until its
+// handler returns, or until CloseTimeout after the subscription stopped.
 func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 	s := sub.s
 	defer func() {
@@ -395,24 +398,31 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 	var grace <-chan time.Time
 	overrun := time.NewTimer(s.overrunAfter())
 	defer overrun.Stop()
+	overran := false // the attempt was counted as failed: a verdict now writes nothing
 	for {
 		select {
 		case <-c.msg.Acked():
+			if overran {
+				return
+			}
 			observeHot(s, c)
 			s.acks <- ackReq{c: c}
 			return
 		case <-c.msg.Nacked():
-			sub.nack(c)
+			if !overran {
+				sub.nack(c)
+			}
 			return
 		case <-overrun.C:
 			// No more renewals: the handler loses its lease and the attempt
-			// counts as failed.
+			// counts as failed. The message keeps its slot until the handler
+			// returns: one that ignores its context still runs.
 			c.slot.set(s.overrunError())
 			cancel()
 			sub.logger.Error("Handler overran its dispatch timeout; taking its lease back and counting a failed attempt",
 				s.overrunError(), watermill.LogFields{"event_id": c.row.EventID})
 			sub.nack(c)
-			return
+			overran, renew = true, nil
 		case <-renew:
 			if !s.IsLeader() {
 				// A relay that stepped down (it could not reach the
@@ -431,7 +441,9 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 			sub.logger.Info("Message neither acked nor nacked before the close timeout; cancelling it and giving its lease back",
 				watermill.LogFields{"event_id": c.row.EventID})
 			cancel()
-			s.release([]*claimed{c}, 0)
+			if !overran {
+				s.release([]*claimed{c}, 0)
+			}
 			return
 		}
 	}

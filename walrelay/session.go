@@ -202,7 +202,7 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	s.logger.Info("WAL relay active", nil)
 	st := &stream{s: s, conn: conn, out: out, rels: map[uint32]*relation{}, keys: map[string]*keyQueue{},
 		settles: make(chan settle, 1024), gone: make(chan struct{}),
-		keyed: keyed.NewEngine(keyed.NewSlots(s.cfg.MaxInFlight, s.terms.StaleCount)), vis: visibility{pool: s.pool, waits: &s.unseen}}
+		keyed: keyed.NewEngine(keyed.NewSlots(s.cfg.MaxInFlight, s.terms.Lingering)), vis: visibility{pool: s.pool, waits: &s.unseen}}
 	st.holds, st.win = &holdBook{st: st}, window{limit: s.cfg.MaxInFlight}
 	if err := s.pool.QueryRow(ctx, sqlq.WALTableOID, s.cfg.Table.Sanitize()).Scan(&st.oid); err != nil {
 		return fmt.Errorf("look up the relation id of %s: %w", s.cfg.Table, err)

@@ -121,8 +121,10 @@ type Config struct {
 	// Backoff returns the delay before the next attempt after attempt
 	// failed. Defaults to subscriber.DefaultBackoff.
 	Backoff func(attempt int) time.Duration
-	// MaxInFlight bounds the messages handed out and not settled, and the
-	// rows read and not settled: the relay stops reading the stream beyond
+	// MaxInFlight bounds the messages handed out and not settled (a message
+	// counts until its handler returns, also after the relay gave up on it:
+	// DispatchTimeout passed or its session ended), and the rows read and
+	// not settled: the relay stops reading the stream beyond
 	// it, not counting the rows queued behind a key whose head waits for
 	// its retry, up to 4 x MaxInFlight rows in all. A keyed row's backlog
 	// behind its retrying head is spilled to a retrying hold once it

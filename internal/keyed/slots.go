@@ -9,15 +9,17 @@ import "sync/atomic"
 type Slots struct {
 	limit int64
 	used  atomic.Int64
-	// extra counts what is out besides the reserved slots: the copies that
-	// ended terms left in handlers (term.Ledger.StaleCount). Nil: none.
+	// extra counts what is out besides the reserved slots: the messages
+	// still in handlers that no live copy accounts for, left by ended terms
+	// or given up on by an overrun (term.Ledger.Lingering). Nil: none.
 	extra func() int
 	freed chan struct{}
 }
 
 // NewSlots returns Slots for limit messages (at least 1). extra, if not
 // nil, reports further messages that are out and count against the limit
-// without being reserved (copies left in handlers by ended terms).
+// without being reserved (messages left in handlers by ended terms or by
+// an overrun, until their handlers return).
 func NewSlots(limit int, extra func() int) *Slots {
 	return &Slots{limit: int64(max(1, limit)), extra: extra, freed: make(chan struct{}, 1)}
 }

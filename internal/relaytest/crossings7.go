@@ -8,6 +8,7 @@ package relaytest
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -19,6 +20,7 @@ import (
 // others.
 var crossings7 = []suiteCase{
 	{"EveryRetryWakesAnIdleRelay", TestEveryRetryWakesAnIdleRelay},
+	{"MaxInFlightCountsOverrunHandlers", TestMaxInFlightCountsOverrunHandlers},
 }
 
 // asleepNow waits until the relay under test sleeps (Relay.Asleep), twice
@@ -122,4 +124,55 @@ func TestEveryRetryWakesAnIdleRelay(t *testing.T, r Relay) {
 	}
 	mu.Unlock()
 	e.waitAcked(within, evs...)
+}
+
+// TestMaxInFlightCountsOverrunHandlers checks: with MaxInFlight 1 and a
+// DispatchTimeout of 300 ms, handlers that ignore their context (as a
+// publish to a broker that hangs) keep every message until they are let
+// go. The first message overruns: the relay gives up on it (its context
+// ends, the attempt counts as failed), but its handler still runs, so the
+// relay hands out nothing more until it returns: one message in handlers
+// at a time, from the first delivery to the last ack. Then every row is
+// delivered and acked.
+//
+// subscriber.Config.MaxInFlight and walrelay.Config.MaxInFlight: the bound
+// counts each message from its delivery until its handler returns (acks
+// or nacks it), an overrun one too.
+func TestMaxInFlightCountsOverrunHandlers(t *testing.T, r Relay) {
+	e := setup(t, r, true)
+	gate := make(chan struct{})
+	var (
+		mu    sync.Mutex
+		first context.Context
+	)
+	e.start("a", Options{MaxInFlight: 1, DispatchTimeout: 300 * time.Millisecond, CloseTimeout: 300 * time.Millisecond}, func(ctx context.Context, _ *message.Message) error {
+		mu.Lock()
+		if first == nil {
+			first = ctx
+		}
+		mu.Unlock()
+		e.block(gate) // ignores its context
+		return nil
+	})
+	keys := make([]string, 4)
+	for i := range keys {
+		keys[i] = "f" + strconv.Itoa(i)
+	}
+	evs := e.enqueue(topicA, keys...)
+	e.eventually(within, func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return first != nil && first.Err() != nil
+	}, func() string {
+		return "the first message, in a handler that ignores its context, did not overrun: " + e.rowStates(evs)
+	})
+	e.wait(quietSpell) // room for a second message to be handed out beside the overrun one
+	if n := e.rec.maxOpenOf("a"); n > 1 {
+		t.Errorf("%d messages in handlers at once after an overrun, MaxInFlight is 1: the overrun message stopped counting while its handler ran", n)
+	}
+	close(gate)
+	e.waitAcked(within, evs...)
+	if n := e.rec.maxOpenOf("a"); n > 1 {
+		t.Errorf("%d messages in handlers at once, MaxInFlight is 1", n)
+	}
 }

@@ -57,6 +57,11 @@
 //     is idempotent. TestStaleCopyEndsByVerdict, TestStaleCopyEndsByOverrun,
 //     TestLiveCopyOverdue, TestCloseEndsEverything,
 //     TestWithdrawnCopyFreesItsKey.
+//   - A message counts until its handler returns: a copy ended by an
+//     overrun frees its key, but its message lingers (Ledger.Lingering,
+//     which the relays count against MaxInFlight with the stale copies)
+//     until its verdict or Close, and Freed signals its end.
+//     TestOverrunCopyLingersUntilItsVerdict.
 //   - Quiescence: a term has quiesced when it ended, every copy handed
 //     out under it ended and every Enter under it left (Term.Quiesced); a
 //     scope has quiesced when every ended term of it has (Ledger.Quiesced).

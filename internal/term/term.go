@@ -81,10 +81,11 @@ type Ledger struct {
 	ended  map[int]map[*Term]struct{} // by scope: the ended terms that have not quiesced
 	closed bool
 
-	stale   atomic.Int64  // stale copies out, read without the lock
-	freed   chan struct{} // capacity 1: a stale copy ended
-	closing chan struct{} // closed by Close
-	wg      sync.WaitGroup
+	stale     atomic.Int64  // stale copies out, read without the lock
+	abandoned atomic.Int64  // copies ended by an overrun whose message had no verdict yet
+	freed     chan struct{} // capacity 1: a stale copy ended, or an abandoned copy's handler returned
+	closing   chan struct{} // closed by Close
+	wg        sync.WaitGroup
 }
 
 // New returns an empty ledger.
@@ -171,6 +172,16 @@ func (l *Ledger) Stale(key string) bool {
 // StaleCount is the number of stale copies out.
 func (l *Ledger) StaleCount() int { return int(l.stale.Load()) }
 
+// Lingering is the number of messages still in handlers that no copy of a
+// live term accounts for: the stale copies out, and the copies ended by an
+// overrun (Overran: the relay gave up on the handler, or Config.Overrun
+// passed after the term ended) whose message has had no verdict yet. The
+// relays count them against MaxInFlight (keyed.Slots' extra), so that the
+// bound counts every message from its delivery until its handler returns
+// (acks or nacks it), whatever the relay gave up on. Freed signals when
+// one of them ends.
+func (l *Ledger) Lingering() int { return int(l.stale.Load() + l.abandoned.Load()) }
+
 // Quiesced reports whether every ended term of scope has quiesced: no copy
 // handed out under one of them is out and no work entered under one of them
 // is under way (quiescence).
@@ -180,8 +191,8 @@ func (l *Ledger) Quiesced(scope int) bool {
 	return len(l.ended[scope]) == 0
 }
 
-// Freed receives a value after a stale copy ended (capacity 1: ends in a
-// row coalesce). One goroutine of the relay should wait on it.
+// Freed receives a value after a stale copy ended or a lingering message's
+// handler returned (Lingering) (capacity 1: ends in a row coalesce). One goroutine of the relay should wait on it.
 func (l *Ledger) Freed() <-chan struct{} { return l.freed }
 
 // Close ends every live term and every copy still out (Closed) and returns
@@ -283,6 +294,34 @@ func (l *Ledger) follow(c *Copy) {
 		why = Closed
 	}
 	c.End(why)
+}
+
+// linger waits for the verdict of the message of a copy ended by an
+// overrun, or for Close, then stops counting it (Lingering).
+func (l *Ledger) linger(msg *message.Message) {
+	defer l.wg.Done()
+	select {
+	case <-msg.Acked():
+	case <-msg.Nacked():
+	case <-l.closing:
+	}
+	l.abandoned.Add(-1)
+	select {
+	case l.freed <- struct{}{}:
+	default:
+	}
+}
+
+// verdict reports whether msg has been acked or nacked.
+func verdict(msg *message.Message) bool {
+	select {
+	case <-msg.Acked():
+		return true
+	case <-msg.Nacked():
+		return true
+	default:
+		return false
+	}
 }
 
 // Epoch is the number the term was begun with.
@@ -431,7 +470,17 @@ func (c *Copy) End(why Reason) bool {
 		l.stale.Add(-1)
 		l.settleLocked(c.t)
 	}
+	// An overrun copy's handler may still run: it lingers until its
+	// message's verdict (or Close).
+	abandon := why == Overran && !l.closed && !verdict(c.msg)
+	if abandon {
+		l.abandoned.Add(1)
+		l.wg.Add(1)
+	}
 	l.mu.Unlock()
+	if abandon {
+		go l.linger(c.msg)
+	}
 	c.cancel()
 	if t := c.due.Load(); t != nil {
 		t.Stop()

@@ -637,3 +637,54 @@ func TestLiveCopyOverdue(t *testing.T) {
 		t.Error("a copy of a ledger without Overdue can be overdue")
 	}
 }
+
+// TestOverrunCopyLingersUntilItsVerdict: a copy ended by an overrun, under
+// a live term (the relay gave up on it) or after its term ended
+// (Config.Overrun), frees its key at once but lingers (Lingering) until its
+// message's verdict, which signals Freed; a copy acked before its overrun
+// does not linger, and Close ends what lingers.
+func TestOverrunCopyLingersUntilItsVerdict(t *testing.T) {
+	t.Parallel()
+	l, e := ledger(t, 50*time.Millisecond)
+	tm := l.Begin(context.Background(), 0, 1)
+	live := msg()
+	hand(t, tm, "live", live).End(term.Overran)
+	hand(t, tm, "live", msg()) // the key is free again
+	if n := l.Lingering(); n != 1 {
+		t.Fatalf("Lingering after a live copy's overrun = %d, want 1", n)
+	}
+	live.Ack()
+	freed(t, l)
+	if n := l.Lingering(); n != 0 {
+		t.Fatalf("Lingering after the overrun copy's ack = %d, want 0", n)
+	}
+	acked := msg()
+	c := hand(t, tm, "acked", acked)
+	acked.Ack()
+	c.End(term.Overran)
+	if n := l.Lingering(); n != 0 {
+		t.Fatalf("Lingering after the overrun of a copy acked before = %d, want 0", n)
+	}
+	tm2 := l.Begin(context.Background(), 1, 1)
+	stale := msg()
+	hand(t, tm2, "stale", stale)
+	tm2.End()
+	if n := l.Lingering(); n != 1 {
+		t.Fatalf("Lingering of a stale copy = %d, want 1", n)
+	}
+	e.wait(t, "stale:overrun")
+	freed(t, l) // the stale copy's end
+	if l.Stale("stale") || l.Lingering() != 1 {
+		t.Fatalf("after the stale copy's overrun: Stale %v, Lingering %d; want false, 1", l.Stale("stale"), l.Lingering())
+	}
+	stale.Nack()
+	freed(t, l)
+	if n := l.Lingering(); n != 0 {
+		t.Fatalf("Lingering after the stale copy's nack = %d, want 0", n)
+	}
+	hand(t, tm, "closed", msg()).End(term.Overran)
+	l.Close()
+	if n := l.Lingering(); n != 0 {
+		t.Fatalf("Lingering after Close = %d, want 0", n)
+	}
+}
