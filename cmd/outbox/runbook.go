@@ -507,11 +507,19 @@ func replayBulk(ctx context.Context, env Env, t schema.Table, filter runbook.Dea
 		}
 		fmt.Fprintf(stdout, "Snapshot: --expect=%s replays exactly these rows, or nothing if they change.\n", rep.Expect)
 	}
-	if expect != nil && *expect != p.Snapshot {
-		return fmt.Errorf("runbook: replay dead rows of %s: %w: --expect names %d rows up to sequence %d, the preview now finds %d (--expect=%s); nothing changed",
-			t, runbook.ErrReplaySetChanged, expect.Rows, expect.MaxSequence, p.Rows, rep.Expect)
+	// The rows to replay: the earlier preview's named by --expect (the rows
+	// that died after it are left for the next replay; the replay itself
+	// refuses if the previewed ones changed), else the preview just made.
+	snap := p.Snapshot
+	if expect != nil {
+		snap = *expect
+		rep.Rows, rep.Expect = snap.Rows, formatSnapshot(snap)
+		if !mode.json {
+			fmt.Fprintf(stdout, "Expected: --expect=%s holds the replay to the %s of that preview, up to sequence %d; rows that died since are left for the next replay.\n",
+				rep.Expect, plural(snap.Rows, "row"), snap.MaxSequence)
+		}
 	}
-	if p.Rows == 0 {
+	if snap.Rows == 0 {
 		return finishPreview(stdout, mode, rep, "Nothing to replay: no dead row matches.")
 	}
 	if mode.dryRun {
@@ -519,7 +527,7 @@ func replayBulk(ctx context.Context, env Env, t schema.Table, filter runbook.Dea
 	}
 	var missing []string
 	if !mode.confirm {
-		missing = append(missing, fmt.Sprintf("add --confirm to replay %s of %s", plural(p.Rows, "row"), t))
+		missing = append(missing, fmt.Sprintf("add --confirm to replay %s of %s", plural(snap.Rows, "row"), t))
 	}
 	if !mode.development && !mode.force {
 		missing = append(missing, fmt.Sprintf("this database is not marked as development (%s is not %q), so a bulk replay also needs --force",
@@ -533,7 +541,7 @@ func replayBulk(ctx context.Context, env Env, t schema.Table, filter runbook.Dea
 		return fmt.Errorf("%w: nothing changed: %s", errUsage, rep.Refused)
 	}
 	// Exactly the previewed rows, or none.
-	filter.Expect = &p.Snapshot
+	filter.Expect = &snap
 	res, err := rb.ReplayDead(ctx, filter, false)
 	if err != nil {
 		return err

@@ -527,3 +527,38 @@ func TestDryRunShowsArgumentsOnOneLine(t *testing.T) {
 		}
 	}
 }
+
+// TestRunbookReplayBulkExpectLeavesLaterDeaths: rows that die after the
+// preview, past its last sequence, do not stop `outbox dead replay
+// --expect=...`: it replays exactly the previewed rows and leaves the later
+// deaths for the next replay (docs/OPERATIONS.md, "Act"; issue 56 item 7:
+// the command compared --expect with a fresh preview that counted them, so
+// while rows kept dying an expected replay never went through).
+func TestRunbookReplayBulkExpectLeavesLaterDeaths(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "cli_replay_expect_later_outbox")
+	ids := rbEnqueue(t, pool, tbl, rbTopicA, rbTopicA, rbTopicA)
+	rbMarkDead(t, pool, tbl, "publish: timeout", ids[0], ids[1])
+	dev := rbEnv("OUTBOX_ENVIRONMENT", "development")
+	args := []string{"dead", "replay", "--table=" + tbl.String(), "--topic=" + rbTopicA}
+
+	r := rbRun(t, dev, append(args, "--dry-run", "--json")...)
+	r.expect(t, 0, nil, nil)
+	preview := rbDecode[replayReport](t, r.stdout)
+	if preview.Rows != 2 || preview.Expect == "" {
+		t.Fatalf("preview %+v", preview)
+	}
+	rbMarkDead(t, pool, tbl, "publish: timeout", ids[2]) // dies after the preview
+	r = rbRun(t, dev, append(args, "--confirm", "--expect="+preview.Expect)...)
+	r.expect(t, 0, []string{"Replayed 2 rows of " + tbl.String() + ", exactly those previewed"}, nil)
+	for i, id := range ids {
+		a, _ := rbAttempts(t, pool, tbl, id)
+		if replayed := a == 0; replayed != (i < 2) {
+			t.Errorf("row %d (attempts %d): replayed %t, want %t (the rows of the preview, not the one that died after it)", i, a, replayed, i < 2)
+		}
+	}
+	// The later death is the next replay's.
+	r = rbRun(t, dev, append(args, "--confirm")...)
+	r.expect(t, 0, []string{"Replayed 1 row of " + tbl.String()}, nil)
+}
