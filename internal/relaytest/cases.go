@@ -858,7 +858,7 @@ func TestTwoModesOnOneTable(t *testing.T, r Relay) {
 		make  func(e *env) (message.Subscriber, error)
 	}
 	underTest := participant{r.Mode.String() + " (under test)", "test", func(e *env) (message.Subscriber, error) {
-		return e.r.New(context.Background(), e.pool, e.tbl, Options{DisableSingleActive: true}.withDefaults())
+		return e.newRelay(Options{DisableSingleActive: true})
 	}}
 	fixtureDefault := func(shared bool) participant {
 		name := "default (single-active)"

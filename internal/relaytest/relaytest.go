@@ -210,6 +210,9 @@ type env struct {
 
 	stopOnce sync.Once
 	stop     chan struct{} // closed before the relays close: handlers that wait return
+
+	unorderedMu sync.Mutex
+	unordered   map[message.Subscriber]bool // default-mode relays: no per-key promise, their deliveries count as unkeyed
 }
 
 // setup creates a fresh schema with an outbox table on r's server, with
@@ -347,11 +350,39 @@ func (e *env) startOnceOtherModeGone(name string, o Options, h handler, within t
 // tryStart is start that returns New's and Subscribe's errors.
 func (e *env) tryStart(name string, o Options, h handler) (*relay, error) {
 	e.t.Helper()
-	sub, err := e.r.New(context.Background(), e.pool, e.tbl, o.withDefaults())
+	sub, err := e.newRelay(o)
 	if err != nil {
 		return nil, err
 	}
 	return e.consume(name, sub, h)
+}
+
+// newRelay creates the relay under test with o (its defaults filled in).
+func (e *env) newRelay(o Options) (message.Subscriber, error) {
+	sub, err := e.r.New(context.Background(), e.pool, e.tbl, o.withDefaults())
+	if err == nil && e.r.Mode == ModeDefault {
+		e.markUnordered(sub)
+	}
+	return sub, err
+}
+
+// markUnordered records that sub is a default-mode relay: it promises no
+// order, so the recorder counts its deliveries as unkeyed (no order or
+// one-copy-per-key check), although its messages carry their rows'
+// ordering_key metadata.
+func (e *env) markUnordered(sub message.Subscriber) {
+	e.unorderedMu.Lock()
+	defer e.unorderedMu.Unlock()
+	if e.unordered == nil {
+		e.unordered = map[message.Subscriber]bool{}
+	}
+	e.unordered[sub] = true
+}
+
+func (e *env) isUnordered(sub message.Subscriber) bool {
+	e.unorderedMu.Lock()
+	defer e.unorderedMu.Unlock()
+	return e.unordered[sub]
 }
 
 // consume subscribes sub and runs h over its messages, one goroutine per
@@ -364,9 +395,10 @@ func (e *env) consume(name string, sub message.Subscriber, h handler) (*relay, e
 	if err != nil {
 		return nil, err
 	}
+	keyed := !e.isUnordered(sub)
 	go func() {
 		for m := range ch {
-			go e.handle(name, m, h)
+			go e.handle(name, m, h, keyed)
 		}
 	}()
 	return rl, nil
@@ -374,8 +406,8 @@ func (e *env) consume(name string, sub message.Subscriber, h handler) (*relay, e
 
 func (e *env) release() { e.stopOnce.Do(func() { close(e.stop) }) }
 
-func (e *env) handle(name string, m *message.Message, h handler) {
-	d := e.rec.start(name, m)
+func (e *env) handle(name string, m *message.Message, h handler, keyed bool) {
+	d := e.rec.start(name, m, keyed)
 	var err error
 	if h != nil {
 		err = h(m.Context(), m)
@@ -552,9 +584,14 @@ type delivery struct {
 	seq     int64
 }
 
-func (r *recorder) start(relay string, m *message.Message) delivery {
+// start records that relay handed m to a handler; keyed false (a
+// default-mode relay) records it under no key.
+func (r *recorder) start(relay string, m *message.Message, keyed bool) delivery {
 	seq, _ := strconv.ParseInt(m.Metadata.Get(schema.MetadataSequence), 10, 64)
-	d := delivery{id: m.UUID, key: m.Metadata.Get(schema.MetadataOrderingKey), seq: seq}
+	d := delivery{id: m.UUID, seq: seq}
+	if keyed {
+		d.key = m.Metadata.Get(schema.MetadataOrderingKey)
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.deliveries[d.id]++
@@ -746,9 +783,13 @@ func retry(within time.Duration, op func() error, transient func(error) bool) er
 // TestSwitchFromDefault), not as the relay under test.
 func (e *env) newDefault(shared bool, o Options) (message.Subscriber, error) {
 	o = o.withDefaults()
-	return subscriber.New(context.Background(), e.pool, subscriber.Config{Table: e.tbl, DisableSingleActive: shared, LockTTL: 2 * time.Second,
+	sub, err := subscriber.New(context.Background(), e.pool, subscriber.Config{Table: e.tbl, DisableSingleActive: shared, LockTTL: 2 * time.Second,
 		PollInterval: 100 * time.Millisecond, ElectionInterval: 100 * time.Millisecond, MaxAttempts: o.MaxAttempts,
 		CloseTimeout: o.CloseTimeout, Backoff: func(int) time.Duration { return o.Backoff }}, watermill.NopLogger{})
+	if err == nil {
+		e.markUnordered(sub)
+	}
+	return sub, err
 
 }
 
