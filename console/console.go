@@ -21,7 +21,7 @@
 // anyone who reaches it reads it. With a token, nothing but GET /healthz
 // (and the login form's static files) answers without it, unless
 // Config.PublicRead opens the reads; the read-only token reads and changes
-// nothing. The token is given as an Authorization: Bearer header or to
+// nothing, and so does the console token of a console with Config.ReadOnly. The token is given as an Authorization: Bearer header or to
 // POST /login, which starts a random, expiring session (kept in memory)
 // with its own CSRF token; POST /logout ends it. A state-changing request
 // (POST only) needs the console token, the same origin and, in a session,
@@ -78,6 +78,10 @@ type Config struct {
 	// needs it or Token. At least MinTokenBytes bytes, not Token. Defaults
 	// to "" (OUTBOX_CONSOLE_READ_TOKEN).
 	ReadToken string
+	// ReadOnly turns the actions off: Token then lets its holder read every
+	// page but change nothing, as ReadToken does (both are accepted). Defaults
+	// to false (OUTBOX_CONSOLE_READ_ONLY).
+	ReadOnly bool
 	// PublicRead lets anyone who reaches the console read every page,
 	// payloads included, while Token guards the actions. Cannot be combined
 	// with ReadToken. Defaults to false (OUTBOX_CONSOLE_PUBLIC_READ).
@@ -707,6 +711,9 @@ func (h *handler) roleOf(secret string) role {
 	case secret == "":
 		return roleNone
 	case h.cfg.Token != "" && equalSecret(secret, h.cfg.Token):
+		if h.cfg.ReadOnly {
+			return roleReader // a read-only console: the console token reads
+		}
 		return roleAdmin
 	case h.cfg.ReadToken != "" && equalSecret(secret, h.cfg.ReadToken):
 		return roleReader
@@ -776,6 +783,8 @@ func (h *handler) allow(w http.ResponseWriter, r *http.Request) bool {
 	switch {
 	case h.cfg.Token == "":
 		h.fail(w, r, http.StatusForbidden, "read-only console: set OUTBOX_CONSOLE_TOKEN (console.Config.Token) to allow actions", "", "")
+	case h.cfg.ReadOnly:
+		h.fail(w, r, http.StatusForbidden, "read-only console (OUTBOX_CONSOLE_READ_ONLY, console.Config.ReadOnly): no action is allowed", "", "")
 	case !sameOrigin(r):
 		h.fail(w, r, http.StatusForbidden, "cross-origin request refused", "", "")
 	case id.role == roleReader:

@@ -516,3 +516,35 @@ func TestBearerCaseInsensitiveWithoutCSRF(t *testing.T) {
 		t.Errorf("another scheme: %d", r.code)
 	}
 }
+
+// TestReadOnlyTakesBothTokens: a console with ReadOnly, the console token
+// and a read token lets the holder of either read (bearer or session) and
+// neither act (issue 56 item 8: `outbox console --read-only` with both
+// tokens refused the console token).
+func TestReadOnlyTakesBothTokens(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox")
+	id := deadRow(t, pool, tbl)
+	name := tbl.String()
+	replay := "/t/" + name + "/event/" + id.String() + "/replay"
+	srv := serve(t, console.Config{Tables: []schema.Table{tbl}, Token: adminToken, ReadToken: readToken, ReadOnly: true})
+	if r := do(t, "GET", srv.URL+"/", nil, nil); r.code != 401 {
+		t.Errorf("anonymous read of a read-only console with tokens: %d", r.code)
+	}
+	for _, tok := range []string{adminToken, readToken} {
+		bearer := map[string]string{"Authorization": "Bearer " + tok}
+		sess := login(t, srv.URL, tok)
+		for _, hdr := range []map[string]string{bearer, sess} {
+			if r := do(t, "GET", srv.URL+"/t/"+name+"/event/"+id.String(), nil, hdr); r.code != 200 || strings.Contains(r.body, `id="replay"`) {
+				t.Errorf("read with %v: %d (or a replay button offered)", hdr, r.code)
+			}
+		}
+		if r := do(t, "POST", srv.URL+replay, nil, bearer); r.code != 403 {
+			t.Errorf("replay with the bearer token %s of a read-only console: %d %s", tok[:5], r.code, r.body)
+		}
+	}
+	if !isDead(t, pool, tbl, id) {
+		t.Fatal("a read-only console replayed the row")
+	}
+}

@@ -56,6 +56,7 @@ type consoleConfig struct {
 	addr         string
 	token        string
 	readToken    string
+	readOnly     bool // no actions: the token reads, as the read token does
 	publicRead   bool
 	allowedHosts []string
 	trustProxy   bool
@@ -66,8 +67,8 @@ type consoleConfig struct {
 // loadConsoleConfig reads OUTBOX_CONSOLE_*. In the daemon (standalone
 // false) an unset OUTBOX_CONSOLE_ADDR means no console. OUTBOX_CONSOLE_READ_ONLY
 // (`outbox console --read-only`) turns the actions off: OUTBOX_CONSOLE_TOKEN
-// then only lets its holder read, unless OUTBOX_CONSOLE_READ_TOKEN or
-// OUTBOX_CONSOLE_PUBLIC_READ says who reads.
+// then only lets its holder read, as OUTBOX_CONSOLE_READ_TOKEN does (both
+// are accepted), unless OUTBOX_CONSOLE_PUBLIC_READ opens the reads.
 func loadConsoleConfig(env Env, relayTables []schema.Table, standalone bool) (consoleConfig, error) {
 	var c consoleConfig
 	c.addr = env.String("OUTBOX_CONSOLE_ADDR", "")
@@ -108,12 +109,7 @@ func loadConsoleConfig(env Env, relayTables []schema.Table, standalone bool) (co
 				errUsage, tok.name, len(tok.value), console.MinTokenBytes, console.MinTokenBytes)
 		}
 	}
-	if readOnly {
-		if c.readToken == "" && !c.publicRead {
-			c.readToken = c.token // the token still guards the reads
-		}
-		c.token = ""
-	}
+	c.readOnly = readOnly // the console token still guards the reads, beside the read token
 	if err := checkConsoleAddr(c.addr, c.token != "" || c.readToken != "", readOnly, standalone); err != nil {
 		return c, err
 	}
@@ -129,6 +125,12 @@ func loadConsoleConfig(env Env, relayTables []schema.Table, standalone bool) (co
 // mode says who may do what in the console, for its start-up line.
 func (c consoleConfig) mode() string {
 	switch {
+	case c.readOnly && c.publicRead, c.readOnly && c.token == "" && c.readToken == "":
+		return "read-only, anyone who reaches it reads it"
+	case c.readOnly && c.token != "" && c.readToken != "":
+		return "read-only, reads need OUTBOX_CONSOLE_READ_TOKEN or OUTBOX_CONSOLE_TOKEN"
+	case c.readOnly:
+		return "read-only, reads need the token"
 	case c.token != "" && c.publicRead:
 		return "anyone reads, actions need OUTBOX_CONSOLE_TOKEN"
 	case c.token != "" && c.readToken != "":
@@ -157,7 +159,7 @@ func (s consoleServer) Shutdown(ctx context.Context) error {
 
 // serveConsole starts the console's HTTP server on c.addr.
 func serveConsole(pool *pgxpool.Pool, c consoleConfig, logger watermill.LoggerAdapter, stdout io.Writer) (consoleServer, error) {
-	h, err := console.New(pool, console.Config{Tables: c.tables, Token: c.token, ReadToken: c.readToken, PublicRead: c.publicRead,
+	h, err := console.New(pool, console.Config{Tables: c.tables, Token: c.token, ReadToken: c.readToken, ReadOnly: c.readOnly, PublicRead: c.publicRead,
 		Addr: c.addr, AllowedHosts: c.allowedHosts, TrustProxy: c.trustProxy, TraceURL: c.traceURL, Logger: logger, ChartInterval: console.ChartIntervalDaemon})
 	if err != nil {
 		return consoleServer{}, err

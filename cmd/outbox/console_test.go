@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+
 	"github.com/outboxkit/watermill-outbox/internal/testdb"
 )
 
@@ -206,7 +208,7 @@ func TestConsoleEnvironment(t *testing.T) {
 		t.Fatalf("config %+v, %v", c, err)
 	}
 	c, err = loadConsoleConfig(env("OUTBOX_CONSOLE_ADDR", "0.0.0.0:8080", "OUTBOX_CONSOLE_TOKEN", tok, "OUTBOX_CONSOLE_READ_ONLY", "true"), nil, false)
-	if err != nil || c.token != "" || c.readToken != tok {
+	if err != nil || c.token != tok || !c.readOnly || c.mode() != "read-only, reads need the token" {
 		t.Fatalf("read-only with a token: %+v, %v", c, err)
 	}
 	if c, err = loadConsoleConfig(env("OUTBOX_CONSOLE_ADDR", "10.0.0.1:8080", "OUTBOX_CONSOLE_READ_TOKEN", tok), nil, false); err != nil || c.readToken != tok {
@@ -239,5 +241,45 @@ func TestConsoleEnvironment(t *testing.T) {
 	_, err = loadConsoleConfig(env("OUTBOX_CONSOLE_ADDR", "0.0.0.0:8080"), nil, true)
 	if err == nil || !strings.Contains(err.Error(), "--read-only") {
 		t.Errorf("console without a token on an open address: %v", err)
+	}
+}
+
+// TestReadOnlyConsoleTakesBothTokens: `outbox console --read-only`
+// (OUTBOX_CONSOLE_READ_ONLY) with OUTBOX_CONSOLE_TOKEN and
+// OUTBOX_CONSOLE_READ_TOKEN lets the holder of either read and neither
+// act (issue 56 item 8: the console token was refused).
+func TestReadOnlyConsoleTakesBothTokens(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t)
+	tbl := testdb.Table(t, "outbox")
+	const tok, readTok = "console-token-0123456789", "read-token-0123456789ab"
+	env := Env{getenv: func(k string) string {
+		return map[string]string{"OUTBOX_CONSOLE_ADDR": "127.0.0.1:0", "OUTBOX_CONSOLE_TABLES": tbl.String(), "OUTBOX_CONSOLE_TOKEN": tok,
+			"OUTBOX_CONSOLE_READ_TOKEN": readTok, "OUTBOX_CONSOLE_READ_ONLY": "true"}[k]
+	}}
+	c, err := loadConsoleConfig(env, nil, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stdout syncBuffer
+	srv, err := serveConsole(pool, c, watermill.NopLogger{}, &stdout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Shutdown(context.Background()) })
+	m := regexp.MustCompile(`on (http://\S+) \((.*)\)`).FindStringSubmatch(stdout.String())
+	if m == nil {
+		t.Fatalf("no address printed: %s", stdout.String())
+	}
+	if m[2] != "read-only, reads need OUTBOX_CONSOLE_READ_TOKEN or OUTBOX_CONSOLE_TOKEN" {
+		t.Errorf("start-up line says %q", m[2])
+	}
+	for _, k := range []string{tok, readTok} {
+		if code, body := get(t, m[1]+"/", map[string]string{"Authorization": "Bearer " + k}); code != 200 || !strings.Contains(body, tbl.String()) {
+			t.Errorf("overview with the token %s...: %d", k[:5], code)
+		}
+	}
+	if code, _ := get(t, m[1]+"/", nil); code != 401 {
+		t.Errorf("anonymous overview: %d", code)
 	}
 }

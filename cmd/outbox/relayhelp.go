@@ -42,7 +42,7 @@ var relayVars = [][3]string{
 	{"OUTBOX_CONSOLE_ADDR", "(off)", "serve the web console on this address, such as 127.0.0.1:8080"},
 	{"OUTBOX_CONSOLE_TOKEN", "(read-only)", "the token (16+ bytes) that guards the console's pages and actions"},
 	{"OUTBOX_CONSOLE_TABLES", "the relay tables", "tables the console shows"},
-	{"OUTBOX_CONSOLE_READ_ONLY", "false", "no actions; a set token still guards the reads; without a token, allows a non-loopback address"},
+	{"OUTBOX_CONSOLE_READ_ONLY", "false", "no actions; a set token (either, when both are set) still guards the reads; without a token, allows a non-loopback address"},
 	{"OUTBOX_CONSOLE_READ_TOKEN", "(none)", "a second token (16+ bytes) that reads every page and changes nothing"},
 	{"OUTBOX_CONSOLE_PUBLIC_READ", "false", "anyone who reaches the console reads it; OUTBOX_CONSOLE_TOKEN still guards the actions"},
 	{"OUTBOX_CONSOLE_ALLOWED_HOSTS", "(none)", "more Host header names the console answers to, comma-separated (e.g. the name your proxy serves)"},
