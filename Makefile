@@ -6,7 +6,7 @@ TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 FUZZTIME ?= 30s
 export TEST_DATABASE_URL
 
-.PHONY: help up wait test fuzz fault partition ordered_history wal_history test_short test_race test_stress lint fmt vet bench bench-wal demo
+.PHONY: help up wait test fuzz fault partition ordered_history wal_history switch_history test_short test_race test_stress lint fmt vet bench bench-wal demo
 
 help: ## List the targets.
 	@grep -E '^[a-z_]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -42,6 +42,9 @@ ordered_history: up ## The ordered-mode history checker at full size (30,000 eve
 
 wal_history: up ## The WAL relay's history checker at a larger size (10,000 events; failures, replays, skips, relays replaced and sessions terminated); prints its counts.
 	WAL_HISTORY_EVENTS=10000 go test -count=1 -timeout 30m -run 'TestWALHistory$$' -v ./walrelay/ 2>&1 | grep -v '^=== ' | grep -E 'history_test|^(---|ok|FAIL)' | tail -60; exit $${PIPESTATUS[0]}
+
+switch_history: up ## The cross-mode history checker at full size (20,000 events, 32 switches between every pair of modes, relays of the three modes started, closed and killed, operator skips, replays and cleaner passes); prints its seed and counts (SWITCH_HISTORY_SEED=<seed> replays a run).
+	SWITCH_HISTORY_EVENTS=20000 SWITCH_HISTORY_SWITCHES=32 go test -count=1 -timeout 60m -run 'TestSwitchHistory$$' -v ./tests/switchhistory/ 2>&1 | grep -v '^\[watermill\]' | grep -v '^=== ' | tail -150; exit $${PIPESTATUS[0]}
 
 test_short: ## Quick run (~1 min): every package with -short (Watermill's universal suites run with few messages); no Docker or fault test.
 	go test -count=1 -short -timeout 10m ./...
