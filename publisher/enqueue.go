@@ -263,8 +263,8 @@ func (e *Enqueuer) Enqueue(ctx context.Context, tx Tx, table schema.Table, msg M
 	if err := e.v.message(0, &msg, q.Columns); err != nil {
 		return 0, alone(err)
 	}
-	if e.quiet(table) && msg.OrderingKey == "" {
-		return e.enqueueQuiet(ctx, tx, q, msg)
+	if lease := sqlq.LeaseOf(ctx); (lease != nil || e.quiet(table)) && msg.OrderingKey == "" {
+		return e.enqueueQuiet(ctx, tx, q, msg, lease)
 	}
 	args := []any{msg.TenantID.String(), msg.Topic, string(msg.Payload), msg.EventID.String(), e.channel(table)}
 	args, err = appendOptional(ctx, args, q.Columns, msg.Headers)
@@ -306,8 +306,9 @@ func (e *Enqueuer) existingOne(ctx context.Context, tx Tx, q *sqlq.Queries, msg 
 
 // enqueueQuiet writes an unkeyed row with no wake-up: one INSERT ... ON
 // CONFLICT DO NOTHING RETURNING sequence; an existing event_id is then read
-// and compared as Enqueue does.
-func (e *Enqueuer) enqueueQuiet(ctx context.Context, tx Tx, q *sqlq.Queries, msg Message) (int64, error) {
+// and compared as Enqueue does. With lease (the hot path's enqueue), the
+// row is written leased and appended to lease.Rows.
+func (e *Enqueuer) enqueueQuiet(ctx context.Context, tx Tx, q *sqlq.Queries, msg Message, lease *sqlq.LeaseRequest) (int64, error) {
 	args, err := appendOptional(ctx, []any{msg.TenantID.String(), msg.Topic, string(msg.Payload), msg.EventID.String()}, q.Columns, msg.Headers)
 	if err != nil {
 		return 0, err
@@ -316,12 +317,22 @@ func (e *Enqueuer) enqueueQuiet(ctx context.Context, tx Tx, q *sqlq.Queries, msg
 		args = append(args, nil)
 	}
 	var seq int64
-	err = tx.QueryRow(ctx, q.EnqueueQuiet, args...).Scan(&seq)
+	var leased []byte
+	stmt, dest := q.EnqueueQuiet, []any{&seq}
+	if lease != nil {
+		stmt, dest = q.EnqueueLeased, append(dest, &leased)
+	}
+	err = tx.QueryRow(ctx, stmt, args...).Scan(dest...)
 	if isNoRows(err) {
 		return e.existingOne(ctx, tx, q, msg)
 	}
 	if err != nil {
 		return 0, fmt.Errorf("publisher: enqueue into %s: %w", q.Table, err)
+	}
+	if lease != nil {
+		if err := lease.Decode(leased, q.Columns); err != nil {
+			return 0, fmt.Errorf("publisher: enqueue into %s: %w", q.Table, err)
+		}
 	}
 	e.cfg.Metrics.Enqueued(q.Table.Qualified(), msg.Topic, 1)
 	return seq, nil
@@ -401,8 +412,18 @@ func (e *Enqueuer) EnqueueBatch(ctx context.Context, tx Tx, table schema.Table, 
 		written, existed string
 		nul              bool
 	)
-	if err := tx.QueryRow(ctx, q.EnqueueBatch, args...).Scan(&written, &existed, &nul); err != nil {
+	query, dest, lease := q.EnqueueBatch, []any{&written, &existed, &nul}, sqlq.LeaseOf(ctx)
+	var leased []byte
+	if lease != nil { // the hot path's enqueue (subscriber.HotPath)
+		query, dest = q.EnqueueBatchLeased, append(dest, &leased)
+	}
+	if err := tx.QueryRow(ctx, query, args...).Scan(dest...); err != nil {
 		return nil, fmt.Errorf("publisher: enqueue batch of %d into %s: %w", n, table, err)
+	}
+	if lease != nil {
+		if err := lease.Decode(leased, q.Columns); err != nil {
+			return nil, fmt.Errorf("publisher: enqueue batch into %s: %w", table, err)
+		}
 	}
 	seqByID := make(map[string]int64, n)
 	for written != "" {

@@ -17,13 +17,15 @@ import (
 
 // The hot path (docs/HOTPATH.md). A service that relays its own table in
 // the process that writes it hands the events it committed straight to
-// its subscription: no NOTIFY wake-up and no claim. The writer leases each
-// event to the hot path in its own transaction, as a claim would (attempts
-// + 1, locked_at), so no relay claims it meanwhile; after the commit the
-// events go to the subscription's channel and from there through the same
-// watch, ack, nack, renewal and fencing as a claimed row. A crash between
-// commit and delivery leaves leased rows, which the relays claim once the
-// lease expires (LockTTL), like the rows of any relay that crashed.
+// its subscription: no NOTIFY wake-up and no claim. The writer's enqueue
+// writes each event leased to the hot path, as a claim would lease it
+// (attempts 1, locked_at: sqlq.LeaseRequest, in the same INSERT, so the
+// writer pays no extra statement), so no relay claims it meanwhile; after
+// the commit, and only then, the events go to the subscription's channel
+// and from there through the same watch, ack, nack, renewal and fencing as
+// a claimed row. A crash between commit and delivery leaves leased rows,
+// which the relays claim once the lease expires (LockTTL), like the rows of
+// any relay that crashed.
 
 // maxHotQueue bounds HotConfig.QueueLimit: the capacity of each
 // subscription's hot channel, so that a hand-over never blocks.
@@ -65,7 +67,6 @@ type HotPath struct {
 	queued atomic.Int64 // events reserved: being written, or handed over and not yet in a handler
 	quiet  *publisher.Enqueuer
 	loud   *publisher.Enqueuer
-	lease  string
 	// crashAfterCommit, set by tests only, makes BeginFunc return after
 	// the commit without handing anything over: a process killed between
 	// its commit and the delivery.
@@ -99,7 +100,7 @@ func NewHotPath(s *Subscriber, cfg HotConfig) (*HotPath, error) {
 	if err != nil {
 		return nil, fmt.Errorf("subscriber: hot path: %w", err)
 	}
-	return &HotPath{s: s, limit: int64(cfg.QueueLimit), quiet: quiet, loud: loud, lease: sqlq.HotLease(s.cfg.Table, cols)}, nil
+	return &HotPath{s: s, limit: int64(cfg.QueueLimit), quiet: quiet, loud: loud}, nil
 }
 
 // Beginner begins a transaction: a *pgxpool.Pool or a *pgx.Conn.
@@ -156,64 +157,93 @@ func (h *HotPath) BeginFunc(ctx context.Context, db Beginner, fn func(tx *HotTx)
 type HotTx struct {
 	pgx.Tx
 	h        *HotPath
-	leased   []*claimed
-	reserved int // queue places taken by this transaction (leased and not)
+	leased   []*claimed // the rows written leased to the hot path
+	reserved int        // the queue places they take
 }
 
-// Enqueue writes msg into the relay's table in tx (publisher.Enqueue) and,
-// unless the event is left to the cold path, leases it to the hot path.
+// Enqueue writes msg into the relay's table in tx (publisher.Enqueue);
+// after the commit the hot path delivers it, unless it is left to the cold
+// path.
 func (tx *HotTx) Enqueue(ctx context.Context, msg publisher.Message) (int64, error) {
-	seqs, err := tx.EnqueueBatch(ctx, []publisher.Message{msg})
+	h := tx.h
+	if msg.OrderingKey != "" {
+		// Through the batch, which takes the key's lock as every keyed
+		// enqueue does.
+		seqs, err := tx.EnqueueBatch(ctx, []publisher.Message{msg})
+		if err != nil {
+			return 0, err
+		}
+		return seqs[0], nil
+	}
+	if reason := h.eligible(msg); reason != "" {
+		h.fallback(reason, 1)
+		return h.loud.Enqueue(ctx, tx.Tx, h.s.cfg.Table, msg)
+	}
+	tx.reserved++ // given back by BeginFunc if the transaction does not commit
+	lease := &sqlq.LeaseRequest{}
+	seq, err := h.quiet.Enqueue(sqlq.WithLease(ctx, lease), tx.Tx, h.s.cfg.Table, msg)
 	if err != nil {
 		return 0, err
 	}
-	return seqs[0], nil
+	tx.took(lease, 1)
+	return seq, nil
+}
+
+// took keeps the rows lease holds, of the want events taken to the hot
+// path, and gives back the queue places of those not written.
+func (tx *HotTx) took(lease *sqlq.LeaseRequest, want int) {
+	for _, row := range lease.Rows {
+		tx.leased = append(tx.leased, &claimed{row: row})
+	}
+	if missed := want - len(lease.Rows); missed > 0 {
+		// Events enqueued before (an idempotent enqueue writes nothing) or
+		// repeated in a batch: not this transaction's to hand over.
+		tx.reserved -= missed
+		tx.h.queued.Add(-int64(missed))
+		tx.h.fallback("not_written", missed)
+	}
 }
 
 // EnqueueBatch writes msgs into the relay's table in tx
-// (publisher.EnqueueBatch) and leases to the hot path those it takes.
+// (publisher.EnqueueBatch); after the commit the hot path delivers those it
+// takes. The events it takes are written in one statement, leased, and
+// the others in another (which wakes the relays).
 func (tx *HotTx) EnqueueBatch(ctx context.Context, msgs []publisher.Message) ([]int64, error) {
 	h := tx.h
-	hot := make([]string, 0, len(msgs))
-	for _, m := range msgs {
+	var hot, cold []int
+	for i, m := range msgs {
 		if reason := h.eligible(m); reason != "" {
 			h.fallback(reason, 1)
+			cold = append(cold, i)
 			continue
 		}
-		hot = append(hot, m.EventID.String())
+		hot = append(hot, i)
 	}
-	enq := h.loud
-	if len(hot) == len(msgs) {
-		enq = h.quiet // no relay needs waking for these
-	}
-	tx.reserved += len(hot)
-	seqs, err := enq.EnqueueBatch(ctx, tx.Tx, h.s.cfg.Table, msgs)
-	if err != nil || len(hot) == 0 {
-		return seqs, err
-	}
-	rows, err := tx.Query(ctx, h.lease, hot)
-	if err != nil {
-		return nil, fmt.Errorf("subscriber: hot path: lease the events: %w", err)
-	}
-	n := 0
-	for rows.Next() {
-		c := &claimed{}
-		if err := c.row.ScanClaim(rows, h.s.q.Columns); err != nil {
-			rows.Close()
-			return nil, fmt.Errorf("subscriber: hot path: %w", err)
+	tx.reserved += len(hot) // given back by BeginFunc if the transaction does not commit
+	seqs := make([]int64, len(msgs))
+	write := func(ctx context.Context, enq *publisher.Enqueuer, idx []int) error {
+		if len(idx) == 0 {
+			return nil
 		}
-		tx.leased = append(tx.leased, c)
-		n++
+		part := make([]publisher.Message, len(idx))
+		for k, i := range idx {
+			part[k] = msgs[i]
+		}
+		got, err := enq.EnqueueBatch(ctx, tx.Tx, h.s.cfg.Table, part)
+		for k, i := range idx {
+			if err == nil {
+				seqs[i] = got[k]
+			}
+		}
+		return err
 	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("subscriber: hot path: lease the events: %w", err)
+	lease := &sqlq.LeaseRequest{}
+	if err := write(sqlq.WithLease(ctx, lease), h.quiet, hot); err != nil {
+		return nil, err
 	}
-	if missed := len(hot) - n; missed > 0 {
-		// Existing events enqueued again (published, leased or dead
-		// already): they are not this transaction's to hand over.
-		tx.reserved -= missed
-		h.queued.Add(-int64(missed))
-		h.fallback("not_leased", missed)
+	tx.took(lease, len(hot))
+	if err := write(ctx, h.loud, cold); err != nil {
+		return nil, err
 	}
 	return seqs, nil
 }
@@ -320,7 +350,7 @@ func (r *hotSubs) takes(topic string) bool {
 
 // hotLoop delivers the events handed over to sub, each once a slot of
 // MaxInFlight is free, until sub stops; then it gives back the leases of
-// those not delivered.
+// those not delivered (the attempt undone), for the cold path.
 func (sub *subscription) hotLoop(stop <-chan struct{}) {
 	s := sub.s
 	var undelivered []*claimed

@@ -88,7 +88,7 @@ func main() {
 	flag.StringVar(&o.chart, "chart", "", "write the latency chart (PNG) to this file")
 	flag.DurationVar(&o.latencyDuration, "latency-duration", 10*time.Second, "length of one latency case")
 	rates := flag.String("rates", "100,1000,5000", "comma-separated offered rates (events/s) for the latency suite")
-	flag.StringVar(&suite, "suite", "all", "comma-separated suites: enqueue, writer, relay, latency, poison, inbox, brokers, scaling, sustained, ordered, wal, xmin, all (all: every suite but wal and xmin)")
+	flag.StringVar(&suite, "suite", "all", "comma-separated suites: enqueue, writer, relay, latency, poison, inbox, brokers, scaling, sustained, ordered, wal, xmin, hot, all (all: every suite but wal, xmin and hot)")
 	o.ordered.register()
 	o.xmin.register()
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the run to this file")
@@ -152,7 +152,7 @@ func run(ctx context.Context, o options, suites []string) error {
 	known := map[string]func(context.Context, *pgxpool.Pool, string, options) error{
 		"enqueue": enqueueSuite, "writer": writerSuite, "relay": relaySuite, "latency": latencySuite, "brokers": brokerSuite,
 		"scaling": scalingSuite, "sustained": sustainedSuite, "poison": poisonSuite, "inbox": inboxSuite, "ordered": orderedSuite, "wal": walSuite,
-		"xmin": xminSuite,
+		"xmin": xminSuite, "hot": hotSuite,
 	}
 	order := []string{"enqueue", "writer", "relay", "latency", "poison", "inbox", "brokers", "scaling", "sustained", "ordered"}
 	var run []string
@@ -163,7 +163,7 @@ func run(ctx context.Context, o options, suites []string) error {
 			continue
 		}
 		if known[s] == nil {
-			return fmt.Errorf("unknown suite %q (known: %s, wal, xmin, all)", s, strings.Join(order, ", "))
+			return fmt.Errorf("unknown suite %q (known: %s, wal, xmin, hot, all)", s, strings.Join(order, ", "))
 		}
 		run = append(run, s)
 	}

@@ -169,6 +169,18 @@ type Queries struct {
 	// retention. Args: retention seconds, batch size. Command tag: rows.
 	DeletePublished string
 
+	// EnqueueLeased is EnqueueQuiet for the hot path: the row is written
+	// leased (locked_at, attempts 1), and a second column returns it as
+	// the claim reads it (LeaseRequest.Decode). Args: those of
+	// EnqueueQuiet.
+	EnqueueLeased string
+
+	// EnqueueBatchLeased is EnqueueBatch for the hot path: the rows are
+	// written leased (locked_at, attempts 1), no NOTIFY is sent, and a
+	// fourth column returns the written rows as the claim reads them
+	// (LeaseRequest.Decode). Args: those of EnqueueBatch ($5 unused).
+	EnqueueBatchLeased string
+
 	// AckUpToInTx is the watermill-sql offsets-style ack used by Adapter: it
 	// marks published the rows this same transaction claimed (locked_at =
 	// now()) up to a sequence. Args: sequence.
@@ -265,6 +277,8 @@ RETURNING sequence, ` + notify + `) IS NULL`
 	}
 	q.EnqueueQuiet = `INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `) VALUES (` + strings.Join(quiet, ", ") + `)
 ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING sequence`
+	q.EnqueueLeased = `INSERT INTO ` + tbl + ` AS o (` + strings.Join(insertCols, ", ") + `, locked_at, attempts) VALUES (` + strings.Join(quiet, ", ") + `, clock_timestamp(), 1)
+ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING o.sequence, json_build_array(json_build_array(` + strings.Join(claimExprs(c), ", ") + `))`
 
 	q.EnqueueBatch = `WITH u AS (SELECT * FROM unnest(` + strings.Join(unnestArgs, ", ") + `) AS u(` + strings.Join(aliases, ", ") + `)),` + batchLock + `
 ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `)
@@ -278,6 +292,22 @@ ex AS (
 SELECT (SELECT COALESCE(string_agg(event_id::text || ':' || sequence::text, ','), '') FROM ins),
   (SELECT ` + existingJSON + ` FROM ex),
   ` + batchNotify + ` AND EXISTS (SELECT 1 FROM ins)) IS NULL`
+
+	// The hot path's enqueue (HotLease): the batch, leased to the writer's
+	// process as a claim would lease it, returned as the claim reads it,
+	// without the NOTIFY (no relay needs waking).
+	q.EnqueueBatchLeased = `WITH u AS (SELECT * FROM unnest(` + strings.Join(unnestArgs, ", ") + `) AS u(` + strings.Join(aliases, ", ") + `)),` + batchLock + `
+ins AS (INSERT INTO ` + tbl + ` AS o (` + strings.Join(insertCols, ", ") + `, locked_at, attempts)
+SELECT ` + strings.Join(unnestCols, ", ") + `, clock_timestamp(), 1 ` + batchSource + `
+ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING o.event_id, o.sequence, json_build_array(` + strings.Join(claimExprs(c), ", ") + `) AS leased),
+ex AS (
+  SELECT o.event_id, o.sequence, o.tenant_id, o.topic, o.payload = u.c3::jsonb AS same_payload
+  FROM u JOIN ` + tbl + ` AS o ON o.event_id = u.c4::uuid
+  WHERE u.c4::uuid NOT IN (SELECT event_id FROM ins)
+)
+SELECT (SELECT COALESCE(string_agg(event_id::text || ':' || sequence::text, ','), '') FROM ins),
+  (SELECT ` + existingJSON + ` FROM ex), $5::text IS NOT NULL,
+  (SELECT COALESCE(json_agg(leased), '[]'::json) FROM ins)`
 
 	q.ExistingEvents = `SELECT ` + existingJSON + `
 FROM (SELECT o.event_id, o.sequence, o.tenant_id, o.topic, o.payload = u.p::jsonb AS same_payload
@@ -412,6 +442,16 @@ const existingJSON = `COALESCE(json_agg(json_build_array(ex.event_id::text, ex.s
 // claimReturning lists the columns a claim's UPDATE returns, named c1,
 // c2, ... in ClaimedRow.Scan order; claimColumns lists those names.
 func claimReturning(c schema.Columns) string {
+	cols := claimExprs(c)
+	for i := range cols {
+		cols[i] += " AS c" + itoa(i+1)
+	}
+	return strings.Join(cols, ", ")
+}
+
+// claimExprs are the expressions of the claim's columns, in the order
+// ClaimedRow.ScanClaim reads them, on the row o.
+func claimExprs(c schema.Columns) []string {
 	cols := []string{"o.id::text", "o.event_id::text", "o.tenant_id::text", "o.topic", "o.payload::text",
 		"o.sequence", "o.attempts", "o.locked_at", "o.created_at"}
 	if c.TraceContext {
@@ -426,10 +466,7 @@ func claimReturning(c schema.Columns) string {
 		// forwarder keys a Kafka record by it).
 		cols = append(cols, "o.ordering_key")
 	}
-	for i := range cols {
-		cols[i] += " AS c" + itoa(i+1)
-	}
-	return strings.Join(cols, ", ")
+	return cols
 }
 
 func claimColumns(c schema.Columns) string {
