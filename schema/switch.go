@@ -6,8 +6,6 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 )
 
 // A table's delivery state has one form at rest: the row's own columns
@@ -26,8 +24,9 @@ import (
 // `outbox migrate --mode=`, walrelay.Setup, and each relay when it starts).
 //
 // When m is already t's recorded mode it does nothing. Otherwise, in one
-// transaction that holds t's migration lock and keeps relays of other modes
-// from starting meanwhile, it:
+// transaction that holds t's migration lock (so switches, and migrations,
+// of t run one at a time; a relay that starts meanwhile runs its own switch
+// after this one), it:
 //
 //  1. refuses with ErrRelayModeMix, naming it, while a relay of another
 //     mode works on t (a default or ordered relay subscribed, a live
@@ -83,32 +82,28 @@ func switchMode(ctx context.Context, db DB, t Table, m Mode, by string) (switchR
 	if db == nil {
 		return res, fmt.Errorf("switch the relay mode of %s: nil DB; pass a *pgxpool.Pool, *pgx.Conn or pgx.Tx", t)
 	}
+	// The record first, in a transaction of its own that holds no lock
+	// afterwards: a relay that starts in the table's mode changes nothing,
+	// and waits for no migration.
+	unchanged, err := modeIs(ctx, db, t, m)
+	if err != nil || unchanged {
+		res.From = m
+		return res, err
+	}
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return res, fmt.Errorf("switch the relay mode of %s: begin: %w", t, err)
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	ok, err := modeTableExists(ctx, tx, t)
-	if err != nil {
-		return res, err
-	}
-	if !ok {
-		return res, fmt.Errorf("record the relay mode of %s: %w; run `outbox migrate --table=%s` (or schema.Migrate)", t, ErrNoModeTable, t)
-	}
-	rec, recorded, err := RecordedMode(ctx, tx, t)
-	if err != nil {
-		return res, err
-	}
-	if recorded && rec.Mode == m {
-		res.From = m
-		return res, nil // nothing to commit
-	}
-	// Serialize switches and migrations of t, then read the record again:
-	// another switch may have committed meanwhile.
+	// Serialize switches and migrations of t before reading anything of t
+	// (Migrate takes the same lock first, then t's: reading t first would
+	// hold a lock Migrate's DDL waits for while waiting for Migrate), then
+	// read the record again: another switch may have committed meanwhile.
 	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, t.migrateLockKey()); err != nil {
 		return res, fmt.Errorf("switch the relay mode of %s: lock: %w", t, err)
 	}
-	if rec, recorded, err = RecordedMode(ctx, tx, t); err != nil {
+	rec, recorded, err := RecordedMode(ctx, tx, t)
+	if err != nil {
 		return res, err
 	}
 	if recorded && rec.Mode == m {
@@ -120,9 +115,6 @@ func switchMode(ctx context.Context, db DB, t Table, m Mode, by string) (switchR
 		if res.From, err = inferMode(ctx, tx, t); err != nil {
 			return res, err
 		}
-	}
-	if err := lockOutOtherModes(ctx, tx, t, m); err != nil {
-		return res, err
 	}
 	if err := checkModeSwitch(ctx, tx, t, m); err != nil {
 		return res, fmt.Errorf("switch %s from %s to %s mode: %w; nothing changed", t, res.From, m, err)
@@ -152,6 +144,26 @@ ON CONFLICT (singleton) DO UPDATE SET mode = EXCLUDED.mode, recorded_at = now(),
 	return res, nil
 }
 
+// modeIs reports whether m is t's recorded mode, in a transaction of its
+// own (ended before it returns). It fails with ErrNoModeTable (wrapped)
+// when t has no mode table.
+func modeIs(ctx context.Context, db DB, t Table, m Mode) (bool, error) {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return false, fmt.Errorf("switch the relay mode of %s: begin: %w", t, err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	ok, err := modeTableExists(ctx, tx, t)
+	if err != nil {
+		return false, err
+	}
+	if !ok {
+		return false, fmt.Errorf("record the relay mode of %s: %w; run `outbox migrate --table=%s` (or schema.Migrate)", t, ErrNoModeTable, t)
+	}
+	rec, recorded, err := RecordedMode(ctx, tx, t)
+	return recorded && rec.Mode == m, err
+}
+
 // inferMode is the mode of a table without a recorded one, from what
 // exists: a table the WAL relay streams (its progress table and a
 // publication) is a WAL table; one with the ordering column and ordered
@@ -172,34 +184,6 @@ func inferMode(ctx context.Context, q Querier, t Table) (Mode, error) {
 		return ModeOrdered, nil
 	}
 	return ModeDefault, nil
-}
-
-// lockOutOtherModes takes, until tx ends, the relay-mode locks of the table
-// relays of modes other than m in exclusive mode, so that none starts while
-// the switch runs (a table relay takes its mode's lock in shared mode before
-// it records its mode, and holds it while subscribed), or refuses with
-// ErrRelayModeMix, naming the session, when one is held.
-func lockOutOtherModes(ctx context.Context, tx pgx.Tx, t Table, m Mode) error {
-	for _, ordered := range []bool{false, true} {
-		if (ordered && m == ModeOrdered) || (!ordered && m == ModeDefault) {
-			continue
-		}
-		key := pgmeta.RelayMode(t.Qualified(), ordered)
-		var got bool
-		if err := tx.QueryRow(ctx, `SELECT pg_try_advisory_xact_lock($1)`, key).Scan(&got); err != nil {
-			return fmt.Errorf("switch the relay mode of %s: lock out the relays: %w", t, err)
-		}
-		if got {
-			continue
-		}
-		holder, err := pgmeta.Holder(ctx, tx, key)
-		if err != nil {
-			return fmt.Errorf("look up the relays of %s: %w", t, err)
-		}
-		return fmt.Errorf("switch %s to %s mode: %s relay is subscribed to it (%s); stop it first (then the relay of %s mode may start), "+
-			"or keep the table's mode; nothing changed: %w", t, m, modeName(ordered), holder, m, ErrRelayModeMix)
-	}
-	return nil
 }
 
 // refuseOpenHolds fails with ErrKeysHeld while any hold of t is open (not

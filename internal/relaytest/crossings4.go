@@ -21,7 +21,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxkit/watermill-outbox/cleaner"
 	"github.com/outboxkit/watermill-outbox/publisher"
@@ -40,15 +39,11 @@ func (e *env) enqueuePayload(topic, key string, payload json.RawMessage) event {
 	if e.keys {
 		msg.OrderingKey = key
 	}
-	if err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
-		seqs, err := publisher.EnqueueBatch(ctx, tx, e.tbl, []publisher.Message{msg})
-		if err == nil {
-			ev.Seq = seqs[0]
-		}
-		return err
-	}); err != nil {
+	seqs, err := e.commit(ctx, []publisher.Message{msg})
+	if err != nil {
 		e.t.Fatalf("enqueue: %v", err)
 	}
+	ev.Seq = seqs[0]
 	return ev
 }
 

@@ -148,6 +148,10 @@ type Relay struct {
 	// closing the relay (the WAL relay: its replication session is
 	// terminated), so that a copy in a handler outlives its term.
 	EndTerm func(ctx context.Context, pool *pgxpool.Pool, tbl schema.Table) error
+	// Enqueue, when set, commits msgs into tbl in one transaction instead of
+	// publisher.EnqueueBatch in pgx.BeginFunc (the default relay with its
+	// hot path: subscriber.HotPath.BeginFunc), returning their sequences.
+	Enqueue func(ctx context.Context, pool *pgxpool.Pool, tbl schema.Table, msgs []publisher.Message) ([]int64, error)
 	// Asleep, when set, reports whether the running relay on tbl sleeps:
 	// only a wake-up (a notification, its poll, a retry coming due) makes
 	// it look at rows again (the table relays: they hold the table's idle
@@ -287,18 +291,28 @@ func (e *env) enqueue(topic string, keys ...string) []event {
 			msgs[i].OrderingKey = k
 		}
 	}
-	var seqs []int64
-	if err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
-		var err error
-		seqs, err = publisher.EnqueueBatch(ctx, tx, e.tbl, msgs)
-		return err
-	}); err != nil {
+	seqs, err := e.commit(ctx, msgs)
+	if err != nil {
 		e.t.Fatalf("enqueue: %v", err)
 	}
 	for i := range evs {
 		evs[i].Seq = seqs[i]
 	}
 	return evs
+}
+
+// commit enqueues msgs in one transaction, through r.Enqueue when set.
+func (e *env) commit(ctx context.Context, msgs []publisher.Message) ([]int64, error) {
+	if e.r.Enqueue != nil {
+		return e.r.Enqueue(ctx, e.pool, e.tbl, msgs)
+	}
+	var seqs []int64
+	err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
+		var err error
+		seqs, err = publisher.EnqueueBatch(ctx, tx, e.tbl, msgs)
+		return err
+	})
+	return seqs, err
 }
 
 // handler decides a message: nil acks, an error nacks (recorded with
