@@ -2,6 +2,7 @@ package publisher_test
 
 import (
 	"bufio"
+	"errors"
 	"go/ast"
 	"go/importer"
 	"go/parser"
@@ -98,7 +99,11 @@ func TestOnlyATransactionCompiles(t *testing.T) {
 			return os.Open(exports[path])
 		}),
 		Error: func(err error) {
-			te := err.(types.Error)
+			var te types.Error
+			if !errors.As(err, &te) {
+				errs[0] = append(errs[0], err.Error())
+				return
+			}
 			line := fset.Position(te.Pos).Line
 			errs[line] = append(errs[line], te.Msg)
 		},

@@ -145,7 +145,7 @@ func validHeaderName(n string) bool {
 		return false
 	}
 	for _, c := range n {
-		if c > unicode.MaxASCII || !(unicode.IsLetter(c) || unicode.IsDigit(c) || strings.ContainsRune("!#$%&'*+-.^_`|~", c)) {
+		if c > unicode.MaxASCII || (!unicode.IsLetter(c) && !unicode.IsDigit(c) && !strings.ContainsRune("!#$%&'*+-.^_`|~", c)) {
 			return false
 		}
 	}

@@ -194,7 +194,7 @@ type confirmChannel struct {
 // connection's reader never blocks on a channel no batch waits on.
 func (cc confirmChannel) drainReturns() {
 	go func() {
-		for range cc.returns { //nolint:revive // discard the returns of an abandoned batch
+		for range cc.returns { // discard the returns of an abandoned batch
 		}
 	}()
 }
