@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -21,17 +22,18 @@ func (r *Runbook) Event(ctx context.Context, eventID uuid.UUID) (Row, error) {
 		return Row{}, err
 	}
 	db, t := r.db, r.table
-	sq, err := stateOf(ctx, db, t)
+	rd, err := readerOf(ctx, db, t)
 	if err != nil {
 		return Row{}, err
 	}
-	return eventState(ctx, db, sq, eventID)
+	return eventState(ctx, db, rd.StateQueries, eventID, leaseTTL(rd, 0))
 }
 
-// eventState reads one event's row through the state statements sq.
-func eventState(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.UUID) (Row, error) {
+// eventState reads one event's row through the state statements sq,
+// judging its lease by lockTTL.
+func eventState(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.UUID, lockTTL time.Duration) (Row, error) {
 	t := sq.Table
-	st := sq.Event(eventID.String(), sqlq.LockTTLDefault.Seconds())
+	st := sq.Event(eventID.String(), lockTTL.Seconds())
 	var dead, leased bool
 	row, err := scanState(db.QueryRow(ctx, st.SQL, st.Args...), &dead, &leased)
 	if errors.Is(err, pgx.ErrNoRows) {

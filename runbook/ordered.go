@@ -224,7 +224,7 @@ func refusal(op HoldOp, eventID uuid.UUID, t schema.Table, err error) error {
 // hold's dead_at and attempts and makes it due, so that the relay delivers
 // the row first and the rest of its key after it. ok is false when the row
 // holds no key or its hold is resolved (replayKeyed then decides).
-func replayHeld(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
+func replayHeld(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uuid.UUID, lockTTL time.Duration, dryRun bool) (EventReplay, bool, error) {
 	t := oq.Table
 	h, err := holdOf(ctx, db, oq, eventID)
 	if err != nil || h == nil || h.state == HoldResolved {
@@ -236,7 +236,7 @@ func replayHeld(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uui
 	q := sqlq.NewRunbookQueries(t)
 	// The row as the state layer reads it: a held row shows its hold's
 	// attempts, last_error and dead_at.
-	row, err := eventState(ctx, db, sqlq.NewStateQueries(t, schema.ModeOrdered, oq.Columns), eventID)
+	row, err := eventState(ctx, db, sqlq.NewStateQueries(t, schema.ModeOrdered, oq.Columns), eventID, lockTTL)
 	if err != nil {
 		return EventReplay{}, true, err
 	}
@@ -280,7 +280,7 @@ var ErrNotRelayedYet = errors.New("runbook: keyed event not relayed yet")
 // its partition's written floor) becomes a replay hold, delivered once more
 // before the key's next row. ok is false when the row is not keyed or the
 // table is not ordered.
-func replayKeyed(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uuid.UUID, dryRun bool) (EventReplay, bool, error) {
+func replayKeyed(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uuid.UUID, lockTTL time.Duration, dryRun bool) (EventReplay, bool, error) {
 	t := oq.Table
 	var keyed bool
 	if err := db.QueryRow(ctx, oq.Keyed, eventID.String()).Scan(&keyed); errors.Is(err, pgx.ErrNoRows) || (err == nil && !keyed) {
@@ -291,7 +291,7 @@ func replayKeyed(ctx context.Context, db DB, oq *sqlq.OrderedQueries, eventID uu
 	q := sqlq.NewRunbookQueries(t)
 	// The row as the state layer reads it: a held row shows its hold's
 	// attempts, last_error and dead_at.
-	row, err := eventState(ctx, db, sqlq.NewStateQueries(t, schema.ModeOrdered, oq.Columns), eventID)
+	row, err := eventState(ctx, db, sqlq.NewStateQueries(t, schema.ModeOrdered, oq.Columns), eventID, lockTTL)
 	if err != nil {
 		return EventReplay{}, true, err
 	}
@@ -395,10 +395,11 @@ func (r *Runbook) SkipEvent(ctx context.Context, eventID uuid.UUID, dryRun bool)
 		return EventSkip{}, err
 	}
 	db, t := r.db, r.table
-	sq, err := stateOf(ctx, db, t)
+	rd, err := readerOf(ctx, db, t)
 	if err != nil {
 		return EventSkip{}, err
 	}
+	sq := rd.StateQueries
 	if walKeyed(sq) {
 		return skipWAL(ctx, db, t, eventID, dryRun)
 	}
@@ -417,7 +418,7 @@ func (r *Runbook) SkipEvent(ctx context.Context, eventID uuid.UUID, dryRun bool)
 			eventID, t, ErrNotHeld)
 	}
 	if h == nil {
-		return skipRow(ctx, db, sq, eventID, sqlq.LockTTLDefault, dryRun)
+		return skipRow(ctx, db, sq, eventID, leaseTTL(rd, 0), dryRun)
 	}
 	if err := h.state.Allows(OpSkip); err != nil {
 		return EventSkip{}, refusal(OpSkip, eventID, t, err)

@@ -98,8 +98,11 @@ func (e *NotReplayableError) Unwrap() error { return e.Reason }
 
 // ReplayOptions configures ReplayEvent.
 type ReplayOptions struct {
-	// LockTTL is the relay's lease duration: a row leased less than LockTTL
-	// ago is refused with ErrLocked. Defaults to 60s, the relay's default LockTTL.
+	// LockTTL is a lower bound on the relays' lease duration: a row leased
+	// less than the larger of LockTTL and the LockTTL the table relays
+	// recorded (schema.ModeRecord.LockTTL) ago is refused with ErrLocked.
+	// 0 judges by the recorded one alone (60s, the relays' default, when
+	// none is recorded).
 	LockTTL time.Duration
 	// DryRun checks the row and returns the statement without changing
 	// anything.
@@ -128,7 +131,8 @@ type EventReplay struct {
 // now(), locked_at = NULL, last_error = NULL), and wakes the table's relays.
 // It acts only on a row that is dead, failed or skipped (published_at IS
 // NULL AND (dead_at IS NOT NULL OR last_error IS NOT NULL OR skipped_at IS
-// NOT NULL)) and not leased by a relay right now, and clears skipped_at: the
+// NOT NULL)) and not leased by a relay right now (leaseTTL: judged by the
+// LockTTL the table relays recorded, or opts.LockTTL when larger), and clears skipped_at: the
 // row is pending again, and a later skip sets it aside again
 // (docs/OPERATIONS.md, "The row's states"); any other row is refused with
 // a *NotReplayableError and left as it is. In an ordered table a keyed row
@@ -146,18 +150,14 @@ func (r *Runbook) ReplayEvent(ctx context.Context, eventID uuid.UUID, opts Repla
 	if eventID == uuid.Nil {
 		return EventReplay{}, errors.New("runbook: replay: the event_id is the nil UUID; pass the event_id of the row to replay")
 	}
-	lockTTL := opts.LockTTL
-	switch {
-	case lockTTL < 0:
-		return EventReplay{}, fmt.Errorf("runbook: lock TTL %s is negative; pass 0 for the default (%s)", lockTTL, sqlq.LockTTLDefault)
-	case lockTTL == 0:
-		lockTTL = sqlq.LockTTLDefault
+	if opts.LockTTL < 0 {
+		return EventReplay{}, fmt.Errorf("runbook: lock TTL %s is negative; pass 0 to judge leases by the relays' recorded LockTTL", opts.LockTTL)
 	}
-	sq, err := stateOf(ctx, db, t)
+	rd, err := readerOf(ctx, db, t)
 	if err != nil {
 		return EventReplay{}, err
 	}
-	return replayEvent(ctx, db, sq, eventID, lockTTL, opts.DryRun)
+	return replayEvent(ctx, db, rd.StateQueries, eventID, leaseTTL(rd, opts.LockTTL), opts.DryRun)
 }
 
 // replayEvent is ReplayEvent on the table of the state reader sq: the one
@@ -172,10 +172,10 @@ func replayEvent(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.
 	// hold (docs/ORDERING.md).
 	if sq.Mode == schema.ModeOrdered {
 		oq := sqlq.NewOrderedQueries(t, sq.Columns)
-		if held, ok, err := replayHeld(ctx, db, oq, eventID, dryRun); ok || err != nil {
+		if held, ok, err := replayHeld(ctx, db, oq, eventID, lockTTL, dryRun); ok || err != nil {
 			return held, err
 		}
-		if keyed, ok, err := replayKeyed(ctx, db, oq, eventID, dryRun); ok || err != nil {
+		if keyed, ok, err := replayKeyed(ctx, db, oq, eventID, lockTTL, dryRun); ok || err != nil {
 			return keyed, err
 		}
 	}
@@ -328,6 +328,10 @@ type BulkReplay struct {
 	// as done): the bulk replay leaves them alone, as ReplayEvent would.
 	// Elsewhere the statement leaves such rows out uncounted (0).
 	LeftAlone int64 `json:"left_alone,omitempty"`
+	// LockTTL is the lease duration the rows were judged by: rows leased
+	// less than it ago were left alone (the larger of DeadFilter.LockTTL
+	// and the LockTTL the table relays recorded).
+	LockTTL time.Duration `json:"-"`
 }
 
 // replayFilter checks the filter of a bulk replay of t and returns it as
@@ -351,7 +355,8 @@ func replayFilter(t schema.Table, f DeadFilter) (sqlq.RunbookFilter, error) {
 // order, at most f.Limit when it is positive) so that the relay delivers
 // them again, and wakes the table's relays. It replays exactly what
 // ReplayEvent would, row by row, and leaves alone what ReplayEvent refuses:
-// rows leased by a relay less than f.LockTTL ago; in a WAL table the rows
+// rows leased by a relay less than the larger of f.LockTTL and the LockTTL
+// the table relays recorded ago (BulkReplay.LockTTL); in a WAL table the rows
 // whose key's hold refuses their replay (a replay while the key's hold
 // drains; HoldState.Allows for the held row); in an ordered table every dead
 // row the state reader lists (Dead: keyed rows a dead hold holds included)
@@ -374,10 +379,12 @@ func (r *Runbook) ReplayDead(ctx context.Context, f DeadFilter, dryRun bool) (Bu
 	if err != nil {
 		return BulkReplay{}, err
 	}
-	sq, err := stateOf(ctx, db, t)
+	rd, err := readerOf(ctx, db, t)
 	if err != nil {
 		return BulkReplay{}, err
 	}
+	sq := rd.StateQueries
+	sf.LockTTL = leaseTTL(rd, f.LockTTL)
 	if sq.Mode == schema.ModeOrdered {
 		return replayDeadOrdered(ctx, db, sq, f, sf, dryRun)
 	}
@@ -389,7 +396,7 @@ func (r *Runbook) ReplayDead(ctx context.Context, f DeadFilter, dryRun bool) (Bu
 		sf.WALReplay = &g
 	}
 	q := sqlq.NewRunbookQueries(t)
-	res := BulkReplay{Table: t.String(), Statement: Statement(q.ReplayDead(sf)), DryRun: dryRun}
+	res := BulkReplay{Table: t.String(), Statement: Statement(q.ReplayDead(sf)), DryRun: dryRun, LockTTL: sf.LockTTL}
 	if dryRun {
 		count := q.CountReplayDead(sf)
 		s := &res.Snapshot
@@ -440,19 +447,17 @@ func (r *Runbook) ReplayDead(ctx context.Context, f DeadFilter, dryRun bool) (Bu
 }
 
 // replayDeadOrdered is ReplayDead for the ordered table of sq: each dead
-// row matching f (sf) that replayEvent's rule accepts, in sequence order,
-// up to f.Limit, is replayed by replayEvent. With f.Expect it runs in one
+// row matching f (sf) that replayEvent's rule accepts, judging leases by
+// sf.LockTTL, in sequence order, up to f.Limit, is replayed by
+// replayEvent. With f.Expect it runs in one
 // transaction (when db can begin one: *pgxpool.Pool, *pgx.Conn, pgx.Tx)
 // and changes exactly the previewed rows or none.
 func replayDeadOrdered(ctx context.Context, db DB, sq sqlq.StateQueries, f DeadFilter, sf sqlq.RunbookFilter, dryRun bool) (BulkReplay, error) {
 	t := sq.Table
-	lockTTL := f.LockTTL
-	if lockTTL <= 0 {
-		lockTTL = sqlq.LockTTLDefault
-	}
+	lockTTL := sf.LockTTL
 	sel := sf
 	sel.Limit = 0
-	res := BulkReplay{Table: t.String(), DryRun: dryRun, Statement: Statement(sq.Dead(sel))}
+	res := BulkReplay{Table: t.String(), DryRun: dryRun, Statement: Statement(sq.Dead(sel)), LockTTL: lockTTL}
 	res.Statement.SQL = "-- ordered mode: each dead row this lists is replayed as `outbox dead replay --event-id` replays it (Runbook.ReplayEvent),\n" +
 		"-- and left alone when that refuses it\n" + res.Statement.SQL
 	// plan lists the rows the rule accepts now, up to maxSeq when capped.

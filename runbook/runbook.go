@@ -261,8 +261,11 @@ type DeadFilter struct {
 	// AfterSequence keeps the rows whose sequence is greater: pass the last
 	// sequence of a page to read the next one.
 	AfterSequence int64
-	// LockTTL is the relay's lease duration; ReplayDead leaves alone the
-	// rows leased less than LockTTL ago. Defaults to 60s, the relay's default LockTTL.
+	// LockTTL is a lower bound on the relays' lease duration; ReplayDead
+	// leaves alone the rows leased less than the larger of LockTTL and the
+	// LockTTL the table relays recorded (schema.ModeRecord.LockTTL) ago.
+	// 0 judges by the recorded one alone (60s, the relays' default, when
+	// none is recorded).
 	LockTTL time.Duration
 	// Expect, for ReplayDead, is the snapshot of its preview (a dry run's
 	// BulkReplay.Snapshot): the replay then changes exactly the rows the
@@ -280,7 +283,7 @@ func (f DeadFilter) schemaFilter() (sqlq.RunbookFilter, error) {
 		return sqlq.RunbookFilter{}, fmt.Errorf("runbook: after sequence %d is negative; pass 0 to start from the first row", f.AfterSequence)
 	}
 	if f.LockTTL < 0 {
-		return sqlq.RunbookFilter{}, fmt.Errorf("runbook: lock TTL %s is negative; pass 0 for the default (%s)", f.LockTTL, sqlq.LockTTLDefault)
+		return sqlq.RunbookFilter{}, fmt.Errorf("runbook: lock TTL %s is negative; pass 0 to judge leases by the relays' recorded LockTTL", f.LockTTL)
 	}
 	sf := sqlq.RunbookFilter{
 		Topic:         f.Topic,

@@ -623,6 +623,12 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 		}
 		if !ok {
 			stmts = append(stmts, modeStatement(t))
+		} else if ok, err = hasLockTTLColumn(ctx, tx, t); err != nil {
+			return fmt.Errorf("migrate %s: %w", t, err)
+		} else if !ok {
+			// The relays' lock TTL (migration 000014): a column of the
+			// one-row mode table, added only when missing.
+			stmts = append(stmts, lockTTLStatements(t)...)
 		}
 		// The default the bounded claim needs (migration 000009): set only
 		// when it differs, since the ALTER locks t.
@@ -797,6 +803,8 @@ func MigrationFiles(t Table) map[string]string {
 	down12 := skippedAtDownSQL(t)
 	up13 := skippedAtEveryTableUpSQL(t)
 	down13 := skippedAtEveryTableDownSQL(t)
+	up14 := lockTTLUpSQL(t)
+	down14 := lockTTLDownSQL(t)
 	return map[string]string{
 		"migrations/000001_create_" + name + ".up.sql":                       h + "\n" + up1,
 		"migrations/000001_create_" + name + ".down.sql":                     h + destructive + "\n" + down1,
@@ -824,6 +832,8 @@ func MigrationFiles(t Table) map[string]string {
 		"migrations/000012_add_" + name + "_skipped_at.down.sql":             h + "\n" + down12,
 		"migrations/000013_add_" + name + "_skipped_at_every_table.up.sql":   h + skippedEveryTableNote + "\n" + up13,
 		"migrations/000013_add_" + name + "_skipped_at_every_table.down.sql": h + "\n" + down13,
+		"migrations/000014_add_" + name + "_mode_lock_ttl.up.sql":            h + lockTTLNote + "\n" + up14,
+		"migrations/000014_add_" + name + "_mode_lock_ttl.down.sql":          h + "\n" + down14,
 		"migrations/goose/00001_create_" + name + ".sql": h + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
 		"migrations/goose/00002_add_" + name + "_dead_at.sql": h + deadAtNote + "\n-- +goose Up\n" + up4 +
@@ -846,5 +856,7 @@ func MigrationFiles(t Table) map[string]string {
 			"\n-- +goose Down\n" + down12,
 		"migrations/goose/00011_add_" + name + "_skipped_at_every_table.sql": h + skippedEveryTableNote + "\n-- +goose Up\n" + up13 +
 			"\n-- +goose Down\n-- +goose StatementBegin\n" + down13 + "-- +goose StatementEnd\n",
+		"migrations/goose/00012_add_" + name + "_mode_lock_ttl.sql": h + lockTTLNote + "\n-- +goose Up\n" + up14 +
+			"\n-- +goose Down\n" + down14,
 	}
 }

@@ -36,21 +36,31 @@ var ErrNoModeTable = errors.New("the table that records the relay mode does not 
 // sanitized for SQL.
 func (t Table) modeTable() string { return t.companion(suffixMode) }
 
-// modeStatement creates the mode table of t, idempotently. It does not lock
-// t.
-func modeStatement(t Table) string {
+// modeStatement creates the mode table of t, idempotently, with the lease
+// duration the table relays record (lock_ttl_ms, lockttl.go). It does not
+// lock t.
+func modeStatement(t Table) string { return modeTableStatement(t, true) }
+
+// modeTableStatement creates the mode table of t, with lock_ttl_ms when
+// lockTTL is set (without it, as migration 000010 shipped it).
+func modeTableStatement(t Table, lockTTL bool) string {
+	ttl := ""
+	if lockTTL {
+		ttl = ",\n  " + lockTTLColumn + " BIGINT      NULL"
+	}
 	return `CREATE TABLE IF NOT EXISTS ` + t.modeTable() + ` (
   singleton   BOOLEAN     NOT NULL DEFAULT true PRIMARY KEY CHECK (singleton),
   mode        TEXT        NOT NULL CHECK (mode IN ('` + string(ModeDefault) + `', '` + string(ModeOrdered) + `', '` + string(ModeWAL) + `')),
   recorded_at TIMESTAMPTZ NOT NULL DEFAULT now(),
-  recorded_by TEXT        NOT NULL DEFAULT '' CHECK (octet_length(recorded_by) <= ` + itoa(modeRecordedByMaxBytes) + `)
+  recorded_by TEXT        NOT NULL DEFAULT '' CHECK (octet_length(recorded_by) <= ` + itoa(modeRecordedByMaxBytes) + `)` + ttl + `
 )`
 }
 
 // ModeUpSQL returns the DDL that creates the table recording the relay
-// mode of an existing table t (idempotent; the shipped migration 000010).
-// Until a mode is recorded in it, readers infer the mode as before.
-func modeUpSQL(t Table) string { return modeStatement(t) + ";\n" }
+// mode of an existing table t (idempotent; the shipped migration 000010,
+// kept as shipped: 000014 adds lock_ttl_ms). Until a mode is recorded in
+// it, readers infer the mode as before.
+func modeUpSQL(t Table) string { return modeTableStatement(t, false) + ";\n" }
 
 // ModeDownSQL reverts ModeUpSQL: readers infer the table's mode from what
 // exists again.
@@ -73,6 +83,12 @@ type ModeRecord struct {
 	// ("migrate", "default relay", "ordered relay", "WAL relay", ...).
 	RecordedAt time.Time
 	RecordedBy string
+	// LockTTL is the lease duration (LockTTL) of the table relay (default
+	// or ordered) that started on the table last, which records it at
+	// start whatever recorded the mode; 0 when none is recorded (no
+	// table relay of this version started since the mode table had
+	// lock_ttl_ms, migration 000014).
+	LockTTL time.Duration
 }
 
 // RecordedMode returns the relay mode recorded for t; ok is false when
@@ -82,8 +98,14 @@ func RecordedMode(ctx context.Context, q Querier, t Table) (rec ModeRecord, ok b
 	if ok, err = modeTableExists(ctx, q, t); err != nil || !ok {
 		return ModeRecord{}, false, err
 	}
-	var m string
-	err = q.QueryRow(ctx, `SELECT mode, recorded_at, recorded_by FROM `+t.modeTable()).Scan(&m, &rec.RecordedAt, &rec.RecordedBy)
+	var (
+		m  string
+		ms *int64
+	)
+	// lock_ttl_ms is read through the row's JSON, so that a mode table
+	// without it (before migration 000014) reads as recording none.
+	err = q.QueryRow(ctx, `SELECT m.mode, m.recorded_at, m.recorded_by, (to_jsonb(m) ->> '`+lockTTLColumn+`')::bigint FROM `+t.modeTable()+` AS m`).
+		Scan(&m, &rec.RecordedAt, &rec.RecordedBy, &ms)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return ModeRecord{}, false, nil
 	}
@@ -91,6 +113,9 @@ func RecordedMode(ctx context.Context, q Querier, t Table) (rec ModeRecord, ok b
 		return ModeRecord{}, false, fmt.Errorf("read the relay mode of %s: %w", t, err)
 	}
 	rec.Mode = Mode(m)
+	if ms != nil && *ms > 0 {
+		rec.LockTTL = time.Duration(*ms) * time.Millisecond
+	}
 	if !rec.Mode.Valid() {
 		return ModeRecord{}, false, fmt.Errorf("read the relay mode of %s: unknown mode %q", t, m)
 	}

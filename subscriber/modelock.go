@@ -228,6 +228,11 @@ func failModeOps(ops []modeOp, err error) {
 // hold of any mode (schema.ErrKeysHeld: s would not read it); any other
 // failure of the switch stops s too. A table without the mode table
 // (migrated by an earlier version) leaves readers inferring the mode.
+//
+// Then s records its LockTTL beside the mode (sqlq.RecordLockTTL), by
+// which every operator surface judges a row's lease; a mode table without
+// the column (before migration 000014) records none, and a failure to
+// record it stops s.
 func (s *Subscriber) recordMode(ctx context.Context) error {
 	mode, by := schema.ModeDefault, "default relay"
 	if s.cfg.Ordered {
@@ -236,6 +241,9 @@ func (s *Subscriber) recordMode(ctx context.Context) error {
 	rctx, cancel := context.WithTimeout(ctx, opTimeout)
 	defer cancel()
 	err := schema.SwitchMode(rctx, s.pool, s.cfg.Table, mode, by)
+	if err == nil {
+		_, err = sqlq.RecordLockTTL(rctx, s.pool, s.cfg.Table, s.cfg.LockTTL)
+	}
 	switch {
 	case err == nil, errors.Is(err, schema.ErrNoModeTable):
 		return nil

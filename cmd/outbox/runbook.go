@@ -29,7 +29,6 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -347,10 +346,11 @@ func runDeadReplay(ctx context.Context, env Env, args []string, stdout, stderr i
 		return err
 	}
 	f.vars = []helpVar{
-		{"OUTBOX_RELAY_LOCK_TTL", "60s", "the relays' lease length, as set for outbox relay (a lease older than it is expired)"},
+		{"OUTBOX_RELAY_LOCK_TTL", "(recorded)", "a lower bound on the relays' lease length: replay judges leases by the larger of it and the LockTTL the table's relays recorded at start (60s when none is)"},
 		{environmentVar, "(none)", environmentDevelopment + ": a bulk replay needs no --force"},
 	}
-	lockTTL, err := env.Duration("OUTBOX_RELAY_LOCK_TTL", sqlq.LockTTLDefault, false)
+	// Unset: the relays' recorded LockTTL alone judges leases (runbook.ReplayOptions.LockTTL).
+	lockTTL, err := env.Duration("OUTBOX_RELAY_LOCK_TTL", 0, false)
 	if err != nil {
 		return fmt.Errorf("%w: %w", errUsage, err)
 	}
@@ -495,7 +495,9 @@ func replayBulk(ctx context.Context, env Env, t schema.Table, filter runbook.Dea
 	if err != nil {
 		return err
 	}
-	desc := describeFilter(filter, true)
+	judged := filter
+	judged.LockTTL = p.LockTTL // the lease length the preview judged by
+	desc := describeFilter(judged, true)
 	rep := replayReport{Table: t.String(), Filter: desc, Statement: p.Statement.SQL, Args: p.Statement.Args,
 		Rows: p.Rows, DryRun: mode.dryRun, Expect: formatSnapshot(p.Snapshot), LeftAlone: p.LeftAlone}
 	if !mode.json {
