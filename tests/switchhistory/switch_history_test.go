@@ -71,7 +71,8 @@ import (
 //   - order: while the table is in a keyed mode, keyed events are first
 //     delivered in sequence order per key (an earlier event is delivered,
 //     skipped, or was left failing by a default relay, first);
-//   - switch: no switch is accepted while a relay of another mode runs.
+//   - switch: no switch is accepted while a relay of another mode runs or
+//     a hold of either keyed mode is open.
 //
 // Duplicates (deliveries beyond the first, around handovers, kills and
 // switches) are counted, not failures. Size: SWITCH_HISTORY_EVENTS
@@ -946,6 +947,7 @@ func (h *harness) switchMode(ctx context.Context) {
 	deadline := time.Now().Add(settleWithin)
 	for {
 		running := h.live()
+		open := h.openHolds(ctx)
 		var err error
 		if path == "relay start" {
 			_, err = h.startRelay(ctx, to)
@@ -958,11 +960,14 @@ func (h *harness) switchMode(ctx context.Context) {
 			err = h.documented(ctx, to)
 		}
 		if err == nil {
+			h.mu.Lock()
 			if len(running) > 0 {
-				h.mu.Lock()
 				h.violate("switch accepted beside a relay of another mode", nil, "%s by %s accepted while %d %s relay(s) ran", pair, path, len(running), from)
-				h.mu.Unlock()
+			} else if len(open) > 0 {
+				// No relay ran: the holds could not change meanwhile.
+				h.violate("switch accepted over open holds", nil, "%s by %s accepted while %d hold(s) were open: %s", pair, path, len(open), strings.Join(open, ", "))
 			}
+			h.mu.Unlock()
 			break
 		}
 		switch {
@@ -1009,6 +1014,21 @@ func (h *harness) switchMode(ctx context.Context) {
 			h.count("relay starts refused ("+string(to)+")", 1)
 		}
 	}
+}
+
+// openHolds lists the holds of either keyed mode not resolved (read from
+// the holds table itself: a table in default mode has no reader of them).
+func (h *harness) openHolds(ctx context.Context) []string {
+	rows, err := h.pool.Query(ctx, `SELECT format('%s hold of key %s at seq %s (%s)', mode, ordering_key, sequence, state) FROM `+h.tbl.HoldsTable()+
+		` WHERE resolved_at IS NULL ORDER BY sequence LIMIT 5`)
+	if err != nil {
+		return nil // no holds table yet
+	}
+	list, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil
+	}
+	return list
 }
 
 // resolveFor resolves every hold with a relay of mode from running (what
