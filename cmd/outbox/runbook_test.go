@@ -329,7 +329,7 @@ func TestRunbookReplayOneCommand(t *testing.T) {
 	// Without --confirm: the preview, exit 2, nothing changed.
 	r := rbRun(t, rbEnv("OUTBOX_ENVIRONMENT", "development"), args...)
 	r.expect(t, 2, []string{"Replay one event of " + tbl.String(), dead.String(), "dead (25 attempts, dead since ", "HTTP 503",
-		"Statement:", "UPDATE " + tbl.Sanitize() + " SET dead_at = NULL, attempts = 0", "-- $1 = '" + dead.String() + "'", "Rows it changes: 1"},
+		"Statement:", "UPDATE " + tbl.Sanitize() + " SET dead_at = NULL, skipped_at = NULL, attempts = 0", "-- $1 = '" + dead.String() + "'", "Rows it changes: 1"},
 		[]string{"nothing changed", "add --confirm"})
 	if !reflect.DeepEqual(before, rbSnapshot(t, pool, tbl)) {
 		t.Fatal("the preview changed rows")
