@@ -119,12 +119,15 @@ func (sub *subscription) run() {
 		misses   int    // empty claims in a row without the idle lock
 		rate     rateMeter
 	)
-	// A default relay on a table with the ordering_key column sleeps on the
-	// ordered relays' idle lock too: writers of keyed rows try that one
-	// (so that an ordered table's idle claim loop, which claims unkeyed
-	// rows only, does not make every keyed commit notify), and this relay
-	// claims keyed rows as well.
-	keyedToo := s.oq == nil && s.q.Columns.OrderingKey
+	// A default relay sleeps on the ordered relays' idle lock too: writers
+	// of keyed rows try that one (so that an ordered table's idle claim
+	// loop, which claims unkeyed rows only, does not make every keyed
+	// commit notify), and this relay claims keyed rows as well. It does so
+	// also on a table without the ordering_key column: the columns are read
+	// once, at New, and schema.Migrate may add the column while the relay
+	// runs; until then no writer tries that lock, so holding it costs one
+	// more lock statement per sleep and changes nothing else.
+	keyedToo := s.oq == nil
 	release := func() {
 		if holding {
 			if keyedToo {
