@@ -220,6 +220,9 @@ type harness struct {
 	nextRelay int
 	closing   sync.WaitGroup // background closes of killed relays
 	lastPub   time.Time      // database time of the last check of published rows
+	// aborted is set when no relay of the recorded mode can start: the
+	// history stops there (quiescence cannot come) and is checked as it is.
+	aborted bool
 }
 
 func newHarness(t *testing.T, seed uint64, events, switches int) *harness {
@@ -652,7 +655,7 @@ func (h *harness) stopRelays(ctx context.Context, kill bool) {
 // ensureRelay starts a relay of the current mode when none runs, trying
 // again until settleWithin (a killed ordered relay's leases run out first).
 func (h *harness) ensureRelay(ctx context.Context) {
-	if len(h.live()) > 0 {
+	if h.aborted || len(h.live()) > 0 {
 		return
 	}
 	deadline := time.Now().Add(settleWithin)
@@ -663,7 +666,10 @@ func (h *harness) ensureRelay(ctx context.Context) {
 		}
 		h.count("relay starts refused ("+string(h.mode)+")", 1)
 		if time.Now().After(deadline) {
-			h.t.Errorf("no %s relay could start within %s: %v", h.mode, settleWithin, err)
+			h.mu.Lock()
+			h.violate("no relay of the recorded mode can start", nil, "no %s relay could start within %s: %v", h.mode, settleWithin, err)
+			h.mu.Unlock()
+			h.aborted = true
 			return
 		}
 		time.Sleep(200 * time.Millisecond)
@@ -842,10 +848,10 @@ func (h *harness) run() {
 	}
 	h.ensureRelay(ctx)
 	phases := h.switches + 1
-	for p := 0; p < phases; p++ {
+	for p := 0; p < phases && !h.aborted; p++ {
 		target := int64(h.events * (p + 1) / phases)
 		h.allowed.Store(target)
-		for step := 0; h.committed.Load() < target || step < 3; step++ {
+		for step := 0; (h.committed.Load() < target || step < 3) && !h.aborted; step++ {
 			select {
 			case err := <-werr:
 				t.Fatalf("writer: %v (seed %d)", err, h.seed)
@@ -858,14 +864,21 @@ func (h *harness) run() {
 		}
 		if p < h.switches {
 			h.switchMode(ctx)
-			t.Logf("%s switch %d of %d done: now %s; %d events committed", time.Now().Format("15:04:05.000"), p+1, h.switches, h.mode, h.committed.Load())
+			t.Logf("%s switch %d of %d ended: the table is in %s mode; %d events committed", time.Now().Format("15:04:05.000"), p+1, h.switches, h.mode, h.committed.Load())
 		}
+	}
+	if h.aborted {
+		t.Logf("history aborted after %d events: no %s relay can start", h.committed.Load(), h.mode)
+		cancel()
 	}
 	wg.Wait()
 	select {
 	case err := <-werr:
 		t.Fatalf("writer: %v (seed %d)", err, h.seed)
 	default:
+	}
+	if h.aborted {
+		return
 	}
 	h.settle(ctx)
 	h.checkRunning(ctx)
@@ -937,6 +950,7 @@ func (h *harness) switchMode(ctx context.Context) {
 		h.stopRelays(ctx, h.rng.IntN(3) == 0)
 	}
 	refusedOnce := map[string]bool{}
+	unlisted := 0 // rounds refused with ErrKeysHeld while the runbook listed no hold
 	refuse := func(why string) {
 		if !refusedOnce[why] {
 			refusedOnce[why] = true
@@ -977,11 +991,27 @@ func (h *harness) switchMode(ctx context.Context) {
 			time.Sleep(200 * time.Millisecond) // a killed ordered relay's leases run out
 		case errors.Is(err, schema.ErrKeysHeld):
 			refuse("keys held")
-			h.resolveFor(ctx, from)
+			if h.resolveFor(ctx, from) > 0 {
+				unlisted = 0
+			} else if unlisted++; unlisted == 3 {
+				// What the refusal says to do cannot be done: abandon the
+				// switch, the table stays in its mode.
+				h.mu.Lock()
+				h.violate("switch refused for holds the runbook does not list", nil, "%s by %s: %v; the runbook of the %s table lists no hold; open: %s",
+					pair, path, err, from, strings.Join(h.openHolds(ctx), ", "))
+				h.counts["switches abandoned "+pair]++
+				h.switchLog = append(h.switchLog, rec)
+				h.mu.Unlock()
+				h.ensureRelay(ctx)
+				return
+			}
 		default:
 			refuse("other: " + firstLine(err))
 			h.stopRelays(ctx, false)
 			time.Sleep(200 * time.Millisecond)
+		}
+		if h.aborted {
+			return
 		}
 		if time.Now().After(deadline) {
 			h.mu.Lock()
@@ -1033,16 +1063,23 @@ func (h *harness) openHolds(ctx context.Context) []string {
 
 // resolveFor resolves every hold with a relay of mode from running (what
 // ErrKeysHeld says to do), then stops the relays.
-func (h *harness) resolveFor(ctx context.Context, from schema.Mode) {
+// It returns the number of holds the runbook listed first.
+func (h *harness) resolveFor(ctx context.Context, from schema.Mode) int {
 	h.ensureRelay(ctx)
 	deadline := time.Now().Add(settleWithin)
-	for time.Now().Before(deadline) {
-		if h.resolveHolds(ctx, true) == 0 {
+	first := -1
+	for time.Now().Before(deadline) && !h.aborted {
+		n := h.resolveHolds(ctx, true)
+		if first < 0 {
+			first = n
+		}
+		if n == 0 {
 			break
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
 	h.stopRelays(ctx, false)
+	return max(first, 0)
 }
 
 func firstLine(err error) string {
@@ -1185,7 +1222,7 @@ func (h *harness) checkRow(e *event, r runbook.Row, final bool) {
 	if r.PublishedAt != nil && e.acks == 0 {
 		h.violate("published without a delivery", e, "published_at set, never delivered")
 	}
-	if !final {
+	if !final || h.aborted {
 		return
 	}
 	switch {
