@@ -175,7 +175,7 @@ func (tx *HotTx) Enqueue(ctx context.Context, msg publisher.Message) (int64, err
 		}
 		return seqs[0], nil
 	}
-	if reason := h.eligible(msg); reason != "" {
+	if reason := h.eligible(ctx, msg); reason != "" {
 		h.fallback(reason, 1)
 		return h.loud.Enqueue(ctx, tx.Tx, h.s.cfg.Table, msg)
 	}
@@ -212,7 +212,7 @@ func (tx *HotTx) EnqueueBatch(ctx context.Context, msgs []publisher.Message) ([]
 	h := tx.h
 	var hot, cold []int
 	for i, m := range msgs {
-		if reason := h.eligible(m); reason != "" {
+		if reason := h.eligible(ctx, m); reason != "" {
 			h.fallback(reason, 1)
 			cold = append(cold, i)
 			continue
@@ -250,7 +250,7 @@ func (tx *HotTx) EnqueueBatch(ctx context.Context, msgs []publisher.Message) ([]
 
 // eligible takes a queue place for m and returns "", or the reason m is
 // left to the cold path.
-func (h *HotPath) eligible(m publisher.Message) string {
+func (h *HotPath) eligible(ctx context.Context, m publisher.Message) string {
 	s := h.s
 	switch {
 	case s.closed.Load():
@@ -259,7 +259,10 @@ func (h *HotPath) eligible(m publisher.Message) string {
 		return "keyed"
 	case !s.IsLeader():
 		return "no_subscription"
-	case s.paused.set.Load().has(m.Topic):
+	case s.pausedTopics(ctx).has(m.Topic):
+		// The relay's own reading, read again when stale (never read
+		// yet, a pause notified since, or PollInterval old), as before
+		// a claim.
 		return "paused"
 	case !s.hotSubs.takes(m.Topic):
 		return "no_subscription"
