@@ -198,6 +198,21 @@ func before(at1 time.Time, seq1 int64, at2 time.Time, seq2 int64) bool {
 
 // claim is Subscriber.claim for AllTopics with the bound.
 func (b *boundedClaims) claim(ctx context.Context, s *Subscriber, n int) ([]*claimed, error) {
+	out, err := b.lease(ctx, s, n)
+	if err != nil {
+		return nil, err
+	}
+	// The rows of a topic paused while the claim ran go back only once the
+	// bound has moved by every row the statement took, given back or not:
+	// a claim full of them still took its batch in index order (counted as
+	// not full, it moved the bound to the cut, above the topic's older
+	// rows, which then waited for the sweep after the resume).
+	return s.unpaused(out), nil
+}
+
+// lease runs one bounded claim of n rows, moves the bound, and returns
+// every row the claim leased.
+func (b *boundedClaims) lease(ctx context.Context, s *Subscriber, n int) ([]*claimed, error) {
 	// The cut and the claim go in one batch: one round trip, the cut's
 	// statement first, so the claim's snapshot is taken after it. Only one
 	// claim in boundedCutEvery carries a cut; the others use the last cut
@@ -318,7 +333,7 @@ func (sub *subscription) sweep(stop <-chan struct{}) {
 			if n == 0 {
 				break
 			}
-			batch, parked, err := s.claimQuery(sub.ctx, s.bounded.sweepSQL,
+			took, parked, err := s.claimQuery(sub.ctx, s.bounded.sweepSQL,
 				[]any{s.cfg.MaxAttempts, s.cfg.LockTTL.Seconds(), n, at, seq}, claimOpts{onPool: true}, nil)
 			if err != nil {
 				sub.slots.Unreserve(n)
@@ -327,6 +342,7 @@ func (sub *subscription) sweep(stop <-chan struct{}) {
 				}
 				break
 			}
+			batch := s.unpaused(took) // a pause read while the sweep ran
 			sub.slots.Unreserve(n - len(batch))
 			if len(batch)+parked > 0 {
 				sub.logger.Debug("Bounded claim: the sweep found rows below the bound", watermill.LogFields{"rows": len(batch), "parked": parked})
@@ -335,7 +351,7 @@ func (sub *subscription) sweep(stop <-chan struct{}) {
 			if !sub.deliver(batch, stop) {
 				return
 			}
-			if len(batch)+parked < n {
+			if len(took)+parked < n {
 				break
 			}
 		}

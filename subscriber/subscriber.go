@@ -361,7 +361,10 @@ func (s *Subscriber) claim(ctx context.Context, topic string, n int) ([]*claimed
 		return s.bounded.claim(ctx, s, n) // boundedclaim.go
 	}
 	out, _, err := s.claimQuery(ctx, query, args, claimOpts{}, nil)
-	return out, err
+	if err != nil {
+		return nil, err
+	}
+	return s.unpaused(out), nil
 }
 
 // claimOpts says where a claim runs and what it returns besides the
@@ -386,7 +389,10 @@ type claimPrelude struct {
 // claimQuery runs one claim statement (query with args) and returns the rows
 // it leased, sorted by sequence, after counting and logging the rows it
 // parked dead, and how many it parked (see claimOpts). pre, when set, is
-// sent in the same batch before the claim.
+// sent in the same batch before the claim. The caller gives back the rows
+// of the topics paused meanwhile (unpaused), after it has judged from all
+// of them whether the statement was full: a claim whose rows a pause
+// filters still took its batch in index order.
 func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, opts claimOpts, pre *claimPrelude) ([]*claimed, int, error) {
 	// The claim commits its leases as it runs: cancelled between its UPDATE
 	// and the reading of its rows, it would orphan the batch until LockTTL.
@@ -457,7 +463,7 @@ func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, o
 			watermill.LogFields{"event_id": c.row.EventID, "tenant_id": c.row.TenantID, "sequence": c.row.Sequence, "attempts": c.row.Attempts})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].row.Sequence < out[j].row.Sequence })
-	return s.unpaused(out), len(parked), nil
+	return out, len(parked), nil
 }
 
 // unpaused gives back, untouched (the claim's attempt undone), the rows of
