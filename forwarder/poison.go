@@ -11,14 +11,24 @@ import (
 )
 
 // PoisonQueue returns a router middleware that publishes to topic on pub a
-// copy of each outbox event whose failure sends its row dead, once per dead
-// event, whatever handler or middleware inside it failed: a forwarded
-// message's failure is copied only when it is Permanent or happens on the
-// row's last allowed attempt (earlier failures are retried by the outbox
-// itself). The error is not swallowed: the router nacks the message, so the
-// row goes dead with that error as last_error, and nothing is logged as an
-// ack without a publish. The copy carries the metadata of Watermill's
+// copy of each outbox event whose failure inside it sends its row dead, once
+// per dead event, whatever handler or middleware inside it failed: a
+// forwarded message's failure is copied only when it is Permanent or happens
+// on the row's last allowed attempt (earlier failures are retried by the
+// outbox itself). The error is not swallowed: the router nacks the message,
+// so the row goes dead with that error as last_error, and nothing is logged
+// as an ack without a publish. The copy carries the metadata of Watermill's
 // middleware.PoisonQueue (middleware.ReasonForPoisonedKey and the others).
+//
+// An event that dies without a failure reaching it gets no copy: a row
+// whose lease expired on its last allowed attempt (its relay was killed,
+// hung or cut off during that attempt; the next claim or the next leader
+// parks it dead), and a row whose stored headers are not a JSON object
+// (dead before the router sees it). Each is counted in outbox_dead_total,
+// logged at error and listed by `outbox dead list` with a last_error that
+// says why; replay it once the cause is fixed. Copying them would make two
+// copies of an event whose relay was killed after PoisonQueue published its
+// copy and before the nack that sent the row dead.
 //
 // Messages of the router's other handlers are handled as Watermill's
 // middleware.PoisonQueue handles them: every failure is copied and the
