@@ -157,6 +157,15 @@ func checkModeSwitch(ctx context.Context, q Querier, t Table, m Mode) error {
 			return fmt.Errorf("%s relay is subscribed to %s (%s); %s: %w", modeName(ordered), t, holder, fix, ErrRelayModeMix)
 		}
 	}
+	if m != ModeWAL {
+		holder, err := pgmeta.Holder(ctx, q, pgmeta.WALRelay(t.Qualified()))
+		if err != nil {
+			return fmt.Errorf("look up the relays of %s: %w", t, err)
+		}
+		if holder != "" {
+			return fmt.Errorf("a WAL relay is subscribed to %s (%s); %s: %w", t, holder, fix, ErrRelayModeMix)
+		}
+	}
 	var live, slot bool
 	var slotName string
 	err := q.QueryRow(ctx, `SELECT

@@ -15,8 +15,10 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
+	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/term"
+	"github.com/outboxkit/watermill-outbox/schema"
 )
 
 // item is one row to deliver.
@@ -185,6 +187,9 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 		defer cancel()
 		_ = conn.Close(cctx)
 	}()
+	if err := s.stillWAL(ctx, s.pool); err != nil {
+		return err
+	}
 	if err := s.ensureSlot(ctx); err != nil {
 		return err
 	}
@@ -266,13 +271,55 @@ func (s *Subscriber) ensureSlot(ctx context.Context) error {
 			return fmt.Errorf("drop the invalidated replication slot %s: %w", s.cfg.Names.Slot, err)
 		}
 	}
+	// A switch away from the WAL relay (schema.SwitchMode) drops the slot:
+	// recreate it only while the table is still the WAL relay's, under the
+	// lock every switch holds, so that no switch commits in between.
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("recreate replication slot %s: %w", s.cfg.Names.Slot, err)
+	}
+	defer conn.Release()
+	key := pgmeta.Migrate(s.cfg.Table.Qualified())
+	if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock($1)`, key); err != nil {
+		return fmt.Errorf("recreate replication slot %s: lock: %w", s.cfg.Names.Slot, err)
+	}
+	defer func() {
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if _, err := conn.Exec(uctx, `SELECT pg_advisory_unlock($1)`, key); err != nil {
+			_ = conn.Conn().Close(uctx) // ends the session, and its lock
+		}
+	}()
+	if err := s.stillWAL(ctx, conn); err != nil {
+		return err
+	}
 	var lsn string
-	if err := s.pool.QueryRow(ctx, sqlq.WALCreateSlot, s.cfg.Names.Slot).Scan(&lsn); err != nil {
+	if err := conn.QueryRow(ctx, sqlq.WALCreateSlot, s.cfg.Names.Slot).Scan(&lsn); err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "42710" { // duplicate_object: another relay recreated it
 			return nil
 		}
 		return privilegeHint(err, "recreate replication slot "+s.cfg.Names.Slot)
+	}
+	return nil
+}
+
+// errSwitchedAway is returned by a session that finds its table switched to
+// another relay mode (schema.SwitchMode, `outbox migrate --mode=`): the
+// relay stands by, streaming nothing, until the table is switched back.
+var errSwitchedAway = errors.New("the table is switched to another relay mode")
+
+// stillWAL fails with errSwitchedAway, naming the mode and who recorded
+// it, when t's recorded mode is no longer wal. A table without a record is
+// left to the checks of New.
+func (s *Subscriber) stillWAL(ctx context.Context, q schema.Querier) error {
+	rec, ok, err := schema.RecordedMode(ctx, q, s.cfg.Table)
+	if err != nil {
+		return fmt.Errorf("read the relay mode of %s: %w", s.cfg.Table, err)
+	}
+	if ok && rec.Mode != schema.ModeWAL {
+		return fmt.Errorf("%w: %s is relayed in %s mode (recorded by %q at %s); this WAL relay streams nothing: close it, or switch the table back "+
+			"(`outbox migrate --mode=wal`)", errSwitchedAway, s.cfg.Table, rec.Mode, rec.RecordedBy, rec.RecordedAt.Format(time.RFC3339))
 	}
 	return nil
 }

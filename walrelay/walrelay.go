@@ -89,10 +89,12 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
+	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/metrics"
@@ -455,7 +457,13 @@ func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 	// sessions no longer hold anything back, and the goroutines that
 	// follow them end (nothing waits forever).
 	defer s.terms.Close()
+	switchedAway := false // logged once per switch away
+	presence := &presence{pool: s.pool, key: pgmeta.WALRelay(s.cfg.Table.Qualified())}
+	defer presence.leave()
 	for ctx.Err() == nil {
+		if err := presence.hold(ctx); err != nil {
+			s.logger.Error("Could not take the WAL relay's presence lock; a mode switch may not see this relay between sessions", err, nil)
+		}
 		err := s.stream(ctx, out)
 		if ctx.Err() != nil {
 			return
@@ -466,9 +474,14 @@ func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 			s.logger.Debug("Slot in use: standing by", nil)
 		} else if errors.Is(err, errFenced) {
 			s.logger.Info("WAL session ended: it no longer holds the slot", nil)
+		} else if errors.Is(err, errSwitchedAway) {
+			if !switchedAway {
+				s.logger.Error("Standing by: the table was switched away from the WAL relay", err, nil)
+			}
 		} else if err != nil {
 			s.logger.Error("WAL stream ended; retrying", err, watermill.LogFields{"retry_in": s.cfg.ElectionInterval.String()})
 		}
+		switchedAway = errors.Is(err, errSwitchedAway)
 		select {
 		case <-ctx.Done():
 		case <-time.After(s.cfg.ElectionInterval):
@@ -480,4 +493,50 @@ func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 // and default relays' (keyed.Policy).
 func (s *Subscriber) policy() keyed.Policy {
 	return keyed.Policy{MaxAttempts: s.cfg.MaxAttempts, Backoff: s.cfg.Backoff, LastErrorMaxBytes: s.cfg.LastErrorMaxBytes, Permanent: subscriber.IsPermanent}
+}
+
+// presence holds, on a connection of its own (outside the pool, as the
+// table relays hold their mode lock on their notifier connection), the
+// lock that says a WAL relay is subscribed to the table (pgmeta.WALRelay,
+// shared), so that a mode switch refuses while it runs, between sessions
+// too.
+type presence struct {
+	pool *pgxpool.Pool
+	key  int64
+	conn *pgx.Conn
+}
+
+// hold takes the lock, or checks that the connection holding it is alive
+// and takes it again on a new one when it is not.
+func (p *presence) hold(ctx context.Context) error {
+	qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if p.conn != nil {
+		if _, err := p.conn.Exec(qctx, `SELECT 1`); err == nil {
+			return nil
+		}
+		_ = p.conn.Close(qctx) // a broken connection: its lock is gone with it
+		p.conn = nil
+	}
+	conn, err := pgx.ConnectConfig(qctx, p.pool.Config().ConnConfig.Copy())
+	if err != nil {
+		return err
+	}
+	if _, err := conn.Exec(qctx, `SELECT pg_advisory_lock_shared($1)`, p.key); err != nil {
+		_ = conn.Close(qctx)
+		return err
+	}
+	p.conn = conn
+	return nil
+}
+
+// leave ends the connection, and the lock with it.
+func (p *presence) leave() {
+	if p.conn == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = p.conn.Close(ctx)
+	p.conn = nil
 }

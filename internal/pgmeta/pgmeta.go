@@ -42,6 +42,12 @@ func RelayMode(qualified string, ordered bool) int64 {
 	return key("outbox-relay-default:" + qualified)
 }
 
+// WALRelay is the lock every WAL relay of the table holds in shared mode
+// while it is subscribed, streaming or standing by, so that a mode switch
+// sees it between two sessions too (its slot is active only while a
+// session streams).
+func WALRelay(qualified string) int64 { return key("outbox-relay-wal:" + qualified) }
+
 // Migrate serialises concurrent migrations of the same table.
 func Migrate(qualified string) int64 { return key("outbox-migrate:" + qualified) }
 
