@@ -9,6 +9,7 @@ import (
 	"hash/fnv"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -64,8 +65,12 @@ import (
 //     as such by the runbook; none is deleted before it was delivered or
 //     skipped; no rolled-back event is delivered;
 //   - skip: a skipped event is never handed to a handler after its skip
-//     was applied (the skip call returned), unless replayed after it; a
-//     skip applied last is final (the event reads as skipped);
+//     was applied, unless replayed after it: when the skip call returned
+//     for a skip recorded on the row at once (EventSkip.Applied), at the
+//     row's skipped_at for a skip the call requested of the relay (a held
+//     row of a keyed mode: the relay applies it, and a copy it handed out
+//     before may still be in a handler); a skip applied last is final (the
+//     event reads as skipped);
 //   - dead: a dead event is never marked published, and no event is marked
 //     published or read as delivered without a delivery;
 //   - order: while the table is in a keyed mode, keyed events are first
@@ -137,17 +142,22 @@ type event struct {
 	defaultDead time.Time
 
 	skipReqs []time.Time // before each skip call that recorded a skip
-	skips    []time.Time // when each such call returned (applied)
-	replays  []time.Time // before each replay call that changed the row
-	lastOp   string      // "skip" or "replay": the last operator action that changed the row
+	skips    []time.Time // when each such call returned
+	// onRow[i] is true when the i-th skip was recorded on the row at once
+	// (EventSkip.Applied: applied when the call returned); false for a
+	// request of the relay (a held row of a keyed mode), which the relay
+	// applies later, writing skipped_at: check reads when.
+	onRow   []bool
+	replays []time.Time // before each replay call that changed the row
+	lastOp  string      // "skip" or "replay": the last operator action that changed the row
 }
 
 // skippedAt reports whether a hand-over at `at` comes after a skip applied
 // with no replay after it.
 func (e *event) skippedAt(at time.Time) (time.Time, bool) {
 	var last time.Time
-	for _, s := range e.skips {
-		if s.Before(at) && s.After(last) {
+	for i, s := range e.skips {
+		if e.onRow[i] && s.Before(at) && s.After(last) {
 			last = s
 		}
 	}
@@ -294,7 +304,11 @@ func (h *harness) trace(e *event) string {
 		}
 	}
 	for i, s := range e.skips {
-		items = append(items, item{e.skipReqs[i], "skip requested"}, item{s, "skip applied"})
+		if e.onRow[i] {
+			items = append(items, item{e.skipReqs[i], "skip requested"}, item{s, "skip applied"})
+		} else {
+			items = append(items, item{e.skipReqs[i], "skip requested of the relay"})
+		}
 	}
 	for _, r := range e.replays {
 		items = append(items, item{r, "replay requested"})
@@ -725,6 +739,7 @@ func (h *harness) skip(ctx context.Context, id uuid.UUID, what string) {
 	if e := h.byID[id]; e != nil {
 		e.skipReqs = append(e.skipReqs, req)
 		e.skips = append(e.skips, done)
+		e.onRow = append(e.onRow, res.Applied)
 		e.lastOp = "skip"
 	}
 }
@@ -1266,8 +1281,13 @@ func (h *harness) check() {
 	if err != nil {
 		t.Fatalf("read the rows' states: %v", err)
 	}
+	skippedAt, err := h.skippedAt(ctx)
+	if err != nil {
+		t.Fatalf("read the rows' skipped_at: %v", err)
+	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.checkRequestedSkips(skippedAt)
 	committed := 0
 	for id, e := range h.byID {
 		if e.rolledBack {
@@ -1366,4 +1386,51 @@ func (h *harness) check() {
 		}
 	}
 	t.Errorf("%d violations (seed %d; rerun with SWITCH_HISTORY_SEED=%d):\n%s", total, h.seed, h.seed, v.String())
+}
+
+// skippedAt reads when the skip of each skipped row was applied (the
+// row's skipped_at, written by the operation or by the relay that applied
+// a requested skip).
+func (h *harness) skippedAt(ctx context.Context) (map[uuid.UUID]time.Time, error) {
+	rows, err := h.pool.Query(ctx, `SELECT event_id, skipped_at FROM `+h.tbl.Sanitize()+` WHERE skipped_at IS NOT NULL`)
+	if err != nil {
+		return nil, err
+	}
+	out := map[uuid.UUID]time.Time{}
+	for rows.Next() {
+		var id uuid.UUID
+		var at time.Time
+		if err := rows.Scan(&id, &at); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		out[id] = at
+	}
+	return out, rows.Err()
+}
+
+// checkRequestedSkips: an event whose skip a relay applied later (a
+// requested skip) is not handed over after the relay applied it, with no
+// replay since. Called under mu.
+func (h *harness) checkRequestedSkips(skippedAt map[uuid.UUID]time.Time) {
+	for _, d := range h.deliveries {
+		e := d.ev
+		if e == nil || !slices.Contains(e.onRow, false) {
+			continue
+		}
+		at, ok := skippedAt[e.id]
+		if !ok || !d.handed.After(at) {
+			continue
+		}
+		replayed := false
+		for _, r := range e.replays {
+			if r.After(at) && r.Before(d.handed) {
+				replayed = true
+			}
+		}
+		if !replayed {
+			h.violate("delivered after its skip was applied", e, "handed to %s (%s) %s after the relay applied the requested skip (skipped_at), no replay since",
+				d.relay, d.mode, d.handed.Sub(at).Round(time.Millisecond))
+		}
+	}
 }
