@@ -172,3 +172,37 @@ func TestMigrateWALOnExistingTable(t *testing.T) {
 	}
 	rbRun(t, env, "stats", "--json", "--table="+tbl).expect(t, 0, []string{`"mode": "wal"`}, nil)
 }
+
+// TestMigrateModeEveryPair: `outbox migrate --mode=` switches a table
+// between every pair of modes, both ways, with one command each
+// (docs/ORDERING.md, "Switching modes"), printing what it switched and
+// recording the new mode; with a key held (an open hold) it refuses,
+// naming the holds, and the mode stays.
+func TestMigrateModeEveryPair(t *testing.T) {
+	t.Parallel()
+	cluster := pgtest.Start(t, pgtest.Options{Settings: map[string]string{"wal_level": "logical", "max_replication_slots": "4", "max_wal_senders": "4"}})
+	env := map[string]string{"OUTBOX_DATABASE_URL": cluster.URL("", "")}
+	tbl := "public.pairs_outbox"
+	rbRun(t, env, "migrate", "--table="+tbl).expect(t, 0, []string{"migrated " + tbl}, nil)
+	from := "default"
+	// default->ordered->wal->default->wal->ordered->default: the six pairs.
+	for _, to := range []string{"ordered", "wal", "default", "wal", "ordered", "default"} {
+		rbRun(t, env, "migrate", "--mode="+to, "--table="+tbl).expect(t, 0, []string{"switched " + tbl + " from " + from + " to " + to + " mode"}, nil)
+		rbRun(t, env, "stats", "--json", "--table="+tbl).expect(t, 0, []string{`"mode": "` + to + `"`}, nil)
+		from = to
+	}
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, cluster.URL("", ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	// A key the WAL relay holds (a dead row's open hold).
+	rbRun(t, env, "migrate", "--mode=wal", "--table="+tbl).expect(t, 0, []string{"switched " + tbl + " from default to wal mode"}, nil)
+	if _, err := pool.Exec(ctx, `INSERT INTO `+schema.MustParseTable(tbl).HoldsTable()+` (ordering_key, partition, sequence, attempts, dead_at, mode)
+VALUES ('k', 0, 1, 3, now(), 'wal')`); err != nil {
+		t.Fatal(err)
+	}
+	rbRun(t, env, "migrate", "--mode=ordered", "--table="+tbl).expect(t, 1, nil, []string{"key(s) held", "outbox keys held"})
+	rbRun(t, env, "stats", "--json", "--table="+tbl).expect(t, 0, []string{`"mode": "wal"`}, nil)
+}
