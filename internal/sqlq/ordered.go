@@ -380,37 +380,6 @@ SELECT EXISTS (SELECT 1 FROM ins), NOT COALESCE((SELECT done FROM r), false),
 	return q
 }
 
-// OrderedDonePublished marks published, in table t switched from ordered
-// mode to the WAL relay, the keyed rows ordered mode delivered: at or
-// below their partition's written floor, or covered by a resolved hold of
-// their key (its row and the rows before it were acked or skipped), and
-// not skipped (a skipped row keeps skipped_at, which the WAL relay's reads
-// leave out). Ordered mode never marks a keyed row published, and the WAL
-// relay's first session delivers every row neither published, dead nor
-// skipped (its backfill): without this, it would deliver those rows again. Run with
-// no open ordered hold (OpenHoldsOfOtherMode) and no ordered relay running
-// (schema.RecordMode), when every such row is done; only on a table with
-// ordered mode's tables (OrderedTablesExist). Command tag: the rows marked.
-func OrderedDonePublished(t schema.Table) string {
-	return `UPDATE ` + t.Sanitize() + ` AS o SET published_at = now()
-FROM ` + t.PartitionsTable() + ` AS p
-WHERE p.partition = o.ordering_partition
-  AND o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL AND o.skipped_at IS NULL
-  AND (o.sequence <= p.floor_sequence OR EXISTS (SELECT 1 FROM ` + t.HoldsTable() + ` AS h
-    WHERE h.ordering_key = o.ordering_key AND h.resolved_at IS NOT NULL AND o.sequence <= h.sequence))`
-}
-
-// ForgetTombstones deletes the resolved holds (tombstones) keyed mode m
-// wrote in t, once t is relayed in the other keyed mode, which does not
-// read them: ordered mode's once the WAL relay's set-up has marked the rows
-// they covered published (OrderedDonePublished), the WAL relay's (which
-// kept it from delivering the stream's copies of rows it had delivered)
-// once an ordered relay has recorded its mode. The other mode's open holds
-// refuse the switch (OpenHoldsOfOtherMode).
-func ForgetTombstones(t schema.Table, m schema.Mode) string {
-	return `DELETE FROM ` + t.HoldsTable() + ` WHERE mode = ` + quoteLiteral(string(m)) + ` AND resolved_at IS NOT NULL`
-}
-
 // OrderedTablesExist reports whether the companion tables of ordered mode
 // exist for t.
 func OrderedTablesExist(ctx context.Context, q schema.Querier, t schema.Table) (bool, error) {
