@@ -45,16 +45,7 @@ func (r *LeaseRequest) Decode(b []byte, c schema.Columns) error {
 		var row ClaimedRow
 		var payload string
 		var lockedAt, createdAt string
-		dest := []any{&row.ID, &row.EventID, &row.TenantID, &row.Topic, &payload, &row.Sequence, &row.Attempts, &lockedAt, &createdAt}
-		if c.TraceContext {
-			dest = append(dest, &row.TraceParent, &row.TraceState)
-		}
-		if c.Headers {
-			dest = append(dest, &row.Headers)
-		}
-		if c.OrderingKey {
-			dest = append(dest, &row.OrderingKey)
-		}
+		dest := row.optionalDest([]any{&row.ID, &row.EventID, &row.TenantID, &row.Topic, &payload, &row.Sequence, &row.Attempts, &lockedAt, &createdAt}, c)
 		if len(cols) != len(dest) {
 			return fmt.Errorf("decode the leased rows: %d columns, want %d", len(cols), len(dest))
 		}

@@ -280,10 +280,23 @@ ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING sequence`
 	q.EnqueueLeased = `INSERT INTO ` + tbl + ` AS o (` + strings.Join(insertCols, ", ") + `, locked_at, attempts) VALUES (` + strings.Join(quiet, ", ") + `, clock_timestamp(), 1)
 ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING o.sequence, json_build_array(json_build_array(` + strings.Join(claimExprs(c), ", ") + `))`
 
-	q.EnqueueBatch = `WITH u AS (SELECT * FROM unnest(` + strings.Join(unnestArgs, ", ") + `) AS u(` + strings.Join(aliases, ", ") + `)),` + batchLock + `
-ins AS (INSERT INTO ` + tbl + ` (` + strings.Join(insertCols, ", ") + `)
-SELECT ` + strings.Join(unnestCols, ", ") + ` ` + batchSource + `
-ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING event_id, sequence),
+	// enqueueBatch renders the batch enqueue; leased renders the hot path's
+	// (HotPath, LeaseRequest): the rows are written leased to the writer's
+	// process as a claim would lease them and returned as the claim reads
+	// them, without the NOTIFY (no relay needs waking).
+	enqueueBatch := func(leased bool) string {
+		into, cols, vals, ret := tbl, joinComma(insertCols), joinComma(unnestCols), `event_id, sequence`
+		tail := batchNotify + ` AND EXISTS (SELECT 1 FROM ins)) IS NULL`
+		if leased {
+			into, cols, vals = tbl+` AS o`, cols+`, locked_at, attempts`, vals+`, clock_timestamp(), 1`
+			ret = `o.event_id, o.sequence, json_build_array(` + joinComma(claimExprs(c)) + `) AS leased`
+			tail = `$5::text IS NOT NULL,
+  (SELECT COALESCE(json_agg(leased), '[]'::json) FROM ins)`
+		}
+		return `WITH u AS (SELECT * FROM unnest(` + joinComma(unnestArgs) + `) AS u(` + joinComma(aliases) + `)),` + batchLock + `
+ins AS (INSERT INTO ` + into + ` (` + cols + `)
+SELECT ` + vals + ` ` + batchSource + `
+ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING ` + ret + `),
 ex AS (
   SELECT o.event_id, o.sequence, o.tenant_id, o.topic, o.payload = u.c3::jsonb AS same_payload
   FROM u JOIN ` + tbl + ` AS o ON o.event_id = u.c4::uuid
@@ -291,23 +304,10 @@ ex AS (
 )
 SELECT (SELECT COALESCE(string_agg(event_id::text || ':' || sequence::text, ','), '') FROM ins),
   (SELECT ` + existingJSON + ` FROM ex),
-  ` + batchNotify + ` AND EXISTS (SELECT 1 FROM ins)) IS NULL`
-
-	// The hot path's enqueue (HotLease): the batch, leased to the writer's
-	// process as a claim would lease it, returned as the claim reads it,
-	// without the NOTIFY (no relay needs waking).
-	q.EnqueueBatchLeased = `WITH u AS (SELECT * FROM unnest(` + strings.Join(unnestArgs, ", ") + `) AS u(` + strings.Join(aliases, ", ") + `)),` + batchLock + `
-ins AS (INSERT INTO ` + tbl + ` AS o (` + strings.Join(insertCols, ", ") + `, locked_at, attempts)
-SELECT ` + strings.Join(unnestCols, ", ") + `, clock_timestamp(), 1 ` + batchSource + `
-ON CONFLICT (` + ColumnEventID + `) DO NOTHING RETURNING o.event_id, o.sequence, json_build_array(` + strings.Join(claimExprs(c), ", ") + `) AS leased),
-ex AS (
-  SELECT o.event_id, o.sequence, o.tenant_id, o.topic, o.payload = u.c3::jsonb AS same_payload
-  FROM u JOIN ` + tbl + ` AS o ON o.event_id = u.c4::uuid
-  WHERE u.c4::uuid NOT IN (SELECT event_id FROM ins)
-)
-SELECT (SELECT COALESCE(string_agg(event_id::text || ':' || sequence::text, ','), '') FROM ins),
-  (SELECT ` + existingJSON + ` FROM ex), $5::text IS NOT NULL,
-  (SELECT COALESCE(json_agg(leased), '[]'::json) FROM ins)`
+  ` + tail
+	}
+	q.EnqueueBatch = enqueueBatch(false)
+	q.EnqueueBatchLeased = enqueueBatch(true)
 
 	q.ExistingEvents = `SELECT ` + existingJSON + `
 FROM (SELECT o.event_id, o.sequence, o.tenant_id, o.topic, o.payload = u.p::jsonb AS same_payload

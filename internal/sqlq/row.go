@@ -82,16 +82,7 @@ func (r *ClaimedRow) dest(c schema.Columns) []any {
 func (r *ClaimedRow) ScanClaim(s Scanner, c schema.Columns, extra ...any) error {
 	var lockedAt *time.Time // NULL for a parked row
 	dest := []any{&r.ID, &r.EventID, &r.TenantID, &r.Topic, &r.Payload, &r.Sequence, &r.Attempts, &lockedAt, &r.CreatedAt}
-	if c.TraceContext {
-		dest = append(dest, &r.TraceParent, &r.TraceState)
-	}
-	if c.Headers {
-		dest = append(dest, &r.Headers)
-	}
-	if c.OrderingKey {
-		dest = append(dest, &r.OrderingKey)
-	}
-	dest = append(dest, &r.Parked)
+	dest = append(r.optionalDest(dest, c), &r.Parked)
 	dest = append(dest, extra...)
 	if err := s.Scan(dest...); err != nil {
 		return fmt.Errorf("scan claimed outbox row: %w", err)
@@ -101,6 +92,21 @@ func (r *ClaimedRow) ScanClaim(s Scanner, c schema.Columns, extra ...any) error 
 		r.LockedAt = *lockedAt
 	}
 	return nil
+}
+
+// optionalDest appends to dest the destinations of the optional columns
+// the claim returns after its nine fixed ones (claimExprs), in its order.
+func (r *ClaimedRow) optionalDest(dest []any, c schema.Columns) []any {
+	if c.TraceContext {
+		dest = append(dest, &r.TraceParent, &r.TraceState)
+	}
+	if c.Headers {
+		dest = append(dest, &r.Headers)
+	}
+	if c.OrderingKey {
+		dest = append(dest, &r.OrderingKey)
+	}
+	return dest
 }
 
 // Message builds the Watermill message of the row: UUID = event_id, payload =
