@@ -64,6 +64,39 @@ func receive(t *testing.T, ch <-chan *message.Message, want ...publisher.Message
 	return got
 }
 
+// hotFixture is a relay on a table of its own, its hot path, and its
+// subscription to every topic.
+type hotFixture struct {
+	pool *pgxpool.Pool
+	tbl  schema.Table
+	m    *metrics.Metrics
+	s    *subscriber.Subscriber
+	h    *subscriber.HotPath
+	ch   <-chan *message.Message
+}
+
+// startHotRelay creates table name (with opts), starts a relay of cfg on it
+// with metrics and the hot path of hc, subscribes it, and waits for its
+// leadership: a standby hands nothing to the hot path.
+func startHotRelay(t *testing.T, name string, cfg subscriber.Config, hc subscriber.HotConfig, opts ...schema.MigrateOption) hotFixture {
+	t.Helper()
+	f := hotFixture{pool: testdb.Pool(t), tbl: testdb.Table(t, name, opts...)}
+	_, f.m = newMetrics(t)
+	cfg.Table, cfg.Metrics = f.tbl, f.m
+	f.s = newSub(t, f.pool, cfg)
+	var err error
+	if f.h, err = subscriber.NewHotPath(f.s, hc); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	if f.ch, err = f.s.Subscribe(ctx, subscriber.AllTopics); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the relay's leadership", time.Minute, f.s.IsLeader)
+	return f
+}
+
 // TestHotPathDeliversWithoutAClaim: events committed through the hot path
 // reach the subscription of the same process without a claim (the relay's
 // poll and wake-ups are out of the way: PollInterval 1h, no NOTIFY), with
@@ -72,24 +105,11 @@ func receive(t *testing.T, ch <-chan *message.Message, want ...publisher.Message
 // leaves nothing.
 func TestHotPathDeliversWithoutAClaim(t *testing.T) {
 	t.Parallel()
-	pool := testdb.Pool(t)
-	tbl := testdb.Table(t, "hot_outbox")
-	_, m := newMetrics(t)
-	s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: time.Hour, DisableNotify: true, Metrics: m})
-	h, err := subscriber.NewHotPath(s, subscriber.HotConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	ch, err := s.Subscribe(ctx, subscriber.AllTopics)
-	if err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, "the relay's leadership", time.Minute, s.IsLeader) // a standby hands nothing to the hot path
+	f := startHotRelay(t, "hot_outbox", subscriber.Config{PollInterval: time.Hour, DisableNotify: true}, subscriber.HotConfig{})
+	pool, tbl, m, h, ch, ctx := f.pool, f.tbl, f.m, f.h, f.ch, context.Background()
 	rolledBack := hotMessage(hotTopic, "")
 	errNo := errors.New("the business write failed")
-	err = h.BeginFunc(ctx, pool, func(tx *subscriber.HotTx) error {
+	err := h.BeginFunc(ctx, pool, func(tx *subscriber.HotTx) error {
 		if _, err := tx.Enqueue(ctx, rolledBack); err != nil {
 			return err
 		}
@@ -186,21 +206,8 @@ func TestHotPathFallsBack(t *testing.T) {
 	t.Parallel()
 	t.Run("queue full", func(t *testing.T) {
 		t.Parallel()
-		pool := testdb.Pool(t)
-		tbl := testdb.Table(t, "hotfull_outbox")
-		_, m := newMetrics(t)
-		s := newSub(t, pool, subscriber.Config{Table: tbl, MaxInFlight: 1, BatchSize: 1, PollInterval: 100 * time.Millisecond, Metrics: m})
-		h, err := subscriber.NewHotPath(s, subscriber.HotConfig{QueueLimit: 1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
-		ch, err := s.Subscribe(ctx, subscriber.AllTopics)
-		if err != nil {
-			t.Fatal(err)
-		}
-		waitFor(t, "the relay's leadership", time.Minute, s.IsLeader)
+		f := startHotRelay(t, "hotfull_outbox", subscriber.Config{MaxInFlight: 1, BatchSize: 1, PollInterval: 100 * time.Millisecond}, subscriber.HotConfig{QueueLimit: 1})
+		pool, tbl, m, h, ch := f.pool, f.tbl, f.m, f.h, f.ch
 		msgs := []publisher.Message{hotMessage(hotTopic, ""), hotMessage(hotTopic, ""), hotMessage(hotTopic, "")}
 		hotWrite(t, h, pool, msgs...)
 		receive(t, ch, msgs...)
@@ -210,21 +217,8 @@ func TestHotPathFallsBack(t *testing.T) {
 	})
 	t.Run("paused topic", func(t *testing.T) {
 		t.Parallel()
-		pool := testdb.Pool(t)
-		tbl := testdb.Table(t, "hotpause_outbox")
-		_, m := newMetrics(t)
-		s := newSub(t, pool, subscriber.Config{Table: tbl, PollInterval: 100 * time.Millisecond, Metrics: m})
-		h, err := subscriber.NewHotPath(s, subscriber.HotConfig{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
-		ch, err := s.Subscribe(ctx, subscriber.AllTopics)
-		if err != nil {
-			t.Fatal(err)
-		}
-		waitFor(t, "the relay's leadership", time.Minute, s.IsLeader)
+		f := startHotRelay(t, "hotpause_outbox", subscriber.Config{PollInterval: 100 * time.Millisecond}, subscriber.HotConfig{})
+		pool, tbl, m, h, ch, ctx := f.pool, f.tbl, f.m, f.h, f.ch, context.Background()
 		rb := runbook.New(pool, tbl)
 		if _, err := rb.PauseTopic(ctx, hotTopic, "test", false); err != nil {
 			t.Fatal(err)
@@ -253,21 +247,8 @@ func TestHotPathFallsBack(t *testing.T) {
 	})
 	t.Run("keyed in ordered mode", func(t *testing.T) {
 		t.Parallel()
-		pool := testdb.Pool(t)
-		tbl := testdb.Table(t, "hotkeyed_outbox", schema.WithAllColumns())
-		_, m := newMetrics(t)
-		s := newSub(t, pool, subscriber.Config{Table: tbl, Ordered: true, PollInterval: 100 * time.Millisecond, Metrics: m})
-		h, err := subscriber.NewHotPath(s, subscriber.HotConfig{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
-		ch, err := s.Subscribe(ctx, subscriber.AllTopics)
-		if err != nil {
-			t.Fatal(err)
-		}
-		waitFor(t, "the relay's leadership", time.Minute, s.IsLeader)
+		f := startHotRelay(t, "hotkeyed_outbox", subscriber.Config{Ordered: true, PollInterval: 100 * time.Millisecond}, subscriber.HotConfig{}, schema.WithAllColumns())
+		pool, tbl, m, h, ch := f.pool, f.tbl, f.m, f.h, f.ch
 		keyed, unkeyed := hotMessage(hotTopic, "k"), hotMessage(hotTopic, "")
 		hotWrite(t, h, pool, keyed, unkeyed)
 		receive(t, ch, keyed, unkeyed)
