@@ -71,6 +71,18 @@ func hotSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o opti
 	offer := func(produce func() (string, time.Time, error)) map[string]time.Time {
 		return offerSteadyN(ctx, hotRate, o.latencyDuration, hotWriters, produce)
 	}
+	// enqueue commits one event into t the usual way (no hot path) and
+	// returns its id and the time just before its COMMIT.
+	enqueue := func(t schema.Table) (string, time.Time, error) {
+		m := msg()
+		var before time.Time
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := publisher.Enqueue(ctx, tx, t, m)
+			before = time.Now()
+			return err
+		})
+		return m.EventID.String(), before, err
+	}
 
 	// Bare publish: the writer commits its row, then publishes the event
 	// itself (no outbox guarantee: lost if the process dies in between).
@@ -133,18 +145,13 @@ func hotSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o opti
 		broker := newArrivals()
 		done := consume(ch, broker)
 		committed := offer(func() (string, time.Time, error) {
+			if !hot {
+				return enqueue(t)
+			}
 			m := msg()
 			var before time.Time
-			if hot {
-				err := h.BeginFunc(ctx, pool, func(tx *subscriber.HotTx) error {
-					_, err := tx.Enqueue(ctx, m)
-					before = time.Now()
-					return err
-				})
-				return m.EventID.String(), before, err
-			}
-			err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-				_, err := publisher.Enqueue(ctx, tx, t, m)
+			err := h.BeginFunc(ctx, pool, func(tx *subscriber.HotTx) error {
+				_, err := tx.Enqueue(ctx, m)
 				before = time.Now()
 				return err
 			})
@@ -183,16 +190,7 @@ func hotSuite(ctx context.Context, pool *pgxpool.Pool, schemaName string, o opti
 		}
 		broker := newArrivals()
 		done := consume(ch, broker)
-		committed := offer(func() (string, time.Time, error) {
-			m := msg()
-			var before time.Time
-			err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-				_, err := publisher.Enqueue(ctx, tx, t, m)
-				before = time.Now()
-				return err
-			})
-			return m.EventID.String(), before, err
-		})
+		committed := offer(func() (string, time.Time, error) { return enqueue(t) })
 		lat, err := broker.latencies(committed, func(string) bool { return false }, 10*time.Second)
 		cancel()
 		<-done
