@@ -32,15 +32,22 @@ func (r *Runbook) Event(ctx context.Context, eventID uuid.UUID) (Row, error) {
 // eventState reads one event's row through the state statements sq,
 // judging its lease by lockTTL.
 func eventState(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.UUID, lockTTL time.Duration) (Row, error) {
+	row, _, err := eventLease(ctx, db, sq, eventID, lockTTL)
+	return row, err
+}
+
+// eventLease is eventState, and whether a relay's lease on the row is live
+// (taken less than lockTTL ago).
+func eventLease(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.UUID, lockTTL time.Duration) (Row, bool, error) {
 	t := sq.Table
 	st := sq.Event(eventID.String(), lockTTL.Seconds())
 	var dead, leased bool
 	row, err := scanState(db.QueryRow(ctx, st.SQL, st.Args...), &dead, &leased)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return Row{}, fmt.Errorf("runbook: event %s of %s: %w", eventID, t, ErrEventNotFound)
+		return Row{}, false, fmt.Errorf("runbook: event %s of %s: %w", eventID, t, ErrEventNotFound)
 	}
 	if err != nil {
-		return Row{}, dbError(t, "look up event "+eventID.String()+" in", err)
+		return Row{}, false, dbError(t, "look up event "+eventID.String()+" in", err)
 	}
-	return row, nil
+	return row, leased, nil
 }

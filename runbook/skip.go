@@ -85,14 +85,12 @@ func skipRow(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.UUID
 // returns it when the row rules allow its skip; otherwise the refusal.
 func skipCheck(ctx context.Context, db DB, sq sqlq.StateQueries, eventID uuid.UUID, lockTTL time.Duration) (Row, error) {
 	t := sq.Table
-	st := sq.Event(eventID.String(), lockTTL.Seconds())
-	var dead, leased bool
-	row, err := scanState(db.QueryRow(ctx, st.SQL, st.Args...), &dead, &leased)
-	if errors.Is(err, pgx.ErrNoRows) {
+	row, leased, err := eventLease(ctx, db, sq, eventID, lockTTL)
+	if errors.Is(err, ErrEventNotFound) {
 		return Row{}, fmt.Errorf("runbook: cannot skip event %s of %s: %w: no row has this event_id; check the table name and the event_id; nothing changed", eventID, t, ErrEventNotFound)
 	}
 	if err != nil {
-		return Row{}, dbError(t, "look up event "+eventID.String()+" in", err)
+		return Row{}, err
 	}
 	s := row.State()
 	if leased && s != RowDelivered && s != RowSkipped {
