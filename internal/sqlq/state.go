@@ -122,10 +122,17 @@ func (q StateQueries) DeleteDead() string {
 		held += `
     AND o.skipped_at IS NULL`
 	}
+	return deleteAged(tbl, `dead_at`, held)
+}
+
+// deleteAged deletes up to a batch ($2) of the unpublished rows of tbl
+// whose column at (dead_at, skipped_at) is set and more than $1 seconds
+// old, and that meet the further conditions and (each starting with AND).
+func deleteAged(tbl, at, and string) string {
 	return `WITH victims AS (
   SELECT o.id FROM ` + tbl + ` AS o
-  WHERE o.published_at IS NULL AND o.dead_at IS NOT NULL
-    AND o.dead_at < now() - make_interval(secs => $1::float8)` + held + `
+  WHERE o.published_at IS NULL AND o.` + at + ` IS NOT NULL
+    AND o.` + at + ` < now() - make_interval(secs => $1::float8)` + and + `
   LIMIT $2 FOR UPDATE OF o SKIP LOCKED
 )
 DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
@@ -150,13 +157,7 @@ func (q StateQueries) DeleteSkipped() string {
 		keyed = `
     AND o.ordering_key IS NULL`
 	}
-	return `WITH victims AS (
-  SELECT o.id FROM ` + tbl + ` AS o
-  WHERE o.published_at IS NULL AND o.skipped_at IS NOT NULL
-    AND o.skipped_at < now() - make_interval(secs => $1::float8)` + keyed + `
-  LIMIT $2 FOR UPDATE OF o SKIP LOCKED
-)
-DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
+	return deleteAged(tbl, `skipped_at`, keyed)
 }
 
 // classified wraps src, a query returning rows of the table as "k.*,
