@@ -90,52 +90,77 @@ func jsonbTextBytes(p []byte) int {
 // the point (at least one, leading zeros dropped) and, when the display scale is positive, the
 // point and that many digits. jsonbNumber has checked the number's range.
 func numberTextBytes(p []byte, i int) (end, size int) {
-	if p[i] == '-' {
+	n := scanNumber(p, i)
+	if n.neg {
 		size++
+	}
+	exp := n.exponent()
+	// Digits before the point, leading zeros dropped: "0" for a zero.
+	size++
+	if n.firstNonZero >= 0 {
+		size += max(0, n.intDigits+exp-n.firstNonZero-1)
+	}
+	if scale := n.fracDigits - exp; scale > 0 {
+		size += 1 + scale
+	}
+	return n.end, size
+}
+
+// number is a JSON number as scanNumber reads it.
+type number struct {
+	neg                   bool
+	intDigits, fracDigits int
+	firstNonZero          int // index among the mantissa's digits, -1 for a zero
+	expAbs                int // the exponent's magnitude, saturated at numericMaxExponent
+	expNeg                bool
+	end                   int // the offset after the number
+}
+
+// exponent is the number's signed exponent (saturated).
+func (n number) exponent() int {
+	if n.expNeg {
+		return -n.expAbs
+	}
+	return n.expAbs
+}
+
+// scanNumber reads the JSON number starting at p[i] (outside any string):
+// its sign, the digits of its mantissa before and after the point, and its
+// exponent.
+func scanNumber(p []byte, i int) number {
+	n := number{firstNonZero: -1}
+	if p[i] == '-' {
+		n.neg = true
 		i++
 	}
-	intDigits, fracDigits := 0, 0
-	firstNonZero := -1 // index among the mantissa's digits
 	for ; i < len(p) && p[i] >= '0' && p[i] <= '9'; i++ {
-		if firstNonZero < 0 && p[i] != '0' {
-			firstNonZero = intDigits
+		if n.firstNonZero < 0 && p[i] != '0' {
+			n.firstNonZero = n.intDigits
 		}
-		intDigits++
+		n.intDigits++
 	}
 	if i < len(p) && p[i] == '.' {
 		for i++; i < len(p) && p[i] >= '0' && p[i] <= '9'; i++ {
-			if firstNonZero < 0 && p[i] != '0' {
-				firstNonZero = intDigits + fracDigits
+			if n.firstNonZero < 0 && p[i] != '0' {
+				n.firstNonZero = n.intDigits + n.fracDigits
 			}
-			fracDigits++
+			n.fracDigits++
 		}
 	}
-	exp := 0
 	if i < len(p) && (p[i] == 'e' || p[i] == 'E') {
 		i++
-		neg := false
 		if i < len(p) && (p[i] == '+' || p[i] == '-') {
-			neg = p[i] == '-'
+			n.expNeg = p[i] == '-'
 			i++
 		}
 		for ; i < len(p) && p[i] >= '0' && p[i] <= '9'; i++ {
-			if exp < numericMaxExponent {
-				exp = exp*10 + int(p[i]-'0')
+			if n.expAbs < numericMaxExponent {
+				n.expAbs = n.expAbs*10 + int(p[i]-'0')
 			}
 		}
-		if neg {
-			exp = -exp
-		}
 	}
-	// Digits before the point, leading zeros dropped: "0" for a zero.
-	size++
-	if firstNonZero >= 0 {
-		size += max(0, intDigits+exp-firstNonZero-1)
-	}
-	if scale := fracDigits - exp; scale > 0 {
-		size += 1 + scale
-	}
-	return i, size
+	n.end = i
+	return n
 }
 
 func invalidUTF8At(p []byte) int {
@@ -219,45 +244,11 @@ func hex4(p []byte, i int) (int, bool) {
 // returns the offset after it.
 func jsonbNumber(p []byte, i int) (int, error) {
 	start := i
-	if p[i] == '-' {
-		i++
+	n := scanNumber(p, i)
+	if n.expAbs >= numericMaxExponent {
+		return 0, numberRangeError(start)
 	}
-	intDigits, fracDigits := 0, 0
-	firstNonZero := -1 // index among the mantissa's digits
-	for ; i < len(p) && p[i] >= '0' && p[i] <= '9'; i++ {
-		if firstNonZero < 0 && p[i] != '0' {
-			firstNonZero = intDigits
-		}
-		intDigits++
-	}
-	if i < len(p) && p[i] == '.' {
-		for i++; i < len(p) && p[i] >= '0' && p[i] <= '9'; i++ {
-			if firstNonZero < 0 && p[i] != '0' {
-				firstNonZero = intDigits + fracDigits
-			}
-			fracDigits++
-		}
-	}
-	exp := 0 // saturated at numericMaxExponent
-	if i < len(p) && (p[i] == 'e' || p[i] == 'E') {
-		i++
-		neg := false
-		if i < len(p) && (p[i] == '+' || p[i] == '-') {
-			neg = p[i] == '-'
-			i++
-		}
-		for ; i < len(p) && p[i] >= '0' && p[i] <= '9'; i++ {
-			if exp < numericMaxExponent {
-				exp = exp*10 + int(p[i]-'0')
-			}
-		}
-		if exp >= numericMaxExponent {
-			return 0, numberRangeError(start)
-		}
-		if neg {
-			exp = -exp
-		}
-	}
+	intDigits, fracDigits, firstNonZero, exp := n.intDigits, n.fracDigits, n.firstNonZero, n.exponent()
 	// Display scale: the digits after the point, less the exponent.
 	if fracDigits-exp > numericMaxDScale {
 		return 0, numberRangeError(start)
@@ -273,7 +264,7 @@ func jsonbNumber(p []byte, i int) (int, error) {
 			return 0, numberRangeError(start)
 		}
 	}
-	return i, nil
+	return n.end, nil
 }
 
 func numberRangeError(at int) error {
