@@ -419,6 +419,13 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	s.cancel = cancel
 	s.done = make(chan struct{})
 	out := make(chan *message.Message)
+	// The presence lock is taken before Subscribe returns, so a mode switch
+	// that starts after it sees this relay (run takes it again if it fails
+	// here, or when its connection breaks).
+	presence := &presence{pool: s.pool, key: pgmeta.WALRelay(s.cfg.Table.Qualified())}
+	if err := presence.hold(rctx); err != nil {
+		s.logger.Error("Could not take the WAL relay's presence lock; a mode switch may not see this relay until it is taken", err, nil)
+	}
 	go func() {
 		select {
 		case <-ctx.Done():
@@ -426,7 +433,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		case <-rctx.Done(): // Close
 		}
 	}()
-	go s.run(rctx, out)
+	go s.run(rctx, out, presence)
 	return out, nil
 }
 
@@ -450,7 +457,7 @@ func (s *Subscriber) Close() error {
 }
 
 // run streams while it holds the slot, and waits as a standby otherwise.
-func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
+func (s *Subscriber) run(ctx context.Context, out chan *message.Message, presence *presence) {
 	defer close(s.done)
 	defer close(out)
 	// After the last session: the copies left in handlers by ended
@@ -458,7 +465,6 @@ func (s *Subscriber) run(ctx context.Context, out chan *message.Message) {
 	// follow them end (nothing waits forever).
 	defer s.terms.Close()
 	switchedAway := false // logged once per switch away
-	presence := &presence{pool: s.pool, key: pgmeta.WALRelay(s.cfg.Table.Qualified())}
 	defer presence.leave()
 	for ctx.Err() == nil {
 		if err := presence.hold(ctx); err != nil {
@@ -530,13 +536,17 @@ func (p *presence) hold(ctx context.Context) error {
 	return nil
 }
 
-// leave ends the connection, and the lock with it.
+// leave releases the lock, then ends the connection. The unlock is
+// explicit because a closed connection's backend releases its locks only
+// when it exits, after Close has returned: a switch made right after the
+// relay's Close would still see it.
 func (p *presence) leave() {
 	if p.conn == nil {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
+	_, _ = p.conn.Exec(ctx, `SELECT pg_advisory_unlock_shared($1)`, p.key)
 	_ = p.conn.Close(ctx)
 	p.conn = nil
 }
