@@ -260,6 +260,7 @@ func (n *notifier) lostIdle() {
 	ops := n.idleOps
 	n.idleOps = nil
 	n.live = false
+	clear(n.modesUp) // the locks ended with the session
 	n.mu.Unlock()
 	failIdleOps(ops)
 	clear(n.idleHolders)

@@ -21,7 +21,12 @@ import (
 // refuses, and a running relay, idle, standby or busy, keeps relays of the
 // other mode out for as long as it is subscribed. The lock ends with the
 // connection; the notifier takes it again on its next connection and logs
-// an error if a relay of the other mode got in meanwhile.
+// an error if a relay of the other mode got in meanwhile. Between the two
+// sessions a mode switch (schema.SwitchMode) sees no lock and may be
+// accepted: so no relay claims while its lock is down (modeReady), and the
+// lock taken again is checked against the table's recorded mode; a relay
+// whose table was switched away meanwhile claims nothing more, and gives
+// its lock back (it keeps no relay of the new mode from starting).
 
 // modeWant is one mode lock the subscribers of the process want held.
 type modeWant struct {
@@ -94,6 +99,7 @@ func (n *notifier) leaveMode(s *Subscriber) {
 		return
 	}
 	delete(n.modes, key)
+	delete(n.switchedAway, key) // the relays it fenced are gone
 	if !n.live {
 		return // the lock ended with the session
 	}
@@ -125,7 +131,7 @@ func (n *notifier) runModeOps(ctx context.Context, conn *pgx.Conn) error {
 	n.modeOps = nil
 	var retake []modeWant
 	for key, w := range n.modes {
-		if !n.heldModes[key] {
+		if !n.heldModes[key] && n.switchedAway[key] == nil {
 			retake = append(retake, w)
 		}
 	}
@@ -140,6 +146,32 @@ func (n *notifier) runModeOps(ctx context.Context, conn *pgx.Conn) error {
 			n.logger.Error("A relay of the other mode started while this process had lost its connection; stop one of them", err,
 				watermill.LogFields{"table": w.table.String()})
 		}
+		away, err := switchedAway(ctx, conn, w)
+		if err != nil {
+			failModeOps(ops, err)
+			return err
+		}
+		if away != nil {
+			// Its relays claim nothing more: the lock is given back, so
+			// that it keeps no relay of the table's mode from starting.
+			n.logger.Error("The table was switched to another relay mode while this process had lost its connection: its relays of the old mode claim nothing more; close them", away,
+				watermill.LogFields{"table": w.table.String()})
+			qctx, cancel := context.WithTimeout(ctx, opTimeout)
+			_, err := conn.Exec(qctx, `SELECT pg_advisory_unlock_shared($1)`, key)
+			cancel()
+			if err != nil {
+				failModeOps(ops, err)
+				return fmt.Errorf("give back the relay-mode lock: %w", err)
+			}
+			delete(n.heldModes, key)
+		}
+		n.mu.Lock()
+		if away != nil {
+			n.switchedAway[key] = away
+		} else {
+			n.modesUp[key] = true
+		}
+		n.mu.Unlock()
 	}
 	for i, op := range ops {
 		key := sqlq.RelayModeLockKey(op.want.table, op.want.ordered)
@@ -168,6 +200,7 @@ func (n *notifier) runModeOps(ctx context.Context, conn *pgx.Conn) error {
 			w = op.want
 			w.holders = n.modes[key].holders + 1
 			n.modes[key] = w
+			n.modesUp[key] = true
 		}
 		n.mu.Unlock()
 		if err != nil && !held {
@@ -179,6 +212,55 @@ func (n *notifier) runModeOps(ctx context.Context, conn *pgx.Conn) error {
 		op.reply <- err
 	}
 	return nil
+}
+
+// errModeLockDown is modeReady's answer while the session that held the
+// relay-mode lock is gone and the next one has not taken it again.
+var errModeLockDown = errors.New("the relay-mode lock is down: the LISTEN connection was lost")
+
+// modeReady tells whether s may claim: its relay-mode lock is held by the
+// notifier's current session, and its table was not switched to another
+// mode while the lock was down.
+func (n *notifier) modeReady(s *Subscriber) error {
+	key := sqlq.RelayModeLockKey(s.cfg.Table, s.cfg.Ordered)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if err := n.switchedAway[key]; err != nil {
+		return err
+	}
+	if !n.modesUp[key] {
+		return errModeLockDown
+	}
+	return nil
+}
+
+// switchedBack forgets that s's table was switched away: s has just
+// recorded its mode, so the relays of that mode in this process may claim
+// again.
+func (n *notifier) switchedBack(s *Subscriber) {
+	n.mu.Lock()
+	delete(n.switchedAway, sqlq.RelayModeLockKey(s.cfg.Table, s.cfg.Ordered))
+	n.mu.Unlock()
+}
+
+// switchedAway reads the recorded mode of w's table on conn: an error
+// naming it when it is not w's mode (nil when it is, or none is recorded).
+func switchedAway(ctx context.Context, conn *pgx.Conn, w modeWant) (away, err error) {
+	own := schema.ModeDefault
+	if w.ordered {
+		own = schema.ModeOrdered
+	}
+	qctx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	rec, ok, rerr := schema.RecordedMode(qctx, conn, w.table)
+	if rerr != nil {
+		return nil, fmt.Errorf("read the relay mode of %s: %w", w.table, rerr)
+	}
+	if !ok || rec.Mode == own {
+		return nil, nil
+	}
+	return fmt.Errorf("%s is relayed in %s mode (recorded by %q at %s), not in %s mode: %w", w.table, rec.Mode, rec.RecordedBy,
+		rec.RecordedAt.Format(time.RFC3339), own, schema.ErrRelayModeMix), nil
 }
 
 func (n *notifier) lockMode(ctx context.Context, conn *pgx.Conn, key int64) error {

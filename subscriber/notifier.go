@@ -40,6 +40,13 @@ type notifier struct {
 	modes     map[int64]modeWant
 	modeOps   []modeOp
 	heldModes map[int64]bool
+	// modesUp are the mode locks the current session holds and checked
+	// (belongs to mu; emptied when a session ends), and switchedAway the
+	// locks taken again on a table switched to another mode meanwhile
+	// (belongs to mu; for good): no relay claims without its lock up
+	// (modeReady).
+	modesUp      map[int64]bool
+	switchedAway map[int64]error
 }
 
 var (
@@ -55,7 +62,8 @@ func acquireNotifier(pool *pgxpool.Pool, logger watermill.LoggerAdapter) *notifi
 	if n == nil {
 		ctx, cancel := context.WithCancel(context.Background())
 		n = &notifier{pool: pool, logger: logger, channels: map[string]map[*broadcaster]struct{}{}, cancel: cancel, done: make(chan struct{}),
-			idleHolders: map[int64]int{}, modes: map[int64]modeWant{}, heldModes: map[int64]bool{}}
+			idleHolders: map[int64]int{}, modes: map[int64]modeWant{}, heldModes: map[int64]bool{},
+			modesUp: map[int64]bool{}, switchedAway: map[int64]error{}}
 		n.idleGen.Store(1)
 		notifiers[pool] = n
 		go n.run(ctx)

@@ -16,6 +16,12 @@ func (r *orderedRelay) tick(ctx context.Context) {
 	ttl := cfg.LockTTL.Seconds()
 	qctx, cancel := context.WithTimeout(ctx, opTimeout)
 	defer cancel()
+	if err := r.s.modeLock.modeReady(r.s); err != nil {
+		// The mode lock is down, or the table was switched away
+		// (modelock.go): no partition is taken or renewed.
+		r.fence()
+		return
+	}
 	var live []string
 	if err := r.s.pool.QueryRow(qctx, r.oq.Heartbeat, r.id, ttl).Scan(&live); err != nil {
 		if ctx.Err() == nil {

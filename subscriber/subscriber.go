@@ -309,6 +309,7 @@ func (s *Subscriber) holdMode(ctx context.Context) error {
 		s.modeLock.leaveMode(s)
 		return err
 	}
+	s.modeLock.switchedBack(s)
 	s.modeHeld = true
 	return nil
 }

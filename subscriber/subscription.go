@@ -162,7 +162,10 @@ func (sub *subscription) run() {
 			return
 		default:
 		}
-		if !s.IsLeader() {
+		if !s.IsLeader() || s.modeLock.modeReady(s) != nil {
+			// A standby, or a relay whose mode lock is down (a switch of
+			// mode could be accepted meanwhile: modelock.go) or whose table
+			// was switched away: it claims nothing.
 			dropPre()
 			release()
 			if goOn, _ := wait(s.cfg.ElectionInterval, true); !goOn {

@@ -251,6 +251,28 @@ func switchPair(t *testing.T, r Relay, from, to schema.Mode) {
 		}
 	}
 	checkAtRest("after the new relay ran")
+	// Every row dead before the switch is replayable after it, and its
+	// replay is delivered by the new mode's relay (the dead row of the
+	// default relay's era in a keyed table included).
+	var replayed []event
+	for _, ev := range all {
+		if before[ev] != "dead" {
+			continue
+		}
+		if _, err := rb.ReplayEvent(ctx, ev.ID, runbook.ReplayOptions{}); err != nil {
+			t.Fatalf("replay %s, dead before the switch from %s to %s: %v", ev, from, to, err)
+		}
+		replayed = append(replayed, ev)
+	}
+	e.waitAcked(within, replayed...)
+	e.eventually(within, func() bool {
+		for _, ev := range replayed {
+			if !e.row(ev.ID).Delivered {
+				return false
+			}
+		}
+		return true
+	}, func() string { return "replays not read delivered: " + e.rowStates(replayed) })
 	if !t.Failed() {
 		t.Logf("%s to %s: %d rows kept their state; 1 refusal while a key was held: %t", from, to, len(all), keyedMode(from))
 	}

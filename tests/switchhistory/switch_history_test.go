@@ -76,8 +76,11 @@ import (
 //   - order: while the table is in a keyed mode, keyed events are first
 //     delivered in sequence order per key (an earlier event is delivered,
 //     skipped, or was left failing by a default relay, first);
-//   - switch: no switch is accepted while a relay of another mode runs or
-//     a hold of either keyed mode is open.
+//   - switch: no switch is accepted while a relay of another mode runs
+//     (unless its sessions were cut: its locks are gone until they come
+//     back) or a hold of either keyed mode is open; a relay of the old mode
+//     left running claims nothing more: it delivers no event committed after
+//     its mode ended.
 //
 // Duplicates (deliveries beyond the first, around handovers, kills and
 // switches) are counted, not failures. Size: SWITCH_HISTORY_EVENTS
@@ -128,6 +131,9 @@ type event struct {
 	seq        int64
 	committed  bool
 	rolledBack bool
+	// commitFrom is just before its transaction's COMMIT was sent: no
+	// relay can have claimed it earlier.
+	commitFrom time.Time
 	gen        int         // replay generation: a doomed event fails only in generation 0
 	attempts   map[int]int // per generation
 
@@ -184,7 +190,9 @@ type delivery struct {
 type switchRec struct {
 	from, to schema.Mode
 	path     string
-	at       time.Time
+	// begun is before the call that made the switch, at when it returned:
+	// the switch committed in between.
+	begun, at time.Time
 	refusals []string
 	done     bool
 }
@@ -196,7 +204,12 @@ type relay struct {
 	pool   *pgxpool.Pool
 	sub    interface{ Close() error }
 	killed bool // guarded by harness.mu
-	done   chan struct{}
+	// cut is set (guarded by harness.mu) once the relay's sessions were
+	// terminated: until its connections come back, its locks are gone and a
+	// switch of mode may be accepted beside it (the relay then claims
+	// nothing more, which check judges).
+	cut  bool
+	done chan struct{}
 }
 
 type harness struct {
@@ -226,7 +239,8 @@ type harness struct {
 	switchLog  []switchRec
 
 	mode      schema.Mode
-	relays    []*relay // live relays (not killed, not closed)
+	firstMode schema.Mode // the table's mode before the first switch
+	relays    []*relay    // live relays (not killed, not closed)
 	nextRelay int
 	closing   sync.WaitGroup // background closes of killed relays
 	lastPub   time.Time      // database time of the last check of published rows
@@ -417,8 +431,10 @@ func (h *harness) write(ctx context.Context, w int) error {
 		// Registered before the commit: a relay may deliver an event before
 		// the commit returns here.
 		h.mu.Lock()
+		commitFrom := time.Now()
 		for i, e := range evs {
 			e.seq = seqs[i]
+			e.commitFrom = commitFrom
 			h.byID[e.id] = e
 			if e.key != "" {
 				h.byKey[e.key] = append(h.byKey[e.key], e)
@@ -626,6 +642,16 @@ func (h *harness) killRelay(ctx context.Context, r *relay) {
 	}()
 }
 
+// cut ends r's sessions (a network partition that heals at once: the
+// relay connects again).
+func (h *harness) cut(ctx context.Context, r *relay) {
+	h.mu.Lock()
+	r.cut = true
+	h.mu.Unlock()
+	h.terminate(ctx, r)
+	h.count("relay sessions cut", 1)
+}
+
 // terminate ends r's sessions and waits until they are gone.
 func (h *harness) terminate(ctx context.Context, r *relay) {
 	deadline := time.Now().Add(settleWithin)
@@ -655,6 +681,17 @@ func (h *harness) live() []*relay {
 	return append([]*relay(nil), h.relays...)
 }
 
+// liveOf lists the live relays of mode m.
+func (h *harness) liveOf(m schema.Mode) []*relay {
+	var out []*relay
+	for _, r := range h.live() {
+		if r.mode == m {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
 // stopRelays closes (or kills) every live relay.
 func (h *harness) stopRelays(ctx context.Context, kill bool) {
 	for _, r := range h.live() {
@@ -669,7 +706,7 @@ func (h *harness) stopRelays(ctx context.Context, kill bool) {
 // ensureRelay starts a relay of the current mode when none runs, trying
 // again until settleWithin (a killed ordered relay's leases run out first).
 func (h *harness) ensureRelay(ctx context.Context) {
-	if h.aborted || len(h.live()) > 0 {
+	if h.aborted || len(h.liveOf(h.mode)) > 0 {
 		return
 	}
 	deadline := time.Now().Add(settleWithin)
@@ -861,6 +898,7 @@ func (h *harness) run() {
 		}
 		h.mode = first
 	}
+	h.firstMode = h.mode
 	h.ensureRelay(ctx)
 	phases := h.switches + 1
 	for p := 0; p < phases && !h.aborted; p++ {
@@ -927,9 +965,14 @@ func (h *harness) chaos(ctx context.Context) {
 	case x < 72 && n > 0:
 		h.killRelay(ctx, h.live()[h.rng.IntN(n)])
 	case x < 77 && n > 0:
-		r := h.live()[h.rng.IntN(n)]
-		h.terminate(ctx, r)
-		h.count("relay sessions cut", 1)
+		h.cut(ctx, h.live()[h.rng.IntN(n)])
+	}
+	// A relay of an earlier mode, left running after a switch accepted
+	// beside it while its sessions were cut, is closed some time later.
+	for _, r := range h.live() {
+		if r.mode != h.mode && h.rng.IntN(4) == 0 {
+			h.closeRelay(r)
+		}
 	}
 	h.ensureRelay(ctx)
 }
@@ -963,6 +1006,11 @@ func (h *harness) switchMode(ctx context.Context) {
 	rec := switchRec{from: from, to: to, path: path}
 	if h.rng.IntN(3) != 0 {
 		h.stopRelays(ctx, h.rng.IntN(3) == 0)
+	} else if live := h.live(); len(live) > 0 && h.rng.IntN(2) == 0 {
+		// A partition just before the switch: the relay's locks are gone
+		// until its connections come back, and the switch may be accepted
+		// beside it.
+		h.cut(ctx, live[h.rng.IntN(len(live))])
 	}
 	refusedOnce := map[string]bool{}
 	unlisted := 0 // rounds refused with ErrKeysHeld while the runbook listed no hold
@@ -978,6 +1026,7 @@ func (h *harness) switchMode(ctx context.Context) {
 		running := h.live()
 		open := h.openHolds(ctx)
 		var err error
+		rec.begun = time.Now()
 		if path == "relay start" {
 			_, err = h.startRelay(ctx, to)
 			if errors.Is(err, walrelay.ErrNotSetUp) {
@@ -990,8 +1039,21 @@ func (h *harness) switchMode(ctx context.Context) {
 		}
 		if err == nil {
 			h.mu.Lock()
-			if len(running) > 0 {
-				h.violate("switch accepted beside a relay of another mode", nil, "%s by %s accepted while %d %s relay(s) ran", pair, path, len(running), from)
+			var seen, cut []string // relays of another mode: with their locks, or cut
+			for _, r := range running {
+				switch {
+				case r.mode == to:
+				case r.cut:
+					cut = append(cut, r.name)
+				default:
+					seen = append(seen, r.name)
+				}
+			}
+			if len(cut) > 0 {
+				h.counts["switches accepted beside a relay whose sessions were cut"]++
+			}
+			if len(seen) > 0 {
+				h.violate("switch accepted beside a relay of another mode", nil, "%s by %s accepted while relay(s) %s of another mode ran", pair, path, strings.Join(seen, ", "))
 			} else if len(open) > 0 {
 				// No relay ran: the holds could not change meanwhile.
 				h.violate("switch accepted over open holds", nil, "%s by %s accepted while %d hold(s) were open: %s", pair, path, len(open), strings.Join(open, ", "))
@@ -1037,14 +1099,10 @@ func (h *harness) switchMode(ctx context.Context) {
 			return
 		}
 	}
-	// The old mode's relays (still running when the switch was accepted
-	// beside them) stop.
-	for _, r := range h.live() {
-		if r.mode != to {
-			h.closeRelay(r)
-		}
-	}
 	rec.at, rec.done = time.Now(), true
+	// The old mode's relays still running when the switch was accepted
+	// beside them (their sessions were cut) are left running for a while
+	// (chaos closes them): they must claim nothing more.
 	h.mu.Lock()
 	h.mode = to
 	h.counts["switches done "+pair+" by "+rec.path]++
@@ -1337,6 +1395,7 @@ func (h *harness) check() {
 			}
 		}
 	}
+	h.checkFenced()
 	dups, fails := 0, 0
 	for _, d := range h.deliveries {
 		if !d.ok {
@@ -1386,6 +1445,41 @@ func (h *harness) check() {
 		}
 	}
 	t.Errorf("%d violations (seed %d; rerun with SWITCH_HISTORY_SEED=%d):\n%s", total, h.seed, h.seed, v.String())
+}
+
+// checkFenced: a relay claims nothing once its table was switched to
+// another mode, even when the switch was accepted while its sessions were
+// cut: no relay delivers an event whose commit came after its mode ended
+// (a switch away from it returned) unless the table was in its mode again
+// before the delivery. A mode's time is taken wide: from before the call
+// that switched to it to when the call that switched away returned.
+func (h *harness) checkFenced() {
+	type period struct {
+		mode     schema.Mode
+		from, to time.Time // zero to: until the end
+	}
+	periods := []period{{mode: h.firstMode}}
+	for _, sw := range h.switchLog {
+		if !sw.done {
+			continue
+		}
+		periods[len(periods)-1].to = sw.at
+		periods = append(periods, period{mode: sw.to, from: sw.begun})
+	}
+	for _, d := range h.deliveries {
+		e := d.ev
+		inMode := false
+		for _, p := range periods {
+			if p.mode == d.mode && !d.handed.Before(p.from) && (p.to.IsZero() || !e.commitFrom.After(p.to)) {
+				inMode = true
+				break
+			}
+		}
+		if !inMode {
+			h.violate("delivered by a relay of a mode switched away before the event committed", e, "handed to %s (%s) at %s",
+				d.relay, d.mode, d.handed.Format("15:04:05.000"))
+		}
+	}
 }
 
 // skippedAt reads when the skip of each skipped row was applied (the
