@@ -193,8 +193,8 @@ type switchRec struct {
 	// begun is before the call that made the switch, at when it returned:
 	// the switch committed in between.
 	begun, at time.Time
-	refusals []string
-	done     bool
+	refusals  []string
+	done      bool
 }
 
 type relay struct {
