@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
+	"github.com/outboxkit/watermill-outbox/internal/deadletter"
 	"github.com/outboxkit/watermill-outbox/internal/redact"
 	"github.com/outboxkit/watermill-outbox/schema"
 	"github.com/outboxkit/watermill-outbox/subscriber"
@@ -108,7 +109,9 @@ func (c *confirmingSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 		return nil, errors.New("forwarder: subscriber closed")
 	default:
 	}
-	in, err := c.sub.Subscribe(ctx, topic)
+	// The forwarder refuses what a relay hands the router only for its
+	// dead-letter path (Handle, PoisonQueue), so it asks for those too.
+	in, err := c.sub.Subscribe(deadletter.Want(ctx), topic)
 	if err != nil {
 		return nil, err
 	}

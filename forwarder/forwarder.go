@@ -43,6 +43,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/outboxkit/watermill-outbox/internal/deadletter"
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/router"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -275,7 +276,15 @@ func New(sub message.Subscriber, pub message.Publisher, cfg Config, logger water
 // the same time (Config.BatchSize), and returns once the broker has it. A
 // publish error nacks the message. Add it with AddTo (or Run): a handler
 // registered by hand on the outbox subscriber lacks AddTo's guarantee that
-// an ack without a successful publish is refused.
+// an ack without a successful publish is refused, and is not handed the
+// dead events that PoisonQueue copies.
+//
+// Through AddTo, the relay also hands the router the events that die
+// without a handler's failure, for its poison queue: a row whose lease
+// expired on its last allowed attempt (its relay was killed during it) and
+// a row whose stored headers are not a JSON object. Handle publishes none
+// of them: it returns a Permanent error with the cause, which the router's
+// poison queue copies (see PoisonQueue); the row is, or goes, dead.
 func (f *Forwarder) Handle(msg *message.Message) (err error) {
 	ctx, span := f.startSpan(msg)
 	defer func() {
@@ -288,6 +297,9 @@ func (f *Forwarder) Handle(msg *message.Message) (err error) {
 			err = &handlerError{err: err, final: subscriber.IsPermanent(err) || attempts >= f.maxAttempts}
 		}
 	}()
+	if err := refusal(msg); err != nil {
+		return err
+	}
 	dest, err := f.cfg.DestinationTopic(msg)
 	if err == nil && dest == "" {
 		err = errors.New("the destination topic is empty")
@@ -317,6 +329,17 @@ func (f *Forwarder) Handle(msg *message.Message) (err error) {
 		return fmt.Errorf("publish event %s to %q: %w", msg.UUID, dest, err)
 	}
 	return nil
+}
+
+// refusal is the error the forwarder refuses msg with when the relay
+// handed it to the router only for its dead-letter path (package
+// deadletter), else nil: Permanent, naming the event and the cause.
+func refusal(msg *message.Message) error {
+	cause := deadletter.Cause(msg.Context())
+	if cause == nil {
+		return nil
+	}
+	return subscriber.Permanent(fmt.Errorf("event %s %w", msg.UUID, cause))
 }
 
 // AddTo adds the forwarder's handler, with its middleware, to a router the

@@ -48,6 +48,12 @@ type Columns struct {
 	// claim then leaves skipped rows out (a skipped row is done, never
 	// delivered again unless replayed).
 	SkippedAt bool
+	// DeadNotices is true when the table has its companion table of death
+	// notices (<table>_dead_notices, migration 000015): the table relays
+	// then record each row that goes dead outside the router (its lease
+	// expired on its last allowed attempt) there, in the statement that
+	// parks it.
+	DeadNotices bool
 }
 
 // ErrTableNotFound is returned (wrapped) by DetectColumns when the table does
@@ -98,7 +104,7 @@ func detectColumns(ctx context.Context, q Querier, t Table) (Columns, tableFacts
 	var (
 		found                bool
 		parent, state, heads bool
-		okey                 bool
+		okey, notices        bool
 		f                    tableFacts
 	)
 	err := q.QueryRow(ctx, `
@@ -108,13 +114,14 @@ SELECT to_regclass($1) IS NOT NULL,
        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'headers'     AND NOT attisdropped),
        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'ordering_partition' AND NOT attisdropped),
        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'dead_at' AND NOT attisdropped),
-       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'skipped_at' AND NOT attisdropped)`,
-		t.Sanitize()).Scan(&found, &parent, &state, &heads, &okey, &f.deadAt, &f.skippedAt)
+       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'skipped_at' AND NOT attisdropped),
+       to_regclass($2) IS NOT NULL`,
+		t.Sanitize(), t.deadNoticesTable()).Scan(&found, &parent, &state, &heads, &okey, &f.deadAt, &f.skippedAt, &notices)
 	if err != nil {
 		return Columns{}, tableFacts{}, fmt.Errorf("detect columns of %s: %w", t, err)
 	}
 	if !found {
 		return Columns{}, tableFacts{}, fmt.Errorf("%w: %s (create it with schema.Migrate or `outbox migrate`)", ErrTableNotFound, t)
 	}
-	return Columns{TraceContext: parent && state, Headers: heads, OrderingKey: okey, SkippedAt: f.skippedAt}, f, nil
+	return Columns{TraceContext: parent && state, Headers: heads, OrderingKey: okey, SkippedAt: f.skippedAt, DeadNotices: notices}, f, nil
 }

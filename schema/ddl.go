@@ -256,7 +256,7 @@ func UpStatements(t Table, c Columns) []string {
 	for _, ix := range indexes(t) {
 		stmts = append(stmts, ix.stmt)
 	}
-	stmts = append(stmts, pausedTopicsStatement(t), replayJobsStatement(t), availableAtStatement(t), modeStatement(t))
+	stmts = append(stmts, pausedTopicsStatement(t), replayJobsStatement(t), availableAtStatement(t), modeStatement(t), deadNoticesStatement(t))
 	stmts = append(stmts, optionalColumnStatements(t, c)...)
 	stmts = append(stmts, skippedAtEveryTableStatements(t)...)
 	return stmts
@@ -332,7 +332,7 @@ func UpSQL(t Table, opts ...MigrateOption) string {
 // table, published or not, is lost.
 func DownSQL(t Table) string {
 	drops := append(orderedCompanionDrops(t), `DROP TABLE IF EXISTS `+t.PausedTopicsTable(), `DROP TABLE IF EXISTS `+t.ReplayJobsTable(),
-		`DROP TABLE IF EXISTS `+t.modeTable())
+		`DROP TABLE IF EXISTS `+t.modeTable(), `DROP TABLE IF EXISTS `+t.deadNoticesTable())
 	return joinStatements(append(drops, `DROP TABLE IF EXISTS `+t.Sanitize()))
 }
 
@@ -617,6 +617,14 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 		if !ok {
 			stmts = append(stmts, replayJobsStatement(t))
 		}
+		// The death notices' table (migration 000015) does not lock t
+		// either.
+		if ok, err = exists(t.deadNoticesTable()); err != nil {
+			return fmt.Errorf("migrate %s: look up the death notices: %w", t, err)
+		}
+		if !ok {
+			stmts = append(stmts, deadNoticesStatement(t))
+		}
 		// The mode table (migration 000010) does not lock t either.
 		if ok, err = modeTableExists(ctx, tx, t); err != nil {
 			return fmt.Errorf("migrate %s: %w", t, err)
@@ -805,6 +813,8 @@ func MigrationFiles(t Table) map[string]string {
 	down13 := skippedAtEveryTableDownSQL(t)
 	up14 := lockTTLUpSQL(t)
 	down14 := lockTTLDownSQL(t)
+	up15 := deadNoticesUpSQL(t)
+	down15 := deadNoticesDownSQL(t)
 	return map[string]string{
 		"migrations/000001_create_" + name + ".up.sql":                       h + "\n" + up1,
 		"migrations/000001_create_" + name + ".down.sql":                     h + destructive + "\n" + down1,
@@ -834,6 +844,8 @@ func MigrationFiles(t Table) map[string]string {
 		"migrations/000013_add_" + name + "_skipped_at_every_table.down.sql": h + "\n" + down13,
 		"migrations/000014_add_" + name + "_mode_lock_ttl.up.sql":            h + lockTTLNote + "\n" + up14,
 		"migrations/000014_add_" + name + "_mode_lock_ttl.down.sql":          h + "\n" + down14,
+		"migrations/000015_add_" + name + "_dead_notices.up.sql":             h + deadNoticesNote + "\n" + up15,
+		"migrations/000015_add_" + name + "_dead_notices.down.sql":           h + "\n" + down15,
 		"migrations/goose/00001_create_" + name + ".sql": h + "\n-- +goose Up\n" + up1 + "\n" + up2 + "\n" + up3 +
 			"\n-- +goose Down\n" + destructive + down1,
 		"migrations/goose/00002_add_" + name + "_dead_at.sql": h + deadAtNote + "\n-- +goose Up\n" + up4 +
@@ -858,5 +870,7 @@ func MigrationFiles(t Table) map[string]string {
 			"\n-- +goose Down\n-- +goose StatementBegin\n" + down13 + "-- +goose StatementEnd\n",
 		"migrations/goose/00012_add_" + name + "_mode_lock_ttl.sql": h + lockTTLNote + "\n-- +goose Up\n" + up14 +
 			"\n-- +goose Down\n" + down14,
+		"migrations/goose/00013_add_" + name + "_dead_notices.sql": h + deadNoticesNote + "\n-- +goose Up\n" + up15 +
+			"\n-- +goose Down\n" + down15,
 	}
 }

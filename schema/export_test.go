@@ -8,6 +8,9 @@ var AvailableAtDownSQL = availableAtDownSQL
 // PausedTopicsDownSQL exposes pausedTopicsDownSQL to the external tests.
 var PausedTopicsDownSQL = pausedTopicsDownSQL
 
+// DeadNoticesDownSQL exposes deadNoticesDownSQL to the external tests.
+var DeadNoticesDownSQL = deadNoticesDownSQL
+
 // ReplayJobsDownSQL exposes replayJobsDownSQL to the external tests.
 var ReplayJobsDownSQL = replayJobsDownSQL
 

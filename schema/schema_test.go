@@ -146,6 +146,10 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 		"migrations/000002_add_app_outbox_optional_columns.down.sql",
 		"migrations/000007_add_app_outbox_paused_topics.down.sql",
 		"migrations/000008_add_app_outbox_replay_jobs.down.sql",
+		"migrations/000015_add_app_outbox_dead_notices.up.sql",
+		"migrations/000015_add_app_outbox_dead_notices.down.sql",
+		"migrations/000015_add_app_outbox_dead_notices.up.sql",
+		"migrations/000015_add_app_outbox_dead_notices.down.sql",
 		"migrations/000001_create_app_outbox.down.sql",
 	} {
 		body, err := schema.Migrations.ReadFile(f)
@@ -186,6 +190,13 @@ func TestShippedMigrationsApplyAndRevert(t *testing.T) {
 			ok, err := sqlq.PausedTopicsExist(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
 			if want := strings.HasSuffix(f, "000007_add_app_outbox_paused_topics.up.sql"); err != nil || ok != want {
 				t.Fatalf("after %s: paused topics table %v (%v), want %v", f, ok, err, want)
+			}
+		}
+		if strings.Contains(f, "000015_") {
+			// The death notices' table: made by 000015, dropped by its down.
+			c, err := schema.DetectColumns(ctx, conn, schema.MustParseTable(sch+".app_outbox"))
+			if want := strings.HasSuffix(f, ".up.sql"); err != nil || c.DeadNotices != want {
+				t.Fatalf("after %s: death notices table %v (%v), want %v", f, c.DeadNotices, err, want)
 			}
 		}
 		if strings.Contains(f, "000008_") || strings.Contains(f, "000001_") {
@@ -246,7 +257,7 @@ func TestMigrateIdempotentConcurrentAndOptionalColumns(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cols != (schema.Columns{SkippedAt: true}) { // skipped_at is in every table (000013)
+	if cols != (schema.Columns{SkippedAt: true, DeadNotices: true}) { // skipped_at (000013) and the death notices (000015) are in every table
 		t.Fatalf("plain Migrate created optional columns: %+v", cols)
 	}
 	if err := schema.Migrate(ctx, pool, tbl, schema.WithTraceColumns()); err != nil {

@@ -287,6 +287,7 @@ func (e *elector) tick(ctx context.Context) {
 	}
 	e.standing = false
 	s.wake.broadcast()
+	s.notices.broadcast() // death notices the previous leader left, and those of the rows taken back
 }
 
 // takeBack makes the leases left by the previous leader due at once, on the

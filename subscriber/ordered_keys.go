@@ -271,7 +271,7 @@ func (r *orderedRelay) deliverRow(k *keyState, row *sqlq.OrderedRow, attempts in
 	s := r.s
 	row.Attempts = int32(attempts) //nolint:gosec // attempts are small
 	c := &claimed{row: row.ClaimedRow}
-	msg, err := row.Message(s.cfg.Table)
+	msg, err := r.sub.message(c)
 	if err != nil {
 		c.slot = &errorSlot{err: Permanent(err)}
 		c.delivered = time.Now()
@@ -290,7 +290,7 @@ func (r *orderedRelay) deliverRow(k *keyState, row *sqlq.OrderedRow, attempts in
 	// As in the default mode, the message outlives the Subscribe context
 	// until CloseTimeout after the relay stopped. Its term's end cancels it
 	// (a term's end cancels its messages): the handler is told that its partition lease ended.
-	cp, err := t.Hand(withErrorSlot(context.WithoutCancel(r.sub.ctx), c.slot), k.name, msg)
+	cp, err := t.Hand(r.sub.messageContext(c), k.name, msg)
 	if err != nil {
 		if errors.Is(err, term.ErrKeyOut) {
 			// Not expected: the key's runner is the only one, and a
@@ -328,6 +328,14 @@ func (r *orderedRelay) deliverRow(k *keyState, row *sqlq.OrderedRow, attempts in
 			r.fail(k, row, c)
 			return verdictNack
 		case <-msg.Acked():
+			if c.refusedAck() {
+				// Never published: it holds its key dead, as a nack does.
+				if !cp.End(term.Nacked) {
+					return verdictNone
+				}
+				r.fail(k, row, c)
+				return verdictNack
+			}
 			if !cp.End(term.Acked) {
 				return verdictNone // a verdict of an ended term is not progress
 			}

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/deadletter"
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/metrics"
@@ -42,6 +43,10 @@ type Subscriber struct {
 	bgWg     sync.WaitGroup // elector, stats
 	leader   *elector
 	wake     broadcaster
+	// notices wakes the subscriptions that deliver death notices
+	// (notices.go) when this subscriber parked a row dead outside the
+	// router, or became the leader.
+	notices  broadcaster
 	notifier *notifier // nil with DisableNotify
 	// modeLock holds the relay-mode lock of the table (modelock.go) on the
 	// pool's notifier connection while the background runs; modeHeld says
@@ -258,6 +263,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		retry:  keyed.NewAlarm(),
 		logger: s.logger.With(watermill.LogFields{"topic": topic}),
 		hot:    make(chan *claimed, maxHotQueue),
+		// Only the forwarder (Forwarder.AddTo) asks for the messages meant
+		// for the router's dead-letter path: it refuses them.
+		deadLetters: deadletter.Wanted(ctx),
 	}
 	var stale func() int
 	if s.cfg.Ordered {
@@ -463,6 +471,9 @@ func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, o
 			errors.New("lease expired on the last attempt"),
 			watermill.LogFields{"event_id": c.row.EventID, "tenant_id": c.row.TenantID, "sequence": c.row.Sequence, "attempts": c.row.Attempts})
 	}
+	if len(parked) > 0 {
+		s.notices.broadcast() // their death notices are due
+	}
 	sort.Slice(out, func(i, j int) bool { return out[i].row.Sequence < out[j].row.Sequence })
 	return out, len(parked), nil
 }
@@ -501,6 +512,10 @@ type claimed struct {
 	// hotCommitted, the writer's commit.
 	hot          *HotPath
 	hotCommitted time.Time
+	// refusal, when set, is why the row cannot be relayed: it was handed
+	// to the forwarder only for the router's dead-letter path
+	// (subscription.deadLetters), and its verdict sends it dead.
+	refusal error
 }
 
 func (c *claimed) fence() (string, int32, time.Time) { return c.row.ID, c.row.Attempts, c.row.LockedAt }
@@ -589,6 +604,7 @@ func (s *Subscriber) release(cs []*claimed, undo int) {
 			}
 			if dead {
 				s.wentDead(topic)
+				s.notices.broadcast() // another subscription of s may deliver its death notice
 				s.logger.Error("Outbox message is dead: its last allowed attempt got no verdict before the relay stopped; replay it once the cause is fixed",
 					errors.New("no verdict on the last attempt"), watermill.LogFields{"row_id": id})
 			}

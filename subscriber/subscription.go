@@ -2,12 +2,15 @@ package subscriber
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/outboxkit/watermill-outbox/internal/deadletter"
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
 )
 
@@ -26,6 +29,14 @@ type subscription struct {
 	retry *keyed.Alarm
 
 	ordered *orderedRelay // keyed rows, in ordered mode
+
+	// deadLetters is set when the consumer refuses the messages meant for
+	// the router's dead-letter path (package deadletter): the forwarder,
+	// through Forwarder.AddTo. The subscription then hands it a row that
+	// cannot become a message (its headers are not a JSON object), refused,
+	// instead of parking it dead unseen, and the death notices of the
+	// table (notices.go).
+	deadLetters bool
 
 	// slots counts the rows this subscription holds against MaxInFlight
 	// (keyed.Slots): reserved for a claim under way, claimed and not yet
@@ -75,6 +86,13 @@ func (sub *subscription) run() {
 		go func() {
 			defer sub.watchers.Done()
 			sub.sweep(stop)
+		}()
+	}
+	if sub.deadLetters {
+		sub.watchers.Add(1)
+		go func() {
+			defer sub.watchers.Done()
+			sub.noticeLoop(stop)
 		}()
 	}
 	defer func() {
@@ -341,7 +359,7 @@ func (m *rateMeter) perSecond() float64 { return m.v / rateWindow.Seconds() }
 func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 	s := sub.s
 	for i, c := range batch {
-		msg, err := c.row.Message(s.cfg.Table)
+		msg, err := sub.message(c)
 		if err != nil {
 			// A row whose stored headers cannot be read is a permanent defect.
 			c.slot = &errorSlot{err: Permanent(err)}
@@ -354,7 +372,7 @@ func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 		// The message outlives the Subscribe context, which a router
 		// cancels at Close: in-flight work finishes, or is cancelled
 		// CloseTimeout after the subscription stopped (watch).
-		msgCtx, cancel := context.WithCancel(withErrorSlot(context.WithoutCancel(sub.ctx), c.slot))
+		msgCtx, cancel := context.WithCancel(sub.messageContext(c))
 		msg.SetContext(msgCtx)
 		c.msg = msg
 		select {
@@ -368,6 +386,45 @@ func (sub *subscription) deliver(batch []*claimed, stop <-chan struct{}) bool {
 			sub.slots.Unreserve(len(batch) - i)
 			return false
 		}
+	}
+	return true
+}
+
+// message builds c's message. A row whose stored headers cannot be read
+// fails, unless the subscription takes dead letters (deadLetters): then its
+// message has no stored headers and c.refusal says why, so that the
+// forwarder refuses it and the router's poison queue sees the failure; the
+// verdict that follows sends the row dead (or holds its key dead).
+func (sub *subscription) message(c *claimed) (*message.Message, error) {
+	t := sub.s.cfg.Table
+	msg, err := c.row.Message(t)
+	if err == nil || !sub.deadLetters {
+		return msg, err
+	}
+	c.refusal = fmt.Errorf("cannot be relayed: %w", err)
+	return c.row.MessageWithoutHeaders(t), nil
+}
+
+// messageContext is the context c's message starts from: detached from the
+// Subscribe context, carrying c's error slot (set first) and, for a refused
+// row, its cause (package deadletter).
+func (sub *subscription) messageContext(c *claimed) context.Context {
+	ctx := withErrorSlot(context.WithoutCancel(sub.ctx), c.slot)
+	if c.refusal != nil {
+		ctx = deadletter.WithCause(ctx, c.refusal)
+	}
+	return ctx
+}
+
+// refusedAck reports whether an ack of c counts as its failure: c was
+// refused (message), so it is never published; the refusal is then its
+// failure, unless the handler recorded another.
+func (c *claimed) refusedAck() bool {
+	if c.refusal == nil {
+		return false
+	}
+	if c.slot.get() == nil {
+		c.slot.set(Permanent(c.refusal))
 	}
 	return true
 }
@@ -409,6 +466,10 @@ func (sub *subscription) watch(c *claimed, cancel context.CancelFunc) {
 		select {
 		case <-c.msg.Acked():
 			if overran {
+				return
+			}
+			if c.refusedAck() {
+				sub.nack(c) // never published: it goes dead
 				return
 			}
 			observeHot(s, c)

@@ -185,6 +185,7 @@ func Run(t *testing.T, r Relay) {
 		{"RetryAfterBackoffWhileIdle", TestRetryAfterBackoffWhileIdle},
 		{"KafkaKeyIsOrderingKey", TestKafkaKeyIsOrderingKey},
 		{"SkippedNeverDelivered", TestSkippedNeverDelivered},
+		{"PoisonCopyOfEveryDeadEvent", TestPoisonCopyOfEveryDeadEvent},
 	}
 	for _, c := range append(append(cases, crossings...), crossings7...) {
 		t.Run(c.name, func(t *testing.T) {

@@ -14,11 +14,16 @@ import (
 // modeTable names the companion table that records t's relay mode
 // (<table>_mode, migration 000010), as package schema names it, sanitized
 // for SQL.
-func modeTable(t schema.Table) string {
+func modeTable(t schema.Table) string { return companion(t, "_mode") }
+
+// companion names t's companion table with suffix as package schema names
+// its companion tables (t's name plus the suffix, in t's schema),
+// sanitized for SQL: for those whose name schema does not export.
+func companion(t schema.Table, suffix string) string {
 	if t.Schema() == "" {
-		return pgx.Identifier{t.Name() + "_mode"}.Sanitize()
+		return pgx.Identifier{t.Name() + suffix}.Sanitize()
 	}
-	return pgx.Identifier{t.Schema(), t.Name() + "_mode"}.Sanitize()
+	return pgx.Identifier{t.Schema(), t.Name() + suffix}.Sanitize()
 }
 
 // RecordLockTTL records ttl, the lease duration (LockTTL) a table relay of

@@ -74,8 +74,9 @@ type Queries struct {
 	// last_error. A row whose lease expired on its last allowed attempt
 	// (attempts >= max_attempts) is not claimed but parked dead (dead_at =
 	// now(), available_at = 'infinity', locked_at = NULL, last_error saying
-	// the lease expired) by the same statement, and returned with parked =
-	// true so that the relay counts it. max_attempts plays no other part:
+	// the lease expired) by the same statement, which also records its
+	// death notice when schema.Columns.DeadNotices (deadnotices.go), and
+	// returned with parked = true so that the relay counts it. max_attempts plays no other part:
 	// raising it does not revive dead rows, lowering it does not kill rows
 	// that are retrying (they die when their next attempt fails). See
 	// docs/ARCHITECTURE.md, "The relay".
@@ -143,7 +144,8 @@ type Queries struct {
 	// by the undo argument (1 for rows never delivered, 0 for rows whose
 	// handler did not answer). A row left at or above max_attempts (the
 	// handler did not answer on the last allowed attempt) is parked dead
-	// instead. Fenced like Ack.
+	// instead, with its death notice when schema.Columns.DeadNotices.
+	// Fenced like Ack.
 	// Args: ids, attempts, locked_ats (arrays), undo, max_attempts.
 	// Returns: id::text, topic, dead, for the rows released.
 	Release string
@@ -155,7 +157,8 @@ type Queries struct {
 	// (Close), so every lease still in the table is orphaned: its holder
 	// crashed, was cut off or stepped down. Like a lease that expired, the
 	// attempt counts (last_error says so) and a row leased on its last
-	// allowed attempt is parked dead. locked_at is cleared, so the previous
+	// allowed attempt is parked dead, with its death notice when
+	// schema.Columns.DeadNotices. locked_at is cleared, so the previous
 	// holder's late ack or nack is fenced out. Args: max_attempts.
 	// Returns: id::text, topic, dead, for the rows taken back.
 	TakeBack string
@@ -185,6 +188,29 @@ type Queries struct {
 	// marks published the rows this same transaction claimed (locked_at =
 	// now()) up to a sequence. Args: sequence.
 	AckUpToInTx string
+
+	// ClaimNotices and ClaimNoticesTopic lease up to a batch of the due
+	// death notices (deadnotices.go) whose rows are still dead of the
+	// death they record, for one delivery each (due_at moves LockTTL
+	// ahead, tries counts it), and drop in the same statement the stale
+	// ones and those already delivered NoticeTries times (returned with a
+	// nil lease, to be logged). Args: NoticeTries, lock_ttl seconds
+	// (float8), batch size, and for ClaimNoticesTopic the topic. Returns
+	// the dead rows as a claim returns them, in sequence order; read them
+	// with ClaimedNotice.ScanNotice. Empty unless schema.Columns.DeadNotices.
+	ClaimNotices      string
+	ClaimNoticesTopic string
+	// NoticeDone deletes a notice the router answered, fenced by its lease
+	// (due_at). Args: id, due_at. Command tag: 1 when deleted.
+	NoticeDone string
+	// NoticeRenew moves the lease of a notice still in a handler LockTTL
+	// ahead, fenced like NoticeDone. Args: id, due_at, lock_ttl seconds.
+	// Returns the new due_at, no row when the lease passed on.
+	NoticeRenew string
+	// NoticeGiveBack makes a leased notice that was not handed over due
+	// again at once, its delivery not counted. Fenced like NoticeDone.
+	// Args: id, due_at.
+	NoticeGiveBack string
 }
 
 // NewQueries renders the statements for table t with optional columns c.
@@ -316,6 +342,15 @@ FROM (SELECT o.event_id, o.sequence, o.tenant_id, o.topic, o.payload = u.p::json
 	q.UndoEnqueue = `WITH d AS (DELETE FROM ` + tbl + ` WHERE event_id = ANY($1::text[]::uuid[]) RETURNING 1)
 SELECT count(*) FROM d`
 
+	// A row parked dead by a claim, a release or a take-back died without
+	// its failure reaching the router: each such statement records its
+	// death notice (deadnotices.go) when the table has the notices' table.
+	notices := func(source, id, cond string) string {
+		if !c.DeadNotices {
+			return ``
+		}
+		return `, ` + recordNotices(t, source, id, cond)
+	}
 	claim := func(topicFilter string, adapter bool) string {
 		// A row leased on its last allowed attempt whose lease expired (the
 		// relay crashed, hung, or its ack or nack write failed) is parked
@@ -325,9 +360,11 @@ SELECT count(*) FROM d`
 		if !adapter {
 			out += `, parked`
 		}
-		filter := ``
+		filter, noticed := ``, notices("claimed", "c1::uuid", "parked")
 		if adapter {
-			filter = ` WHERE NOT parked`
+			// The adapters' users relay through watermill-sql, not the
+			// forwarder: nobody would deliver the notices.
+			filter, noticed = ` WHERE NOT parked`, ``
 		}
 		// A skipped row (skipped_at, written by a keyed relay) is done:
 		// no claim delivers it again (a replay clears skipped_at).
@@ -353,7 +390,7 @@ SELECT count(*) FROM d`
       ELSE o.last_error END
   FROM due WHERE o.id = due.id
   RETURNING ` + claimReturning(c) + `, o.dead_at IS NOT NULL AS parked
-)
+)` + noticed + `
 SELECT ` + out + ` FROM claimed` + filter
 	}
 	q.ClaimAll = claim("", false)
@@ -385,7 +422,8 @@ FROM (SELECT $1::uuid AS id, $2::int AS attempts, $3::timestamptz AS locked_at) 
 WHERE ` + fence
 
 	lastTry := `($4::int = 0 AND o.attempts >= $5::int)`
-	q.Release = `UPDATE ` + tbl + ` AS o SET locked_at = NULL, attempts = GREATEST(o.attempts - $4::int, 0),
+	q.Release = `WITH released AS (
+UPDATE ` + tbl + ` AS o SET locked_at = NULL, attempts = GREATEST(o.attempts - $4::int, 0),
   dead_at = CASE WHEN ` + lastTry + ` THEN now() END,
   available_at = CASE WHEN ` + lastTry + ` THEN 'infinity'::timestamptz ELSE now() END,
   last_error = CASE WHEN ` + lastTry + `
@@ -393,16 +431,21 @@ WHERE ` + fence
     ELSE o.last_error END
 FROM unnest($1::uuid[], $2::int[], $3::timestamptz[]) AS a(id, attempts, locked_at)
 WHERE ` + fence + `
-RETURNING o.id::text, o.topic, o.dead_at IS NOT NULL`
+RETURNING o.id, o.topic, o.dead_at IS NOT NULL AS dead
+)` + notices("released", "id", "dead") + `
+SELECT id::text, topic, dead FROM released`
 
 	lastAttempt := `o.attempts >= $1::int`
-	q.TakeBack = `UPDATE ` + tbl + ` AS o SET locked_at = NULL,
+	q.TakeBack = `WITH taken AS (
+UPDATE ` + tbl + ` AS o SET locked_at = NULL,
   dead_at = CASE WHEN ` + lastAttempt + ` THEN now() END,
   available_at = CASE WHEN ` + lastAttempt + ` THEN 'infinity'::timestamptz ELSE now() END,
   last_error = 'lease of attempt ' || o.attempts || ' taken back: the relay holding it lost its database session (crashed, cut off or stepped down)'
     || CASE WHEN ` + lastAttempt + ` THEN '; dead: it was the last allowed attempt (max ' || $1::int || ')' ELSE '' END
 WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.locked_at IS NOT NULL
-RETURNING o.id::text, o.topic, o.dead_at IS NOT NULL`
+RETURNING o.id, o.topic, o.dead_at IS NOT NULL AS dead
+)` + notices("taken", "id", "dead") + `
+SELECT id::text, topic, dead FROM taken`
 
 	q.Stats = `SELECT count(*) FILTER (WHERE dead_at IS NULL), count(*) FILTER (WHERE locked_at IS NOT NULL), count(*) FILTER (WHERE dead_at IS NOT NULL),
   COALESCE(extract(epoch FROM now() - min(created_at) FILTER (WHERE dead_at IS NULL))::float8, 0)
@@ -417,6 +460,7 @@ DELETE FROM ` + tbl + ` AS o USING victims WHERE o.id = victims.id`
 
 	q.AckUpToInTx = `UPDATE ` + tbl + ` SET published_at = now(), locked_at = NULL, last_error = NULL
 WHERE locked_at = now() AND published_at IS NULL AND sequence <= $1`
+	q.renderNotices(t, c)
 	return q
 }
 

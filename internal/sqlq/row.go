@@ -112,7 +112,8 @@ func (r *ClaimedRow) optionalDest(dest []any, c schema.Columns) []any {
 // Message builds the Watermill message of the row: UUID = event_id, payload =
 // the JSON payload, and metadata event_id, tenant_id, topic, sequence,
 // attempts and table, plus traceparent, tracestate and the stored headers
-// when present. Headers never override the outbox's own keys.
+// when present. Headers never override the outbox's own keys. It fails
+// when the stored headers are not a JSON object of strings.
 func (r *ClaimedRow) Message(t schema.Table) (*message.Message, error) {
 	msg := message.NewMessage(r.EventID, r.Payload)
 	if r.Headers != nil && *r.Headers != "" {
@@ -126,6 +127,21 @@ func (r *ClaimedRow) Message(t schema.Table) (*message.Message, error) {
 			}
 		}
 	}
+	r.setMetadata(msg, t)
+	return msg, nil
+}
+
+// MessageWithoutHeaders is Message without the stored headers: the message
+// of a row whose headers Message cannot read, for the router's dead-letter
+// path only (package deadletter); it is never published.
+func (r *ClaimedRow) MessageWithoutHeaders(t schema.Table) *message.Message {
+	msg := message.NewMessage(r.EventID, r.Payload)
+	r.setMetadata(msg, t)
+	return msg
+}
+
+// setMetadata sets the outbox's own metadata keys of the row on msg.
+func (r *ClaimedRow) setMetadata(msg *message.Message, t schema.Table) {
 	msg.Metadata[schema.MetadataEventID] = r.EventID
 	msg.Metadata[schema.MetadataTenantID] = r.TenantID
 	msg.Metadata[schema.MetadataTopic] = r.Topic
@@ -141,5 +157,4 @@ func (r *ClaimedRow) Message(t schema.Table) (*message.Message, error) {
 	if r.TraceState != nil && *r.TraceState != "" {
 		msg.Metadata[schema.MetadataTraceState] = *r.TraceState
 	}
-	return msg, nil
 }
