@@ -37,8 +37,7 @@ const poisonMaxAttempts = 3
 //   - HeadersNotAnObject: the row's headers column holds a JSON array, so
 //     it cannot become a message; the relay hands it to the router without
 //     them, refused (for the WAL relay, the limit docs/WAL.md states is
-//     checked, dead before the router and no copy, then the promise is
-//     skipped);
+//     checked instead: dead before the router, no copy);
 //   - LeaseExpiredOnTheLastAttempt: the row was leased on its last allowed
 //     attempt by a relay that died; the next claim (or the next leader)
 //     parks it dead with its death notice, and the relay hands the notice
