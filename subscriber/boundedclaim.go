@@ -321,7 +321,7 @@ func (sub *subscription) sweep(stop <-chan struct{}) {
 			return
 		case <-t.C:
 		}
-		for s.IsLeader() {
+		for s.IsLeader() && s.modeLock.modeReady(s) == nil {
 			if s.pausedTopics(sub.ctx) != nil {
 				break
 			}

@@ -403,6 +403,11 @@ type claimPrelude struct {
 // of them whether the statement was full: a claim whose rows a pause
 // filters still took its batch in index order.
 func (s *Subscriber) claimQuery(ctx context.Context, query string, args []any, opts claimOpts, pre *claimPrelude) ([]*claimed, int, error) {
+	// No claim while the relay-mode lock is down or the table was switched
+	// away (modelock.go); the loops that claim wait before they ask.
+	if err := s.modeLock.modeReady(s); err != nil {
+		return nil, 0, fmt.Errorf("subscriber: claim on %s: %w", s.cfg.Table, err)
+	}
 	// The claim commits its leases as it runs: cancelled between its UPDATE
 	// and the reading of its rows, it would orphan the batch until LockTTL.
 	// So it runs on a context of its own, detached from ctx's cancellation
