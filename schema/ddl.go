@@ -382,8 +382,9 @@ func Migrate(ctx context.Context, db DB, t Table, opts ...MigrateOption) error {
 }
 
 // LockWaitError is returned by Migrate when it gave up waiting for a lock
-// on the table: Holders are the sessions that held a lock on it when it
-// gave up (none when they ended meanwhile).
+// on the table, or for another migration of the table that waits for one
+// (Tries 0): Holders are the sessions that held a lock on it when it gave
+// up (none when they ended meanwhile).
 type LockWaitError struct {
 	Table   Table
 	Tries   int
@@ -404,8 +405,13 @@ type LockHolder struct {
 
 func (e *LockWaitError) Error() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "migrate %s: gave up after %d tries in %s: each try waits at most %s for the table's lock, so as not to stall its writers",
-		e.Table, e.Tries, e.Waited.Round(time.Millisecond), migrateLockTimeout)
+	if e.Tries == 0 {
+		fmt.Fprintf(&b, "migrate %s: gave up after %s behind another migration of the table, which waits for the table's lock",
+			e.Table, e.Waited.Round(time.Millisecond))
+	} else {
+		fmt.Fprintf(&b, "migrate %s: gave up after %d tries in %s: each try waits at most %s for the table's lock, so as not to stall its writers",
+			e.Table, e.Tries, e.Waited.Round(time.Millisecond), migrateLockTimeout)
+	}
 	if len(e.Holders) == 0 {
 		b.WriteString("; no session holds the table now (try again)")
 	} else {
@@ -501,6 +507,13 @@ func migrateTx(ctx context.Context, db DB, t Table, wait time.Duration, opts []M
 		}
 	}()
 	if _, err = tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, t.migrateLockKey()); err != nil {
+		if ctx.Err() != nil {
+			// Another migration of t held the migration lock until the
+			// deadline: it waits for the table's lock, so name who holds
+			// that.
+			return &LockWaitError{Table: t, Waited: time.Since(start), Holders: lockHolders(ctx, db, t),
+				Err: fmt.Errorf("waiting for another migration of the table: %w", err)}
+		}
 		return fmt.Errorf("migrate %s: lock: %w", t, err)
 	}
 	if _, err = tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", migrateLockTimeout.Milliseconds())); err != nil {
