@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -87,7 +88,7 @@ import (
 // (default 1,500) and SWITCH_HISTORY_SWITCHES (default 7; `make
 // switch_history` runs 20,000 events and 32 switches). SWITCH_HISTORY_SEED
 // replays a run's random choices (the interleaving of goroutines is not
-// replayed).
+// replayed); SWITCH_HISTORY_LOG=<file> writes the relays' log lines there.
 func TestSwitchHistory(t *testing.T) {
 	t.Parallel()
 	events := envInt("SWITCH_HISTORY_EVENTS", 1500)
@@ -117,6 +118,8 @@ const (
 	// waits longer.
 	settleWithin = 3 * time.Minute
 	writers      = 4
+	// maxAttempts is every relay's MaxAttempts.
+	maxAttempts  = 3
 	keysPerWrite = 8
 )
 
@@ -143,7 +146,8 @@ type event struct {
 	firstAckMode schema.Mode
 	handed       int
 	// defaultDead is when a default relay failed it for good (a permanent
-	// error, or its third attempt): the default relay holds no key, so
+	// error, or the row's last attempt, as the row counts them: attempts
+	// handed to a killed relay count): the default relay holds no key, so
 	// later events of its key may pass it.
 	defaultDead time.Time
 
@@ -244,6 +248,7 @@ type harness struct {
 	nextRelay int
 	closing   sync.WaitGroup // background closes of killed relays
 	lastPub   time.Time      // database time of the last check of published rows
+	log       *os.File       // SWITCH_HISTORY_LOG, or nil
 	// aborted is set when no relay of the recorded mode can start: the
 	// history stops there (quiescence cannot come) and is checked as it is.
 	aborted bool
@@ -268,7 +273,14 @@ func newHarness(t *testing.T, seed uint64, events, switches int) *harness {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &harness{t: t, seed: seed, events: events, switches: switches, pg: pg, pool: pool, tbl: tbl,
+	var log *os.File
+	if path := os.Getenv("SWITCH_HISTORY_LOG"); path != "" {
+		if log, err = os.Create(path); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = log.Close() })
+	}
+	return &harness{t: t, seed: seed, log: log, events: events, switches: switches, pg: pg, pool: pool, tbl: tbl,
 		rb: runbook.New(pool, tbl), clean: clean, rng: rand.New(rand.NewPCG(seed, seed^0x5eed5eed5eed5eed)),
 		byID: map[uuid.UUID]*event{}, byKey: map[string][]*event{}, counts: map[string]int{},
 		violations: map[string][]string{}, vcount: map[string]int{}, reported: map[string]bool{}, mode: schema.ModeDefault}
@@ -493,8 +505,8 @@ func (h *harness) startRelay(ctx context.Context, m schema.Mode) (*relay, error)
 	var ch <-chan *message.Message
 	switch m {
 	case schema.ModeWAL:
-		s, err := walrelay.New(ctx, r.pool, walrelay.Config{Table: h.tbl, MaxAttempts: 3, StatusInterval: 100 * time.Millisecond,
-			ElectionInterval: 100 * time.Millisecond, CloseTimeout: time.Second, Backoff: func(int) time.Duration { return 20 * time.Millisecond }}, nil)
+		s, err := walrelay.New(ctx, r.pool, walrelay.Config{Table: h.tbl, MaxAttempts: maxAttempts, StatusInterval: 100 * time.Millisecond,
+			ElectionInterval: 100 * time.Millisecond, CloseTimeout: time.Second, Backoff: func(int) time.Duration { return 20 * time.Millisecond }}, h.logger(r))
 		if err != nil {
 			r.pool.Close()
 			return nil, err
@@ -508,8 +520,8 @@ func (h *harness) startRelay(ctx context.Context, m schema.Mode) (*relay, error)
 		}
 	default:
 		s, err := subscriber.New(ctx, r.pool, subscriber.Config{Table: h.tbl, Ordered: m == schema.ModeOrdered, LockTTL: relayLockTTL,
-			ElectionInterval: 100 * time.Millisecond, PollInterval: 100 * time.Millisecond, BatchSize: 50, MaxAttempts: 3,
-			CloseTimeout: time.Second, Backoff: func(int) time.Duration { return 20 * time.Millisecond }}, nil)
+			ElectionInterval: 100 * time.Millisecond, PollInterval: 100 * time.Millisecond, BatchSize: 50, MaxAttempts: maxAttempts,
+			CloseTimeout: time.Second, Backoff: func(int) time.Duration { return 20 * time.Millisecond }}, h.logger(r))
 		if err != nil {
 			r.pool.Close()
 			return nil, err
@@ -541,6 +553,17 @@ func (h *harness) startRelay(ctx context.Context, m schema.Mode) (*relay, error)
 	return r, nil
 }
 
+// logger is r's logger: nil (the relays' default) unless
+// SWITCH_HISTORY_LOG names a file, which then gets every relay's lines at
+// info level and above, each with the relay's name (to read a failing
+// seed's history beside the relays' own account of it).
+func (h *harness) logger(r *relay) watermill.LoggerAdapter {
+	if h.log == nil {
+		return nil
+	}
+	return watermill.NewStdLoggerWithOut(h.log, false, false).With(watermill.LogFields{"relay": r.name})
+}
+
 // handle is every relay's handler: it records the delivery and decides.
 func (h *harness) handle(r *relay, msg *message.Message) {
 	handed := time.Now()
@@ -567,18 +590,30 @@ func (h *harness) handle(r *relay, msg *message.Message) {
 	} else {
 		time.Sleep(time.Duration(rand.IntN(3)) * time.Millisecond)
 	}
+	// The row's attempts as handed (the claim counted this one): a
+	// default relay parks the row dead when this attempt fails, or, when
+	// its process is killed before the verdict, at the next claim after
+	// the lease. Attempts handed to a killed relay get no verdict, so the
+	// harness's own count of them (verdict) may be lower than the row's.
+	lastAttempt := false
+	if n, err := strconv.Atoi(msg.Metadata.Get(schema.MetadataAttempts)); err == nil && n >= maxAttempts {
+		lastAttempt = true
+	}
 	h.mu.Lock()
 	if r.killed {
 		// The process is gone: no verdict reaches anyone.
+		if r.mode == schema.ModeDefault && lastAttempt && e.defaultDead.IsZero() {
+			e.defaultDead = time.Now()
+		}
 		h.mu.Unlock()
 		msg.Nack()
 		return
 	}
-	fail, permanent, attempt := h.verdict(e)
+	fail, permanent, _ := h.verdict(e)
 	now := time.Now()
 	h.deliveries = append(h.deliveries, delivery{ev: e, relay: r.name, mode: r.mode, handed: handed, at: now, ok: !fail})
 	if fail {
-		if r.mode == schema.ModeDefault && e.defaultDead.IsZero() && (permanent || attempt >= 2) {
+		if r.mode == schema.ModeDefault && e.defaultDead.IsZero() && (permanent || lastAttempt) {
 			e.defaultDead = now
 		}
 	} else {
