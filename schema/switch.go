@@ -6,6 +6,8 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 )
 
 // A table's delivery state has one form at rest: the row's own columns
@@ -165,25 +167,17 @@ func modeIs(ctx context.Context, db DB, t Table, m Mode) (bool, error) {
 }
 
 // inferMode is the mode of a table without a recorded one, from what
-// exists: a table the WAL relay streams (its progress table and a
-// publication) is a WAL table; one with the ordering column and ordered
-// mode's companion tables an ordered table; any other a default table. The
-// same rule as the state reader's (internal/sqlq.DecideMode).
+// exists (pgmeta.InferMode, the state reader's rule too).
 func inferMode(ctx context.Context, q Querier, t Table) (Mode, error) {
-	var wal, ordered bool
-	err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = to_regclass($2)),
-  to_regclass($3) IS NOT NULL AND to_regclass($4) IS NOT NULL
-  AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($2) AND attname = 'ordering_key' AND NOT attisdropped)`,
-		t.WALProgressTable(), t.Sanitize(), t.PartitionsTable(), t.HoldsTable()).Scan(&wal, &ordered)
-	switch {
-	case err != nil:
+	var walProgress, published, ordered, orderingKey bool
+	err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = to_regclass($2)),
+  to_regclass($3) IS NOT NULL AND to_regclass($4) IS NOT NULL,
+  EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($2) AND attname = 'ordering_key' AND NOT attisdropped)`,
+		t.WALProgressTable(), t.Sanitize(), t.PartitionsTable(), t.HoldsTable()).Scan(&walProgress, &published, &ordered, &orderingKey)
+	if err != nil {
 		return "", fmt.Errorf("find the relay mode of %s: %w", t, err)
-	case wal:
-		return ModeWAL, nil
-	case ordered:
-		return ModeOrdered, nil
 	}
-	return ModeDefault, nil
+	return Mode(pgmeta.InferMode(walProgress, published, ordered, orderingKey)), nil
 }
 
 // refuseOpenHolds fails with ErrKeysHeld while any hold of t is open (not

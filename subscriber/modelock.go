@@ -252,12 +252,9 @@ func switchedAway(ctx context.Context, conn *pgx.Conn, w modeWant) (away, err er
 	}
 	qctx, cancel := context.WithTimeout(ctx, opTimeout)
 	defer cancel()
-	rec, ok, rerr := schema.RecordedMode(qctx, conn, w.table)
-	if rerr != nil {
-		return nil, fmt.Errorf("read the relay mode of %s: %w", w.table, rerr)
-	}
-	if !ok || rec.Mode == own {
-		return nil, nil
+	rec, switched, rerr := sqlq.SwitchedAway(qctx, conn, w.table, own)
+	if rerr != nil || !switched {
+		return nil, rerr
 	}
 	return fmt.Errorf("%s is relayed in %s mode (recorded by %q at %s), not in %s mode: %w", w.table, rec.Mode, rec.RecordedBy,
 		rec.RecordedAt.Format(time.RFC3339), own, schema.ErrRelayModeMix), nil

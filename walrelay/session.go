@@ -313,11 +313,11 @@ var errSwitchedAway = errors.New("the table is switched to another relay mode")
 // it, when t's recorded mode is no longer wal. A table without a record is
 // left to the checks of New.
 func (s *Subscriber) stillWAL(ctx context.Context, q schema.Querier) error {
-	rec, ok, err := schema.RecordedMode(ctx, q, s.cfg.Table)
+	rec, switched, err := sqlq.SwitchedAway(ctx, q, s.cfg.Table, schema.ModeWAL)
 	if err != nil {
-		return fmt.Errorf("read the relay mode of %s: %w", s.cfg.Table, err)
+		return err
 	}
-	if ok && rec.Mode != schema.ModeWAL {
+	if switched {
 		return fmt.Errorf("%w: %s is relayed in %s mode (recorded by %q at %s); this WAL relay streams nothing: close it, or switch the table back "+
 			"(`outbox migrate --mode=wal`)", errSwitchedAway, s.cfg.Table, rec.Mode, rec.RecordedBy, rec.RecordedAt.Format(time.RFC3339))
 	}

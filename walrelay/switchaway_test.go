@@ -75,4 +75,21 @@ func TestWALRelayStandsByOnATableSwitchedAway(t *testing.T) {
 	if late.Active() {
 		t.Fatal("the WAL relay reports itself active on a table switched away from it")
 	}
+	// Standing by, it holds no presence lock: the table's next switch
+	// does not wait for it (as a default or ordered relay gives its mode
+	// lock back on a table switched away).
+	if err := schema.SwitchMode(ctx, pool, tbl, schema.ModeOrdered, "test"); err != nil {
+		t.Fatalf("switch default -> ordered beside a WAL relay standing by on a table switched away: %v, want it accepted", err)
+	}
+	// Switched back to the WAL relay, it takes its lock again and streams:
+	// it recreates the slot and delivers the rows nobody delivered.
+	if err := schema.SwitchMode(ctx, pool, tbl, schema.ModeWAL, "test"); err != nil {
+		t.Fatalf("switch ordered -> wal: %v", err)
+	}
+	waitFor(t, 30*time.Second, "the WAL relay streams again once its table is switched back", late.Active)
+	rec.waitAcked(t, ids, 30*time.Second)
+	err := schema.SwitchMode(ctx, pool, tbl, schema.ModeDefault, "test")
+	if !errors.Is(err, schema.ErrRelayModeMix) {
+		t.Fatalf("switch wal -> default beside the streaming WAL relay: %v, want schema.ErrRelayModeMix", err)
+	}
 }

@@ -467,6 +467,14 @@ func (s *Subscriber) run(ctx context.Context, out chan *message.Message, presenc
 	switchedAway := false // logged once per switch away
 	defer presence.leave()
 	for ctx.Err() == nil {
+		if switchedAway && s.stillAway(ctx) {
+			// Holding no presence lock: further switches of the table
+			// do not wait for this relay, which streams nothing.
+			if !s.waitElection(ctx) {
+				return
+			}
+			continue
+		}
 		if err := presence.hold(ctx); err != nil {
 			s.logger.Error("Could not take the WAL relay's presence lock; a mode switch may not see this relay between sessions", err, nil)
 		}
@@ -488,11 +496,37 @@ func (s *Subscriber) run(ctx context.Context, out chan *message.Message, presenc
 			s.logger.Error("WAL stream ended; retrying", err, watermill.LogFields{"retry_in": s.cfg.ElectionInterval.String()})
 		}
 		switchedAway = errors.Is(err, errSwitchedAway)
-		select {
-		case <-ctx.Done():
-		case <-time.After(s.cfg.ElectionInterval):
+		if switchedAway {
+			// Give the presence lock back, as a default or ordered relay
+			// gives its mode lock back on a table switched away; it is
+			// taken again before the next session once the table is
+			// switched back to the WAL relay.
+			presence.leave()
+		}
+		if !s.waitElection(ctx) {
+			return
 		}
 	}
+}
+
+// waitElection waits ElectionInterval; false when ctx ended first.
+func (s *Subscriber) waitElection(ctx context.Context) bool {
+	select {
+	case <-ctx.Done():
+		return false
+	case <-time.After(s.cfg.ElectionInterval):
+		return true
+	}
+}
+
+// stillAway reports whether the table is still recorded in another mode
+// (an error reading it counts as away: the next session reads it again,
+// under the presence lock).
+func (s *Subscriber) stillAway(ctx context.Context) bool {
+	qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	_, away, err := sqlq.SwitchedAway(qctx, s.pool, s.cfg.Table, schema.ModeWAL)
+	return away || err != nil
 }
 
 // policy is the decision about failed attempts, the same as the ordered

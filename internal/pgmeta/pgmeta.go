@@ -147,3 +147,19 @@ func SkippedAt(tbl string) []string {
 WHERE skipped_at IS NULL AND published_at IS NULL AND ordering_key IS NOT NULL AND last_error LIKE '` + legacySkippedPrefix + `%'`,
 	}
 }
+
+// InferMode is the relay mode of a table without a recorded one, from what
+// exists of it: a table the WAL relay streams (its progress table and a
+// publication of it) is a WAL table ("wal"); one with the ordering column
+// and ordered mode's companion tables an ordered table ("ordered"); any
+// other a default-mode table ("default"). schema's switch and the state
+// reader (internal/sqlq) both decide by it.
+func InferMode(walProgress, published, orderedTables, orderingKey bool) string {
+	switch {
+	case walProgress && published:
+		return "wal"
+	case orderedTables && orderingKey:
+		return "ordered"
+	}
+	return "default"
+}

@@ -35,3 +35,22 @@ func TestKeysAreStable(t *testing.T) {
 		t.Errorf("NotifyChannel of a long name is %d bytes, over PostgreSQL's 63", len(ch))
 	}
 }
+
+func TestInferMode(t *testing.T) {
+	for _, c := range []struct {
+		walProgress, published, ordered, key bool
+		want                                 string
+	}{
+		{true, true, true, true, "wal"},
+		{true, true, false, false, "wal"},
+		{true, false, true, true, "ordered"}, // a progress table without a publication: not streamed
+		{false, true, true, true, "ordered"}, // a publication of its own (not the WAL relay's): ordered tables decide
+		{false, false, true, false, "default"},
+		{false, false, false, true, "default"},
+		{false, false, false, false, "default"},
+	} {
+		if got := InferMode(c.walProgress, c.published, c.ordered, c.key); got != c.want {
+			t.Errorf("InferMode(progress %v, published %v, ordered tables %v, ordering_key %v) = %s, want %s", c.walProgress, c.published, c.ordered, c.key, got, c.want)
+		}
+	}
+}

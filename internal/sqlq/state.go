@@ -4,6 +4,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
 
@@ -444,15 +445,8 @@ func ModeProbe(t schema.Table) string {
 }
 
 // DecideMode turns the answers of ModeProbe and the table's columns into
-// its mode: a table the WAL relay streams (a progress table and a
-// publication) is a WAL table; one with the ordering column and the ordered
-// companion tables is an ordered table; any other is a default-mode table.
+// its mode, by the rule schema's switch infers a mode by
+// (pgmeta.InferMode).
 func DecideMode(walProgress, published, orderedTables bool, c schema.Columns) schema.Mode {
-	switch {
-	case walProgress && published:
-		return schema.ModeWAL
-	case orderedTables && c.OrderingKey && !published:
-		return schema.ModeOrdered
-	}
-	return schema.ModeDefault
+	return schema.Mode(pgmeta.InferMode(walProgress, published, orderedTables, c.OrderingKey))
 }
