@@ -45,7 +45,11 @@ import (
 //     and are never marked published; skipped rows keep skipped_at;
 //     pending rows stay pending. The old mode's resolved holds
 //     (tombstones) go: the rows they covered are published now;
-//  4. records m last.
+//  4. into ordered mode, lowers each partition's floor below its oldest
+//     pending keyed row, so that the ordered relays read every row that
+//     is pending (one the floor of an earlier ordered era had passed: a
+//     dead row replayed in another mode, say);
+//  5. records m last.
 //
 // A switch away from the WAL relay also drops the table's replication
 // slots (the default one and those its progress table names), which are
@@ -68,6 +72,9 @@ type switchResult struct {
 	// Settled is the number of rows the old mode had delivered that the
 	// switch marked published.
 	Settled int64
+	// Reopened is the number of ordered-mode partitions whose floor a
+	// switch into ordered mode lowered below a pending keyed row.
+	Reopened int64
 	// DroppedSlots are the replication slots of the table the switch
 	// dropped, from the WAL relay.
 	DroppedSlots []string
@@ -126,6 +133,11 @@ func switchMode(ctx context.Context, db DB, t Table, m Mode, by string) (switchR
 	}
 	if res.Settled, err = settle(ctx, tx, t, res.From); err != nil {
 		return res, err
+	}
+	if m == ModeOrdered {
+		if res.Reopened, err = reopenBelowFloors(ctx, tx, t); err != nil {
+			return res, err
+		}
 	}
 	if res.From == ModeWAL {
 		if res.DroppedSlots, err = dropSlots(ctx, tx, t); err != nil {
@@ -294,6 +306,44 @@ func settleWALStatement(t Table, skippedAt bool) string {
 WHERE o.published_at IS NULL AND o.dead_at IS NULL` + notSkipped + `
   AND age(o.xmin) > (SELECT age((min(horizon)::text::numeric % 4294967296)::text::xid) FROM ` + t.WALProgressTable() + `
     HAVING count(*) > 0 AND bool_and(horizon IS NOT NULL))`
+}
+
+// reopenBelowFloors lowers, on a switch into ordered mode, the floor of
+// every partition that has a pending keyed row (not published, dead or
+// skipped) at or below it, to just below its oldest such row, and returns
+// the partitions lowered. Ordered mode reads only rows above the floors,
+// and its state reader and cleaner take a keyed row at or below the floor
+// for delivered; a row can be pending there after an earlier ordered era
+// passed it: a row dead under the default relay and replayed while the
+// table was relayed in another mode, or a row that mode had not delivered
+// yet. The settle of the old mode has marked published every row it
+// delivered, so the rows above the lowered floor that are not published
+// are exactly the pending ones.
+func reopenBelowFloors(ctx context.Context, tx pgx.Tx, t Table) (int64, error) {
+	var ready, skippedAt bool
+	err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL
+  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($2) AND attname IN ('ordering_key', 'ordering_partition') AND NOT attisdropped) = 2,
+  EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($2) AND attname = 'skipped_at' AND NOT attisdropped)`,
+		t.PartitionsTable(), t.Sanitize()).Scan(&ready, &skippedAt)
+	if err != nil {
+		return 0, fmt.Errorf("switch %s to ordered mode: look up its tables: %w", t, err)
+	}
+	if !ready {
+		return 0, nil // no floors yet: ordered mode reads every row
+	}
+	notSkipped := ``
+	if skippedAt {
+		notSkipped = ` AND o.skipped_at IS NULL`
+	}
+	tag, err := tx.Exec(ctx, `UPDATE `+t.PartitionsTable()+` AS p SET floor_sequence = s.low - 1
+FROM (SELECT o.ordering_partition AS part, min(o.sequence) AS low FROM `+t.Sanitize()+` AS o
+  WHERE o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL`+notSkipped+`
+  GROUP BY o.ordering_partition) AS s
+WHERE p.partition = s.part AND p.floor_sequence >= s.low`)
+	if err != nil {
+		return 0, fmt.Errorf("switch %s to ordered mode: lower the floors below its pending rows: %w", t, err)
+	}
+	return tag.RowsAffected(), nil
 }
 
 // dropSlots drops the inactive replication slots of t: the default slot

@@ -181,6 +181,7 @@ func Run(t *testing.T, r Relay) {
 		{"BacklogBeforeSetUp", TestBacklogBeforeSetUp},
 		{"SwitchFromDefault", TestSwitchFromDefault},
 		{"SwitchEveryPair", TestSwitchEveryPair},
+		{"ReplayedBelowTheFloor", TestReplayedBelowTheFloor},
 		{"TwoModesOnOneTable", TestTwoModesOnOneTable},
 		{"RetryAfterBackoffWhileIdle", TestRetryAfterBackoffWhileIdle},
 		{"KafkaKeyIsOrderingKey", TestKafkaKeyIsOrderingKey},

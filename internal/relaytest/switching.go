@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/outboxkit/watermill-outbox/cleaner"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
 )
@@ -276,4 +278,76 @@ func switchPair(t *testing.T, r Relay, from, to schema.Mode) {
 	if !t.Failed() {
 		t.Logf("%s to %s: %d rows kept their state; 1 refusal while a key was held: %t", from, to, len(all), keyedMode(from))
 	}
+}
+
+// TestReplayedBelowTheFloor checks that a switch into ordered mode hands
+// the ordered relays every keyed row that is pending then, also one below
+// its partition's floor: a row that went dead under the default relay, was
+// passed by ordered mode (its key's next row delivered, the floor above
+// it), then replayed while the table was relayed in another mode and not
+// delivered before the switch back. Ordered mode reads only rows above the
+// floors, its state reader reads a keyed row at or below the floor as
+// delivered, its cleaner deletes it, and the next switch away marks it
+// published: the event was lost. docs/ORDERING.md, "Switching modes": the
+// relay of the new mode delivers exactly the rows that were pending.
+// Through the default mode in every run; through the WAL relay too in its
+// run (Setup needs wal_level=logical).
+func TestReplayedBelowTheFloor(t *testing.T, r Relay) {
+	via := []schema.Mode{schema.ModeDefault}
+	if r.Mode == ModeWAL {
+		via = append(via, schema.ModeWAL)
+	}
+	for _, m := range via {
+		t.Run("via "+string(m), func(t *testing.T) {
+			t.Parallel()
+			replayedBelowTheFloor(t, r, m)
+		})
+	}
+}
+
+func replayedBelowTheFloor(t *testing.T, r Relay, via schema.Mode) {
+	e := setup(t, r, false, schema.WithAllColumns())
+	ctx := context.Background()
+	x := e.enqueue(topicA, "x")
+	first := e.startIn(schema.ModeDefault, "default", Options{MaxAttempts: 1}, permanentFor(newFailing(x...)))
+	e.eventually(within, func() bool { return e.row(x[0].ID).Dead() }, func() string { return "not dead: " + e.rowStates(x) })
+	if err := first.Close(); err != nil {
+		t.Fatalf("close the default relay: %v", err)
+	}
+	if err := e.switchTo(schema.ModeOrdered); err != nil {
+		t.Fatalf("switch to ordered mode: %v", err)
+	}
+	x = append(x, e.enqueue(topicA, "x")...)
+	ordered := e.startIn(schema.ModeOrdered, "ordered", Options{}, nil)
+	e.waitAcked(within, x[1])
+	e.eventually(within, func() bool { return e.row(x[1].ID).Delivered }, func() string { return "not read delivered: " + e.rowStates(x) })
+	if err := ordered.Close(); err != nil {
+		t.Fatalf("close the ordered relay: %v", err)
+	}
+	if err := e.switchTo(via); err != nil {
+		t.Fatalf("switch to %s mode: %v", via, err)
+	}
+	rb := runbook.New(e.pool, e.tbl)
+	if _, err := rb.ReplayEvent(ctx, x[0].ID, runbook.ReplayOptions{}); err != nil {
+		t.Fatalf("replay %s in %s mode: %v", x[0], via, err)
+	}
+	// No relay of that mode ran: the replayed row is pending at the switch back.
+	if err := e.switchTo(schema.ModeOrdered); err != nil {
+		t.Fatalf("switch from %s back to ordered mode: %v", via, err)
+	}
+	if got := restState(e.row(x[0].ID)); got != "pending" {
+		t.Fatalf("after the switch back to ordered mode the replayed row %s reads %s, want pending (it was never delivered): %s", x[0], got, e.row(x[0].ID))
+	}
+	cl, err := cleaner.New(e.pool, cleaner.Config{Table: e.tbl, Retention: time.Nanosecond}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := cl.CleanOnce(ctx); err != nil {
+		t.Fatalf("cleaner pass: %v", err)
+	}
+	if !e.row(x[0].ID).Found {
+		t.Fatalf("the cleaner deleted the replayed row %s, pending below its partition's floor, before any delivery", x[0])
+	}
+	e.startIn(schema.ModeOrdered, "ordered again", Options{}, nil)
+	e.waitAcked(within, x[0])
 }

@@ -236,6 +236,7 @@ type harness struct {
 	byID       map[uuid.UUID]*event
 	byKey      map[string][]*event
 	deliveries []delivery
+	unanswered []delivery // handed to a relay killed before the verdict (for traces)
 	counts     map[string]int
 	violations map[string][]string
 	vcount     map[string]int
@@ -327,6 +328,11 @@ func (h *harness) trace(e *event) string {
 				v = "fail"
 			}
 			items = append(items, item{d.handed, fmt.Sprintf("handed to %s (%s) -> %s", d.relay, d.mode, v)})
+		}
+	}
+	for _, d := range h.unanswered {
+		if d.ev == e {
+			items = append(items, item{d.handed, fmt.Sprintf("handed to %s (%s) -> killed, no verdict", d.relay, d.mode)})
 		}
 	}
 	for i, s := range e.skips {
@@ -605,6 +611,7 @@ func (h *harness) handle(r *relay, msg *message.Message) {
 		if r.mode == schema.ModeDefault && lastAttempt && e.defaultDead.IsZero() {
 			e.defaultDead = time.Now()
 		}
+		h.unanswered = append(h.unanswered, delivery{ev: e, relay: r.name, mode: r.mode, handed: handed, at: time.Now()})
 		h.mu.Unlock()
 		msg.Nack()
 		return
