@@ -3,12 +3,14 @@ package walrelay
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/outboxkit/watermill-outbox/internal/deadletter"
 	"github.com/outboxkit/watermill-outbox/internal/term"
 	"github.com/outboxkit/watermill-outbox/subscriber"
 )
@@ -62,6 +64,26 @@ type waiting struct {
 	recorded func() error
 	cp       *term.Copy         // the message's copy in the relay's ledger
 	cancel   context.CancelFunc // ends the DispatchTimeout of the message's context
+	// refusal, when set, is why the row cannot be relayed (handOver): an
+	// ack of its message is its failure for good, never a delivery.
+	refusal error
+}
+
+// verdictOf is the error an ack or a nack of w settles with: a refused
+// message's ack or nack is its refusal, for good (unless the handler
+// recorded another error, kept for good too); otherwise the handler's
+// recorded error of a nack, nil for an ack.
+func (w waiting) verdictOf(acked bool) error {
+	if w.refusal == nil {
+		if acked {
+			return nil
+		}
+		return w.recorded()
+	}
+	if err := w.recorded(); err != nil {
+		return subscriber.Permanent(err)
+	}
+	return subscriber.Permanent(w.refusal)
 }
 
 // waiterIdle is how long a waiter goroutine stays for the next message
@@ -102,16 +124,29 @@ func (h *handoff) handOver(d delivery) {
 		return
 	}
 	msg, err := d.it.row.Message(h.s.cfg.Table)
+	var refusal error
 	if err != nil {
-		// A row that cannot become a message (bad headers) is dead at once.
-		h.send(settle{it: d.it, err: subscriber.Permanent(err)})
-		h.inFlight.Done()
-		return
+		if !h.s.deadLetters.Load() {
+			// A row that cannot become a message (bad headers) is dead at once.
+			h.send(settle{it: d.it, err: subscriber.Permanent(err)})
+			h.inFlight.Done()
+			return
+		}
+		// The consumer refuses a message that carries a cause (package
+		// deadletter): handed over without its headers, refused, it is
+		// never published, the router's poison queue copies it, and its
+		// verdict sends the row dead, as the table relays do.
+		refusal = fmt.Errorf("cannot be relayed: %w", err)
+		msg = d.it.row.MessageWithoutHeaders(h.s.cfg.Table)
 	}
 	// The message's context carries the session's values; the term sets
 	// it, cancelled when the session ends or the copy does (a term's end cancels its messages).
 	// It also ends at DispatchTimeout (cancelled with the copy, below).
-	mctx, recorded := subscriber.ContextWithErrorRecorder(context.WithoutCancel(d.ctx))
+	base := context.WithoutCancel(d.ctx)
+	if refusal != nil {
+		base = deadletter.WithCause(base, refusal)
+	}
+	mctx, recorded := subscriber.ContextWithErrorRecorder(base)
 	mctx, cancel := context.WithTimeout(mctx, h.s.cfg.DispatchTimeout)
 	cp, err := h.term.Hand(mctx, d.it.key, msg)
 	if err != nil {
@@ -135,7 +170,7 @@ func (h *handoff) handOver(d delivery) {
 		h.inFlight.Done()
 		return
 	}
-	w := waiting{delivery: d, msg: msg, recorded: recorded, cp: cp, cancel: cancel}
+	w := waiting{delivery: d, msg: msg, recorded: recorded, cp: cp, cancel: cancel, refusal: refusal}
 	select {
 	case h.waits <- w: // an idle waiter took it
 	default:
@@ -152,17 +187,20 @@ func (h *handoff) waiter(w waiting) {
 	for {
 		select {
 		case <-w.msg.Acked():
-			if w.cp.End(term.Acked) {
-				h.send(settle{it: w.it, ack: true})
-			} else {
+			switch {
+			case !w.cp.End(term.Acked):
 				h.send(settle{it: w.it, stopped: true}) // the session ended first: not recorded (a verdict of an ended term is not progress)
+			case w.refusal != nil:
+				h.send(settle{it: w.it, err: w.verdictOf(true)}) // acked by the poison queue: dead, never delivered
+			default:
+				h.send(settle{it: w.it, ack: true})
 			}
 		case <-w.msg.Nacked():
 			if !w.cp.End(term.Nacked) {
 				h.send(settle{it: w.it, stopped: true}) // a verdict of an ended term is not progress
 				break
 			}
-			h.send(settle{it: w.it, err: w.recorded()}) // nil: nacked without an error (keyed.NoErrorText)
+			h.send(settle{it: w.it, err: w.verdictOf(false)}) // nil: nacked without an error (keyed.NoErrorText)
 		case <-w.cp.Overdue():
 			// The handler kept the message past its overrun: the relay
 			// gives up on it (its context is cancelled) and counts a

@@ -93,6 +93,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxkit/watermill-outbox/internal/deadletter"
 	"github.com/outboxkit/watermill-outbox/internal/keyed"
 	"github.com/outboxkit/watermill-outbox/internal/pgmeta"
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
@@ -227,8 +228,14 @@ type Subscriber struct {
 	mu         sync.Mutex
 	subscribed bool
 	closed     bool
-	cancel     context.CancelFunc
-	done       chan struct{}
+	// deadLetters is set when the subscription's consumer refuses a
+	// message carrying a cause (package deadletter: Forwarder.AddTo's
+	// subscription): a row that cannot become a message is then handed
+	// over without its headers, refused, so the router's poison queue
+	// sees it.
+	deadLetters atomic.Bool
+	cancel      context.CancelFunc
+	done        chan struct{}
 
 	active          atomic.Bool
 	confirmed       atomic.Uint64
@@ -415,6 +422,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, errors.New("walrelay: already subscribed: one subscription per Subscriber")
 	}
 	s.subscribed = true
+	s.deadLetters.Store(deadletter.Wanted(ctx))
 	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	s.cancel = cancel
 	s.done = make(chan struct{})
