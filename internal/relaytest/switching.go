@@ -93,6 +93,20 @@ func (e *env) startIn(m schema.Mode, name string, o Options, h handler) *relay {
 	return rl
 }
 
+// deadUnderDefault enqueues one row with ordering key key on e's new table
+// and has a default relay (MaxAttempts 1) fail it for good: the row is
+// dead, left by a relay that holds no key.
+func (e *env) deadUnderDefault(key string) []event {
+	e.t.Helper()
+	x := e.enqueue(topicA, key)
+	first := e.startIn(schema.ModeDefault, "first", Options{MaxAttempts: 1}, permanentFor(newFailing(x...)))
+	e.eventually(within, func() bool { return e.row(x[0].ID).Dead() }, func() string { return "not dead: " + e.rowStates(x) })
+	if err := first.Close(); err != nil {
+		e.t.Fatalf("close the first default relay: %v", err)
+	}
+	return x
+}
+
 // restState is how the runbook reads a row at rest.
 func restState(s rowState) string {
 	switch {
@@ -115,14 +129,7 @@ func switchPair(t *testing.T, r Relay, from, to schema.Mode) {
 	// says dead rows stay dead across a switch): its key's next row is
 	// delivered by the keyed mode, so the dead row ends below its
 	// partition's floor.
-	x := e.enqueue(topicA, "x")
-	{
-		first := e.startIn(schema.ModeDefault, "first", Options{MaxAttempts: 1}, permanentFor(newFailing(x...)))
-		e.eventually(within, func() bool { return e.row(x[0].ID).Dead() }, func() string { return "not dead: " + e.rowStates(x) })
-		if err := first.Close(); err != nil {
-			t.Fatalf("close the first default relay: %v", err)
-		}
-	}
+	x := e.deadUnderDefault("x")
 	if from != schema.ModeDefault {
 		if err := e.switchTo(from); err != nil {
 			t.Fatalf("switch the new table to %s mode: %v", from, err)
@@ -308,12 +315,7 @@ func TestReplayedBelowTheFloor(t *testing.T, r Relay) {
 func replayedBelowTheFloor(t *testing.T, r Relay, via schema.Mode) {
 	e := setup(t, r, false, schema.WithAllColumns())
 	ctx := context.Background()
-	x := e.enqueue(topicA, "x")
-	first := e.startIn(schema.ModeDefault, "default", Options{MaxAttempts: 1}, permanentFor(newFailing(x...)))
-	e.eventually(within, func() bool { return e.row(x[0].ID).Dead() }, func() string { return "not dead: " + e.rowStates(x) })
-	if err := first.Close(); err != nil {
-		t.Fatalf("close the default relay: %v", err)
-	}
+	x := e.deadUnderDefault("x")
 	if err := e.switchTo(schema.ModeOrdered); err != nil {
 		t.Fatalf("switch to ordered mode: %v", err)
 	}
