@@ -2,19 +2,25 @@
 SHELL := /bin/bash
 GOLANGCI_LINT_VERSION ?= v2.15.0
 GOBIN ?= $(shell go env GOPATH)/bin
-TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
+SHARED_TEST_DATABASE_URL := postgres://postgres@127.0.0.1:5432/test?sslmode=disable
+# make up writes the URL of the database it prepared for the tests (the shared
+# server's, or a private cluster's when the shared one falls short) to this
+# file; a TEST_DATABASE_URL of the environment or the command line wins. Read
+# when a recipe runs, so make test sees what its prerequisite up wrote.
+TEST_DATABASE_URL_FILE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/watermill-outbox/test-database-url
+TEST_DATABASE_URL ?= $(or $(shell cat '$(TEST_DATABASE_URL_FILE)' 2>/dev/null),$(SHARED_TEST_DATABASE_URL))
 FUZZTIME ?= 30s
-export TEST_DATABASE_URL
+export TEST_DATABASE_URL TEST_DATABASE_URL_FILE
 
 .PHONY: help up wait test fuzz fault partition ordered_history wal_history switch_history test_short test_race test_stress lint fmt vet bench bench-wal demo
 
 help: ## List the targets.
 	@grep -E '^[a-z_]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-up: ## Prepare this machine for the tests (not needed by make demo); it says first what it may change: start PostgreSQL and RabbitMQ if down, install Chromium with apt-get if missing, raise max_connections to 300 (ALTER SYSTEM and a restart) if lower, create the database test.
+up: ## Prepare this machine for the tests (not needed by make demo); it says first what it may change: start PostgreSQL and RabbitMQ if down, install Chromium with apt-get if missing, create the database test. When the shared PostgreSQL's max_connections is below 300 it leaves that server as it is and starts a private cluster for the tests instead (initdb in a cache directory, kept and reused; scripts/services.sh down stops it); the tests then use it.
 	@./scripts/services.sh up
 
-wait: ## Wait until PostgreSQL and RabbitMQ accept connections.
+wait: ## Wait until the tests' PostgreSQL (the one make up chose) and RabbitMQ accept connections.
 	@./scripts/services.sh wait
 
 test: up ## Run every suite against the real services (the command CI runs): go test ./..., the Docker build and Kubernetes checks, the partition test (root) and the fault-injection tests (default, ordered and WAL relays SIGKILLed while producers commit). A failing suite does not stop the others; the end lists each suite's verdict and time.
@@ -76,5 +82,10 @@ demo: ## Run the relay end to end, from PostgreSQL to an in-process Kafka cluste
 bench-wal: ## The WAL relay's benchmarks on a private wal_level=logical PostgreSQL (docs/BENCHMARKS.md section 9).
 	./scripts/bench-wal.sh -rounds 3
 
+# make bench measures the server docs/BENCHMARKS.md describes, not a private
+# test cluster make up may have started: TEST_DATABASE_URL when you set it,
+# else the shared server.
+BENCH_DATABASE_URL ?= $(if $(filter environment command,$(origin TEST_DATABASE_URL)),$(TEST_DATABASE_URL),$(SHARED_TEST_DATABASE_URL))
+
 bench: ## Print the benchmark tables (outbox vs baselines measured in the same run).
-	go run ./cmd/outbox-bench -suite all -rounds 2 -chart docs/latency.png
+	go run ./cmd/outbox-bench -db '$(BENCH_DATABASE_URL)' -suite all -rounds 2 -chart docs/latency.png

@@ -11,17 +11,15 @@
 #   scripts/bench-private.sh -suite ordered -rounds 2
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
+. scripts/privatepg.sh
 dir=$(mktemp -d /tmp/bench-pg-XXXXXX)
 port=${BENCH_PORT:-55434}
 av=${BENCH_AUTOVACUUM:-${BENCH_WAL_AUTOVACUUM:-off}}
-run() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
-[ "$(id -u)" = 0 ] && chown postgres "$dir"
-cleanup() { run "$bin/pg_ctl" stop -D "$dir/data" -m immediate >/dev/null 2>&1 || true; rm -rf "$dir"; }
+privatepg_own "$dir"
+cleanup() { privatepg_stop "$dir" immediate >/dev/null 2>&1 || true; rm -rf "$dir"; }
 trap cleanup EXIT
-run "$bin/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --no-sync >/dev/null
-run "$bin/pg_ctl" start -w -D "$dir/data" -l "$dir/server.log" -o \
-	"-c port=$port -c listen_addresses=127.0.0.1 -c unix_socket_directories=$dir -c wal_level=logical -c max_replication_slots=10 -c max_wal_senders=10 -c autovacuum=$av" >/dev/null
+privatepg_init "$dir"
+privatepg_start "$dir" "$port" wal_level=logical max_replication_slots=10 max_wal_senders=10 "autovacuum=$av"
 echo "private PostgreSQL on 127.0.0.1:$port, wal_level=logical, autovacuum=$av"
 db="postgres://postgres@127.0.0.1:$port/postgres?sslmode=disable"
 if [ -n "${BENCH_BIN:-}" ]; then
