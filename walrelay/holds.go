@@ -59,6 +59,12 @@ type hold struct {
 	// then is one the skip found there (onSettle).
 	retried bool
 	unseen  int // the drain waits for streamed rows to be visible: its tries so far (visible.go)
+	// read holds the ids of the rows the drain's current batch read from
+	// the table: the stream's copy of a replay of one of them is a copy of
+	// a row the drain delivers (parked); a replay of a row it passed (dead
+	// when it read) is new work, and so is one of a row an earlier batch
+	// delivered (at least once).
+	read map[string]struct{}
 	// acked is the held row's replay, acked and not settled until the
 	// drain it starts is written (a replay's ack waits for its drain): the confirmed position
 	// does not pass the replay's UPDATE before the hold says draining, so
@@ -131,6 +137,13 @@ func (hb *holdBook) parks(it *item) bool {
 		// the replay delivered it already, and this is a copy (at least
 		// once). Parked, it was lost: no drain reads it again.
 		return false
+	case it.replay && h.State == keyed.Draining && !h.drainReads(it):
+		// A replay of a row the drain read past (dead when it read: the
+		// replay committed after the read, before the write that marked
+		// the hold draining, so the runbook accepted it), or of a row after
+		// its last batch: no batch of this drain delivers it, new work as
+		// above. Parked, it was lost.
+		return false
 	case seq <= h.through:
 		return true
 	case h.State == keyed.Resolved:
@@ -139,6 +152,16 @@ func (hb *holdBook) parks(it *item) bool {
 		return seq <= h.maxRead || h.more
 	}
 	return seq >= h.Seq
+}
+
+// drainReads reports whether a batch of h's drain delivers it's row from
+// the table: one the current batch read, or one after it when more
+// batches follow.
+func (h *hold) drainReads(it *item) bool {
+	if _, ok := h.read[it.row.ID]; ok {
+		return true
+	}
+	return h.more && it.row.Sequence > h.maxRead
 }
 
 // holdKey holds the key of a row that went dead: its queued rows are
@@ -291,6 +314,10 @@ func (hb *holdBook) drainFrom(ctx context.Context, key string, h *hold, mode dra
 	// a retry's next batch (its held row was acked: the batch before it
 	// is settled).
 	h.State, h.wantDrain, h.maxRead, h.left, h.untilLSN = keyed.Draining, false, maxRead, len(items), lsn
+	h.read = make(map[string]struct{}, len(items)) // this batch's: at most MaxInFlight ids
+	for _, it := range items {
+		h.read[it.row.ID] = struct{}{}
+	}
 	h.more = len(items) == batch
 	if mode != drainNext {
 		h.retried = retry

@@ -185,7 +185,9 @@ func (s *Subscriber) stream(ctx context.Context, out chan *message.Message) erro
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
+		pid := conn.PID()
 		_ = conn.Close(cctx)
+		s.waitSlotReleased(cctx, pid)
 	}()
 	if err := s.stillWAL(ctx, s.pool); err != nil {
 		return err
@@ -302,6 +304,26 @@ func (s *Subscriber) ensureSlot(ctx context.Context) error {
 		return privilegeHint(err, "recreate replication slot "+s.cfg.Names.Slot)
 	}
 	return nil
+}
+
+// waitSlotReleased waits, until ctx ends, for the walsender pid of a
+// closed replication connection to let go of the slot: the server ends it
+// after the connection is closed, and until then the slot reads active, so
+// a mode switch right after Close would be refused.
+func (s *Subscriber) waitSlotReleased(ctx context.Context, pid uint32) {
+	for {
+		var held bool
+		err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active_pid = $2)`,
+			s.cfg.Names.Slot, int64(pid)).Scan(&held)
+		if err != nil || !held {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
 }
 
 // errSwitchedAway is returned by a session that finds its table switched to
