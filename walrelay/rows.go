@@ -69,6 +69,11 @@ func (st *stream) decode(ctx context.Context, lm pglogrepl.Message) error {
 func (st *stream) queue(ctx context.Context, it *item) {
 	if st.holds.parks(it) {
 		it.tx.parked = true
+		if it.replay {
+			h := st.holds.holdOf(it)
+			st.s.logger.Trace("Replay parked behind the key's hold", watermill.LogFields{"key": *it.row.OrderingKey, "sequence": it.row.Sequence,
+				"hold": h.Seq, "state": h.State.String(), "through": h.through, "max_read": h.maxRead, "more": h.more})
+		}
 		return
 	}
 	if st.backfilledCopy(it) {

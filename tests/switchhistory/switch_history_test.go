@@ -562,12 +562,14 @@ func (h *harness) startRelay(ctx context.Context, m schema.Mode) (*relay, error)
 // logger is r's logger: nil (the relays' default) unless
 // SWITCH_HISTORY_LOG names a file, which then gets every relay's lines at
 // info level and above, each with the relay's name (to read a failing
-// seed's history beside the relays' own account of it).
+// seed's history beside the relays' own account of it); with
+// SWITCH_HISTORY_LOG_TRACE set, at debug and trace levels too.
 func (h *harness) logger(r *relay) watermill.LoggerAdapter {
 	if h.log == nil {
 		return nil
 	}
-	return watermill.NewStdLoggerWithOut(h.log, false, false).With(watermill.LogFields{"relay": r.name})
+	trace := os.Getenv("SWITCH_HISTORY_LOG_TRACE") != ""
+	return watermill.NewStdLoggerWithOut(h.log, trace, trace).With(watermill.LogFields{"relay": r.name})
 }
 
 // handle is every relay's handler: it records the delivery and decides.
