@@ -234,6 +234,17 @@ func (n *notifier) modeReady(s *Subscriber) error {
 	return nil
 }
 
+// switchedAway reports whether s's table was found switched to another
+// mode (notifier.modeReady's error other than a lock that is down): s
+// claims nothing more and holds no lock of the table.
+func (s *Subscriber) switchedAway() bool {
+	if s.modeLock == nil {
+		return false
+	}
+	err := s.modeLock.modeReady(s)
+	return err != nil && !errors.Is(err, errModeLockDown)
+}
+
 // switchedBack forgets that s's table was switched away: s has just
 // recorded its mode, so the relays of that mode in this process may claim
 // again.

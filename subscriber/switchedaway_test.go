@@ -24,9 +24,20 @@ import (
 // takes its lock again, finds the table switched away, gives its lock
 // back and claims nothing: every event written after that is delivered by
 // the ordered relay alone, keyed ones in order, and more ordered relays may
-// start.
+// start. With single-active on (the default), the relay gives the table's
+// single-active lock back too: an ordered relay refuses to start while a
+// session holds it.
 func TestRelayClaimsNothingOnATableSwitchedAwayWhileItsLockWasDown(t *testing.T) {
 	t.Parallel()
+	for _, single := range []bool{false, true} {
+		t.Run(fmt.Sprintf("single-active %t", single), func(t *testing.T) {
+			t.Parallel()
+			claimsNothingSwitchedAway(t, single)
+		})
+	}
+}
+
+func claimsNothingSwitchedAway(t *testing.T, singleActive bool) {
 	ctx := context.Background()
 	admin := testdb.Pool(t)
 	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
@@ -40,7 +51,7 @@ func TestRelayClaimsNothingOnATableSwitchedAwayWhileItsLockWasDown(t *testing.T)
 	})
 	pool := testdb.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.User = role })
 	logs := watermill.NewCaptureLogger()
-	def, err := subscriber.New(ctx, pool, subscriber.Config{Table: tbl, DisableSingleActive: true, LockTTL: time.Second,
+	def, err := subscriber.New(ctx, pool, subscriber.Config{Table: tbl, DisableSingleActive: !singleActive, LockTTL: time.Second,
 		PollInterval: 100 * time.Millisecond, ElectionInterval: 100 * time.Millisecond}, logs)
 	if err != nil {
 		t.Fatal(err)
@@ -115,6 +126,13 @@ func TestRelayClaimsNothingOnATableSwitchedAwayWhileItsLockWasDown(t *testing.T)
 	if h := modeLockHolder(); h != "" {
 		t.Fatalf("the default relay on a table switched away still holds its mode lock (%s)", h)
 	}
+	waitFor(t, "the default relay gives the single-active lock back", time.Minute, func() bool {
+		h, err := pgmeta.Holder(ctx, admin, pgmeta.Leader(tbl.Qualified()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return h == ""
+	})
 	if _, err := subscriber.New(ctx, admin, orderedCfg(tbl), nil); err != nil {
 		t.Fatalf("an ordered relay beside the fenced default relay: %v", err)
 	}
