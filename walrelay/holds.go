@@ -176,12 +176,23 @@ func (hb *holdBook) holdKey(key string, seq int64, q *keyQueue) {
 		hb.settleAcked(old)
 	}
 	hb.m[key] = h
+	parked := 0
+	keep := q.items[:0:0]
 	for _, it := range q.items {
+		if it.replay && it.row.Sequence < seq {
+			// An operator's replay of an earlier row of the key, queued
+			// behind the row that went dead: new work, as parks says of
+			// one streamed after the hold. Parked here, it was lost: the
+			// hold's drains read only rows after its row.
+			keep = append(keep, it)
+			continue
+		}
 		st.settled(it)
+		parked++
 	}
-	q.items = nil
+	q.items = keep
 	st.s.logger.Info("Key held by a dead row: its later rows wait for a replay or a skip", watermill.LogFields{"sequence": seq})
-	st.s.logger.Trace("Hold", watermill.LogFields{"key": key, "sequence": seq, "parked": len(q.items)})
+	st.s.logger.Trace("Hold", watermill.LogFields{"key": key, "sequence": seq, "parked": parked, "kept": len(keep)})
 }
 
 // afterAck drains a hold whose dead row was delivered again, and releases
