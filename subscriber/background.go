@@ -211,7 +211,7 @@ func (e *elector) run(ctx context.Context) {
 func (e *elector) stepTimeout() time.Duration { return e.s.cfg.LeaderTimeout / 3 }
 
 func (e *elector) tick(ctx context.Context) {
-	if e.s.switchedAway() {
+	if switchedAwayFrom(e.s) {
 		// The table was switched to another mode while this relay's
 		// mode lock was down: it claims nothing more, and gives the
 		// single-active lock back (an ordered relay refuses to start while

@@ -234,10 +234,10 @@ func (n *notifier) modeReady(s *Subscriber) error {
 	return nil
 }
 
-// switchedAway reports whether s's table was found switched to another
+// switchedAwayFrom reports whether s's table was found switched to another
 // mode (notifier.modeReady's error other than a lock that is down): s
 // claims nothing more and holds no lock of the table.
-func (s *Subscriber) switchedAway() bool {
+func switchedAwayFrom(s *Subscriber) bool {
 	if s.modeLock == nil {
 		return false
 	}
