@@ -82,11 +82,11 @@ func eventually(t *testing.T, what string, ok func() bool) {
 }
 
 // TestDefaultRelayOnAllColumnsTableReadsDefault: a table created with
-// every column (README step 1, which also creates ordered mode's companion
-// tables) reads as a default-mode table: Migrate records the mode of a
-// table it creates, and a table without a record (migrated by an earlier
-// version, where the mode was inferred as ordered) is recorded as default
-// by the default relay that starts on it. The runbook, the console and
+// every column (README step 1; earlier versions also created ordered mode's
+// companion tables with it) reads as a default-mode table: Migrate records
+// the mode of a table it creates, and a table without a record (migrated by
+// an earlier version, where the mode was inferred as ordered) is recorded
+// as default by the default relay that starts on it. The runbook, the console and
 // the relay's gauges then read it in the default mode.
 func TestDefaultRelayOnAllColumnsTableReadsDefault(t *testing.T) {
 	t.Parallel()
@@ -97,8 +97,12 @@ func TestDefaultRelayOnAllColumnsTableReadsDefault(t *testing.T) {
 		t.Fatalf("a new table with every column: mode %q (%v), want default", m, err)
 	}
 
-	// A table of an earlier version: no record; the mode is inferred from
-	// the companion tables, as before.
+	// A table of an earlier version: ordered mode's companion tables (its
+	// Migrate with every column created them), no record; the mode is
+	// inferred from the companion tables, as before.
+	if _, err := pool.Exec(ctx, schema.OrderedUpgradeSQL(tbl)); err != nil {
+		t.Fatal(err)
+	}
 	forgetMode(t, pool, tbl)
 	if m, err := runbook.New(pool, tbl).Mode(ctx); err != nil || m != schema.ModeOrdered {
 		t.Fatalf("without a record: mode %q (%v), want the inferred ordered", m, err)

@@ -87,13 +87,15 @@ func WithTraceColumns() MigrateOption {
 func WithHeadersColumn() MigrateOption { return func(o *migrateOptions) { o.columns.Headers = true } }
 
 // WithOrderingKeyColumn adds the ordering_key column of ordered mode, the
-// ordering_partition column derived from it, their indexes and the companion
-// tables <table>_partitions, <table>_relays and <table>_holds
-// (docs/ORDERING.md). On an existing table that has the columns already it
-// adds what is missing (companion tables, hold states). Adding the columns
-// to an existing table rewrites it (ordering_partition is a stored generated
-// column) under an ACCESS EXCLUSIVE lock: Migrate does it for a table of at
-// most OrderedRewriteMaxRows rows, and for a larger one only with
+// ordering_partition column derived from it and their indexes
+// (docs/ORDERING.md). It does not choose the table's mode: ordered mode's
+// companion tables (<table>_partitions, <table>_relays, <table>_holds) come
+// with the switch to ordered mode (WithMode(ModeOrdered), `outbox migrate
+// --mode=ordered`, or the start of an ordered relay), which needs the
+// columns. Adding the columns to an existing table rewrites it
+// (ordering_partition is a stored generated column) under an ACCESS
+// EXCLUSIVE lock: Migrate does it for a table of at most
+// OrderedRewriteMaxRows rows, and for a larger one only with
 // WithTableRewrite; otherwise it returns ErrTableRewrite with the SQL to run.
 func WithOrderingKeyColumn() MigrateOption {
 	return func(o *migrateOptions) { o.columns.OrderingKey = true }
@@ -129,11 +131,12 @@ func OrderedUpgradeSQL(t Table) string {
 // WithMode records m as the relay mode of the table (in <table>_mode,
 // migration 000010): the explicit step that chooses or switches a table's
 // mode (`outbox migrate --ordered`, `--mode=default`). ModeOrdered also
-// adds what WithOrderingKeyColumn adds. When the recorded mode changes,
-// Migrate switches it first, before adding anything, by SwitchMode (the one
-// switch of every path: refused with ErrRelayModeMix while a relay of
-// another mode works on the table, with ErrKeysHeld while a hold is open;
-// the rows the old mode delivered are marked published). ModeWAL is
+// adds what WithOrderingKeyColumn adds, and the switch adds ordered mode's
+// companion tables. When the recorded mode changes, Migrate switches it
+// first, before adding anything, by SwitchMode (the one switch of every
+// path: refused with ErrRelayModeMix while a relay of another mode works
+// on the table, with ErrKeysHeld while a hold is open; the rows the old
+// mode delivered are marked published). ModeWAL is
 // recorded by walrelay.Setup (`outbox migrate --wal`), which creates the
 // WAL relay's objects; Migrate refuses it.
 //
@@ -149,10 +152,12 @@ func WithMode(m Mode) MigrateOption {
 	}
 }
 
-// WithAllColumns adds every optional column, and the companion tables of
-// ordered mode. It does not choose the table's mode (WithMode): a table
-// Migrate creates is recorded as a default-mode table, and the relay that
-// starts on it records its own mode.
+// WithAllColumns adds every optional column (trace context, headers and
+// the ordering columns). It does not choose the table's mode (WithMode): a
+// table Migrate creates is recorded as a default-mode table, with the
+// companion tables the default relay and the operator surfaces need and
+// none of the keyed modes'; the relay that starts on it records its own
+// mode, and a keyed relay's switch adds its mode's tables then.
 func WithAllColumns() MigrateOption {
 	return func(o *migrateOptions) {
 		o.columns.TraceContext, o.columns.Headers, o.columns.OrderingKey = true, true, true
@@ -250,7 +255,9 @@ func (t Table) indexRegclass(suffix string) string {
 // UpStatements is the DDL that creates table t with the optional columns c,
 // one statement each and idempotent (IF NOT EXISTS throughout): what Migrate
 // runs for a table it creates, and what the watermill-sql adapters (packages
-// schema/sqlv3 and schema/sqlv4) run as their schema initialisation.
+// schema/sqlv3 and schema/sqlv4) run as their schema initialisation. It
+// creates the companion tables of the default mode, not those of the keyed
+// modes, which the switch to them adds (SwitchMode).
 func UpStatements(t Table, c Columns) []string {
 	stmts := []string{createTableStatement(t)}
 	for _, ix := range indexes(t) {
@@ -307,14 +314,14 @@ func optionalColumnStatements(t Table, c Columns) []string {
 	}
 	if c.OrderingKey {
 		stmts = append(stmts, orderedColumnStatements(t)...)
-		stmts = append(stmts, orderedCompanionStatements(t)...)
 	}
 	return stmts
 }
 
 // UpSQL returns the idempotent DDL that creates t (and the optional columns
 // opts ask for) as one script, for migration tools. With WithMode it also
-// records the mode (unchecked: stop the relays of another mode first).
+// records the mode (unchecked: stop the relays of another mode first), and
+// with WithMode(ModeOrdered) creates ordered mode's companion tables.
 func UpSQL(t Table, opts ...MigrateOption) string {
 	o := optionsOf(opts)
 	var stmts []string
@@ -322,6 +329,9 @@ func UpSQL(t Table, opts ...MigrateOption) string {
 		stmts = createSchemaStatement(t)
 	}
 	stmts = append(stmts, UpStatements(t, o.columns)...)
+	if o.mode == ModeOrdered {
+		stmts = append(stmts, orderedCompanionStatements(t)...)
+	}
 	if o.mode == ModeDefault || o.mode == ModeOrdered {
 		stmts = append(stmts, recordModeStatement(t, o.mode))
 	}
@@ -351,7 +361,12 @@ type DB interface {
 // versions considered dead, see MigrationFiles, step 000004). It records the relay mode of
 // a table it creates (ModeDefault, or WithMode's) in <table>_mode, which
 // every reader of the table's state reads, and leaves the record of an
-// existing table alone unless WithMode asks. It is idempotent and safe when
+// existing table alone unless WithMode asks. The companion tables follow
+// the mode: every table gets those of the default mode (<table>_mode,
+// _paused_topics, _dead_notices, _replay_jobs), and a table in a keyed
+// mode those of its mode (ordered: _partitions, _relays, _holds; WAL:
+// _holds), which the switch to the mode creates (SwitchMode) and Migrate
+// keeps in this version's shape. It is idempotent and safe when
 // several processes call it at once: the statements run in one transaction
 // serialised by a transaction-level advisory lock on the table.
 //
@@ -665,18 +680,22 @@ func migrateTry(ctx context.Context, tx pgx.Tx, t Table, opts []MigrateOption) (
 			TraceContext: want.TraceContext && !have.TraceContext,
 			Headers:      want.Headers && !have.Headers,
 		})...)
-		switch {
-		case want.OrderingKey && have.OrderingKey:
-			// The column exists; the companion tables are created with IF
-			// NOT EXISTS and do not lock the outbox table.
-			stmts = append(stmts, orderedCompanionStatements(t)...)
-		case want.OrderingKey:
+		if want.OrderingKey && !have.OrderingKey {
 			if err := checkRewrite(ctx, tx, t, optionsOf(opts).rewrite); err != nil {
 				return err
 			}
 			stmts = append(stmts, orderedColumnStatements(t)...)
-			stmts = append(stmts, orderedCompanionStatements(t)...)
 		}
+		// The companion tables of the table's keyed mode (the mode asked,
+		// else the one recorded, else the one inferred), when it lacks them
+		// or has them in an older version's shape: they come with the
+		// mode, not with a column option (modetables.go). They do not lock
+		// the outbox table.
+		keyed, err := keyedTablesOfMode(ctx, tx, t, o.mode)
+		if err != nil {
+			return fmt.Errorf("migrate %s: %w", t, err)
+		}
+		stmts = append(stmts, keyed...)
 		// skipped_at (migration 000012) is added without a rewrite, and
 		// only when missing (the ALTER locks t).
 		if want.OrderingKey && !facts.skippedAt {
@@ -802,7 +821,10 @@ func MigrationFiles(t Table) map[string]string {
 	down1 := joinStatements(append(orderedCompanionDrops(t), `DROP TABLE IF EXISTS `+t.Sanitize()))
 	up2 := optionalColumnsUpSQL(t, WithTraceColumns(), WithHeadersColumn())
 	down2 := optionalColumnsDownSQL(t, WithTraceColumns(), WithHeadersColumn())
-	up3 := optionalColumnsUpSQL(t, WithOrderingKeyColumn())
+	// 000003 creates ordered mode's companion tables with its columns, as
+	// shipped (the later steps of ordered tables alter them); Migrate
+	// creates them with the switch to ordered mode instead.
+	up3 := joinStatements(append(orderedColumnStatements(t), orderedCompanionStatements(t)...))
 	down3 := optionalColumnsDownSQL(t, WithOrderingKeyColumn())
 	up4 := deadAtUpSQL(t)
 	down4 := deadAtDownSQL(t)

@@ -32,9 +32,10 @@ func orderedInPlace(t *testing.T, tbl schema.Table) (cols bool, indexes int, com
 }
 
 // WithOrderingKeyColumn on an existing default-mode table adds the ordering
-// columns, their indexes and the companion tables, and keeps every row; on
-// a table above OrderedRewriteMaxRows it refuses with ErrTableRewrite and
-// the SQL to run, changing nothing, unless WithTableRewrite is given.
+// columns and their indexes, and keeps every row; the companion tables come
+// with the switch to ordered mode (WithMode). On a table above
+// OrderedRewriteMaxRows it refuses with ErrTableRewrite and the SQL to run,
+// changing nothing, unless WithTableRewrite is given.
 func TestMigrateExistingTableToOrdered(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -47,8 +48,14 @@ func TestMigrateExistingTableToOrdered(t *testing.T) {
 	if err := schema.Migrate(ctx, pool, small, schema.WithOrderingKeyColumn()); err != nil {
 		t.Fatalf("migrate an existing table to ordered mode: %v", err)
 	}
+	if c, ix, comp := orderedInPlace(t, small); !c || ix != 3 || comp {
+		t.Fatalf("after WithOrderingKeyColumn on an existing table: ordering_key %v, ordered indexes %d of 3, companion tables %v (want none: they come with the mode)", c, ix, comp)
+	}
+	if err := schema.Migrate(ctx, pool, small, schema.WithMode(schema.ModeOrdered)); err != nil {
+		t.Fatalf("switch to ordered mode: %v", err)
+	}
 	if c, ix, comp := orderedInPlace(t, small); !c || ix != 3 || !comp {
-		t.Fatalf("after WithOrderingKeyColumn on an existing table: ordering_key %v, ordered indexes %d of 3, companion tables %v", c, ix, comp)
+		t.Fatalf("after WithMode(ModeOrdered): ordering_key %v, ordered indexes %d of 3, companion tables %v", c, ix, comp)
 	}
 	var rows, keyed int
 	if err := pool.QueryRow(ctx, `SELECT count(*), count(ordering_key) FROM `+small.Sanitize()).Scan(&rows, &keyed); err != nil || rows != 50 || keyed != 0 {
@@ -78,7 +85,7 @@ func TestMigrateExistingTableToOrdered(t *testing.T) {
 	if cols, _ := schema.DetectColumns(ctx, pool, big); cols.TraceContext || cols.Headers {
 		t.Fatalf("refused Migrate added columns: %+v", cols)
 	}
-	if err := schema.Migrate(ctx, pool, big, schema.WithOrderingKeyColumn(), schema.WithTableRewrite()); err != nil {
+	if err := schema.Migrate(ctx, pool, big, schema.WithMode(schema.ModeOrdered), schema.WithTableRewrite()); err != nil {
 		t.Fatalf("Migrate with WithTableRewrite: %v", err)
 	}
 	if c, ix, comp := orderedInPlace(t, big); !c || ix != 3 || !comp {

@@ -49,7 +49,13 @@ import (
 //     pending keyed row, so that the ordered relays read every row that
 //     is pending (one the floor of an earlier ordered era had passed: a
 //     dead row replayed in another mode, say);
-//  5. records m last.
+//  5. creates the companion tables of m that t lacks (ordered mode:
+//     <table>_partitions, <table>_relays and <table>_holds; the WAL relay:
+//     <table>_holds), or brings those of an older version to this one's
+//     shape, by the DDL of their migrations: a table has the keyed modes'
+//     tables once it was switched to one (modetables.go). A role that may
+//     not create them gets an error naming `outbox migrate --mode=<m>`;
+//  6. records m last.
 //
 // A switch away from the WAL relay also drops the table's replication
 // slots (the default one and those its progress table names), which are
@@ -143,6 +149,9 @@ func switchMode(ctx context.Context, db DB, t Table, m Mode, by string) (switchR
 		if res.DroppedSlots, err = dropSlots(ctx, tx, t); err != nil {
 			return res, err
 		}
+	}
+	if err := createKeyedTables(ctx, tx, t, res.From, m); err != nil {
+		return res, err
 	}
 	if len(by) > modeRecordedByMaxBytes {
 		by = strings.ToValidUTF8(by[:modeRecordedByMaxBytes], "")

@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/outboxkit/watermill-outbox/internal/sqlq"
 	"github.com/outboxkit/watermill-outbox/schema"
@@ -334,11 +335,19 @@ func (s *Subscriber) recordMode(ctx context.Context) error {
 	if err == nil {
 		_, err = sqlq.RecordLockTTL(rctx, s.pool, s.cfg.Table, s.cfg.LockTTL)
 	}
+	var pgErr *pgconn.PgError
 	switch {
 	case err == nil, errors.Is(err, schema.ErrNoModeTable):
+		if s.orderedAtStart {
+			return checkOrderedTables(rctx, s.pool, s.cfg.Table)
+		}
 		return nil
 	case ctx.Err() != nil:
 		return fmt.Errorf("subscriber: record the relay mode of %s: %w", s.cfg.Table, ctx.Err())
+	case s.orderedAtStart && errors.As(err, &pgErr) && pgErr.Code == "42501":
+		// The switch could not create ordered mode's tables: the error
+		// names the migration to run.
+		return fmt.Errorf("subscriber: %w: %w", ErrOrderedNotMigrated, err)
 	}
 	return fmt.Errorf("subscriber: %w", err)
 }

@@ -29,34 +29,71 @@ import (
 // written on the happy path, once per tick; rows are never updated.
 
 // ErrOrderedNotMigrated is matched (errors.Is) by the error of New when
-// Config.Ordered is set on a table without the ordering_key column or the
-// companion tables; it names the migration to run.
+// Config.Ordered is set on a table without the ordering_key column, or
+// without the companion tables that its start's switch to ordered mode
+// would not create (ordered mode is recorded already, or the table has no
+// mode table), and by the error of Subscribe when that switch could not
+// create them (the relay's role may not); it names the migration to run.
 var ErrOrderedNotMigrated = errors.New("table not migrated for ordered mode")
 
-// checkOrdered fails when the table lacks what ordered mode needs.
-func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols schema.Columns) (*sqlq.OrderedQueries, error) {
-	run := fmt.Sprintf("run `outbox migrate --ordered --table=%s` or schema.Migrate(ctx, pool, table, schema.WithOrderingKeyColumn())", t)
+// checkOrdered fails when the table lacks what ordered mode needs and the
+// relay's start will not add. Ordered mode's companion tables come with the
+// switch to ordered mode (schema.SwitchMode), which the relay's start runs
+// on a table of another recorded mode: then atStart is true, and the start
+// checks them once it has switched (checkOrderedTables).
+func checkOrdered(ctx context.Context, pool *pgxpool.Pool, t schema.Table, cols schema.Columns) (oq *sqlq.OrderedQueries, atStart bool, err error) {
+	run := orderedMigrateFix(t)
 	if !cols.OrderingKey {
-		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the ordering_key column in %s; %s: %w", t, run, ErrOrderedNotMigrated)
+		return nil, false, fmt.Errorf("subscriber: invalid config: Ordered needs the ordering_key column in %s; %s: %w", t, run, ErrOrderedNotMigrated)
 	}
 	ok, walOpen, err := sqlq.OrderedReady(ctx, pool, t)
 	if err != nil {
-		return nil, fmt.Errorf("subscriber: %w", err)
+		return nil, false, fmt.Errorf("subscriber: %w", err)
 	}
 	if !ok {
-		return nil, fmt.Errorf("subscriber: invalid config: Ordered needs the tables %s, %s and %s, with the hold states of migration 000005 (resolved_at, replay), "+
-			"the partitions' term of migration 000006 (epoch), the one holds table of migration 000011 (mode, state) and %s.skipped_at of migration 000012; %s: %w",
-			t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), t, run, ErrOrderedNotMigrated)
+		if atStart, err = sqlq.SwitchesToOrdered(ctx, pool, t); err != nil {
+			return nil, false, fmt.Errorf("subscriber: %w", err)
+		}
+		if !atStart {
+			return nil, false, orderedTablesMissing(t)
+		}
 	}
 	if walOpen > 0 {
-		return nil, fmt.Errorf("subscriber: %w: Ordered refused for %s: the WAL relay holds %d key(s) (in %s: a dead or retrying row each), and ordered mode "+
+		return nil, false, fmt.Errorf("subscriber: %w: Ordered refused for %s: the WAL relay holds %d key(s) (in %s: a dead or retrying row each), and ordered mode "+
 			"does not read those holds; resolve them with the WAL relay running (`outbox keys held` lists them; replay or skip each held row, or wait for the "+
 			"retrying ones to be delivered), then switch", schema.ErrKeysHeld, t, walOpen, t.HoldsTable())
 	}
 	if err := sqlq.CheckOrderedSequence(ctx, pool, t); err != nil {
-		return nil, fmt.Errorf("subscriber: invalid config: Ordered: %w", err)
+		return nil, false, fmt.Errorf("subscriber: invalid config: Ordered: %w", err)
 	}
-	return sqlq.NewOrderedQueries(t, cols), nil
+	return sqlq.NewOrderedQueries(t, cols), atStart, nil
+}
+
+// orderedMigrateFix says how to give t what ordered mode needs.
+func orderedMigrateFix(t schema.Table) string {
+	return fmt.Sprintf("run `outbox migrate --ordered --table=%s` or schema.Migrate(ctx, pool, table, schema.WithMode(schema.ModeOrdered))", t)
+}
+
+// orderedTablesMissing is the error of a relay that finds t without
+// ordered mode's companion tables (or with those of an older version).
+func orderedTablesMissing(t schema.Table) error {
+	return fmt.Errorf("subscriber: invalid config: Ordered needs the tables %s, %s and %s, with the hold states of migration 000005 (resolved_at, replay), "+
+		"the partitions' term of migration 000006 (epoch), the one holds table of migration 000011 (mode, state) and %s.skipped_at of migration 000012; %s: %w",
+		t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), t, orderedMigrateFix(t), ErrOrderedNotMigrated)
+}
+
+// checkOrderedTables checks, once the relay's start has switched t to
+// ordered mode, that the switch gave it ordered mode's companion tables
+// (New found them missing: Subscriber.orderedAtStart).
+func checkOrderedTables(ctx context.Context, pool *pgxpool.Pool, t schema.Table) error {
+	ok, _, err := sqlq.OrderedReady(ctx, pool, t)
+	if err != nil {
+		return fmt.Errorf("subscriber: %w", err)
+	}
+	if !ok {
+		return orderedTablesMissing(t)
+	}
+	return nil
 }
 
 // Design (docs/ORDERING.md, "How it works"); the invariants the code keeps:

@@ -222,7 +222,7 @@ func seqOf(t *testing.T, pool *pgxpool.Pool, tbl schema.Table, id string) int64 
 func TestOrderedTermFencesWrites(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t)
-	tbl := testdb.Table(t, "outbox", schema.WithAllColumns())
+	tbl := testdb.Table(t, "outbox", schema.WithAllColumns(), schema.WithMode(schema.ModeOrdered)) // ordered mode's tables, no relay
 	ctx := context.Background()
 	cols, err := schema.DetectColumns(ctx, pool, tbl)
 	if err != nil {

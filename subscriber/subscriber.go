@@ -33,6 +33,11 @@ type Subscriber struct {
 	logger watermill.LoggerAdapter
 	label  string // table label for metrics
 
+	// orderedAtStart: New found the table without ordered mode's
+	// companion tables, which the start's switch to ordered mode creates
+	// (recordMode checks them after it).
+	orderedAtStart bool
+
 	// The background (acker, elector, listener, stats) runs while at least
 	// one subscription does (or is being set up): start and stopBackground,
 	// under closeMu.
@@ -120,24 +125,28 @@ func New(ctx context.Context, pool *pgxpool.Pool, cfg Config, logger watermill.L
 			return nil, fmt.Errorf("subscriber: %w", err)
 		}
 	}
-	var oq *sqlq.OrderedQueries
+	var (
+		oq      *sqlq.OrderedQueries
+		atStart bool
+	)
 	if cfg.Ordered {
-		if oq, err = checkOrdered(ctx, pool, cfg.Table, cols); err != nil {
+		if oq, atStart, err = checkOrdered(ctx, pool, cfg.Table, cols); err != nil {
 			return nil, err
 		}
 	}
 	s := &Subscriber{
-		oq:           oq,
-		pool:         pool,
-		cfg:          cfg,
-		q:            sqlq.NewQueries(cfg.Table, cols),
-		pq:           sqlq.NewPausedTopicsQueries(cfg.Table),
-		logger:       logger.With(watermill.LogFields{"table": cfg.Table.String()}),
-		label:        cfg.Table.Qualified(),
-		acks:         make(chan ackReq, 4*cfg.BatchSize),
-		closing:      make(chan struct{}),
-		writeTimeout: opTimeout,
-		closeDone:    make(chan struct{}),
+		oq:             oq,
+		orderedAtStart: atStart,
+		pool:           pool,
+		cfg:            cfg,
+		q:              sqlq.NewQueries(cfg.Table, cols),
+		pq:             sqlq.NewPausedTopicsQueries(cfg.Table),
+		logger:         logger.With(watermill.LogFields{"table": cfg.Table.String()}),
+		label:          cfg.Table.Qualified(),
+		acks:           make(chan ackReq, 4*cfg.BatchSize),
+		closing:        make(chan struct{}),
+		writeTimeout:   opTimeout,
+		closeDone:      make(chan struct{}),
 	}
 	s.idle.s, s.idle.key = s, sqlq.IdleLockKey(cfg.Table)
 	s.oidle.s, s.oidle.key = s, sqlq.OrderedIdleLockKey(cfg.Table)

@@ -26,7 +26,7 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 	table := fs.String("table", "", "outbox table, such as public.org_outbox (default: OUTBOX_RELAY_TABLES)")
 	trace := fs.Bool("trace", false, "add the optional traceparent and tracestate columns")
 	headers := fs.Bool("headers", false, "add the optional headers column")
-	ordered := fs.Bool("ordered", false, "add the ordering_key column and the companion tables of ordered mode, and record ordered mode as the table's mode unless relays of another mode run (default: OUTBOX_RELAY_ORDERED)")
+	ordered := fs.Bool("ordered", false, "add the ordering_key column, and switch the table to ordered mode (which adds its companion tables) unless relays of another mode run; with --wal only the column (default: OUTBOX_RELAY_ORDERED)")
 	wal := fs.Bool("wal", false, "also create the WAL relay's publication, replication slot and progress table, and record wal as the table's mode (needs wal_level = logical and a REPLICATION role; default: OUTBOX_RELAY_SOURCE=wal)")
 	modeFlag := fs.String("mode", "", "switch the table's relay mode: default, ordered (as --ordered) or wal (as --wal), from any mode: the rows the old mode delivered are marked published, dead and skipped rows stay as they are; refused while relays of another mode run or any key is held (`outbox keys held`). A new table is recorded as default; a relay records its own mode when it starts")
 	rewrite := fs.Bool("rewrite", false, "with --ordered on an existing table of more than 10,000 rows: allow the table rewrite that adding the ordering columns needs (it blocks the table meanwhile)")
@@ -102,8 +102,14 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 		return fmt.Errorf("%w: --down only prints the down migration (with --print); outbox never runs it", errUsage)
 	}
 	if *printSQL {
+		popts := opts
+		if wantOrdered && mode == "" && !*wal {
+			// What `outbox migrate --ordered` does: the columns, then the
+			// switch to ordered mode, which adds its companion tables.
+			popts = append(popts[:len(popts):len(popts)], schema.WithMode(schema.ModeOrdered))
+		}
 		for _, t := range tables {
-			fmt.Fprintf(stdout, "-- up: %s\n%s", t, schema.UpSQL(t, opts...))
+			fmt.Fprintf(stdout, "-- up: %s\n%s", t, schema.UpSQL(t, popts...))
 			if *wal {
 				n := walrelay.DefaultNames(t)
 				fmt.Fprintf(stdout, "\n-- WAL relay of %s: progress and holds tables\n%s;\n\n%s;\n\n%s", t,
@@ -140,35 +146,53 @@ func runMigrate(ctx context.Context, env Env, args []string, stdout, stderr io.W
 			return err
 		}
 		if wantOrdered {
+			// --ordered records the mode, which adds ordered mode's tables,
+			// unless relays of another mode still run: they are stopped
+			// after the columns are added, and the first ordered relay's
+			// start switches then. With --wal the columns key the WAL
+			// relay's rows, and walrelay.Setup records its mode below.
+			var refused error
+			switched := mode == schema.ModeOrdered
+			if mode == "" && !*wal {
+				err := schema.SwitchMode(mctx, pool, t, schema.ModeOrdered, "outbox migrate --ordered")
+				switch {
+				case errors.Is(err, schema.ErrRelayModeMix):
+					refused = err
+				case err != nil && !errors.Is(err, schema.ErrNoModeTable):
+					return err
+				default:
+					switched = err == nil
+				}
+			}
 			// Never a silent success: check that ordered mode is in place.
 			cols, err := schema.DetectColumns(mctx, pool, t)
 			if err != nil {
 				return err
 			}
-			ok, err := sqlq.OrderedTablesExist(mctx, pool, t)
-			if err != nil {
-				return err
-			}
-			if ok {
-				if ok, err = sqlq.OrderedTermExists(mctx, pool, t); err != nil {
+			ok := true
+			if switched {
+				if ok, err = sqlq.OrderedTablesExist(mctx, pool, t); err != nil {
 					return err
+				}
+				if ok {
+					if ok, err = sqlq.OrderedTermExists(mctx, pool, t); err != nil {
+						return err
+					}
 				}
 			}
 			if !cols.OrderingKey || !ok {
 				return fmt.Errorf("migrate %s: ordered mode is still missing after the migration (ordering_key column %v, companion tables %v); run this SQL:\n%s",
 					t, cols.OrderingKey, ok, schema.OrderedUpgradeSQL(t))
 			}
-			fmt.Fprintf(stdout, "migrated %s (ordered mode: ordering_key column, its indexes and the companion tables %s, %s, %s in place)\n",
-				t, t.PartitionsTable(), t.RelaysTable(), t.HoldsTable())
-			if mode == "" && !*wal {
-				// --ordered records the mode unless default relays still
-				// run: they are stopped after the columns are added.
-				err := schema.SwitchMode(mctx, pool, t, schema.ModeOrdered, "outbox migrate --ordered")
-				if errors.Is(err, schema.ErrRelayModeMix) {
-					fmt.Fprintf(stdout, "mode of %s not recorded as ordered yet: %v\nthe first ordered relay records it once they are stopped (or run `outbox migrate --mode=ordered --table=%s` then)\n", t, err, t)
-				} else if err != nil && !errors.Is(err, schema.ErrNoModeTable) {
-					return err
-				}
+			if switched {
+				fmt.Fprintf(stdout, "migrated %s (ordered mode: ordering_key column, its indexes and the companion tables %s, %s, %s in place)\n",
+					t, t.PartitionsTable(), t.RelaysTable(), t.HoldsTable())
+			} else {
+				fmt.Fprintf(stdout, "migrated %s (ordering_key column and its indexes in place)\n", t)
+			}
+			if refused != nil {
+				fmt.Fprintf(stdout, "mode of %s not recorded as ordered yet: %v\nthe first ordered relay records it, and creates ordered mode's tables %s, %s, %s, "+
+					"once they are stopped (or run `outbox migrate --mode=ordered --table=%s` then)\n", t, refused, t.PartitionsTable(), t.RelaysTable(), t.HoldsTable(), t)
 			}
 		} else {
 			fmt.Fprintf(stdout, "migrated %s\n", t)

@@ -32,8 +32,11 @@ func TestStatsReadsTheRecordedMode(t *testing.T) {
 	}
 	rbRun(t, rbEnv(), "stats", "--table="+tbl.String()).expect(t, 0, []string{"mode                 default "}, nil)
 
-	// A table migrated by an earlier version: nothing recorded, the mode
-	// is inferred (as ordered: the companion tables exist), and says so.
+	// A table migrated by an earlier version (whose Migrate with every
+	// column created ordered mode's companion tables): nothing recorded,
+	// the mode is inferred (as ordered: the companion tables exist), and
+	// says so.
+	rbExec(t, pool, tbl, schema.OrderedUpgradeSQL(tbl))
 	rbExec(t, pool, tbl, `DELETE FROM `+pgx.Identifier{tbl.Schema(), tbl.Name() + "_mode"}.Sanitize())
 	if s := stats(); s.Mode != schema.ModeOrdered || !s.ModeInferred {
 		t.Fatalf("without a record: %+v, want the inferred ordered mode", s)

@@ -532,6 +532,25 @@ func OrderedReady(ctx context.Context, q schema.Querier, t schema.Table) (ready 
 	return ready, walOpen, nil
 }
 
+// SwitchesToOrdered reports whether an ordered relay's start switches t to
+// ordered mode (schema.SwitchMode, which creates ordered mode's companion
+// tables that t lacks): t has its mode table (migration 000010) and
+// another mode, or none, is recorded in it.
+func SwitchesToOrdered(ctx context.Context, q schema.Querier, t schema.Table) (bool, error) {
+	var ok bool
+	if err := q.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, modeTable(t)).Scan(&ok); err != nil {
+		return false, fmt.Errorf("look up the relay mode of %s: %w", t, err)
+	}
+	if !ok {
+		return false, nil
+	}
+	rec, recorded, err := schema.RecordedMode(ctx, q, t)
+	if err != nil {
+		return false, err
+	}
+	return !recorded || rec.Mode != schema.ModeOrdered, nil
+}
+
 // OrderedTermExists reports whether the partitions table of t has the
 // lease's term (epoch, migration 000006), which ordered relays of this
 // version fence their writes on. The runbook and the cleaner do not need
