@@ -137,12 +137,18 @@ func switchMode(ctx context.Context, db DB, t Table, m Mode, by string) (switchR
 	if err := refuseOpenHolds(ctx, tx, t, res.From, m); err != nil {
 		return res, err
 	}
-	if res.Settled, err = settle(ctx, tx, t, res.From); err != nil {
-		return res, err
-	}
-	if m == ModeOrdered {
-		if res.Reopened, err = reopenBelowFloors(ctx, tx, t); err != nil {
+	if res.From != ModeDefault || m == ModeOrdered {
+		facts, err := readSwitchFacts(ctx, tx, t)
+		if err != nil {
 			return res, err
+		}
+		if res.Settled, err = settle(ctx, tx, t, res.From, facts); err != nil {
+			return res, err
+		}
+		if m == ModeOrdered {
+			if res.Reopened, err = reopenBelowFloors(ctx, tx, t, facts); err != nil {
+				return res, err
+			}
 		}
 	}
 	if res.From == ModeWAL {
@@ -232,29 +238,52 @@ FROM `+t.HoldsTable()+` AS h WHERE h.resolved_at IS NULL`).Scan(&ordered, &wal, 
 		"the retrying ones be delivered), then switch; nothing changed", t, from, to, ErrKeysHeld, ordered+wal, ordered, wal, dead, t.HoldsTable(), to, relay, t)
 }
 
+// switchFacts is what a switch reads of t's tables, once, for the settle
+// of the old mode and the floors of ordered mode.
+type switchFacts struct {
+	partitions bool // <table>_partitions exists
+	// ordered: the partitions table and a holds table with the hold
+	// states of migration 000005 (resolved_at, replay) exist.
+	ordered           bool
+	holdsMode         bool // the holds table has its mode column (migration 000011)
+	wal               bool // the WAL relay's progress table exists
+	orderingKey       bool // t has ordering_key
+	orderingPartition bool // t has ordering_partition
+	skippedAt         bool // t has skipped_at
+}
+
+// readSwitchFacts reads switchFacts in one round trip.
+func readSwitchFacts(ctx context.Context, tx pgx.Tx, t Table) (switchFacts, error) {
+	var f switchFacts
+	col := func(rel, name string) string {
+		return `EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(` + rel + `) AND attname = '` + name + `' AND NOT attisdropped)`
+	}
+	err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL,
+  to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND `+col("$2", "resolved_at")+` AND `+col("$2", "replay")+`,
+  `+col("$2", "mode")+`,
+  to_regclass($3) IS NOT NULL,
+  `+col("$4", "ordering_key")+`, `+col("$4", "ordering_partition")+`, `+col("$4", "skipped_at"),
+		t.PartitionsTable(), t.HoldsTable(), t.WALProgressTable(), t.Sanitize()).
+		Scan(&f.partitions, &f.ordered, &f.holdsMode, &f.wal, &f.orderingKey, &f.orderingPartition, &f.skippedAt)
+	if err != nil {
+		return f, fmt.Errorf("switch the relay mode of %s: look up its tables: %w", t, err)
+	}
+	return f, nil
+}
+
 // settle marks published the rows mode from delivered and does not mark
 // itself (see SwitchMode), and deletes from's resolved holds. It returns
 // the rows marked.
-func settle(ctx context.Context, tx pgx.Tx, t Table, from Mode) (int64, error) {
+func settle(ctx context.Context, tx pgx.Tx, t Table, from Mode, f switchFacts) (int64, error) {
 	if from == ModeDefault {
 		return 0, nil
 	}
-	var ordered, wal, keyed, skippedAt bool
-	err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL
-  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($2) AND attname IN ('resolved_at', 'replay') AND NOT attisdropped) = 2,
-  to_regclass($3) IS NOT NULL,
-  EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($4) AND attname = 'ordering_key' AND NOT attisdropped),
-  EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($4) AND attname = 'skipped_at' AND NOT attisdropped)`,
-		t.PartitionsTable(), t.HoldsTable(), t.WALProgressTable(), t.Sanitize()).Scan(&ordered, &wal, &keyed, &skippedAt)
-	if err != nil {
-		return 0, fmt.Errorf("switch %s from %s mode: look up its tables: %w", t, from, err)
-	}
 	var stmt string
 	switch {
-	case from == ModeOrdered && ordered && keyed:
-		stmt = settleOrderedStatement(t, skippedAt)
-	case from == ModeWAL && wal:
-		stmt = settleWALStatement(t, skippedAt)
+	case from == ModeOrdered && f.ordered && f.orderingKey:
+		stmt = settleOrderedStatement(t, f.skippedAt)
+	case from == ModeWAL && f.wal:
+		stmt = settleWALStatement(t, f.skippedAt)
 	default:
 		return 0, nil // the mode's tables are gone: nothing it delivered is known
 	}
@@ -262,14 +291,9 @@ func settle(ctx context.Context, tx pgx.Tx, t Table, from Mode) (int64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("switch %s from %s mode: mark published the rows it delivered: %w", t, from, err)
 	}
-	if ordered || (wal && keyed) {
-		var hasMode bool
-		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'mode' AND NOT attisdropped)`,
-			t.HoldsTable()).Scan(&hasMode); err != nil {
-			return 0, fmt.Errorf("switch %s from %s mode: look up %s: %w", t, from, t.HoldsTable(), err)
-		}
+	if f.ordered || (f.wal && f.orderingKey) {
 		del := `DELETE FROM ` + t.HoldsTable() + ` WHERE resolved_at IS NOT NULL`
-		if hasMode {
+		if f.holdsMode {
 			del += ` AND mode = '` + string(from) + `'`
 		}
 		if _, err := tx.Exec(ctx, del); err != nil {
@@ -328,20 +352,12 @@ WHERE o.published_at IS NULL AND o.dead_at IS NULL` + notSkipped + `
 // yet. The settle of the old mode has marked published every row it
 // delivered, so the rows above the lowered floor that are not published
 // are exactly the pending ones.
-func reopenBelowFloors(ctx context.Context, tx pgx.Tx, t Table) (int64, error) {
-	var ready, skippedAt bool
-	err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL
-  AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($2) AND attname IN ('ordering_key', 'ordering_partition') AND NOT attisdropped) = 2,
-  EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($2) AND attname = 'skipped_at' AND NOT attisdropped)`,
-		t.PartitionsTable(), t.Sanitize()).Scan(&ready, &skippedAt)
-	if err != nil {
-		return 0, fmt.Errorf("switch %s to ordered mode: look up its tables: %w", t, err)
-	}
-	if !ready {
+func reopenBelowFloors(ctx context.Context, tx pgx.Tx, t Table, f switchFacts) (int64, error) {
+	if !f.partitions || !f.orderingKey || !f.orderingPartition {
 		return 0, nil // no floors yet: ordered mode reads every row
 	}
 	notSkipped := ``
-	if skippedAt {
+	if f.skippedAt {
 		notSkipped = ` AND o.skipped_at IS NULL`
 	}
 	tag, err := tx.Exec(ctx, `UPDATE `+t.PartitionsTable()+` AS p SET floor_sequence = s.low - 1

@@ -69,17 +69,10 @@ type waiting struct {
 	refusal error
 }
 
-// verdictOf is the error an ack or a nack of w settles with: a refused
-// message's ack or nack is its refusal, for good (unless the handler
-// recorded another error, kept for good too); otherwise the handler's
-// recorded error of a nack, nil for an ack.
-func (w waiting) verdictOf(acked bool) error {
-	if w.refusal == nil {
-		if acked {
-			return nil
-		}
-		return w.recorded()
-	}
+// refused is the error a refused message's ack or nack settles with (its
+// refusal, for good, or the error the handler recorded, for good too): it
+// is never a delivery.
+func (w waiting) refused() error {
 	if err := w.recorded(); err != nil {
 		return subscriber.Permanent(err)
 	}
@@ -191,7 +184,7 @@ func (h *handoff) waiter(w waiting) {
 			case !w.cp.End(term.Acked):
 				h.send(settle{it: w.it, stopped: true}) // the session ended first: not recorded (a verdict of an ended term is not progress)
 			case w.refusal != nil:
-				h.send(settle{it: w.it, err: w.verdictOf(true)}) // acked by the poison queue: dead, never delivered
+				h.send(settle{it: w.it, err: w.refused()}) // acked by the poison queue: dead, never delivered
 			default:
 				h.send(settle{it: w.it, ack: true})
 			}
@@ -200,7 +193,11 @@ func (h *handoff) waiter(w waiting) {
 				h.send(settle{it: w.it, stopped: true}) // a verdict of an ended term is not progress
 				break
 			}
-			h.send(settle{it: w.it, err: w.verdictOf(false)}) // nil: nacked without an error (keyed.NoErrorText)
+			err := w.recorded() // nil: nacked without an error (keyed.NoErrorText)
+			if w.refusal != nil {
+				err = w.refused()
+			}
+			h.send(settle{it: w.it, err: err})
 		case <-w.cp.Overdue():
 			// The handler kept the message past its overrun: the relay
 			// gives up on it (its context is cancelled) and counts a

@@ -130,7 +130,7 @@ func (hb *holdBook) parks(it *item) bool {
 		// An operator's replay after the hold was resolved (of the skipped
 		// row, say) is new work, not a copy of a drained row.
 		return false
-	case it.replay && seq < h.Seq:
+	case h.earlierReplay(it):
 		// An operator's replay of an earlier row of the key (a dead row the
 		// key went past): new work too. The hold's own drains read only
 		// rows after its row; an earlier drain that read this row after
@@ -153,6 +153,11 @@ func (hb *holdBook) parks(it *item) bool {
 	}
 	return seq >= h.Seq
 }
+
+// earlierReplay reports whether it is an operator's replay of a row of
+// h's key before its held row: new work, never parked, since the hold's
+// drains read only rows after its row (parks, holdKey).
+func (h *hold) earlierReplay(it *item) bool { return it.replay && it.row.Sequence < h.Seq }
 
 // drainReads reports whether a batch of h's drain delivers it's row from
 // the table: one the current batch read, or one after it when more
@@ -179,7 +184,7 @@ func (hb *holdBook) holdKey(key string, seq int64, q *keyQueue) {
 	parked := 0
 	keep := q.items[:0:0]
 	for _, it := range q.items {
-		if it.replay && it.row.Sequence < seq {
+		if h.earlierReplay(it) {
 			// An operator's replay of an earlier row of the key, queued
 			// behind the row that went dead: new work, as parks says of
 			// one streamed after the hold. Parked here, it was lost: the

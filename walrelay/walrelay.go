@@ -528,13 +528,12 @@ func (s *Subscriber) waitElection(ctx context.Context) bool {
 }
 
 // stillAway reports whether the table is still recorded in another mode
-// (an error reading it counts as away: the next session reads it again,
-// under the presence lock).
+// (stillWAL; an error reading it counts as away: the next session reads it
+// again, under the presence lock).
 func (s *Subscriber) stillAway(ctx context.Context) bool {
 	qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	_, away, err := sqlq.SwitchedAway(qctx, s.pool, s.cfg.Table, schema.ModeWAL)
-	return away || err != nil
+	return s.stillWAL(qctx, s.pool) != nil
 }
 
 // policy is the decision about failed attempts, the same as the ordered
