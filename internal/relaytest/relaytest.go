@@ -182,6 +182,7 @@ func Run(t *testing.T, r Relay) {
 		{"SwitchFromDefault", TestSwitchFromDefault},
 		{"SwitchEveryPair", TestSwitchEveryPair},
 		{"ReplayedBelowTheFloor", TestReplayedBelowTheFloor},
+		{"ReplayQueuedBehindADyingRow", TestReplayQueuedBehindADyingRow},
 		{"TwoModesOnOneTable", TestTwoModesOnOneTable},
 		{"RetryAfterBackoffWhileIdle", TestRetryAfterBackoffWhileIdle},
 		{"KafkaKeyIsOrderingKey", TestKafkaKeyIsOrderingKey},

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 	"github.com/outboxkit/watermill-outbox/cleaner"
 	"github.com/outboxkit/watermill-outbox/runbook"
 	"github.com/outboxkit/watermill-outbox/schema"
+	"github.com/outboxkit/watermill-outbox/subscriber"
 )
 
 // The one switch (schema.SwitchMode) for every pair of modes.
@@ -351,5 +353,69 @@ func replayedBelowTheFloor(t *testing.T, r Relay, via schema.Mode) {
 		t.Fatalf("the cleaner deleted the replayed row %s, pending below its partition's floor, before any delivery", x[0])
 	}
 	e.startIn(schema.ModeOrdered, "ordered again", Options{}, nil)
+	e.waitAcked(within, x[0])
+}
+
+// TestReplayQueuedBehindADyingRow checks that an operator's replay of a
+// keyed row that went dead under the default relay (it holds no key) is
+// delivered when it arrives while a later row of its key is in a handler,
+// and that later row then fails for good (holding the key in the keyed
+// modes). The replay is of an earlier row: new work, whatever the key's
+// later rows do. The WAL relay parked it with the key's queued rows, and
+// the hold's drains read only rows after the held one: the event was lost
+// (make switch_history; walrelay's TestWALReplayQueuedBehindARowThatDiesIsDelivered).
+// Ordered mode refuses that replay while the later row holds the floor
+// below it, and the case checks the refusal changes nothing.
+func TestReplayQueuedBehindADyingRow(t *testing.T, r Relay) {
+	e := setup(t, r, false, schema.WithAllColumns())
+	ctx := context.Background()
+	x := e.deadUnderDefault("k")
+	before := e.rec.delivered(x[0]) // the default relay's failed attempt
+	e.setUp()
+	y := e.enqueue(topicA, "k")
+	inHandler, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	sub, err := e.newRelay(Options{MaxAttempts: 1})
+	if err != nil {
+		t.Fatalf("the %s relay: %v", r.Name, err)
+	}
+	if _, err := e.consume("relay", sub, func(_ context.Context, m *message.Message) error {
+		if m.UUID != y[0].ID.String() {
+			return nil
+		}
+		once.Do(func() { close(inHandler) })
+		<-release
+		return subscriber.Permanent(errBroken)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-inHandler:
+	case <-time.After(within):
+		t.Fatalf("the later row %s was not delivered", y[0])
+	}
+	rb := runbook.New(e.pool, e.tbl)
+	_, err = rb.ReplayEvent(ctx, x[0].ID, runbook.ReplayOptions{})
+	switch {
+	case err == nil:
+		e.wait(quietSpell) // the relay reads the replay while the later row is in its handler
+	case r.Mode == ModeOrdered && errors.Is(err, runbook.ErrNotRelayedYet):
+		// Ordered mode's rule (docs/OPERATIONS.md): a keyed row above its
+		// partition's floor is refused, nothing changed, until the floor
+		// passes it, which the later row in the handler holds back. No
+		// replay can be queued behind it: the row stays dead, undelivered.
+		close(release)
+		e.eventually(within, func() bool { return e.row(y[0].ID).Dead() }, func() string { return "the later row is not dead: " + e.rowStates(y) })
+		e.notDeliveredBeyond(before, "its replay was refused", x[0])
+		if !e.row(x[0].ID).Dead() {
+			t.Fatalf("the refused replay changed %s: %s", x[0], e.rowStates(x))
+		}
+		return
+	default:
+		close(release)
+		t.Fatalf("replay %s: %v", x[0], err)
+	}
+	close(release)
+	e.eventually(within, func() bool { return e.row(y[0].ID).Dead() }, func() string { return "the later row is not dead: " + e.rowStates(y) })
 	e.waitAcked(within, x[0])
 }
